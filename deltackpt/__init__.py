@@ -1,0 +1,46 @@
+"""deltackpt: an incremental, content-addressed checkpoint store for PyTorch.
+
+``Store`` saves and loads whole training states, writing only chunks it does not hold yet; ``backend`` says
+whether the native chunk kernel or the pure-Python reference runs. See README.md and docs/.
+"""
+
+from deltackpt.errors import (
+    CheckpointNotFoundError,
+    CorruptChunkError,
+    CorruptionError,
+    CorruptManifestError,
+    DeltackptError,
+    FormatVersionError,
+    InvalidNameError,
+    NetworkFilesystemError,
+    ShapeMismatchError,
+    StoreLockedError,
+    UnsafeLoadError,
+    UnsupportedTypeError,
+)
+from deltackpt.kernel import backend
+from deltackpt.store import CheckpointInfo, Store
+from deltackpt.tree import register_type, unregister_type
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointInfo",
+    "CheckpointNotFoundError",
+    "CorruptChunkError",
+    "CorruptManifestError",
+    "CorruptionError",
+    "DeltackptError",
+    "FormatVersionError",
+    "InvalidNameError",
+    "NetworkFilesystemError",
+    "ShapeMismatchError",
+    "Store",
+    "StoreLockedError",
+    "UnsafeLoadError",
+    "UnsupportedTypeError",
+    "__version__",
+    "backend",
+    "register_type",
+    "unregister_type",
+]

@@ -1,0 +1,102 @@
+"""Pure-Python reference backend of the chunk kernel (numpy + the ``xxhash`` package).
+
+Sits under :mod:`deltackpt.kernel`. It is the scalar reference the native kernel is checked against: every
+function here returns results bit-identical to its C counterpart in ``native/kernel.c``. It is used when the
+extension is not built or when ``DELTACKPT_BACKEND=python``. ``threads`` is accepted for signature
+compatibility and ignored (the work is done by numpy and xxhash, which release the GIL only in places).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import xxhash
+
+DIGEST_SIZE = 16
+
+
+def _as_u8(buf: object, writable: bool = False) -> np.ndarray:
+    mv = memoryview(buf)  # type: ignore[arg-type]
+    if not mv.c_contiguous:
+        raise ValueError("kernel buffers must be C-contiguous")
+    if writable and mv.readonly:
+        raise ValueError("output buffer is read-only")
+    arr = np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
+    return arr
+
+
+def chunk_digests(buf: object, chunk_size: int, threads: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    data = _as_u8(buf)
+    n = (len(data) + chunk_size - 1) // chunk_size
+    digests = np.empty((n, DIGEST_SIZE), dtype=np.uint8)
+    zero = np.empty(n, dtype=np.bool_)
+    mv = memoryview(data)
+    for i in range(n):
+        piece = mv[i * chunk_size : (i + 1) * chunk_size]
+        digests[i] = np.frombuffer(xxhash.xxh3_128_digest(piece), dtype=np.uint8)
+        zero[i] = not np.any(data[i * chunk_size : (i + 1) * chunk_size])
+    return digests, zero
+
+
+def digest(buf: object) -> bytes:
+    return xxhash.xxh3_128_digest(memoryview(_as_u8(buf)))
+
+
+def _check(src: np.ndarray, out: np.ndarray, width: int) -> None:
+    if width not in (1, 2, 4, 8):
+        raise ValueError(f"element width must be 1, 2, 4 or 8, got {width}")
+    if len(out) != len(src):
+        raise ValueError(f"output length {len(out)} != input length {len(src)}")
+
+
+def _out(src: np.ndarray, out: object | None) -> tuple[np.ndarray, object]:
+    if out is None:
+        arr = np.empty(len(src), dtype=np.uint8)
+        return arr, arr
+    return _as_u8(out, writable=True), out
+
+
+def split_planes(src: object, width: int, out: object | None = None, threads: int = 1) -> object:
+    s = _as_u8(src)
+    o, ret = _out(s, out)
+    _check(s, o, width)
+    n = len(s) // width
+    body = n * width
+    o[:body] = s[:body].reshape(n, width).T.reshape(-1)
+    o[body:] = s[body:]
+    return ret
+
+
+def merge_planes(src: object, width: int, out: object | None = None, threads: int = 1) -> object:
+    s = _as_u8(src)
+    o, ret = _out(s, out)
+    _check(s, o, width)
+    n = len(s) // width
+    body = n * width
+    o[:body] = s[:body].reshape(width, n).T.reshape(-1)
+    o[body:] = s[body:]
+    return ret
+
+
+def xor_split_planes(
+    src: object, base: object, width: int, out: object | None = None, threads: int = 1
+) -> object:
+    s = _as_u8(src)
+    b = _as_u8(base)
+    if len(b) != len(s):
+        raise ValueError(f"base length {len(b)} != input length {len(s)}")
+    return split_planes(np.bitwise_xor(s, b), width, out)
+
+
+def merge_planes_xor(
+    src: object, base: object, width: int, out: object | None = None, threads: int = 1
+) -> object:
+    s = _as_u8(src)
+    b = _as_u8(base)
+    if len(b) != len(s):
+        raise ValueError(f"base length {len(b)} != input length {len(s)}")
+    o, ret = _out(s, out)
+    merge_planes(s, width, o)
+    np.bitwise_xor(o, b, out=o)
+    return ret

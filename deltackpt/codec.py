@@ -1,0 +1,263 @@
+"""The chunk codec: one chunk's raw bytes <-> one self-describing frame.
+
+Where it sits: ``save`` hands every chunk the store does not hold yet to :meth:`Encoder.encode`, which returns
+the frame appended to a pack; ``load`` reads a frame back and :func:`decode` turns it into the raw bytes (into a
+caller's buffer when one is given), verifying the frame checksum and, by default, the raw digest.
+
+Frame layout (little-endian, 64-byte header, then the payload; see ``docs/format.md``)::
+
+    0   4   magic b"DCKF"
+    4   1   format version (1)
+    5   1   codec id (0 raw, 1 zstd, 2 planes+zstd, 3 xor-delta+planes+zstd)
+    6   1   element width (1, 2, 4, 8)
+    7   1   flags (0; readers reject other values)
+    8   8   raw length
+    16  8   stored (payload) length
+    24  16  raw digest: canonical XXH3-128 of the raw bytes (the chunk id with the raw length)
+    40  16  base digest: for codec 3 the id of the base chunk (same raw length); zero otherwise
+    56  8   checksum: XXH3-64 over header bytes 0..55 followed by the payload
+    64  ..  payload
+
+Decoding never allocates more than the raw length the frame records, and that length must equal what the
+caller expects: a zstd payload whose declared content size differs is rejected before any allocation
+(python-zstandard's ``max_output_size`` does not cap a frame that declares its own size).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+import zstandard
+
+from deltackpt import kernel
+from deltackpt.errors import CorruptChunkError, FormatVersionError
+
+MAGIC = b"DCKF"
+FRAME_VERSION = 1
+HEADER = struct.Struct("<4sBBBBQQ16s16sQ")
+HEADER_SIZE = HEADER.size  # 64
+CHECKED = 56  # header bytes covered by the checksum (everything before it)
+
+RAW = 0
+ZSTD = 1
+PLANES_ZSTD = 2
+DELTA = 3  # XOR with the base chunk, byte planes, zstd
+CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", PLANES_ZSTD: "planes+zstd", DELTA: "delta"}
+NO_BASE = bytes(16)
+#: Largest raw chunk a frame may declare; bounds any allocation a damaged frame could ask for.
+MAX_RAW = 1 << 31
+_MAX_WINDOW = 1 << 27
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    codec: int
+    width: int
+    raw_len: int
+    stored_len: int
+    digest: bytes
+    base: bytes
+    checksum: int
+
+    @property
+    def frame_len(self) -> int:
+        return HEADER_SIZE + self.stored_len
+
+
+def chunk_hex(digest: bytes, length: int) -> str:
+    """Printable chunk id: 32 hex digits of the digest, ``-``, the raw length."""
+    return f"{digest.hex()}-{length}"
+
+
+def frame_checksum(header56: bytes | memoryview, payload: bytes | memoryview) -> int:
+    h = xxhash.xxh3_64(header56)
+    h.update(payload)
+    return h.intdigest()
+
+
+def _frame(codec: int, width: int, raw_len: int, digest: bytes, base: bytes, payload: bytes) -> bytes:
+    head = HEADER.pack(MAGIC, FRAME_VERSION, codec, width, 0, raw_len, len(payload), digest, base, 0)
+    head56 = head[:CHECKED]
+    return head56 + struct.pack("<Q", frame_checksum(head56, payload)) + payload
+
+
+class Encoder:
+    """Encodes chunks into frames. Not thread-safe: use one per thread (it owns a zstd context and scratch)."""
+
+    def __init__(self, level: int = 1) -> None:
+        self.level = level
+        self._cctx = zstandard.ZstdCompressor(level=level, write_content_size=True, write_checksum=False)
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    def _planes(self, raw: memoryview, width: int, base: memoryview | None) -> memoryview:
+        if len(self._scratch) < len(raw):
+            self._scratch = np.empty(len(raw), dtype=np.uint8)
+        out = self._scratch[: len(raw)]
+        if base is None:
+            kernel.split_planes(raw, width, out)
+        else:
+            kernel.xor_split_planes(raw, base, width, out)
+        return memoryview(out)
+
+    def encode(
+        self,
+        raw: memoryview | bytes,
+        digest: bytes,
+        width: int,
+        base: memoryview | bytes | None = None,
+        base_digest: bytes | None = None,
+    ) -> bytes:
+        """Return the smallest frame for ``raw`` among raw, (planes+)zstd and, with ``base``, the XOR delta.
+
+        ``digest`` is the raw bytes' XXH3-128 (the caller computed it while naming chunks); ``width`` the
+        element size used for byte planes (1 means plain zstd). ``base`` is the raw bytes of the chunk at the
+        same position in the parent checkpoint and ``base_digest`` its digest.
+        """
+        raw = memoryview(raw).cast("B")
+        n = len(raw)
+        if n > MAX_RAW:
+            raise ValueError(f"chunk of {n} bytes exceeds the frame limit of {MAX_RAW}")
+        if width not in (1, 2, 4, 8):
+            raise ValueError(f"element width must be 1, 2, 4 or 8, got {width}")
+        if width > 1:
+            best_codec, best = PLANES_ZSTD, self._cctx.compress(self._planes(raw, width, None))
+        else:
+            best_codec, best = ZSTD, self._cctx.compress(raw)
+        base_id = NO_BASE
+        if base is not None:
+            if base_digest is None or len(base_digest) != 16:
+                raise ValueError("a delta base needs its 16-byte digest")
+            base = memoryview(base).cast("B")
+            if len(base) != n:
+                raise ValueError(f"delta base has {len(base)} bytes, the chunk {n}")
+            delta = self._cctx.compress(self._planes(raw, width, base))
+            if len(delta) < len(best):
+                best_codec, best, base_id = DELTA, delta, base_digest
+        if len(best) >= n:
+            return _frame(RAW, width, n, digest, NO_BASE, bytes(raw))
+        return _frame(best_codec, width, n, digest, base_id, best)
+
+
+def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameHeader:
+    """Parse and sanity-check a frame header (not the checksum, which needs the payload)."""
+    if len(buf) < HEADER_SIZE:
+        raise CorruptChunkError(f"truncated frame header ({len(buf)} of {HEADER_SIZE} bytes){_at(where)}")
+    magic, version, codec, width, flags, raw_len, stored_len, digest, base, checksum = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise CorruptChunkError(f"bad frame magic {bytes(magic)!r}{_at(where)}")
+    if version != FRAME_VERSION:
+        raise FormatVersionError(f"frame format version {version} is not supported (this reader: 1){_at(where)}")
+    if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0:
+        raise CorruptChunkError(f"bad frame header (codec {codec}, width {width}, flags {flags}){_at(where)}")
+    if raw_len > MAX_RAW or stored_len > MAX_RAW + 1024:
+        raise CorruptChunkError(f"frame declares {raw_len} raw / {stored_len} stored bytes{_at(where)}")
+    if codec == RAW and stored_len != raw_len:
+        raise CorruptChunkError(f"raw frame stores {stored_len} bytes for {raw_len}{_at(where)}")
+    if (codec == DELTA) != (base != NO_BASE):
+        raise CorruptChunkError(f"frame base digest does not match its codec{_at(where)}")
+    return FrameHeader(codec, width, raw_len, stored_len, bytes(digest), bytes(base), checksum)
+
+
+def _at(where: str | None) -> str:
+    return f" at {where}" if where else ""
+
+
+_local = threading.local()
+
+
+def _dctx() -> zstandard.ZstdDecompressor:
+    d = getattr(_local, "dctx", None)
+    if d is None:
+        d = _local.dctx = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW)
+    return d
+
+
+def _decompress(payload: memoryview, raw_len: int, cid: str) -> bytes:
+    try:
+        params = zstandard.get_frame_parameters(payload)
+    except zstandard.ZstdError as exc:
+        raise CorruptChunkError(f"bad zstd payload ({exc})", chunk_id=cid) from None
+    if params.content_size != raw_len:
+        raise CorruptChunkError(
+            f"zstd payload declares {params.content_size} bytes, the frame {raw_len}", chunk_id=cid
+        )
+    try:
+        data = _dctx().decompress(payload, max_output_size=raw_len)
+    except zstandard.ZstdError as exc:
+        raise CorruptChunkError(f"zstd payload does not decompress ({exc})", chunk_id=cid) from None
+    if len(data) != raw_len:
+        raise CorruptChunkError(f"zstd payload gave {len(data)} bytes, expected {raw_len}", chunk_id=cid)
+    return data
+
+
+def check_frame(
+    frame: bytes | memoryview,
+    *,
+    expect_digest: bytes | None = None,
+    expect_len: int | None = None,
+    where: str | None = None,
+) -> tuple[FrameHeader, memoryview]:
+    """Check a frame's header, identity and checksum without decoding it; return (header, payload)."""
+    mv = memoryview(frame).cast("B")
+    h = parse_header(mv, where=where)
+    cid = chunk_hex(h.digest, h.raw_len)
+    if expect_digest is not None and h.digest != expect_digest:
+        raise CorruptChunkError(
+            f"frame holds chunk {cid}{_at(where)}, expected another",
+            chunk_id=chunk_hex(expect_digest, expect_len or 0),
+        )
+    if expect_len is not None and h.raw_len != expect_len:
+        raise CorruptChunkError(f"frame holds {h.raw_len} bytes, expected {expect_len}{_at(where)}", chunk_id=cid)
+    if len(mv) < h.frame_len:
+        raise CorruptChunkError(f"truncated frame ({len(mv)} of {h.frame_len} bytes){_at(where)}", chunk_id=cid)
+    payload = mv[HEADER_SIZE : h.frame_len]
+    if frame_checksum(mv[:CHECKED], payload) != h.checksum:
+        raise CorruptChunkError(f"frame checksum mismatch{_at(where)}", chunk_id=cid)
+    return h, payload
+
+
+def decode(
+    frame: bytes | memoryview,
+    *,
+    expect_digest: bytes | None = None,
+    expect_len: int | None = None,
+    out: memoryview | np.ndarray | None = None,
+    base: memoryview | bytes | None = None,
+    verify: bool = True,
+    where: str | None = None,
+) -> memoryview:
+    """Decode ``frame`` and return the raw bytes (``out`` filled when given).
+
+    ``expect_digest``/``expect_len`` are the chunk id the caller looked up; a frame for another chunk is
+    corrupt. A delta frame needs ``base``: the raw bytes of the chunk named by its base digest (see
+    :func:`parse_header`). ``verify`` re-hashes the result and compares it with the frame's digest.
+    Raises :class:`CorruptChunkError` for any damage.
+    """
+    h, payload = check_frame(frame, expect_digest=expect_digest, expect_len=expect_len, where=where)
+    cid = chunk_hex(h.digest, h.raw_len)
+    if out is None:
+        dest = np.empty(h.raw_len, dtype=np.uint8)
+    else:
+        dest = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
+        if len(dest) != h.raw_len:
+            raise ValueError(f"output buffer has {len(dest)} bytes, chunk {cid} has {h.raw_len}")
+    if h.codec == RAW:
+        dest[:] = np.frombuffer(payload, dtype=np.uint8)
+    elif h.codec == ZSTD:
+        dest[:] = np.frombuffer(_decompress(payload, h.raw_len, cid), dtype=np.uint8)
+    elif h.codec == PLANES_ZSTD:
+        kernel.merge_planes(_decompress(payload, h.raw_len, cid), h.width, dest)
+    else:
+        if base is None:
+            raise ValueError(f"delta chunk {cid} needs its base {chunk_hex(h.base, h.raw_len)}")
+        base = memoryview(base).cast("B")
+        if len(base) != h.raw_len:
+            raise ValueError(f"delta base has {len(base)} bytes, chunk {cid} has {h.raw_len}")
+        kernel.merge_planes_xor(_decompress(payload, h.raw_len, cid), base, h.width, dest)
+    if verify and kernel.digest(dest) != h.digest:
+        raise CorruptChunkError(f"decoded bytes do not match the chunk id{_at(where)}", chunk_id=cid)
+    return memoryview(dest)

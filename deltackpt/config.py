@@ -1,0 +1,72 @@
+"""Tuning knobs in one place, each overridable by an environment variable.
+
+Where it sits: read by :class:`deltackpt.Store` when it is opened; arguments passed to ``Store`` win over the
+environment, which wins over these defaults.
+
+================================  ==========================  ==========================================
+knob                              variable                    default
+================================  ==========================  ==========================================
+chunk size of a new store         ``DELTACKPT_CHUNK_SIZE``    1 MiB (see README, "Choosing the chunk size")
+zstd level                        ``DELTACKPT_ZSTD_LEVEL``    1
+worker threads                    ``DELTACKPT_THREADS``       the CPUs this process may run on
+pack file roll-over size          ``DELTACKPT_PACK_SIZE``     1 GiB
+allow the index on network FS     ``DELTACKPT_ALLOW_NETWORK_FS``  0
+================================  ==========================  ==========================================
+"""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_CHUNK_SIZE = 1 << 20
+DEFAULT_ZSTD_LEVEL = 1
+DEFAULT_PACK_SIZE = 1 << 30
+MIN_CHUNK_SIZE = 4096
+MAX_CHUNK_SIZE = 1 << 30
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw, 0)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def cpu_count() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def chunk_size() -> int:
+    return _env_int("DELTACKPT_CHUNK_SIZE", DEFAULT_CHUNK_SIZE)
+
+
+def zstd_level() -> int:
+    return _env_int("DELTACKPT_ZSTD_LEVEL", DEFAULT_ZSTD_LEVEL)
+
+
+def threads() -> int:
+    return _env_int("DELTACKPT_THREADS", cpu_count())
+
+
+def pack_size() -> int:
+    return _env_int("DELTACKPT_PACK_SIZE", DEFAULT_PACK_SIZE)
+
+
+def allow_network_fs() -> bool:
+    return _env_int("DELTACKPT_ALLOW_NETWORK_FS", 0) != 0
+
+
+def check_chunk_size(value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"chunk_size must be an int, got {type(value).__name__}")
+    if value < MIN_CHUNK_SIZE or value > MAX_CHUNK_SIZE or value & (value - 1):
+        raise ValueError(
+            f"chunk_size must be a power of two between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, got {value}"
+        )
+    return value

@@ -1,0 +1,87 @@
+"""Typed errors of deltackpt.
+
+Every failure a user can meet has a type here and a message that names what was wrong (key path, step,
+checkpoint id, chunk id, file). Corruption is always an error, never data: :class:`CorruptionError` and its
+subclasses are raised by every reader that meets bytes that do not verify.
+"""
+
+from __future__ import annotations
+
+
+class DeltackptError(Exception):
+    """Base class of every error deltackpt raises on purpose."""
+
+
+class CorruptionError(DeltackptError):
+    """Stored bytes do not verify (checksum, digest, layout)."""
+
+
+class CorruptChunkError(CorruptionError):
+    """A chunk frame is damaged, truncated, missing, or decodes to bytes whose digest is not its id.
+
+    ``chunk_id`` is the hex id of the chunk when known; ``checkpoint`` and ``key`` name where it was needed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        chunk_id: str | None = None,
+        checkpoint: str | None = None,
+        key: str | None = None,
+    ) -> None:
+        parts = [message]
+        if checkpoint is not None:
+            parts.append(f"checkpoint {checkpoint}")
+        if key is not None:
+            parts.append(f"tensor {key!r}")
+        if chunk_id is not None:
+            parts.append(f"chunk {chunk_id}")
+        super().__init__(": ".join(parts[:1]) + ("" if len(parts) == 1 else " (" + ", ".join(parts[1:]) + ")"))
+        self.reason = message
+        self.chunk_id = chunk_id
+        self.checkpoint = checkpoint
+        self.key = key
+
+
+class CorruptManifestError(CorruptionError):
+    """A manifest file is damaged, truncated, or does not match what the index recorded for it."""
+
+
+class CorruptIndexError(CorruptionError):
+    """The LMDB index holds a record that cannot be parsed; ``deltackpt repair`` rebuilds it."""
+
+
+class FormatVersionError(DeltackptError):
+    """The store, a manifest or a frame was written by a newer (or unknown) format version."""
+
+
+class CheckpointNotFoundError(DeltackptError, KeyError):
+    """No retained checkpoint matches the step or id asked for."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class InvalidNameError(DeltackptError, ValueError):
+    """An id, tag or file name is not of the allowed form (e.g. it holds ``/`` or ``..``)."""
+
+
+class UnsupportedTypeError(DeltackptError, TypeError):
+    """A state holds a value deltackpt cannot store; the message names its key path and type."""
+
+
+class UnsafeLoadError(DeltackptError):
+    """A checkpoint holds pickled values and the caller did not opt in with ``allow_pickle=True``."""
+
+
+class NetworkFilesystemError(DeltackptError):
+    """The LMDB index would live on a network filesystem, where its locking is unsafe."""
+
+
+class StoreLockedError(DeltackptError):
+    """An operation that needs the store alone (gc, repair) could not get it in time."""
+
+
+class ShapeMismatchError(DeltackptError, ValueError):
+    """``load_into`` found a target tensor whose dtype or shape differs from the stored one."""

@@ -1,0 +1,291 @@
+"""The LMDB index: chunk id -> frame location, the checkpoint records, and THE commit point.
+
+Where it sits: ``save`` asks :meth:`Index.lookup_chunks` which chunks are already stored, writes the new ones to
+packs and its manifest to disk, then calls :meth:`Index.commit_checkpoint`: one LMDB write transaction that
+records the new chunks' locations and the checkpoint. That transaction's commit is the single moment a
+checkpoint comes to exist. ``load`` resolves a step to a record and chunk ids to locations here.
+
+Databases in the environment ``index/``:
+
+``meta``    ``format`` -> store format version, ``seq`` -> last commit sequence number (u64 BE)
+``chunks``  digest(16) + raw length (u32 BE) -> :data:`LOC` (pack, offset, frame length, codec, depth, base)
+``ckpts``   seq (u64 BE) -> checkpoint record (JSON, see :class:`Record`)
+``ids``     checkpoint id (ascii) -> seq
+``steps``   step (u64 BE) + seq (u64 BE) -> b""
+
+LMDB has no page checksums; the manifests carry their own, and records hold the manifest's checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from deltackpt.errors import CorruptIndexError, FormatVersionError, NetworkFilesystemError
+
+INDEX_VERSION = 1
+LOC = struct.Struct("<16sQIBB16s")  # pack id (uuid bytes), offset, frame length, codec, chain depth, base digest
+_U64 = struct.Struct(">Q")
+_CHUNK_LEN = struct.Struct(">I")
+MAP_SIZE = 1 << 38
+
+NETWORK_FILESYSTEMS = {
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "9p", "afs", "beegfs",
+    "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.glusterfs", "fuse.cephfs", "panfs", "wekafs",
+}
+
+
+def chunk_key(digest: bytes, length: int) -> bytes:
+    return digest + _CHUNK_LEN.pack(length)
+
+
+@dataclass(frozen=True)
+class ChunkLoc:
+    pack_id: str
+    offset: int
+    frame_len: int
+    codec: int
+    depth: int  # frames a decode reads beyond this one: 0 standalone, base's depth + 1 for a delta
+    base: bytes  # 16 zero bytes unless the frame is a delta
+
+    def pack(self) -> bytes:
+        return LOC.pack(bytes.fromhex(self.pack_id), self.offset, self.frame_len, self.codec, self.depth, self.base)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> ChunkLoc:
+        if len(raw) != LOC.size:
+            raise CorruptIndexError(f"chunk location record has {len(raw)} bytes, expected {LOC.size}")
+        pack_id, offset, frame_len, codec, depth, base = LOC.unpack(raw)
+        return cls(pack_id.hex(), offset, frame_len, codec, depth, base)
+
+
+@dataclass
+class Record:
+    """What the index keeps about one checkpoint (the manifest holds the rest)."""
+
+    id: str
+    step: int
+    created: float
+    parent: str | None
+    manifest_checksum: str
+    logical_bytes: int
+    written_bytes: int
+    metadata: Any = None  # tree-encoded (see deltackpt.tree), None when absent
+    seq: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def dumps(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def loads(cls, raw: bytes) -> Record:
+        try:
+            d = json.loads(raw)
+            return cls(**d)
+        except (ValueError, TypeError) as exc:
+            raise CorruptIndexError(f"unreadable checkpoint record: {exc}") from None
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem holding ``path`` as /proc/self/mounts names it ('' when unknown)."""
+    try:
+        real = os.path.realpath(path)
+        best, best_type = "", ""
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = parts[1].replace("\\040", " ")
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, best_type = mnt, parts[2]
+        return best_type
+    except OSError:
+        return ""
+
+
+class Index:
+    """The LMDB environment of one store. Safe to use from several threads; reopened after ``fork``."""
+
+    def __init__(self, path: Path, *, allow_network_fs: bool = False, readonly: bool = False) -> None:
+        self.path = path
+        self.readonly = readonly
+        fstype = filesystem_type(path.parent)
+        if not allow_network_fs and (fstype in NETWORK_FILESYSTEMS or fstype.startswith("nfs")):
+            raise NetworkFilesystemError(
+                f"{path} is on a {fstype} filesystem, where LMDB's locking is unsafe; put the store on local "
+                "disk, or pass allow_network_fs=True (DELTACKPT_ALLOW_NETWORK_FS=1) if only one host uses it"
+            )
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._env: lmdb.Environment | None = None
+        self._open()
+
+    def _open(self) -> None:
+        if not self.readonly:
+            self.path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(
+            str(self.path), map_size=MAP_SIZE, max_dbs=8, subdir=True, readonly=self.readonly,
+            lock=True, sync=True, metasync=True, readahead=False, meminit=False, create=not self.readonly,
+        )
+        self._pid = os.getpid()
+        env = self._env
+        self.db_meta = env.open_db(b"meta", create=not self.readonly)
+        self.db_chunks = env.open_db(b"chunks", create=not self.readonly)
+        self.db_ckpts = env.open_db(b"ckpts", create=not self.readonly)
+        self.db_ids = env.open_db(b"ids", create=not self.readonly)
+        self.db_steps = env.open_db(b"steps", create=not self.readonly)
+        if not self.readonly:
+            env.reader_check()  # clear reader slots of dead processes
+            with env.begin(write=True) as txn:
+                v = txn.get(b"format", db=self.db_meta)
+                if v is None:
+                    txn.put(b"format", str(INDEX_VERSION).encode(), db=self.db_meta)
+                elif int(v) > INDEX_VERSION:
+                    raise FormatVersionError(f"index format {int(v)} is newer than this reader ({INDEX_VERSION})")
+
+    @property
+    def env(self) -> lmdb.Environment:
+        if self._pid != os.getpid():  # never use an environment inherited across fork
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._env = None
+                    self._open()
+        assert self._env is not None
+        return self._env
+
+    def close(self) -> None:
+        if self._env is not None and self._pid == os.getpid():
+            self._env.close()
+        self._env = None
+        self._pid = -1
+
+    def _write(self) -> lmdb.Transaction:
+        return self.env.begin(write=True)
+
+    def reopen_after_error(self) -> None:
+        """After an LMDB panic (e.g. disk full) the environment must be reopened before further use."""
+        with self._lock:
+            try:
+                if self._env is not None:
+                    self._env.close()
+            finally:
+                self._env = None
+                self._open()
+
+    # -- chunks ---------------------------------------------------------------------------------------
+    def lookup_chunks(self, keys: Iterable[bytes]) -> dict[bytes, ChunkLoc]:
+        out: dict[bytes, ChunkLoc] = {}
+        with self.env.begin(db=self.db_chunks, buffers=True) as txn:
+            for k in keys:
+                v = txn.get(k)
+                if v is not None:
+                    out[k] = ChunkLoc.unpack(bytes(v))
+        return out
+
+    def has_chunks(self, keys: Iterable[bytes]) -> set[bytes]:
+        with self.env.begin(db=self.db_chunks, buffers=True) as txn:
+            return {k for k in keys if txn.get(k) is not None}
+
+    def iter_chunks(self) -> Iterator[tuple[bytes, ChunkLoc]]:
+        with self.env.begin(db=self.db_chunks) as txn:
+            for k, v in txn.cursor():
+                yield k, ChunkLoc.unpack(v)
+
+    def count_chunks(self) -> int:
+        with self.env.begin() as txn:
+            return int(txn.stat(self.db_chunks)["entries"])
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def commit_checkpoint(self, record: Record, chunks: dict[bytes, ChunkLoc]) -> Record:
+        """THE commit point: record the new chunks and the checkpoint in one durable transaction.
+
+        A chunk another writer recorded meanwhile keeps its first location (both frames are valid).
+        Returns the record with its commit sequence number set.
+        """
+        with self._write() as txn:
+            for k, loc in chunks.items():
+                txn.put(k, loc.pack(), db=self.db_chunks, overwrite=False)
+            last = txn.get(b"seq", db=self.db_meta)
+            seq = (_U64.unpack(last)[0] if last else 0) + 1
+            record.seq = seq
+            sk = _U64.pack(seq)
+            txn.put(b"seq", sk, db=self.db_meta)
+            txn.put(sk, record.dumps(), db=self.db_ckpts)
+            txn.put(record.id.encode(), sk, db=self.db_ids)
+            txn.put(_U64.pack(record.step) + sk, b"", db=self.db_steps)
+        return record
+
+    def remove_checkpoint(self, record: Record) -> None:
+        with self._write() as txn:
+            sk = _U64.pack(record.seq)
+            txn.delete(sk, db=self.db_ckpts)
+            txn.delete(record.id.encode(), db=self.db_ids)
+            txn.delete(_U64.pack(record.step) + sk, db=self.db_steps)
+
+    def get(self, *, step: int | None = None, id: str | None = None) -> Record | None:
+        """The newest record with this step (or this id); the newest of all when both are None."""
+        with self.env.begin() as txn:
+            if id is not None:
+                sk = txn.get(id.encode(), db=self.db_ids)
+            elif step is not None:
+                sk = None
+                cur = txn.cursor(db=self.db_steps)
+                prefix = _U64.pack(step)
+                # find the first key past this step's keys, then step back to its newest
+                past = step + 1 < 1 << 64 and cur.set_range(_U64.pack(step + 1))
+                ok = cur.prev() if past else cur.last()
+                if ok and cur.key()[:8] == prefix:
+                    sk = cur.key()[8:]
+            else:
+                cur = txn.cursor(db=self.db_ckpts)
+                sk = cur.key() if cur.last() else None
+            if sk is None:
+                return None
+            raw = txn.get(sk, db=self.db_ckpts)
+            if raw is None:
+                raise CorruptIndexError(f"index names checkpoint seq {_U64.unpack(sk)[0]} but holds no record")
+            return Record.loads(raw)
+
+    def records(self) -> list[Record]:
+        """All checkpoint records in commit order."""
+        with self.env.begin(db=self.db_ckpts) as txn:
+            return [Record.loads(v) for _, v in txn.cursor()]
+
+    def count(self) -> int:
+        with self.env.begin() as txn:
+            return int(txn.stat(self.db_ckpts)["entries"])
+
+    # -- maintenance ----------------------------------------------------------------------------------
+    def apply_chunk_changes(self, delete: Iterable[bytes], move: dict[bytes, ChunkLoc]) -> None:
+        """One transaction that drops dead chunk entries and points moved ones at their new frames."""
+        with self._write() as txn:
+            for k in delete:
+                txn.delete(k, db=self.db_chunks)
+            for k, loc in move.items():
+                txn.put(k, loc.pack(), db=self.db_chunks)
+
+    def rebuild(self, chunks: dict[bytes, ChunkLoc], records: list[Record]) -> None:
+        """Replace everything with what ``repair`` found on disk, in one transaction."""
+        with self._write() as txn:
+            for db in (self.db_chunks, self.db_ckpts, self.db_ids, self.db_steps):
+                txn.drop(db, delete=False)
+            for k, loc in chunks.items():
+                txn.put(k, loc.pack(), db=self.db_chunks)
+            seq = 0
+            for rec in records:
+                seq += 1
+                rec.seq = seq
+                sk = _U64.pack(seq)
+                txn.put(sk, rec.dumps(), db=self.db_ckpts)
+                txn.put(rec.id.encode(), sk, db=self.db_ids)
+                txn.put(_U64.pack(rec.step) + sk, b"", db=self.db_steps)
+            txn.put(b"seq", _U64.pack(seq), db=self.db_meta)

@@ -1,0 +1,127 @@
+"""The chunk kernel: one API over the native extension or the pure-Python reference.
+
+Where it sits: every byte of every save and load passes through here. ``save`` calls :func:`chunk_digests` on
+each tensor's bytes to name its chunks (XXH3-128) and find all-zero ones; the codec calls the byte-plane and
+XOR functions to prepare chunks for zstd and to undo that on load.
+
+Backends
+--------
+``native``  the Cython/C extension ``deltackpt._kernel`` (built from ``native/``): whole loops run with the GIL
+            released and are spread over ``threads`` POSIX threads.
+``python``  ``deltackpt._pykernel``: numpy + the ``xxhash`` package, bit-identical, slower.
+
+``DELTACKPT_BACKEND=python`` forces the reference; ``DELTACKPT_BACKEND=native`` makes a missing or stale
+extension an ImportError instead of a warning. Without the variable the native backend is used when it is built
+and current; otherwise one warning is issued and the reference is used. :data:`backend` says which one runs.
+
+Contract (both backends)
+------------------------
+- Buffers are anything exporting the buffer protocol, C-contiguous (bytes, memoryview, numpy arrays, the
+  uint8 numpy view of a CPU tensor); they are read as raw bytes. Output buffers are writable and exactly as long
+  as the input; when ``out`` is None a new uint8 numpy array is returned.
+- :func:`chunk_digests` returns ``(digests, zero)``: ``digests`` is a ``(n, 16)`` uint8 array holding the
+  canonical (big-endian) XXH3-128 digest of each chunk, as ``xxhash.xxh3_128_digest`` prints it, and ``zero``
+  a ``(n,)`` bool array, True where a chunk's bytes are all zero. ``n = ceil(len / chunk_size)``; the last chunk
+  may be short; an empty buffer has no chunks.
+- Byte planes of width ``w`` (1, 2, 4 or 8): with ``m = len // w`` elements, output byte ``k * m + i`` is input
+  byte ``i * w + k``; the ``len % w`` tail bytes are copied unchanged after the planes. Width 1 is a copy.
+- :func:`xor_split_planes` is ``split_planes(src XOR base)``; :func:`merge_planes_xor` is
+  ``merge_planes(src) XOR base``; ``base`` is as long as ``src``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+#: Bumped whenever the native functions' signatures or semantics change; compiled into the extension.
+API_VERSION = 1
+
+_NATIVE_SOURCES = ("kernel.c", "kernel.h", "_kernel.pyx")
+
+
+def source_hash(native_dir: Path) -> str | None:
+    """Hash of the kernel sources as the build computes it (None when the sources are not beside the package)."""
+    h = hashlib.sha256()
+    for name in _NATIVE_SOURCES:
+        p = native_dir / name
+        if not p.exists():
+            return None
+        h.update(name.encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+class StaleBuildError(ImportError):
+    """The compiled kernel does not match the Python package or the kernel sources beside it."""
+
+
+def _load_native() -> Any:
+    from deltackpt import _kernel  # type: ignore[attr-defined]
+
+    if getattr(_kernel, "API_VERSION", None) != API_VERSION:
+        raise StaleBuildError(
+            f"deltackpt native kernel has API version {getattr(_kernel, 'API_VERSION', None)}, the package "
+            f"expects {API_VERSION}: rebuild it (pip install -e . or make build)"
+        )
+    # In a source checkout (editable install) the sources sit next to the package: a build older than them is
+    # stale even when the API version did not move.
+    native_dir = Path(__file__).resolve().parent.parent / "native"
+    current = source_hash(native_dir)
+    built = getattr(_kernel, "SOURCE_HASH", None)
+    if current is not None and built != current:
+        raise StaleBuildError(
+            f"deltackpt native kernel was built from other sources (built {built}, sources {current}): "
+            "rebuild it (pip install -e . or make build)"
+        )
+    return _kernel
+
+
+def _select() -> tuple[str, Any]:
+    want = os.environ.get("DELTACKPT_BACKEND", "").strip().lower()
+    if want not in ("", "native", "python"):
+        raise ImportError(f"DELTACKPT_BACKEND must be 'native' or 'python', got {want!r}")
+    if want == "python":
+        from deltackpt import _pykernel
+
+        return "python", _pykernel
+    try:
+        return "native", _load_native()
+    except ImportError as exc:
+        if want == "native":
+            raise
+        warnings.warn(
+            f"deltackpt: native kernel unavailable ({exc}); using the slow pure-Python backend",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        from deltackpt import _pykernel
+
+        return "python", _pykernel
+
+
+backend, _impl = _select()
+
+chunk_digests = _impl.chunk_digests
+digest = _impl.digest
+split_planes = _impl.split_planes
+merge_planes = _impl.merge_planes
+xor_split_planes = _impl.xor_split_planes
+merge_planes_xor = _impl.merge_planes_xor
+DIGEST_SIZE = 16
+
+__all__ = [
+    "API_VERSION",
+    "DIGEST_SIZE",
+    "StaleBuildError",
+    "backend",
+    "chunk_digests",
+    "digest",
+    "merge_planes",
+    "merge_planes_xor",
+    "split_planes",
+    "xor_split_planes",
+]

@@ -1,0 +1,343 @@
+"""Maintenance of a store: garbage collection, verification and index repair.
+
+Where it sits: beside the save/load pipeline, never on it. These are the only operations that scan the whole
+history. ``gc`` and ``repair`` hold the store's gc lock exclusively, so no save or load runs meanwhile (they
+wait); ``verify`` holds it shared, like a load.
+
+Crash safety of gc: new packs (repacked live frames) are fsynced first; then one LMDB transaction drops dead
+chunk entries and points moved ones at their new frames (gc's commit point); only after that are old packs,
+orphan manifests and temporary files unlinked. A crash before the commit leaves an unreferenced new pack; a
+crash after it leaves unreferenced old packs; the next gc removes either.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lmdb
+
+from deltackpt import codec, manifest, packs
+from deltackpt.errors import CorruptionError, DeltackptError
+from deltackpt.index import ChunkLoc, Record, chunk_key
+
+if TYPE_CHECKING:
+    from deltackpt.store import Store
+
+Progress = Callable[[int, int], None]  # (done, total)
+
+
+@dataclass
+class Problem:
+    checkpoint: str
+    step: int
+    key: str | None
+    chunk_id: str | None
+    message: str
+
+    def __str__(self) -> str:
+        where = f"checkpoint {self.checkpoint} (step {self.step})"
+        if self.key is not None:
+            where += f", tensor {self.key!r}"
+        if self.chunk_id is not None:
+            where += f", chunk {self.chunk_id}"
+        return f"{where}: {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    checkpoints: int = 0
+    chunks: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass
+class GcReport:
+    dead_chunks: int = 0
+    deleted_packs: int = 0
+    repacked_packs: int = 0
+    moved_chunks: int = 0
+    freed_bytes: int = 0
+    orphan_manifests: int = 0
+    skipped_active_packs: int = 0
+
+
+@dataclass
+class RepairReport:
+    packs: int = 0
+    chunks: int = 0
+    checkpoints: int = 0
+    lost_checkpoints: list[str] = field(default_factory=list)
+    damaged_packs: list[str] = field(default_factory=list)
+
+
+def _stored_chunks(m: manifest.Manifest) -> list[tuple[str, bytes]]:
+    out = []
+    for t in m.tensors:
+        for _, digest, length in m.chunk_keys(t):
+            out.append((t.key, chunk_key(digest, length)))
+    return out
+
+
+def verify(
+    store: Store, *, step: int | None = None, id: str | None = None, progress: Progress | None = None
+) -> VerifyReport:
+    """Decode every chunk of one checkpoint (or all) and check it against its id; report, never raise.
+
+    Each distinct chunk is decoded once, however many checkpoints share it. A damaged delta base is reported
+    for every chunk that depends on it.
+    """
+    report = VerifyReport()
+    if step is None and id is None:
+        records = store.index.records()
+    else:
+        records = [store._record(step, id)]
+    results: dict[bytes, str | None] = {}
+    with store._gc_lock():
+        plans: list[tuple[Record, list[tuple[str, bytes]]]] = []
+        for rec in records:
+            report.checkpoints += 1
+            try:
+                m = store._manifest(rec)
+            except DeltackptError as exc:
+                report.problems.append(Problem(rec.id, rec.step, None, None, str(exc)))
+                continue
+            plans.append((rec, _stored_chunks(m)))
+        unique = list(dict.fromkeys(k for _, chunks in plans for _, k in chunks))
+        locs = store.index.lookup_chunks(unique)
+
+        def check(k: bytes) -> str | None:
+            if k not in locs:
+                return "chunk is not in the index"
+            try:
+                store.read_chunk(k, locs[k], verify=True)
+            except CorruptionError as exc:
+                return getattr(exc, "reason", None) or str(exc)
+            return None
+
+        total = len(unique)
+        for done, (k, err) in enumerate(zip(unique, store.pool.map(check, unique)), 1):
+            results[k] = err
+            if progress is not None:
+                progress(done, total)
+        for rec, chunks in plans:
+            for key, k in chunks:
+                report.chunks += 1
+                err = results[k]
+                if err is not None:
+                    cid = codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big"))
+                    report.problems.append(Problem(rec.id, rec.step, key, cid, err))
+    return report
+
+
+def _live_keys(store: Store, records: list[Record]) -> set[bytes]:
+    live: set[bytes] = set()
+    for rec in records:
+        m = store._manifest(rec)  # a damaged manifest aborts gc: never free what it may reference
+        live.update(k for _, k in _stored_chunks(m))
+    # delta bases of live chunks are live too (transitively)
+    frontier = list(live)
+    while frontier:
+        locs = store.index.lookup_chunks(frontier)
+        frontier = []
+        for k, loc in locs.items():
+            if loc.codec == codec.DELTA:
+                b = loc.base + k[16:]
+                if b not in live:
+                    live.add(b)
+                    frontier.append(b)
+    return live
+
+
+def gc(
+    store: Store, *, repack_below: float = 0.5, timeout: float | None = None, progress: Progress | None = None
+) -> GcReport:
+    """Reclaim everything no retained checkpoint can reach.
+
+    Chunk entries no manifest (or live delta chain) references are dropped; packs with no live frame are
+    deleted; packs whose live fraction is below ``repack_below`` have their live frames copied to a new pack
+    and are deleted. Packs another writer still appends to are left alone. Orphan manifests and temporary
+    files of interrupted saves are removed.
+    """
+    report = GcReport()
+    with store._save_lock:
+        store._writer.close()  # our own pack is sealed: gc may treat it like any other
+    with store._gc_lock(exclusive=True, timeout=timeout):
+        records = store.index.records()
+        live = _live_keys(store, records)
+        dead: list[bytes] = []
+        by_pack: dict[str, list[tuple[bytes, ChunkLoc]]] = {}
+        for k, loc in store.index.iter_chunks():
+            if k in live:
+                by_pack.setdefault(loc.pack_id, []).append((k, loc))
+            else:
+                dead.append(k)
+        report.dead_chunks = len(dead)
+        packs_dir = store.path / "packs"
+        all_packs = {p.stem: p for p in packs_dir.glob("*.pack") if packs.valid_pack_id(p.stem)}
+        to_delete: list[Path] = []
+        to_repack: list[str] = []
+        for pack_id, path in all_packs.items():
+            if packs.is_active(path):
+                report.skipped_active_packs += 1
+                continue
+            live_entries = by_pack.get(pack_id, [])
+            if not live_entries:
+                to_delete.append(path)
+                continue
+            size = path.stat().st_size
+            live_bytes = sum(loc.frame_len for _, loc in live_entries)
+            if size > 0 and live_bytes / size < repack_below:
+                to_repack.append(pack_id)
+        moved: dict[bytes, ChunkLoc] = {}
+        if to_repack:
+            writer = packs.PackWriter(packs_dir)
+            try:
+                for n, pack_id in enumerate(to_repack, 1):
+                    for k, loc in by_pack[pack_id]:
+                        frame = store.reader.read(loc.pack_id, loc.offset, loc.frame_len)
+                        codec.check_frame(frame, expect_digest=k[:16], expect_len=int.from_bytes(k[16:], "big"),
+                                          where=f"pack {pack_id} offset {loc.offset}")
+                        new_pack, off = writer.append(frame)
+                        moved[k] = ChunkLoc(new_pack, off, loc.frame_len, loc.codec, loc.depth, loc.base)
+                    to_delete.append(all_packs[pack_id])
+                    if progress is not None:
+                        progress(n, len(to_repack))
+                writer.sync()
+            finally:
+                writer.close()
+        report.moved_chunks = len(moved)
+        report.repacked_packs = len(to_repack)
+        store.index.apply_chunk_changes(dead, moved)  # gc's commit point
+        for path in to_delete:
+            try:
+                report.freed_bytes += path.stat().st_size
+                store.reader.forget(path.stem)
+                path.unlink()
+                report.deleted_packs += 1
+            except FileNotFoundError:
+                pass
+        packs.fsync_dir(packs_dir)
+        known = {r.id for r in records}
+        mdir = store.path / "manifests"
+        for p in mdir.glob("*.manifest"):
+            if p.stem not in known:
+                report.freed_bytes += p.stat().st_size
+                p.unlink()
+                report.orphan_manifests += 1
+        packs.fsync_dir(mdir)
+        for p in (store.path / "tmp").iterdir():
+            p.unlink()
+    return report
+
+
+def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
+    """Rebuild the LMDB index from the packs and manifests on disk (after the index was lost or damaged).
+
+    Every intact frame of every pack is indexed; every manifest whose checksum holds and whose chunks are all
+    present becomes a checkpoint again, ordered by creation time. Manifests with missing chunks are reported
+    in ``lost_checkpoints`` and left on disk. Note: a checkpoint deleted just before a crash (its manifest not
+    yet unlinked) comes back; delete it again.
+    """
+    report = RepairReport()
+    with store._gc_lock(exclusive=True):
+        chunks: dict[bytes, ChunkLoc] = {}
+        pack_paths = sorted(p for p in (store.path / "packs").glob("*.pack") if packs.valid_pack_id(p.stem))
+        for n, path in enumerate(pack_paths, 1):
+            report.packs += 1
+            try:
+                for offset, h in packs.scan(path):
+                    k = chunk_key(h.digest, h.raw_len)
+                    if k not in chunks or (chunks[k].codec == codec.DELTA and h.codec != codec.DELTA):
+                        chunks[k] = ChunkLoc(path.stem, offset, h.frame_len, h.codec, 0, h.base)
+            except (CorruptionError, DeltackptError, OSError):
+                report.damaged_packs.append(path.stem)
+            if progress is not None:
+                progress(n, len(pack_paths))
+        _fix_depths(chunks)
+        records: list[Record] = []
+        for p in sorted((store.path / "manifests").glob("*.manifest")):
+            try:
+                data = p.read_bytes()
+                m = manifest.parse(data, where=p.name)
+            except (DeltackptError, OSError):
+                report.lost_checkpoints.append(p.stem)
+                continue
+            if p.stem != m.id or any(k not in chunks for _, k in _stored_chunks(m)):
+                report.lost_checkpoints.append(p.stem)
+                continue
+            records.append(
+                Record(
+                    id=m.id, step=m.step, created=m.created, parent=m.parent,
+                    manifest_checksum=manifest.checksum_of(data), logical_bytes=m.logical_bytes,
+                    written_bytes=m.written_bytes, metadata=m.metadata,
+                )
+            )
+        records.sort(key=lambda r: (r.created, r.id))
+        store.index.rebuild(chunks, records)
+        report.chunks = len(chunks)
+        report.checkpoints = len(records)
+    return report
+
+
+def _fix_depths(chunks: dict[bytes, ChunkLoc]) -> None:
+    """Drop delta entries whose base is gone, and set each entry's chain depth."""
+    depth: dict[bytes, int] = {}
+
+    def resolve(k: bytes, seen: int = 0) -> int | None:
+        if k in depth:
+            return depth[k]
+        loc = chunks.get(k)
+        if loc is None or seen > 64:
+            return None
+        if loc.codec != codec.DELTA:
+            depth[k] = 0
+            return 0
+        d = resolve(loc.base + k[16:], seen + 1)
+        if d is None:
+            return None
+        depth[k] = d + 1
+        return d + 1
+
+    for k in list(chunks):
+        d = resolve(k)
+        if d is None:
+            del chunks[k]
+        else:
+            loc = chunks[k]
+            chunks[k] = ChunkLoc(loc.pack_id, loc.offset, loc.frame_len, loc.codec, d, loc.base)
+
+
+def rebuild_index_dir(path: Path) -> Path | None:
+    """Move a damaged index directory aside so a fresh one can be created; returns where it went."""
+    idx = path / "index"
+    if not idx.exists():
+        return None
+    dest = path / f"index.broken-{int(time.time())}"
+    shutil.move(str(idx), str(dest))
+    os.makedirs(idx, exist_ok=True)
+    return dest
+
+
+def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
+    """Open a store whose index may be unreadable: a damaged index is moved aside and an empty one created."""
+    from deltackpt.store import Store
+
+    if not (Path(path) / "STORE").exists():
+        raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
+    try:
+        store = Store(path, **kwargs)
+        store.index.records()
+        return store
+    except (lmdb.Error, CorruptionError, ValueError):  # the index is unusable: start a new one
+        rebuild_index_dir(Path(path))
+        return Store(path, **kwargs)

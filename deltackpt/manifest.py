@@ -1,0 +1,214 @@
+"""Manifests: the immutable, checksummed description of one checkpoint.
+
+Where it sits: after ``save`` has made every chunk durable it writes the manifest (the state skeleton, the tensor
+table and the chunk-id table) with :func:`write` (temp file, fsync, rename, fsync the directory); the LMDB
+commit that follows registers it. ``load`` reads it back with :func:`read`, which verifies the checksum before
+trusting a byte.
+
+Layout of ``manifests/<id>.manifest`` (little-endian)::
+
+    0    8   magic b"DCKMANIF"
+    8    4   format version (1)
+    12   4   flags (0)
+    16   8   header length H
+    24   8   chunk count N
+    32   H   header: UTF-8 JSON (id, step, created, parent, chunk_size, metadata, tree, tensors, sizes)
+    ..   16N chunk digests (canonical XXH3-128), tensor after tensor, chunk after chunk
+    ..   N   chunk flags: bit 0 = all-zero chunk (not stored anywhere)
+    end  16  XXH3-128 of every byte before it
+
+Tensor ``t`` owns chunks ``first .. first+count-1``; chunk ``i`` of it has ``min(chunk_size, nbytes -
+i*chunk_size)`` bytes. Its chunk id is (digest, length).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from deltackpt.errors import CorruptManifestError, FormatVersionError, InvalidNameError
+from deltackpt.packs import fsync_dir
+
+MAGIC = b"DCKMANIF"
+MANIFEST_VERSION = 1
+_HEAD = struct.Struct("<8sIIQQ")
+FLAG_ZERO = 1
+_ID = re.compile(r"^[0-9a-f]{16}$")
+
+
+def check_id(checkpoint_id: str) -> str:
+    """Checkpoint ids are 16 lowercase hex digits; anything else (``..``, ``/``) is refused."""
+    if not isinstance(checkpoint_id, str) or not _ID.match(checkpoint_id):
+        raise InvalidNameError(f"invalid checkpoint id {checkpoint_id!r}: expected 16 lowercase hex digits")
+    return checkpoint_id
+
+
+@dataclass
+class TensorEntry:
+    key: str
+    kind: str  # "torch" | "numpy"
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    width: int
+    first: int
+    count: int
+    written: int = 0  # bytes this checkpoint wrote for the tensor (new frames)
+    requires_grad: bool = False
+    parameter: bool = False
+    device: str = "cpu"
+
+    def chunk_len(self, i: int, chunk_size: int) -> int:
+        return min(chunk_size, self.nbytes - i * chunk_size)
+
+
+@dataclass
+class Manifest:
+    id: str
+    step: int
+    created: float
+    parent: str | None
+    chunk_size: int
+    tree: Any
+    tensors: list[TensorEntry]
+    digests: np.ndarray  # (N, 16) uint8
+    flags: np.ndarray  # (N,) uint8
+    metadata: Any = None
+    logical_bytes: int = 0
+    written_bytes: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def chunk_keys(self, t: TensorEntry) -> list[tuple[int, bytes, int]]:
+        """(position, digest, length) of every stored (non-zero) chunk of tensor ``t``."""
+        out = []
+        for i in range(t.count):
+            j = t.first + i
+            if not self.flags[j] & FLAG_ZERO:
+                out.append((i, self.digests[j].tobytes(), t.chunk_len(i, self.chunk_size)))
+        return out
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "step": self.step,
+            "created": self.created,
+            "parent": self.parent,
+            "chunk_size": self.chunk_size,
+            "metadata": self.metadata,
+            "logical_bytes": self.logical_bytes,
+            "written_bytes": self.written_bytes,
+            "extra": self.extra,
+            "tree": self.tree,
+            "tensors": [t.__dict__ for t in self.tensors],
+        }
+
+    def to_bytes(self) -> bytes:
+        head = json.dumps(self.header(), separators=(",", ":")).encode()
+        n = len(self.flags)
+        if self.digests.shape != (n, 16):
+            raise ValueError("digest table does not match the flag table")
+        body = b"".join(
+            [
+                _HEAD.pack(MAGIC, MANIFEST_VERSION, 0, len(head), n),
+                head,
+                np.ascontiguousarray(self.digests, dtype=np.uint8).tobytes(),
+                np.ascontiguousarray(self.flags, dtype=np.uint8).tobytes(),
+            ]
+        )
+        return body + xxhash.xxh3_128_digest(body)
+
+
+def checksum_of(data: bytes) -> str:
+    return data[-16:].hex()
+
+
+def parse(data: bytes, *, where: str) -> Manifest:
+    """Parse and verify a manifest's bytes; ``where`` names it in errors."""
+    if len(data) < _HEAD.size + 16:
+        raise CorruptManifestError(f"manifest {where} is truncated ({len(data)} bytes)")
+    if xxhash.xxh3_128_digest(memoryview(data)[:-16]) != data[-16:]:
+        raise CorruptManifestError(f"manifest {where} fails its checksum")
+    magic, version, flags, hlen, n = _HEAD.unpack_from(data)
+    if magic != MAGIC:
+        raise CorruptManifestError(f"manifest {where} has bad magic {magic!r}")
+    if version != MANIFEST_VERSION:
+        raise FormatVersionError(f"manifest {where} has format version {version} (this reader: 1)")
+    if flags != 0 or _HEAD.size + hlen + 17 * n + 16 != len(data):
+        raise CorruptManifestError(f"manifest {where} has an inconsistent layout")
+    off = _HEAD.size
+    try:
+        h = json.loads(data[off : off + hlen])
+        tensors = [TensorEntry(**t) for t in h["tensors"]]
+        off += hlen
+        digests = np.frombuffer(data, dtype=np.uint8, count=16 * n, offset=off).reshape(n, 16)
+        flags_arr = np.frombuffer(data, dtype=np.uint8, count=n, offset=off + 16 * n)
+        m = Manifest(
+            id=check_id(h["id"]),
+            step=int(h["step"]),
+            created=float(h["created"]),
+            parent=h["parent"],
+            chunk_size=int(h["chunk_size"]),
+            tree=h["tree"],
+            tensors=tensors,
+            digests=digests,
+            flags=flags_arr,
+            metadata=h.get("metadata"),
+            logical_bytes=int(h.get("logical_bytes", 0)),
+            written_bytes=int(h.get("written_bytes", 0)),
+            extra=dict(h.get("extra") or {}),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptManifestError(f"manifest {where} has an unreadable header: {exc!r}") from None
+    if m.chunk_size <= 0:
+        raise CorruptManifestError(f"manifest {where} declares chunk size {m.chunk_size}")
+    for t in tensors:
+        expect = -(-t.nbytes // m.chunk_size)
+        if t.count != expect or t.first < 0 or t.first + t.count > n:
+            raise CorruptManifestError(f"manifest {where}: tensor {t.key!r} has an inconsistent chunk range")
+    return m
+
+
+def path_for(directory: Path, checkpoint_id: str) -> Path:
+    return directory / f"{check_id(checkpoint_id)}.manifest"
+
+
+def write(directory: Path, tmp_dir: Path, manifest: Manifest) -> tuple[Path, str]:
+    """Durably write the manifest; return (path, checksum hex). The caller commits it to the index after."""
+    data = manifest.to_bytes()
+    final = path_for(directory, manifest.id)
+    tmp = tmp_dir / f"{manifest.id}.manifest.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, final)
+    fsync_dir(directory)
+    return final, checksum_of(data)
+
+
+def read(directory: Path, checkpoint_id: str, *, expect_checksum: str | None = None) -> Manifest:
+    p = path_for(directory, checkpoint_id)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise CorruptManifestError(f"manifest of checkpoint {checkpoint_id} is missing ({p})") from None
+    if expect_checksum is not None and checksum_of(data) != expect_checksum:
+        raise CorruptManifestError(
+            f"manifest of checkpoint {checkpoint_id} does not match the checksum the index recorded"
+        )
+    m = parse(data, where=checkpoint_id)
+    if m.id != checkpoint_id:
+        raise CorruptManifestError(f"manifest file {p.name} holds checkpoint {m.id}")
+    return m

@@ -1,0 +1,219 @@
+"""Append-only pack files: where chunk frames live on disk.
+
+Where it sits: ``save`` appends the frames of new chunks to the writer's own pack (:class:`PackWriter`) and
+fsyncs it before the manifest is written; ``load`` reads frames back by (pack, offset, length) through
+:class:`PackReader`; ``repair`` rebuilds the chunk index by scanning packs with :func:`scan`.
+
+A pack is ``packs/<32 hex>.pack``: a 16-byte header (magic ``DCKPACK1``, u32 version, u32 zero) and frames
+back to back. Frames are self-describing (see :mod:`deltackpt.codec`), so a pack can be read without the
+index. Packs are never modified in place: only appended to by the one writer that created it (which holds an
+exclusive ``flock`` on it while it may still append), and deleted whole by ``gc`` after their live frames were
+copied elsewhere. A crash can leave a torn frame at a pack's end; nothing references it and scans stop there.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import struct
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from deltackpt import codec
+from deltackpt.errors import CorruptChunkError, CorruptionError, DeltackptError, FormatVersionError
+
+PACK_MAGIC = b"DCKPACK1"
+PACK_VERSION = 1
+PACK_HEADER = struct.Struct("<8sII")
+_PACK_NAME = re.compile(r"^[0-9a-f]{32}$")
+
+
+def valid_pack_id(pack_id: str) -> bool:
+    return bool(_PACK_NAME.match(pack_id))
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory entry (a created, renamed or removed file in ``path``) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class PackWriter:
+    """The one writer of a pack. Not thread-safe; the store serialises appends.
+
+    The writer rolls over to a new pack once the current one exceeds ``max_size`` bytes. After any failed
+    write the pack is abandoned (its tail may be torn) and the next append starts a new pack.
+    """
+
+    def __init__(self, directory: Path, max_size: int = 1 << 30) -> None:
+        self.directory = directory
+        self.max_size = max_size
+        self.pack_id: str | None = None
+        self._fd: int | None = None
+        self._offset = 0
+        self._dir_dirty = False
+        self._unsynced = False
+
+    def _open_new(self) -> None:
+        self.close()
+        pack_id = uuid.uuid4().hex
+        path = self.directory / f"{pack_id}.pack"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            header = PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0)
+            _write_all(fd, header)
+        except BaseException:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise
+        self._fd, self.pack_id, self._offset = fd, pack_id, len(header)
+        self._dir_dirty = True
+        self._unsynced = True
+
+    def append(self, frame: bytes | memoryview) -> tuple[str, int]:
+        """Append one frame; return (pack id, offset). Durable only after :meth:`sync`."""
+        if self._fd is None or self._offset >= self.max_size:
+            self._open_new()
+        assert self._fd is not None and self.pack_id is not None
+        offset = self._offset
+        try:
+            _write_all(self._fd, frame)
+        except OSError:
+            self._abandon()
+            raise
+        self._offset += len(frame)
+        self._unsynced = True
+        return self.pack_id, offset
+
+    def sync(self) -> None:
+        """fsync the pack (and, the first time, its directory entry). A failed fsync abandons the pack."""
+        if self._fd is None or not self._unsynced:
+            return
+        try:
+            os.fsync(self._fd)
+            if self._dir_dirty:
+                fsync_dir(self.directory)
+                self._dir_dirty = False
+        except OSError:
+            self._abandon()  # the state of unsynced data after a failed fsync is unknown: never reuse it
+            raise
+        self._unsynced = False
+
+    def _abandon(self) -> None:
+        fd, self._fd, self.pack_id = self._fd, None, None
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop appending to the current pack (it stays on disk) and release its lock."""
+        self._abandon()
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write to pack")
+        view = view[n:]
+
+
+class PackReader:
+    """Reads frames by (pack id, offset, length). Thread-safe; keeps pack files open."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _fd(self, pack_id: str) -> int:
+        fd = self._fds.get(pack_id)
+        if fd is not None:
+            return fd
+        with self._lock:
+            fd = self._fds.get(pack_id)
+            if fd is None:
+                if not valid_pack_id(pack_id):
+                    raise CorruptionError(f"index names an invalid pack id {pack_id!r}")
+                try:
+                    fd = os.open(self.directory / f"{pack_id}.pack", os.O_RDONLY | os.O_CLOEXEC)
+                except FileNotFoundError:
+                    raise CorruptChunkError(f"pack {pack_id} is missing") from None
+                self._fds[pack_id] = fd
+            return fd
+
+    def read(self, pack_id: str, offset: int, length: int) -> bytes:
+        data = os.pread(self._fd(pack_id), length, offset)
+        if len(data) != length:
+            raise CorruptChunkError(
+                f"pack {pack_id} is truncated: frame at offset {offset} needs {length} bytes, got {len(data)}"
+            )
+        return data
+
+    def forget(self, pack_id: str) -> None:
+        with self._lock:
+            fd = self._fds.pop(pack_id, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+def is_active(path: Path) -> bool:
+    """True while some writer holds the pack open for appending (its exclusive flock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the lock we may have taken
+    return False
+
+
+def scan(path: Path) -> Iterator[tuple[int, codec.FrameHeader]]:
+    """Yield (offset, header) of every intact frame of a pack, stopping at the first torn or damaged one."""
+    with open(path, "rb") as f:
+        head = f.read(PACK_HEADER.size)
+        if len(head) < PACK_HEADER.size:
+            return
+        magic, version, _ = PACK_HEADER.unpack(head)
+        if magic != PACK_MAGIC:
+            raise CorruptionError(f"{path.name} is not a pack (magic {magic!r})")
+        if version != PACK_VERSION:
+            raise FormatVersionError(f"pack {path.name} has format version {version}")
+        offset = PACK_HEADER.size
+        while True:
+            f.seek(offset)
+            hbuf = f.read(codec.HEADER_SIZE)
+            if len(hbuf) < codec.HEADER_SIZE:
+                return
+            try:
+                h = codec.parse_header(hbuf)
+            except DeltackptError:
+                return
+            payload = f.read(h.stored_len)
+            if len(payload) < h.stored_len:
+                return
+            if codec.frame_checksum(hbuf[: codec.CHECKED], payload) != h.checksum:
+                return
+            yield offset, h
+            offset += h.frame_len

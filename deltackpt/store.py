@@ -1,0 +1,637 @@
+"""The Store: save and load whole training states; list and delete checkpoints.
+
+Where it sits: the top of the pipeline. ``save`` = flatten the tree (:mod:`tree`) -> name each tensor's chunks
+(:mod:`kernel`) -> look them up (:mod:`index`) -> encode the new ones (:mod:`codec`) on worker threads ->
+append them to a pack (:mod:`packs`) -> fsync -> write the manifest (:mod:`manifest`) -> commit in LMDB.
+``load`` runs it backwards and verifies every chunk it decodes. Maintenance (gc, verify, repair) lives in
+:mod:`deltackpt.maintenance` and is reached through methods here.
+
+On-disk layout of a store (see ``docs/format.md``)::
+
+    STORE              JSON: store format version and chunk size, written once at creation
+    index/             LMDB environment (the commit point)
+    packs/*.pack       append-only frame files
+    manifests/*.manifest   one immutable file per checkpoint
+    tmp/               temporary files of saves in progress
+    gc.lock            shared by saves and loads, exclusive for gc and repair
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltackpt import codec, config, kernel, manifest, tree
+from deltackpt.errors import (
+    CheckpointNotFoundError,
+    CorruptChunkError,
+    DeltackptError,
+    FormatVersionError,
+    InvalidNameError,
+    ShapeMismatchError,
+    StoreLockedError,
+)
+from deltackpt.index import ChunkLoc, Index, Record, chunk_key
+from deltackpt.packs import PackReader, PackWriter, fsync_dir
+
+STORE_FORMAT = "deltackpt-store"
+STORE_VERSION = 1
+MAX_STEP = (1 << 63) - 1
+_INFLIGHT_PER_THREAD = 3
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One committed checkpoint as :meth:`Store.list`, :meth:`Store.info` and :meth:`Store.save` report it."""
+
+    id: str
+    step: int
+    created: float  # seconds since the epoch
+    parent: str | None
+    logical_bytes: int  # bytes of all tensors/arrays in the state
+    written_bytes: int  # bytes this save added to packs (compressed frames)
+    metadata: Any
+    seq: int  # commit order within the store
+
+    @classmethod
+    def from_record(cls, rec: Record) -> CheckpointInfo:
+        meta = tree.decode_plain(rec.metadata) if rec.metadata is not None else None
+        return cls(rec.id, rec.step, rec.created, rec.parent, rec.logical_bytes, rec.written_bytes, meta, rec.seq)
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    step = int(step)
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be between 0 and 2**63-1, got {step}")
+    return step
+
+
+def _host_bytes(obj: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The leaf's bytes as a flat uint8 array on the host (a view when already contiguous on the CPU)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        t = t.resolve_conj().resolve_neg()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        return t.reshape(-1).view(torch.uint8).numpy()
+    a = np.ascontiguousarray(obj)
+    return a.reshape(-1).view(np.uint8)
+
+
+def _resolve_device(stored: str, map_location: Any) -> torch.device:
+    if map_location is None:
+        dev = torch.device(stored)
+    elif isinstance(map_location, Mapping):
+        dev = torch.device(map_location.get(stored, stored))
+    elif isinstance(map_location, (str, torch.device)):
+        dev = torch.device(map_location)
+    else:
+        raise TypeError("map_location must be None, a device, a device string or a dict {stored: target}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"the checkpoint holds a tensor on {stored} but CUDA is not available: pass map_location='cpu'"
+        )
+    return dev
+
+
+class Store:
+    """An incremental, content-addressed checkpoint store in a directory.
+
+    ``Store(path)`` creates the store or opens an existing one. ``chunk_size`` is fixed when the store is
+    created (a power of two, default 1 MiB); ``zstd_level`` and ``threads`` apply to this handle.
+    A Store may be used from several threads and shared with other processes on the same host; it must not
+    be used across ``fork`` (open a new one in the child).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        chunk_size: int | None = None,
+        zstd_level: int | None = None,
+        threads: int | None = None,
+        *,
+        allow_network_fs: bool | None = None,
+        pack_size: int | None = None,
+    ) -> None:
+        self.path = Path(path)
+        self.zstd_level = config.zstd_level() if zstd_level is None else int(zstd_level)
+        self.threads = max(1, config.threads() if threads is None else int(threads))
+        self.chunk_size = self._init_layout(chunk_size)
+        allow = config.allow_network_fs() if allow_network_fs is None else allow_network_fs
+        self.index = Index(self.path / "index", allow_network_fs=allow)
+        self._packs_dir = self.path / "packs"
+        self._manifests_dir = self.path / "manifests"
+        self._tmp_dir = self.path / "tmp"
+        self._writer = PackWriter(self._packs_dir, max_size=pack_size or config.pack_size())
+        self.reader = PackReader(self._packs_dir)
+        self._save_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._local = threading.local()
+        self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
+        self._closed = False
+
+    # -- layout -----------------------------------------------------------------------------------------
+    def _init_layout(self, chunk_size: int | None) -> int:
+        cfg_path = self.path / "STORE"
+        if not cfg_path.exists():
+            cs = config.check_chunk_size(config.chunk_size() if chunk_size is None else chunk_size)
+            for sub in ("packs", "manifests", "tmp", "index"):
+                (self.path / sub).mkdir(parents=True, exist_ok=True)
+            (self.path / "gc.lock").touch()
+            tmp = self.path / f"STORE.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            tmp.write_text(json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION, "chunk_size": cs}) + "\n")
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, cfg_path)  # fails if another process created the store meanwhile: theirs wins
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+            fsync_dir(self.path)
+        try:
+            cfg = json.loads(cfg_path.read_text())
+            fmt, version, cs = cfg["format"], int(cfg["version"]), int(cfg["chunk_size"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DeltackptError(f"{cfg_path} is not a deltackpt store description: {exc}") from None
+        if fmt != STORE_FORMAT:
+            raise DeltackptError(f"{self.path} is not a deltackpt store")
+        if version > STORE_VERSION:
+            raise FormatVersionError(f"store {self.path} has format version {version}; this deltackpt reads 1")
+        if chunk_size is not None and chunk_size != cs:
+            raise ValueError(f"store {self.path} was created with chunk_size={cs}, not {chunk_size}")
+        return config.check_chunk_size(cs)
+
+    def close(self) -> None:
+        """Release the pack being written, worker threads and open files. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with self._save_lock:
+            self._writer.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self.reader.close()
+        self.index.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r}, chunk_size={self.chunk_size})"
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            with self._pool_lock:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="deltackpt")
+        return self._pool
+
+    @contextmanager
+    def _gc_lock(self, exclusive: bool = False, timeout: float | None = None) -> Iterator[None]:
+        """Saves and loads hold this shared; gc and repair hold it exclusively."""
+        if self._closed:
+            raise DeltackptError(f"store {self.path} is closed")
+        fd = os.open(self.path / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+            if timeout is None:
+                fcntl.flock(fd, mode)
+            else:
+                deadline = time.monotonic() + timeout
+                while True:
+                    try:
+                        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            raise StoreLockedError(f"store {self.path} is busy (saves or loads in progress)") from None
+                        time.sleep(0.05)
+            yield
+        finally:
+            os.close(fd)
+
+    def _encoder(self) -> codec.Encoder:
+        enc = getattr(self._local, "encoder", None)
+        if enc is None or enc.level != self.zstd_level:
+            enc = self._local.encoder = codec.Encoder(self.zstd_level)
+        return enc
+
+    # -- lookup -------------------------------------------------------------------------------------------
+    def _record(self, step: int | None = None, id: str | None = None) -> Record:
+        if id is not None:
+            manifest.check_id(id)
+        if step is not None:
+            step = _check_step(step)
+        rec = self.index.get(step=step, id=id)
+        if rec is None or (step is not None and id is not None and rec.step != step):
+            if id is not None:
+                raise CheckpointNotFoundError(f"no checkpoint with id {id} in {self.path}")
+            if step is not None:
+                raise CheckpointNotFoundError(f"no checkpoint at step {step} in {self.path}")
+            raise CheckpointNotFoundError(f"store {self.path} holds no checkpoint")
+        return rec
+
+    def _manifest(self, rec: Record) -> manifest.Manifest:
+        return manifest.read(self._manifests_dir, rec.id, expect_checksum=rec.manifest_checksum)
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every retained checkpoint, oldest commit first."""
+        return [CheckpointInfo.from_record(r) for r in self.index.records()]
+
+    def info(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:
+        """The checkpoint at ``step`` (the newest one with that step), or with ``id``; latest when neither."""
+        return CheckpointInfo.from_record(self._record(step, id))
+
+    def latest(self) -> CheckpointInfo | None:
+        rec = self.index.get()
+        return None if rec is None else CheckpointInfo.from_record(rec)
+
+    def manifest(self, step: int | None = None, *, id: str | None = None) -> manifest.Manifest:
+        """The parsed, verified manifest of a checkpoint (for inspection tools)."""
+        return self._manifest(self._record(step, id))
+
+    def __len__(self) -> int:
+        return self.index.count()
+
+    # -- save ---------------------------------------------------------------------------------------------
+    def save(
+        self,
+        state: Any,
+        step: int,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        parent: str | None = None,
+        allow_pickle: bool = False,
+    ) -> CheckpointInfo:
+        """Durably store ``state`` as a checkpoint at ``step`` and return its info.
+
+        Only chunks the store does not hold yet are written. When this returns the checkpoint survives a
+        crash. ``parent`` (a checkpoint id) records lineage; by default the checkpoint this handle last saved
+        or loaded, else the latest one. Raises UnsupportedTypeError (a TypeError naming the key path) before
+        writing anything if the state holds something that cannot be stored.
+        """
+        step = _check_step(step)
+        skeleton, leaves = tree.flatten(state, allow_pickle=allow_pickle)
+        meta_node = tree.encode_plain(dict(metadata)) if metadata is not None else None
+        if parent is not None:
+            manifest.check_id(parent)
+        ckpt_id = secrets.token_hex(8)
+        with self._save_lock, self._gc_lock():
+            if parent is None:
+                parent = self._head
+                if parent is None:
+                    latest = self.index.get()
+                    parent = latest.id if latest is not None else None
+            entries, digests, flags, new_locs, written = self._write_leaves(leaves)
+            self._writer.sync()  # 1. every new frame durable
+            m = manifest.Manifest(
+                id=ckpt_id,
+                step=step,
+                created=time.time(),
+                parent=parent,
+                chunk_size=self.chunk_size,
+                tree=skeleton,
+                tensors=entries,
+                digests=digests,
+                flags=flags,
+                metadata=meta_node,
+                logical_bytes=sum(e.nbytes for e in entries),
+                written_bytes=written,
+            )
+            _, checksum = manifest.write(self._manifests_dir, self._tmp_dir, m)  # 2. manifest durable
+            rec = Record(
+                id=ckpt_id,
+                step=step,
+                created=m.created,
+                parent=parent,
+                manifest_checksum=checksum,
+                logical_bytes=m.logical_bytes,
+                written_bytes=written,
+                metadata=meta_node,
+            )
+            rec = self.index.commit_checkpoint(rec, new_locs)  # 3. THE COMMIT POINT
+            self._head = ckpt_id
+        return CheckpointInfo.from_record(rec)
+
+    def _write_leaves(
+        self, leaves: list[tree.Leaf]
+    ) -> tuple[list[manifest.TensorEntry], np.ndarray, np.ndarray, dict[bytes, ChunkLoc], int]:
+        cs = self.chunk_size
+        entries: list[manifest.TensorEntry] = []
+        all_digests: list[np.ndarray] = []
+        all_flags: list[np.ndarray] = []
+        new_locs: dict[bytes, ChunkLoc] = {}
+        pending: set[bytes] = set()
+        inflight: collections.deque[tuple[Future[bytes], bytes, manifest.TensorEntry]] = collections.deque()
+        limit = self.threads * _INFLIGHT_PER_THREAD
+        written = 0
+        first = 0
+
+        def drain(keep: int) -> None:
+            nonlocal written
+            while len(inflight) > keep:
+                fut, key, entry = inflight.popleft()
+                frame = fut.result()
+                pack_id, offset = self._writer.append(frame)
+                h = codec.parse_header(frame)
+                new_locs[key] = ChunkLoc(pack_id, offset, len(frame), h.codec, 0, h.base)
+                entry.written += len(frame)
+                written += len(frame)
+
+        try:
+            for leaf in leaves:
+                buf = _host_bytes(leaf.obj)
+                digests, zero = kernel.chunk_digests(buf, cs, self.threads)
+                n = len(zero)
+                entry = manifest.TensorEntry(
+                    key=leaf.path, kind=leaf.kind, dtype=leaf.dtype, shape=list(leaf.shape), nbytes=leaf.nbytes,
+                    width=leaf.width, first=first, count=n, requires_grad=leaf.requires_grad,
+                    parameter=leaf.parameter, device=leaf.device,
+                )
+                first += n
+                entries.append(entry)
+                all_digests.append(digests)
+                all_flags.append(zero.astype(np.uint8))
+                keys = [
+                    (i, chunk_key(digests[i].tobytes(), min(cs, leaf.nbytes - i * cs)))
+                    for i in range(n)
+                    if not zero[i]
+                ]
+                todo = [(i, k) for i, k in keys if k not in pending and k not in new_locs]
+                stored = self.index.has_chunks(k for _, k in todo)
+                for i, k in todo:
+                    if k in stored or k in pending:
+                        continue
+                    pending.add(k)
+                    view = memoryview(buf)[i * cs : i * cs + min(cs, leaf.nbytes - i * cs)]
+                    fut = self.pool.submit(self._encode, view, k[:16], leaf.width)
+                    inflight.append((fut, k, entry))
+                    drain(limit)
+            drain(0)
+        except BaseException:
+            for fut, _, _ in inflight:
+                fut.cancel()
+            for fut, _, _ in inflight:
+                if not fut.cancelled():
+                    try:
+                        fut.result()
+                    except BaseException:
+                        pass
+            raise
+        digests = np.concatenate(all_digests) if all_digests else np.empty((0, 16), np.uint8)
+        flags = np.concatenate(all_flags) if all_flags else np.empty(0, np.uint8)
+        return entries, digests, flags, new_locs, written
+
+    def _encode(self, view: memoryview, digest: bytes, width: int) -> bytes:
+        return self._encoder().encode(view, digest, width)
+
+    # -- load ---------------------------------------------------------------------------------------------
+    def load(
+        self,
+        step: int | None = None,
+        *,
+        id: str | None = None,
+        map_location: Any = None,
+        verify: bool = True,
+        allow_pickle: bool = False,
+    ) -> Any:
+        """Load a checkpoint (the latest when ``step`` and ``id`` are None) and return its state.
+
+        ``map_location`` works like ``torch.load``'s (a device, a device string, or a dict mapping stored
+        device strings to targets). ``verify=False`` skips re-hashing decoded chunks (frame checksums are
+        still checked). The next ``save`` through this handle descends from the loaded checkpoint.
+        """
+        rec = self._record(step, id)
+        with self._gc_lock():
+            m = self._manifest(rec)
+            objs: list[Any] = []
+            jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []
+            finals: list[tuple[int, torch.Tensor, torch.device]] = []
+            for t in m.tensors:
+                if t.kind == "torch":
+                    dt = tree.torch_dtype(t.dtype)
+                    dev = _resolve_device(t.device, map_location)
+                    pin = dev.type == "cuda"
+                    out = torch.empty(t.shape, dtype=dt, pin_memory=pin)
+                    jobs.append((t, out.reshape(-1).view(torch.uint8).numpy()))
+                    if dev.type != "cpu":
+                        finals.append((len(objs), out, dev))
+                    objs.append(out)
+                else:
+                    arr = np.empty(t.shape, dtype=_numpy_dtype(t.dtype, rec.id))
+                    jobs.append((t, arr.reshape(-1).view(np.uint8)))
+                    objs.append(arr)
+            self._read_into(m, jobs, verify=verify)
+        for i, out, dev in finals:
+            objs[i] = out.to(dev, non_blocking=True)
+        if finals and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        for i, t in enumerate(m.tensors):
+            if t.kind == "torch":
+                if t.parameter:
+                    objs[i] = torch.nn.Parameter(objs[i], requires_grad=t.requires_grad)
+                elif t.requires_grad:
+                    objs[i].requires_grad_(True)
+        state = tree.unflatten(m.tree, objs, allow_pickle=allow_pickle)
+        self._head = rec.id
+        return state
+
+    def load_into(
+        self,
+        target: Any,
+        step: int | None = None,
+        *,
+        id: str | None = None,
+        verify: bool = True,
+        strict: bool = True,
+    ) -> list[str]:
+        """Copy a checkpoint's tensors into the tensors of ``target`` in place, matched by key path.
+
+        ``target`` is a state tree of the same shape as the saved one (e.g. ``model.state_dict()``). CPU
+        tensors are filled directly (no second full copy); others through a host buffer. Plain values are
+        not touched. Returns the key paths that were not filled; with ``strict`` (default) any missing or
+        unexpected key, and any dtype or shape difference, raises before a byte is copied.
+        """
+        rec = self._record(step, id)
+        _, leaves = tree.flatten(target, allow_pickle=True)
+        by_path = {leaf.path: leaf for leaf in leaves}
+        with self._gc_lock():
+            m = self._manifest(rec)
+            stored = {t.key: t for t in m.tensors}
+            missing = sorted(set(by_path) - set(stored))
+            unexpected = sorted(set(stored) - set(by_path))
+            if strict and (missing or unexpected):
+                raise ShapeMismatchError(
+                    f"checkpoint {rec.id} (step {rec.step}) and the target differ: missing in checkpoint "
+                    f"{missing[:5]}, not in target {unexpected[:5]}"
+                )
+            jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []
+            copies: list[tuple[Any, np.ndarray]] = []
+            for key, t in stored.items():
+                leaf = by_path.get(key)
+                if leaf is None:
+                    continue
+                if leaf.kind != t.kind or leaf.dtype != t.dtype or list(leaf.shape) != t.shape:
+                    raise ShapeMismatchError(
+                        f"{key!r}: checkpoint has {t.kind} {t.dtype}{tuple(t.shape)}, target has "
+                        f"{leaf.kind} {leaf.dtype}{tuple(leaf.shape)}"
+                    )
+                obj = leaf.obj
+                direct = (
+                    obj.device.type == "cpu" and obj.is_contiguous()
+                    if isinstance(obj, torch.Tensor)
+                    else obj.flags.c_contiguous and obj.flags.writeable
+                )
+                if direct:
+                    jobs.append((t, _writable_bytes(obj)))
+                else:
+                    staging = np.empty(t.nbytes, dtype=np.uint8)
+                    jobs.append((t, staging))
+                    copies.append((obj, staging))
+            self._read_into(m, jobs, verify=verify)
+            for obj, staging in copies:
+                if isinstance(obj, torch.Tensor):
+                    src = torch.from_numpy(staging).view(obj.dtype).reshape(obj.shape)
+                    with torch.no_grad():
+                        obj.copy_(src)
+                else:
+                    obj[...] = staging.view(obj.dtype).reshape(obj.shape)
+        self._head = rec.id
+        return missing
+
+    def _read_into(self, m: manifest.Manifest, jobs: list[tuple[manifest.TensorEntry, np.ndarray]], *,
+                   verify: bool) -> None:
+        cs = m.chunk_size
+        work: list[tuple[manifest.TensorEntry, bytes, np.ndarray]] = []
+        for t, out in jobs:
+            if len(out) != t.nbytes:
+                raise ShapeMismatchError(f"{t.key!r}: buffer of {len(out)} bytes for {t.nbytes}")
+            for i in range(t.count):
+                j = t.first + i
+                view = out[i * cs : i * cs + t.chunk_len(i, cs)]
+                if m.flags[j] & manifest.FLAG_ZERO:
+                    view[:] = 0
+                else:
+                    work.append((t, chunk_key(m.digests[j].tobytes(), len(view)), view))
+        locs = self.index.lookup_chunks(k for _, k, _ in work)
+        for t, k, _ in work:
+            if k not in locs:
+                raise CorruptChunkError(
+                    "chunk is not in the index", chunk_id=_kid(k), checkpoint=m.id, key=t.key
+                )
+        futures = [
+            (t, k, self.pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify)) for t, k, view in work
+        ]
+        first_error: BaseException | None = None
+        for t, k, fut in futures:
+            try:
+                fut.result()
+            except CorruptChunkError as exc:
+                if first_error is None:
+                    first_error = CorruptChunkError(exc.reason, chunk_id=_kid(k), checkpoint=m.id, key=t.key)
+            except BaseException as exc:  # keep waiting for the rest, then raise the first
+                if first_error is None:
+                    first_error = exc
+        if first_error is not None:
+            raise first_error
+
+    def read_chunk(
+        self, key: bytes, loc: ChunkLoc | None = None, *, out: np.ndarray | None = None, verify: bool = True,
+        _depth: int = 0,
+    ) -> memoryview:
+        """Decode one chunk (its delta bases first) and return its raw bytes, filling ``out`` when given."""
+        if loc is None:
+            found = self.index.lookup_chunks([key])
+            if key not in found:
+                raise CorruptChunkError("chunk is not in the index", chunk_id=_kid(key))
+            loc = found[key]
+        if _depth > 64:
+            raise CorruptChunkError("delta chain is longer than 64 frames (a cycle?)", chunk_id=_kid(key))
+        frame = self.reader.read(loc.pack_id, loc.offset, loc.frame_len)
+        base = None
+        if loc.codec == codec.DELTA:
+            base_key = loc.base + key[16:]  # a delta base has the same length as the chunk
+            base = self.read_chunk(base_key, verify=verify, _depth=_depth + 1)
+        return codec.decode(
+            frame, expect_digest=key[:16], expect_len=int.from_bytes(key[16:], "big"), out=out, base=base,
+            verify=verify, where=f"pack {loc.pack_id} offset {loc.offset}",
+        )
+
+    # -- delete ---------------------------------------------------------------------------------------------
+    def delete(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:
+        """Remove a checkpoint (the newest with ``step``, or the one with ``id``). Space returns with :meth:`gc`."""
+        if step is None and id is None:
+            raise ValueError("delete needs a step or an id")
+        rec = self._record(step, id)
+        self.index.remove_checkpoint(rec)  # the commit point of a delete
+        if self._head == rec.id:
+            self._head = None
+        try:
+            manifest.path_for(self._manifests_dir, rec.id).unlink()
+            fsync_dir(self._manifests_dir)
+        except FileNotFoundError:
+            pass
+        return CheckpointInfo.from_record(rec)
+
+    # -- maintenance ------------------------------------------------------------------------------------------
+    def gc(self, **kwargs: Any) -> Any:
+        """Reclaim chunks no retained checkpoint reaches; see :func:`deltackpt.maintenance.gc`."""
+        from deltackpt import maintenance
+
+        return maintenance.gc(self, **kwargs)
+
+    def verify(self, step: int | None = None, *, id: str | None = None, **kwargs: Any) -> Any:
+        """Decode and check every chunk of one or all checkpoints; see :func:`deltackpt.maintenance.verify`."""
+        from deltackpt import maintenance
+
+        return maintenance.verify(self, step=step, id=id, **kwargs)
+
+    def repair(self, **kwargs: Any) -> Any:
+        """Rebuild the index from packs and manifests; see :func:`deltackpt.maintenance.repair`."""
+        from deltackpt import maintenance
+
+        return maintenance.repair(self, **kwargs)
+
+
+def _kid(key: bytes) -> str:
+    return codec.chunk_hex(key[:16], int.from_bytes(key[16:], "big"))
+
+
+def _numpy_dtype(s: str, where: str) -> np.dtype:
+    try:
+        dt = np.dtype(s)
+    except TypeError:
+        raise InvalidNameError(f"checkpoint {where} names an unknown numpy dtype {s!r}") from None
+    if dt.kind not in "biufc":
+        raise InvalidNameError(f"checkpoint {where} names an unsupported numpy dtype {s!r}")
+    return dt
+
+
+def _writable_bytes(obj: torch.Tensor | np.ndarray) -> np.ndarray:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().reshape(-1).view(torch.uint8).numpy()
+    return obj.reshape(-1).view(np.uint8)

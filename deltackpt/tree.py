@@ -1,0 +1,317 @@
+"""State trees: flatten a nested training state into a JSON-safe skeleton plus a list of array leaves, and back.
+
+Where it sits: first step of ``save`` and last step of ``load``. :func:`flatten` walks the user's state and
+returns the skeleton that goes into the manifest and the tensors/arrays whose bytes the store chunks;
+:func:`unflatten` rebuilds the same structure from the skeleton and the loaded arrays. No code is ever
+executed to decode a skeleton: every node is one of a closed set of tags, and pickle is used only when both
+the save and the load opted in.
+
+Skeleton nodes are JSON lists whose first element is a tag::
+
+    ["N"]                     None                ["b", true]            bool
+    ["i", "123"]              int (any size)      ["f", "3ff8000000000000"]  float, exact bits (nan, -0.0)
+    ["s", "text"]             str                 ["y", "base64"]        bytes
+    ["d", [keys], [values]]   dict (order kept)   ["o", [keys], [values]] OrderedDict
+    ["l", [values]]           list                ["t", [values]]        tuple
+    ["T", i] / ["A", i]       torch tensor / numpy array: leaf i of the tensor table
+    ["dt", "float32"]         torch.dtype         ["dv", "cuda:0"]       torch.device
+    ["sz", [2, 3]]            torch.Size          ["ns", "<f8", "hex"]   numpy scalar
+    ["x", name, node]         registered type     ["p", "base64"]        pickled (opt-in only)
+
+Dict keys are nodes too, limited to str and int.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltackpt.errors import CorruptManifestError, UnsafeLoadError, UnsupportedTypeError
+
+
+@dataclass
+class Leaf:
+    """One array leaf of a state: where it was first met, the object, and its description."""
+
+    path: str
+    obj: torch.Tensor | np.ndarray
+    kind: str  # "torch" or "numpy"
+    dtype: str  # torch dtype name ("float32") or numpy dtype str ("<f4")
+    shape: tuple[int, ...]
+    nbytes: int
+    width: int  # element width for byte planes: 1, 2, 4 or 8
+    requires_grad: bool = False
+    parameter: bool = False
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class _TypeHook:
+    cls: type
+    name: str
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+
+
+_HOOKS_BY_TYPE: dict[type, _TypeHook] = {}
+_HOOKS_BY_NAME: dict[str, _TypeHook] = {}
+
+
+def register_type(
+    cls: type, name: str, encode: Callable[[Any], Any], decode: Callable[[Any], Any]
+) -> None:
+    """Teach deltackpt a user type.
+
+    ``encode(obj)`` returns a storable value (any state tree: dicts, lists, tensors, plain values);
+    ``decode(value)`` rebuilds the object from it. ``name`` is what the manifest records: keep it stable.
+    The decoder must be registered in the loading process too, else load raises UnsupportedTypeError.
+    """
+    if not name or not isinstance(name, str):
+        raise ValueError("a registered type needs a non-empty name")
+    hook = _TypeHook(cls, name, encode, decode)
+    _HOOKS_BY_TYPE[cls] = hook
+    _HOOKS_BY_NAME[name] = hook
+
+
+def unregister_type(cls: type) -> None:
+    hook = _HOOKS_BY_TYPE.pop(cls, None)
+    if hook is not None:
+        _HOOKS_BY_NAME.pop(hook.name, None)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """torch dtype from its name, without evaluating anything."""
+    dt = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dt, torch.dtype):
+        raise CorruptManifestError(f"unknown torch dtype {name!r}")
+    return dt
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _plane_width(itemsize: int, is_complex: bool) -> int:
+    size = itemsize // 2 if is_complex else itemsize
+    for w in (8, 4, 2, 1):
+        if size % w == 0:
+            return w
+    return 1
+
+
+_NUMPY_KINDS = set("biufc")
+
+
+def _child(path: str, key: Any) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.leaves: list[Leaf] = []
+        self._seen: dict[int, int] = {}
+
+    def leaf(self, obj: torch.Tensor | np.ndarray, path: str) -> list[Any]:
+        idx = self._seen.get(id(obj))
+        is_torch = isinstance(obj, torch.Tensor)
+        if idx is None:
+            leaf = _torch_leaf(obj, path) if is_torch else _numpy_leaf(obj, path)  # type: ignore[arg-type]
+            idx = len(self.leaves)
+            self.leaves.append(leaf)
+            self._seen[id(obj)] = idx
+        return ["T" if is_torch else "A", idx]
+
+    def node(self, obj: Any, path: str) -> list[Any]:
+        t = type(obj)
+        if obj is None:
+            return ["N"]
+        if t is bool:
+            return ["b", obj]
+        if t is int:
+            return ["i", str(obj)]
+        if t is float:
+            return ["f", struct.pack(">d", obj).hex()]
+        if t is str:
+            return ["s", obj]
+        if t is bytes:
+            return ["y", base64.b64encode(obj).decode()]
+        if t is dict or t is OrderedDict:
+            keys, vals = [], []
+            for k, v in obj.items():
+                if type(k) is str:
+                    keys.append(["s", k])
+                elif type(k) is int:
+                    keys.append(["i", str(k)])
+                else:
+                    raise UnsupportedTypeError(
+                        f"dict key {k!r} at {path or '<root>'} has type {type(k).__name__}; keys must be str or int"
+                    )
+                vals.append(self.node(v, _child(path, k)))
+            return ["d" if t is dict else "o", keys, vals]
+        if t is list or t is tuple:
+            tag = "l" if t is list else "t"
+            return [tag, [self.node(v, _child(path, i)) for i, v in enumerate(obj)]]
+        if t is torch.Size:
+            return ["sz", [int(x) for x in obj]]
+        if isinstance(obj, torch.Tensor):
+            return self.leaf(obj, path)
+        if t is np.ndarray:
+            return self.leaf(obj, path)
+        if t is torch.dtype:
+            return ["dt", _dtype_name(obj)]
+        if t is torch.device:
+            return ["dv", str(obj)]
+        if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
+            return ["ns", obj.dtype.str, obj.tobytes().hex()]
+        hook = _HOOKS_BY_TYPE.get(t)
+        if hook is not None:
+            return ["x", hook.name, self.node(hook.encode(obj), path)]
+        if self.allow_pickle:
+            try:
+                data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise UnsupportedTypeError(f"cannot pickle {path or '<root>'} ({t.__name__}): {exc}") from exc
+            return ["p", base64.b64encode(data).decode()]
+        raise UnsupportedTypeError(
+            f"cannot store {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__} "
+            "(register it with deltackpt.register_type, or opt in with allow_pickle=True)"
+        )
+
+
+def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:
+    where = path or "<root>"
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedTypeError(f"cannot store {where}: tensor subclass {type(t).__qualname__}")
+    if t.layout != torch.strided:
+        raise UnsupportedTypeError(f"cannot store {where}: {t.layout} tensors are not supported")
+    if t.is_quantized or t.is_meta or t.is_nested:
+        raise UnsupportedTypeError(f"cannot store {where}: quantized, meta and nested tensors are not supported")
+    if t.dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
+        raise UnsupportedTypeError(f"cannot store {where}: dtype {t.dtype} is not supported")
+    return Leaf(
+        path=path,
+        obj=t,
+        kind="torch",
+        dtype=_dtype_name(t.dtype),
+        shape=tuple(t.shape),
+        nbytes=t.numel() * t.element_size(),
+        width=_plane_width(t.element_size(), t.is_complex()),
+        requires_grad=bool(t.requires_grad),
+        parameter=isinstance(t, torch.nn.Parameter),
+        device=str(t.device),
+    )
+
+
+def _numpy_leaf(a: np.ndarray, path: str) -> Leaf:
+    if a.dtype.kind not in _NUMPY_KINDS:
+        raise UnsupportedTypeError(f"cannot store {path or '<root>'}: numpy dtype {a.dtype} is not supported")
+    return Leaf(
+        path=path,
+        obj=a,
+        kind="numpy",
+        dtype=a.dtype.str,
+        shape=tuple(a.shape),
+        nbytes=int(a.nbytes),
+        width=_plane_width(a.dtype.itemsize, a.dtype.kind == "c"),
+    )
+
+
+def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[list[Any], list[Leaf]]:
+    """Return (skeleton, leaves). Raises UnsupportedTypeError naming the key path; touches nothing."""
+    f = _Flattener(allow_pickle)
+    skeleton = f.node(state, "")
+    return skeleton, f.leaves
+
+
+def encode_plain(value: Any) -> list[Any]:
+    """Skeleton of a value that holds no arrays (e.g. checkpoint metadata)."""
+    skeleton, leaves = flatten(value)
+    if leaves:
+        raise UnsupportedTypeError(f"metadata may not hold tensors or arrays (found one at {leaves[0].path!r})")
+    return skeleton
+
+
+def unflatten(skeleton: Any, leaves: list[Any], *, allow_pickle: bool = False) -> Any:
+    """Rebuild a state from its skeleton; ``leaves[i]`` is the loaded object of leaf i."""
+    try:
+        return _build(skeleton, leaves, allow_pickle)
+    except (UnsafeLoadError, UnsupportedTypeError, CorruptManifestError):
+        raise
+    except (IndexError, KeyError, TypeError, ValueError, struct.error) as exc:
+        raise CorruptManifestError(f"malformed state skeleton: {exc!r}") from None
+
+
+def decode_plain(skeleton: Any) -> Any:
+    return unflatten(skeleton, [])
+
+
+def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
+    tag = n[0]
+    if tag == "N":
+        return None
+    if tag == "b":
+        if type(n[1]) is not bool:
+            raise ValueError("bool node")
+        return n[1]
+    if tag == "i":
+        return int(n[1])
+    if tag == "f":
+        return struct.unpack(">d", bytes.fromhex(n[1]))[0]
+    if tag == "s":
+        if type(n[1]) is not str:
+            raise ValueError("str node")
+        return n[1]
+    if tag == "y":
+        return base64.b64decode(n[1], validate=True)
+    if tag in ("d", "o"):
+        keys = [_build(k, leaves, allow_pickle) for k in n[1]]
+        if any(type(k) not in (str, int) for k in keys) or len(keys) != len(n[2]):
+            raise ValueError("dict node")
+        vals = [_build(v, leaves, allow_pickle) for v in n[2]]
+        return dict(zip(keys, vals)) if tag == "d" else OrderedDict(zip(keys, vals))
+    if tag == "l":
+        return [_build(v, leaves, allow_pickle) for v in n[1]]
+    if tag == "t":
+        return tuple(_build(v, leaves, allow_pickle) for v in n[1])
+    if tag in ("T", "A"):
+        i = n[1]
+        if type(i) is not int or not 0 <= i < len(leaves):
+            raise ValueError(f"leaf index {i!r}")
+        return leaves[i]
+    if tag == "dt":
+        return torch_dtype(n[1])
+    if tag == "dv":
+        return torch.device(n[1])
+    if tag == "sz":
+        return torch.Size([int(x) for x in n[1]])
+    if tag == "ns":
+        dt = np.dtype(n[1])
+        if dt.kind not in _NUMPY_KINDS:
+            raise ValueError(f"numpy scalar dtype {dt}")
+        return np.frombuffer(bytes.fromhex(n[2]), dtype=dt)[0]
+    if tag == "x":
+        hook = _HOOKS_BY_NAME.get(n[1])
+        if hook is None:
+            raise UnsupportedTypeError(
+                f"the checkpoint holds a value of registered type {n[1]!r}; register its decoder with "
+                "deltackpt.register_type before loading"
+            )
+        return hook.decode(_build(n[2], leaves, allow_pickle))
+    if tag == "p":
+        if not allow_pickle:
+            raise UnsafeLoadError(
+                "the checkpoint holds pickled values; load it with allow_pickle=True only if you trust the store"
+            )
+        return pickle.loads(base64.b64decode(n[1]))  # noqa: S301 - explicit opt-in
+    raise ValueError(f"unknown node tag {tag!r}")
