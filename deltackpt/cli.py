@@ -1,0 +1,335 @@
+"""The ``deltackpt`` command: inspect and maintain a store from the shell.
+
+Where it sits: a thin layer over :class:`deltackpt.Store` and :mod:`deltackpt.maintenance`; it owns argument
+parsing, tables, progress bars and exit codes, nothing else. Every subcommand takes the store directory first.
+A checkpoint is named by its step (the newest checkpoint with that step), ``latest``, or its 16-hex id.
+On failure it prints one line ``deltackpt: error: ...`` to stderr and exits 1 (2 for usage errors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deltackpt import maintenance, manifest, tree
+from deltackpt.errors import DeltackptError
+from deltackpt.store import CheckpointInfo, Store
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def when(ts: float) -> str:
+    return _dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def table(rows: Sequence[Sequence[Any]], header: Sequence[str], right: set[int] | None = None) -> str:
+    right = right or set()
+    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = []
+    for n, r in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
+
+
+@contextmanager
+def progress(desc: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A tqdm bar on a terminal, nothing otherwise."""
+    if not sys.stderr.isatty():
+        yield None
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(desc=desc, unit="", leave=False, file=sys.stderr)
+    try:
+
+        def update(done: int, total: int) -> None:
+            bar.total = total
+            bar.n = done
+            bar.refresh()
+
+        yield update
+    finally:
+        bar.close()
+
+
+def _which(arg: str) -> dict[str, Any]:
+    if arg == "latest":
+        return {}
+    if arg.isdigit():
+        return {"step": int(arg)}
+    return {"id": manifest.check_id(arg)}
+
+
+def _open(path: str) -> Store:
+    p = Path(path)
+    if not (p / "STORE").exists():
+        raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
+    return Store(p)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with _open(args.store) as s:
+        infos = s.list()
+        rows = [
+            (i.step, i.id, when(i.created), human(i.logical_bytes), human(i.written_bytes),
+             _meta_str(i.metadata))
+            for i in infos
+        ]
+        print(table(rows, ["step", "id", "created", "logical", "written", "metadata"], right={0, 3, 4}))
+    return 0
+
+
+def _meta_str(meta: Any) -> str:
+    if not meta:
+        return ""
+    return " ".join(f"{k}={v}" for k, v in meta.items()) if isinstance(meta, dict) else str(meta)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with _open(args.store) as s:
+        info = s.info(**_which(args.checkpoint))
+        m = s.manifest(id=info.id)
+        print(f"checkpoint {info.id}  step {info.step}  created {when(info.created)}  parent {info.parent or '-'}")
+        if info.metadata:
+            print(f"metadata   {_meta_str(info.metadata)}")
+        print(f"logical    {human(info.logical_bytes)}   written {human(info.written_bytes)}   "
+              f"tensors {len(m.tensors)}   chunk size {human(m.chunk_size)}")
+        print()
+        rows = [
+            (t.key or "<root>", t.dtype, "x".join(map(str, t.shape)) or "()", human(t.nbytes), human(t.written))
+            for t in m.tensors
+        ]
+        print(table(rows, ["key", "dtype", "shape", "logical", "written"], right={3, 4}))
+    return 0
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    with _open(args.store) as s:
+        infos = s.list()
+        by_id = {i.id: i for i in infos}
+        children: dict[str | None, int] = {}
+        for i in infos:
+            children[i.parent] = children.get(i.parent, 0) + 1
+        rows = []
+        for i in infos:
+            if i.parent is None:
+                parent = "-"
+            elif i.parent in by_id:
+                parent = f"{by_id[i.parent].step} ({i.parent[:8]})"
+            else:
+                parent = f"deleted ({i.parent[:8]})"
+            mark = "branch" if children.get(i.parent, 0) > 1 and i.parent is not None else ""
+            rows.append((i.step, i.id, parent, when(i.created), human(i.written_bytes), mark))
+        print(table(rows, ["step", "id", "parent", "created", "written", ""], right={0, 4}))
+    return 0
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    with _open(args.store) as s:
+        infos = s.list()
+        logical = sum(i.logical_bytes for i in infos)
+        unique_raw = frames = 0
+        n_chunks = 0
+        for k, loc in s.index.iter_chunks():
+            unique_raw += int.from_bytes(k[16:], "big")
+            frames += loc.frame_len
+            n_chunks += 1
+        packs_bytes = sum(p.stat().st_size for p in (s.path / "packs").glob("*.pack"))
+        man_bytes = sum(p.stat().st_size for p in (s.path / "manifests").glob("*.manifest"))
+        on_disk = packs_bytes + man_bytes
+        rows = [
+            ("checkpoints", len(infos)),
+            ("logical bytes (all checkpoints)", human(logical)),
+            ("unique chunk bytes", f"{human(unique_raw)} in {n_chunks} chunks"),
+            ("stored frame bytes", human(frames)),
+            ("packs + manifests on disk", f"{human(packs_bytes)} + {human(man_bytes)}"),
+            ("dedup ratio (logical / unique)", f"{logical / unique_raw:.2f}x" if unique_raw else "-"),
+            ("compression ratio (unique / stored)", f"{unique_raw / frames:.2f}x" if frames else "-"),
+            ("overall (logical / on disk)", f"{logical / on_disk:.2f}x" if on_disk else "-"),
+            ("reclaimable by gc (packs - live frames)", human(max(0, packs_bytes - frames))),
+        ]
+        print(table(rows, ["", ""]))
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    with _open(args.store) as s, progress("verify") as bar:
+        which = _which(args.checkpoint) if args.checkpoint else {}
+        if args.checkpoint == "latest":
+            which = {"id": s.info().id}
+        report = s.verify(progress=bar, **which)
+    for p in report.problems:
+        print(p)
+    status = "OK" if report.ok else f"{len(report.problems)} problem(s)"
+    print(f"verified {report.checkpoints} checkpoint(s), {report.chunks} chunk reference(s): {status}")
+    return 0 if report.ok else 1
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    with _open(args.store) as s:
+        for c in args.checkpoint:
+            info = s.delete(**(_which(c) or {"id": s.info().id}))
+            print(f"deleted checkpoint {info.id} (step {info.step})")
+    print("run 'deltackpt gc' to reclaim space")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    with _open(args.store) as s, progress("gc") as bar:
+        r = s.gc(repack_below=args.repack_below, progress=bar)
+    print(f"dropped {r.dead_chunks} dead chunk(s); deleted {r.deleted_packs} pack(s), repacked "
+          f"{r.repacked_packs} ({r.moved_chunks} chunks moved); removed {r.orphan_manifests} orphan manifest(s); "
+          f"freed {human(r.freed_bytes)}")
+    if r.skipped_active_packs:
+        print(f"{r.skipped_active_packs} pack(s) still being written by another process were left alone")
+    return 0
+
+
+def cmd_repair(args: argparse.Namespace) -> int:
+    store = maintenance.open_for_repair(args.store)
+    with store as s, progress("repair") as bar:
+        r = s.repair(progress=bar)
+    print(f"indexed {r.chunks} chunk(s) from {r.packs} pack(s); {r.checkpoints} checkpoint(s) restored")
+    for p in r.damaged_packs:
+        print(f"pack {p} is damaged: frames after the damage were not indexed")
+    for c in r.lost_checkpoints:
+        print(f"checkpoint {c} could not be restored (damaged manifest or missing chunks)")
+    return 0 if not r.lost_checkpoints and not r.damaged_packs else 1
+
+
+def _tensor_dict(state: Any) -> dict[str, torch.Tensor]:
+    """Flatten a tree whose leaves are all tensors into {dotted key path: tensor} for safetensors."""
+    skeleton, leaves = tree.flatten(state)
+    found: list[tuple[str, int]] = []
+    plain: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        tag = node[0]
+        if tag in ("d", "o"):
+            for k, v in zip(node[1], node[2]):
+                walk(v, f"{path}.{k[1]}" if path else str(k[1]))
+        elif tag in ("l", "t"):
+            for i, v in enumerate(node[1]):
+                walk(v, f"{path}.{i}" if path else str(i))
+        elif tag == "T":
+            found.append((path, node[1]))
+        else:
+            plain.append(path or "<root>")
+
+    walk(skeleton, "")
+    if plain:
+        raise DeltackptError(
+            f"safetensors holds tensors only; this checkpoint also holds other values at {plain[:3]}: export .pt"
+        )
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for path, idx in found:
+        t = leaves[idx].obj
+        assert isinstance(t, torch.Tensor)
+        t = t.detach().contiguous()
+        out[path] = t.clone() if idx in seen else t  # safetensors refuses shared tensors
+        seen.add(idx)
+    return out
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    dest = Path(args.file)
+    with _open(args.store) as s:
+        state = s.load(**_which(args.checkpoint), map_location="cpu")
+    if dest.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise DeltackptError("exporting .safetensors needs the 'safetensors' package") from None
+        save_file(_tensor_dict(state), str(dest))
+    elif dest.suffix in (".pt", ".pth"):
+        torch.save(state, dest)
+    else:
+        raise DeltackptError(f"cannot export to {dest.name}: use a .pt or .safetensors file name")
+    print(f"exported checkpoint {args.checkpoint} to {dest} ({human(dest.stat().st_size)})")
+    return 0
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    src = Path(args.file)
+    if src.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        state: Any = load_file(str(src))
+    else:
+        try:
+            state = torch.load(src, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise DeltackptError(
+                f"{src} cannot be read with torch.load(weights_only=True): {str(exc).splitlines()[0]} "
+                "(deltackpt never unpickles arbitrary objects)"
+            ) from None
+    with Store(args.store) as s:
+        info = s.save(state, step=args.step, metadata={"imported_from": src.name})
+    print(f"imported {src} as checkpoint {info.id} (step {info.step}); wrote {human(info.written_bytes)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltackpt", description="Inspect and maintain a deltackpt checkpoint store.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.add_argument("store", help="store directory")
+        sp.set_defaults(fn=fn)
+        return sp
+
+    add("ls", cmd_ls, "list checkpoints")
+    add("show", cmd_show, "show a checkpoint's tensors").add_argument("checkpoint", help="step, 'latest' or id")
+    add("log", cmd_log, "show checkpoint lineage (parents and branches)")
+    add("du", cmd_du, "logical vs stored bytes, dedup and compression ratios")
+    add("verify", cmd_verify, "decode and check every chunk (exit 1 on damage)").add_argument(
+        "checkpoint", nargs="?", help="step, 'latest' or id (default: all)"
+    )
+    add("rm", cmd_rm, "delete checkpoints").add_argument("checkpoint", nargs="+", help="steps or ids")
+    gc = add("gc", cmd_gc, "reclaim space no retained checkpoint uses")
+    gc.add_argument("--repack-below", type=float, default=0.5, help="repack packs less live than this (0.5)")
+    add("repair", cmd_repair, "rebuild the index from packs and manifests")
+    ex = add("export", cmd_export, "write a checkpoint as .pt or .safetensors")
+    ex.add_argument("checkpoint", help="step, 'latest' or id")
+    ex.add_argument("file", help="destination (.pt or .safetensors)")
+    im = add("import", cmd_import, "store a .pt (weights_only) or .safetensors file as a checkpoint")
+    im.add_argument("file", help="source file")
+    im.add_argument("--step", type=int, required=True, help="step to record")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except KeyboardInterrupt:
+        print("deltackpt: interrupted", file=sys.stderr)
+        return 130
+    except (DeltackptError, OSError, ValueError, TypeError, RuntimeError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"deltackpt: error: {msg}", file=sys.stderr)
+        return 1
+    finally:
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
