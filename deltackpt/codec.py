@@ -51,6 +51,8 @@ NO_BASE = bytes(16)
 #: Largest raw chunk a frame may declare; bounds any allocation a damaged frame could ask for.
 MAX_RAW = 1 << 31
 _MAX_WINDOW = 1 << 27
+#: A delta frame at most this fraction of the raw size is kept without also trying the standalone encoding.
+DELTA_GOOD_ENOUGH = 0.5
 
 
 @dataclass(frozen=True)
@@ -123,20 +125,19 @@ class Encoder:
             raise ValueError(f"chunk of {n} bytes exceeds the frame limit of {MAX_RAW}")
         if width not in (1, 2, 4, 8):
             raise ValueError(f"element width must be 1, 2, 4 or 8, got {width}")
-        if width > 1:
-            best_codec, best = PLANES_ZSTD, self._cctx.compress(self._planes(raw, width, None))
-        else:
-            best_codec, best = ZSTD, self._cctx.compress(raw)
-        base_id = NO_BASE
+        best_codec, best, base_id = RAW, b"", NO_BASE
         if base is not None:
             if base_digest is None or len(base_digest) != 16:
                 raise ValueError("a delta base needs its 16-byte digest")
             base = memoryview(base).cast("B")
             if len(base) != n:
                 raise ValueError(f"delta base has {len(base)} bytes, the chunk {n}")
-            delta = self._cctx.compress(self._planes(raw, width, base))
-            if len(delta) < len(best):
-                best_codec, best, base_id = DELTA, delta, base_digest
+            best_codec, best, base_id = DELTA, self._cctx.compress(self._planes(raw, width, base)), base_digest
+        # A delta this small is not beaten by a standalone encoding of float data: skip the second compression.
+        if base is None or len(best) > n * DELTA_GOOD_ENOUGH:
+            alone = self._cctx.compress(self._planes(raw, width, None) if width > 1 else raw)
+            if base is None or len(alone) <= len(best):
+                best_codec, best, base_id = (PLANES_ZSTD if width > 1 else ZSTD), alone, NO_BASE
         if len(best) >= n:
             return _frame(RAW, width, n, digest, NO_BASE, bytes(raw))
         return _frame(best_codec, width, n, digest, base_id, best)

@@ -10,6 +10,8 @@ chunk size of a new store         ``DELTACKPT_CHUNK_SIZE``    1 MiB (see README,
 zstd level                        ``DELTACKPT_ZSTD_LEVEL``    1
 worker threads                    ``DELTACKPT_THREADS``       the CPUs this process may run on
 pack file roll-over size          ``DELTACKPT_PACK_SIZE``     1 GiB
+longest delta chain (0: no delta) ``DELTACKPT_MAX_CHAIN``     4
+delta base cache                  ``DELTACKPT_DELTA_CACHE``   1 GiB
 allow the index on network FS     ``DELTACKPT_ALLOW_NETWORK_FS``  0
 ================================  ==========================  ==========================================
 """
@@ -21,6 +23,8 @@ import os
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 1
 DEFAULT_PACK_SIZE = 1 << 30
+DEFAULT_MAX_CHAIN = 4
+DEFAULT_DELTA_CACHE = 1 << 30
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 1 << 30
 
@@ -56,6 +60,14 @@ def threads() -> int:
 
 def pack_size() -> int:
     return _env_int("DELTACKPT_PACK_SIZE", DEFAULT_PACK_SIZE)
+
+
+def max_chain() -> int:
+    return _env_int("DELTACKPT_MAX_CHAIN", DEFAULT_MAX_CHAIN)
+
+
+def delta_cache_bytes() -> int:
+    return _env_int("DELTACKPT_DELTA_CACHE", DEFAULT_DELTA_CACHE)
 
 
 def allow_network_fs() -> bool:

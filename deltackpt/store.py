@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from deltackpt import codec, config, kernel, manifest, tree
+from deltackpt.cache import ChunkCache
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
@@ -116,7 +117,10 @@ class Store:
     """An incremental, content-addressed checkpoint store in a directory.
 
     ``Store(path)`` creates the store or opens an existing one. ``chunk_size`` is fixed when the store is
-    created (a power of two, default 1 MiB); ``zstd_level`` and ``threads`` apply to this handle.
+    created (a power of two, default 1 MiB); the other settings apply to this handle: ``zstd_level``,
+    ``threads`` (worker threads for hashing, encoding and decoding), ``max_chain`` (the most delta frames a
+    chunk's decode may read beyond its own; 0 turns deltas off) and ``delta_cache_bytes`` (raw bytes of the
+    last save kept in memory as delta bases for the next one; bases not found there are decoded from disk).
     A Store may be used from several threads and shared with other processes on the same host; it must not
     be used across ``fork`` (open a new one in the child).
     """
@@ -130,6 +134,8 @@ class Store:
         *,
         allow_network_fs: bool | None = None,
         pack_size: int | None = None,
+        max_chain: int | None = None,
+        delta_cache_bytes: int | None = None,
     ) -> None:
         self.path = Path(path)
         self.zstd_level = config.zstd_level() if zstd_level is None else int(zstd_level)
@@ -147,6 +153,12 @@ class Store:
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
+        self._last_manifest: manifest.Manifest | None = None
+        self.max_chain = config.max_chain() if max_chain is None else int(max_chain)
+        if not 0 <= self.max_chain <= 64:
+            raise ValueError(f"max_chain must be between 0 (no deltas) and 64, got {self.max_chain}")
+        cache = config.delta_cache_bytes() if delta_cache_bytes is None else int(delta_cache_bytes)
+        self._base_cache = ChunkCache(cache if self.max_chain else 0)
         self._closed = False
 
     # -- layout -----------------------------------------------------------------------------------------
@@ -289,9 +301,11 @@ class Store:
     ) -> CheckpointInfo:
         """Durably store ``state`` as a checkpoint at ``step`` and return its info.
 
-        Only chunks the store does not hold yet are written. When this returns the checkpoint survives a
-        crash. ``parent`` (a checkpoint id) records lineage; by default the checkpoint this handle last saved
-        or loaded, else the latest one. Raises UnsupportedTypeError (a TypeError naming the key path) before
+        Only chunks the store does not hold yet are written; with deltas on (the default) a changed chunk of a
+        tensor that the parent checkpoint also holds (same key, dtype and shape) may be stored as an XOR delta
+        against the parent's chunk. When this returns the checkpoint survives a crash. ``parent`` (a
+        checkpoint id) is the lineage and delta parent; by default the checkpoint this handle last saved or
+        loaded, else the latest one. Raises UnsupportedTypeError (a TypeError naming the key path) before
         writing anything if the state holds something that cannot be stored.
         """
         step = _check_step(step)
@@ -303,10 +317,16 @@ class Store:
         with self._save_lock, self._gc_lock():
             if parent is None:
                 parent = self._head
+                if parent is not None and self.index.get(id=parent) is None:
+                    parent = None  # deleted meanwhile
                 if parent is None:
                     latest = self.index.get()
                     parent = latest.id if latest is not None else None
-            entries, digests, flags, new_locs, written = self._write_leaves(leaves)
+            elif self.index.get(id=parent) is None:
+                raise CheckpointNotFoundError(f"parent checkpoint {parent} is not in {self.path}")
+            pm = self._parent_manifest(parent) if parent is not None and self.max_chain > 0 else None
+            generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0
+            entries, digests, flags, new_locs, written = self._write_leaves(leaves, pm, generation)
             self._writer.sync()  # 1. every new frame durable
             m = manifest.Manifest(
                 id=ckpt_id,
@@ -321,6 +341,7 @@ class Store:
                 metadata=meta_node,
                 logical_bytes=sum(e.nbytes for e in entries),
                 written_bytes=written,
+                extra={"generation": generation},
             )
             _, checksum = manifest.write(self._manifests_dir, self._tmp_dir, m)  # 2. manifest durable
             rec = Record(
@@ -335,18 +356,28 @@ class Store:
             )
             rec = self.index.commit_checkpoint(rec, new_locs)  # 3. THE COMMIT POINT
             self._head = ckpt_id
+            self._last_manifest = m
         return CheckpointInfo.from_record(rec)
 
+    def _parent_manifest(self, parent: str) -> manifest.Manifest | None:
+        last = self._last_manifest
+        if last is not None and last.id == parent:
+            return last
+        rec = self.index.get(id=parent)
+        return None if rec is None else self._manifest(rec)
+
     def _write_leaves(
-        self, leaves: list[tree.Leaf]
+        self, leaves: list[tree.Leaf], pm: manifest.Manifest | None, generation: int
     ) -> tuple[list[manifest.TensorEntry], np.ndarray, np.ndarray, dict[bytes, ChunkLoc], int]:
         cs = self.chunk_size
+        k_max = self.max_chain
+        parents = {t.key: t for t in pm.tensors} if pm is not None and pm.chunk_size == cs else {}
         entries: list[manifest.TensorEntry] = []
         all_digests: list[np.ndarray] = []
         all_flags: list[np.ndarray] = []
         new_locs: dict[bytes, ChunkLoc] = {}
         pending: set[bytes] = set()
-        inflight: collections.deque[tuple[Future[bytes], bytes, manifest.TensorEntry]] = collections.deque()
+        inflight: collections.deque[tuple[Future[bytes], bytes, manifest.TensorEntry, int]] = collections.deque()
         limit = self.threads * _INFLIGHT_PER_THREAD
         written = 0
         first = 0
@@ -354,11 +385,12 @@ class Store:
         def drain(keep: int) -> None:
             nonlocal written
             while len(inflight) > keep:
-                fut, key, entry = inflight.popleft()
+                fut, key, entry, base_depth = inflight.popleft()
                 frame = fut.result()
                 pack_id, offset = self._writer.append(frame)
                 h = codec.parse_header(frame)
-                new_locs[key] = ChunkLoc(pack_id, offset, len(frame), h.codec, 0, h.base)
+                depth = base_depth + 1 if h.codec == codec.DELTA else 0
+                new_locs[key] = ChunkLoc(pack_id, offset, len(frame), h.codec, depth, h.base)
                 entry.written += len(frame)
                 written += len(frame)
 
@@ -376,26 +408,29 @@ class Store:
                 entries.append(entry)
                 all_digests.append(digests)
                 all_flags.append(zero.astype(np.uint8))
-                keys = [
+                todo = [
                     (i, chunk_key(digests[i].tobytes(), min(cs, leaf.nbytes - i * cs)))
                     for i in range(n)
                     if not zero[i]
                 ]
-                todo = [(i, k) for i, k in keys if k not in pending and k not in new_locs]
+                todo = [(i, k) for i, k in todo if k not in pending and k not in new_locs]
                 stored = self.index.has_chunks(k for _, k in todo)
+                todo = [(i, k) for i, k in todo if k not in stored]
+                bases = self._bases(leaf, parents.get(leaf.path), pm, todo, generation) if k_max else {}
                 for i, k in todo:
-                    if k in stored or k in pending:
-                        continue
+                    if k in pending:
+                        continue  # the same bytes twice in this tensor
                     pending.add(k)
                     view = memoryview(buf)[i * cs : i * cs + min(cs, leaf.nbytes - i * cs)]
-                    fut = self.pool.submit(self._encode, view, k[:16], leaf.width)
-                    inflight.append((fut, k, entry))
+                    base_key, base_depth = bases.get(i, (None, -1))
+                    fut = self.pool.submit(self._encode, view, k, leaf.width, base_key)
+                    inflight.append((fut, k, entry, base_depth))
                     drain(limit)
             drain(0)
         except BaseException:
-            for fut, _, _ in inflight:
+            for fut, _, _, _ in inflight:
                 fut.cancel()
-            for fut, _, _ in inflight:
+            for fut, _, _, _ in inflight:
                 if not fut.cancelled():
                     try:
                         fut.result()
@@ -406,8 +441,54 @@ class Store:
         flags = np.concatenate(all_flags) if all_flags else np.empty(0, np.uint8)
         return entries, digests, flags, new_locs, written
 
-    def _encode(self, view: memoryview, digest: bytes, width: int) -> bytes:
-        return self._encoder().encode(view, digest, width)
+    def _bases(
+        self,
+        leaf: tree.Leaf,
+        pt: manifest.TensorEntry | None,
+        pm: manifest.Manifest | None,
+        todo: list[tuple[int, bytes]],
+        generation: int,
+    ) -> dict[int, tuple[bytes, int]]:
+        """Delta base (key, depth) for each new chunk position whose parent chunk may serve as one.
+
+        A chunk gets no base (a keyframe) when the parent tensor differs in kind, dtype or shape, when the
+        parent chunk is all zero, when the chain would exceed ``max_chain`` frames, and on its staggered
+        keyframe turn ``(generation + position) % (max_chain + 1) == 0``, which spreads keyframes over
+        checkpoints so that every checkpoint restores in about the same time.
+        """
+        if pt is None or pm is None or not todo:
+            return {}
+        if (pt.kind, pt.dtype, list(pt.shape)) != (leaf.kind, leaf.dtype, list(leaf.shape)):
+            return {}
+        period = self.max_chain + 1
+        cand: dict[int, bytes] = {}
+        for i, k in todo:
+            if (generation + i) % period == 0:
+                continue
+            j = pt.first + i
+            if pm.flags[j] & manifest.FLAG_ZERO:
+                continue
+            cand[i] = pm.digests[j].tobytes() + k[16:]
+        locs = self.index.lookup_chunks(cand.values())
+        out: dict[int, tuple[bytes, int]] = {}
+        for i, bk in cand.items():
+            loc = locs.get(bk)
+            if loc is not None and loc.depth + 1 <= self.max_chain:
+                out[i] = (bk, loc.depth)
+        return out
+
+    def _encode(self, view: memoryview, key: bytes, width: int, base_key: bytes | None) -> bytes:
+        base = None
+        if base_key is not None:
+            base = self._base_cache.get(base_key)
+            if base is None:
+                try:
+                    base = self.read_chunk(base_key)
+                except CorruptChunkError:
+                    base, base_key = None, None  # a damaged base must not spread: store a keyframe
+        frame = self._encoder().encode(view, key[:16], width, base, None if base_key is None else base_key[:16])
+        self._base_cache.put(key, view)
+        return frame
 
     # -- load ---------------------------------------------------------------------------------------------
     def load(
@@ -575,7 +656,12 @@ class Store:
         base = None
         if loc.codec == codec.DELTA:
             base_key = loc.base + key[16:]  # a delta base has the same length as the chunk
-            base = self.read_chunk(base_key, verify=verify, _depth=_depth + 1)
+            try:
+                base = self.read_chunk(base_key, verify=verify, _depth=_depth + 1)
+            except CorruptChunkError as exc:
+                raise CorruptChunkError(
+                    f"its delta base {_kid(base_key)} is damaged: {exc.reason}", chunk_id=_kid(key)
+                ) from None
         return codec.decode(
             frame, expect_digest=key[:16], expect_len=int.from_bytes(key[16:], "big"), out=out, base=base,
             verify=verify, where=f"pack {loc.pack_id} offset {loc.offset}",

@@ -1,0 +1,65 @@
+"""A bounded, thread-safe cache of raw chunk bytes: the delta bases of the next save.
+
+Where it sits: ``save`` puts the raw bytes of every chunk it writes here; the next save, encoding chunk i of a
+tensor as a delta against chunk i of its parent, finds the base here instead of decoding it (and its whole
+delta chain) from the packs. Capacity is in bytes; the least recently used chunks go first. With capacity 0
+nothing is kept and every base is decoded from the store.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+
+class ChunkCache:
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(0, int(capacity))
+        self._data: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._size = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        with self._lock:
+            v = self._data.get(key)
+            if v is None:
+                self.misses += 1
+                return None
+            self._data.move_to_end(key)
+            self.hits += 1
+            return v
+
+    def put(self, key: bytes, raw: memoryview | np.ndarray) -> None:
+        """Keep a private copy of ``raw`` under ``key`` (the copy is made outside the lock)."""
+        n = len(raw)
+        if n > self.capacity:
+            return
+        with self._lock:
+            if key in self._data:
+                self._data.move_to_end(key)
+                return
+        copy = np.array(raw, dtype=np.uint8, copy=True)
+        with self._lock:
+            if key in self._data:
+                return
+            self._data[key] = copy
+            self._size += n
+            while self._size > self.capacity:
+                _, old = self._data.popitem(last=False)
+                self._size -= len(old)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._size = 0
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def __len__(self) -> int:
+        return len(self._data)
