@@ -18,7 +18,9 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
+from deltackpt.checkpointer import Checkpointer
 from deltackpt.kernel import backend
+from deltackpt.retention import Retention
 from deltackpt.store import CheckpointInfo, Store
 from deltackpt.tree import register_type, unregister_type
 
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointInfo",
+    "Checkpointer",
     "CheckpointNotFoundError",
     "CorruptChunkError",
     "CorruptManifestError",
@@ -34,6 +37,7 @@ __all__ = [
     "FormatVersionError",
     "InvalidNameError",
     "NetworkFilesystemError",
+    "Retention",
     "ShapeMismatchError",
     "Store",
     "StoreLockedError",

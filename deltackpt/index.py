@@ -29,7 +29,7 @@ from typing import Any
 
 import lmdb
 
-from deltackpt.errors import CorruptIndexError, FormatVersionError, NetworkFilesystemError
+from deltackpt.errors import CorruptIndexError, DeltackptError, FormatVersionError, NetworkFilesystemError
 
 INDEX_VERSION = 1
 LOC = struct.Struct("<16sQIBB16s")  # pack id (uuid bytes), offset, frame length, codec, chain depth, base digest
@@ -112,8 +112,42 @@ def filesystem_type(path: Path) -> str:
         return ""
 
 
+class _Shared:
+    """One LMDB environment per process and path: LMDB forbids opening an environment twice in a process."""
+
+    def __init__(self, path: Path, readonly: bool) -> None:
+        if not readonly:
+            path.mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(
+            str(path), map_size=MAP_SIZE, max_dbs=8, subdir=True, readonly=readonly,
+            lock=True, sync=True, metasync=True, readahead=False, meminit=False, create=not readonly,
+        )
+        self.refs = 0
+        try:
+            self.dbs = {name: self.env.open_db(name.encode(), create=not readonly)
+                        for name in ("meta", "chunks", "ckpts", "ids", "steps")}
+            if not readonly:
+                self.env.reader_check()  # clear reader slots of dead processes
+                with self.env.begin(write=True) as txn:
+                    v = txn.get(b"format", db=self.dbs["meta"])
+                    if v is None:
+                        txn.put(b"format", str(INDEX_VERSION).encode(), db=self.dbs["meta"])
+                    elif int(v) > INDEX_VERSION:
+                        raise FormatVersionError(
+                            f"index format {int(v)} is newer than this reader ({INDEX_VERSION})"
+                        )
+        except BaseException:
+            self.env.close()
+            raise
+
+
+_REGISTRY: dict[tuple[int, str], _Shared] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
 class Index:
-    """The LMDB environment of one store. Safe to use from several threads; reopened after ``fork``."""
+    """The LMDB environment of one store. Safe to use from several threads and from several ``Index``
+    objects of one process (they share the environment); a child process after ``fork`` opens its own."""
 
     def __init__(self, path: Path, *, allow_network_fs: bool = False, readonly: bool = False) -> None:
         self.path = path
@@ -124,62 +158,68 @@ class Index:
                 f"{path} is on a {fstype} filesystem, where LMDB's locking is unsafe; put the store on local "
                 "disk, or pass allow_network_fs=True (DELTACKPT_ALLOW_NETWORK_FS=1) if only one host uses it"
             )
-        self._lock = threading.Lock()
-        self._pid = -1
-        self._env: lmdb.Environment | None = None
-        self._open()
+        self._real = os.path.realpath(path)
+        self._held: tuple[int, str] | None = None
+        self._closed = False
+        self._shared()
 
-    def _open(self) -> None:
-        if not self.readonly:
-            self.path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(
-            str(self.path), map_size=MAP_SIZE, max_dbs=8, subdir=True, readonly=self.readonly,
-            lock=True, sync=True, metasync=True, readahead=False, meminit=False, create=not self.readonly,
-        )
-        self._pid = os.getpid()
-        env = self._env
-        self.db_meta = env.open_db(b"meta", create=not self.readonly)
-        self.db_chunks = env.open_db(b"chunks", create=not self.readonly)
-        self.db_ckpts = env.open_db(b"ckpts", create=not self.readonly)
-        self.db_ids = env.open_db(b"ids", create=not self.readonly)
-        self.db_steps = env.open_db(b"steps", create=not self.readonly)
-        if not self.readonly:
-            env.reader_check()  # clear reader slots of dead processes
-            with env.begin(write=True) as txn:
-                v = txn.get(b"format", db=self.db_meta)
-                if v is None:
-                    txn.put(b"format", str(INDEX_VERSION).encode(), db=self.db_meta)
-                elif int(v) > INDEX_VERSION:
-                    raise FormatVersionError(f"index format {int(v)} is newer than this reader ({INDEX_VERSION})")
+    def _shared(self) -> _Shared:
+        if self._closed:
+            raise DeltackptError(f"the index of {self.path.parent} is closed")
+        key = (os.getpid(), self._real)
+        sh = _REGISTRY.get(key)
+        if sh is None or self._held != key:
+            with _REGISTRY_LOCK:
+                sh = _REGISTRY.get(key)
+                if sh is None:
+                    sh = _REGISTRY[key] = _Shared(self.path, self.readonly)
+                if self._held != key:  # first use in this process (or after fork): take a reference
+                    sh.refs += 1
+                    self._held = key
+        return sh
 
     @property
     def env(self) -> lmdb.Environment:
-        if self._pid != os.getpid():  # never use an environment inherited across fork
-            with self._lock:
-                if self._pid != os.getpid():
-                    self._env = None
-                    self._open()
-        assert self._env is not None
-        return self._env
+        return self._shared().env
+
+    @property
+    def db_meta(self) -> Any:
+        return self._shared().dbs["meta"]
+
+    @property
+    def db_chunks(self) -> Any:
+        return self._shared().dbs["chunks"]
+
+    @property
+    def db_ckpts(self) -> Any:
+        return self._shared().dbs["ckpts"]
+
+    @property
+    def db_ids(self) -> Any:
+        return self._shared().dbs["ids"]
+
+    @property
+    def db_steps(self) -> Any:
+        return self._shared().dbs["steps"]
 
     def close(self) -> None:
-        if self._env is not None and self._pid == os.getpid():
-            self._env.close()
-        self._env = None
-        self._pid = -1
+        """Drop this object's reference; the environment closes with the last one in the process."""
+        if self._closed:
+            return
+        self._closed = True
+        key = self._held
+        if key is None or key[0] != os.getpid():
+            return  # never close an environment inherited across fork
+        with _REGISTRY_LOCK:
+            sh = _REGISTRY.get(key)
+            if sh is not None:
+                sh.refs -= 1
+                if sh.refs <= 0:
+                    del _REGISTRY[key]
+                    sh.env.close()
 
     def _write(self) -> lmdb.Transaction:
         return self.env.begin(write=True)
-
-    def reopen_after_error(self) -> None:
-        """After an LMDB panic (e.g. disk full) the environment must be reopened before further use."""
-        with self._lock:
-            try:
-                if self._env is not None:
-                    self._env.close()
-            finally:
-                self._env = None
-                self._open()
 
     # -- chunks ---------------------------------------------------------------------------------------
     def lookup_chunks(self, keys: Iterable[bytes]) -> dict[bytes, ChunkLoc]:

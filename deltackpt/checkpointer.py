@@ -1,0 +1,462 @@
+"""Training-loop integration: capture, interval and signal-triggered saves, async saves, exact resume, retention.
+
+Where it sits: between a training loop and a :class:`~deltackpt.Store`. ``step(n)`` decides whether a save is
+due; a save captures the whole training state (model, optimizers, schedulers, AMP scaler, data position, RNG
+states, user objects), copies its tensors into reusable staging buffers, and hands that snapshot to a
+background thread that runs ``Store.save`` and then the retention policy. ``restore()`` loads a checkpoint and
+puts every piece back, so a resumed run continues as if it had never stopped.
+
+Typical use::
+
+    ckpt = deltackpt.Checkpointer("ckpts", model=model, optimizer=opt, scheduler=sched, data=loader,
+                                  every_n_steps=10, retention=deltackpt.Retention(keep_last=5))
+    start = ckpt.restore()
+    for step in range(start, total_steps):
+        train_one_step()
+        ckpt.step(step + 1)        # step + 1 = number of completed steps
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import warnings
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from deltackpt.errors import DeltackptError
+from deltackpt.retention import THINNED_KEY, Retention
+from deltackpt.store import CheckpointInfo, Store
+
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _group(obj: Any) -> Any:
+    """One stateful object, or a list/tuple/dict of them, as a (kind, items) pair."""
+    if obj is None:
+        return None
+    if _stateful(obj):
+        return obj
+    if isinstance(obj, Mapping):
+        return {str(k): v for k, v in obj.items()}
+    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+        return list(obj)
+    raise TypeError(f"{type(obj).__name__} has no state_dict()/load_state_dict()")
+
+
+def _group_state(g: Any) -> Any:
+    if g is None:
+        return None
+    if isinstance(g, dict):
+        return {k: v.state_dict() for k, v in g.items()}
+    if isinstance(g, list):
+        return [v.state_dict() for v in g]
+    return g.state_dict()
+
+
+def _group_load(g: Any, state: Any, what: str) -> None:
+    if g is None:
+        return
+    if state is None:
+        raise DeltackptError(f"the checkpoint holds no {what} state")
+    if isinstance(g, dict):
+        for k, v in g.items():
+            v.load_state_dict(state[k])
+    elif isinstance(g, list):
+        if len(state) != len(g):
+            raise DeltackptError(f"the checkpoint holds {len(state)} {what} states, this run has {len(g)}")
+        for v, s in zip(g, state):
+            v.load_state_dict(s)
+    else:
+        g.load_state_dict(state)
+
+
+def rng_state() -> dict[str, Any]:
+    """The RNG states a resumed run needs: Python, NumPy's global generator, torch CPU and every CUDA device."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [t.cpu() for t in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    np_state = state["numpy"]
+    np.random.set_state(tuple(np_state))  # type: ignore[arg-type]
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        cuda = state["cuda"]
+        if len(cuda) != torch.cuda.device_count():
+            warnings.warn(
+                f"checkpoint holds RNG states of {len(cuda)} CUDA devices, this process sees "
+                f"{torch.cuda.device_count()}; restoring the common ones", RuntimeWarning, stacklevel=3,
+            )
+        for i, s in enumerate(cuda[: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+
+
+class _Staging:
+    """Reusable host buffers holding a consistent copy of the state while a background save reads it.
+
+    One buffer per key path, reused from save to save while dtype and shape stay the same (pinned host memory
+    for CUDA sources, so the device-to-host copy is asynchronous and fast). Memory is one copy of the
+    state's tensors, however many saves run.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor | np.ndarray] = {}
+        self._used: set[str] = set()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() if isinstance(b, torch.Tensor) else b.nbytes
+                   for b in self._buffers.values())
+
+    def _buffer_for(self, path: str, src: torch.Tensor) -> torch.Tensor:
+        buf = self._buffers.get(path)
+        if not (isinstance(buf, torch.Tensor) and buf.dtype == src.dtype and buf.shape == src.shape):
+            pin = src.device.type == "cuda"
+            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            self._buffers[path] = buf
+        return buf
+
+    def snapshot(self, state: Any) -> Any:
+        """Copy ``state`` (containers rebuilt, tensors and arrays copied into staging) and return the copy."""
+        self._used = set()
+        seen: dict[int, Any] = {}
+        cuda = False
+
+        def copy(obj: Any, path: str) -> Any:
+            nonlocal cuda
+            if isinstance(obj, torch.Tensor):
+                if id(obj) in seen:
+                    return seen[id(obj)]
+                if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided:
+                    return obj  # Store.save raises the proper error for it
+                src = obj.detach()
+                buf = self._buffer_for(path, src)
+                cuda = cuda or src.device.type == "cuda"
+                with torch.no_grad():
+                    buf.copy_(src, non_blocking=src.device.type == "cuda")
+                self._used.add(path)
+                out: Any = torch.nn.Parameter(buf, obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else buf
+                seen[id(obj)] = out
+                return out
+            if isinstance(obj, np.ndarray):
+                if id(obj) in seen:
+                    return seen[id(obj)]
+                nbuf = self._buffers.get(path)
+                if not (isinstance(nbuf, np.ndarray) and nbuf.dtype == obj.dtype and nbuf.shape == obj.shape):
+                    nbuf = np.empty_like(obj, order="C")
+                    self._buffers[path] = nbuf
+                np.copyto(nbuf, obj)
+                self._used.add(path)
+                seen[id(obj)] = nbuf
+                return nbuf
+            if isinstance(obj, dict):
+                return type(obj)((k, copy(v, f"{path}.{k}")) for k, v in obj.items())
+            if isinstance(obj, list):
+                return [copy(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+            if isinstance(obj, tuple) and type(obj) is tuple:
+                return tuple(copy(v, f"{path}[{i}]") for i, v in enumerate(obj))
+            return obj
+
+        snap = copy(state, "")
+        if cuda:
+            torch.cuda.synchronize()
+        for path in set(self._buffers) - self._used:  # tensors that left the state: free their buffers
+            del self._buffers[path]
+        return snap
+
+
+class Checkpointer:
+    """Checkpoint a training loop into a deltackpt store; resume it exactly.
+
+    Parameters
+    ----------
+    path_or_store: a store directory or an open :class:`Store`.
+    model, optimizer, scheduler, scaler: an object with ``state_dict``/``load_state_dict`` (nn.Module,
+        Optimizer, LR scheduler, ``torch.amp.GradScaler``), or a list or dict of them.
+    data: the data position: a :class:`deltackpt.data.ResumableLoader` / sampler, or any stateful loader
+        (torchdata's ``StatefulDataLoader``) - anything with ``state_dict``/``load_state_dict``.
+    extra: a dict of further state: stateful objects are saved through ``state_dict`` and restored through
+        ``load_state_dict``; plain values (dicts, numbers, tensors) are saved, and on restore written back
+        into this dict.
+    every_n_steps: save when the step passed to :meth:`step` is a multiple of this.
+    async_save: snapshot in :meth:`step` and save in a background thread (at most one save in flight).
+    retention: a :class:`Retention` policy applied after each committed save.
+    handle_signals: on SIGTERM/SIGINT save at the next step boundary, wait for it, then hand the signal to
+        the handler installed before (default action: exit with status 128+signal).
+    map_location: passed to :meth:`Store.load` by :meth:`restore` (default ``"cpu"``; ``load_state_dict``
+        moves values to the parameters' devices).
+    """
+
+    def __init__(
+        self,
+        path_or_store: str | os.PathLike[str] | Store,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        scaler: Any = None,
+        data: Any = None,
+        extra: dict[str, Any] | None = None,
+        every_n_steps: int = 1,
+        async_save: bool = True,
+        retention: Retention | None = None,
+        handle_signals: bool = True,
+        map_location: Any = "cpu",
+    ) -> None:
+        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
+        self._owns_store = not isinstance(path_or_store, Store)
+        self.store = Store(path_or_store) if self._owns_store else path_or_store  # type: ignore[arg-type]
+        self.model = _group(model)
+        self.optimizer = _group(optimizer)
+        self.scheduler = _group(scheduler)
+        self.scaler = _group(scaler)
+        if data is not None and not _stateful(data):
+            raise TypeError(
+                f"data must have state_dict()/load_state_dict() (got {type(data).__name__}); wrap a DataLoader "
+                "in deltackpt.data.ResumableLoader"
+            )
+        self.data = data
+        self.extra = extra if extra is not None else {}
+        self.every_n_steps = every_n_steps
+        self.async_save = async_save
+        self.retention = retention
+        self.map_location = map_location
+        self.last_saved_step: int | None = None
+        self.last_info: CheckpointInfo | None = None
+        self._staging = _Staging()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save") if async_save else None
+        self._inflight: Future[CheckpointInfo] | None = None
+        self._signal: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._closed = False
+        if handle_signals:
+            self._install_signals()
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def capture(self, step: int) -> dict[str, Any]:
+        """The training state at ``step`` as a tree of live objects (no copies)."""
+        extra: dict[str, Any] = {}
+        for k, v in self.extra.items():
+            extra[k] = v.state_dict() if _stateful(v) else v
+        return {
+            "step": step,
+            "model": _group_state(self.model),
+            "optimizer": _group_state(self.optimizer),
+            "scheduler": _group_state(self.scheduler),
+            "scaler": _group_state(self.scaler),
+            "data": self.data.state_dict() if self.data is not None else None,
+            "extra": extra,
+            "rng": rng_state(),
+        }
+
+    def apply(self, state: Mapping[str, Any]) -> int:
+        """Put a captured state back into the model, optimizers, ... and RNGs; return its step."""
+        if not isinstance(state, Mapping) or "step" not in state or "model" not in state:
+            raise DeltackptError("this checkpoint was not written by a Checkpointer (no 'step'/'model' entry)")
+        if state.get("thinned"):
+            raise DeltackptError(
+                f"checkpoint at step {state['step']} was thinned to model weights only and cannot resume training; "
+                "load its weights with Store.load"
+            )
+        _group_load(self.model, state["model"], "model")
+        _group_load(self.optimizer, state["optimizer"], "optimizer")
+        _group_load(self.scheduler, state["scheduler"], "scheduler")
+        _group_load(self.scaler, state["scaler"], "scaler")
+        if self.data is not None:
+            if state.get("data") is None:
+                raise DeltackptError("the checkpoint holds no data position")
+            self.data.load_state_dict(state["data"])
+        saved_extra = state.get("extra") or {}
+        for k, v in self.extra.items():
+            if k not in saved_extra:
+                raise DeltackptError(f"the checkpoint holds no extra[{k!r}]")
+            if _stateful(v):
+                v.load_state_dict(saved_extra[k])
+            else:
+                self.extra[k] = saved_extra[k]
+        set_rng_state(state["rng"])
+        return int(state["step"])
+
+    def restore(self, step: int | None = None, *, id: str | None = None) -> int:
+        """Load the latest checkpoint (or ``step``/``id``) into every component; return its step, 0 if none.
+
+        Saves after this descend from the restored checkpoint: after rolling back to an older step the run
+        continues on a branch, and saving a step number that exists on another branch is allowed.
+        """
+        self.wait()
+        if step is None and id is None and self.store.latest() is None:
+            return 0
+        state = self.store.load(step, id=id, map_location=self.map_location)
+        restored = self.apply(state)
+        self.last_saved_step = restored
+        return restored
+
+    # -- saving ----------------------------------------------------------------------------------------------
+    def step(self, step: int) -> bool:
+        """Tell the checkpointer that ``step`` steps are complete; save if due. Returns True if a save started.
+
+        Raises the error of a failed background save. After a SIGTERM/SIGINT it saves (whatever the interval),
+        waits for the save, then passes the signal on.
+        """
+        self._raise_background_error()
+        if self._signal is not None:
+            self.save(step, wait=True)
+            self._pass_signal_on()
+            return True
+        if step % self.every_n_steps == 0 and step != self.last_saved_step:
+            self.save(step)
+            return True
+        return False
+
+    def save(self, step: int, *, wait: bool = False, metadata: Mapping[str, Any] | None = None) -> None:
+        """Save now. Async mode snapshots and returns; ``wait=True`` (or sync mode) returns once committed."""
+        self._check_open()
+        self._raise_background_error()
+        self.wait()  # at most one save in flight: the staging buffers are about to be rewritten
+        state = self.capture(step)
+        meta = dict(metadata) if metadata else None
+        if self._executor is None:
+            self._run_save(state, step, meta)
+        else:
+            snap = self._staging.snapshot(state)
+            self._inflight = self._executor.submit(self._run_save, snap, step, meta)
+            if wait:
+                self.wait()
+        self.last_saved_step = step
+
+    def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None) -> CheckpointInfo:
+        info = self.store.save(state, step=step, metadata=meta)
+        self.last_info = info
+        if self.retention is not None:
+            self._apply_retention()
+        return info
+
+    def _apply_retention(self) -> None:
+        """Runs after a commit: thinning first (new weights-only checkpoints), deletes last."""
+        assert self.retention is not None
+        infos = self.store.list()
+        plan = self.retention.plan(infos)
+        by_id = {i.id: i for i in infos}
+        head = self.store._head
+        for cid in plan.thin:
+            info = by_id[cid]
+            full = self.store.load(id=cid, map_location="cpu")
+            meta = dict(info.metadata or {})
+            meta[THINNED_KEY] = True
+            thinned = {"step": full.get("step"), "model": full.get("model"), "thinned": True}
+            self.store.save(thinned, step=info.step, metadata=meta, parent=info.parent if info.parent in by_id
+                            else None)
+            self.store.delete(id=cid)
+        for cid in plan.delete:
+            self.store.delete(id=cid)
+        self.store._head = head  # retention must not change what the run's next save descends from
+
+    def wait(self) -> CheckpointInfo | None:
+        """Block until the save in flight (if any) is committed; raise its error."""
+        fut, self._inflight = self._inflight, None
+        if fut is None:
+            return None
+        try:
+            return fut.result()
+        except BaseException as exc:
+            raise DeltackptError(f"background save failed: {exc}") from exc
+
+    def _raise_background_error(self) -> None:
+        fut = self._inflight
+        if fut is not None and fut.done() and fut.exception() is not None:
+            self.wait()
+
+    def close(self) -> None:
+        """Wait for the last save and raise its error, if any; restore signal handlers; release the store."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            self._restore_signals()
+            if self._owns_store:
+                self.store.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise DeltackptError("the checkpointer is closed")
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once SIGTERM/SIGINT arrived (with ``handle_signals``)."""
+        return self._signal is not None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Host memory held by the async staging buffers."""
+        return self._staging.nbytes
+
+    # -- signals ---------------------------------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            warnings.warn("Checkpointer: signal handlers can only be installed from the main thread; "
+                          "SIGTERM/SIGINT will not trigger a save", RuntimeWarning, stacklevel=3)
+            return
+        for sig in _SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def _restore_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, handler in self._previous.items():
+            if signal.getsignal(sig) == self._on_signal:
+                signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._signal is not None and signum == signal.SIGINT:
+            # a second Ctrl-C: do not wait for the step boundary
+            self._restore_signals()
+            raise KeyboardInterrupt
+        self._signal = signum
+
+    def _pass_signal_on(self) -> None:
+        signum = self._signal
+        assert signum is not None
+        prev = self._previous.get(signum, signal.SIG_DFL)
+        self._restore_signals()
+        if callable(prev):
+            prev(signum, None)
+            return
+        if prev == signal.SIG_IGN:
+            self._signal = None
+            return
+        raise SystemExit(128 + signum)
+
+
+__all__ = ["Checkpointer", "rng_state", "set_rng_state"]

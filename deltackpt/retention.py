@@ -1,0 +1,113 @@
+"""Retention policies: which checkpoints to keep, which to thin to weights only, which to delete.
+
+Where it sits: after each committed save, the :class:`~deltackpt.Checkpointer` asks the policy what to do with
+the store's checkpoints and applies it (thinning first, deletes last). The policy itself is a pure function
+of the list of checkpoints, so it is easy to reason about and to test.
+
+Every rule *keeps* checkpoints; a checkpoint survives if any rule keeps it, and the newest checkpoint is always
+kept. A policy with no rules keeps everything.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deltackpt.store import CheckpointInfo
+
+#: Metadata key of a tag; a checkpoint saved with ``metadata={"tag": "..."}`` is kept by ``keep_tagged``.
+TAG_KEY = "tag"
+#: Metadata key set on checkpoints rewritten to hold model weights only.
+THINNED_KEY = "thinned"
+
+
+@dataclass(frozen=True)
+class Plan:
+    keep: list[str]  # ids kept as they are
+    thin: list[str]  # ids to rewrite with model weights only (kept)
+    delete: list[str]  # ids to delete
+
+
+@dataclass(frozen=True)
+class Retention:
+    """A retention policy.
+
+    keep_last     keep the N most recent checkpoints (always at least the newest one)
+    keep_every    keep checkpoints whose step is a multiple of this (e.g. 1000)
+    keep_tagged   keep checkpoints saved with ``metadata={"tag": ...}`` (default True)
+    keep_best     (metric, "min" | "max"): keep the ``best_k`` checkpoints with the best
+                  ``metadata[metric]``
+    best_k        how many "best" checkpoints to keep (default 1)
+    keep_within   keep every checkpoint younger than this many seconds
+    full_last     if set, only the N most recent checkpoints keep the full training state; older kept ones are
+                  thinned to model weights only (for evaluation and rollback)
+    """
+
+    keep_last: int | None = None
+    keep_every: int | None = None
+    keep_tagged: bool = True
+    keep_best: tuple[str, str] | None = None
+    best_k: int = 1
+    keep_within: float | None = None
+    full_last: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("keep_last", "keep_every", "full_last"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"Retention.{name} must be a positive int, got {v!r}")
+        if self.keep_best is not None:
+            if len(self.keep_best) != 2 or self.keep_best[1] not in ("min", "max"):
+                raise ValueError("Retention.keep_best must be (metric, 'min' or 'max')")
+        if self.best_k < 1:
+            raise ValueError("Retention.best_k must be >= 1")
+        if self.keep_within is not None and self.keep_within < 0:
+            raise ValueError("Retention.keep_within must be >= 0 seconds")
+
+    @property
+    def deletes_anything(self) -> bool:
+        return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best, self.keep_within))
+
+    def plan(self, infos: Sequence[CheckpointInfo], now: float | None = None) -> Plan:
+        """Decide for each checkpoint (``infos`` in commit order, oldest first)."""
+        if not infos:
+            return Plan([], [], [])
+        now = time.time() if now is None else now
+        ids = [i.id for i in infos]
+        keep: set[str] = {ids[-1]}
+        if not self.deletes_anything:
+            keep.update(ids)
+        if self.keep_last is not None:
+            keep.update(ids[-self.keep_last :])
+        if self.keep_every is not None:
+            keep.update(i.id for i in infos if i.step % self.keep_every == 0)
+        if self.keep_tagged:
+            keep.update(i.id for i in infos if isinstance(i.metadata, dict) and i.metadata.get(TAG_KEY))
+        if self.keep_best is not None:
+            metric, mode = self.keep_best
+            scored = [
+                (float(i.metadata[metric]), i.seq, i.id)
+                for i in infos
+                if isinstance(i.metadata, dict) and isinstance(i.metadata.get(metric), (int, float))
+                and i.metadata[metric] == i.metadata[metric]  # not NaN
+            ]
+            scored.sort(key=lambda t: (t[0] if mode == "min" else -t[0], -t[1]))
+            keep.update(i for _, _, i in scored[: self.best_k])
+        if self.keep_within is not None:
+            keep.update(i.id for i in infos if now - i.created <= self.keep_within)
+        thin: list[str] = []
+        if self.full_last is not None:
+            full = set(ids[-self.full_last :])
+            thin = [
+                i.id for i in infos
+                if i.id in keep and i.id not in full
+                and not (isinstance(i.metadata, dict) and i.metadata.get(THINNED_KEY))
+            ]
+        return Plan(
+            keep=[i for i in ids if i in keep and i not in thin],
+            thin=thin,
+            delete=[i for i in ids if i not in keep],
+        )
