@@ -286,6 +286,60 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_resume_info(args: argparse.Namespace) -> int:
+    with _open(args.store) as s:
+        latest = s.latest()
+        if latest is None:
+            print(f"{args.store} holds no checkpoint: a run would start from step 0")
+            return 0
+        m = s.manifest(id=latest.id)
+        # the skeleton with tensor descriptions in place of tensors: plain values without loading any bytes
+        state = tree.unflatten(m.tree, list(m.tensors), allow_pickle=False) if not _has_pickle(m.tree) else None
+        print(f"a run would resume from step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)})")
+        if not isinstance(state, dict) or "model" not in state:
+            print("this checkpoint was not written by a Checkpointer: Store.load it directly")
+            return 0
+        if state.get("thinned"):
+            print("warning: it was thinned to model weights only and cannot resume training")
+        rows = []
+        for part in ("model", "optimizer", "scheduler", "scaler", "data", "extra", "rng"):
+            value = state.get(part)
+            if value is None or value == {}:
+                continue
+            entries = _entries(value)
+            size = sum(e.nbytes for e in entries)
+            detail = f"{len(entries)} tensors, {human(size)}" if entries else ""
+            if part == "data" and isinstance(value, dict):
+                detail = ", ".join(f"{k}={v}" for k, v in value.items() if not isinstance(v, (dict, list)))
+            elif part == "rng":
+                detail = ", ".join(value) if isinstance(value, dict) else detail
+            elif part == "extra" and isinstance(value, dict):
+                detail = "keys: " + ", ".join(map(str, value))
+            elif part == "optimizer" and isinstance(value, dict) and "param_groups" in value:
+                detail = f"{len(value['param_groups'])} param group(s), " + (detail or "no state tensors")
+            rows.append((part, detail))
+        print(table(rows, ["part", "holds"]))
+        if latest.metadata:
+            print(f"metadata: {_meta_str(latest.metadata)}")
+    return 0
+
+
+def _has_pickle(node: Any) -> bool:
+    if isinstance(node, list):
+        return bool(node) and (node[0] == "p" or any(_has_pickle(n) for n in node[1:]))
+    return False
+
+
+def _entries(value: Any) -> list[manifest.TensorEntry]:
+    if isinstance(value, manifest.TensorEntry):
+        return [value]
+    if isinstance(value, dict):
+        return [e for v in value.values() for e in _entries(v)]
+    if isinstance(value, (list, tuple)):
+        return [e for v in value for e in _entries(v)]
+    return []
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltackpt", description="Inspect and maintain a deltackpt checkpoint store.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -313,6 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     im = add("import", cmd_import, "store a .pt (weights_only) or .safetensors file as a checkpoint")
     im.add_argument("file", help="source file")
     im.add_argument("--step", type=int, required=True, help="step to record")
+    add("resume-info", cmd_resume_info, "which step a training run would resume from, and what it holds")
     return p
 
 
