@@ -1,0 +1,426 @@
+"""Resumable data order: a deterministic epoch-aware sampler and a loader wrapper that counts what was used.
+
+Where it sits: training-loop integration, next to :mod:`deltackpt.checkpointer`. The Checkpointer's ``data=``
+object is saved with every checkpoint through its ``state_dict()`` and put back on restore through
+``load_state_dict()``, so a resumed run sees exactly the batches the uninterrupted run would have seen: the
+rest of the interrupted epoch, then the following epochs, in the same order and the same batches.
+
+Two pieces:
+
+* :class:`ResumableSampler` - a ``Sampler[int]`` for a plain ``torch.utils.data.DataLoader``. The order of
+  epoch ``e`` is a pure function of ``(seed, e, len)``: ``torch.randperm(len)`` from a ``torch.Generator``
+  seeded with ``seed + e`` (exactly ``DistributedSampler``'s order, which it can replace, ``num_replicas`` and
+  ``rank`` included), or ``0 .. len-1`` with ``shuffle=False``. It keeps a cursor, (epoch, position), and an
+  iteration starts there.
+* :class:`ResumableLoader` - a thin wrapper around a DataLoader built with a ResumableSampler. It counts the
+  samples of every batch the training loop actually received and moves the sampler's cursor accordingly;
+  its ``state_dict()`` is that cursor.
+
+Why the wrapper: the sampler runs in the main process and hands indices to the DataLoader *ahead* of the
+training loop - with ``num_workers > 0`` the DataLoader keeps ``prefetch_factor * num_workers`` batches in
+flight, and with a partial last batch the sampler is exhausted before that batch is delivered - so counting
+the indices the sampler yielded over-counts what the loop has consumed. Only the loop's side of the
+DataLoader knows, hence ``ResumableSampler.state_dict()`` refuses (RuntimeError) unless a ResumableLoader
+drives it; through one, ``sampler.state_dict()`` and ``loader.state_dict()`` are the same thing, and are
+correct whatever ``num_workers``, ``prefetch_factor`` or ``persistent_workers`` are.
+
+Typical use::
+
+    sampler = ResumableSampler(dataset, seed=1234)
+    loader = ResumableLoader(DataLoader(dataset, sampler=sampler, batch_size=32, num_workers=4))
+    ckpt = deltackpt.Checkpointer("ckpts", model=model, optimizer=opt, data=loader)
+    start = ckpt.restore()
+    batches = loader.batches()                  # endless; epochs advance by themselves
+    for step in range(start, total_steps):
+        train_one_step(next(batches))
+        ckpt.step(step + 1)
+
+or epoch loops, which resume mid-epoch too: ``for epoch in range(loader.epoch, n_epochs): for batch in
+loader: ...``. The state is plain values (ints, bools, a str), so it stores in a deltackpt checkpoint as is.
+
+Semantics worth knowing:
+
+* position counts *samples* (not batches) consumed in the current epoch, so a run may resume with another
+  batch size. An epoch ends - the cursor becomes (epoch + 1, 0) - when the loop sees the DataLoader's
+  iteration run out. A checkpoint taken right after an epoch's last batch, inside the loop, still says
+  (epoch, end): the resumed pass over that epoch is empty and ends at once, which keeps an ``epoch`` counter
+  of the training loop in step with the data.
+* ``set_epoch(e)`` works as ``DistributedSampler.set_epoch``, except that setting the epoch the cursor is
+  already in keeps its position - so ``sampler.set_epoch(epoch)`` at the top of a restored epoch loop does not
+  throw the restored position away. Without ``set_epoch`` calls the epoch advances by itself when an iteration
+  runs out.
+* The wrapper also keeps starting an iteration from consuming the global torch RNG: a DataLoader draws the
+  workers' base seed from its ``generator`` (default: the global RNG) every time an iteration starts, and a
+  resumed run starts one more iteration than the uninterrupted run did, which would shift every later random
+  draw of the training loop. When the DataLoader has no ``generator`` of its own, the wrapper seeds a private
+  one from (seed, epoch, position, rank) for each iteration; worker seeds are then reproducible from run to
+  run as well (a ``generator`` of the DataLoader's own is used as is: checkpointing it is up to you).
+  Random augmentations inside workers still differ after a *mid-epoch* resume (each worker's RNG stream
+  depends on the batches it handled before), as with any DataLoader.
+* ``load_state_dict`` raises ValueError when the state was saved for another dataset length, seed, shuffle
+  or sharding - and when this torch orders the saved epoch differently (the state holds a fingerprint of
+  the epoch's order; ``torch.randperm`` is not promised to be stable across torch versions).
+* Loaders that keep their own position (torchdata's ``StatefulDataLoader`` and the like) need none of this:
+  give them to the Checkpointer as ``data=`` directly, and their own ``state_dict()`` is saved.
+
+Not supported: IterableDatasets (no sampler), DataLoaders with ``in_order=False`` (batches may arrive out
+of order, so what was consumed is not a prefix), and custom batch samplers other than
+``torch.utils.data.BatchSampler`` (their batch sizes are unknown to the wrapper).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import operator
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+
+__all__ = ["ResumableLoader", "ResumableSampler"]
+
+STATE_VERSION = 1
+_CHUNK = 1 << 16  # indices converted to Python ints at a time
+_FINGERPRINT_ITEMS = 256  # leading entries of an epoch's order that its fingerprint covers
+
+
+def _int(value: Any, what: str, minimum: int | None = 0) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got {value!r}")
+    try:
+        out = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}") from None
+    if minimum is not None and out < minimum:
+        raise ValueError(f"{what} must be >= {minimum}, got {out}")
+    return out
+
+
+class ResumableSampler(Sampler[int]):
+    """Indices of a map-style dataset in an order that depends only on (seed, epoch, len), with a cursor.
+
+    ``data_source_or_len``: the dataset (anything with ``len``; its length is read once, here) or the length.
+    ``shuffle``: a ``randperm`` per epoch from a ``torch.Generator`` seeded with ``seed + epoch`` (as
+    ``DistributedSampler``); otherwise ``0 .. len-1`` every epoch. ``num_replicas``/``rank``: shard each epoch
+    over that many ranks as ``DistributedSampler`` does (pad by repeating indices so all ranks get
+    ``num_samples``, or with ``drop_last=True`` drop the tail); ``drop_last`` has no effect with one replica -
+    incomplete *batches* are the DataLoader's ``drop_last``.
+
+    The cursor (``epoch``, ``position``) says where the next iteration starts: it yields the epoch's indices
+    from ``position`` on. Driven by a :class:`ResumableLoader`, the cursor follows what the training loop
+    consumed, and only that loader moves it (iterating the bare DataLoader then repeats). Used alone, an
+    iteration that runs out moves the cursor to (epoch + 1, 0); ``state_dict()`` then raises, because the
+    sampler alone cannot know how far the loop got (see the module docstring).
+    """
+
+    def __init__(
+        self,
+        data_source_or_len: Sized | int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
+    ) -> None:
+        if isinstance(data_source_or_len, IterableDataset):
+            raise TypeError("ResumableSampler needs a map-style dataset or a length, not an IterableDataset")
+        if isinstance(data_source_or_len, Sized):
+            n = len(data_source_or_len)
+        else:
+            n = _int(data_source_or_len, "data_source_or_len (a dataset or its length)")
+        self.dataset_len = n
+        self.shuffle = bool(shuffle)
+        self.seed = _int(seed, "seed", minimum=None)
+        self.drop_last = bool(drop_last)
+        self.num_replicas = _int(num_replicas, "num_replicas", minimum=1)
+        self.rank = _int(rank, "rank")
+        if self.rank >= self.num_replicas:
+            raise ValueError(f"rank {self.rank} is not in [0, {self.num_replicas - 1}]")
+        if self.drop_last and n % self.num_replicas:
+            self.num_samples = n // self.num_replicas
+        else:
+            self.num_samples = math.ceil(n / self.num_replicas)
+        self.total_size = self.num_samples * self.num_replicas
+        self._epoch = 0
+        self._position = 0
+        self._driven = False  # a ResumableLoader moves the cursor
+        self._token = 0  # bumped when an iteration starts or the cursor is moved: older iterations stop
+        self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, its global order)
+
+    # -- the order ------------------------------------------------------------------------------------------
+    def _order(self, epoch: int) -> torch.Tensor:
+        """The global order of ``epoch`` (all ``dataset_len`` indices, int64), before padding and sharding."""
+        if self._cache is not None and self._cache[0] == epoch:
+            return self._cache[1]
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + epoch)
+            order = torch.randperm(self.dataset_len, generator=g)
+        else:
+            order = torch.arange(self.dataset_len, dtype=torch.int64)
+        self._cache = (epoch, order)
+        return order
+
+    def indices(self, epoch: int) -> torch.Tensor:
+        """This rank's ``num_samples`` indices of ``epoch``, in order (an int64 tensor)."""
+        epoch = _int(epoch, "epoch")
+        order = self._order(epoch)
+        if self.num_replicas == 1:
+            return order
+        if self.total_size > self.dataset_len:  # pad by repeating the order from its start
+            reps = math.ceil(self.total_size / self.dataset_len)
+            order = order.repeat(reps)
+        return order[self.rank : self.total_size : self.num_replicas]
+
+    def _fingerprint(self, epoch: int) -> str:
+        head = self._order(epoch)[:_FINGERPRINT_ITEMS].numpy().astype("<i8")
+        return hashlib.blake2b(head.tobytes(), digest_size=8).hexdigest()
+
+    # -- the cursor -----------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or the running) iteration covers."""
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """Samples of ``epoch`` already consumed (driven by a ResumableLoader) - where an iteration starts."""
+        return self._position
+
+    def set_epoch(self, epoch: int) -> None:
+        """Go to the start of ``epoch`` - or, when the cursor is in ``epoch`` already, keep its position."""
+        epoch = _int(epoch, "epoch")
+        if epoch != self._epoch:
+            self._epoch, self._position = epoch, 0
+            self._token += 1
+
+    def __len__(self) -> int:
+        """Indices per (whole) epoch: ``num_samples``."""
+        return self.num_samples
+
+    def __iter__(self) -> Iterator[int]:
+        rest = self.indices(self._epoch)[self._position :]
+        if self._driven:  # the ResumableLoader moves the cursor as the loop consumes
+            return _stream(rest)
+        self._token += 1
+        return self._undriven(rest, self._token, self._epoch)
+
+    def _undriven(self, rest: torch.Tensor, token: int, epoch: int) -> Iterator[int]:
+        yield from _stream(rest)
+        if self._token == token and not self._driven:
+            self._epoch, self._position = epoch + 1, 0
+
+    # -- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor and what it is valid for, as plain values (only when a ResumableLoader drives it)."""
+        if not self._driven:
+            raise RuntimeError(
+                "ResumableSampler.state_dict() needs a ResumableLoader: the sampler hands indices to the "
+                "DataLoader ahead of the training loop (prefetching), so only the loader knows what was "
+                "consumed. Wrap it - loader = deltackpt.data.ResumableLoader(DataLoader(..., "
+                "sampler=sampler)) - and save loader.state_dict()"
+            )
+        return {
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "position": self._position,
+            "len": self.dataset_len,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_replicas": self.num_replicas,
+            "drop_last": self.drop_last,
+            "fingerprint": self._fingerprint(self._epoch),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Move the cursor to a saved one; the next iteration resumes there (one in flight stops).
+
+        Raises ValueError when the state was saved for another dataset length, seed, shuffle, sharding, or
+        when this torch orders that epoch differently (its fingerprint).
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"a sampler state is a mapping, got {type(state).__name__}")
+        missing = [k for k in ("epoch", "position", "len", "seed", "shuffle") if k not in state]
+        if missing:
+            raise ValueError(f"not a ResumableSampler state: missing {', '.join(missing)}")
+        version = state.get("version", STATE_VERSION)
+        if version != STATE_VERSION:
+            raise ValueError(f"unknown ResumableSampler state version {version!r} (expected {STATE_VERSION})")
+        if state["len"] != self.dataset_len:
+            raise ValueError(
+                f"the data position was saved for a dataset of {state['len']} items, but this sampler's "
+                f"dataset has {self.dataset_len}: resuming would repeat or skip samples"
+            )
+        if state["seed"] != self.seed:
+            raise ValueError(
+                f"the data position was saved with seed {state['seed']}, but this sampler has {self.seed}"
+            )
+        if bool(state["shuffle"]) != self.shuffle:
+            raise ValueError(
+                f"the data position was saved with shuffle={bool(state['shuffle'])}, "
+                f"but this sampler has shuffle={self.shuffle}"
+            )
+        replicas = state.get("num_replicas", 1)
+        if replicas != self.num_replicas:
+            raise ValueError(
+                f"the data position was saved with num_replicas={replicas}, but this sampler has "
+                f"num_replicas={self.num_replicas}"
+            )
+        if self.num_replicas > 1 and bool(state.get("drop_last", False)) != self.drop_last:
+            raise ValueError(
+                f"the data position was saved with drop_last={bool(state.get('drop_last'))}, but this "
+                f"sampler has drop_last={self.drop_last}"
+            )
+        epoch = _int(state["epoch"], "saved epoch")
+        position = _int(state["position"], "saved position")
+        if position > self.num_samples:
+            raise ValueError(f"saved position {position} is past the end of an epoch of {self.num_samples}")
+        fingerprint = state.get("fingerprint")
+        if fingerprint is not None and fingerprint != self._fingerprint(epoch):
+            raise ValueError(
+                f"epoch {epoch} is not in the order it was saved in (order fingerprint {fingerprint}, now "
+                f"{self._fingerprint(epoch)}): torch.randperm differs between the torch versions"
+            )
+        self._epoch, self._position = epoch, position
+        self._token += 1
+
+    def __repr__(self) -> str:
+        return (
+            f"ResumableSampler(len={self.dataset_len}, shuffle={self.shuffle}, seed={self.seed}, "
+            f"epoch={self._epoch}, position={self._position}/{self.num_samples})"
+        )
+
+
+def _stream(rest: torch.Tensor) -> Iterator[int]:
+    for chunk in rest.split(_CHUNK):
+        yield from chunk.tolist()
+
+
+class ResumableLoader:
+    """A DataLoader (built with a :class:`ResumableSampler`) that counts what the training loop consumed.
+
+    Iterating it iterates the DataLoader from the sampler's cursor to the end of that epoch; every batch the
+    loop receives advances the cursor by that batch's samples (``batch_size``, or what is left of the epoch
+    for the last one), and running out moves it to (epoch + 1, 0). So a ``state_dict()`` taken at any point
+    of the loop - between batches or inside the loop body - says exactly where the next batch comes from,
+    whatever ``num_workers`` and prefetching are. ``load_state_dict()`` moves the cursor; the next iteration
+    resumes there. Moving the cursor (``load_state_dict``, ``set_epoch`` to another epoch) or starting a new
+    iteration ends an iteration in flight. Other attributes (``dataset``, ``batch_size``, ...) are the
+    DataLoader's.
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        if not isinstance(loader, DataLoader):
+            raise TypeError(f"ResumableLoader wraps a torch DataLoader, got {type(loader).__name__}")
+        if isinstance(loader.dataset, IterableDataset):
+            raise TypeError("ResumableLoader needs a map-style dataset; an IterableDataset has no sampler")
+        if getattr(loader, "in_order", True) is False:
+            raise ValueError(
+                "ResumableLoader needs in_order=True: with out-of-order batches the consumed samples are no "
+                "prefix of the epoch's order"
+            )
+        bs = loader.batch_sampler
+        if bs is None:  # automatic batching off: one sample per item
+            sampler, batch_size, drop_last = loader.sampler, 1, False
+        elif type(bs) is BatchSampler:
+            sampler, batch_size, drop_last = bs.sampler, bs.batch_size, bs.drop_last
+        else:
+            raise TypeError(
+                f"ResumableLoader cannot count samples of a custom batch sampler ({type(bs).__name__}); use "
+                "batch_size= with a ResumableSampler as sampler="
+            )
+        if not isinstance(sampler, ResumableSampler):
+            raise TypeError(
+                f"the DataLoader's sampler is a {type(sampler).__name__}; build it with "
+                "sampler=deltackpt.data.ResumableSampler(dataset, ...)"
+            )
+        self.loader = loader
+        self.sampler = sampler
+        self._batch_size = batch_size
+        self._drop_last = drop_last
+        sampler._driven = True
+        sampler._token += 1  # an undriven iteration in flight no longer moves the cursor
+
+    # -- the cursor -----------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or the running) iteration covers."""
+        return self.sampler.epoch
+
+    @property
+    def position(self) -> int:
+        """Samples of ``epoch`` the training loop has received."""
+        return self.sampler.position
+
+    def set_epoch(self, epoch: int) -> None:
+        """As ``ResumableSampler.set_epoch``: another epoch starts at its start, the current one stays."""
+        self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"epoch", "position", "len", "seed", "shuffle", ...}``: plain values, the sampler's state."""
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at a saved cursor (ValueError when it was saved for another dataset length or seed)."""
+        self.sampler.load_state_dict(state)
+
+    # -- iteration ------------------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        """Batches of a whole epoch (the DataLoader's length); a resumed epoch yields fewer."""
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        s = self.sampler
+        s._token += 1
+        token = s._token
+        epoch, position = s._epoch, s._position
+        total = s.num_samples
+        it = self._start()
+        try:
+            for batch in it:
+                if s._token != token:  # the cursor was moved, or another iteration started
+                    return
+                position += self._batch_size if self._drop_last else min(self._batch_size, total - position)
+                s._position = position
+                yield batch
+            if s._token == token:
+                s._epoch, s._position = epoch + 1, 0
+        finally:
+            del it
+
+    def _start(self) -> Iterator[Any]:
+        """iter(DataLoader), the workers' base seed drawn from a private generator, not the global RNG."""
+        if self.loader.generator is not None:
+            return iter(self.loader)
+        s = self.sampler
+        key = f"deltackpt.data:{s.seed}:{s.epoch}:{s.position}:{s.rank}".encode()
+        g = torch.Generator()
+        g.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)
+        self.loader.generator = g
+        try:
+            return iter(self.loader)
+        finally:
+            self.loader.generator = None
+
+    def batches(self, max_epochs: int | None = None) -> Iterator[Any]:
+        """Batch after batch across epochs, from the cursor on; stops once ``epoch`` reaches ``max_epochs``.
+
+        Endless with ``max_epochs=None`` (then ValueError if an epoch has no batch at all).
+        """
+        if max_epochs is None and len(self.loader) == 0:
+            raise ValueError("the DataLoader yields no batch in an epoch; batches() would never yield")
+        while max_epochs is None or self.sampler.epoch < max_epochs:
+            yield from self
+
+    def __getattr__(self, name: str) -> Any:
+        loader = self.__dict__.get("loader")
+        if loader is None or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(loader, name)
+
+    def __repr__(self) -> str:
+        bs, dl = self._batch_size, self._drop_last
+        return f"ResumableLoader({self.sampler!r}, batch_size={bs}, drop_last={dl})"

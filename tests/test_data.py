@@ -1,0 +1,471 @@
+"""deltackpt.data: a run stopped anywhere and resumed in fresh objects sees exactly its remaining batches."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    SequentialSampler,
+    TensorDataset,
+)
+
+import deltackpt
+from deltackpt.data import ResumableLoader, ResumableSampler
+
+EPOCHS = 3
+N, BS = 23, 4  # 5 full batches and one of 3 per epoch; 5 batches with drop_last
+
+
+def make(
+    n: int = N,
+    bs: int | None = BS,
+    *,
+    shuffle: bool = True,
+    seed: int = 0,
+    drop_last: bool = False,
+    workers: int = 0,
+    sampler_cls: type[ResumableSampler] = ResumableSampler,
+    **kw: Any,
+) -> ResumableLoader:
+    """A fresh dataset, sampler, DataLoader and wrapper, as a restarted process builds them."""
+    ds = TensorDataset(torch.arange(n))
+    sampler = sampler_cls(ds, shuffle=shuffle, seed=seed)
+    dl = DataLoader(ds, sampler=sampler, batch_size=bs, drop_last=drop_last, num_workers=workers, **kw)
+    return ResumableLoader(dl)
+
+
+def ids(batch: Any) -> list[int]:
+    (x,) = batch
+    return x.reshape(-1).tolist()
+
+
+def expected(n: int, bs: int, *, shuffle: bool, seed: int, drop_last: bool, epochs: int = EPOCHS) -> list:
+    """The batches of ``epochs`` epochs, computed without deltackpt."""
+    out = []
+    for e in range(epochs):
+        if shuffle:
+            g = torch.Generator()
+            g.manual_seed(seed + e)
+            order = torch.randperm(n, generator=g).tolist()
+        else:
+            order = list(range(n))
+        for i in range(0, n, bs):
+            if len(order[i : i + bs]) == bs or not drop_last:
+                out.append(order[i : i + bs])
+    return out
+
+
+def run_epochs(loader: ResumableLoader, stop: int | None = None, epochs: int = EPOCHS) -> tuple[list, Any]:
+    """``for epoch in range(loader.epoch, epochs): for batch in loader`` - stopping (state taken inside the
+    loop body, right after batch number ``stop``) when asked."""
+    out: list = []
+    if stop == 0:
+        return out, loader.state_dict()
+    for _ in range(loader.epoch, epochs):
+        for b in loader:
+            out.append(ids(b))
+            if len(out) == stop:
+                return out, loader.state_dict()
+    return out, None
+
+
+def run_set_epoch(loader: ResumableLoader, start: int, stop: int | None = None) -> tuple[list, Any, int]:
+    """A DistributedSampler-style loop: ``for epoch in range(start, EPOCHS): set_epoch(epoch); ...``."""
+    out: list = []
+    for epoch in range(start, EPOCHS):
+        loader.set_epoch(epoch)
+        for b in loader:
+            out.append(ids(b))
+            if len(out) == stop:
+                return out, loader.state_dict(), epoch
+    return out, None, EPOCHS
+
+
+def run_stream(loader: ResumableLoader, stop: int | None = None) -> tuple[list, Any]:
+    """Step-style: ``next(loader.batches(max_epochs))`` until done or ``stop`` batches."""
+    out: list = []
+    for b in loader.batches(max_epochs=EPOCHS):
+        out.append(ids(b))
+        if len(out) == stop:
+            break
+    return out, (loader.state_dict() if stop is not None else None)
+
+
+def assert_plain(state: dict[str, Any]) -> None:
+    for k, v in state.items():
+        assert type(v) in (int, bool, str), f"{k}: {type(v).__name__} is not a plain value"
+
+
+def check_resume(factory: Callable[[], ResumableLoader], ks: list[int], ref: list) -> None:
+    full, _ = run_epochs(factory())
+    assert full == ref
+    for k in ks:
+        first, state = run_epochs(factory(), stop=k)
+        assert first == ref[:k]
+        assert state is not None
+        assert_plain(state)
+        resumed = factory()
+        resumed.load_state_dict(state)
+        rest, _ = run_epochs(resumed)
+        assert first + rest == ref, f"resume after {k} batches"
+
+
+# -- (1) stop anywhere, resume exactly -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_matches_uninterrupted_run(workers: int, shuffle: bool, drop_last: bool) -> None:
+    ref = expected(N, BS, shuffle=shuffle, seed=7, drop_last=drop_last)
+    per_epoch = len(ref) // EPOCHS
+    # mid-epoch, exactly at the end of an epoch, just past it (worker processes are slow to start: fewer)
+    ks = [3, per_epoch, per_epoch + 1]
+    if workers == 0:  # + nothing consumed, the first batch, mid third epoch, the very end, ...
+        ks += [0, 1, per_epoch - 1, 2 * per_epoch, 2 * per_epoch + 1, 2 * per_epoch + 2]
+        ks += [len(ref) - 1, len(ref)]
+
+    def factory() -> ResumableLoader:
+        return make(shuffle=shuffle, seed=7, drop_last=drop_last, workers=workers)
+
+    check_resume(factory, ks, ref)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_with_batches_stream(workers: int) -> None:
+    ref = expected(N, BS, shuffle=True, seed=3, drop_last=False)
+    full, _ = run_stream(make(seed=3, workers=workers))
+    assert full == ref
+    for k in (6, 13) if workers else (2, 6, 7, 13):
+        first, state = run_stream(make(seed=3, workers=workers), stop=k)
+        assert first == ref[:k]
+        resumed = make(seed=3, workers=workers)
+        resumed.load_state_dict(state)
+        rest, _ = run_stream(resumed)
+        assert first + rest == ref, k
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_resume_with_set_epoch_loop(drop_last: bool) -> None:
+    ref = expected(N, BS, shuffle=True, seed=0, drop_last=drop_last)
+    per_epoch = len(ref) // EPOCHS
+    full, _, _ = run_set_epoch(make(drop_last=drop_last), 0)
+    assert full == ref
+    for k in (1, per_epoch - 1, per_epoch, per_epoch + 1, 2 * per_epoch + 3):
+        first, state, epoch = run_set_epoch(make(drop_last=drop_last), 0, stop=k)
+        resumed = make(drop_last=drop_last)
+        resumed.load_state_dict(state)
+        rest, _, _ = run_set_epoch(resumed, epoch)  # the loop's own epoch counter, restored
+        assert first + rest == ref, k
+
+
+def test_resume_with_persistent_workers_and_a_broken_iteration() -> None:
+    ref = expected(N, BS, shuffle=True, seed=5, drop_last=False)
+
+    def factory() -> ResumableLoader:
+        return make(seed=5, workers=2, persistent_workers=True, prefetch_factor=3)
+
+    loader = factory()
+    got = []
+    for b in loader:  # break mid-epoch, then iterate again: the epoch goes on where the loop left it
+        got.append(ids(b))
+        if len(got) == 2:
+            break
+    rest, _ = run_epochs(loader)
+    assert got + rest == ref
+    first, state = run_epochs(factory(), stop=8)
+    resumed = factory()
+    resumed.load_state_dict(state)
+    assert first + run_epochs(resumed)[0] == ref
+
+
+def test_prefetched_indices_are_not_counted() -> None:
+    class Counting(ResumableSampler):
+        handed_out = 0
+
+        def __iter__(self):  # type: ignore[override]
+            for i in super().__iter__():
+                self.handed_out += 1
+                yield i
+
+    n, bs = 64, 2
+    loader = make(n, bs, seed=1, workers=2, prefetch_factor=4, sampler_cls=Counting)
+    it = iter(loader)
+    first = ids(next(it))
+    state = loader.state_dict()
+    assert state["position"] == bs and state["epoch"] == 0
+    assert loader.sampler.handed_out > bs  # the DataLoader pulled indices ahead of the loop
+    del it
+    ref = expected(n, bs, shuffle=True, seed=1, drop_last=False)
+    resumed = make(n, bs, seed=1, workers=2)
+    resumed.load_state_dict(state)
+    assert [first] + run_epochs(resumed)[0] == ref
+
+
+@given(
+    n=st.integers(0, 40),
+    bs=st.integers(1, 9),
+    seed=st.integers(0, 2**31),
+    shuffle=st.booleans(),
+    drop_last=st.booleans(),
+    data=st.data(),
+)
+def test_resume_property(
+    n: int, bs: int, seed: int, shuffle: bool, drop_last: bool, data: st.DataObject
+) -> None:
+    ref = expected(n, bs, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    k = data.draw(st.integers(0, len(ref)), label="k")
+
+    def factory() -> ResumableLoader:
+        return make(n, bs, shuffle=shuffle, seed=seed, drop_last=drop_last)
+
+    first, state = run_epochs(factory(), stop=k)
+    assert first == ref[:k]
+    resumed = factory()
+    resumed.load_state_dict(state)
+    assert first + run_epochs(resumed)[0] == ref
+
+
+def test_resume_with_another_batch_size_keeps_the_sample_order() -> None:
+    ref = expected(N, 1, shuffle=True, seed=2, drop_last=False)  # the sample order
+    first, state = run_epochs(make(bs=4, seed=2), stop=8)  # 8 batches of 4: 23 + 9 samples
+    resumed = make(bs=5, seed=2)
+    resumed.load_state_dict(state)
+    rest, _ = run_epochs(resumed)
+    assert all(len(b) <= 5 for b in rest)
+    assert [i for b in first + rest for i in b] == [i for b in ref for i in b]
+
+
+def test_without_automatic_batching() -> None:
+    ref = expected(N, 1, shuffle=True, seed=4, drop_last=False)
+    ref = [[i] for b in ref for i in b]
+    assert run_epochs(make(bs=None, seed=4))[0] == ref
+    first, state = run_epochs(make(bs=None, seed=4), stop=30)
+    resumed = make(bs=None, seed=4)
+    resumed.load_state_dict(state)
+    assert first + run_epochs(resumed)[0] == ref
+
+
+def test_sharded_ranks_resume_in_lockstep() -> None:
+    def rank_loader(rank: int) -> ResumableLoader:
+        ds = TensorDataset(torch.arange(N))
+        s = ResumableSampler(ds, seed=9, num_replicas=3, rank=rank)
+        return ResumableLoader(DataLoader(ds, sampler=s, batch_size=2))
+
+    refs = [run_epochs(rank_loader(r))[0] for r in range(3)]
+    for e in range(EPOCHS):  # together the ranks cover the dataset every epoch (padded to 24)
+        per_epoch = len(refs[0]) // EPOCHS
+        seen = [i for r in range(3) for b in refs[r][e * per_epoch : (e + 1) * per_epoch] for i in b]
+        assert len(seen) == 24 and set(seen) == set(range(N))
+    _, state = run_epochs(rank_loader(0), stop=5)
+    for r in range(3):  # rank 0's state resumes every rank (they consume in lockstep)
+        resumed = rank_loader(r)
+        resumed.load_state_dict(state)
+        assert run_epochs(resumed)[0] == refs[r][5:]
+
+
+# -- (2) epoch orders ------------------------------------------------------------------------------------
+
+
+def test_epochs_differ_and_are_reproducible_from_the_seed() -> None:
+    n = 50
+    a, b, c = ResumableSampler(n, seed=11), ResumableSampler(n, seed=11), ResumableSampler(n, seed=12)
+    orders = [a.indices(e).tolist() for e in range(5)]
+    assert all(sorted(o) == list(range(n)) for o in orders)
+    assert len({tuple(o) for o in orders}) == 5
+    assert orders == [b.indices(e).tolist() for e in range(5)]
+    assert orders != [c.indices(e).tolist() for e in range(5)]
+    assert ResumableSampler(n, shuffle=False).indices(3).tolist() == list(range(n))
+    # through a DataLoader: epochs advance by themselves, and fresh objects give the same run
+    runs = [run_epochs(make(n, 5, seed=11))[0] for _ in range(2)]
+    assert runs[0] == runs[1]
+    flat = [[i for bt in runs[0][e * 10 : (e + 1) * 10] for i in bt] for e in range(EPOCHS)]
+    assert flat == orders[:EPOCHS]
+
+
+def test_the_sampler_alone_advances_epochs_and_honours_set_epoch() -> None:
+    ds = TensorDataset(torch.arange(N))
+    s = ResumableSampler(ds, seed=6)
+    dl = DataLoader(ds, sampler=s, batch_size=BS)
+    got = [[i for b in dl for i in ids(b)] for _ in range(EPOCHS)]
+    assert got == [s.indices(e).tolist() for e in range(EPOCHS)]
+    assert s.epoch == EPOCHS and len(s) == N
+    s.set_epoch(1)
+    assert [i for b in dl for i in ids(b)] == s.indices(1).tolist()
+    with pytest.raises(RuntimeError, match="ResumableLoader"):
+        s.state_dict()  # it cannot know what the loop consumed
+
+
+@pytest.mark.parametrize("n,replicas", [(10, 1), (10, 3), (11, 3), (5, 4), (12, 4)])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_same_order_as_distributed_sampler(n: int, replicas: int, drop_last: bool, shuffle: bool) -> None:
+    ds = TensorDataset(torch.arange(n))
+    for rank in range(replicas):
+        kw: dict[str, Any] = dict(num_replicas=replicas, rank=rank, shuffle=shuffle, seed=5)
+        kw["drop_last"] = drop_last
+        d, r = DistributedSampler(ds, **kw), ResumableSampler(ds, **kw)
+        assert len(r) == len(d)
+        for e in range(3):
+            d.set_epoch(e)
+            r.set_epoch(e)
+            assert list(r) == list(d)
+
+
+def test_set_epoch_keeps_the_position_of_the_current_epoch() -> None:
+    _, state = run_epochs(make(), stop=8)  # epoch 1, 2 batches in
+    loader = make()
+    loader.load_state_dict(state)
+    assert (loader.epoch, loader.position) == (1, 8)
+    loader.set_epoch(1)
+    assert (loader.epoch, loader.position) == (1, 8)
+    loader.set_epoch(2)
+    assert (loader.epoch, loader.position) == (2, 0)
+
+
+def test_starting_an_iteration_leaves_the_global_rng_alone() -> None:
+    """A resumed run starts one iteration more than the uninterrupted one; the training loop's random draws
+    after a restore must still be the same."""
+    ref_ids, ref_draws = [], []
+    torch.manual_seed(123)
+    loader = make(seed=1)
+    rng_at: dict[int, torch.Tensor] = {}
+    state_at: dict[int, Any] = {}
+    for b in loader.batches(max_epochs=EPOCHS):
+        ref_ids.append(ids(b))
+        ref_draws.append(torch.rand(2))  # the training step's randomness (dropout, ...)
+        k = len(ref_ids)
+        rng_at[k], state_at[k] = torch.get_rng_state(), loader.state_dict()
+    for k in (3, 6, 7, 12):
+        resumed = make(seed=1)
+        resumed.load_state_dict(state_at[k])
+        torch.set_rng_state(rng_at[k])
+        got_ids, got_draws = [], []
+        for b in resumed.batches(max_epochs=EPOCHS):
+            got_ids.append(ids(b))
+            got_draws.append(torch.rand(2))
+        assert got_ids == ref_ids[k:]
+        assert all(torch.equal(x, y) for x, y in zip(got_draws, ref_draws[k:], strict=True)), k
+
+
+class _RandomItems(Dataset):
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.rand(())  # an augmentation drawn in the worker
+
+
+def test_worker_seeds_are_reproducible() -> None:
+    def run() -> list[float]:
+        ds = _RandomItems()
+        loader = ResumableLoader(DataLoader(ds, sampler=ResumableSampler(ds), batch_size=3, num_workers=2))
+        return [v for b in loader for v in b.tolist()]
+
+    torch.manual_seed(0)
+    a = run()
+    torch.manual_seed(1)  # the global RNG does not pick the worker seeds
+    assert run() == a
+
+
+# -- (3) through a deltackpt store -----------------------------------------------------------------------
+
+
+def test_state_round_trips_through_a_store(tmp_path: Path) -> None:
+    ref = expected(N, BS, shuffle=True, seed=8, drop_last=False)
+    for k in (4, 6, 11):
+        first, state = run_epochs(make(seed=8, workers=0), stop=k)
+        with deltackpt.Store(tmp_path / "store") as store:
+            store.save({"data": state, "w": torch.zeros(3)}, step=k)
+        with deltackpt.Store(tmp_path / "store") as store:
+            loaded = store.load(step=k)["data"]
+        assert loaded == state
+        assert_plain(loaded)
+        resumed = make(seed=8)
+        resumed.load_state_dict(loaded)
+        assert first + run_epochs(resumed)[0] == ref
+
+
+# -- (4) validation --------------------------------------------------------------------------------------
+
+
+def test_load_rejects_a_state_for_other_data() -> None:
+    _, state = run_epochs(make(seed=3), stop=4)
+    with pytest.raises(ValueError, match="dataset of 23 items.*has 24"):
+        make(24, seed=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed 3"):
+        make(seed=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="shuffle"):
+        make(seed=3, shuffle=False).load_state_dict(state)
+    with pytest.raises(ValueError, match="fingerprint"):
+        make(seed=3).load_state_dict({**state, "fingerprint": "0" * 16})
+    with pytest.raises(ValueError, match="past the end"):
+        make(seed=3).load_state_dict({**state, "position": N + 1})
+    with pytest.raises(ValueError, match="missing epoch"):
+        make(seed=3).load_state_dict({k: v for k, v in state.items() if k != "epoch"})
+    with pytest.raises(ValueError, match="num_replicas"):
+        ds = TensorDataset(torch.arange(N))
+        ResumableSampler(ds, seed=3, num_replicas=2).load_state_dict(state)
+    loader = make(seed=3)
+    with pytest.raises(ValueError):
+        loader.load_state_dict({**state, "len": N - 1})
+    assert (loader.epoch, loader.position) == (0, 0)  # a rejected state changes nothing
+
+
+def test_wrapper_rejects_what_it_cannot_count() -> None:
+    ds = TensorDataset(torch.arange(N))
+    with pytest.raises(TypeError, match="ResumableSampler"):
+        ResumableLoader(DataLoader(ds, batch_size=4))
+    with pytest.raises(TypeError, match="custom batch sampler"):
+
+        class Buckets(BatchSampler):
+            pass
+
+        ResumableLoader(DataLoader(ds, batch_sampler=Buckets(ResumableSampler(ds), 4, False)))
+    with pytest.raises(TypeError, match="DataLoader"):
+        ResumableLoader([1, 2, 3])  # type: ignore[arg-type]
+    if "in_order" in DataLoader.__init__.__code__.co_varnames:
+        with pytest.raises(ValueError, match="in_order"):
+            ResumableLoader(DataLoader(ds, sampler=ResumableSampler(ds), num_workers=1, in_order=False))
+    # a torch BatchSampler around a ResumableSampler is fine
+    bs = BatchSampler(ResumableSampler(ds, seed=2), 4, False)
+    loader = ResumableLoader(DataLoader(ds, batch_sampler=bs))
+    assert run_epochs(loader)[0] == expected(N, BS, shuffle=True, seed=2, drop_last=False)
+    assert isinstance(DataLoader(ds, batch_sampler=bs).sampler, SequentialSampler)
+
+
+def test_moving_the_cursor_ends_the_running_iteration() -> None:
+    ref = expected(N, BS, shuffle=True, seed=0, drop_last=False)
+    _, state = run_epochs(make(), stop=9)
+    loader = make()
+    stream = loader.batches(max_epochs=EPOCHS)
+    got = [ids(next(stream)) for _ in range(2)]
+    loader.load_state_dict(state)  # e.g. a restore after the stream had started
+    got += [ids(b) for b in stream]
+    assert got == ref[:2] + ref[9:]
+
+
+def test_loader_surface() -> None:
+    loader = make(drop_last=True)
+    assert len(loader) == 5 and loader.batch_size == BS and len(loader.dataset) == N
+    assert (loader.epoch, loader.position) == (0, 0)
+    assert "epoch=0" in repr(loader)
+    state = loader.state_dict()
+    assert {"epoch", "position", "seed", "shuffle", "len"} <= state.keys()
+    assert_plain(state)
+    empty = make(3, 4, drop_last=True)
+    with pytest.raises(ValueError, match="no batch"):
+        next(empty.batches())
+    assert list(empty.batches(max_epochs=2)) == [] and empty.epoch == 2
+    assert list(itertools.islice(make(0, 4).batches(max_epochs=5), 3)) == []
