@@ -4,6 +4,7 @@
 whether the native chunk kernel or the pure-Python reference runs. See README.md and docs/.
 """
 
+from deltackpt.checkpointer import Checkpointer
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
@@ -18,7 +19,6 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
-from deltackpt.checkpointer import Checkpointer
 from deltackpt.kernel import backend
 from deltackpt.retention import Retention
 from deltackpt.store import CheckpointInfo, Store

@@ -97,6 +97,8 @@ def merge_planes_xor(
     if len(b) != len(s):
         raise ValueError(f"base length {len(b)} != input length {len(s)}")
     o, ret = _out(s, out)
+    if np.may_share_memory(o, b):
+        b = b.copy()  # the merge below overwrites o before base is read
     merge_planes(s, width, o)
     np.bitwise_xor(o, b, out=o)
     return ret

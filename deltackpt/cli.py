@@ -20,7 +20,7 @@ import torch
 
 from deltackpt import maintenance, manifest, tree
 from deltackpt.errors import DeltackptError
-from deltackpt.store import CheckpointInfo, Store
+from deltackpt.store import Store
 
 
 def human(n: float) -> str:

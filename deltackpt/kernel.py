@@ -6,25 +6,27 @@ XOR functions to prepare chunks for zstd and to undo that on load.
 
 Backends
 --------
-``native``  the Cython/C extension ``deltackpt._kernel`` (built from ``native/``): whole loops run with the GIL
-            released and are spread over ``threads`` POSIX threads.
+``native``  the Cython/C extension ``deltackpt._kernel`` (built from ``native/``): whole loops run with the
+            GIL released and are spread over ``threads`` POSIX threads.
 ``python``  ``deltackpt._pykernel``: numpy + the ``xxhash`` package, bit-identical, slower.
 
 ``DELTACKPT_BACKEND=python`` forces the reference; ``DELTACKPT_BACKEND=native`` makes a missing or stale
-extension an ImportError instead of a warning. Without the variable the native backend is used when it is built
-and current; otherwise one warning is issued and the reference is used. :data:`backend` says which one runs.
+extension an ImportError instead of a warning. Without the variable the native backend is used when it is
+built and current; otherwise one warning is issued and the reference is used. :data:`backend` says which one
+runs.
 
 Contract (both backends)
 ------------------------
 - Buffers are anything exporting the buffer protocol, C-contiguous (bytes, memoryview, numpy arrays, the
-  uint8 numpy view of a CPU tensor); they are read as raw bytes. Output buffers are writable and exactly as long
-  as the input; when ``out`` is None a new uint8 numpy array is returned.
+  uint8 numpy view of a CPU tensor); they are read as raw bytes. Output buffers are writable and exactly as
+  long as the input; when ``out`` is None a new uint8 numpy array is returned.
 - :func:`chunk_digests` returns ``(digests, zero)``: ``digests`` is a ``(n, 16)`` uint8 array holding the
-  canonical (big-endian) XXH3-128 digest of each chunk, as ``xxhash.xxh3_128_digest`` prints it, and ``zero``
-  a ``(n,)`` bool array, True where a chunk's bytes are all zero. ``n = ceil(len / chunk_size)``; the last chunk
-  may be short; an empty buffer has no chunks.
-- Byte planes of width ``w`` (1, 2, 4 or 8): with ``m = len // w`` elements, output byte ``k * m + i`` is input
-  byte ``i * w + k``; the ``len % w`` tail bytes are copied unchanged after the planes. Width 1 is a copy.
+  canonical (big-endian) XXH3-128 digest of each chunk, as ``xxhash.xxh3_128_digest`` prints it, and
+  ``zero`` a ``(n,)`` bool array, True where a chunk's bytes are all zero. ``n = ceil(len / chunk_size)``;
+  the last chunk may be short; an empty buffer has no chunks.
+- Byte planes of width ``w`` (1, 2, 4 or 8): with ``m = len // w`` elements, output byte ``k * m + i`` is
+  input byte ``i * w + k``; the ``len % w`` tail bytes are copied unchanged after the planes. Width 1 is a
+  copy.
 - :func:`xor_split_planes` is ``split_planes(src XOR base)``; :func:`merge_planes_xor` is
   ``merge_planes(src) XOR base``; ``base`` is as long as ``src``.
 """
@@ -44,7 +46,7 @@ _NATIVE_SOURCES = ("kernel.c", "kernel.h", "_kernel.pyx")
 
 
 def source_hash(native_dir: Path) -> str | None:
-    """Hash of the kernel sources as the build computes it (None when the sources are not beside the package)."""
+    """Hash of the kernel sources as the build computes it (None when they are not beside the package)."""
     h = hashlib.sha256()
     for name in _NATIVE_SOURCES:
         p = native_dir / name
