@@ -191,6 +191,8 @@ class Store:
             raise FormatVersionError(f"store {self.path} has format version {version}; this deltackpt reads 1")
         if chunk_size is not None and chunk_size != cs:
             raise ValueError(f"store {self.path} was created with chunk_size={cs}, not {chunk_size}")
+        for sub in ("packs", "manifests", "tmp"):  # e.g. an empty tmp/ does not survive a copy through git
+            (self.path / sub).mkdir(exist_ok=True)
         return config.check_chunk_size(cs)
 
     def close(self) -> None:
