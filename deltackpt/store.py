@@ -83,18 +83,55 @@ def _check_step(step: Any) -> int:
     return step
 
 
-def _host_bytes(obj: torch.Tensor | np.ndarray) -> np.ndarray:
-    """The leaf's bytes as a flat uint8 array on the host (a view when already contiguous on the CPU)."""
+def _host_bytes(obj: torch.Tensor | np.ndarray, staging: _Pinned | None = None) -> np.ndarray:
+    """The leaf's bytes as a flat uint8 array on the host (a view when already contiguous on the CPU).
+
+    A tensor on an accelerator is copied into ``staging`` (a reusable pinned host buffer) when given, so the
+    device-to-host copy runs at full speed and allocates nothing; the caller must not reuse ``staging`` while
+    views of the previous tensor are still being read.
+    """
     if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        t = t.resolve_conj().resolve_neg()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        return t.reshape(-1).view(torch.uint8).numpy()
+        t = obj.detach().resolve_conj().resolve_neg()
+        flat = _byte_view(t)
+        if flat is None:
+            flat = _byte_view(t.clone(memory_format=torch.contiguous_format))
+            assert flat is not None
+        if flat.device.type != "cpu":
+            if staging is None:
+                flat = flat.to("cpu")
+            else:
+                host = staging.take(flat.numel())
+                host.copy_(flat, non_blocking=flat.device.type == "cuda")
+                if flat.device.type == "cuda":
+                    torch.cuda.current_stream(flat.device).synchronize()
+                flat = host
+        return flat.numpy()
     a = np.ascontiguousarray(obj)
     return a.reshape(-1).view(np.uint8)
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
+    """A flat uint8 view sharing ``t``'s memory, or None when its layout has none (non-contiguous, or a
+    one-element tensor whose stride is not 1, which torch calls contiguous but cannot view as bytes)."""
+    if not t.is_contiguous():
+        return None
+    flat = t.reshape(-1)
+    if flat.numel() > 0 and flat.stride(0) != 1:
+        return None
+    return flat.view(torch.uint8)
+
+
+class _Pinned:
+    """A growable pinned (page-locked) host buffer for device-to-host copies of accelerator tensors."""
+
+    def __init__(self) -> None:
+        self._buf: torch.Tensor | None = None
+
+    def take(self, n: int) -> torch.Tensor:
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = None
+            self._buf = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self._buf[:n]
 
 
 def _resolve_device(stored: str, map_location: Any) -> torch.device:
@@ -154,6 +191,7 @@ class Store:
         self._local = threading.local()
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
         self._last_manifest: manifest.Manifest | None = None
+        self._pinned = _Pinned()
         self.max_chain = config.max_chain() if max_chain is None else int(max_chain)
         if not 0 <= self.max_chain <= 64:
             raise ValueError(f"max_chain must be between 0 (no deltas) and 64, got {self.max_chain}")
@@ -398,7 +436,10 @@ class Store:
 
         try:
             for leaf in leaves:
-                buf = _host_bytes(leaf.obj)
+                on_device = isinstance(leaf.obj, torch.Tensor) and leaf.obj.device.type != "cpu"
+                if on_device:
+                    drain(0)  # the pinned staging buffer is about to be overwritten
+                buf = _host_bytes(leaf.obj, self._pinned if on_device else None)
                 digests, zero = kernel.chunk_digests(buf, cs, self.threads)
                 n = len(zero)
                 entry = manifest.TensorEntry(
@@ -584,13 +625,14 @@ class Store:
                         f"{leaf.kind} {leaf.dtype}{tuple(leaf.shape)}"
                     )
                 obj = leaf.obj
-                direct = (
-                    obj.device.type == "cpu" and obj.is_contiguous()
-                    if isinstance(obj, torch.Tensor)
-                    else obj.flags.c_contiguous and obj.flags.writeable
-                )
-                if direct:
-                    jobs.append((t, _writable_bytes(obj)))
+                direct: np.ndarray | None = None
+                if isinstance(obj, torch.Tensor):
+                    view = _byte_view(obj.detach()) if obj.device.type == "cpu" else None
+                    direct = None if view is None else view.numpy()
+                elif obj.flags.c_contiguous and obj.flags.writeable:
+                    direct = obj.reshape(-1).view(np.uint8)
+                if direct is not None:
+                    jobs.append((t, direct))
                 else:
                     staging = np.empty(t.nbytes, dtype=np.uint8)
                     jobs.append((t, staging))
@@ -717,9 +759,3 @@ def _numpy_dtype(s: str, where: str) -> np.dtype:
     if dt.kind not in "biufc":
         raise InvalidNameError(f"checkpoint {where} names an unsupported numpy dtype {s!r}")
     return dt
-
-
-def _writable_bytes(obj: torch.Tensor | np.ndarray) -> np.ndarray:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().reshape(-1).view(torch.uint8).numpy()
-    return obj.reshape(-1).view(np.uint8)
