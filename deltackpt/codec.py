@@ -204,6 +204,13 @@ def check_frame(
 ) -> tuple[FrameHeader, memoryview]:
     """Check a frame's header, identity and checksum without decoding it; return (header, payload)."""
     mv = memoryview(frame).cast("B")
+    if len(mv) >= HEADER_SIZE and bytes(mv[:4]) == MAGIC:
+        # the checksum first: a damaged byte anywhere (the version byte too) is damage, not a newer format
+        stored_len, checksum = HEADER.unpack_from(mv)[6], HEADER.unpack_from(mv)[9]
+        if stored_len <= MAX_RAW + 1024 and len(mv) >= HEADER_SIZE + stored_len:
+            if frame_checksum(mv[:CHECKED], mv[HEADER_SIZE : HEADER_SIZE + stored_len]) != checksum:
+                cid = expect_digest.hex() + f"-{expect_len}" if expect_digest is not None else None
+                raise CorruptChunkError(f"frame checksum mismatch{_at(where)}", chunk_id=cid)
     h = parse_header(mv, where=where)
     cid = chunk_hex(h.digest, h.raw_len)
     if expect_digest is not None and h.digest != expect_digest:

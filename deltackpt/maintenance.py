@@ -120,7 +120,7 @@ def verify(
                 return "chunk is not in the index"
             try:
                 store.read_chunk(k, locs[k], verify=True)
-            except CorruptionError as exc:
+            except DeltackptError as exc:  # corruption, or a damaged byte that reads as an unknown format
                 return getattr(exc, "reason", None) or str(exc)
             return None
 
@@ -142,7 +142,12 @@ def verify(
 def _live_keys(store: Store, records: list[Record]) -> set[bytes]:
     live: set[bytes] = set()
     for rec in records:
-        m = store._manifest(rec)  # a damaged manifest aborts gc: never free what it may reference
+        try:
+            m = store._manifest(rec)
+        except DeltackptError:
+            if store.index.get(id=rec.id) is None:
+                continue  # deleted by another process since gc listed it: its chunks are not live
+            raise  # a damaged manifest aborts gc: never free what it may reference
         live.update(k for _, k in _stored_chunks(m))
     # delta bases of live chunks are live too (transitively)
     frontier = list(live)
@@ -254,12 +259,15 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
         pack_paths = sorted(p for p in (store.path / "packs").glob("*.pack") if packs.valid_pack_id(p.stem))
         for n, path in enumerate(pack_paths, 1):
             report.packs += 1
+            damaged: list[int] = []
             try:
-                for offset, h in packs.scan(path):
+                for offset, h in packs.scan(path, damaged=damaged):
                     k = chunk_key(h.digest, h.raw_len)
                     if k not in chunks or (chunks[k].codec == codec.DELTA and h.codec != codec.DELTA):
                         chunks[k] = ChunkLoc(path.stem, offset, h.frame_len, h.codec, 0, h.base)
-            except (CorruptionError, DeltackptError, OSError):
+            except (DeltackptError, OSError):
+                damaged.append(-1)
+            if damaged:
                 report.damaged_packs.append(path.stem)
             if progress is not None:
                 progress(n, len(pack_paths))

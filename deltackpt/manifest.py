@@ -46,7 +46,7 @@ _ID = re.compile(r"^[0-9a-f]{16}$")
 
 def check_id(checkpoint_id: str) -> str:
     """Checkpoint ids are 16 lowercase hex digits; anything else (``..``, ``/``) is refused."""
-    if not isinstance(checkpoint_id, str) or not _ID.match(checkpoint_id):
+    if not isinstance(checkpoint_id, str) or not _ID.fullmatch(checkpoint_id):
         raise InvalidNameError(f"invalid checkpoint id {checkpoint_id!r}: expected 16 lowercase hex digits")
     return checkpoint_id
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import mmap
 import os
 import re
 import struct
@@ -189,31 +190,71 @@ def is_active(path: Path) -> bool:
     return False
 
 
-def scan(path: Path) -> Iterator[tuple[int, codec.FrameHeader]]:
-    """Yield (offset, header) of every intact frame of a pack, stopping at the first torn or damaged one."""
+def scan(path: Path, damaged: list[int] | None = None) -> Iterator[tuple[int, codec.FrameHeader]]:
+    """Yield (offset, header) of every intact frame of a pack.
+
+    A damaged frame is skipped: when its header still parses, by its recorded length; otherwise by searching
+    for the next offset where an intact frame starts. The offsets of damage are appended to ``damaged``.
+    A torn frame at the very end (a crash while appending) is not reported as damage.
+    """
     with open(path, "rb") as f:
-        head = f.read(PACK_HEADER.size)
-        if len(head) < PACK_HEADER.size:
+        if os.fstat(f.fileno()).st_size < PACK_HEADER.size:
             return
-        magic, version, _ = PACK_HEADER.unpack(head)
-        if magic != PACK_MAGIC:
-            raise CorruptionError(f"{path.name} is not a pack (magic {magic!r})")
-        if version != PACK_VERSION:
-            raise FormatVersionError(f"pack {path.name} has format version {version}")
-        offset = PACK_HEADER.size
-        while True:
-            f.seek(offset)
-            hbuf = f.read(codec.HEADER_SIZE)
-            if len(hbuf) < codec.HEADER_SIZE:
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # packs can be large: do not read them whole
+    try:
+        yield from _scan(path, data, damaged)
+    finally:
+        data.close()
+
+
+def _scan(path: Path, data: mmap.mmap, damaged: list[int] | None) -> Iterator[tuple[int, codec.FrameHeader]]:
+    magic, version, _ = PACK_HEADER.unpack_from(data)
+    if magic != PACK_MAGIC:
+        raise CorruptionError(f"{path.name} is not a pack (magic {magic!r})")
+    if version != PACK_VERSION:
+        raise FormatVersionError(f"pack {path.name} has format version {version}")
+    offset = PACK_HEADER.size
+    end = len(data)
+    view = memoryview(data)
+    try:
+        while offset + codec.HEADER_SIZE <= end:
+            h = _intact(view, offset)
+            if h is not None:
+                yield offset, h
+                offset += h.frame_len
+                continue
+            # damage: resynchronise on the next frame that verifies
+            nxt = data.find(codec.MAGIC, offset + 1)
+            while nxt != -1 and _intact(view, nxt) is None:
+                nxt = data.find(codec.MAGIC, nxt + 1)
+            if nxt == -1:
+                if damaged is not None and not _torn_tail(view, offset):
+                    damaged.append(offset)
                 return
-            try:
-                h = codec.parse_header(hbuf)
-            except DeltackptError:
-                return
-            payload = f.read(h.stored_len)
-            if len(payload) < h.stored_len:
-                return
-            if codec.frame_checksum(hbuf[: codec.CHECKED], payload) != h.checksum:
-                return
-            yield offset, h
-            offset += h.frame_len
+            if damaged is not None:
+                damaged.append(offset)
+            offset = nxt
+    finally:
+        view.release()
+
+
+def _intact(view: memoryview, offset: int) -> codec.FrameHeader | None:
+    try:
+        h = codec.parse_header(view[offset : offset + codec.HEADER_SIZE])
+    except DeltackptError:
+        return None
+    payload = view[offset + codec.HEADER_SIZE : offset + h.frame_len]
+    if len(payload) < h.stored_len:
+        return None
+    if codec.frame_checksum(view[offset : offset + codec.CHECKED], payload) != h.checksum:
+        return None
+    return h
+
+
+def _torn_tail(view: memoryview, offset: int) -> bool:
+    """True when the bytes from ``offset`` to the end look like a frame cut short by a crash."""
+    try:
+        h = codec.parse_header(view[offset : offset + codec.HEADER_SIZE])
+    except DeltackptError:
+        return len(view) - offset < codec.HEADER_SIZE
+    return offset + h.frame_len > len(view)

@@ -94,7 +94,7 @@ def _host_bytes(obj: torch.Tensor | np.ndarray, staging: _Pinned | None = None) 
         t = obj.detach().resolve_conj().resolve_neg()
         flat = _byte_view(t)
         if flat is None:
-            flat = _byte_view(t.clone(memory_format=torch.contiguous_format))
+            flat = _byte_view(torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t))
             assert flat is not None
         if flat.device.type != "cpu":
             if staging is None:
@@ -116,7 +116,7 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
     if not t.is_contiguous():
         return None
     flat = t.reshape(-1)
-    if flat.numel() > 0 and flat.stride(0) != 1:
+    if flat.stride(0) != 1:
         return None
     return flat.view(torch.uint8)
 

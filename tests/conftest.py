@@ -1,0 +1,157 @@
+"""Shared fixtures and helpers of the deltackpt test suite.
+
+Hypothesis profiles: ``ci`` (the default: modest example counts, no deadline) and ``thorough`` (many more
+examples); pick one with ``HYPOTHESIS_PROFILE=thorough``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# Test the checkout these tests live in, whatever else an (editable) install in the environment points at.
+ROOT = Path(__file__).resolve().parent.parent
+if not sys.path or Path(sys.path[0] or ".").resolve() != ROOT:
+    sys.path.insert(0, str(ROOT))
+
+import deltackpt  # noqa: E402
+
+settings.register_profile(
+    "ci",
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile(
+    "thorough",
+    max_examples=500,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+assert Path(deltackpt.__file__).resolve().parent == ROOT / "deltackpt", (
+    f"testing {deltackpt.__file__}, not the checkout at {ROOT}"
+)
+
+SMALL_CHUNK = 4096
+
+
+@pytest.fixture
+def store_path(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def store(store_path: Path) -> Iterator[deltackpt.Store]:
+    """A fresh store with a small chunk size (4 KiB) and two worker threads."""
+    s = deltackpt.Store(store_path, chunk_size=SMALL_CHUNK, threads=2)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# -- helpers shared by the test modules ------------------------------------------------------------------
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor's elements in logical (row-major) order."""
+    src = t.detach().resolve_conj().resolve_neg()
+    # a fresh tensor: torch calls some odd-strided one-element views contiguous but cannot view them as bytes
+    t = torch.empty(src.shape, dtype=src.dtype).copy_(src)
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def array_bytes(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+def float_bits(x: float) -> bytes:
+    return struct.pack(">d", x)
+
+
+def dir_snapshot(path: Path) -> dict[str, str]:
+    """relative path -> sha256 of every file under ``path`` (empty when it does not exist)."""
+    out: dict[str, str] = {}
+    if not path.exists():
+        return out
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(path))] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def pack_files(store_path: Path) -> list[Path]:
+    return sorted((store_path / "packs").glob("*.pack"))
+
+
+def assert_same_state(orig: Any, loaded: Any, memo: dict[int, Any] | None = None, path: str = "") -> None:
+    """Structure, types, dtypes, shapes and bits of ``loaded`` equal those of ``orig``.
+
+    Tensors and arrays must keep their aliasing: one object in ``orig`` (met twice) is one object in
+    ``loaded``, and two distinct objects stay two.
+    """
+    if memo is None:
+        memo = {}
+    where = path or "<root>"
+    assert type(loaded) is type(orig), f"{where}: type {type(loaded)} != {type(orig)}"
+    if isinstance(orig, torch.Tensor):
+        if id(orig) in memo:
+            assert memo[id(orig)] is loaded, f"{where}: aliasing lost"
+            return
+        assert all(v is not loaded for v in memo.values()), f"{where}: distinct tensors came back as one"
+        memo[id(orig)] = loaded
+        assert loaded.dtype == orig.dtype, f"{where}: dtype {loaded.dtype} != {orig.dtype}"
+        assert loaded.shape == orig.shape, f"{where}: shape {loaded.shape} != {orig.shape}"
+        assert loaded.device.type == "cpu"
+        assert loaded.is_contiguous(), f"{where}: not contiguous"
+        assert loaded.requires_grad == orig.requires_grad, f"{where}: requires_grad"
+        assert tensor_bytes(loaded) == tensor_bytes(orig), f"{where}: bits differ"
+        return
+    if isinstance(orig, np.ndarray):
+        if id(orig) in memo:
+            assert memo[id(orig)] is loaded, f"{where}: aliasing lost"
+            return
+        assert all(v is not loaded for v in memo.values()), f"{where}: distinct arrays came back as one"
+        memo[id(orig)] = loaded
+        assert loaded.dtype == orig.dtype, f"{where}: dtype {loaded.dtype} != {orig.dtype}"
+        assert loaded.dtype.str == orig.dtype.str, f"{where}: byte order {loaded.dtype.str}"
+        assert loaded.shape == orig.shape, f"{where}: shape {loaded.shape} != {orig.shape}"
+        assert array_bytes(loaded) == array_bytes(orig), f"{where}: bits differ"
+        return
+    if isinstance(orig, dict):  # dict and OrderedDict: same keys (types too) in the same order
+        assert list(loaded.keys()) == list(orig.keys()), f"{where}: keys {list(loaded)} != {list(orig)}"
+        assert [type(k) for k in loaded] == [type(k) for k in orig], f"{where}: key types"
+        for k in orig:
+            assert_same_state(orig[k], loaded[k], memo, f"{path}[{k!r}]")
+        return
+    if isinstance(orig, (list, tuple)) and not isinstance(orig, torch.Size):
+        assert len(loaded) == len(orig), f"{where}: length {len(loaded)} != {len(orig)}"
+        for i, (a, b) in enumerate(zip(orig, loaded, strict=True)):
+            assert_same_state(a, b, memo, f"{path}[{i}]")
+        return
+    if isinstance(orig, float):
+        assert float_bits(loaded) == float_bits(orig), f"{where}: float bits {loaded!r} != {orig!r}"
+        return
+    if isinstance(orig, np.generic):
+        assert loaded.dtype == orig.dtype, f"{where}: numpy scalar dtype {loaded.dtype} != {orig.dtype}"
+        assert loaded.tobytes() == orig.tobytes(), f"{where}: numpy scalar bits"
+        return
+    assert loaded == orig, f"{where}: {loaded!r} != {orig!r}"

@@ -1,0 +1,406 @@
+"""Bad input is refused with a typed error that says what was wrong, and refusing it changes nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from collections import OrderedDict, defaultdict, namedtuple
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot
+from hypothesis import given
+from hypothesis import strategies as st
+
+import deltackpt
+from deltackpt import (
+    CheckpointNotFoundError,
+    CorruptManifestError,
+    InvalidNameError,
+    ShapeMismatchError,
+    UnsupportedTypeError,
+)
+
+
+def _snapshot(store_path: Path) -> dict[str, Any]:
+    return {sub: dir_snapshot(store_path / sub) for sub in ("packs", "manifests", "tmp")}
+
+
+def _state_with(bad: Any) -> dict[str, Any]:
+    return {
+        "model": {"w": torch.randn(3000), "b": torch.zeros(4)},
+        "optimizer": {"state": {0: {"m": torch.randn(3000)}}, "param_groups": [{"lr": 0.1, "foo": bad}]},
+    }
+
+
+Point = namedtuple("Point", "x y")
+
+
+class Custom:
+    pass
+
+
+def _quantized() -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized creation functions are deprecated, still worth refusing
+        return torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)
+
+
+UNSUPPORTED = {
+    "quantized": _quantized(),
+    "set": {1, 2},
+    "frozenset": frozenset([1]),
+    "object": object(),
+    "lambda": lambda x: x,
+    "custom": Custom(),
+    "namedtuple": Point(1, 2),
+    "defaultdict": defaultdict(int),
+    "complex": 1 + 2j,
+    "bytearray": bytearray(b"ab"),
+    "range": range(3),
+    "ellipsis": ...,
+    "module": torch.nn.Linear(2, 2),
+    "object_array": np.array([object()], dtype=object),
+    "str_array": np.array(["a", "b"]),
+    "structured_array": np.zeros(2, dtype=[("a", "<i4"), ("b", "<f8")]),
+    "datetime_array": np.array(["2020-01-01"], dtype="datetime64[D]"),
+    "sparse": torch.eye(3).to_sparse(),
+    "meta": torch.empty(3, device="meta"),
+    "numpy_str_scalar": np.str_("x"),
+    "numpy_datetime": np.datetime64("2020-01-01"),
+}
+
+
+@pytest.mark.parametrize("name", list(UNSUPPORTED))
+def test_unsupported_value_names_key_path_and_writes_nothing(
+    store: deltackpt.Store, store_path: Path, name: str
+) -> None:
+    store.save({"ok": torch.ones(10)}, step=1)
+    listed, snap = store.list(), _snapshot(store_path)
+    with pytest.raises(UnsupportedTypeError) as ei:
+        store.save(_state_with(UNSUPPORTED[name]), step=2)
+    assert isinstance(ei.value, TypeError)
+    assert "optimizer.param_groups[0].foo" in str(ei.value)
+    assert store.list() == listed
+    assert _snapshot(store_path) == snap
+    # a failed save leaves the store usable
+    good = _state_with(0.5)
+    store.save(good, step=2)
+    assert_same_state(good, store.load(2))
+    assert [i.step for i in store.list()] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("state", "path"),
+    [
+        ({"a": {"b": [1, {"c": {1, 2}}]}}, "a.b[1].c"),
+        ([0, [1, 2, object()]], "[1][2]"),
+        ({"x": ({7: {"deep": set()}},)}, "x[0][7].deep"),
+        ({"layers": OrderedDict([("0.weight", torch.ones(1)), ("1.bias", object())])}, "layers.1.bias"),
+        (object(), "<root>"),
+    ],
+)
+def test_key_paths_in_messages(store: deltackpt.Store, state: Any, path: str) -> None:
+    with pytest.raises(UnsupportedTypeError, match=re.escape(path)):
+        store.save(state, step=1)
+    assert store.list() == []
+
+
+@pytest.mark.parametrize("key", [(1, 2), 1.5, None, True, b"k", frozenset()])
+def test_bad_dict_keys(store: deltackpt.Store, store_path: Path, key: Any) -> None:
+    snap = _snapshot(store_path)
+    state = {"optimizer": {"state": {key: torch.ones(2)}}}
+    with pytest.raises(UnsupportedTypeError) as ei:
+        store.save(state, step=1)
+    assert "optimizer.state" in str(ei.value)
+    assert store.list() == [] and _snapshot(store_path) == snap
+
+
+@given(
+    prefix=st.lists(st.one_of(st.text("abcxyz_", min_size=1, max_size=5), st.integers(0, 3)), max_size=4),
+    bad=st.sampled_from([set(), object(), frozenset([1]), (lambda: 0)]),
+)
+def test_unsupported_anywhere_hypothesis(tmp_path_factory: pytest.TempPathFactory, prefix: list[Any],
+                                         bad: Any) -> None:
+    """Build a nest of dicts (str keys) and lists (int indices) around an unsupported value."""
+    state: Any = bad
+    expected = ""
+    for k in reversed(prefix):
+        if isinstance(k, int):
+            state = [None] * k + [state]
+        else:
+            state = {k: state, "t": torch.ones(3)}
+    for k in prefix:
+        expected = f"{expected}[{k}]" if isinstance(k, int) else (f"{expected}.{k}" if expected else k)
+    path = tmp_path_factory.mktemp("h") / "s"
+    with deltackpt.Store(path, chunk_size=SMALL_CHUNK) as s:
+        with pytest.raises(UnsupportedTypeError) as ei:
+            s.save(state, step=1)
+        assert f"cannot store {expected or '<root>'}: unsupported type" in str(ei.value)
+        assert s.list() == []
+    assert dir_snapshot(path / "packs") == {} and dir_snapshot(path / "manifests") == {}
+
+
+def test_pickle_opt_in_still_refuses_unpicklable(store: deltackpt.Store, store_path: Path) -> None:
+    snap = _snapshot(store_path)
+    with pytest.raises(UnsupportedTypeError, match=r"optimizer\.param_groups\[0\]\.foo"):
+        store.save(_state_with(lambda x: x), step=1, allow_pickle=True)
+    assert store.list() == [] and _snapshot(store_path) == snap
+
+
+def test_metadata_is_checked_before_writing(store: deltackpt.Store, store_path: Path) -> None:
+    snap = _snapshot(store_path)
+    for meta in ({"t": torch.ones(2)}, {"s": {1}}, {"o": object()}, {(1, 2): 3}):
+        with pytest.raises(UnsupportedTypeError):
+            store.save({"w": torch.randn(5000)}, step=1, metadata=meta)
+    assert store.list() == [] and _snapshot(store_path) == snap
+
+
+def test_failed_save_midway_then_save_works(store: deltackpt.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error while chunks are being encoded aborts the save: no checkpoint, and the next save works."""
+    calls = {"n": 0}
+    real = deltackpt.Store._encode
+
+    def flaky(self: deltackpt.Store, *args: Any, **kwargs: Any) -> bytes:
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise OSError("disk on fire")
+        return real(self, *args, **kwargs)
+
+    state = {"a": torch.randn(10 * SMALL_CHUNK // 4), "b": torch.randn(10 * SMALL_CHUNK // 4)}
+    monkeypatch.setattr(deltackpt.Store, "_encode", flaky)
+    with pytest.raises(OSError, match="disk on fire"):
+        store.save(state, step=1)
+    assert store.list() == []
+    monkeypatch.setattr(deltackpt.Store, "_encode", real)
+    info = store.save(state, step=1)
+    assert_same_state(state, store.load(1))
+    assert [i.id for i in store.list()] == [info.id]
+    assert store.verify().ok
+    store.gc()  # frames of the failed save are garbage
+    assert_same_state(state, store.load(1))
+
+
+# -- steps and ids ---------------------------------------------------------------------------------------
+
+
+def test_unknown_step_and_id(store: deltackpt.Store) -> None:
+    with pytest.raises(CheckpointNotFoundError):
+        store.load()  # empty store
+    with pytest.raises(CheckpointNotFoundError):
+        store.info()
+    info = store.save({"w": torch.ones(3)}, step=5)
+    calls = [
+        lambda: store.load(4), lambda: store.load(6), lambda: store.load(id="0123456789abcdef"),
+        lambda: store.info(4), lambda: store.info(id="0123456789abcdef"), lambda: store.delete(4),
+        lambda: store.delete(id="fedcba9876543210"), lambda: store.verify(step=4),
+        lambda: store.load_into({"w": torch.zeros(3)}, step=4), lambda: store.manifest(4),
+        lambda: store.load(5, id="0123456789abcdef"),
+    ]
+    for call in calls:
+        with pytest.raises(CheckpointNotFoundError) as ei:
+            call()
+        assert isinstance(ei.value, KeyError)
+        assert str(ei.value).startswith("no checkpoint")
+    store.delete(5)
+    with pytest.raises(CheckpointNotFoundError):
+        store.load(id=info.id)
+    with pytest.raises(CheckpointNotFoundError):
+        store.delete(5)
+
+
+BAD_IDS = ["..", "../etc", "a/b", "/abs", "0123456789abcde/", "0123456789ABCDEF", "0123456789abcde",
+           "0123456789abcdef0", "", " 0123456789abcdef", "0123456789abcdef\n", "..\\x", 12345]
+
+
+@pytest.mark.parametrize("bad", BAD_IDS)
+def test_invalid_ids(store: deltackpt.Store, store_path: Path, bad: Any) -> None:
+    store.save({"w": torch.ones(3)}, step=1)
+    snap, listed = _snapshot(store_path), store.list()
+    for call in (lambda: store.load(id=bad), lambda: store.delete(id=bad), lambda: store.info(id=bad),
+                 lambda: store.verify(id=bad), lambda: store.load_into({"w": torch.zeros(3)}, id=bad),
+                 lambda: store.save({"w": torch.ones(3)}, step=2, parent=bad)):
+        with pytest.raises(InvalidNameError) as ei:
+            call()
+        assert isinstance(ei.value, ValueError)
+    assert store.list() == listed and _snapshot(store_path) == snap
+
+
+@pytest.mark.parametrize("step", [-1, -(2**63), 2**63, 2**64 + 5])
+def test_out_of_range_steps(store: deltackpt.Store, step: int) -> None:
+    store.save({"w": torch.ones(3)}, step=1)
+    for call in (lambda: store.save({"w": torch.ones(3)}, step=step), lambda: store.load(step),
+                 lambda: store.info(step), lambda: store.delete(step)):
+        with pytest.raises(ValueError):
+            call()
+    assert [i.step for i in store.list()] == [1]
+
+
+@pytest.mark.parametrize("step", [1.0, 1.5, "1", True, None, [1], np.float64(2.0)])
+def test_non_int_steps(store: deltackpt.Store, step: Any) -> None:
+    store.save({"w": torch.ones(3)}, step=1)
+    with pytest.raises(TypeError):
+        store.save({"w": torch.ones(3)}, step=step)
+    if step is not None:
+        for call in (lambda: store.load(step), lambda: store.info(step), lambda: store.delete(step)):
+            with pytest.raises(TypeError):
+                call()
+    assert [i.step for i in store.list()] == [1]
+
+
+def test_extreme_and_numpy_steps(store: deltackpt.Store) -> None:
+    store.save({"w": torch.ones(1)}, step=0)
+    store.save({"w": torch.full((1,), 2.0)}, step=2**63 - 1)
+    store.save({"w": torch.full((1,), 3.0)}, step=np.int64(7))
+    assert store.load(0)["w"].item() == 1 and store.load(2**63 - 1)["w"].item() == 2
+    assert store.load(np.int32(7))["w"].item() == 3
+    assert store.info(7).step == 7 and type(store.info(7).step) is int
+
+
+def test_unknown_parent(store: deltackpt.Store, store_path: Path) -> None:
+    store.save({"w": torch.ones(3)}, step=1)
+    snap = _snapshot(store_path)
+    with pytest.raises(CheckpointNotFoundError):
+        store.save({"w": torch.randn(3000)}, step=2, parent="0123456789abcdef")
+    assert [i.step for i in store.list()] == [1]
+    assert _snapshot(store_path) == snap
+
+
+def test_delete_needs_a_step_or_id(store: deltackpt.Store) -> None:
+    store.save({"w": torch.ones(1)}, step=1)
+    with pytest.raises(ValueError):
+        store.delete()
+    assert len(store.list()) == 1
+
+
+# -- opening stores ----------------------------------------------------------------------------------------
+
+
+def test_chunk_size_mismatch(store_path: Path) -> None:
+    with deltackpt.Store(store_path, chunk_size=SMALL_CHUNK) as s:
+        s.save({"w": torch.ones(3)}, step=1)
+    with pytest.raises(ValueError, match=str(SMALL_CHUNK)):
+        deltackpt.Store(store_path, chunk_size=2 * SMALL_CHUNK)
+    with deltackpt.Store(store_path, chunk_size=SMALL_CHUNK) as s:
+        assert s.load(1)["w"].sum().item() == 3
+
+
+@pytest.mark.parametrize("cs", [0, 1000, 3 * 4096, 2048, -4096, 2**31])
+def test_bad_chunk_size_creates_nothing(tmp_path: Path, cs: int) -> None:
+    path = tmp_path / "s"
+    with pytest.raises(ValueError):
+        deltackpt.Store(path, chunk_size=cs)
+    assert not (path / "STORE").exists()
+
+
+def test_chunk_size_wrong_type(tmp_path: Path) -> None:
+    with pytest.raises(TypeError):
+        deltackpt.Store(tmp_path / "s", chunk_size=4096.0)  # type: ignore[arg-type]
+    assert not (tmp_path / "s" / "STORE").exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["", "not json", json.dumps({"format": "other", "version": 1, "chunk_size": 4096}),
+     json.dumps({"format": "deltackpt-store"})],
+)
+def test_damaged_store_file(store_path: Path, content: str) -> None:
+    deltackpt.Store(store_path, chunk_size=SMALL_CHUNK).close()
+    (store_path / "STORE").write_text(content)
+    with pytest.raises(deltackpt.DeltackptError):
+        deltackpt.Store(store_path)
+
+
+def test_newer_store_version(store_path: Path) -> None:
+    deltackpt.Store(store_path, chunk_size=SMALL_CHUNK).close()
+    cfg = json.loads((store_path / "STORE").read_text())
+    cfg["version"] = 99
+    (store_path / "STORE").write_text(json.dumps(cfg))
+    with pytest.raises(deltackpt.FormatVersionError):
+        deltackpt.Store(store_path)
+
+
+# -- damaged manifest: typed error, nothing else changes ------------------------------------------------
+
+
+def test_damaged_manifest_changes_nothing_else(store_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    states = {s: {"w": torch.randn(4000, generator=g), "s": s} for s in (1, 2, 3)}
+    with deltackpt.Store(store_path, chunk_size=SMALL_CHUNK) as s:
+        ids = {k: s.save(v, step=k).id for k, v in states.items()}
+    mpath = store_path / "manifests" / f"{ids[2]}.manifest"
+    data = bytearray(mpath.read_bytes())
+    data[len(data) // 3] ^= 0x10
+    mpath.write_bytes(bytes(data))
+    with deltackpt.Store(store_path) as s:
+        listed = s.list()
+        snap = _snapshot(store_path)
+        with pytest.raises(CorruptManifestError):
+            s.load(2)
+        with pytest.raises(CorruptManifestError):
+            s.load_into({"w": torch.zeros(4000), "s": 0}, step=2)
+        with pytest.raises(CorruptManifestError):
+            s.gc()  # gc refuses to guess what a damaged manifest references
+        assert s.list() == listed
+        assert _snapshot(store_path) == snap
+        assert_same_state(states[1], s.load(1))
+        assert_same_state(states[3], s.load(3))
+        report = s.verify()
+        assert [(p.checkpoint, p.key) for p in report.problems] == [(ids[2], None)]
+        # deleting the damaged checkpoint works and lets gc run again
+        s.delete(2)
+        s.gc()
+        assert [i.id for i in s.list()] == [ids[1], ids[3]]
+        assert_same_state(states[3], s.load(3))
+
+
+# -- load side ---------------------------------------------------------------------------------------------
+
+
+def test_load_into_target_with_wrong_structure(store: deltackpt.Store) -> None:
+    store.save({"w": torch.ones(4), "b": torch.zeros(2)}, step=1)
+    target = {"w": torch.zeros(2, 2), "b": torch.zeros(2)}
+    with pytest.raises(ShapeMismatchError):
+        store.load_into(target)
+    assert torch.equal(target["w"], torch.zeros(2, 2)) and torch.equal(target["b"], torch.zeros(2))
+    target2 = {"w": np.zeros(4, dtype=np.float32), "b": torch.zeros(2)}
+    with pytest.raises(ShapeMismatchError):
+        store.load_into(target2)  # numpy where the checkpoint has torch
+    assert not target2["w"].any()
+
+
+def test_map_location_type_error(store: deltackpt.Store) -> None:
+    store.save({"w": torch.ones(2)}, step=1)
+    with pytest.raises(TypeError):
+        store.load(1, map_location=3.5)
+    assert torch.equal(store.load(1, map_location="cpu")["w"], torch.ones(2))
+    assert torch.equal(store.load(1, map_location={"cpu": "cpu"})["w"], torch.ones(2))
+
+
+def test_closed_store_refuses(store_path: Path) -> None:
+    s = deltackpt.Store(store_path, chunk_size=SMALL_CHUNK)
+    s.save({"w": torch.ones(2)}, step=1)
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(deltackpt.DeltackptError, match="closed"):
+        s.save({"w": torch.ones(2)}, step=2)
+    with pytest.raises(deltackpt.DeltackptError, match="closed"):
+        s.load(1)
+    with deltackpt.Store(store_path) as again:
+        assert [i.step for i in again.list()] == [1]
+
+
+def test_env_garbage_does_not_crash_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELTACKPT_CHUNK_SIZE", "lots")
+    with pytest.raises(ValueError, match="DELTACKPT_CHUNK_SIZE"):
+        deltackpt.Store(tmp_path / "s")
+    assert not (tmp_path / "s" / "STORE").exists()
+    monkeypatch.setenv("DELTACKPT_CHUNK_SIZE", "8192")
+    with deltackpt.Store(tmp_path / "s") as s:
+        assert s.chunk_size == 8192
+    assert os.path.exists(tmp_path / "s" / "STORE")

@@ -1,0 +1,605 @@
+"""Damaged bytes are always an error, never data: packs, frames, manifests and the index."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zstandard
+from conftest import SMALL_CHUNK, assert_same_state
+from hypothesis import given
+from hypothesis import strategies as st
+
+import deltackpt
+from deltackpt import CorruptChunkError, CorruptManifestError, codec, kernel, maintenance
+from deltackpt.index import ChunkLoc, chunk_key
+
+CS = SMALL_CHUNK
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+
+
+def _open(path: Path) -> deltackpt.Store:
+    return deltackpt.Store(path, chunk_size=CS, threads=2)
+
+
+def _chunks_of(store: deltackpt.Store, step: int) -> dict[str, list[tuple[str, ChunkLoc]]]:
+    """tensor key -> [(chunk id hex, location)] of its stored chunks, in order."""
+    m = store.manifest(step)
+    out: dict[str, list[tuple[str, ChunkLoc]]] = {}
+    for t in m.tensors:
+        keys = [chunk_key(d, n) for _, d, n in m.chunk_keys(t)]
+        locs = store.index.lookup_chunks(keys)
+        out[t.key] = [(codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big")), locs[k]) for k in keys]
+    return out
+
+
+def _pack_path(store_path: Path, loc: ChunkLoc) -> Path:
+    return store_path / "packs" / f"{loc.pack_id}.pack"
+
+
+def _flip(path: Path, offset: int, mask: int = 0xFF) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def _rand(n_bytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n_bytes // 4, generator=g)
+
+
+@pytest.fixture
+def two_ckpts(store_path: Path) -> dict[str, Any]:
+    """Checkpoint 1 {a, b, c}, checkpoint 2 {a, b (same bytes), d}, checkpoint 3 {a}; 3 chunks per tensor."""
+    a, b, c, d = (_rand(3 * CS, seed) for seed in range(4))
+    s1 = {"a": a, "b": b, "c": c, "meta": {"step": 1}}
+    s2 = {"a": a, "b": b.clone(), "d": d}
+    s3 = {"a": a.clone()}
+    with _open(store_path) as s:
+        ids = [s.save(st_, step=i + 1).id for i, st_ in enumerate((s1, s2, s3))]
+        chunks = {step: _chunks_of(s, step) for step in (1, 2, 3)}
+    return {"states": {1: s1, 2: s2, 3: s3}, "ids": dict(zip((1, 2, 3), ids, strict=True)), "chunks": chunks}
+
+
+def _problems(report: Any) -> set[tuple[str, str | None, str | None]]:
+    return {(p.checkpoint, p.key, p.chunk_id) for p in report.problems}
+
+
+def _assert_names(exc: CorruptChunkError, ckpt: str, key: str, chunk: str) -> None:
+    assert exc.checkpoint == ckpt and exc.key == key and exc.chunk_id == chunk, (exc.checkpoint, exc.key,
+                                                                                   exc.chunk_id)
+    msg = str(exc)
+    assert ckpt in msg and repr(key) in msg and chunk in msg, msg
+
+
+# -- packs -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_flipped_payload_byte(store_path: Path, two_ckpts: dict[str, Any], verify: bool) -> None:
+    ids, chunks = two_ckpts["ids"], two_ckpts["chunks"]
+    cid, loc = chunks[1]["b"][1]
+    assert chunks[2]["b"][1][0] == cid  # shared by checkpoints 1 and 2
+    middle = loc.offset + codec.HEADER_SIZE + (loc.frame_len - codec.HEADER_SIZE) // 2
+    _flip(_pack_path(store_path, loc), middle)
+    with _open(store_path) as s:
+        for step in (1, 2):
+            with pytest.raises(CorruptChunkError) as ei:
+                s.load(step, verify=verify)
+            _assert_names(ei.value, ids[step], "b", cid)
+        with pytest.raises(CorruptChunkError) as ei:
+            s.load(id=ids[2], verify=verify)
+        _assert_names(ei.value, ids[2], "b", cid)
+        with pytest.raises(CorruptChunkError):
+            s.load_into({k: torch.empty_like(v) for k, v in two_ckpts["states"][1].items() if k != "meta"}
+                        | {"meta": {"step": 0}}, step=1)
+        assert_same_state(two_ckpts["states"][3], s.load(3))  # does not need the chunk
+        report = s.verify()
+        assert not report.ok
+        assert _problems(report) == {(ids[1], "b", cid), (ids[2], "b", cid)}
+        assert all(p.step in (1, 2) for p in report.problems)
+        assert all(cid in str(p) and "'b'" in str(p) for p in report.problems)
+        assert _problems(s.verify(step=1)) == {(ids[1], "b", cid)}
+        assert s.verify(step=3).ok
+        assert len(s.list()) == 3  # corruption is reported, nothing is dropped
+
+
+# every field of a frame: magic, version, codec, width, flags, raw length, stored length, digest, base,
+# checksum, first and last payload byte
+FRAME_POSITIONS = [0, 3, 4, 5, 6, 7, 8, 12, 16, 20, 24, 39, 40, 55, 56, 63, 64, -1]
+
+
+@pytest.mark.parametrize("pos", FRAME_POSITIONS)
+def test_flipped_byte_anywhere_in_frame(store_path: Path, two_ckpts: dict[str, Any], pos: int) -> None:
+    ids, chunks = two_ckpts["ids"], two_ckpts["chunks"]
+    cid, loc = chunks[1]["c"][2]
+    off = loc.offset + (pos if pos >= 0 else loc.frame_len + pos)
+    _flip(_pack_path(store_path, loc), off, 0x01)
+    with _open(store_path) as s:
+        with pytest.raises(CorruptChunkError) as ei:
+            s.load(1)
+        _assert_names(ei.value, ids[1], "c", cid)
+        report = s.verify()  # reports, never raises
+        assert _problems(report) == {(ids[1], "c", cid)}
+        assert_same_state(two_ckpts["states"][2], s.load(2))
+
+
+def test_several_damaged_chunks_all_reported(store_path: Path, two_ckpts: dict[str, Any]) -> None:
+    ids, chunks = two_ckpts["ids"], two_ckpts["chunks"]
+    damaged = [chunks[1]["a"][0], chunks[1]["c"][1], chunks[2]["d"][2]]
+    for _, loc in damaged:
+        _flip(_pack_path(store_path, loc), loc.offset + loc.frame_len - 1)
+    a0, c1, d2 = (cid for cid, _ in damaged)
+    with _open(store_path) as s:
+        report = s.verify()
+        assert _problems(report) == {
+            (ids[1], "a", a0), (ids[2], "a", a0), (ids[3], "a", a0), (ids[1], "c", c1), (ids[2], "d", d2),
+        }
+        for step in (1, 2, 3):
+            with pytest.raises(CorruptChunkError) as ei:
+                s.load(step)
+            assert ei.value.key == "a" and ei.value.chunk_id == a0
+
+
+def test_truncated_pack(store_path: Path, two_ckpts: dict[str, Any]) -> None:
+    ids, chunks = two_ckpts["ids"], two_ckpts["chunks"]
+    cid, loc = chunks[1]["b"][1]
+    pack = _pack_path(store_path, loc)
+    cut = loc.offset + codec.HEADER_SIZE + 10
+    os.truncate(pack, cut)
+    expected = set()
+    for step, by_key in chunks.items():
+        for key, lst in by_key.items():
+            for c, lc in lst:
+                if lc.pack_id == loc.pack_id and lc.offset + lc.frame_len > cut:
+                    expected.add((ids[step], key, c))
+    assert (ids[1], "b", cid) in expected and (ids[2], "d", chunks[2]["d"][0][0]) in expected
+    with _open(store_path) as s:
+        for step in (1, 2):
+            with pytest.raises(CorruptChunkError) as ei:
+                s.load(step)
+            _assert_names(ei.value, ids[step], "b", cid)
+        assert_same_state(two_ckpts["states"][3], s.load(3))
+        assert _problems(s.verify()) == expected
+    # truncating the pack to nothing at all
+    os.truncate(pack, 0)
+    with _open(store_path) as s:
+        with pytest.raises(CorruptChunkError) as ei:
+            s.load(3)
+        _assert_names(ei.value, ids[3], "a", chunks[3]["a"][0][0])
+
+
+def test_deleted_pack(store_path: Path) -> None:
+    a, b, d = _rand(3 * CS, 0), _rand(2 * CS, 1), _rand(2 * CS + 100, 2)
+    with _open(store_path) as s:
+        id1 = s.save({"a": a, "b": b}, step=1).id
+    with _open(store_path) as s:  # a new handle appends to a new pack
+        id2 = s.save({"a": a, "b": b, "d": d}, step=2).id
+        chunks = _chunks_of(s, 2)
+    packs_of = {k: {loc.pack_id for _, loc in v} for k, v in chunks.items()}
+    assert packs_of["a"] == packs_of["b"] and packs_of["d"].isdisjoint(packs_of["a"])
+    (pack_d,) = packs_of["d"]
+    (store_path / "packs" / f"{pack_d}.pack").unlink()
+    with _open(store_path) as s:
+        with pytest.raises(CorruptChunkError) as ei:
+            s.load(2)
+        _assert_names(ei.value, id2, "d", chunks["d"][0][0])
+        assert "missing" in str(ei.value)
+        assert torch.equal(s.load(1)["a"], a)
+        assert _problems(s.verify()) == {(id2, "d", c) for c, _ in chunks["d"]}
+    (pack_a,) = packs_of["a"]
+    (store_path / "packs" / f"{pack_a}.pack").unlink()
+    with _open(store_path) as s:
+        with pytest.raises(CorruptChunkError) as ei:
+            s.load(1)
+        _assert_names(ei.value, id1, "a", chunks["a"][0][0])
+        problems = _problems(s.verify())
+        assert {(id1, "a", c) for c, _ in chunks["a"]} <= problems
+        assert len(problems) == len(chunks["a"]) * 2 + len(chunks["b"]) * 2 + len(chunks["d"])
+
+
+def test_right_checksum_wrong_bytes_caught_by_verify(store_path: Path) -> None:
+    """A frame rewritten with other bytes and a recomputed checksum: only the digest check can see it."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (2 * CS,), dtype=torch.uint8, generator=g)  # incompressible: raw frames
+    with _open(store_path) as s:
+        ckpt = s.save({"x": x}, step=1).id
+        cid, loc = _chunks_of(s, 1)["x"][1]
+    assert loc.codec == codec.RAW
+    pack = _pack_path(store_path, loc)
+    with open(pack, "r+b") as f:
+        f.seek(loc.offset)
+        frame = bytearray(f.read(loc.frame_len))
+        payload = bytes(reversed(frame[codec.HEADER_SIZE:]))
+        forged = codec._frame(codec.RAW, 1, CS, bytes(frame[24:40]), codec.NO_BASE, payload)
+        assert len(forged) == len(frame) and forged[:CS] != bytes(frame[:CS])
+        f.seek(loc.offset)
+        f.write(forged)
+    codec.check_frame(forged)  # the frame itself is consistent
+    with _open(store_path) as s:
+        with pytest.raises(CorruptChunkError) as ei:
+            s.load(1)
+        _assert_names(ei.value, ckpt, "x", cid)
+        assert "do not match" in ei.value.reason
+        unchecked = s.load(1, verify=False)  # frame checksums alone cannot catch it (documented)
+        assert unchecked["x"][CS:].numpy().tobytes() == payload
+        assert _problems(s.verify()) == {(ckpt, "x", cid)}
+
+
+# -- manifests ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("damage", ["flip_header", "flip_middle", "flip_last", "truncate", "delete", "swap"])
+def test_damaged_manifest(store_path: Path, two_ckpts: dict[str, Any], damage: str) -> None:
+    ids = two_ckpts["ids"]
+    mdir = store_path / "manifests"
+    path = mdir / f"{ids[2]}.manifest"
+    size = path.stat().st_size
+    if damage == "flip_header":
+        _flip(path, 10)
+    elif damage == "flip_middle":
+        _flip(path, size // 2)
+    elif damage == "flip_last":
+        _flip(path, size - 1)
+    elif damage == "truncate":
+        os.truncate(path, size - 20)
+    elif damage == "delete":
+        path.unlink()
+    else:
+        shutil.copyfile(mdir / f"{ids[1]}.manifest", path)
+    with _open(store_path) as s:
+        for call in (lambda: s.load(2), lambda: s.load(id=ids[2]), lambda: s.manifest(2),
+                     lambda: s.load_into({"a": torch.empty(3 * CS // 4)}, step=2, strict=False)):
+            with pytest.raises(CorruptManifestError) as ei:
+                call()
+            assert ids[2] in str(ei.value)
+        report = s.verify()
+        assert [(p.checkpoint, p.key, p.chunk_id) for p in report.problems] == [(ids[2], None, None)]
+        assert_same_state(two_ckpts["states"][1], s.load(1))
+        assert_same_state(two_ckpts["states"][3], s.load(3))
+        assert [i.id for i in s.list()] == [ids[1], ids[2], ids[3]]
+        assert s.info(2).id == ids[2]  # the index record is intact
+
+
+# -- the index ---------------------------------------------------------------------------------------------
+
+
+def _fill(store_path: Path) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1)
+    states = {
+        1: {"w": torch.randn(5000, generator=g), "opt": {"lr": 0.1}, "z": torch.zeros(3000)},
+        2: {"w": torch.randn(5000, generator=g), "n": np.arange(999, dtype=">i8")},
+        3: {"w": torch.randn(7, generator=g), "p": torch.nn.Parameter(torch.ones(3))},
+        4: {"w": torch.randn(6000, generator=g)},
+    }
+    with _open(store_path) as s:
+        infos = {k: s.save(v, step=k, metadata={"k": k}) for k, v in states.items()}
+        s.delete(2)
+        listed = [(i.id, i.step, i.metadata, i.parent) for i in s.list()]
+    return {"states": states, "infos": infos, "listed": listed}
+
+
+def _check_repaired(store: deltackpt.Store, filled: dict[str, Any]) -> None:
+    assert [(i.id, i.step, i.metadata, i.parent) for i in store.list()] == filled["listed"]
+    for step in (1, 3, 4):
+        assert_same_state(filled["states"][step], store.load(step))
+        assert_same_state(filled["states"][step], store.load(id=filled["infos"][step].id))
+    assert_same_state(filled["states"][4], store.load())
+    with pytest.raises(deltackpt.CheckpointNotFoundError):
+        store.load(2)  # deleted before the index was lost: stays deleted
+    assert store.verify().ok
+    info = store.save({"w": torch.ones(4)}, step=5)  # the repaired store keeps working
+    assert info.written_bytes > 0 and store.load()["w"].sum().item() == 4
+    assert store.list()[-1].seq > max(i.seq for i in store.list()[:-1])
+
+
+@pytest.mark.parametrize("how", ["open_for_repair", "store_repair"])
+def test_index_removed_and_repaired(store_path: Path, how: str) -> None:
+    filled = _fill(store_path)
+    for p in (store_path / "index").iterdir():
+        p.unlink()
+    if how == "open_for_repair":
+        s = maintenance.open_for_repair(store_path)
+    else:
+        s = deltackpt.Store(store_path)
+    with s:
+        assert s.list() == []
+        with pytest.raises(deltackpt.CheckpointNotFoundError):
+            s.load(1)
+        report = s.repair()
+        assert report.checkpoints == 3 and report.lost_checkpoints == []
+        _check_repaired(s, filled)
+
+
+def test_index_garbled_and_repaired(store_path: Path) -> None:
+    filled = _fill(store_path)
+    data = store_path / "index" / "data.mdb"
+    size = data.stat().st_size
+    with open(data, "r+b") as f:
+        f.write(os.urandom(min(size, 3 * 4096)))
+    with maintenance.open_for_repair(store_path) as s:
+        report = s.repair()
+        assert report.checkpoints == 3
+        _check_repaired(s, filled)
+
+
+def test_repair_reports_checkpoints_whose_chunks_are_gone(store_path: Path) -> None:
+    a, d = _rand(2 * CS, 0), _rand(2 * CS, 1)
+    with _open(store_path) as s:
+        id1 = s.save({"a": a}, step=1).id
+    with _open(store_path) as s:
+        id2 = s.save({"a": a, "d": d}, step=2).id
+        (pack_d,) = {loc.pack_id for _, loc in _chunks_of(s, 2)["d"]}
+    (store_path / "packs" / f"{pack_d}.pack").unlink()
+    shutil.rmtree(store_path / "index")
+    with maintenance.open_for_repair(store_path) as s:
+        report = s.repair()
+        assert report.lost_checkpoints == [id2]
+        assert [i.id for i in s.list()] == [id1]
+        assert torch.equal(s.load(1)["a"], a)
+
+
+def test_repair_keeps_intact_frames_after_a_damaged_one(store_path: Path, two_ckpts: dict[str, Any]) -> None:
+    """One damaged frame in the middle of a pack must not cost the checkpoints that never reference it."""
+    ids, chunks = two_ckpts["ids"], two_ckpts["chunks"]
+    cid, loc = chunks[1]["c"][0]  # only checkpoint 1 references "c"; "d" (checkpoint 2) comes after it
+    assert all(lc.offset > loc.offset for _, lc in chunks[2]["d"])
+    _flip(_pack_path(store_path, loc), loc.offset + codec.HEADER_SIZE + 5)
+    shutil.rmtree(store_path / "index")
+    with maintenance.open_for_repair(store_path) as s:
+        report = s.repair()
+        assert report.lost_checkpoints == [ids[1]]
+        assert [i.id for i in s.list()] == [ids[2], ids[3]]
+        assert_same_state(two_ckpts["states"][2], s.load(2))
+        assert_same_state(two_ckpts["states"][3], s.load(3))
+
+
+# -- frames: codec level -----------------------------------------------------------------------------------
+
+
+def _frames() -> dict[str, tuple[bytes, bytes]]:
+    """(frame, raw) for each codec."""
+    enc = codec.Encoder(1)
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    text = b"deltackpt " * 100
+    floats = rng.standard_normal(256).astype(np.float32).tobytes()
+    base = bytes(floats)
+    near = bytearray(floats)
+    near[100] ^= 1
+    near = bytes(near)
+    out = {
+        "raw": (enc.encode(noise, kernel.digest(noise), 1), noise),
+        "zstd": (enc.encode(text, kernel.digest(text), 1), text),
+        "planes": (enc.encode(floats, kernel.digest(floats), 4), floats),
+        "delta": (enc.encode(near, kernel.digest(near), 4, base=base, base_digest=kernel.digest(base)), near),
+    }
+    for name, want in (("raw", codec.RAW), ("zstd", codec.ZSTD), ("planes", codec.PLANES_ZSTD),
+                       ("delta", codec.DELTA)):
+        assert codec.parse_header(out[name][0]).codec == want, name
+    return out
+
+
+FRAMES = _frames()
+
+
+def _decode(frame: bytes, raw: bytes, **kw: Any) -> memoryview:
+    h = codec.parse_header(frame) if len(frame) >= codec.HEADER_SIZE else None
+    base = None
+    if h is not None and h.codec == codec.DELTA:
+        base = FRAMES["planes"][1]
+    return codec.decode(frame, base=base, **kw)
+
+
+@pytest.mark.parametrize("name", list(FRAMES))
+def test_frames_decode(name: str) -> None:
+    frame, raw = FRAMES[name]
+    assert bytes(_decode(frame, raw)) == raw
+    out = np.empty(len(raw), np.uint8)
+    _decode(frame, raw, out=out, expect_digest=kernel.digest(raw), expect_len=len(raw))
+    assert out.tobytes() == raw
+
+
+@pytest.mark.parametrize("name", list(FRAMES))
+def test_truncated_frames(name: str) -> None:
+    frame, raw = FRAMES[name]
+    for n in [0, 1, 10, 56, 63, 64, 65, len(frame) // 2, len(frame) - 1]:
+        with pytest.raises(CorruptChunkError):
+            _decode(frame[:n], raw)
+
+
+@pytest.mark.parametrize("name", list(FRAMES))
+@given(data=st.data())
+def test_garbled_frames(name: str, data: st.DataObject) -> None:
+    frame, raw = FRAMES[name]
+    pos = data.draw(st.integers(0, len(frame) - 1).filter(lambda p: p != 4), label="pos")
+    mask = data.draw(st.integers(1, 255), label="mask")
+    bad = bytearray(frame)
+    bad[pos] ^= mask
+    with pytest.raises(CorruptChunkError):
+        _decode(bytes(bad), raw)
+    with pytest.raises(CorruptChunkError):
+        _decode(bytes(bad), raw, verify=False)
+
+
+def test_garbled_version_byte_is_an_error() -> None:
+    frame, raw = FRAMES["zstd"]
+    bad = bytearray(frame)
+    bad[4] ^= 0x02
+    with pytest.raises(deltackpt.DeltackptError):
+        _decode(bytes(bad), raw)
+
+
+def test_wrong_chunk_expected() -> None:
+    frame, raw = FRAMES["zstd"]
+    with pytest.raises(CorruptChunkError):
+        codec.decode(frame, expect_digest=bytes(16), expect_len=len(raw))
+    with pytest.raises(CorruptChunkError):
+        codec.decode(frame, expect_digest=kernel.digest(raw), expect_len=len(raw) + 1)
+
+
+@pytest.mark.parametrize("codec_id", [codec.RAW, codec.ZSTD, codec.PLANES_ZSTD])
+def test_valid_checksum_wrong_digest(codec_id: int) -> None:
+    raw = b"0123456789abcdef" * 64
+    other = b"fedcba9876543210" * 64
+    payload = other if codec_id == codec.RAW else zstandard.ZstdCompressor().compress(other)
+    frame = codec._frame(codec_id, 1 if codec_id != codec.PLANES_ZSTD else 2, len(raw), kernel.digest(raw),
+                         codec.NO_BASE, payload)
+    codec.check_frame(frame, expect_digest=kernel.digest(raw), expect_len=len(raw))  # checksum is fine
+    with pytest.raises(CorruptChunkError, match="do not match"):
+        codec.decode(frame, expect_digest=kernel.digest(raw), expect_len=len(raw))
+    assert len(codec.decode(frame, verify=False)) == len(raw)  # without verify it cannot be seen
+
+
+def _no_big_allocation(fn: Any, limit: int = 2 << 20) -> None:
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(CorruptChunkError):
+            fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < limit, f"decoding a damaged frame allocated {peak} bytes"
+    assert time.perf_counter() - t0 < 2.0
+
+
+BOMB_SIZE = 200 << 20  # what the payload would expand to
+
+
+@pytest.fixture(scope="module")
+def bomb() -> bytes:
+    cctx = zstandard.ZstdCompressor(level=1)
+    chunks = cctx.compressobj(size=BOMB_SIZE)
+    zero = bytes(1 << 20)
+    parts = [chunks.compress(zero) for _ in range(BOMB_SIZE >> 20)]
+    payload = b"".join(parts) + chunks.flush()
+    assert zstandard.get_frame_parameters(payload).content_size == BOMB_SIZE
+    return payload
+
+
+def test_zstd_bomb_declared_larger_than_frame(bomb: bytes) -> None:
+    digest = kernel.digest(bytes(16))
+    frame = codec._frame(codec.ZSTD, 1, 16, digest, codec.NO_BASE, bomb)
+    _no_big_allocation(lambda: codec.decode(frame))
+    _no_big_allocation(lambda: codec.decode(frame, expect_digest=digest, expect_len=16, verify=False))
+    planes = codec._frame(codec.PLANES_ZSTD, 4, 16, digest, codec.NO_BASE, bomb)
+    _no_big_allocation(lambda: codec.decode(planes))
+
+
+def test_zstd_payload_without_content_size() -> None:
+    cctx = zstandard.ZstdCompressor(level=1, write_content_size=False)
+    obj = cctx.compressobj()
+    payload = b"".join(obj.compress(bytes(1 << 20)) for _ in range(50)) + obj.flush()  # 50 MB of zeros
+    assert zstandard.get_frame_parameters(payload).content_size in (0, 2**64 - 1)
+    for raw_len in (0, 16, 4096):
+        raw = bytes(raw_len)
+        frame = codec._frame(codec.ZSTD, 1, raw_len, kernel.digest(raw), codec.NO_BASE, payload)
+        _no_big_allocation(lambda frame=frame: codec.decode(frame))
+
+
+def test_zstd_payload_smaller_than_declared() -> None:
+    raw = bytes(range(256)) * 16
+    payload = zstandard.ZstdCompressor().compress(raw[:100])
+    frame = codec._frame(codec.ZSTD, 1, len(raw), kernel.digest(raw), codec.NO_BASE, payload)
+    with pytest.raises(CorruptChunkError):
+        codec.decode(frame)
+    zstd_magic = b"\x28\xb5\x2f\xfd"
+    garbage = codec._frame(codec.ZSTD, 1, len(raw), kernel.digest(raw), codec.NO_BASE, zstd_magic + bytes(40))
+    with pytest.raises(CorruptChunkError):
+        codec.decode(garbage)
+
+
+def test_frame_declaring_huge_raw_length() -> None:
+    frame = bytearray(FRAMES["zstd"][0])
+    struct.pack_into("<Q", frame, 8, 1 << 40)
+    _no_big_allocation(lambda: codec.decode(bytes(frame)))
+    struct.pack_into("<Q", frame, 8, codec.MAX_RAW)  # allowed by the header, contradicted by the payload
+    head = bytes(frame[: codec.CHECKED])
+    frame[56:64] = struct.pack("<Q", codec.frame_checksum(head, bytes(frame[64:])))
+    _no_big_allocation(lambda: codec.decode(bytes(frame), expect_len=len(FRAMES["zstd"][1])))
+
+
+# -- delta chains ------------------------------------------------------------------------------------------
+
+
+def _nudged_history(store: deltackpt.Store, n: int) -> dict[int, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8 * CS // 4, generator=g)
+    out = {}
+    for step in range(1, n + 1):
+        x = x.clone()
+        x[:: CS // 16] += 0.01 * step  # a few elements of every chunk
+        out[step] = {"x": x, "other": torch.arange(3000) + step * 0}
+        store.save(out[step], step=step)
+    return out
+
+
+def test_damaged_delta_base_breaks_its_dependents(store_path: Path) -> None:
+    with _open(store_path) as s:
+        history = _nudged_history(s, 3)
+        ids = {i.step: i.id for i in s.list()}
+        chunks = {step: _chunks_of(s, step) for step in (1, 2, 3)}
+        all_locs = dict(s.index.iter_chunks())
+    hex_of = {codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big")): k for k in all_locs}
+    deltas = [(cid, loc) for cid, loc in chunks[2]["x"] if loc.codec == codec.DELTA]
+    assert deltas, "the test needs a delta chunk"
+    dep_cid, dep_loc = deltas[0]
+    base_key = dep_loc.base + hex_of[dep_cid][16:]
+    base_loc = all_locs[base_key]
+    base_cid = codec.chunk_hex(base_key[:16], int.from_bytes(base_key[16:], "big"))
+    _flip(_pack_path(store_path, base_loc), base_loc.offset + base_loc.frame_len - 3)
+
+    def broken(k: bytes) -> bool:  # the damaged chunk, or one whose delta chain reaches it
+        while True:
+            if k == base_key:
+                return True
+            loc = all_locs[k]
+            if loc.codec != codec.DELTA:
+                return False
+            k = loc.base + k[16:]
+
+    expected = {(ids[step], key, cid) for step in (1, 2, 3) for key, lst in chunks[step].items()
+                for cid, _ in lst if broken(hex_of[cid])}
+    assert (ids[2], "x", dep_cid) in expected
+    with _open(store_path) as s:
+        with pytest.raises(CorruptChunkError) as ei:
+            s.load(2)
+        assert ei.value.checkpoint == ids[2] and ei.value.key == "x"
+        assert ei.value.chunk_id in {cid for (ck, _, cid) in expected if ck == ids[2]}
+        assert _problems(s.verify()) == expected
+        assert {key for _, key, _ in expected} == {"x"}
+        for step in (1, 2, 3):
+            if not any(ck == ids[step] for ck, _, _ in expected):
+                assert_same_state(history[step], s.load(step))
+        assert base_cid in {cid for _, _, cid in expected}
+
+
+def test_damaged_parent_does_not_spread_into_new_saves(store_path: Path) -> None:
+    with _open(store_path) as s:
+        history = _nudged_history(s, 2)
+        chunks = _chunks_of(s, 2)["x"]
+    for _, loc in chunks:  # every chunk of the parent's "x" is damaged
+        _flip(_pack_path(store_path, loc), loc.offset + loc.frame_len - 1)
+    with _open(store_path) as s:  # a new handle: no cached bases, they must be read from the packs
+        x = history[2]["x"].clone()
+        x[::100] -= 1.0
+        state = {"x": x, "other": torch.arange(3000)}
+        info = s.save(state, step=3)
+        assert info.parent == s.info(2).id
+        assert_same_state(state, s.load(3))
+        assert s.verify(step=3).ok
+        with pytest.raises(CorruptChunkError):
+            s.load(2)

@@ -1,0 +1,289 @@
+"""Deduplication and space accounting: only new chunks are written, and gc gives space back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_CHUNK, assert_same_state, dir_size, pack_files, tensor_bytes
+
+import deltackpt
+from deltackpt import packs
+
+BIG_CHUNK = 64 * 1024
+
+
+@pytest.fixture
+def big_store(store_path: Path):
+    s = deltackpt.Store(store_path, chunk_size=BIG_CHUNK, threads=2)
+    yield s
+    s.close()
+
+
+def _random_tensors(n: int, numel: int, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i:03d}.weight": torch.randn(numel, generator=g) for i in range(n)}
+
+
+def _frames_bytes(store_path: Path) -> int:
+    """Bytes of every intact frame in every pack (pack headers excluded)."""
+    return sum(h.frame_len for p in pack_files(store_path) for _, h in packs.scan(p))
+
+
+def test_resave_unchanged_writes_almost_nothing(big_store: deltackpt.Store, store_path: Path) -> None:
+    # ~2.6 MB in 40 tensors of one chunk and a bit (short last chunks too)
+    state = {"model": _random_tensors(40, BIG_CHUNK // 4 + 100, seed=0), "step": 1}
+    first = big_store.save(state, step=1)
+    assert first.written_bytes > 0.5 * first.logical_bytes  # random floats do not compress much
+    size = dir_size(store_path / "packs")
+    second = big_store.save(state, step=2)
+    assert second.written_bytes < 0.01 * first.written_bytes
+    assert second.logical_bytes == first.logical_bytes
+    assert dir_size(store_path / "packs") - size < 0.01 * first.written_bytes
+    assert_same_state(state, big_store.load(2))
+
+
+def test_resave_after_reopen_writes_nothing(store_path: Path) -> None:
+    state = {"w": torch.randn(50_000)}
+    with deltackpt.Store(store_path, chunk_size=SMALL_CHUNK) as s:
+        first = s.save(state, step=1)
+    with deltackpt.Store(store_path) as s:
+        second = s.save(state, step=2)
+    assert first.written_bytes > 0
+    assert second.written_bytes == 0
+
+
+def test_changing_one_of_100_tensors_writes_about_one_percent(big_store: deltackpt.Store) -> None:
+    state = _random_tensors(100, BIG_CHUNK // 4, seed=1)  # 100 x 64 KiB, one chunk each
+    first = big_store.save(state, step=1)
+    state["layer042.weight"] = torch.randn(BIG_CHUNK // 4, generator=torch.Generator().manual_seed(99))
+    second = big_store.save(state, step=2)
+    ratio = second.written_bytes / first.written_bytes
+    assert 0.5 / 100 <= ratio <= 2 / 100, ratio
+    assert_same_state(state, big_store.load(2))
+
+
+def test_changing_one_element_writes_one_chunk(store: deltackpt.Store) -> None:
+    x = torch.randn(64 * SMALL_CHUNK // 4)  # 64 chunks
+    first = store.save({"x": x}, step=1)
+    y = x.clone()
+    y[12345] = 7.0
+    second = store.save({"x": y}, step=2)
+    assert 0 < second.written_bytes <= SMALL_CHUNK + 64
+    assert first.written_bytes > 32 * SMALL_CHUNK
+    assert torch.equal(store.load(1)["x"], x) and torch.equal(store.load(2)["x"], y)
+
+
+def test_identical_tensors_in_one_state_written_once(tmp_path: Path) -> None:
+    x = torch.randn(20_000)
+    with deltackpt.Store(tmp_path / "one", chunk_size=SMALL_CHUNK) as s:
+        single = s.save({"a": x}, step=1).written_bytes
+    with deltackpt.Store(tmp_path / "three", chunk_size=SMALL_CHUNK) as s:
+        state = {"a": x, "b": x.clone(), "c": [x.clone().numpy()], "d": x}
+        info = s.save(state, step=1)
+        assert info.written_bytes == single
+        assert info.logical_bytes == 3 * x.numel() * 4  # "d" is the same object as "a": one leaf
+        out = s.load(1)
+        assert_same_state(state, out)
+        assert out["a"] is out["d"] and out["a"] is not out["b"]
+    assert single > 0
+
+
+def test_same_bytes_different_dtype_dedup(store: deltackpt.Store) -> None:
+    x = torch.randn(10_000)
+    first = store.save({"f": x}, step=1)
+    second = store.save({"i": x.view(torch.int32).clone(), "u8": x.view(torch.uint8).clone()}, step=2)
+    assert first.written_bytes > 0 and second.written_bytes == 0
+    out = store.load(2)
+    assert out["i"].dtype == torch.int32 and tensor_bytes(out["u8"]) == tensor_bytes(x)
+
+
+def test_all_zero_tensors_write_nothing(store: deltackpt.Store, store_path: Path) -> None:
+    state = {"z": torch.zeros(100_000), "zi": torch.zeros(3, 5000, dtype=torch.int64),
+             "zn": np.zeros((7, 999), dtype=np.float64),
+             "odd": torch.zeros(SMALL_CHUNK + 3, dtype=torch.uint8)}
+    info = store.save(state, step=1)
+    assert info.logical_bytes == 400_000 + 120_000 + 7 * 999 * 8 + SMALL_CHUNK + 3
+    assert info.written_bytes == 0
+    assert _frames_bytes(store_path) == 0
+    out = store.load(1)
+    assert_same_state(state, out)
+    # half zero: only the non-zero half is written
+    h = torch.zeros(64 * SMALL_CHUNK // 4)
+    h[: h.numel() // 2] = torch.randn(h.numel() // 2)
+    half = store.save({"h": h}, step=2)
+    assert 16 * SMALL_CHUNK < half.written_bytes < 36 * SMALL_CHUNK
+    assert torch.equal(store.load(2)["h"], h)
+
+
+def test_appending_to_a_tensor_writes_only_the_tail(store: deltackpt.Store) -> None:
+    x = torch.randn(10 * SMALL_CHUNK // 4)  # exactly 10 chunks
+    store.save({"x": x}, step=1)
+    y = torch.cat([x, torch.randn(SMALL_CHUNK // 4)])
+    info = store.save({"x": y}, step=2)
+    assert 0 < info.written_bytes <= SMALL_CHUNK + 64
+
+
+def test_written_bytes_matches_pack_growth(store: deltackpt.Store, store_path: Path) -> None:
+    g = torch.Generator().manual_seed(5)
+    total = 0
+    prev_size, prev_packs = 0, 0
+    for step in range(1, 5):
+        state = {"fixed": torch.arange(30_000.0), f"new{step}": torch.randn(7_000 * step, generator=g),
+                 "ints": torch.randint(0, 5, (5000,), generator=g)}
+        info = store.save(state, step=step)
+        total += info.written_bytes
+        size, n_packs = dir_size(store_path / "packs"), len(pack_files(store_path))
+        # growth is the frames written plus a 16-byte header per new pack file
+        assert size - prev_size == info.written_bytes + packs.PACK_HEADER.size * (n_packs - prev_packs)
+        prev_size, prev_packs = size, n_packs
+        assert info.written_bytes == store.info(step).written_bytes
+    assert _frames_bytes(store_path) == total
+    assert sum(i.written_bytes for i in store.list()) == total
+
+
+def test_shared_tensor_survives_delete_and_gc(store: deltackpt.Store, store_path: Path) -> None:
+    shared = torch.randn(30_000)
+    only_first = torch.randn(30_000)
+    s1 = {"shared": shared, "a": only_first}
+    s2 = {"shared": shared.clone(), "b": torch.randn(30_000)}
+    store.save(s1, step=1)
+    store.save(s2, step=2)
+    chunks_before = store.index.count_chunks()
+    store.delete(1)
+    assert [i.step for i in store.list()] == [2]
+    report = store.gc()
+    n_only_first = -(-30_000 * 4 // SMALL_CHUNK)
+    assert report.dead_chunks == n_only_first
+    assert store.index.count_chunks() == chunks_before - n_only_first
+    assert_same_state(s2, store.load(2))
+    assert store.verify().ok
+    store.close()
+    with deltackpt.Store(store_path) as fresh:  # nothing cached
+        assert_same_state(s2, fresh.load(2))
+        assert fresh.verify().ok
+
+
+def test_gc_reclaims_packs_and_keeps_last(store: deltackpt.Store, store_path: Path) -> None:
+    g = torch.Generator().manual_seed(3)
+    states = [{"w": torch.randn(60_000, generator=g), "b": torch.randn(100, generator=g), "step": i}
+              for i in range(4)]
+    for i, s in enumerate(states):
+        store.save(s, step=i)
+    before = dir_size(store_path / "packs")
+    for i in range(3):
+        store.delete(i)
+    assert dir_size(store_path / "packs") == before  # deleting alone frees nothing
+    report = store.gc()
+    after = dir_size(store_path / "packs")
+    assert after < 0.4 * before, (before, after)
+    assert report.freed_bytes >= before - after - 16
+    assert report.dead_chunks > 0
+    assert_same_state(states[3], store.load(3))
+    assert_same_state(states[3], store.load())
+    assert store.verify().ok
+    # a second gc finds nothing more to do, and the last checkpoint still loads from a fresh handle
+    again = store.gc()
+    assert again.dead_chunks == 0 and again.deleted_packs == 0
+    store.close()
+    with deltackpt.Store(store_path) as fresh:
+        assert_same_state(states[3], fresh.load(3))
+        # the store keeps working after gc
+        fresh.save(states[0], step=10)
+        assert_same_state(states[0], fresh.load(10))
+        assert_same_state(states[3], fresh.load(3))
+
+
+def test_gc_after_deleting_everything(store: deltackpt.Store, store_path: Path) -> None:
+    store.save({"w": torch.randn(20_000)}, step=1)
+    store.save({"w": torch.randn(20_000)}, step=2)
+    store.delete(1)
+    store.delete(2)
+    assert store.list() == []
+    store.gc()
+    assert _frames_bytes(store_path) == 0
+    assert store.index.count_chunks() == 0
+    assert list((store_path / "manifests").glob("*.manifest")) == []
+    info = store.save({"w": torch.ones(10)}, step=3)
+    assert torch.equal(store.load(3)["w"], torch.ones(10)) and info.written_bytes > 0
+
+
+def test_resave_after_gc_rewrites_dropped_chunks(store: deltackpt.Store) -> None:
+    x = torch.randn(20_000)
+    store.save({"x": x}, step=1)
+    store.delete(1)
+    store.gc()
+    info = store.save({"x": x}, step=2)  # its chunks were reclaimed: they must be written again
+    assert info.written_bytes > 0
+    assert torch.equal(store.load(2)["x"], x)
+    assert store.verify().ok
+
+
+# -- delta chunks ------------------------------------------------------------------------------------------
+
+
+def _nudge(x: torch.Tensor, step: int) -> torch.Tensor:
+    """A copy of ``x`` with a few elements of every chunk changed (like a small optimizer step)."""
+    y = x.clone()
+    per_chunk = SMALL_CHUNK // 4
+    idx = torch.arange(step % 7, y.numel(), per_chunk // 4)
+    y[idx] += 0.001 * step
+    return y
+
+
+def _delta_history(store: deltackpt.Store, n: int) -> dict[int, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(16 * SMALL_CHUNK // 4, generator=g)
+    y = torch.randn(3 * SMALL_CHUNK // 4 + 5, generator=g).double()
+    history = {}
+    for step in range(1, n + 1):
+        x, y = _nudge(x, step), _nudge(y, step)
+        history[step] = {"x": x, "y": y, "fixed": torch.arange(2000)}
+        store.save(history[step], step=step)
+    return history
+
+
+def test_delta_chain_round_trips(store: deltackpt.Store) -> None:
+    history = _delta_history(store, 12)
+    locs = [loc for _, loc in store.index.iter_chunks()]
+    assert any(loc.codec == deltackpt.codec.DELTA for loc in locs), "small changes should be stored as deltas"
+    assert all(loc.depth <= store.max_chain for loc in locs)
+    infos = {i.step: i for i in store.list()}
+    assert sum(infos[s].written_bytes for s in range(2, 13)) < 11 * infos[1].written_bytes * 0.8
+    for step, state in history.items():
+        assert_same_state(state, store.load(step))
+        assert_same_state(state, store.load(step, verify=False))
+    assert store.verify().ok
+
+
+def test_delta_bases_survive_delete_and_gc(store: deltackpt.Store, store_path: Path) -> None:
+    history = _delta_history(store, 9)
+    for step in range(1, 9):
+        if step % 3:
+            store.delete(step)
+    store.gc()
+    for step in (3, 6, 9):
+        assert_same_state(history[step], store.load(step))
+    for step in (3, 6):
+        store.delete(step)
+    store.gc()
+    assert_same_state(history[9], store.load(9))
+    assert store.verify().ok
+    store.close()
+    with deltackpt.Store(store_path) as fresh:  # no cached bases
+        assert_same_state(history[9], fresh.load(9))
+        nxt = {"x": _nudge(history[9]["x"], 10), "y": _nudge(history[9]["y"], 10),
+               "fixed": torch.arange(2000)}
+        fresh.save(nxt, step=10)
+        assert_same_state(nxt, fresh.load(10))
+        assert fresh.verify().ok
+
+
+def test_no_deltas_when_max_chain_is_zero(store_path: Path) -> None:
+    with deltackpt.Store(store_path, chunk_size=SMALL_CHUNK, max_chain=0) as s:
+        history = _delta_history(s, 4)
+        assert all(loc.codec != deltackpt.codec.DELTA for _, loc in s.index.iter_chunks())
+        for step, state in history.items():
+            assert_same_state(state, s.load(step))

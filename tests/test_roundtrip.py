@@ -1,0 +1,592 @@
+"""Round trips: whatever a state holds comes back with the same structure, types, dtypes, shapes and bits."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import struct
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot, float_bits, tensor_bytes
+from hypothesis import given
+from hypothesis import strategies as st
+
+import deltackpt
+from deltackpt import ShapeMismatchError, UnsafeLoadError, UnsupportedTypeError
+
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+
+TORCH_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.complex64, torch.complex128, torch.bool, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint8, torch.uint16, torch.uint32, torch.uint64,
+]
+EXTRA_TORCH_DTYPES = [
+    getattr(torch, n) for n in ("float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu", "complex32")
+    if isinstance(getattr(torch, n, None), torch.dtype)
+]
+NUMPY_DTYPES = [
+    np.dtype(s) for s in (
+        "?", "i1", "i2", "<i4", "<i8", "u1", "<u2", "<u4", "<u8", "<f2", "<f4", "<f8", "<c8", "<c16",
+        ">f4", ">f8", ">i2", ">i8", ">u4", ">c8", ">c16", ">f2",
+    )
+]
+
+
+# -- strategies ------------------------------------------------------------------------------------------
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).filter(lambda s: math.prod(s) <= 300)
+
+
+def _from_raw(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    n = math.prod(shape)
+    size = dtype.itemsize
+    raw = np.frombuffer(data[: n * size], dtype=np.uint8).copy()
+    if dtype == torch.bool:
+        raw &= 1  # only 0 and 1 are valid bools
+    if n == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+@st.composite
+def torch_tensors(
+    draw: st.DrawFn, dtypes: list[torch.dtype] = TORCH_DTYPES + EXTRA_TORCH_DTYPES
+) -> torch.Tensor:
+    dtype = draw(st.sampled_from(dtypes))
+    shape = draw(shapes)
+    size = dtype.itemsize
+    layout = draw(st.sampled_from(["plain", "transposed", "sliced", "conj", "expanded"]))
+    if layout == "transposed" and len(shape) >= 2:
+        base_shape = list(shape)
+        base_shape[0], base_shape[-1] = base_shape[-1], base_shape[0]
+        data = draw(st.binary(min_size=math.prod(shape) * size, max_size=math.prod(shape) * size))
+        t = _from_raw(data, dtype, base_shape).transpose(0, -1)
+    elif layout == "sliced" and len(shape) >= 1:
+        base_shape = [2 * shape[0] + 1, *shape[1:]]
+        n = math.prod(base_shape)
+        data = draw(st.binary(min_size=n * size, max_size=n * size))
+        t = _from_raw(data, dtype, base_shape)[1::2]
+    elif layout == "expanded" and len(shape) >= 1:
+        base_shape = [1, *shape[1:]]
+        n = math.prod(base_shape)
+        data = draw(st.binary(min_size=n * size, max_size=n * size))
+        t = _from_raw(data, dtype, base_shape).expand(shape)  # stride 0 along dim 0
+    else:
+        n = math.prod(shape)
+        data = draw(st.binary(min_size=n * size, max_size=n * size))
+        t = _from_raw(data, dtype, shape)
+        if layout == "conj" and dtype in (torch.complex64, torch.complex128):
+            t = t.conj()  # a lazily conjugated view
+    assert tuple(t.shape) == tuple(shape)
+    if (dtype.is_floating_point or dtype.is_complex) and dtype.itemsize >= 2 and draw(st.booleans()):
+        if draw(st.booleans()):
+            t = torch.nn.Parameter(t.contiguous(), requires_grad=draw(st.booleans()))
+        elif dtype in (torch.float32, torch.float64):
+            t = t.detach().requires_grad_(True)
+    return t
+
+
+@st.composite
+def numpy_arrays(draw: st.DrawFn) -> np.ndarray:
+    dtype = draw(st.sampled_from(NUMPY_DTYPES))
+    shape = draw(shapes)
+    n = math.prod(shape)
+    if draw(st.booleans()) and len(shape) >= 2:
+        base_shape = list(reversed(shape))
+        data = draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize))
+        a = np.frombuffer(data, dtype=dtype).copy().reshape(base_shape).T  # non-contiguous
+    elif draw(st.booleans()) and len(shape) >= 1:
+        data = draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize))
+        a = np.frombuffer(data, dtype=dtype).reshape(shape)[::-1]  # negative stride, read-only
+    else:
+        data = draw(st.binary(min_size=n * dtype.itemsize, max_size=n * dtype.itemsize))
+        a = np.frombuffer(data, dtype=dtype).copy().reshape(shape)
+    if dtype.kind == "b":
+        a = a.view(np.uint8) & 1
+        a = a.astype(np.bool_)
+    return a
+
+
+raw_floats = st.binary(min_size=8, max_size=8).map(lambda b: struct.unpack("<d", b)[0])
+numpy_scalars = st.one_of(
+    st.integers(-(2**63), 2**63 - 1).map(np.int64),
+    st.integers(0, 255).map(np.uint8),
+    st.integers(0, 2**64 - 1).map(np.uint64),
+    st.binary(min_size=4, max_size=4).map(lambda b: np.frombuffer(b, np.float32)[0]),
+    st.binary(min_size=8, max_size=8).map(lambda b: np.frombuffer(b, np.float64)[0]),
+    st.binary(min_size=2, max_size=2).map(lambda b: np.frombuffer(b, np.float16)[0]),
+    st.binary(min_size=16, max_size=16).map(lambda b: np.frombuffer(b, np.complex128)[0]),
+    st.booleans().map(np.bool_),
+)
+plain_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.sampled_from([2**200, -(2**200), 2**63, -(2**63) - 1, 0]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    raw_floats,  # NaN payloads, -0.0, subnormals
+    st.sampled_from([float("nan"), -float("nan"), float("inf"), -float("inf"), -0.0, 0.0]),
+    st.text(),
+    st.sampled_from(["", "ünïcödé ✓ 🐍", "\x00nul", "a.b[0]", "\ud800 lone surrogate"]),
+    st.binary(max_size=64),
+    st.sampled_from(TORCH_DTYPES),
+    st.sampled_from([torch.device(d) for d in ("cpu", "cuda:1", "meta", "cuda")]),
+    st.lists(st.integers(0, 10), max_size=4).map(torch.Size),
+    numpy_scalars,
+)
+dict_keys = st.one_of(st.text(max_size=8), st.integers(), st.sampled_from([0, 1, "0", "1", "", 2**100]))
+
+
+def containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.dictionaries(dict_keys, children, max_size=4),
+        st.dictionaries(dict_keys, children, max_size=4).map(lambda d: OrderedDict(reversed(d.items()))),
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+    )
+
+
+@st.composite
+def states(draw: st.DrawFn) -> Any:
+    """A nested state whose tensors and arrays come from a shared pool, so some appear more than once."""
+    pool = draw(st.lists(st.one_of(torch_tensors(), numpy_arrays()), min_size=1, max_size=6))
+    leaf = st.one_of(plain_values, st.sampled_from(range(len(pool))).map(lambda i: pool[i]))
+    return draw(st.recursive(leaf, containers, max_leaves=20))
+
+
+# -- hypothesis round trips ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    s = deltackpt.Store(tmp_path_factory.mktemp("rt") / "store", chunk_size=SMALL_CHUNK, threads=2)
+    s.counter = 0
+    yield s
+    s.close()
+
+
+def _save_load(store: deltackpt.Store, state: Any, **kw: Any) -> Any:
+    store.counter += 1
+    info = store.save(state, step=store.counter, **kw)
+    assert info.step == store.counter
+    return store.load(step=store.counter, **kw)
+
+
+@given(state=states())
+def test_roundtrip_nested_states(shared_store: deltackpt.Store, state: Any) -> None:
+    loaded = _save_load(shared_store, state)
+    assert_same_state(state, loaded)
+
+
+@given(t=torch_tensors())
+def test_roundtrip_every_torch_dtype(shared_store: deltackpt.Store, t: torch.Tensor) -> None:
+    loaded = _save_load(shared_store, {"t": t})
+    assert_same_state({"t": t}, loaded)
+    assert isinstance(loaded["t"], torch.nn.Parameter) == isinstance(t, torch.nn.Parameter)
+
+
+@given(a=numpy_arrays())
+def test_roundtrip_numpy_arrays(shared_store: deltackpt.Store, a: np.ndarray) -> None:
+    loaded = _save_load(shared_store, [a])
+    assert_same_state([a], loaded)
+
+
+@given(v=plain_values)
+def test_roundtrip_plain_values(shared_store: deltackpt.Store, v: Any) -> None:
+    loaded = _save_load(shared_store, {"v": v, "w": [v], "x": (v,)})
+    assert_same_state({"v": v, "w": [v], "x": (v,)}, loaded)
+
+
+@given(t=torch_tensors(dtypes=[torch.float32, torch.int64, torch.uint8, torch.float16]),
+       big=st.integers(1, 3))
+def test_roundtrip_multichunk_tensors(shared_store: deltackpt.Store, t: torch.Tensor, big: int) -> None:
+    """Tensors spanning several chunks, with a short last chunk."""
+    x = torch.cat([t.reshape(-1).detach()] * 1 + [torch.arange(SMALL_CHUNK * big + 7, dtype=torch.int64)
+                                                  .to(t.dtype)])
+    loaded = _save_load(shared_store, {"x": x})
+    assert tensor_bytes(loaded["x"]) == tensor_bytes(x)
+
+
+# -- explicit round trips ------------------------------------------------------------------------------
+
+
+def test_every_dtype_random_bits(store: deltackpt.Store) -> None:
+    gen = torch.Generator().manual_seed(0)
+    state = {}
+    for dt in TORCH_DTYPES + EXTRA_TORCH_DTYPES:
+        size = dt.itemsize
+        raw = torch.randint(0, 256, (3 * 5 * size,), dtype=torch.uint8, generator=gen)
+        if dt == torch.bool:
+            raw &= 1
+        name = str(dt).removeprefix("torch.")
+        state[name] = raw.view(dt).reshape(3, 5)
+        state[name + "_t"] = state[name].t()
+        state[name + "_0d"] = raw.view(dt)[0].clone().reshape(())
+        state[name + "_empty"] = torch.empty((4, 0, 2), dtype=dt)
+    store.save(state, step=1)
+    loaded = store.load(1)
+    assert_same_state(state, loaded)
+    assert loaded["float32_0d"].dim() == 0
+    assert loaded["float32_empty"].shape == (4, 0, 2)
+
+
+ODD_STRIDE_VIEWS = {
+    "one_elem_sliced_int16": lambda: torch.arange(3, dtype=torch.int16)[1::2],  # shape (1,), stride (2,)
+    "one_by_one_f64": lambda: torch.arange(6, dtype=torch.float64).reshape(2, 3)[:1, 1::2][:, :1],
+    "empty_sliced_int16": lambda: torch.zeros(1, dtype=torch.int16)[1::2],  # shape (0,), stride (2,)
+    "empty_sliced_c64": lambda: torch.zeros(4, 3, dtype=torch.complex64)[:, 3:],
+    "row_of_expand_f32": lambda: torch.tensor([[7.0]]).expand(1, 1)[:, ::2],
+}
+
+
+@pytest.mark.parametrize("name", list(ODD_STRIDE_VIEWS))
+def test_views_that_torch_calls_contiguous_but_have_odd_strides(store: deltackpt.Store, name: str) -> None:
+    """Size-0 and size-1 dims make is_contiguous() true whatever their strides: such views must still save."""
+    t = ODD_STRIDE_VIEWS[name]()
+    assert t.is_contiguous()
+    store.save({"t": t}, step=1)
+    out = store.load(1)
+    assert_same_state({"t": t}, out)
+    target = ODD_STRIDE_VIEWS[name]().zero_()  # load_into a target that is such a view too
+    store.load_into({"t": target}, step=1)
+    assert tensor_bytes(target) == tensor_bytes(t)
+
+
+def test_nan_payloads_and_negative_zero_bitwise(store: deltackpt.Store) -> None:
+    bits = np.array([0x7FC00001, 0xFFC12345, 0x7F800001, 0x80000000, 0x00000001, 0x7F800000], dtype=np.uint32)
+    t = torch.from_numpy(bits.copy()).view(torch.float32)
+    d = torch.tensor([0x7FF8DEADBEEF0001, -0x8000000000000000], dtype=torch.int64).view(torch.float64)
+    h = torch.tensor([0x7E01, 0x8000, 0xFC01], dtype=torch.int32).to(torch.int16).view(torch.float16)
+    nan_payload = struct.unpack(">d", bytes.fromhex("7ff0000000000001"))[0]  # a signalling NaN
+    state = {"f32": t, "f64": d, "f16": h, "py": [-0.0, nan_payload, float("-nan")],
+             "np": np.frombuffer(bits.tobytes(), dtype="<f4").copy(), "npbe": bits.astype(">u4").view(">f4")}
+    store.save(state, step=7)
+    out = store.load(7)
+    assert out["f32"].view(torch.int32).tolist() == t.view(torch.int32).tolist()
+    assert out["f64"].view(torch.int64).tolist() == d.view(torch.int64).tolist()
+    assert out["f16"].view(torch.int16).tolist() == [0x7E01, -0x8000, 0xFC01 - 0x10000]
+    assert [float_bits(x) for x in out["py"]] == [float_bits(x) for x in state["py"]]
+    assert float_bits(out["py"][1]) == bytes.fromhex("7ff0000000000001")
+    assert out["npbe"].dtype.str == ">f4"
+    assert out["npbe"].tobytes() == state["npbe"].tobytes()
+    assert out["np"].view(np.uint32).tolist() == bits.tolist()
+
+
+def test_plain_values_exact(store: deltackpt.Store) -> None:
+    state = {
+        "none": None, "t": True, "f": False, "big": 2**200, "neg": -(2**200) - 1, "zero": 0,
+        "nan": float("nan"), "inf": float("inf"), "ninf": -float("inf"), "nz": -0.0,
+        "s": "héllo wörld ✓ 🐍 \u0000", "b": b"\x00\xff" * 3, "empty_b": b"",
+        "dtype": torch.bfloat16, "dev": torch.device("cuda", 3), "size": torch.Size([2, 0, 3]),
+        "np_i": np.int16(-7), "np_f": np.float32(-0.0), "np_b": np.bool_(True), "np_c": np.complex64(1 - 2j),
+        "np_u64": np.uint64(2**64 - 1), "np_f16": np.float16(np.nan),
+        1: "int key", -5: "negative int key", 2**70: "huge int key", "1": "str key that looks like 1",
+    }
+    store.save(state, step=0)
+    out = store.load(0)
+    assert_same_state(state, out)
+    assert out["t"] is True and out["f"] is False and out["none"] is None
+    assert type(out["size"]) is torch.Size and type(out["dev"]) is torch.device
+    assert out["dev"] == torch.device("cuda:3")
+    assert type(out["np_u64"]) is np.uint64 and int(out["np_u64"]) == 2**64 - 1
+    assert list(out) == list(state)
+    assert out[1] == "int key" and out["1"] == "str key that looks like 1"
+
+
+def test_containers_keep_types_and_order(store: deltackpt.Store) -> None:
+    t = torch.arange(6.0)
+    state = OrderedDict(
+        [("z", {"b": 1, "a": 2, 3: [t, (t, [], ())]}), ("a", (1, (2, (3, ()))))]
+    )
+    state["deep"] = cur = {}
+    for i in range(60):  # deep nesting
+        cur[i] = nxt = [{}] if i % 2 else {}
+        cur = nxt[0] if i % 2 else nxt
+    store.save(state, step=1)
+    out = store.load()
+    assert type(out) is OrderedDict
+    assert_same_state(state, out)
+    assert list(out["z"]) == ["b", "a", 3]
+    assert type(out["z"][3][1]) is tuple and type(out["z"][3][1][1]) is list
+    assert out["z"][3][0] is out["z"][3][1][0]
+
+
+# -- aliasing and parameters ----------------------------------------------------------------------------
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(11, 4)
+        self.mid = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 11, bias=False)
+        self.head.weight = self.emb.weight  # tied
+
+
+def test_same_tensor_twice_is_one_object(store: deltackpt.Store) -> None:
+    t = torch.randn(5, 3)
+    a = np.arange(7, dtype=np.float32)
+    other = t.clone()  # equal bytes, different object: stays separate
+    state = {"x": t, "y": [t, {"z": t}], "a": a, "b": (a,), "other": other}
+    store.save(state, step=1)
+    out = store.load(1)
+    assert out["x"] is out["y"][0] is out["y"][1]["z"]
+    assert out["a"] is out["b"][0]
+    assert out["other"] is not out["x"]
+    assert torch.equal(out["other"], out["x"])
+    out["x"].add_(1)  # they really are one tensor
+    assert torch.equal(out["y"][1]["z"], t + 1)
+    assert not torch.equal(out["other"], out["x"])
+
+
+def test_tied_weights_stay_tied(store: deltackpt.Store) -> None:
+    model = TiedLM()
+    sd = model.state_dict(keep_vars=True)
+    assert sd["emb.weight"] is sd["head.weight"]
+    store.save({"model": sd}, step=1)
+    out = store.load(1)["model"]
+    assert list(out) == list(sd)
+    assert out["emb.weight"] is out["head.weight"]
+    for k, v in sd.items():
+        assert type(out[k]) is torch.nn.Parameter, k
+        assert out[k].requires_grad
+        assert torch.equal(out[k].detach(), v.detach())
+
+
+def test_parameter_same_object_twice(store: deltackpt.Store) -> None:
+    p = torch.nn.Parameter(torch.randn(3, 2))
+    frozen = torch.nn.Parameter(torch.randn(4), requires_grad=False)
+    g = torch.randn(2, 2, dtype=torch.float64).requires_grad_(True)
+    state = {"a": p, "b": p, "frozen": frozen, "g": g, "plain": torch.randn(2)}
+    store.save(state, step=1)
+    out = store.load(1)
+    assert out["a"] is out["b"]
+    assert type(out["a"]) is torch.nn.Parameter and out["a"].requires_grad
+    assert type(out["frozen"]) is torch.nn.Parameter and not out["frozen"].requires_grad
+    assert type(out["g"]) is torch.Tensor and out["g"].requires_grad and out["g"].is_leaf
+    assert type(out["plain"]) is torch.Tensor and not out["plain"].requires_grad
+    assert_same_state(state, out)
+
+
+def test_model_and_optimizer_state(store: deltackpt.Store) -> None:
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = model.head(model.mid(model.emb(torch.arange(3)))).sum()
+    loss.backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3,
+             "rng": torch.get_rng_state()}
+    store.save(state, step=3)
+    out = store.load(3)
+    assert_same_state(state, out)
+    opt2 = torch.optim.AdamW(TiedLM().parameters(), lr=1e-3)
+    opt2.load_state_dict(out["optimizer"])
+    assert opt2.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+
+
+# -- several checkpoints, metadata ------------------------------------------------------------------------
+
+
+def test_many_steps_in_one_store(store: deltackpt.Store) -> None:
+    by_step = {s: {"w": torch.randn(100, 30), "step": s, "shared": torch.ones(50)} for s in (10, 20, 30)}
+    infos = {s: store.save(state, step=s, metadata={"loss": 1.0 / s}) for s, state in by_step.items()}
+    assert [i.step for i in store.list()] == [10, 20, 30]
+    assert [i.id for i in store.list()] == [infos[s].id for s in (10, 20, 30)]
+    assert len(set(i.id for i in infos.values())) == 3
+    for s in (20, 10, 30):
+        assert_same_state(by_step[s], store.load(s))
+        assert_same_state(by_step[s], store.load(id=infos[s].id))
+    assert_same_state(by_step[30], store.load())  # latest
+    assert store.latest().id == infos[30].id
+    # lineage: each save descends from the previous one by default
+    assert infos[10].parent is None
+    assert infos[20].parent == infos[10].id and infos[30].parent == infos[20].id
+    # same step again: the newest one wins for that step
+    again = {"w": torch.zeros(3)}
+    store.save(again, step=20)
+    assert_same_state(again, store.load(20))
+    assert_same_state(again, store.load())
+    assert_same_state(by_step[20], store.load(id=infos[20].id))
+    assert len(store.list()) == 4
+    # deleting a step removes its newest checkpoint; the older one with that step shows again
+    store.delete(20)
+    assert_same_state(by_step[20], store.load(20))
+    assert [i.step for i in store.list()] == [10, 20, 30]
+    assert_same_state(by_step[30], store.load())
+    # an explicit parent is recorded as given
+    info = store.save({"w": torch.ones(2)}, step=40, parent=infos[10].id)
+    assert info.parent == infos[10].id and store.info(40).parent == infos[10].id
+
+
+def test_latest_is_last_committed_and_reopen(store_path: Path) -> None:
+    with deltackpt.Store(store_path, chunk_size=SMALL_CHUNK) as s:
+        s.save({"a": torch.tensor([1])}, step=1)
+        s.save({"a": torch.tensor([2])}, step=2)
+    with deltackpt.Store(store_path) as s:  # chunk size comes from the store
+        assert s.chunk_size == SMALL_CHUNK
+        assert s.load()["a"].item() == 2
+        assert s.load(1)["a"].item() == 1
+        s.save({"a": torch.tensor([3])}, step=3)
+        assert [i.step for i in s.list()] == [1, 2, 3]
+
+
+def test_metadata_round_trip(store: deltackpt.Store) -> None:
+    meta = {"loss": 0.125, "nan": float("nan"), "epoch": 4, "tags": ["a", "b"], "cfg": {"lr": 3e-4, 1: None},
+            "big": 2**100, "blob": b"\x00\x01", "dtype": torch.float16, "t": (1, 2)}
+    info = store.save({"x": torch.randn(3)}, step=5, metadata=meta)
+    for got in (info.metadata, store.info(5).metadata, store.list()[0].metadata, store.info().metadata):
+        assert_same_state(meta, got)
+    assert store.info(5).step == 5 and store.info(5).id == info.id
+    assert store.info(id=info.id).metadata["tags"] == ["a", "b"]
+    assert store.save({"x": torch.randn(3)}, step=6).metadata is None
+    assert store.info(6).metadata is None
+
+
+def test_info_sizes(store: deltackpt.Store) -> None:
+    state = {"a": torch.randn(1000), "b": np.zeros((10, 10), dtype=np.float64), "c": torch.empty(0)}
+    info = store.save(state, step=1)
+    assert info.logical_bytes == 4000 + 800
+    assert 0 < info.written_bytes
+    assert store.info(1).written_bytes == info.written_bytes
+    assert store.info(1).logical_bytes == info.logical_bytes
+    assert info.created > 0 and info.seq >= 1
+
+
+# -- load_into -----------------------------------------------------------------------------------------
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 3))
+
+
+def test_load_into_fills_in_place(store: deltackpt.Store) -> None:
+    src = _model(0)
+    src(torch.randn(4, 6))  # move BatchNorm running stats
+    store.save(src.state_dict(), step=1)
+    dst = _model(1)
+    target = dst.state_dict()
+    ptrs = {k: v.data_ptr() for k, v in target.items()}
+    assert not torch.equal(target["0.weight"], src.state_dict()["0.weight"])
+    missing = store.load_into(target, step=1)
+    assert missing == []
+    after = dst.state_dict()
+    for k, v in src.state_dict().items():
+        assert after[k].data_ptr() == ptrs[k], k
+        assert tensor_bytes(after[k]) == tensor_bytes(v), k
+    assert dst[0].weight.data_ptr() == ptrs["0.weight"]
+    assert dst[1].num_batches_tracked.item() == 1
+
+
+def test_load_into_noncontiguous_and_numpy_targets(store: deltackpt.Store) -> None:
+    w = torch.randn(5, 7)
+    a = np.arange(12, dtype=">i4").reshape(3, 4)
+    store.save({"w": w, "a": a, "n": 3}, step=1)
+    base = torch.zeros(7, 5)
+    arr = np.zeros((3, 4), dtype=">i4")
+    target = {"w": base.t(), "a": arr, "n": 0}
+    assert store.load_into(target) == []
+    assert torch.equal(base.t(), w)
+    assert np.array_equal(arr, a) and arr.dtype.str == ">i4"
+    assert target["n"] == 0  # plain values are not touched
+
+
+@pytest.mark.parametrize("change", ["shape", "dtype", "missing", "unexpected"])
+def test_load_into_strict_mismatch_changes_nothing(store: deltackpt.Store, change: str) -> None:
+    src = _model(0)
+    store.save(src.state_dict(), step=1)
+    if change == "shape":
+        dst = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 4))
+    else:
+        dst = _model(1)
+    if change == "dtype":
+        dst[2].double()
+    target = dst.state_dict()
+    if change == "missing":
+        target["extra"] = torch.zeros(2)
+    if change == "unexpected":
+        del target["2.bias"]
+    before = {k: v.clone() for k, v in target.items()}
+    with pytest.raises(ShapeMismatchError):
+        store.load_into(target, step=1)
+    for k, v in target.items():
+        assert tensor_bytes(v) == tensor_bytes(before[k]), f"{k} changed by a failed load_into"
+
+
+def test_load_into_non_strict(store: deltackpt.Store) -> None:
+    store.save({"a": torch.ones(3), "b": torch.full((2,), 5.0)}, step=1)
+    target = {"a": torch.zeros(3), "c": torch.zeros(4)}
+    missing = store.load_into(target, strict=False)
+    assert missing == ["c"]
+    assert torch.equal(target["a"], torch.ones(3))
+    assert torch.equal(target["c"], torch.zeros(4))
+
+
+# -- registered types and pickle -----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Adapter:
+    name: str
+    weight: torch.Tensor
+    scale: float
+
+
+def test_register_type_round_trip(store: deltackpt.Store) -> None:
+    deltackpt.register_type(
+        Adapter, "tests.Adapter",
+        lambda a: {"name": a.name, "weight": a.weight, "scale": a.scale},
+        lambda d: Adapter(**d),
+    )
+    try:
+        w = torch.randn(4, 4)
+        state = {"adapters": [Adapter("lora", w, 0.5), Adapter("b", torch.ones(2), -0.0)], "w": w}
+        store.save(state, step=1)
+        out = store.load(1)
+        assert [type(a) for a in out["adapters"]] == [Adapter, Adapter]
+        assert out["adapters"][0].name == "lora" and out["adapters"][0].scale == 0.5
+        assert float_bits(out["adapters"][1].scale) == float_bits(-0.0)
+        assert torch.equal(out["adapters"][0].weight, w)
+        assert out["adapters"][0].weight is out["w"]  # aliasing through the hook
+    finally:
+        deltackpt.unregister_type(Adapter)
+    with pytest.raises(UnsupportedTypeError, match="tests.Adapter"):
+        store.load(1)  # no decoder registered any more
+    with pytest.raises(UnsupportedTypeError):
+        store.save({"a": Adapter("x", torch.ones(1), 1.0)}, step=2)
+
+
+def test_allow_pickle_opt_in(store: deltackpt.Store, store_path: Path) -> None:
+    ns = argparse.Namespace(lr=0.1, name="run", layers=[1, 2])
+    state = {"args": ns, "w": torch.randn(3)}
+    before = dir_snapshot(store_path / "packs")
+    with pytest.raises(UnsupportedTypeError, match="args"):
+        store.save(state, step=1)
+    assert store.list() == [] and dir_snapshot(store_path / "packs") == before
+    store.save(state, step=1, allow_pickle=True)
+    with pytest.raises(UnsafeLoadError):
+        store.load(1)
+    with pytest.raises(UnsafeLoadError):
+        store.load(1, allow_pickle=False)
+    out = store.load(1, allow_pickle=True)
+    assert type(out["args"]) is argparse.Namespace and out["args"] == ns
+    assert torch.equal(out["w"], state["w"])
+
+
+def test_reopen_in_fresh_directory_roundtrip() -> None:
+    """A store written by one handle is read back by a new handle (nothing cached)."""
+    with tempfile.TemporaryDirectory() as d:
+        p = Path(d) / "s"
+        state = {"x": torch.randn(3000), "y": [np.arange(5000, dtype="<u2")]}
+        with deltackpt.Store(p, chunk_size=SMALL_CHUNK) as s:
+            s.save(state, step=1)
+        with deltackpt.Store(p) as s:
+            assert_same_state(state, s.load(1))
