@@ -633,18 +633,21 @@ class Store:
                     direct = obj.reshape(-1).view(np.uint8)
                 if direct is not None:
                     jobs.append((t, direct))
-                else:
-                    staging = np.empty(t.nbytes, dtype=np.uint8)
-                    jobs.append((t, staging))
+                else:  # decode into a contiguous host copy, then copy into the target's layout or device
+                    if isinstance(obj, torch.Tensor):
+                        staging: Any = torch.empty(obj.shape, dtype=obj.dtype)
+                        jobs.append((t, _byte_view(staging).numpy()))  # type: ignore[union-attr]
+                    else:
+                        staging = np.empty(obj.shape, dtype=obj.dtype)
+                        jobs.append((t, staging.reshape(-1).view(np.uint8)))
                     copies.append((obj, staging))
             self._read_into(m, jobs, verify=verify)
             for obj, staging in copies:
                 if isinstance(obj, torch.Tensor):
-                    src = torch.from_numpy(staging).view(obj.dtype).reshape(obj.shape)
                     with torch.no_grad():
-                        obj.copy_(src)
+                        obj.copy_(staging)
                 else:
-                    obj[...] = staging.view(obj.dtype).reshape(obj.shape)
+                    obj[...] = staging
         self._head = rec.id
         return missing
 
