@@ -358,19 +358,15 @@ class Checkpointer:
         infos = self.store.list()
         plan = self.retention.plan(infos)
         by_id = {i.id: i for i in infos}
-        head = self.store._head
         for cid in plan.thin:
             info = by_id[cid]
             full = self.store.load(id=cid, map_location="cpu")
             meta = dict(info.metadata or {})
             meta[THINNED_KEY] = True
             thinned = {"step": full.get("step"), "model": full.get("model"), "thinned": True}
-            self.store.save(thinned, step=info.step, metadata=meta, parent=info.parent if info.parent in by_id
-                            else None)
-            self.store.delete(id=cid)
+            self.store.rewrite(thinned, id=cid, metadata=meta)  # keeps its place: "latest" stays the newest
         for cid in plan.delete:
             self.store.delete(id=cid)
-        self.store._head = head  # retention must not change what the run's next save descends from
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the save in flight (if any) is committed; raise its error."""
@@ -452,6 +448,9 @@ class Checkpointer:
         self._restore_signals()
         if callable(prev):
             prev(signum, None)
+            # the earlier handler chose to carry on: keep watching for the next signal
+            self._signal = None
+            self._install_signals()
             return
         if prev == signal.SIG_IGN:
             self._signal = None

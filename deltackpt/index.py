@@ -23,6 +23,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,29 @@ class _Shared:
 
 _REGISTRY: dict[tuple[int, str], _Shared] = {}
 _REGISTRY_LOCK = threading.Lock()
+#: Write transactions in progress per environment. A child forked while one was open cannot take over the
+#: environment: closing the inherited handle would wait forever for the parent thread that holds it.
+_WRITERS: dict[tuple[int, str], int] = {}
+
+
+def _drop_inherited(real: str) -> None:
+    """In a forked child, close the environment handles of ``real`` inherited from the parent.
+
+    py-lmdb refuses to open an environment whose files are already open in the process, and a handle
+    inherited across fork counts. Closing it in the child is safe (LMDB's fcntl locks and reader slots belong to
+    the parent's pid) unless a parent thread was inside a write transaction at the fork.
+    Caller holds _REGISTRY_LOCK.
+    """
+    me = os.getpid()
+    for key in [k for k in _REGISTRY if k[1] == real and k[0] != me]:
+        if _WRITERS.get(key, 0):
+            raise DeltackptError(
+                f"{real}: this process was forked while another thread was committing to the store; open "
+                "stores in processes started with the 'spawn' method, or fork outside of saves"
+            )
+        sh = _REGISTRY.pop(key)
+        _WRITERS.pop(key, None)
+        sh.env.close()
 
 
 class Index:
@@ -172,6 +196,7 @@ class Index:
             with _REGISTRY_LOCK:
                 sh = _REGISTRY.get(key)
                 if sh is None:
+                    _drop_inherited(self._real)
                     sh = _REGISTRY[key] = _Shared(self.path, self.readonly)
                 if self._held != key:  # first use in this process (or after fork): take a reference
                     sh.refs += 1
@@ -218,8 +243,18 @@ class Index:
                     del _REGISTRY[key]
                     sh.env.close()
 
-    def _write(self) -> lmdb.Transaction:
-        return self.env.begin(write=True)
+    @contextmanager
+    def _write(self) -> Iterator[lmdb.Transaction]:
+        key = (os.getpid(), self._real)
+        env = self.env
+        with _REGISTRY_LOCK:
+            _WRITERS[key] = _WRITERS.get(key, 0) + 1
+        try:
+            with env.begin(write=True) as txn:
+                yield txn
+        finally:
+            with _REGISTRY_LOCK:
+                _WRITERS[key] -= 1
 
     # -- chunks ---------------------------------------------------------------------------------------
     def lookup_chunks(self, keys: Iterable[bytes]) -> dict[bytes, ChunkLoc]:
@@ -245,31 +280,44 @@ class Index:
             return int(txn.stat(self.db_chunks)["entries"])
 
     # -- checkpoints ----------------------------------------------------------------------------------
-    def commit_checkpoint(self, record: Record, chunks: dict[bytes, ChunkLoc]) -> Record:
+    def commit_checkpoint(
+        self, record: Record, chunks: dict[bytes, ChunkLoc], *, replace: Record | None = None
+    ) -> Record:
         """THE commit point: record the new chunks and the checkpoint in one durable transaction.
 
         A chunk another writer recorded meanwhile keeps its first location (both frames are valid).
+        With ``replace``, that checkpoint's records are removed in the same transaction and the new one takes
+        its place in commit order (its seq); it raises CorruptIndexError if ``replace`` is gone.
         Returns the record with its commit sequence number set.
         """
         with self._write() as txn:
             for k, loc in chunks.items():
                 txn.put(k, loc.pack(), db=self.db_chunks, overwrite=False)
-            last = txn.get(b"seq", db=self.db_meta)
-            seq = (_U64.unpack(last)[0] if last else 0) + 1
+            if replace is None:
+                last = txn.get(b"seq", db=self.db_meta)
+                seq = (_U64.unpack(last)[0] if last else 0) + 1
+                txn.put(b"seq", _U64.pack(seq), db=self.db_meta)
+            else:
+                seq = replace.seq
+                if txn.get(replace.id.encode(), db=self.db_ids) != _U64.pack(seq):
+                    raise CorruptIndexError(f"checkpoint {replace.id} to replace is not in the index")
+                self._remove(txn, replace)
             record.seq = seq
             sk = _U64.pack(seq)
-            txn.put(b"seq", sk, db=self.db_meta)
             txn.put(sk, record.dumps(), db=self.db_ckpts)
             txn.put(record.id.encode(), sk, db=self.db_ids)
             txn.put(_U64.pack(record.step) + sk, b"", db=self.db_steps)
         return record
 
+    def _remove(self, txn: lmdb.Transaction, record: Record) -> None:
+        sk = _U64.pack(record.seq)
+        txn.delete(sk, db=self.db_ckpts)
+        txn.delete(record.id.encode(), db=self.db_ids)
+        txn.delete(_U64.pack(record.step) + sk, db=self.db_steps)
+
     def remove_checkpoint(self, record: Record) -> None:
         with self._write() as txn:
-            sk = _U64.pack(record.seq)
-            txn.delete(sk, db=self.db_ckpts)
-            txn.delete(record.id.encode(), db=self.db_ids)
-            txn.delete(_U64.pack(record.step) + sk, db=self.db_steps)
+            self._remove(txn, record)
 
     def get(self, *, step: int | None = None, id: str | None = None) -> Record | None:
         """The newest record with this step (or this id); the newest of all when both are None."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from deltackpt import codec, manifest, packs
-from deltackpt.errors import CorruptionError, DeltackptError
+from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
 from deltackpt.index import ChunkLoc, Record, chunk_key
 
 if TYPE_CHECKING:
@@ -108,6 +108,9 @@ def verify(
             report.checkpoints += 1
             try:
                 m = store._manifest(rec)
+            except CheckpointNotFoundError:
+                report.checkpoints -= 1  # deleted since verify listed it
+                continue
             except DeltackptError as exc:
                 report.problems.append(Problem(rec.id, rec.step, None, None, str(exc)))
                 continue
@@ -144,10 +147,9 @@ def _live_keys(store: Store, records: list[Record]) -> set[bytes]:
     for rec in records:
         try:
             m = store._manifest(rec)
-        except DeltackptError:
-            if store.index.get(id=rec.id) is None:
-                continue  # deleted by another process since gc listed it: its chunks are not live
-            raise  # a damaged manifest aborts gc: never free what it may reference
+        except CheckpointNotFoundError:
+            continue  # deleted by another process since gc listed it: its chunks are not live
+        # any other error (a damaged manifest) aborts gc: never free what it may reference
         live.update(k for _, k in _stored_chunks(m))
     # delta bases of live chunks are live too (transitively)
     frontier = list(live)

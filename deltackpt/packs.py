@@ -61,6 +61,7 @@ class PackWriter:
         self._offset = 0
         self._dir_dirty = False
         self._unsynced = False
+        self._pid = os.getpid()
 
     def _open_new(self) -> None:
         self.close()
@@ -76,11 +77,14 @@ class PackWriter:
             path.unlink(missing_ok=True)
             raise
         self._fd, self.pack_id, self._offset = fd, pack_id, len(header)
+        self._pid = os.getpid()
         self._dir_dirty = True
         self._unsynced = True
 
     def append(self, frame: bytes | memoryview) -> tuple[str, int]:
         """Append one frame; return (pack id, offset). Durable only after :meth:`sync`."""
+        if self._fd is not None and self._pid != os.getpid():
+            self._abandon()  # inherited across fork: the parent may still append to that pack
         if self._fd is None or self._offset >= self.max_size:
             self._open_new()
         assert self._fd is not None and self.pack_id is not None

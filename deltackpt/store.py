@@ -40,6 +40,7 @@ from deltackpt.cache import ChunkCache
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
+    CorruptManifestError,
     DeltackptError,
     FormatVersionError,
     InvalidNameError,
@@ -187,6 +188,7 @@ class Store:
         self.reader = PackReader(self._packs_dir)
         self._save_lock = threading.Lock()
         self._pool_lock = threading.Lock()
+        self._pool_pid = os.getpid()
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
@@ -256,10 +258,11 @@ class Store:
 
     @property
     def pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
+        if self._pool is None or self._pool_pid != os.getpid():  # worker threads do not survive fork
             with self._pool_lock:
-                if self._pool is None:
+                if self._pool is None or self._pool_pid != os.getpid():
                     self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="deltackpt")
+                    self._pool_pid = os.getpid()
         return self._pool
 
     @contextmanager
@@ -308,7 +311,15 @@ class Store:
         return rec
 
     def _manifest(self, rec: Record) -> manifest.Manifest:
-        return manifest.read(self._manifests_dir, rec.id, expect_checksum=rec.manifest_checksum)
+        try:
+            return manifest.read(self._manifests_dir, rec.id, expect_checksum=rec.manifest_checksum)
+        except CorruptManifestError:
+            # a delete (here or in another process) removes the record, then the file: not corruption
+            if self.index.get(id=rec.id) is None:
+                raise CheckpointNotFoundError(
+                    f"checkpoint {rec.id} (step {rec.step}) was deleted meanwhile"
+                ) from None
+            raise
 
     def list(self) -> list[CheckpointInfo]:
         """Every retained checkpoint, oldest commit first."""
@@ -338,6 +349,7 @@ class Store:
         *,
         parent: str | None = None,
         allow_pickle: bool = False,
+        _replace: Record | None = None,
     ) -> CheckpointInfo:
         """Durably store ``state`` as a checkpoint at ``step`` and return its info.
 
@@ -362,9 +374,10 @@ class Store:
                 if parent is None:
                     latest = self.index.get()
                     parent = latest.id if latest is not None else None
-            elif self.index.get(id=parent) is None:
+            elif _replace is None and self.index.get(id=parent) is None:
                 raise CheckpointNotFoundError(f"parent checkpoint {parent} is not in {self.path}")
-            pm = self._parent_manifest(parent) if parent is not None and self.max_chain > 0 else None
+            use_delta = parent is not None and self.max_chain > 0 and _replace is None
+            pm = self._parent_manifest(parent) if use_delta else None
             generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0
             entries, digests, flags, new_locs, written = self._write_leaves(leaves, pm, generation)
             self._writer.sync()  # 1. every new frame durable
@@ -394,10 +407,27 @@ class Store:
                 written_bytes=written,
                 metadata=meta_node,
             )
-            rec = self.index.commit_checkpoint(rec, new_locs)  # 3. THE COMMIT POINT
-            self._head = ckpt_id
-            self._last_manifest = m
+            rec = self.index.commit_checkpoint(rec, new_locs, replace=_replace)  # 3. THE COMMIT POINT
+            if _replace is None:
+                self._head = ckpt_id
+                self._last_manifest = m
+        if _replace is not None:
+            self._unlink_manifest(_replace.id)
         return CheckpointInfo.from_record(rec)
+
+    def rewrite(self, state: Any, *, id: str, metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+        """Replace checkpoint ``id`` by ``state`` (same step and parent, same place in commit order).
+
+        One index transaction swaps the old checkpoint for the new one, so a crash leaves one or the other.
+        Retention uses it to thin old checkpoints to model weights; the handle's parent for later saves is
+        unchanged.
+        """
+        old = self._record(id=id)
+        head, last = self._head, self._last_manifest
+        info = self.save(state, old.step, metadata, parent=old.parent, _replace=old)
+        self._head = head if head != id else info.id
+        self._last_manifest = last
+        return info
 
     def _parent_manifest(self, parent: str) -> manifest.Manifest | None:
         last = self._last_manifest
@@ -723,12 +753,15 @@ class Store:
         self.index.remove_checkpoint(rec)  # the commit point of a delete
         if self._head == rec.id:
             self._head = None
+        self._unlink_manifest(rec.id)
+        return CheckpointInfo.from_record(rec)
+
+    def _unlink_manifest(self, checkpoint_id: str) -> None:
         try:
-            manifest.path_for(self._manifests_dir, rec.id).unlink()
+            manifest.path_for(self._manifests_dir, checkpoint_id).unlink()
             fsync_dir(self._manifests_dir)
         except FileNotFoundError:
             pass
-        return CheckpointInfo.from_record(rec)
 
     # -- maintenance ------------------------------------------------------------------------------------------
     def gc(self, **kwargs: Any) -> Any:

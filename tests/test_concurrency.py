@@ -1,0 +1,251 @@
+"""Several processes on one store at once: writers, readers, gc, and a Store opened after fork.
+
+Every worker is a fresh interpreter (subprocess running tests/crashworker.py), so no LMDB environment is ever
+inherited across fork except in the fork test, which is about exactly that. Workers wait on a barrier file so
+their work overlaps; states are pure functions of the step (crashworker.make_state), so any process can check
+any checkpoint bit for bit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from deltackpt import Store
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("deltackpt_crashworker", HERE / "crashworker.py")
+assert _spec is not None and _spec.loader is not None
+cw = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cw)
+
+CS = cw.CHUNK_SIZE
+TIMEOUT = 60
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs fork and flock semantics of Linux")
+
+
+class Workers:
+    """Starts worker processes and makes sure none outlives the test."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[str]] = []
+        self.env = cw.worker_env()
+
+    def start(self, mode: str, **args: Any) -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [sys.executable, str(HERE / "crashworker.py"), mode, json.dumps(args, default=str)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env,
+        )
+        self.procs.append(p)
+        return p
+
+    def wait_files(self, paths: list[Path], timeout: float = TIMEOUT) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(p.exists() for p in paths):
+            for proc in self.procs:
+                if proc.poll() is not None:  # died before getting ready
+                    _, err = proc.communicate()
+                    raise AssertionError(f"worker {proc.args[2]} exited with {proc.returncode}:\n{err}")
+            assert time.monotonic() < deadline, f"workers not ready after {timeout} s"
+            time.sleep(0.01)
+
+    @staticmethod
+    def finish(proc: subprocess.Popen[str], timeout: float = TIMEOUT) -> dict[str, Any]:
+        out, err = proc.communicate(timeout=timeout)
+        assert proc.returncode == 0, f"worker {proc.args[2]} exited with {proc.returncode}:\n{err}"
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        assert lines, f"worker {proc.args[2]} printed no result:\n{out}\n{err}"
+        return json.loads(lines[-1][len("RESULT ") :])
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+@pytest.fixture
+def workers() -> Iterator[Workers]:
+    w = Workers()
+    try:
+        yield w
+    finally:
+        w.close()
+
+
+def _check_store(d: Path, expected_steps: set[int]) -> list[Any]:
+    """Every checkpoint is the expected one, loads bit-exactly, and verify() is clean."""
+    with Store(d, chunk_size=CS) as st:
+        infos = st.list()
+        steps = [i.step for i in infos]
+        assert sorted(steps) == sorted(expected_steps), f"listed {steps}, expected {sorted(expected_steps)}"
+        assert len({i.id for i in infos}) == len(infos)
+        assert [i.seq for i in infos] == sorted({i.seq for i in infos})
+        for info in infos:
+            assert info.metadata is not None and info.metadata["step"] == info.step
+            cw.assert_same(cw.make_state(info.step), st.load(id=info.id), f"step {info.step}")
+            cw.assert_same(cw.make_state(info.step), st.load(info.step), f"step {info.step}")
+        rep = st.verify()
+        assert rep.ok, "; ".join(str(p) for p in rep.problems[:5])
+        assert rep.checkpoints == len(expected_steps)
+        return infos
+
+
+def _check_clean(d: Path) -> None:
+    """After a lone gc: no temp files, no orphan manifests, no pack without a live chunk."""
+    with Store(d, chunk_size=CS) as st:
+        ids = {i.id for i in st.list()}
+        live_packs = {loc.pack_id for _, loc in st.index.iter_chunks()}
+    assert list((d / "tmp").iterdir()) == []
+    assert {p.stem for p in (d / "manifests").glob("*.manifest")} == ids
+    assert {p.stem for p in (d / "packs").glob("*.pack")} <= live_packs
+
+
+@pytest.mark.parametrize("create", ["before", "racing"], ids=["existing-store", "both-create-the-store"])
+def test_two_processes_save_at_once(tmp_path: Path, workers: Workers, create: str) -> None:
+    d = tmp_path / "store"
+    if create == "before":
+        Store(d, chunk_size=CS).close()
+    go = tmp_path / "go"
+    ranges = [list(range(0, 10)), list(range(100, 110))]
+    procs = [
+        workers.start("saver", store=d, steps=steps, ready=tmp_path / f"ready{k}", barrier=go,
+                      check_load=True, open_after_barrier=create == "racing",
+                      rendezvous=[tmp_path / f"first{k}", tmp_path / f"first{1 - k}"])
+        for k, steps in enumerate(ranges)
+    ]
+    workers.wait_files([tmp_path / "ready0", tmp_path / "ready1"])
+    go.touch()
+    results = [workers.finish(p) for p in procs]
+    for r, steps in zip(results, ranges):
+        assert r["saved"] == steps and r["deleted"] == []
+    (a0, a1), (b0, b1) = results[0]["window"], results[1]["window"]
+    assert a0 < b1 and b0 < a1, f"the two writers did not overlap: {results}"
+    infos = _check_store(d, set(ranges[0]) | set(ranges[1]))
+    assert len({i.metadata["by"] for i in infos}) == 2
+    # both wrote the chunks every step shares; whichever committed first is the one the index keeps
+    with Store(d, chunk_size=CS) as st:
+        st.gc()
+    _check_clean(d)
+    _check_store(d, set(ranges[0]) | set(ranges[1]))
+
+
+@pytest.mark.parametrize("keep", [None, 4], ids=["saves", "saves-and-deletes"])
+def test_reader_while_writer_saves(tmp_path: Path, workers: Workers, keep: int | None) -> None:
+    d = tmp_path / "store"
+    Store(d, chunk_size=CS).close()
+    go, stop = tmp_path / "go", tmp_path / "stop"
+    steps = list(range(30))
+    reader = workers.start("reader", store=d, ready=tmp_path / "ready-r", stop=stop, barrier=go,
+                           deletes=keep is not None)
+    writer = workers.start("saver", store=d, steps=steps, ready=tmp_path / "ready-w", barrier=go, keep=keep)
+    workers.wait_files([tmp_path / "ready-r", tmp_path / "ready-w"])
+    go.touch()
+    w = workers.finish(writer)
+    stop.touch()
+    r = workers.finish(reader)
+    assert w["saved"] == steps
+    expected = set(steps) if keep is None else set(steps[-keep:])
+    _check_store(d, expected)
+    print("reader:", {k: v for k, v in r.items() if k != "seen"}, "latest steps seen:", len(r["seen"]))
+    assert r["seen"][-1] == steps[-1]  # its last pass began after the writer was done
+    assert len(r["seen"]) >= 2, f"the reader never saw the store change while the writer ran: {r}"
+    # a checkpoint deleted under a reader is CheckpointNotFoundError, never a corruption error
+    assert r["errors"] == [], f"{len(r['errors'])} loads failed: {r['errors'][:3]}"
+
+
+def test_gc_while_other_processes_save_and_delete(tmp_path: Path, workers: Workers) -> None:
+    d = tmp_path / "store"
+    Store(d, chunk_size=CS).close()
+    go, stop = tmp_path / "go", tmp_path / "stop"
+    ranges = [list(range(0, 20)), list(range(1000, 1020))]
+    keep = 3
+    savers = [
+        workers.start("saver", store=d, steps=steps, ready=tmp_path / f"ready{k}", barrier=go,
+                      check_load=True, keep=keep, pack_size=16 * 1024)
+        for k, steps in enumerate(ranges)
+    ]
+    gc = workers.start("gcloop", store=d, ready=tmp_path / "ready-gc", stop=stop, sleep=0.005)
+    workers.wait_files([tmp_path / "ready0", tmp_path / "ready1", tmp_path / "ready-gc"])
+    go.touch()
+    results = [workers.finish(p) for p in savers]
+    stop.touch()
+    g = workers.finish(gc)
+    assert g["runs"] + len(g["errors"]) >= 1
+    expected: set[int] = set()
+    for r, steps in zip(results, ranges):
+        assert r["saved"] == steps
+        assert r["deleted"] == steps[:-keep]
+        expected |= set(steps[-keep:])
+    _check_store(d, expected)
+    with Store(d, chunk_size=CS) as st:
+        rep = st.gc()
+    _check_clean(d)
+    _check_store(d, expected)
+    print("gc loop:", {k: v for k, v in g.items() if k != "errors"}, "final gc:", rep)
+    # gc must also not fail while others work: a checkpoint deleted meanwhile is not a damaged manifest
+    n_err = len(g["errors"])
+    assert n_err == 0, f"{n_err} of {n_err + g['runs']} gc runs failed: {g['errors'][:3]}"
+
+
+def test_gc_and_readers_while_another_process_deletes(tmp_path: Path, workers: Workers) -> None:
+    """delete() runs while gc (or a load) is between reading the index and reading a manifest.
+
+    A checkpoint deleted meanwhile is simply gone: gc must not fail on it (it has nothing to free of it yet)
+    and a load must raise CheckpointNotFoundError, not a corruption error.
+    """
+    d = tmp_path / "store"
+    steps = list(range(60))
+    with Store(d, chunk_size=CS, pack_size=32 * 1024) as st:
+        for s in steps:
+            st.save(cw.make_state(s), s, metadata={"step": s, "by": 0})
+    victims = random.Random(12345).sample(steps, 45)  # any order: gc reads manifests oldest first
+    kept = set(steps) - set(victims)
+    go, stop = tmp_path / "go", tmp_path / "stop"
+    deleter = workers.start("deleter", store=d, steps=victims, ready=tmp_path / "ready-d", barrier=go,
+                            pause=0.002)
+    gc = workers.start("gcloop", store=d, ready=tmp_path / "ready-gc", stop=stop, sleep=0.002)
+    reader = workers.start("reader", store=d, ready=tmp_path / "ready-r", stop=stop, barrier=go, deletes=True)
+    workers.wait_files([tmp_path / "ready-d", tmp_path / "ready-gc", tmp_path / "ready-r"])
+    go.touch()
+    workers.finish(deleter)
+    stop.touch()
+    g = workers.finish(gc)
+    r = workers.finish(reader)
+    _check_store(d, kept)
+    with Store(d, chunk_size=CS) as st:
+        st.gc()
+    _check_clean(d)
+    _check_store(d, kept)
+    print("gc loop:", {k: v for k, v in g.items() if k != "errors"}, "gc errors:", len(g["errors"]))
+    print("reader:", {k: v for k, v in r.items() if k not in ("seen", "errors")}, "errors:", len(r["errors"]))
+    failures = []
+    if g["errors"]:
+        n = len(g["errors"])
+        failures.append(f"{n} of {n + g['runs']} gc runs failed, e.g. {g['errors'][0]}")
+    if r["errors"]:
+        n = len(r["errors"])
+        failures.append(f"{n} of {n + r['loads']} loads failed, e.g. {r['errors'][0]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_store_opened_after_fork(tmp_path: Path, workers: Workers) -> None:
+    d = tmp_path / "store"
+    r = workers.finish(workers.start("fork", store=d))
+    assert r == {"ok": True}
+    with Store(d, chunk_size=CS) as st:
+        assert [i.step for i in st.list()] == [0, 1, 2]
+        for s in (0, 1, 2):
+            cw.assert_same(cw.make_state(s), st.load(s), f"step {s}")
+        rep = st.verify()
+        assert rep.ok, "; ".join(str(p) for p in rep.problems[:5])

@@ -1,0 +1,216 @@
+"""Crash safety with real processes: a child saving (or running gc) is SIGKILLed at random moments.
+
+No mocks: the child is a real process forked from a warm "zygote" (tests/crashworker.py) that imports torch
+once, so a kill costs milliseconds and dozens of kills land in every phase of a save (pack appends and
+fsyncs, the manifest's temp file / rename / directory fsync, the LMDB commit, the acknowledgement after it).
+After every kill this process opens the store as-is and checks that every acknowledged checkpoint is listed,
+loads bit-exactly, and verifies.
+
+Timing is random, assertions are not: the seed is printed; rerun a failure with
+``DELTACKPT_CRASH_SEED=<seed>``.
+``DELTACKPT_CRASH_KILLS`` changes the number of kills during saves (default 60).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import deltackpt
+from deltackpt import Store
+
+HERE = Path(__file__).resolve().parent
+_spec = importlib.util.spec_from_file_location("deltackpt_crashworker", HERE / "crashworker.py")
+assert _spec is not None and _spec.loader is not None
+cw = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cw)
+
+CS = cw.CHUNK_SIZE
+SAVE_KILLS = int(os.environ.get("DELTACKPT_CRASH_KILLS", "60"))
+SAVE_STORES = 3  # the kills are spread over a few stores so that re-checking a whole store stays cheap
+GC_KILLS = 20
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs Linux fork, flock and SIGKILL")
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    z = cw.Zygote(cw.worker_env(), tmp_path_factory.mktemp("zygote") / "stderr")
+    assert z.backend == deltackpt.backend
+    try:
+        yield z
+    finally:
+        z.close()
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = int(os.environ.get("DELTACKPT_CRASH_SEED") or random.SystemRandom().randrange(1 << 32))
+    print(f"crash test seed: DELTACKPT_CRASH_SEED={seed} (backend {deltackpt.backend})")
+    return random.Random(seed)
+
+
+def _disk_state(d: Path, ids: set[str], index_packs: set[str]) -> dict[str, int]:
+    """Leftovers of interrupted work: temp files, manifests no checkpoint owns, packs no chunk lives in."""
+    return {
+        "tmp_files": sum(1 for _ in (d / "tmp").iterdir()) if (d / "tmp").exists() else 0,
+        "orphan_manifests": sum(1 for p in (d / "manifests").glob("*.manifest") if p.stem not in ids),
+        "orphan_packs": sum(1 for p in (d / "packs").glob("*.pack") if p.stem not in index_packs),
+    }
+
+
+def _index_packs(st: Store) -> set[str]:
+    return {loc.pack_id for _, loc in st.index.iter_chunks()}
+
+
+def _check_clean_after_gc(d: Path, st: Store) -> None:
+    ids = {i.id for i in st.list()}
+    assert _disk_state(d, ids, _index_packs(st)) == {"tmp_files": 0, "orphan_manifests": 0, "orphan_packs": 0}
+    assert {p.stem for p in (d / "manifests").glob("*.manifest")} == ids
+
+
+def _verify_ok(st: Store, where: str) -> None:
+    rep = st.verify()
+    assert rep.ok, f"{where}: verify() found {len(rep.problems)} problems: " + "; ".join(
+        str(p) for p in rep.problems[:5]
+    )
+
+
+class _SaveStore:
+    """What the test knows about one store the save children write to."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.ack = path.parent / f"{path.name}.ack"
+        self.next_step = 0
+        self.checked: dict[str, int] = {}  # checkpoint id -> step, already loaded and compared once
+        self.leftovers: dict[str, int] = {}
+
+
+def test_sigkill_during_saves(tmp_path: Path, zygote: Any, rng: random.Random) -> None:
+    stores = [_SaveStore(tmp_path / f"store{g}") for g in range(SAVE_STORES)]
+    stats: collections.Counter[str] = collections.Counter()
+    t0 = time.monotonic()
+    for n in range(SAVE_KILLS):
+        s = stores[n * SAVE_STORES // SAVE_KILLS]
+        acked_before = cw.read_acks(s.ack)
+        delay = rng.uniform(0.0, 0.3)
+        reply = zygote.run(op="save", store=str(s.path), ack=str(s.ack), start=s.next_step, delay=delay,
+                           pack_size=64 * 1024)
+        where = f"kill {n} ({s.path.name}, {delay:.3f} s after the fork, from step {s.next_step})"
+        assert reply["killed"], f"{where}: the child ended by itself: {reply}\n{zygote.errors()}"
+        acked = cw.read_acks(s.ack)
+        assert acked[: len(acked_before)] == acked_before
+        new_acks = acked[len(acked_before) :]
+        assert new_acks == list(range(s.next_step, s.next_step + len(new_acks))), f"{where}: acks {new_acks}"
+        in_flight = s.next_step + len(new_acks)  # the step the child was saving (or about to) when killed
+        stats["saves acknowledged"] += len(new_acks)
+        if not new_acks:
+            stats["kills before the first acknowledged save of a child"] += 1
+
+        with Store(s.path, chunk_size=CS) as st:  # opens as-is: no repair, no manual step
+            infos = st.list()
+            ids = {i.id for i in infos}
+            leftovers = _disk_state(s.path, ids, _index_packs(st))
+            for k, v in leftovers.items():  # new leftovers tell in which phase the kill landed
+                stats[f"kills leaving new {k.replace('_', ' ')}"] += v > s.leftovers.get(k, 0)
+            s.leftovers = leftovers
+            steps = [i.step for i in infos]
+            assert len(ids) == len(infos), f"{where}: duplicate ids in list()"
+            assert [i.seq for i in infos] == sorted(i.seq for i in infos), f"{where}: list() out of order"
+            assert steps == sorted(steps), f"{where}: steps not in commit order: {steps}"
+            missing = set(acked) - set(steps)
+            assert not missing, f"{where}: acknowledged steps {sorted(missing)} are not listed"
+            assert len(set(steps)) == len(steps), f"{where}: a step was committed twice"
+            assert all(x <= in_flight for x in steps), f"{where}: list() holds a step never saved: {steps}"
+            if in_flight in steps:
+                stats["kills after the commit, before the acknowledgement"] += 1
+            # every checkpoint new since the last kill (acknowledged or not) loads bit-exactly
+            for info in infos:
+                if info.id not in s.checked:
+                    assert info.metadata == {"step": info.step}, where
+                    state = st.load(id=info.id)
+                    cw.assert_same(cw.make_state(info.step), state, f"{where}: step {info.step}")
+                    s.checked[info.id] = info.step
+            # and some older ones still do; so does load() of the latest
+            for cid in rng.sample(sorted(s.checked), min(4, len(s.checked))):
+                old = s.checked[cid]
+                cw.assert_same(cw.make_state(old), st.load(id=cid), f"{where}: step {old}")
+            assert set(s.checked) == ids, f"{where}: a checkpoint seen before has vanished"
+            if infos:
+                cw.assert_same(cw.make_state(infos[-1].step), st.load(), f"{where}: latest")
+            _verify_ok(st, where)
+            # the next child carries on after the last committed step
+            s.next_step = max([*steps, *acked, s.next_step - 1]) + 1
+
+    for s in stores:
+        with Store(s.path, chunk_size=CS) as st:
+            before = st.list()
+            ids = {i.id for i in before}
+            leftovers = _disk_state(s.path, ids, _index_packs(st))
+            report = st.gc()
+            assert report.orphan_manifests == leftovers["orphan_manifests"], (report, leftovers)
+            assert report.dead_chunks == 0, report  # nothing was deleted: every indexed chunk is live
+            assert st.list() == before
+            _check_clean_after_gc(s.path, st)
+            for info in before:
+                cw.assert_same(cw.make_state(info.step), st.load(id=info.id), f"after gc: step {info.step}")
+            assert set(cw.read_acks(s.ack)) <= {i.step for i in before}
+            _verify_ok(st, f"{s.path.name} after gc")
+        stats["checkpoints committed"] += len(before)
+    stats["seconds"] = round(time.monotonic() - t0)
+    print(f"{SAVE_KILLS} kills during saves:", dict(stats))
+
+
+def test_sigkill_during_gc(tmp_path: Path, zygote: Any, rng: random.Random) -> None:
+    d = tmp_path / "store"
+    ack = tmp_path / "gc.ack"
+    retained: dict[int, str] = {}  # step -> checkpoint id
+    step = 0
+    stats: collections.Counter[str] = collections.Counter()
+    window = 0.06
+    for n in range(GC_KILLS):
+        # make garbage: new checkpoints in small packs, then delete about half of what is retained
+        with Store(d, chunk_size=CS, pack_size=16 * 1024) as st:
+            for _ in range(6):
+                retained[step] = st.save(cw.make_state(step), step).id
+                step += 1
+            for victim in rng.sample(sorted(retained), len(retained) // 2):
+                st.delete(victim)
+                del retained[victim]
+        runs_before = len(cw.read_acks(ack))
+        delay = rng.uniform(0.0, window)
+        reply = zygote.run(op="gc", store=str(d), ack=str(ack), delay=delay)
+        where = f"gc kill {n} ({delay:.3f} s after the fork)"
+        assert reply["killed"], f"{where}: the gc child ended by itself: {reply}\n{zygote.errors()}"
+        completed = len(cw.read_acks(ack)) - runs_before
+        stats["kills during the first gc of a child" if completed == 0 else "kills during a later gc"] += 1
+
+        with Store(d, chunk_size=CS) as st:
+            infos = st.list()
+            assert {i.step: i.id for i in infos} == retained, f"{where}: gc changed the set of checkpoints"
+            for s, cid in retained.items():
+                cw.assert_same(cw.make_state(s), st.load(id=cid), f"{where}: step {s}")
+            _verify_ok(st, where)
+
+    with Store(d, chunk_size=CS) as st:
+        st.gc()
+        _check_clean_after_gc(d, st)
+        assert {i.step: i.id for i in st.list()} == retained
+        for s, cid in retained.items():
+            cw.assert_same(cw.make_state(s), st.load(id=cid), f"after the final gc: step {s}")
+        _verify_ok(st, "after the final gc")
+        # the store still takes new checkpoints that dedup against what gc kept or moved
+        info = st.save(cw.make_state(step), step)
+        cw.assert_same(cw.make_state(step), st.load(id=info.id), "a save after the final gc")
+        _verify_ok(st, "a save after the final gc")
+    print(f"{GC_KILLS} kills during gc:", dict(stats))

@@ -1,0 +1,366 @@
+"""Retention policies: properties of ``Retention.plan`` over random histories, and the policy applied by a
+real Checkpointer (deletes, thinning to weights only, what a thinned checkpoint can and cannot do).
+
+``plan`` is a pure function of the checkpoint list, so the property tests build ``CheckpointInfo`` lists
+directly (increasing steps with gaps, random metadata with a metric, tags and thinned flags, random creation
+times) and check each rule on its own against an independent oracle.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import deltackpt
+from deltackpt import Checkpointer, CheckpointInfo, DeltackptError, Retention, Store
+from deltackpt.retention import TAG_KEY, THINNED_KEY
+
+NOW = 1_700_000_000.0
+METRIC = "loss"
+
+
+# -- strategies ----------------------------------------------------------------------------------------------
+
+metric_values = st.one_of(
+    st.integers(-5, 5),
+    st.floats(-10, 10, allow_nan=False),
+    st.sampled_from([math.nan, math.inf, -math.inf, 0.5, 1.5]),  # ties are likely
+    st.just("not a number"),
+    st.none(),
+)
+metadata = st.one_of(
+    st.none(),
+    st.fixed_dictionaries(
+        {},
+        optional={
+            METRIC: metric_values,
+            TAG_KEY: st.one_of(st.none(), st.just(""), st.sampled_from(["best", "x"]), st.booleans()),
+            THINNED_KEY: st.booleans(),
+            "other": st.integers(0, 3),
+        },
+    ),
+)
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[CheckpointInfo]:
+    n = draw(st.integers(1, 24))
+    step = draw(st.integers(0, 12))
+    seq = draw(st.integers(1, 5))
+    ids = draw(st.lists(st.text("0123456789abcdef", min_size=16, max_size=16), min_size=n, max_size=n,
+                        unique=True))
+    infos: list[CheckpointInfo] = []
+    for i in range(n):
+        if i:
+            step += draw(st.integers(1, 7))
+            seq += draw(st.integers(1, 3))
+        age = draw(st.one_of(st.floats(-50, 5000, allow_nan=False), st.sampled_from([0.0, 100.0, 1000.0])))
+        infos.append(CheckpointInfo(
+            id=ids[i], step=step, created=NOW - age, parent=ids[i - 1] if i else None, logical_bytes=0,
+            written_bytes=0, metadata=draw(metadata), seq=seq,
+        ))
+    return infos
+
+
+policies = st.builds(
+    Retention,
+    keep_last=st.one_of(st.none(), st.integers(1, 6)),
+    keep_every=st.one_of(st.none(), st.integers(1, 10)),
+    keep_tagged=st.booleans(),
+    keep_best=st.one_of(st.none(), st.tuples(st.just(METRIC), st.sampled_from(["min", "max"]))),
+    best_k=st.integers(1, 3),
+    keep_within=st.one_of(st.none(), st.floats(0, 3000, allow_nan=False), st.just(100.0)),
+    full_last=st.one_of(st.none(), st.integers(1, 5)),
+)
+
+
+# -- the oracle ----------------------------------------------------------------------------------------------
+
+def _meta(info: CheckpointInfo) -> dict[str, Any]:
+    return info.metadata if isinstance(info.metadata, dict) else {}
+
+
+def rule_selections(policy: Retention, infos: list[CheckpointInfo]) -> dict[str, set[str]]:
+    """For each rule the ids it certainly keeps, computed independently of ``Retention.plan``."""
+    ids = [i.id for i in infos]
+    out: dict[str, set[str]] = {"newest": {ids[-1]}}
+    if policy.keep_last is not None:
+        out["keep_last"] = set(ids[len(ids) - policy.keep_last:] if policy.keep_last < len(ids) else ids)
+    if policy.keep_every is not None:
+        out["keep_every"] = {i.id for i in infos if i.step % policy.keep_every == 0}
+    if policy.keep_tagged:
+        out["keep_tagged"] = {i.id for i in infos if _meta(i).get(TAG_KEY)}
+    if policy.keep_within is not None:
+        out["keep_within"] = {i.id for i in infos if NOW - i.created <= policy.keep_within}
+    if policy.keep_best is not None:
+        out["keep_best"] = best_sets(policy, infos)[0]
+    return out
+
+
+def scored(infos: list[CheckpointInfo]) -> list[tuple[float, str]]:
+    out = []
+    for i in infos:
+        v = _meta(i).get(METRIC)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not math.isnan(v):
+            out.append((float(v), i.id))
+    return out
+
+
+def best_sets(policy: Retention, infos: list[CheckpointInfo]) -> tuple[set[str], set[str], int]:
+    """(ids certainly among the best_k, ids possibly among them (ties), how many the rule keeps)."""
+    assert policy.keep_best is not None
+    sign = 1.0 if policy.keep_best[1] == "min" else -1.0
+    items = [(sign * v, cid) for v, cid in scored(infos)]  # smaller is better
+    if not items:
+        return set(), set(), 0
+    k = min(policy.best_k, len(items))
+    threshold = sorted(v for v, _ in items)[k - 1]
+    return {c for v, c in items if v < threshold}, {c for v, c in items if v <= threshold}, k
+
+
+def plan_of(policy: Retention, infos: list[CheckpointInfo]) -> Any:
+    return policy.plan(infos, now=NOW)
+
+
+# -- properties ----------------------------------------------------------------------------------------------
+
+@given(infos=histories(), policy=policies)
+def test_plan_partitions_the_ids(infos: list[CheckpointInfo], policy: Retention) -> None:
+    plan = plan_of(policy, infos)
+    ids = [i.id for i in infos]
+    for name in ("keep", "thin", "delete"):
+        lst = getattr(plan, name)
+        assert len(lst) == len(set(lst)), f"{name} lists an id twice: {lst}"
+    keep, thin, delete = set(plan.keep), set(plan.thin), set(plan.delete)
+    assert not keep & thin and not keep & delete and not thin & delete, plan
+    assert keep | thin | delete == set(ids), plan
+
+
+@given(infos=histories(), policy=policies)
+def test_newest_is_always_kept_in_full(infos: list[CheckpointInfo], policy: Retention) -> None:
+    plan = plan_of(policy, infos)
+    assert infos[-1].id in plan.keep, plan
+
+
+@given(infos=histories(), policy=policies)
+def test_every_rule_protects_what_it_selects(infos: list[CheckpointInfo], policy: Retention) -> None:
+    plan = plan_of(policy, infos)
+    deleted = set(plan.delete)
+    by_id = {i.id: i for i in infos}
+    for rule, selected in rule_selections(policy, infos).items():
+        lost = selected & deleted
+        assert not lost, f"{rule} selects steps {sorted(by_id[c].step for c in lost)}; the plan deletes them"
+    if policy.keep_best is not None:
+        _, possible, k = best_sets(policy, infos)
+        survivors = possible - deleted
+        assert len(survivors) >= k, f"keep_best keeps {len(survivors)} of the best, wants {k}"
+
+
+@given(infos=histories(), policy=policies)
+def test_nothing_survives_without_a_rule(infos: list[CheckpointInfo], policy: Retention) -> None:
+    """A checkpoint survives only if some rule (or being the newest) keeps it."""
+    plan = plan_of(policy, infos)
+    if not policy.deletes_anything:
+        return
+    possible: set[str] = set().union(*rule_selections(policy, infos).values())
+    if policy.keep_best is not None:
+        possible |= best_sets(policy, infos)[1]
+    kept = set(plan.keep) | set(plan.thin)
+    by_id = {i.id: i for i in infos}
+    extra = kept - possible
+    assert not extra, f"steps {sorted(by_id[c].step for c in extra)} kept though no rule selects them"
+
+
+@given(infos=histories(), policy=policies)
+def test_no_deleting_rule_deletes_nothing(infos: list[CheckpointInfo], policy: Retention) -> None:
+    policy = Retention(keep_tagged=policy.keep_tagged, best_k=policy.best_k, full_last=policy.full_last)
+    assert not policy.deletes_anything
+    plan = plan_of(policy, infos)
+    assert plan.delete == []
+    assert set(plan.keep) | set(plan.thin) == {i.id for i in infos}
+
+
+@given(infos=histories(), n=st.integers(1, 8))
+def test_keep_last_keeps_the_n_newest(infos: list[CheckpointInfo], n: int) -> None:
+    plan = plan_of(Retention(keep_last=n, keep_tagged=False), infos)
+    newest = [i.id for i in infos][-n:]
+    assert plan.keep == newest, f"keep_last={n} alone keeps {plan.keep}, expected {newest}"
+    assert plan.delete == [i.id for i in infos][: max(0, len(infos) - n)]
+
+
+@given(infos=histories(), policy=policies)
+def test_thinning(infos: list[CheckpointInfo], policy: Retention) -> None:
+    plan = plan_of(policy, infos)
+    if policy.full_last is None:
+        assert plan.thin == []
+        return
+    by_id = {i.id: i for i in infos}
+    full = {i.id for i in infos[-policy.full_last:]}
+    thin = set(plan.thin)
+    assert not thin & full, "a checkpoint among the full_last newest is thinned"
+    assert not thin & set(plan.delete)
+    for cid in thin:
+        assert not _meta(by_id[cid]).get(THINNED_KEY), f"step {by_id[cid].step} is thinned a second time"
+    # every surviving checkpoint outside the full_last newest ends up weights-only
+    for cid in plan.keep:
+        if cid not in full:
+            assert _meta(by_id[cid]).get(THINNED_KEY), f"step {by_id[cid].step} stays full"
+
+
+def test_examples() -> None:
+    infos = [CheckpointInfo(f"{s:016x}", s, NOW, None, 0, 0, None, s) for s in range(1, 13)]
+    plan = Retention(keep_last=2, keep_every=5).plan(infos, now=NOW)
+    assert sorted(int(c, 16) for c in plan.keep) == [5, 10, 11, 12]
+    assert sorted(int(c, 16) for c in plan.delete) == [1, 2, 3, 4, 6, 7, 8, 9]
+    metas = [{"loss": v} for v in (3.0, 1.0, 2.0, 1.0, 5.0)]
+    infos = [CheckpointInfo(f"{s:016x}", s, NOW, None, 0, 0, m, s) for s, m in enumerate(metas, 1)]
+    plan = Retention(keep_best=("loss", "min"), best_k=2, keep_last=1).plan(infos, now=NOW)
+    assert sorted(int(c, 16) for c in plan.keep) == [2, 4, 5]
+    plan = Retention(keep_best=("loss", "max"), keep_last=1, full_last=1).plan(infos, now=NOW)
+    assert sorted(int(c, 16) for c in plan.keep) == [5] and plan.thin == [] and len(plan.delete) == 4
+
+
+# -- with a real Checkpointer --------------------------------------------------------------------------------
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_weights(expected: dict[str, torch.Tensor], actual: Any, where: str) -> None:
+    assert list(actual) == list(expected), where
+    for k, v in expected.items():
+        got = actual[k].reshape(-1).view(torch.uint8)
+        assert torch.equal(got, v.reshape(-1).view(torch.uint8)), f"{where}: {k}"
+
+
+def _setup(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def test_checkpointer_keep_last_and_every(store_path: Path) -> None:
+    model, opt = _setup()
+    weights = {}
+    policy = Retention(keep_last=2, keep_every=5)
+    ckpt = Checkpointer(store_path, model=model, optimizer=opt, retention=policy, handle_signals=False)
+    for step in range(1, 13):
+        _train(model, opt)
+        weights[step] = _weights(model)
+        assert ckpt.step(step)
+    ckpt.close()
+    with Store(store_path) as store:
+        infos = store.list()
+        assert sorted(i.step for i in infos) == [5, 10, 11, 12]
+        assert [i.step for i in infos] == [5, 10, 11, 12], "commit order"
+        for i in infos:
+            _assert_weights(weights[i.step], store.load(id=i.id)["model"], f"step {i.step}")
+            assert store.load(id=i.id)["optimizer"]["state"], "not thinned: the optimizer state is there"
+        assert store.latest().step == 12
+
+
+def test_thinned_checkpoints_hold_weights_only(store_path: Path) -> None:
+    model, opt = _setup()
+    weights = {}
+    ckpt = Checkpointer(store_path, model=model, optimizer=opt, retention=Retention(keep_last=2, full_last=1),
+                        handle_signals=False)
+    for step in range(1, 13):
+        _train(model, opt)
+        weights[step] = _weights(model)
+        ckpt.step(step)
+    ckpt.close()
+    with Store(store_path) as store:
+        infos = {i.step: i for i in store.list()}
+        assert sorted(infos) == [11, 12]
+        thin = store.load(step=11)
+        assert thin["thinned"] is True
+        assert set(thin) == {"step", "model", "thinned"}, "a thinned checkpoint holds model weights only"
+        assert thin["step"] == 11
+        assert infos[11].metadata and infos[11].metadata.get(THINNED_KEY) is True
+        _assert_weights(weights[11], thin["model"], "thinned step 11")
+        full = store.load(step=12)
+        assert not full.get("thinned") and full["optimizer"]["state"]
+        assert not (infos[12].metadata or {}).get(THINNED_KEY)
+        _assert_weights(weights[12], full["model"], "step 12")
+
+    model2, opt2 = _setup(seed=1)
+    ckpt = Checkpointer(store_path, model=model2, optimizer=opt2, handle_signals=False)
+    try:
+        with pytest.raises(DeltackptError, match="thinned"):
+            ckpt.restore(step=11)
+    finally:
+        ckpt.close()
+
+
+def test_resume_after_thinning_uses_the_newest_full_checkpoint(store_path: Path) -> None:
+    """After thinning, ``restore()`` (latest) still resumes from the newest step, in full."""
+    model, opt = _setup()
+    ckpt = Checkpointer(store_path, model=model, optimizer=opt, retention=Retention(keep_last=2, full_last=1),
+                        handle_signals=False)
+    for step in range(1, 13):
+        _train(model, opt)
+        ckpt.step(step)
+    ckpt.close()
+    expected = _weights(model)
+    model2, opt2 = _setup(seed=1)
+    ckpt = Checkpointer(store_path, model=model2, optimizer=opt2, handle_signals=False)
+    try:
+        assert ckpt.store.latest().step == 12, "the latest checkpoint is not the newest step"
+        assert ckpt.restore() == 12
+    finally:
+        ckpt.close()
+    _assert_weights(expected, model2.state_dict(), "resumed model")
+
+
+def test_keep_last_with_thinning_keeps_the_newest_steps(store_path: Path) -> None:
+    """Retention(keep_last=2, full_last=1) after every committed step: the two newest steps survive,
+    the older one thinned, the newest in full."""
+    model, opt = _setup()
+    ckpt = Checkpointer(store_path, model=model, optimizer=opt, retention=Retention(keep_last=2, full_last=1),
+                        handle_signals=False)
+    try:
+        history = []
+        for step in range(1, 9):
+            _train(model, opt)
+            ckpt.step(step)
+            ckpt.wait()
+            infos = ckpt.store.list()
+            history.append((step, [(i.step, bool((i.metadata or {}).get(THINNED_KEY))) for i in infos]))
+        for step, got in history:
+            want = sorted([(step - 1, True), (step, False)] if step > 1 else [(1, False)])
+            assert sorted(got) == want, f"after step {step}: retained {got}, want {want}; history {history}"
+    finally:
+        ckpt.close()
+
+
+def test_tagged_and_best_survive_in_a_real_store(store_path: Path) -> None:
+    model, opt = _setup()
+    policy = Retention(keep_last=1, keep_best=("val", "min"), best_k=1)
+    ckpt = Checkpointer(store_path, model=model, optimizer=opt, retention=policy, handle_signals=False)
+    vals = [5.0, 3.0, 4.0, 1.0, 2.0, 6.0]
+    for step, v in enumerate(vals, 1):
+        _train(model, opt)
+        ckpt.save(step, metadata={"val": v, **({"tag": "milestone"} if step == 2 else {})})
+    ckpt.close()
+    with Store(store_path) as store:
+        assert sorted(i.step for i in store.list()) == [2, 4, 6]
+
+
+def test_retention_validation() -> None:
+    for kw in ({"keep_last": 0}, {"keep_every": -1}, {"full_last": 0}, {"best_k": 0}, {"keep_within": -1.0},
+               {"keep_best": ("loss", "median")}):
+        with pytest.raises(ValueError):
+            Retention(**kw)
+    assert deltackpt.Retention().plan([]).keep == []
