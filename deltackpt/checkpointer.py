@@ -33,7 +33,7 @@ import torch
 
 from deltackpt.errors import DeltackptError
 from deltackpt.retention import THINNED_KEY, Retention
-from deltackpt.store import CheckpointInfo, Store
+from deltackpt.store import CheckpointInfo, Store, _byte_view
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -152,8 +152,13 @@ class _Staging:
                 src = obj.detach()
                 buf = self._buffer_for(path, src)
                 cuda = cuda or src.device.type == "cuda"
-                with torch.no_grad():
-                    buf.copy_(src, non_blocking=src.device.type == "cuda")
+                src_bytes = _byte_view(src) if src.device.type == "cpu" else None
+                if src_bytes is not None and src.dtype == buf.dtype:
+                    # one plain memcpy: torch's multi-threaded copy_ competes with the training loop's threads
+                    np.copyto(_byte_view(buf).numpy(), src_bytes.numpy())  # type: ignore[union-attr]
+                else:
+                    with torch.no_grad():
+                        buf.copy_(src, non_blocking=src.device.type == "cuda")
                 self._used.add(path)
                 out: Any = torch.nn.Parameter(buf, obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else buf
                 seen[id(obj)] = out

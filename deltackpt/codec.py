@@ -112,8 +112,13 @@ class Encoder:
         width: int,
         base: memoryview | bytes | None = None,
         base_digest: bytes | None = None,
+        *,
+        try_alone: bool = True,
     ) -> bytes:
         """Return the smallest frame for ``raw`` among raw, (planes+)zstd and, with ``base``, the XOR delta.
+
+        With a base and ``try_alone=False`` the standalone encoding is not tried (the caller knows deltas win
+        for this tensor); it is always tried without a base.
 
         ``digest`` is the raw bytes' XXH3-128 (the caller computed it while naming chunks); ``width`` the
         element size used for byte planes (1 means plain zstd). ``base`` is the raw bytes of the chunk at the
@@ -134,7 +139,7 @@ class Encoder:
                 raise ValueError(f"delta base has {len(base)} bytes, the chunk {n}")
             best_codec, best, base_id = DELTA, self._cctx.compress(self._planes(raw, width, base)), base_digest
         # A delta this small is not beaten by a standalone encoding of float data: skip the second compression.
-        if base is None or len(best) > n * DELTA_GOOD_ENOUGH:
+        if base is None or (try_alone and len(best) > n * DELTA_GOOD_ENOUGH):
             alone = self._cctx.compress(self._planes(raw, width, None) if width > 1 else raw)
             if base is None or len(alone) <= len(best):
                 best_codec, best, base_id = (PLANES_ZSTD if width > 1 else ZSTD), alone, NO_BASE

@@ -10,7 +10,7 @@ chunk size of a new store         ``DELTACKPT_CHUNK_SIZE``    1 MiB (see README,
 zstd level                        ``DELTACKPT_ZSTD_LEVEL``    1
 worker threads                    ``DELTACKPT_THREADS``       the CPUs this process may run on
 pack file roll-over size          ``DELTACKPT_PACK_SIZE``     1 GiB
-longest delta chain (0: no delta) ``DELTACKPT_MAX_CHAIN``     4
+longest delta chain (0: no delta) ``DELTACKPT_MAX_CHAIN``     2
 delta base cache                  ``DELTACKPT_DELTA_CACHE``   1 GiB
 allow the index on network FS     ``DELTACKPT_ALLOW_NETWORK_FS``  0
 ================================  ==========================  ==========================================
@@ -23,7 +23,7 @@ import os
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 1
 DEFAULT_PACK_SIZE = 1 << 30
-DEFAULT_MAX_CHAIN = 4
+DEFAULT_MAX_CHAIN = 2
 DEFAULT_DELTA_CACHE = 1 << 30
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 1 << 30

@@ -194,6 +194,7 @@ class Store:
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
         self._last_manifest: manifest.Manifest | None = None
         self._pinned = _Pinned()
+        self._delta_stats: dict[str, tuple[int, int]] = {}
         self.max_chain = config.max_chain() if max_chain is None else int(max_chain)
         if not 0 <= self.max_chain <= 64:
             raise ValueError(f"max_chain must be between 0 (no deltas) and 64, got {self.max_chain}")
@@ -460,6 +461,8 @@ class Store:
                 pack_id, offset = self._writer.append(frame)
                 h = codec.parse_header(frame)
                 depth = base_depth + 1 if h.codec == codec.DELTA else 0
+                if base_depth >= 0 and h.codec != codec.RAW:  # a base was offered: did the delta win?
+                    self._count_delta(entry.key, h.codec == codec.DELTA)
                 new_locs[key] = ChunkLoc(pack_id, offset, len(frame), h.codec, depth, h.base)
                 entry.written += len(frame)
                 written += len(frame)
@@ -490,14 +493,16 @@ class Store:
                 stored = self.index.has_chunks(k for _, k in todo)
                 todo = [(i, k) for i, k in todo if k not in stored]
                 bases = self._bases(leaf, parents.get(leaf.path), pm, todo, generation) if k_max else {}
+                mode = self._delta_mode(leaf.path)
                 for i, k in todo:
                     if k in pending:
                         continue  # the same bytes twice in this tensor
                     pending.add(k)
                     view = memoryview(buf)[i * cs : i * cs + min(cs, leaf.nbytes - i * cs)]
                     base_key, base_depth = bases.get(i, (None, -1))
-                    fut = self.pool.submit(self._encode, view, k, leaf.width, base_key)
-                    inflight.append((fut, k, entry, base_depth))
+                    # every 16th chunk tries both encodings, so the statistics behind ``mode`` stay current
+                    fut = self.pool.submit(self._encode, view, k, leaf.width, base_key, "both" if i % 16 == 0 else mode)
+                    inflight.append((fut, k, entry, base_depth if base_key is not None else -1))
                     drain(limit)
             drain(0)
         except BaseException:
@@ -550,8 +555,29 @@ class Store:
                 out[i] = (bk, loc.depth)
         return out
 
-    def _encode(self, view: memoryview, key: bytes, width: int, base_key: bytes | None) -> bytes:
+    def _delta_mode(self, path: str) -> str:
+        """How to encode the changed chunks of tensor ``path``, from how its chunks fared in recent saves:
+        ``"delta"`` when deltas almost always won, ``"alone"`` when they almost never did, else ``"both"``
+        (the encoder tries both and keeps the smaller). Saves a second compression per chunk."""
+        won, tried = self._delta_stats.get(path, (0, 0))
+        if tried < 8:
+            return "both"
+        if won >= 0.95 * tried:
+            return "delta"
+        if won <= 0.05 * tried:
+            return "alone"
+        return "both"
+
+    def _count_delta(self, path: str, won: bool) -> None:
+        w, t = self._delta_stats.get(path, (0, 0))
+        if t >= 64:  # a moving window: training changes how well deltas do
+            w, t = w // 2, t // 2
+        self._delta_stats[path] = (w + int(won), t + 1)
+
+    def _encode(self, view: memoryview, key: bytes, width: int, base_key: bytes | None, mode: str = "both") -> bytes:
         base = None
+        if base_key is not None and mode == "alone":
+            base_key = None
         if base_key is not None:
             base = self._base_cache.get(base_key)
             if base is None:
@@ -559,7 +585,9 @@ class Store:
                     base = self.read_chunk(base_key)
                 except CorruptChunkError:
                     base, base_key = None, None  # a damaged base must not spread: store a keyframe
-        frame = self._encoder().encode(view, key[:16], width, base, None if base_key is None else base_key[:16])
+        frame = self._encoder().encode(
+            view, key[:16], width, base, None if base_key is None else base_key[:16], try_alone=mode != "delta"
+        )
         self._base_cache.put(key, view)
         return frame
 
