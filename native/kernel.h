@@ -1,0 +1,99 @@
+/*
+ * deltackpt native chunk kernel: the inner loops under deltackpt.kernel.
+ *
+ * Where it sits: `native/_kernel.pyx` adapts Python buffers to these functions and calls them with the GIL
+ * released; policy (chunk sizes, thread counts, which codec runs) stays in Python. Every function here returns
+ * results bit-identical to the scalar reference in `deltackpt/_pykernel.py`; the tests check that.
+ *
+ * Conventions shared by all functions:
+ * - Buffers are raw bytes. `len` counts bytes. A pointer may be NULL only when its length is 0.
+ * - Outputs never overlap inputs (the adapter copies an input that the output overlaps).
+ * - `threads` <= 1, or an input too small to be worth splitting (under DCK_MIN_BYTES_PER_THREAD bytes per
+ *   thread), runs inline on the calling thread. Otherwise the work is split statically into contiguous ranges,
+ *   one per POSIX thread, the calling thread taking the first; no scratch memory is shared between threads and
+ *   each thread writes a disjoint part of the output. A thread that cannot be created has its range run inline,
+ *   so results never depend on `threads`.
+ * - Return value: 0 on success, DCK_EINVAL when an argument is out of its domain (nothing is written then).
+ */
+#ifndef DELTACKPT_KERNEL_H
+#define DELTACKPT_KERNEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Size of one digest in bytes (XXH3-128, canonical big-endian form). */
+#define DCK_DIGEST_SIZE 16
+/* Error code: an argument is outside its domain. */
+#define DCK_EINVAL (-1)
+/* Smallest share of the input, in bytes, that justifies one more thread. */
+#define DCK_MIN_BYTES_PER_THREAD ((size_t)256 * 1024)
+/* Upper bound on the number of threads one call uses. */
+#define DCK_MAX_THREADS 64
+
+/*
+ * Number of chunks a buffer of `len` bytes splits into at `chunk_size`: ceil(len / chunk_size).
+ * Requires chunk_size > 0 (returns 0 otherwise). An empty buffer has no chunks.
+ */
+size_t dck_chunk_count(size_t len, size_t chunk_size);
+
+/*
+ * Chunk digests and zero flags, in one pass over memory.
+ *
+ * Inputs:  buf[0..len), chunk_size > 0, threads (any value; see conventions).
+ * Outputs: for each chunk c in [0, n) with n = dck_chunk_count(len, chunk_size), chunk c being
+ *          buf[c*chunk_size .. min((c+1)*chunk_size, len)) (only the last may be short):
+ *            digests[16*c .. 16*c+16) = XXH128_canonicalFromHash(XXH3_128bits(chunk)), i.e. the bytes
+ *                                       xxhash.xxh3_128_digest(chunk) returns;
+ *            zero[c] = 1 if every byte of the chunk is 0, else 0.
+ *          `digests` holds n*16 bytes, `zero` n bytes.
+ * Memory is read once: each chunk's leading zero run is found first (an early-exit scan, a few bytes long for
+ * ordinary data) and is hashed from a static zero block instead of being read again; the rest of the chunk is
+ * then hashed from the buffer. All-zero chunks of one length share one digest computation per thread.
+ * Returns DCK_EINVAL when chunk_size == 0 or a needed pointer is NULL.
+ */
+int dck_chunk_digests(const uint8_t *buf, size_t len, size_t chunk_size, uint8_t *digests, uint8_t *zero,
+                      int threads);
+
+/*
+ * Digest of a whole buffer: out[0..16) = canonical XXH3-128 of buf[0..len). Single-threaded.
+ * Returns DCK_EINVAL when out is NULL, or buf is NULL with len > 0.
+ */
+int dck_digest(const uint8_t *buf, size_t len, uint8_t out[DCK_DIGEST_SIZE]);
+
+/*
+ * Byte-plane split. width w in {1, 2, 4, 8}; m = len / w elements.
+ * Output: dst[k*m + i] = src[i*w + k] for i < m, k < w; dst[m*w + t] = src[m*w + t] for the len % w tail.
+ * Width 1 is a copy. Returns DCK_EINVAL for any other width.
+ */
+int dck_split_planes(const uint8_t *src, uint8_t *dst, size_t len, int width, int threads);
+
+/*
+ * Byte-plane merge, the inverse of dck_split_planes: dst[i*w + k] = src[k*m + i]; the tail is copied.
+ * dck_merge_planes(dck_split_planes(x)) == x for every width and length.
+ */
+int dck_merge_planes(const uint8_t *src, uint8_t *dst, size_t len, int width, int threads);
+
+/*
+ * XOR fused with split: dst = split_planes(src XOR base), in one pass and without a temporary buffer.
+ * base has len bytes. dst[k*m + i] = src[i*w + k] ^ base[i*w + k]; tail: dst[t] = src[t] ^ base[t].
+ */
+int dck_xor_split_planes(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width,
+                         int threads);
+
+/*
+ * Merge fused with XOR: dst = merge_planes(src) XOR base, in one pass and without a temporary buffer.
+ * base has len bytes. dst[i*w + k] = src[k*m + i] ^ base[i*w + k]; tail: dst[t] = src[t] ^ base[t].
+ * dck_merge_planes_xor(dck_xor_split_planes(x, b), b) == x.
+ */
+int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width,
+                         int threads);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DELTACKPT_KERNEL_H */

@@ -1,0 +1,85 @@
+"""Build of the native chunk kernel ``deltackpt._kernel``; all other metadata is in pyproject.toml.
+
+The extension is compiled from ``native/_kernel.pyx`` (the Cython adapter) and ``native/kernel.c`` (the
+loops), against the header-only use of the system ``xxhash.h`` (Debian/Ubuntu: ``libxxhash-dev``). Two values
+are compiled in so that :mod:`deltackpt.kernel` can reject a stale build at import: the package's
+``API_VERSION`` and a hash of the kernel sources.
+
+Extra compiler/linker flags (e.g. ``-march=native``, or the sanitizer flags of ``make asan``) can be passed in
+``DELTACKPT_EXTRA_CFLAGS`` and ``DELTACKPT_EXTRA_LDFLAGS``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shlex
+import sysconfig
+import warnings
+from pathlib import Path
+
+import numpy as np
+from Cython.Build import cythonize
+from setuptools import Extension, setup
+
+ROOT = Path(__file__).resolve().parent
+NATIVE = ROOT / "native"
+
+# Must stay identical to deltackpt.kernel.source_hash / _NATIVE_SOURCES (duplicated rather than imported:
+# importing the deltackpt package at build time would import its dependencies). tests/test_kernel.py checks
+# that they agree.
+_NATIVE_SOURCES = ("kernel.c", "kernel.h", "_kernel.pyx")
+
+
+def source_hash(native_dir: Path) -> str:
+    h = hashlib.sha256()
+    for name in _NATIVE_SOURCES:
+        h.update(name.encode())
+        h.update((native_dir / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def api_version() -> int:
+    text = (ROOT / "deltackpt" / "kernel.py").read_text(encoding="utf-8")
+    m = re.search(r"^API_VERSION\s*=\s*(\d+)\s*$", text, re.MULTILINE)
+    if m is None:
+        raise RuntimeError("deltackpt/kernel.py defines no API_VERSION = <int>")
+    return int(m.group(1))
+
+
+def _warn_if_no_xxhash() -> None:
+    dirs = [sysconfig.get_paths()["include"], "/usr/include", "/usr/local/include"]
+    for var in ("CPATH", "C_INCLUDE_PATH"):
+        dirs += [d for d in os.environ.get(var, "").split(os.pathsep) if d]
+    dirs += [a[2:] for a in shlex.split(os.environ.get("CFLAGS", "")) if a.startswith("-I")]
+    if not any((Path(d) / "xxhash.h").exists() for d in dirs):
+        warnings.warn(
+            "xxhash.h not found: install libxxhash-dev (apt) / xxhash-devel (dnf) / xxhash (brew) first",
+            stacklevel=1,
+        )
+
+
+_warn_if_no_xxhash()
+
+extension = Extension(
+    "deltackpt._kernel",
+    sources=["native/_kernel.pyx", "native/kernel.c"],
+    # Rebuild when the header or the compiled-in API_VERSION changes, not only the sources.
+    depends=["native/kernel.h", "deltackpt/kernel.py"],
+    include_dirs=["native", np.get_include()],
+    define_macros=[
+        ("DCK_API_VERSION", str(api_version())),
+        ("DCK_SOURCE_HASH", f'"{source_hash(NATIVE)}"'),
+    ],
+    extra_compile_args=[
+        "-O3",
+        "-Wall",
+        "-Wextra",
+        *shlex.split(os.environ.get("DELTACKPT_EXTRA_CFLAGS", "")),
+    ],
+    extra_link_args=shlex.split(os.environ.get("DELTACKPT_EXTRA_LDFLAGS", "")),
+    libraries=["pthread"],
+)
+
+setup(ext_modules=cythonize([extension], compiler_directives={"language_level": "3"}, quiet=True))

@@ -1,0 +1,548 @@
+"""Chunk kernel: native and Python backends agree bit for bit, round trips hold, golden digests stay pinned.
+
+The native extension (``deltackpt._kernel``) and the reference (``deltackpt._pykernel``) are imported
+directly and compared whichever backend ``deltackpt.kernel`` picked; round-trip and error tests run on the
+active backend and on both modules. ``DELTACKPT_EXPECT_BACKEND`` (set by the Makefile for each pass) pins
+which one ran.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import types
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from deltackpt import _pykernel as ref
+from deltackpt import kernel
+
+try:
+    from deltackpt import _kernel as native
+except ImportError:  # not built: native comparisons skip, the python pass still runs everything else
+    native = None
+
+ROOT = Path(__file__).resolve().parent.parent
+NATIVE_DIR = ROOT / "native"
+
+needs_native = pytest.mark.skipif(native is None, reason="native extension deltackpt._kernel is not built")
+BACKENDS = [pytest.param(ref, id="python"), pytest.param(native, id="native", marks=needs_native)]
+
+# Modest example counts (HYPOTHESIS_PROFILE=thorough raises them): the file runs in seconds on 2 cores.
+FAST = settings(
+    max_examples=max(60, settings.default.max_examples),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+# A thread gets work only with DCK_MIN_BYTES_PER_THREAD (256 KiB) of input, so thread fan-out needs inputs
+# above k * 256 KiB; these sizes cover 2..4 threads with ranges that do not fall on block or chunk boundaries.
+BIG_SIZES = [(1 << 20) + 13, (3 << 19) + 7, (5 << 18) + 1]
+
+
+def make_buffer(n: int, seed: int, kind: str) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if kind == "zeros":
+        return np.zeros(n, np.uint8)
+    if kind == "sparse":  # mostly zero: exercises the zero-prefix scan and zero-run hashing
+        a = np.zeros(n, np.uint8)
+        if n:
+            idx = rng.integers(0, n, size=int(rng.integers(1, 4)))
+            a[idx] = rng.integers(1, 256, size=len(idx), dtype=np.uint8)
+        return a
+    a = rng.integers(0, 256, n, dtype=np.uint8)
+    if kind == "runs" and n:  # random data with zero runs that start and end anywhere
+        for _ in range(int(rng.integers(1, 5))):
+            s = int(rng.integers(0, n))
+            a[s : s + int(rng.integers(0, n))] = 0
+    return a
+
+
+@st.composite
+def buffers(draw: st.DrawFn, max_len: int = 5000) -> np.ndarray:
+    n = draw(
+        st.one_of(
+            st.sampled_from([0, 1, 2, 3, 7, 15, 16, 17, 31, 127, 128, 129, 255, 256, 257, 1023, 1024, 1025]),
+            st.integers(0, max_len),
+        )
+    )
+    kind = draw(st.sampled_from(["random", "zeros", "sparse", "runs"]))
+    return make_buffer(n, draw(st.integers(0, 2**32 - 1)), kind)
+
+
+chunk_sizes = st.one_of(st.sampled_from([1, 2, 3, 16, 64, 127, 128, 129, 256, 1000, 4096]), st.integers(1, 6000))
+widths = st.sampled_from([1, 2, 4, 8])
+thread_counts = st.integers(1, 4)
+
+
+def expected_chunks(data: bytes, chunk_size: int) -> tuple[list[bytes], list[bool]]:
+    pieces = [data[i : i + chunk_size] for i in range(0, len(data), chunk_size)]
+    return [xxhash.xxh3_128_digest(p) for p in pieces], [not any(p) for p in pieces]
+
+
+def assert_digests_equal(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> None:
+    assert a[0].dtype == np.uint8 and a[0].shape == b[0].shape and a[0].shape[1:] == (16,)
+    assert a[1].dtype == np.bool_ and a[1].shape == b[1].shape
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+
+
+# ---------------------------------------------------------------------------------------- which backend ran
+
+
+def test_expected_backend() -> None:
+    expect = os.environ.get("DELTACKPT_EXPECT_BACKEND")
+    if not expect:
+        pytest.skip("DELTACKPT_EXPECT_BACKEND not set")
+    assert kernel.backend == expect
+
+
+def test_kernel_api_is_the_backend_api() -> None:
+    impl = native if kernel.backend == "native" else ref
+    for name in (
+        "chunk_digests",
+        "digest",
+        "split_planes",
+        "merge_planes",
+        "xor_split_planes",
+        "merge_planes_xor",
+    ):
+        assert getattr(kernel, name) is getattr(impl, name)
+    assert kernel.DIGEST_SIZE == 16
+
+
+# ---------------------------------------------------------------------------- native == python, bit for bit
+
+
+@needs_native
+@FAST
+@given(data=buffers(), chunk_size=chunk_sizes, threads=thread_counts)
+def test_chunk_digests_native_equals_python(data: np.ndarray, chunk_size: int, threads: int) -> None:
+    assert_digests_equal(native.chunk_digests(data, chunk_size, threads), ref.chunk_digests(data, chunk_size))
+    assert native.digest(data) == ref.digest(data)
+
+
+@needs_native
+@FAST
+@given(data=buffers(), base_seed=st.integers(0, 2**32 - 1), width=widths, threads=thread_counts)
+def test_planes_native_equals_python(data: np.ndarray, base_seed: int, width: int, threads: int) -> None:
+    base = make_buffer(len(data), base_seed, "random")
+    for nat, py in (
+        (native.split_planes(data, width, threads=threads), ref.split_planes(data, width)),
+        (native.merge_planes(data, width, threads=threads), ref.merge_planes(data, width)),
+        (
+            native.xor_split_planes(data, base, width, threads=threads),
+            ref.xor_split_planes(data, base, width),
+        ),
+        (
+            native.merge_planes_xor(data, base, width, threads=threads),
+            ref.merge_planes_xor(data, base, width),
+        ),
+    ):
+        assert isinstance(nat, np.ndarray) and nat.dtype == np.uint8
+        np.testing.assert_array_equal(nat, py)
+
+
+@needs_native
+@pytest.mark.parametrize("size", BIG_SIZES)
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_threaded_large_inputs_native_equals_python(size: int, threads: int) -> None:
+    data = make_buffer(size, size + threads, "runs")
+    base = make_buffer(size, size - threads, "random")
+    for chunk_size in (4096, 65536 + 3, 1 << 20):
+        assert_digests_equal(native.chunk_digests(data, chunk_size, threads), ref.chunk_digests(data, chunk_size))
+    for width in (1, 2, 4, 8):
+        np.testing.assert_array_equal(native.split_planes(data, width, threads=threads), ref.split_planes(data, width))
+        np.testing.assert_array_equal(native.merge_planes(data, width, threads=threads), ref.merge_planes(data, width))
+        np.testing.assert_array_equal(
+            native.xor_split_planes(data, base, width, threads=threads),
+            ref.xor_split_planes(data, base, width),
+        )
+        np.testing.assert_array_equal(
+            native.merge_planes_xor(data, base, width, threads=threads),
+            ref.merge_planes_xor(data, base, width),
+        )
+
+
+@needs_native
+@pytest.mark.parametrize(
+    ("size", "widths"),
+    [
+        # tiled (from 8 MiB): a partial tile and a scalar tail in the last thread's range
+        ((8 << 20) + 1000 * 8 + 3, (2, 4, 8)),
+        # split also streams (from 32 MiB): every plane 16-byte aligned, non-temporal stores throughout
+        (32 << 20, (2, 4)),
+        # m % 16 == 8: planes alternate between streamed (aligned) and plain stores
+        ((32 << 20) + 1000 * 8 + 5, (8,)),
+    ],
+)
+def test_large_buffer_paths_native_equals_python(size: int, widths: tuple[int, ...]) -> None:
+    data = make_buffer(size, size, "runs")
+    base = make_buffer(size, size + 1, "random")
+    merges = size < (32 << 20)  # merge has no streaming path: checked once, on the tiled size
+    for width in widths:
+        want = [ref.split_planes(data, width), ref.xor_split_planes(data, base, width)]
+        if merges:
+            want += [ref.merge_planes(data, width), ref.merge_planes_xor(data, base, width)]
+        for threads in (1, 3):
+            got = [
+                native.split_planes(data, width, threads=threads),
+                native.xor_split_planes(data, base, width, threads=threads),
+            ]
+            if merges:
+                got += [
+                    native.merge_planes(data, width, threads=threads),
+                    native.merge_planes_xor(data, base, width, threads=threads),
+                ]
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a: bytes(a),
+        lambda a: bytearray(a),
+        lambda a: memoryview(bytes(a)),
+        lambda a: a[: len(a) // 4 * 4].view(np.float32),
+        lambda a: a[: len(a) // 8 * 8].view(np.int64).reshape(-1, 2) if len(a) >= 16 else a,
+        lambda a: memoryview(a[: len(a) // 4 * 4]).cast("i"),
+        lambda a: np.frombuffer(bytes(a), np.uint8),  # read-only array
+    ],
+    ids=["bytes", "bytearray", "memoryview", "float32", "int64-2d", "memoryview-i", "readonly"],
+)
+def test_input_buffer_types(make: object) -> None:
+    buf = make(make_buffer(4103, 5, "runs"))  # type: ignore[operator]
+    assert_digests_equal(native.chunk_digests(buf, 1000, 2), ref.chunk_digests(buf, 1000))
+    assert native.digest(buf) == ref.digest(buf)
+    for width in (2, 8):
+        np.testing.assert_array_equal(native.split_planes(buf, width), ref.split_planes(buf, width))
+        np.testing.assert_array_equal(native.merge_planes_xor(buf, buf, width), ref.merge_planes_xor(buf, buf, width))
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+def test_out_buffers_are_filled_and_returned(mod: types.ModuleType) -> None:
+    data = make_buffer(1001, 1, "random")
+    base = make_buffer(1001, 2, "random")
+    out = bytearray(1001)
+    assert mod.split_planes(data, 4, out) is out
+    assert bytes(out) == ref.split_planes(data, 4).tobytes()
+    out2 = np.zeros(1001 // 4 * 4 + 1, np.uint8)
+    assert mod.merge_planes_xor(data, base, 4, out2) is out2
+    np.testing.assert_array_equal(out2, ref.merge_planes_xor(data, base, 4))
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_out_may_alias_inputs(mod: types.ModuleType, width: int) -> None:
+    data = make_buffer(777, 3, "random")
+    base = make_buffer(777, 4, "random")
+    for fn, args, expect in (
+        ("split_planes", (), ref.split_planes(data, width)),
+        ("merge_planes", (), ref.merge_planes(data, width)),
+        ("xor_split_planes", (base,), ref.xor_split_planes(data, base, width)),
+        ("merge_planes_xor", (base,), ref.merge_planes_xor(data, base, width)),
+    ):
+        src = data.copy()  # out is src
+        getattr(mod, fn)(src, *args, width, src)
+        np.testing.assert_array_equal(src, expect, err_msg=f"{fn} out=src")
+        if args:  # out is base
+            b = base.copy()
+            getattr(mod, fn)(data, b, width, b)
+            np.testing.assert_array_equal(b, expect, err_msg=f"{fn} out=base")
+
+
+# ------------------------------------------------------------------------- properties on the active backend
+
+
+@FAST
+@given(data=buffers(), base_seed=st.integers(0, 2**32 - 1), width=widths, threads=thread_counts)
+def test_round_trips(data: np.ndarray, base_seed: int, width: int, threads: int) -> None:
+    base = make_buffer(len(data), base_seed, "random")
+    planes = kernel.split_planes(data, width, threads=threads)
+    np.testing.assert_array_equal(kernel.merge_planes(planes, width, threads=threads), data)
+    delta = kernel.xor_split_planes(data, base, width, threads=threads)
+    np.testing.assert_array_equal(kernel.merge_planes_xor(delta, base, width, threads=threads), data)
+    np.testing.assert_array_equal(delta, kernel.split_planes(np.bitwise_xor(data, base), width))
+
+
+@FAST
+@given(data=buffers(), width=widths)
+def test_plane_layout(data: np.ndarray, width: int) -> None:
+    out = np.asarray(kernel.split_planes(data, width))
+    m = len(data) // width
+    for k in range(width):
+        np.testing.assert_array_equal(out[k * m : (k + 1) * m], data[k : m * width : width])
+    np.testing.assert_array_equal(out[m * width :], data[m * width :])
+
+
+@FAST
+@given(data=buffers(), chunk_size=chunk_sizes, threads=thread_counts)
+def test_digests_match_xxhash_per_chunk(data: np.ndarray, chunk_size: int, threads: int) -> None:
+    digests, zero = kernel.chunk_digests(data, chunk_size, threads)
+    want_digests, want_zero = expected_chunks(data.tobytes(), chunk_size)
+    assert [bytes(d) for d in digests] == want_digests
+    assert zero.tolist() == want_zero
+    assert kernel.digest(data) == xxhash.xxh3_128_digest(data.tobytes())
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+@pytest.mark.parametrize("chunk_size", [1, 100, 128, 1000, 4096, 70000])
+def test_zero_flags(mod: types.ModuleType, chunk_size: int) -> None:
+    n = 3 * chunk_size + chunk_size // 2 + 1
+    data = np.zeros(n, np.uint8)
+    digests, zero = mod.chunk_digests(data, chunk_size)
+    assert zero.all()
+    assert [bytes(d) for d in digests] == expected_chunks(data.tobytes(), chunk_size)[0]
+    # one nonzero byte at the start, inside, and at the end of chunks (around the 128-byte scan blocks)
+    for pos in sorted({0, 1, 127, 128, 129, chunk_size - 1, chunk_size, n - 1, n // 2}):
+        if not 0 <= pos < n:
+            continue
+        d = data.copy()
+        d[pos] = 1
+        digests, zero = mod.chunk_digests(d, chunk_size, 2)
+        want_digests, want_zero = expected_chunks(d.tobytes(), chunk_size)
+        assert zero.tolist() == want_zero
+        assert [bytes(x) for x in digests] == want_digests
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+def test_empty_inputs(mod: types.ModuleType) -> None:
+    digests, zero = mod.chunk_digests(b"", 4096)
+    assert digests.shape == (0, 16) and digests.dtype == np.uint8
+    assert zero.shape == (0,) and zero.dtype == np.bool_
+    for width in (1, 2, 4, 8):
+        assert len(mod.split_planes(b"", width)) == 0
+        assert len(mod.merge_planes_xor(b"", b"", width)) == 0
+
+
+# ------------------------------------------------------------------------------------------- golden digests
+# Pinned values: chunk digests name chunks in every existing store. If one of these changes, new saves stop
+# deduplicating against (and verifying) everything already stored. Do not "fix" them by pasting new values.
+
+GOLDEN_EMPTY = "99aa06d3014798d86001c324468d497f"
+GOLDEN_RANGE_1MIB = "1b208d2839093774d36c0e13a3df139e"  # digest of bytes(range(256)) * 4096 (1 MiB)
+GOLDEN_RANGE_64KIB_CHUNK = "9b31b2ce54c6e35a9a1db56d610a5516"  # each 64 KiB chunk of it (all 16 are equal)
+GOLDEN_PRIME_CHUNKS = [  # bytes(range(251)) * 1000 (251000 bytes) at 64 KiB chunks; the last chunk is short
+    "f5e7bc5d3d8675bfaaae63800707a868",
+    "0cb99413601b546080ce0fa0e3effe5f",
+    "074681942ddb0a4c54aea2bdfdd38f28",
+    "11ea6765b8dc007b419a7010aa4fccca",
+]
+GOLDEN_ZERO_CHUNKS = [  # bytes(100000) at 64 KiB chunks: a full and a short all-zero chunk
+    "fd5ee061c8433a0f33b202d302b65caa",
+    "a20af01e2ac068be5fd047025c0885a8",
+]
+
+
+def test_golden_digests() -> None:
+    assert kernel.digest(b"").hex() == GOLDEN_EMPTY
+    data = bytes(range(256)) * 4096
+    assert kernel.digest(data).hex() == GOLDEN_RANGE_1MIB
+    digests, zero = kernel.chunk_digests(data, 64 << 10, 2)
+    assert [bytes(d).hex() for d in digests] == [GOLDEN_RANGE_64KIB_CHUNK] * 16
+    assert not zero.any()
+    prime = bytes(range(251)) * 1000
+    digests, _ = kernel.chunk_digests(prime, 64 << 10, 3)
+    assert [bytes(d).hex() for d in digests] == GOLDEN_PRIME_CHUNKS
+    zeros_digests, zero = kernel.chunk_digests(bytes(100000), 64 << 10)
+    assert zero.all()
+    assert [bytes(d).hex() for d in zeros_digests] == GOLDEN_ZERO_CHUNKS
+
+
+# --------------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+def test_errors(mod: types.ModuleType) -> None:
+    data = np.arange(64, dtype=np.uint8)
+    for width in (0, 3, 5, 16, -4):
+        with pytest.raises(ValueError):
+            mod.split_planes(data, width)
+        with pytest.raises(ValueError):
+            mod.merge_planes_xor(data, data, width)
+    for chunk_size in (0, -1):
+        with pytest.raises(ValueError):
+            mod.chunk_digests(data, chunk_size)
+    for fn, args in (
+        ("split_planes", ()),
+        ("merge_planes", ()),
+        ("xor_split_planes", (data,)),
+        ("merge_planes_xor", (data,)),
+    ):
+        f = getattr(mod, fn)
+        with pytest.raises(ValueError):  # out too short
+            f(data, *args, 4, np.empty(63, np.uint8))
+        with pytest.raises(ValueError):  # out too long
+            f(data, *args, 4, bytearray(65))
+        with pytest.raises(ValueError):  # read-only out
+            f(data, *args, 4, bytes(64))
+        with pytest.raises(ValueError):  # read-only numpy out
+            ro = np.zeros(64, np.uint8)
+            ro.flags.writeable = False
+            f(data, *args, 4, ro)
+        with pytest.raises(ValueError):  # non-contiguous input
+            f(np.arange(128, dtype=np.uint8)[::2], *args, 4)
+    with pytest.raises(ValueError):  # base of another length
+        mod.xor_split_planes(data, data[:-1], 4)
+    with pytest.raises(ValueError):
+        mod.merge_planes_xor(data, bytes(65), 4)
+    with pytest.raises(ValueError):
+        mod.chunk_digests(np.arange(128, dtype=np.uint8)[::2], 16)
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+def test_any_thread_count_is_accepted(mod: types.ModuleType) -> None:
+    data = make_buffer(600_000, 9, "runs")
+    want = ref.chunk_digests(data, 5000)
+    for threads in (-3, 0, 1, 7, 1000):
+        assert_digests_equal(mod.chunk_digests(data, 5000, threads), want)
+        np.testing.assert_array_equal(mod.split_planes(data, 8, threads=threads), ref.split_planes(data, 8))
+
+
+# -------------------------------------------------------------------------------------- the GIL is released
+
+
+def test_native_releases_the_gil() -> None:
+    if kernel.backend != "native":
+        pytest.skip("the python backend holds the GIL in places")
+    buf = np.full(256 << 20, 0x5A, np.uint8)
+    # A Python thread stamps the clock in a loop, yielding the GIL after each stamp. With a switch interval
+    # far longer than the call, the main thread gives the GIL up between t0 and t1 only if the kernel
+    # releases it, so any stamp strictly between t0 and t1 proves it did. Retried against scheduler noise.
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(5.0)
+    try:
+        for _attempt in range(5):
+            stamps: list[float] = []
+            stop = threading.Event()
+
+            def spin(stamps: list[float] = stamps, stop: threading.Event = stop) -> None:
+                while not stop.is_set():
+                    stamps.append(time.perf_counter())
+                    time.sleep(0)  # releases the GIL, so the main thread never waits for the switch interval
+
+            th = threading.Thread(target=spin, daemon=True)
+            th.start()
+            while not stamps:
+                time.sleep(0.001)
+            t0 = time.perf_counter()
+            kernel.chunk_digests(buf, 1 << 20, 1)
+            t1 = time.perf_counter()
+            stop.set()
+            th.join()
+            if any(t0 < s < t1 for s in stamps):
+                return
+    finally:
+        sys.setswitchinterval(old_interval)
+    pytest.fail("no Python thread ran while chunk_digests was running: the GIL was not released")
+
+
+# --------------------------------------------------------------------------------------- stale-build checks
+
+
+def _install_fake_native(monkeypatch: pytest.MonkeyPatch, **attrs: object) -> types.ModuleType:
+    """Make ``from deltackpt import _kernel`` (inside kernel._load_native) return a stand-in module."""
+    mod = types.ModuleType("deltackpt._kernel")
+    mod.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, "deltackpt._kernel", mod)
+    monkeypatch.setattr(sys.modules["deltackpt"], "_kernel", mod, raising=False)
+    return mod
+
+
+def test_load_native_rejects_stale_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    current = kernel.source_hash(NATIVE_DIR)
+    assert current is not None, "the kernel sources should sit beside the package in a checkout"
+    _install_fake_native(monkeypatch, API_VERSION=kernel.API_VERSION + 1)
+    with pytest.raises(kernel.StaleBuildError, match="API version"):
+        kernel._load_native()
+    _install_fake_native(monkeypatch, API_VERSION=kernel.API_VERSION, SOURCE_HASH="0" * 16)
+    with pytest.raises(kernel.StaleBuildError, match="other sources"):
+        kernel._load_native()
+    # DELTACKPT_BACKEND=native turns a stale build into an error; without it: one warning, python backend.
+    monkeypatch.setenv("DELTACKPT_BACKEND", "native")
+    with pytest.raises(kernel.StaleBuildError):
+        kernel._select()
+    monkeypatch.delenv("DELTACKPT_BACKEND")
+    with pytest.warns(RuntimeWarning, match="native kernel unavailable"):
+        name, impl = kernel._select()
+    assert (name, impl) == ("python", ref)
+    good = _install_fake_native(monkeypatch, API_VERSION=kernel.API_VERSION, SOURCE_HASH=current)
+    assert kernel._load_native() is good
+
+
+def test_setup_py_hashes_sources_like_kernel() -> None:
+    # setup.py duplicates kernel.source_hash (it cannot import the package at build time); run its copy.
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    keep = [
+        n
+        for n in tree.body
+        if isinstance(n, ast.Import | ast.ImportFrom)
+        and all(a.name in ("hashlib", "annotations", "Path") for a in n.names)
+        or isinstance(n, ast.FunctionDef)
+        and n.name == "source_hash"
+        or isinstance(n, ast.Assign)
+        and any(getattr(t, "id", None) == "_NATIVE_SOURCES" for t in n.targets)
+    ]
+    ns: dict[str, object] = {}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "setup.py", "exec"), ns)
+    assert ns["_NATIVE_SOURCES"] == kernel._NATIVE_SOURCES
+    assert ns["source_hash"](NATIVE_DIR) == kernel.source_hash(NATIVE_DIR)  # type: ignore[operator]
+
+
+@needs_native
+def test_built_extension_matches_sources() -> None:
+    assert native.API_VERSION == kernel.API_VERSION
+    assert native.SOURCE_HASH == kernel.source_hash(NATIVE_DIR), "stale build: run make build"
+
+
+@needs_native
+def test_stale_build_detected_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    """End to end: a copy of the package whose kernel sources then change is refused at import."""
+    if native.SOURCE_HASH != kernel.source_hash(NATIVE_DIR):
+        pytest.skip("the build is already stale (test_built_extension_matches_sources reports it)")
+    pkg = tmp_path / "deltackpt"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")  # the kernel alone: no store modules, no torch import
+    for name in ("kernel.py", "_pykernel.py"):
+        shutil.copy(ROOT / "deltackpt" / name, pkg / name)
+    shutil.copy(native.__file__, pkg / Path(native.__file__).name)
+    shutil.copytree(NATIVE_DIR, tmp_path / "native", ignore=shutil.ignore_patterns("_kernel.c", "*.html"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELTACKPT_")}
+    env["PYTHONPATH"] = str(tmp_path)
+    code = "import deltackpt.kernel as k; print(k.backend)"
+
+    def run(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", code], cwd=tmp_path, env={**env, **extra}, capture_output=True, text=True
+        )
+
+    r = run(DELTACKPT_BACKEND="native")
+    assert r.returncode == 0 and r.stdout.strip() == "native", r.stderr
+    with open(tmp_path / "native" / "kernel.c", "a") as f:
+        f.write("/* edited after the build */\n")
+    r = run(DELTACKPT_BACKEND="native")
+    assert r.returncode != 0 and "StaleBuildError" in r.stderr and "other sources" in r.stderr
+    r = run()
+    assert r.returncode == 0 and r.stdout.strip() == "python"
+    assert "native kernel unavailable" in r.stderr
+
+
+def test_no_warning_when_current() -> None:
+    if kernel.backend != "native":
+        pytest.skip("python backend")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernel._select()[0] == "native"
