@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import lmdb
 import torch
 
 from deltackpt import maintenance, manifest, tree
@@ -243,6 +244,11 @@ def _tensor_dict(state: Any) -> dict[str, torch.Tensor]:
         t = leaves[idx].obj
         assert isinstance(t, torch.Tensor)
         t = t.detach().contiguous()
+        if path in out:
+            raise DeltackptError(
+                f"two tensors would both be named {path!r} in the safetensors file (keys that differ only in "
+                "'.' nesting or int/str type): export .pt instead"
+            )
         out[path] = t.clone() if idx in seen else t  # safetensors refuses shared tensors
         seen.add(idx)
     return out
@@ -269,9 +275,14 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_import(args: argparse.Namespace) -> int:
     src = Path(args.file)
     if src.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state: Any = load_file(str(src))
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise DeltackptError("importing .safetensors needs the 'safetensors' package") from None
+        try:
+            state: Any = load_file(str(src))
+        except Exception as exc:  # safetensors raises its own SafetensorError for damaged files
+            raise DeltackptError(f"{src} is not a readable safetensors file: {str(exc).splitlines()[0]}") from None
     else:
         try:
             state = torch.load(src, map_location="cpu", weights_only=True)
@@ -378,6 +389,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("deltackpt: interrupted", file=sys.stderr)
         return 130
+    except lmdb.Error as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"deltackpt: error: the store's index is unreadable ({msg}); 'deltackpt repair STORE' rebuilds it",
+              file=sys.stderr)
+        return 1
     except (DeltackptError, OSError, ValueError, TypeError, RuntimeError) as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"deltackpt: error: {msg}", file=sys.stderr)

@@ -1,0 +1,669 @@
+"""The ``deltackpt`` command line: every subcommand's output, exit codes and one-line errors.
+
+Most tests call :func:`deltackpt.cli.main` in-process (capsys captures its output); two run the real entry
+points (``python -m deltackpt`` and the installed console script) in a subprocess.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot, pack_files
+
+import deltackpt
+from deltackpt.cli import main
+
+CS = SMALL_CHUNK
+ROOT = Path(__file__).resolve().parent.parent
+ERROR_PREFIX = "deltackpt: error: "
+FRAME_HEADER = struct.Struct("<4sBBBBQQ16s16sQ")  # magic, version, codec, width, flags, raw, stored, digest, ...
+PACK_HEADER_LEN = 16
+
+
+# -- helpers -----------------------------------------------------------------------------------------------
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    """Run ``deltackpt argv...`` in-process; return (exit status, stdout, stderr)."""
+    capsys.readouterr()
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(err: str, *needles: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, f"expected exactly one line on stderr, got {lines!r}"
+    line = lines[0]
+    assert line.startswith(ERROR_PREFIX), line
+    for needle in needles:
+        assert needle in line, f"{needle!r} not in {line!r}"
+    assert "Traceback" not in err
+    return line
+
+
+def table_rows(out: str) -> list[list[str]]:
+    """Whitespace-split rows of the first table in ``out`` (the lines after its ``----`` rule)."""
+    lines = out.splitlines()
+    rule = next(i for i, line in enumerate(lines) if re.fullmatch(r"-+(\s+-+)*", line.strip() or "x"))
+    return [line.split() for line in lines[rule + 1 :] if line.strip()]
+
+
+def ls_pairs(capsys: pytest.CaptureFixture[str], store_path: Path) -> list[tuple[int, str]]:
+    rc, out, err = cli(capsys, "ls", store_path)
+    assert rc == 0 and err == ""
+    return [(int(r[0]), r[1]) for r in table_rows(out)]
+
+
+def open_store(path: Path) -> deltackpt.Store:
+    return deltackpt.Store(path, chunk_size=CS, threads=2)
+
+
+def rand(n_bytes: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n_bytes // 4, generator=g)
+
+
+def size_of(text: str) -> float:
+    """Bytes of a ``human()`` size such as ``12 B`` or ``3.5 KiB``."""
+    num, unit = text.split()
+    return float(num) * 1024 ** ["B", "KiB", "MiB", "GiB", "TiB"].index(unit)
+
+
+@pytest.fixture
+def three(store_path: Path) -> dict[str, Any]:
+    """Steps 1, 2, 3 of a small training-like state (one store handle)."""
+    states = {
+        step: {"w": rand(3 * CS, step), "b": torch.arange(10, dtype=torch.int64) + step, "lr": 0.1 * step}
+        for step in (1, 2, 3)
+    }
+    with open_store(store_path) as s:
+        ids = {step: s.save(st, step=step, metadata={"epoch": step}).id for step, st in states.items()}
+    return {"states": states, "ids": ids}
+
+
+# -- ls / show / log / du ---------------------------------------------------------------------------------
+
+
+def test_ls_lists_every_step_and_id(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                    three: dict[str, Any]) -> None:
+    rc, out, err = cli(capsys, "ls", store_path)
+    assert rc == 0 and err == ""
+    assert out.splitlines()[0].split() == ["step", "id", "created", "logical", "written", "metadata"]
+    rows = table_rows(out)
+    assert [(int(r[0]), r[1]) for r in rows] == sorted(three["ids"].items())
+    for r in rows:
+        assert f"epoch={r[0]}" in r
+        # logical: 3 chunks of w + 80 bytes of b
+        assert size_of(" ".join(r[4:6])) == pytest.approx(3 * CS + 80, rel=0.01)
+
+
+def test_ls_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    open_store(store_path).close()
+    rc, out, err = cli(capsys, "ls", store_path)
+    assert rc == 0 and err == ""
+    assert table_rows(out) == []
+
+
+def test_show_prints_each_tensor(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    w = rand(2 * CS, 0).reshape(64, 32)
+    s1 = {
+        "w": w,
+        "b": torch.arange(10, dtype=torch.int64),
+        "h": torch.ones(3, 4, 5, dtype=torch.bfloat16),
+        "s": torch.tensor(2.5, dtype=torch.float64),
+        "lr": 0.1,
+    }
+    s2 = {"w": w + 1, "b": s1["b"].clone(), "h": s1["h"].clone(), "s": s1["s"].clone(), "lr": 0.2}
+    with open_store(store_path) as s:
+        i1 = s.save(s1, step=1, metadata={"note": "first"}).id
+        i2 = s.save(s2, step=2).id
+        i3 = s.save(torch.zeros(5), step=3).id
+
+    rc, out, err = cli(capsys, "show", store_path, 1)
+    assert rc == 0 and err == ""
+    head = out.splitlines()[0]
+    assert head.startswith(f"checkpoint {i1}  step 1") and head.endswith("parent -")
+    assert "note=first" in out and "tensors 4" in out and "chunk size 4.0 KiB" in out
+    header = next(line for line in out.splitlines() if line.startswith("key"))
+    assert header.split() == ["key", "dtype", "shape", "logical", "written"]
+    rows = {r[0]: r for r in table_rows(out)}
+    assert set(rows) == {"w", "b", "h", "s"}
+    expect = {"w": ("float32", "64x32", 2 * CS), "b": ("int64", "10", 80), "h": ("bfloat16", "3x4x5", 120),
+              "s": ("float64", "()", 8)}
+    for key, (dtype, shape, nbytes) in expect.items():
+        r = rows[key]
+        assert len(r) == 7, r
+        assert (r[1], r[2]) == (dtype, shape)
+        assert size_of(" ".join(r[3:5])) == pytest.approx(nbytes, rel=0.01)
+        assert size_of(" ".join(r[5:7])) > 0  # every tensor of the first checkpoint was written
+    # by id, and 'latest'; the written column shows what deduplicated
+    rc, out2, _ = cli(capsys, "show", store_path, i2)
+    assert rc == 0
+    assert out2.splitlines()[0].startswith(f"checkpoint {i2}  step 2") and f"parent {i1}" in out2
+    rows2 = {r[0]: r for r in table_rows(out2)}
+    for key in ("b", "h", "s"):  # same bytes as in step 1: nothing written
+        assert rows2[key][5:7] == ["0", "B"], rows2[key]
+    assert size_of(" ".join(rows2["w"][5:7])) > 0
+    rc, out3, _ = cli(capsys, "show", store_path, "latest")
+    assert rc == 0 and out3.splitlines()[0].startswith(f"checkpoint {i3}  step 3")
+    rows3 = table_rows(out3)
+    assert rows3 == [["<root>", "float32", "5", "20", "B", "0", "B"]]  # an all-zero tensor stores no frame
+
+
+def test_log_marks_branch_after_rollback(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    with open_store(store_path) as s:
+        ids = {step: s.save({"w": rand(CS, step)}, step=step).id for step in (1, 2, 3)}
+    with open_store(store_path) as s:
+        s.load(1)
+        ids[4] = s.save({"w": rand(CS, 4)}, step=4).id
+
+    row_re = re.compile(
+        r"^\s*(\d+)\s+([0-9a-f]{16})\s+(-|\d+ \([0-9a-f]{8}\)|deleted \([0-9a-f]{8}\))\s+\S+ \S+\s+\S+ \S+\s*(branch)?$"
+    )
+
+    def log() -> dict[int, tuple[str, str, bool]]:
+        rc, out, err = cli(capsys, "log", store_path)
+        assert rc == 0 and err == ""
+        lines = out.splitlines()
+        assert lines[0].split() == ["step", "id", "parent", "created", "written"]
+        rows = {}
+        for line in lines[2:]:
+            m = row_re.match(line)
+            assert m, line
+            rows[int(m[1])] = (m[2], m[3], m[4] == "branch")
+        return rows
+
+    short = {k: v[:8] for k, v in ids.items()}
+    assert log() == {
+        1: (ids[1], "-", False),
+        2: (ids[2], f"1 ({short[1]})", True),
+        3: (ids[3], f"2 ({short[2]})", False),
+        4: (ids[4], f"1 ({short[1]})", True),
+    }
+    rc, _, _ = cli(capsys, "rm", store_path, 1)
+    assert rc == 0
+    assert log() == {
+        2: (ids[2], f"deleted ({short[1]})", True),
+        3: (ids[3], f"2 ({short[2]})", False),
+        4: (ids[4], f"deleted ({short[1]})", True),
+    }
+
+
+def _du(out: str) -> dict[str, str]:
+    rows = {}
+    for line in out.splitlines():
+        m = re.match(r"^(\S.*?)\s{2,}(\S.*)$", line)
+        if m and not line.startswith("-"):
+            rows[m[1]] = m[2]
+    return rows
+
+
+def test_du_counts_and_ratios(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    compressible = torch.arange(3 * CS // 4, dtype=torch.float32)  # 3 chunks, byte planes compress well
+    with open_store(store_path) as s:
+        for step in (1, 2, 3):  # the same bytes three times: stored once
+            s.save({"x": compressible}, step=step)
+    rc, out, err = cli(capsys, "du", store_path)
+    assert rc == 0 and err == ""
+    du = _du(out)
+    assert du["checkpoints"] == "3"
+    assert size_of(du["logical bytes (all checkpoints)"]) == pytest.approx(9 * CS, rel=0.01)
+    assert du["unique chunk bytes"] == "12.0 KiB in 3 chunks"
+    assert du["dedup ratio (logical / unique)"] == "3.00x"
+    compression = float(du["compression ratio (unique / stored)"].removesuffix("x"))
+    assert compression > 1.5
+    assert size_of(du["stored frame bytes"]) == pytest.approx(3 * CS / compression, rel=0.02)
+    on_disk = sum(p.stat().st_size for p in pack_files(store_path))
+    on_disk += sum(p.stat().st_size for p in (store_path / "manifests").glob("*.manifest"))
+    assert du["overall (logical / on disk)"] == f"{9 * CS / on_disk:.2f}x"
+    assert "reclaimable by gc (packs - live frames)" in du
+
+
+def test_du_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    open_store(store_path).close()
+    rc, out, _ = cli(capsys, "du", store_path)
+    assert rc == 0
+    du = _du(out)
+    assert du["checkpoints"] == "0"
+    assert du["dedup ratio (logical / unique)"] == "-"
+    assert du["compression ratio (unique / stored)"] == "-"
+
+
+# -- verify ------------------------------------------------------------------------------------------------
+
+
+def test_verify_good_store(capsys: pytest.CaptureFixture[str], store_path: Path, three: dict[str, Any]) -> None:
+    rc, out, err = cli(capsys, "verify", store_path)
+    assert rc == 0 and err == ""
+    assert out.strip() == "verified 3 checkpoint(s), 12 chunk reference(s): OK"
+    for which in ("2", "latest", three["ids"][1]):
+        rc, out, err = cli(capsys, "verify", store_path, which)
+        assert rc == 0 and err == ""
+        assert out.strip() == "verified 1 checkpoint(s), 4 chunk reference(s): OK"
+
+
+def test_verify_names_the_damaged_chunk(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    with open_store(store_path) as s:  # one chunk each, one pack: the first frame is w's
+        i1 = s.save({"w": rand(4000, 1)}, step=1).id
+        i2 = s.save({"other": rand(4000, 2)}, step=2).id
+    [pack] = pack_files(store_path)
+    data = bytearray(pack.read_bytes())
+    magic, _, _, _, _, raw_len, stored_len, digest, _, _ = FRAME_HEADER.unpack_from(data, PACK_HEADER_LEN)
+    assert magic == b"DCKF" and raw_len == 4000
+    chunk = f"{digest.hex()}-{raw_len}"
+    data[PACK_HEADER_LEN + FRAME_HEADER.size + stored_len // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+
+    rc, out, err = cli(capsys, "verify", store_path)
+    assert rc == 1 and err == ""
+    lines = out.splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"checkpoint {i1} (step 1), tensor 'w', chunk {chunk}: ")
+    assert lines[1] == "verified 2 checkpoint(s), 2 chunk reference(s): 1 problem(s)"
+    assert i2 not in out
+    rc, out, _ = cli(capsys, "verify", store_path, 1)
+    assert rc == 1 and chunk in out
+    rc, out, _ = cli(capsys, "verify", store_path, 2)  # the other checkpoint is intact
+    assert rc == 0 and out.strip().endswith(": OK")
+
+
+# -- rm / gc / repair --------------------------------------------------------------------------------------
+
+
+def test_rm_then_gc_frees_space(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    states, ids = {}, {}
+    for step in (1, 2, 3):  # one handle per save: one pack per checkpoint; distinct keys: no delta frames
+        states[step] = {f"t{step}": rand(3 * CS, step)}
+        with open_store(store_path) as s:
+            ids[step] = s.save(states[step], step=step).id
+    assert len(pack_files(store_path)) == 3
+
+    rc, out, err = cli(capsys, "gc", store_path)  # nothing to reclaim yet
+    assert rc == 0 and err == ""
+    assert out.startswith("dropped 0 dead chunk(s); deleted 0 pack(s)") and out.strip().endswith("freed 0 B")
+
+    rc, out, err = cli(capsys, "rm", store_path, 2)
+    assert rc == 0 and err == ""
+    assert out.splitlines() == [f"deleted checkpoint {ids[2]} (step 2)", "run 'deltackpt gc' to reclaim space"]
+    assert ls_pairs(capsys, store_path) == [(1, ids[1]), (3, ids[3])]
+
+    before = sum(p.stat().st_size for p in pack_files(store_path))
+    rc, out, err = cli(capsys, "gc", store_path)
+    assert rc == 0 and err == ""
+    m = re.match(r"dropped (\d+) dead chunk\(s\); deleted (\d+) pack\(s\), .* freed (\d+(?:\.\d)? \w+)$", out.strip())
+    assert m, out
+    assert int(m[1]) == 3 and int(m[2]) == 1
+    after = sum(p.stat().st_size for p in pack_files(store_path))
+    assert len(pack_files(store_path)) == 2
+    assert size_of(m[3]) == pytest.approx(before - after, rel=0.01) and before - after > 2 * CS
+
+    rc, out, _ = cli(capsys, "verify", store_path)
+    assert rc == 0 and out.strip().endswith(": OK")
+    with open_store(store_path) as s:
+        for step in (1, 3):
+            assert_same_state(states[step], s.load(step))
+
+
+def test_rm_several_and_latest(capsys: pytest.CaptureFixture[str], store_path: Path, three: dict[str, Any]) -> None:
+    ids = three["ids"]
+    rc, out, err = cli(capsys, "rm", store_path, "latest", ids[1])
+    assert rc == 0 and err == ""
+    assert f"deleted checkpoint {ids[3]} (step 3)" in out and f"deleted checkpoint {ids[1]} (step 1)" in out
+    assert ls_pairs(capsys, store_path) == [(2, ids[2])]
+
+
+def test_repair_restores_checkpoints_after_index_loss(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                      three: dict[str, Any]) -> None:
+    shutil.rmtree(store_path / "index")
+    assert ls_pairs(capsys, store_path) == []
+    rc, out, err = cli(capsys, "repair", store_path)
+    assert rc == 0 and err == ""
+    m = re.fullmatch(r"indexed (\d+) chunk\(s\) from (\d+) pack\(s\); 3 checkpoint\(s\) restored", out.strip())
+    assert m, out
+    assert int(m[1]) == 12 and int(m[2]) == len(pack_files(store_path))
+    assert ls_pairs(capsys, store_path) == sorted(three["ids"].items())
+    with open_store(store_path) as s:
+        for step, st in three["states"].items():
+            assert_same_state(st, s.load(step))
+
+
+def test_damaged_index_is_a_one_line_error(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                           three: dict[str, Any]) -> None:
+    data = store_path / "index" / "data.mdb"
+    with open(data, "r+b") as f:
+        f.write(b"\xff" * 4096)
+    rc, out, err = cli(capsys, "ls", store_path)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err)
+    rc, out, _ = cli(capsys, "repair", store_path)  # repair moves the damaged index aside and rebuilds it
+    assert rc == 0 and "3 checkpoint(s) restored" in out
+    assert ls_pairs(capsys, store_path) == sorted(three["ids"].items())
+
+
+# -- export / import ---------------------------------------------------------------------------------------
+
+
+def test_export_pt_round_trips(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path) -> None:
+    state = {
+        "model": {"w": rand(2 * CS + 16, 0).reshape(-1, 4), "b": torch.arange(7, dtype=torch.int16),
+                  "p": torch.nn.Parameter(torch.randn(3))},
+        "layers": [torch.ones(2, 2, dtype=torch.bfloat16), torch.tensor(True)],
+        "opt": {"lr": 0.01, "betas": (0.9, 0.999), "name": "adam", "steps": 12, "nothing": None},
+    }
+    with open_store(store_path) as s:
+        s.save({"old": torch.zeros(1)}, step=1)
+        s.save(state, step=2)
+        expected = s.load(2)
+    dest = tmp_path / "out.pt"
+    rc, out, err = cli(capsys, "export", store_path, 2, dest)
+    assert rc == 0 and err == ""
+    assert out.startswith(f"exported checkpoint 2 to {dest} (")
+    loaded = torch.load(dest, weights_only=True)
+    assert_same_state(expected, loaded)
+    assert_same_state(state, loaded)
+    dest2 = tmp_path / "latest.pth"
+    rc, _, _ = cli(capsys, "export", store_path, "latest", dest2)
+    assert rc == 0
+    assert_same_state(expected, torch.load(dest2, weights_only=True))
+
+
+def test_export_safetensors_tensor_only(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                        tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    w = rand(CS + 8, 3).reshape(-1, 2)
+    state = {"model": {"w": w, "b": torch.arange(5, dtype=torch.int64)},
+             "layers": [torch.ones(3, dtype=torch.bfloat16), torch.zeros(2, 2)], "tied": w}
+    with open_store(store_path) as s:
+        info = s.save(state, step=4)
+        expected = s.load(4)
+    dest = tmp_path / "out.safetensors"
+    rc, out, err = cli(capsys, "export", store_path, info.id, dest)
+    assert rc == 0 and err == ""
+    got = load_file(str(dest))
+    want = {"model.w": expected["model"]["w"], "model.b": expected["model"]["b"], "layers.0": expected["layers"][0],
+            "layers.1": expected["layers"][1], "tied": expected["tied"]}
+    assert set(got) == set(want)
+    for k, t in want.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
+
+
+def test_export_safetensors_refuses_plain_values(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                 tmp_path: Path) -> None:
+    with open_store(store_path) as s:
+        s.save({"w": torch.ones(3), "lr": 0.1, "cfg": {"name": "x"}}, step=1)
+    dest = tmp_path / "out.safetensors"
+    rc, out, err = cli(capsys, "export", store_path, 1, dest)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "safetensors", "'lr'", ".pt")
+    assert not dest.exists()
+
+
+def test_export_safetensors_never_drops_a_tensor(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                 tmp_path: Path) -> None:
+    """Two key paths that flatten to the same safetensors name: refuse, or keep both; never lose one."""
+    from safetensors.torch import load_file
+
+    with open_store(store_path) as s:
+        s.save({"a.b": torch.ones(2), "a": {"b": torch.zeros(3)}}, step=1)
+    dest = tmp_path / "out.safetensors"
+    rc, out, err = cli(capsys, "export", store_path, 1, dest)
+    if rc == 0:
+        got = load_file(str(dest))
+        assert len(got) == 2, f"the export holds {sorted(got)}: a tensor of the checkpoint was silently dropped"
+    else:
+        assert rc == 1
+        assert_one_line_error(err)
+        assert not dest.exists()
+
+
+def test_export_unknown_suffix(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path,
+                               three: dict[str, Any]) -> None:
+    dest = tmp_path / "out.npz"
+    rc, out, err = cli(capsys, "export", store_path, 1, dest)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "out.npz")
+    assert not dest.exists()
+
+
+def test_import_pt(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path,
+                   three: dict[str, Any]) -> None:
+    state = {"w": rand(2 * CS, 9), "b": torch.arange(10, dtype=torch.int64), "cfg": {"lr": 0.1, "layers": [1, 2]},
+             "pair": (torch.ones(2), "x")}
+    src = tmp_path / "weights.pt"
+    torch.save(state, src)
+    rc, out, err = cli(capsys, "import", store_path, src, "--step", 7)
+    assert rc == 0 and err == ""
+    m = re.match(rf"imported {re.escape(str(src))} as checkpoint ([0-9a-f]{{16}}) \(step 7\); wrote ", out)
+    assert m, out
+    assert ls_pairs(capsys, store_path) == [*sorted(three["ids"].items()), (7, m[1])]
+    with open_store(store_path) as s:
+        info = s.info(7)
+        assert info.id == m[1] and info.metadata == {"imported_from": "weights.pt"}
+        assert_same_state(torch.load(src, weights_only=True), s.load(7))
+        assert_same_state(state, s.load(7))
+
+
+def test_import_safetensors(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {"w": rand(CS, 5), "b": torch.arange(4, dtype=torch.int32)}
+    src = tmp_path / "w.safetensors"
+    save_file(tensors, str(src))
+    rc, out, err = cli(capsys, "import", store_path, src, "--step", 3)
+    assert rc == 0 and err == "" and "(step 3)" in out
+    with deltackpt.Store(store_path) as s:  # import created the store with the default chunk size
+        loaded = s.load(3)
+    assert set(loaded) == set(tensors)
+    for k, t in tensors.items():
+        assert torch.equal(loaded[k], t)
+
+
+_UNPICKLED: list[Any] = []
+
+
+class _Custom:
+    """An arbitrary object: unpickling it would run this module's code."""
+
+    def __init__(self) -> None:
+        self.x = 1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"x": self.x}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        _UNPICKLED.append(state)
+        self.__dict__.update(state)
+
+
+def test_import_refuses_arbitrary_pickles(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path,
+                                          three: dict[str, Any]) -> None:
+    src = tmp_path / "evil.pt"
+    torch.save({"w": torch.ones(3), "obj": _Custom()}, src)
+    _UNPICKLED.clear()
+    before = dir_snapshot(store_path)
+    rc, out, err = cli(capsys, "import", store_path, src, "--step", 9)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "weights_only")
+    assert _UNPICKLED == []
+    assert dir_snapshot(store_path) == before
+    assert ls_pairs(capsys, store_path) == sorted(three["ids"].items())
+    fresh = tmp_path / "fresh"
+    rc, _, err = cli(capsys, "import", fresh, src, "--step", 9)
+    assert rc == 1 and not fresh.exists()
+    assert_one_line_error(err)
+    # the file really holds an object whose unpickling runs code (so the refusal above is what kept it out)
+    torch.load(src, weights_only=False)
+    assert _UNPICKLED == [{"x": 1}]
+    _UNPICKLED.clear()
+
+
+def test_import_damaged_safetensors_is_a_one_line_error(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                        tmp_path: Path, three: dict[str, Any]) -> None:
+    src = tmp_path / "broken.safetensors"
+    src.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    before = dir_snapshot(store_path)
+    rc, out, err = cli(capsys, "import", store_path, src, "--step", 9)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err)
+    assert dir_snapshot(store_path) == before
+
+
+# -- resume-info -----------------------------------------------------------------------------------------
+
+
+def test_resume_info_checkpointer_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with deltackpt.Checkpointer(store_path, model=model, optimizer=opt, extra={"epoch": 2},
+                                async_save=False, handle_signals=False) as ck:
+        ck.save(3)
+        ck.save(5, metadata={"loss": 1.5})
+        latest = ck.last_info
+    assert latest is not None and latest.step == 5
+
+    rc, out, err = cli(capsys, "resume-info", store_path)
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith(f"a run would resume from step 5 (checkpoint {latest.id}, saved ")
+    parts = {line.split(None, 1)[0]: line.split(None, 1)[1] if " " in line.strip() else ""
+             for line in lines[3:] if line and not line.startswith("metadata")}
+    assert list(parts) == ["model", "optimizer", "extra", "rng"]
+    assert parts["model"].startswith("2 tensors, 60 B")  # weight 3x4 + bias 3, float32
+    assert parts["optimizer"].startswith("1 param group(s), 2 tensors")  # two momentum buffers
+    assert parts["extra"] == "keys: epoch"
+    assert parts["rng"] == "python, numpy, torch"
+    assert lines[-1] == "metadata: loss=1.5"
+    # it is the step a Checkpointer would resume from
+    with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(4, 3), handle_signals=False) as ck2:
+        assert ck2.restore() == 5
+
+
+def test_resume_info_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    open_store(store_path).close()
+    rc, out, err = cli(capsys, "resume-info", store_path)
+    assert rc == 0 and err == ""
+    assert out.strip() == f"{store_path} holds no checkpoint: a run would start from step 0"
+
+
+def test_resume_info_plain_store(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                 three: dict[str, Any]) -> None:
+    rc, out, _ = cli(capsys, "resume-info", store_path)
+    assert rc == 0
+    assert out.startswith(f"a run would resume from step 3 (checkpoint {three['ids'][3]}")
+    assert "not written by a Checkpointer" in out
+
+
+# -- errors -----------------------------------------------------------------------------------------------
+
+_READ_COMMANDS = [
+    ["ls"], ["show", "1"], ["log"], ["du"], ["verify"], ["verify", "1"], ["rm", "1"], ["gc"], ["repair"],
+    ["export", "1", "OUT"], ["resume-info"],
+]
+
+
+@pytest.mark.parametrize("exists", [False, True], ids=["missing", "empty-dir"])
+@pytest.mark.parametrize("args", _READ_COMMANDS, ids=lambda a: "-".join(a))
+def test_not_a_store(capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], exists: bool) -> None:
+    path = tmp_path / "nothing"
+    if exists:
+        path.mkdir()
+    dest = tmp_path / "out.pt"
+    argv = [args[0], path, *(dest if a == "OUT" else a for a in args[1:])]
+    rc, out, err = cli(capsys, *argv)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "not a deltackpt store")
+    assert path.exists() == exists and not (path / "STORE").exists()
+    assert not dest.exists()
+
+
+_CHECKPOINT_COMMANDS = [["show", "C"], ["verify", "C"], ["rm", "C"], ["export", "C", "OUT"]]
+
+
+@pytest.mark.parametrize("args", _CHECKPOINT_COMMANDS, ids=lambda a: a[0])
+def test_unknown_step(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path, args: list[str],
+                      three: dict[str, Any]) -> None:
+    dest = tmp_path / "out.pt"
+    argv = [args[0], store_path, *(dest if a == "OUT" else "99" if a == "C" else a for a in args[1:])]
+    rc, out, err = cli(capsys, *argv)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "no checkpoint at step 99")
+    assert not dest.exists()
+    assert ls_pairs(capsys, store_path) == sorted(three["ids"].items())
+
+
+@pytest.mark.parametrize("bad", ["../x", "..", "/etc/passwd", "0123456789ABCDEF", "0123456789abcdef0", "lates"])
+@pytest.mark.parametrize("args", _CHECKPOINT_COMMANDS, ids=lambda a: a[0])
+def test_bad_checkpoint_id(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path, args: list[str],
+                           bad: str, three: dict[str, Any]) -> None:
+    dest = tmp_path / "out.pt"
+    argv = [args[0], store_path, *(dest if a == "OUT" else bad if a == "C" else a for a in args[1:])]
+    rc, out, err = cli(capsys, *argv)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "invalid checkpoint id")
+    assert not dest.exists()
+    assert ls_pairs(capsys, store_path) == sorted(three["ids"].items())
+
+
+def test_unknown_id(capsys: pytest.CaptureFixture[str], store_path: Path, three: dict[str, Any]) -> None:
+    rc, out, err = cli(capsys, "show", store_path, "0123456789abcdef")
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "no checkpoint with id 0123456789abcdef")
+
+
+def test_latest_of_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    open_store(store_path).close()
+    rc, out, err = cli(capsys, "show", store_path, "latest")
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "holds no checkpoint")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["frobnicate", "S"], ["show", "S"], ["import", "S", "f.pt"], ["gc", "S", "--repack-below", "x"], ["ls"]],
+    ids=["nothing", "unknown-command", "show-no-checkpoint", "import-no-step", "gc-bad-float", "ls-no-store"],
+)
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert "usage: deltackpt" in capsys.readouterr().err
+
+
+# -- entry points ----------------------------------------------------------------------------------------
+
+
+def test_python_m_deltackpt(store_path: Path, three: dict[str, Any], tmp_path: Path) -> None:
+    run = [sys.executable, "-m", "deltackpt", "ls"]
+    p = subprocess.run([*run, str(store_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == ""
+    assert [(int(r[0]), r[1]) for r in table_rows(p.stdout)] == sorted(three["ids"].items())
+    # the exit status of a failure reaches the shell
+    p = subprocess.run([*run, str(tmp_path / "nothing")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stdout == ""
+    assert_one_line_error(p.stderr, "not a deltackpt store")
+
+
+def test_console_script_help() -> None:
+    candidates = [Path(sys.executable).parent / "deltackpt", ROOT / ".venv" / "bin" / "deltackpt"]
+    script = next((c for c in candidates if c.exists()), None)
+    if script is None:
+        pytest.skip("the deltackpt console script is not installed")
+    p = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("usage: deltackpt")
+    for command in ("ls", "show", "log", "du", "verify", "rm", "gc", "repair", "export", "import", "resume-info"):
+        assert re.search(rf"^\s+{re.escape(command)}\s", p.stdout, re.M), command
