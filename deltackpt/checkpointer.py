@@ -326,7 +326,10 @@ class Checkpointer:
         """
         self._raise_background_error()
         if self._signal is not None:
-            self.save(step, wait=True)
+            if step == self.last_saved_step:
+                self.wait()  # this step's save is already under way
+            else:
+                self.save(step, wait=True)
             self._pass_signal_on()
             return True
         if step % self.every_n_steps == 0 and step != self.last_saved_step:
@@ -363,15 +366,22 @@ class Checkpointer:
         infos = self.store.list()
         plan = self.retention.plan(infos)
         by_id = {i.id: i for i in infos}
-        for cid in plan.thin:
+        head = self.store._head  # loading a checkpoint to thin it must not change what the run descends from
+        try:
+            self._thin(plan.thin, by_id)
+        finally:
+            self.store._head = head
+        for cid in plan.delete:
+            self.store.delete(id=cid)
+
+    def _thin(self, ids: list[str], by_id: dict[str, CheckpointInfo]) -> None:
+        for cid in ids:
             info = by_id[cid]
             full = self.store.load(id=cid, map_location="cpu")
             meta = dict(info.metadata or {})
             meta[THINNED_KEY] = True
             thinned = {"step": full.get("step"), "model": full.get("model"), "thinned": True}
             self.store.rewrite(thinned, id=cid, metadata=meta)  # keeps its place: "latest" stays the newest
-        for cid in plan.delete:
-            self.store.delete(id=cid)
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the save in flight (if any) is committed; raise its error."""
