@@ -1,0 +1,146 @@
+"""Where the bytes of dense AdamW training go: dedup, byte planes and deltas, saved every step and every 10.
+
+``python -m bench.delta [--saves 20] [--small]`` trains the suite's GPT (52.6M fp32 parameters; ``--small``:
+1.7M) with AdamW (lr 1e-4, weight decay 0.1) on random token ids and saves the full training state into two
+stores after every step (``Store(max_chain=0)``: dedup + byte planes + zstd; default ``Store()``: deltas
+too), then does the same saving every 10 steps. For each save it reports bytes relative to ``torch.save``
+of the same state for
+
+- dedup: the raw bytes of chunks no earlier checkpoint holds (what an uncompressed dedup store writes),
+- planes: what ``Store(max_chain=0)`` writes (dedup, then byte planes + zstd),
+- delta: what ``Store()`` writes (XOR against the parent's chunk when smaller),
+
+split by where the bytes go (weights, exp_avg, exp_avg_sq), and the restore time of the newest and the
+oldest checkpoint against ``torch.load`` of a ``.pt`` file (page cache dropped before each load).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import deltackpt
+from bench.models import GPT, GPTConfig
+
+
+def _drop_cache(root: Path) -> None:
+    for p in root.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _category(key: str) -> str:
+    if key.startswith("optimizer.state"):
+        return key.rsplit(".", 1)[-1]  # exp_avg, exp_avg_sq, step
+    return "weights" if key.startswith("model") else "other"
+
+
+def _run(cfg: GPTConfig, saves: int, every: int, root: Path) -> dict:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    planes = deltackpt.Store(root / "planes", max_chain=0)
+    delta = deltackpt.Store(root / "delta")
+    seen: set[bytes] = set()
+    rows = []
+    torch_sizes = []
+    for n in range(saves):
+        for _ in range(every):
+            x = torch.randint(0, cfg.vocab, (2, cfg.ctx))
+            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, cfg.vocab), x.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        pt = root / "state.pt"
+        torch.save(state, pt)
+        torch_bytes = pt.stat().st_size
+        torch_sizes.append(torch_bytes)
+        ip = planes.save(state, step=n)
+        idl = delta.save(state, step=n)
+        mp, md = planes.manifest(id=ip.id), delta.manifest(id=idl.id)
+        by = {}
+        for tp, td in zip(mp.tensors, md.tensors):
+            cat = _category(tp.key)
+            b = by.setdefault(cat, [0, 0, 0, 0])
+            b[0] += tp.nbytes
+            for _, dg, ln in mp.chunk_keys(tp):
+                k = dg + ln.to_bytes(4, "big")
+                if k not in seen:
+                    b[1] += ln
+                    seen.add(k)
+            b[2] += tp.written
+            b[3] += td.written
+        rows.append({"save": n, "torch": torch_bytes, "dedup": sum(v[1] for v in by.values()),
+                     "planes": ip.written_bytes, "delta": idl.written_bytes, "by": by})
+        print(f"  save {n:2d}: torch.save {torch_bytes / 1e6:.1f} MB; dedup {rows[-1]['dedup'] / torch_bytes:.3f}, "
+              f"planes {ip.written_bytes / torch_bytes:.3f}, delta {idl.written_bytes / torch_bytes:.3f}", flush=True)
+    infos = delta.list()
+    planes.close()
+    delta.close()
+    loads = {}
+    for name, fn in (
+        ("torch.load", lambda: torch.load(root / "state.pt", weights_only=True)),
+        ("delta newest", lambda: _load(root / "delta", infos[-1].id)),
+        ("delta oldest", lambda: _load(root / "delta", infos[0].id)),
+        ("planes newest", lambda: _load(root / "planes", None)),
+    ):
+        times = []
+        for _ in range(3):
+            _drop_cache(root)
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        loads[name] = statistics.median(times)
+    return {"rows": rows, "loads": loads}
+
+
+def _load(path: Path, cid: str | None) -> None:
+    with deltackpt.Store(path) as s:
+        s.load(id=cid) if cid else s.load()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--saves", type=int, default=20)
+    ap.add_argument("--small", action="store_true")
+    args = ap.parse_args(argv)
+    cfg = GPTConfig(d_model=128, n_layers=4, vocab=2048) if args.small else GPTConfig()
+    print(f"GPT {cfg.n_params() / 1e6:.1f}M parameters, AdamW lr 1e-4; deltackpt backend "
+          f"{deltackpt.backend}")
+    for every in (1, 10):
+        root = Path(tempfile.mkdtemp(prefix="deltackpt-delta-"))
+        try:
+            print(f"\nsaving every {every} step(s), {args.saves} saves")
+            res = _run(cfg, args.saves, every, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        steady = res["rows"][1:]  # the first save has no parent
+        tb = sum(r["torch"] for r in steady)
+        print(f"\n| every {every} | dedup | byte planes | delta |\n|---|---:|---:|---:|")
+        print(f"| all state, saves 2-{args.saves} | " + " | ".join(
+            f"{sum(r[k] for r in steady) / tb:.3f}" for k in ("dedup", "planes", "delta")) + " |")
+        for cat in ("weights", "exp_avg", "exp_avg_sq"):
+            logical = sum(r["by"][cat][0] for r in steady if cat in r["by"])
+            if logical:
+                print(f"| {cat} | " + " | ".join(
+                    f"{sum(r['by'][cat][i] for r in steady) / logical:.3f}" for i in (1, 2, 3)) + " |")
+        print("\nrestore (page cache dropped, median of 3): " + ", ".join(
+            f"{k} {v:.2f} s" for k, v in res["loads"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
