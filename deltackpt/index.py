@@ -113,6 +113,16 @@ def filesystem_type(path: Path) -> str:
         return ""
 
 
+def check_local(path: Path) -> None:
+    """Raise NetworkFilesystemError if ``path`` (or where it would be created) is on a network filesystem."""
+    fstype = filesystem_type(path)
+    if fstype in NETWORK_FILESYSTEMS or fstype.startswith("nfs"):  # local FUSE (fuse-overlayfs) is fine
+        raise NetworkFilesystemError(
+            f"{path} is on a {fstype} filesystem, where LMDB's locking is unsafe; put the store on local "
+            "disk, or pass allow_network_fs=True (DELTACKPT_ALLOW_NETWORK_FS=1) if only one host uses it"
+        )
+
+
 class _Shared:
     """One LMDB environment per process and path: LMDB forbids opening an environment twice in a process."""
 
@@ -176,12 +186,8 @@ class Index:
     def __init__(self, path: Path, *, allow_network_fs: bool = False, readonly: bool = False) -> None:
         self.path = path
         self.readonly = readonly
-        fstype = filesystem_type(path.parent)
-        if not allow_network_fs and (fstype in NETWORK_FILESYSTEMS or fstype.startswith("nfs")):
-            raise NetworkFilesystemError(
-                f"{path} is on a {fstype} filesystem, where LMDB's locking is unsafe; put the store on local "
-                "disk, or pass allow_network_fs=True (DELTACKPT_ALLOW_NETWORK_FS=1) if only one host uses it"
-            )
+        if not allow_network_fs:
+            check_local(path)
         self._real = os.path.realpath(path)
         self._held: tuple[int, str] | None = None
         self._closed = False

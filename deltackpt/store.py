@@ -47,7 +47,7 @@ from deltackpt.errors import (
     ShapeMismatchError,
     StoreLockedError,
 )
-from deltackpt.index import ChunkLoc, Index, Record, chunk_key
+from deltackpt.index import ChunkLoc, Index, Record, check_local, chunk_key
 from deltackpt.packs import PackReader, PackWriter, fsync_dir
 
 STORE_FORMAT = "deltackpt-store"
@@ -176,10 +176,12 @@ class Store:
         delta_cache_bytes: int | None = None,
     ) -> None:
         self.path = Path(path)
+        allow = config.allow_network_fs() if allow_network_fs is None else allow_network_fs
+        if not allow:
+            check_local(self.path)  # before anything is created
         self.zstd_level = config.zstd_level() if zstd_level is None else int(zstd_level)
         self.threads = max(1, config.threads() if threads is None else int(threads))
         self.chunk_size = self._init_layout(chunk_size)
-        allow = config.allow_network_fs() if allow_network_fs is None else allow_network_fs
         self.index = Index(self.path / "index", allow_network_fs=allow)
         self._packs_dir = self.path / "packs"
         self._manifests_dir = self.path / "manifests"
