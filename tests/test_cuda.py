@@ -1,0 +1,61 @@
+"""CUDA paths: saving device tensors through the pinned staging buffer, map_location on load.
+
+These run only where CUDA is available; elsewhere they skip. The CPU-only parts (map_location arguments, a
+CUDA checkpoint refused without CUDA) run everywhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import deltackpt
+from deltackpt import manifest
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _fake_cuda_checkpoint(path: Path) -> None:
+    """A checkpoint whose tensor records device cuda:0, made on the CPU by editing the manifest entry."""
+    with deltackpt.Store(path, chunk_size=4096) as s:
+        info = s.save({"w": torch.arange(10.0)}, step=1)
+        rec = s.index.get(id=info.id)
+        m = s.manifest(id=info.id)
+        m.tensors[0].device = "cuda:0"
+        data = m.to_bytes()
+        (path / "manifests" / f"{info.id}.manifest").write_bytes(data)
+        rec.manifest_checksum = manifest.checksum_of(data)
+        s.index.commit_checkpoint(rec, {}, replace=rec)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_checkpoint_without_cuda_needs_map_location(tmp_path: Path) -> None:
+    _fake_cuda_checkpoint(tmp_path / "s")
+    with deltackpt.Store(tmp_path / "s") as s:
+        with pytest.raises(RuntimeError, match="map_location"):
+            s.load()
+        assert torch.equal(s.load(map_location="cpu")["w"], torch.arange(10.0))
+        assert torch.equal(s.load(map_location={"cuda:0": "cpu"})["w"], torch.arange(10.0))
+        with pytest.raises(TypeError):
+            s.load(map_location=3.5)
+
+
+@cuda
+def test_cuda_tensors_round_trip_and_map_location(tmp_path: Path) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {"w": torch.randn(3000, 700, device="cuda", generator=g), "b": torch.arange(5, device="cuda"),
+             "cpu": torch.ones(3)}
+    with deltackpt.Store(tmp_path / "s", chunk_size=1 << 16) as s:
+        s.save(state, step=1)
+        state["w"][0] += 1  # a second save: deltas against the cached bases, from device memory
+        s.save(state, step=2)
+        out = s.load()
+        assert out["w"].device.type == "cuda" and out["cpu"].device.type == "cpu"
+        assert torch.equal(out["w"], state["w"]) and torch.equal(out["b"], state["b"])
+        cpu = s.load(step=1, map_location="cpu")
+        assert cpu["w"].device.type == "cpu"
+        target = {"w": torch.empty_like(state["w"]), "b": torch.empty_like(state["b"]), "cpu": torch.empty(3)}
+        s.load_into(target, step=2)
+        assert torch.equal(target["w"], state["w"])
