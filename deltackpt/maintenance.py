@@ -128,7 +128,7 @@ def verify(
             return None
 
         total = len(unique)
-        for done, (k, err) in enumerate(zip(unique, store.pool.map(check, unique)), 1):
+        for done, (k, err) in enumerate(zip(unique, store.read_pool.map(check, unique)), 1):
             results[k] = err
             if progress is not None:
                 progress(done, total)

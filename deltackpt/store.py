@@ -158,7 +158,8 @@ class Store:
     created (a power of two, default 1 MiB); the other settings apply to this handle: ``zstd_level``,
     ``threads`` (worker threads for hashing, encoding and decoding), ``max_chain`` (the most delta frames a
     chunk's decode may read beyond its own; 0 turns deltas off) and ``delta_cache_bytes`` (raw bytes of the
-    last save kept in memory as delta bases for the next one; bases not found there are decoded from disk).
+    last save kept in memory as delta bases for the next one; bases not found there are decoded from disk) and
+    ``read_threads`` (workers for loads and verify; more than the CPUs, as cold reads wait on the disk).
     A Store may be used from several threads and shared with other processes on the same host; it must not
     be used across ``fork`` (open a new one in the child).
     """
@@ -174,6 +175,7 @@ class Store:
         pack_size: int | None = None,
         max_chain: int | None = None,
         delta_cache_bytes: int | None = None,
+        read_threads: int | None = None,
     ) -> None:
         self.path = Path(path)
         allow = config.allow_network_fs() if allow_network_fs is None else allow_network_fs
@@ -191,6 +193,8 @@ class Store:
         self._save_lock = threading.Lock()
         self._pool_lock = threading.Lock()
         self._pool_pid = os.getpid()
+        self._read_pool: ThreadPoolExecutor | None = None
+        self.read_threads = max(1, config.read_threads(self.threads) if read_threads is None else int(read_threads))
         self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
@@ -245,8 +249,9 @@ class Store:
         self._closed = True
         with self._save_lock:
             self._writer.close()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        for pool in (self._pool, self._read_pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
         self.reader.close()
         self.index.close()
 
@@ -260,10 +265,22 @@ class Store:
         return f"Store({str(self.path)!r}, chunk_size={self.chunk_size})"
 
     @property
+    def read_pool(self) -> ThreadPoolExecutor:
+        """Workers for loads and verify: more than the CPUs, since cold reads wait on the disk (``read_threads``)."""
+        if self._read_pool is None or self._pool_pid != os.getpid():
+            with self._pool_lock:
+                if self._read_pool is None or self._pool_pid != os.getpid():
+                    self._pool = None if self._pool_pid != os.getpid() else self._pool
+                    self._read_pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="deltackpt-read")
+                    self._pool_pid = os.getpid()
+        return self._read_pool
+
+    @property
     def pool(self) -> ThreadPoolExecutor:
         if self._pool is None or self._pool_pid != os.getpid():  # worker threads do not survive fork
             with self._pool_lock:
                 if self._pool is None or self._pool_pid != os.getpid():
+                    self._read_pool = None if self._pool_pid != os.getpid() else self._read_pool
                     self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="deltackpt")
                     self._pool_pid = os.getpid()
         return self._pool
@@ -732,7 +749,7 @@ class Store:
                     "chunk is not in the index", chunk_id=_kid(k), checkpoint=m.id, key=t.key
                 )
         futures = [
-            (t, k, self.pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify)) for t, k, view in work
+            (t, k, self.read_pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify)) for t, k, view in work
         ]
         first_error: BaseException | None = None
         for t, k, fut in futures:
