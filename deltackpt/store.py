@@ -192,10 +192,8 @@ class Store:
         self.reader = PackReader(self._packs_dir)
         self._save_lock = threading.Lock()
         self._pool_lock = threading.Lock()
-        self._pool_pid = os.getpid()
-        self._read_pool: ThreadPoolExecutor | None = None
+        self._pools_of: tuple[int, ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self.read_threads = max(1, config.read_threads(self.threads) if read_threads is None else int(read_threads))
-        self._pool: ThreadPoolExecutor | None = None
         self._local = threading.local()
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
         self._last_manifest: manifest.Manifest | None = None
@@ -249,8 +247,8 @@ class Store:
         self._closed = True
         with self._save_lock:
             self._writer.close()
-        for pool in (self._pool, self._read_pool):
-            if pool is not None:
+        if self._pools_of is not None and self._pools_of[0] == os.getpid():
+            for pool in self._pools_of[1:]:
                 pool.shutdown(wait=True)
         self.reader.close()
         self.index.close()
@@ -264,26 +262,28 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r}, chunk_size={self.chunk_size})"
 
-    @property
-    def read_pool(self) -> ThreadPoolExecutor:
-        """Workers for loads and verify: more than the CPUs, since cold reads wait on the disk (``read_threads``)."""
-        if self._read_pool is None or self._pool_pid != os.getpid():
+    def _pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """(workers for saves, workers for loads), created on first use and again after fork (threads do not
+        survive it). Loads get more workers than CPUs (``read_threads``): cold reads wait on the disk."""
+        pools = self._pools_of
+        if pools is None or pools[0] != os.getpid():
             with self._pool_lock:
-                if self._read_pool is None or self._pool_pid != os.getpid():
-                    self._pool = None if self._pool_pid != os.getpid() else self._pool
-                    self._read_pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="deltackpt-read")
-                    self._pool_pid = os.getpid()
-        return self._read_pool
+                pools = self._pools_of
+                if pools is None or pools[0] != os.getpid():
+                    pools = self._pools_of = (
+                        os.getpid(),
+                        ThreadPoolExecutor(self.threads, thread_name_prefix="deltackpt"),
+                        ThreadPoolExecutor(self.read_threads, thread_name_prefix="deltackpt-read"),
+                    )
+        return pools[1], pools[2]
 
     @property
     def pool(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_pid != os.getpid():  # worker threads do not survive fork
-            with self._pool_lock:
-                if self._pool is None or self._pool_pid != os.getpid():
-                    self._read_pool = None if self._pool_pid != os.getpid() else self._read_pool
-                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="deltackpt")
-                    self._pool_pid = os.getpid()
-        return self._pool
+        return self._pools()[0]
+
+    @property
+    def read_pool(self) -> ThreadPoolExecutor:
+        return self._pools()[1]
 
     @contextmanager
     def _gc_lock(self, exclusive: bool = False, timeout: float | None = None) -> Iterator[None]:
