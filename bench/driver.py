@@ -29,17 +29,8 @@ from typing import Any
 from bench import report
 from bench import systems as S
 from bench import workloads as W
+from bench.kernel import cpu_name
 from bench.util import repo_root
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _mem_bytes() -> int:
@@ -103,7 +94,7 @@ def machine_info(tmp_parent: Path) -> dict[str, Any]:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "host": socket.gethostname(),
         "platform": platform.platform(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpus": cpus,
         "mem_bytes": _mem_bytes(),
         "python": platform.python_version(),

@@ -8,7 +8,6 @@ any checkpoint bit for bit.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import subprocess
@@ -18,15 +17,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import crashworker as cw  # tests/ is on sys.path, as for conftest
 import pytest
 
 from deltackpt import Store
 
 HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("deltackpt_crashworker", HERE / "crashworker.py")
-assert _spec is not None and _spec.loader is not None
-cw = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cw)
 
 CS = cw.CHUNK_SIZE
 TIMEOUT = 60

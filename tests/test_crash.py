@@ -14,7 +14,6 @@ Timing is random, assertions are not: the seed is printed; rerun a failure with
 from __future__ import annotations
 
 import collections
-import importlib.util
 import os
 import random
 import sys
@@ -23,16 +22,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import crashworker as cw  # tests/ is on sys.path, as for conftest
 import pytest
 
 import deltackpt
 from deltackpt import Store
-
-HERE = Path(__file__).resolve().parent
-_spec = importlib.util.spec_from_file_location("deltackpt_crashworker", HERE / "crashworker.py")
-assert _spec is not None and _spec.loader is not None
-cw = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cw)
 
 CS = cw.CHUNK_SIZE
 SAVE_KILLS = int(os.environ.get("DELTACKPT_CRASH_KILLS", "60"))
