@@ -31,10 +31,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # --------------------------------------------------------------------------------------------------- setup
 
 sysdeps:
-	@if [ ! -f /usr/include/xxhash.h ] || ! command -v cc >/dev/null 2>&1; then \
-		echo "installing libxxhash-dev build-essential"; \
+	@if [ ! -f /usr/include/xxhash.h ] || [ ! -f /usr/include/zstd.h ] || ! command -v cc >/dev/null 2>&1; then \
+		echo "installing libxxhash-dev libzstd-dev build-essential"; \
 		$(SUDO) apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q libxxhash-dev build-essential; \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q libxxhash-dev libzstd-dev build-essential; \
 	fi
 
 $(PY):

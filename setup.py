@@ -1,7 +1,8 @@
 """Build of the native chunk kernel ``deltackpt._kernel``; all other metadata is in pyproject.toml.
 
 The extension is compiled from ``native/_kernel.pyx`` (the Cython adapter) and ``native/kernel.c`` (the
-loops), against the header-only use of the system ``xxhash.h`` (Debian/Ubuntu: ``libxxhash-dev``). Two values
+loops), against the header-only use of the system ``xxhash.h`` (Debian/Ubuntu: ``libxxhash-dev``) and the system
+zstd library (``libzstd-dev``: the load path decodes frames in C without the GIL). Two values
 are compiled in so that :mod:`deltackpt.kernel` can reject a stale build at import: the package's
 ``API_VERSION`` and a hash of the kernel sources.
 
@@ -48,19 +49,18 @@ def api_version() -> int:
     return int(m.group(1))
 
 
-def _warn_if_no_xxhash() -> None:
+def _warn_if_missing_headers() -> None:
     dirs = [sysconfig.get_paths()["include"], "/usr/include", "/usr/local/include"]
     for var in ("CPATH", "C_INCLUDE_PATH"):
         dirs += [d for d in os.environ.get(var, "").split(os.pathsep) if d]
     dirs += [a[2:] for a in shlex.split(os.environ.get("CFLAGS", "")) if a.startswith("-I")]
-    if not any((Path(d) / "xxhash.h").exists() for d in dirs):
-        warnings.warn(
-            "xxhash.h not found: install libxxhash-dev (apt) / xxhash-devel (dnf) / xxhash (brew) first",
-            stacklevel=1,
-        )
+    for header, pkgs in (("xxhash.h", "libxxhash-dev (apt) / xxhash-devel (dnf) / xxhash (brew)"),
+                         ("zstd.h", "libzstd-dev (apt) / libzstd-devel (dnf) / zstd (brew)")):
+        if not any((Path(d) / header).exists() for d in dirs):
+            warnings.warn(f"{header} not found: install {pkgs} first", stacklevel=1)
 
 
-_warn_if_no_xxhash()
+_warn_if_missing_headers()
 
 extension = Extension(
     "deltackpt._kernel",
@@ -79,7 +79,7 @@ extension = Extension(
         *shlex.split(os.environ.get("DELTACKPT_EXTRA_CFLAGS", "")),
     ],
     extra_link_args=shlex.split(os.environ.get("DELTACKPT_EXTRA_LDFLAGS", "")),
-    libraries=["pthread"],
+    libraries=["pthread", "zstd"],
 )
 
 setup(ext_modules=cythonize([extension], compiler_directives={"language_level": "3"}, quiet=True))

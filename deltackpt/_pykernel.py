@@ -102,3 +102,67 @@ def merge_planes_xor(
     merge_planes(s, width, o)
     np.bitwise_xor(o, b, out=o)
     return ret
+
+
+# Status codes of decode_frames (the C side's DCK_E* values).
+ECHECKSUM = -2
+EPAYLOAD = -3
+EDIGEST = -4
+_CODECS = (0, 1, 2, 3)  # raw, zstd, planes+zstd, delta
+_HEADER, _CHECKED = 64, 56
+_WINDOW_MAX = 1 << 27
+
+
+def _unzstd(payload: memoryview, raw_len: int) -> bytes | None:
+    import zstandard
+
+    try:
+        params = zstandard.get_frame_parameters(payload)
+        if params.content_size != raw_len:
+            return None
+        # a decompressobj reports bytes after the frame (the C side requires exactly one frame); the declared
+        # content size, checked above, bounds the output
+        dobj = zstandard.ZstdDecompressor(max_window_size=_WINDOW_MAX).decompressobj()
+        data = dobj.decompress(payload)
+    except zstandard.ZstdError:
+        return None
+    return data if len(data) == raw_len and dobj.eof and not dobj.unused_data else None
+
+
+def decode_frames(
+    frames: list[object], codecs: list[int], widths: list[int], out: object, digest: bytes | None = None
+) -> tuple[int, int]:
+    n = len(frames)
+    if n < 1 or len(codecs) != n or len(widths) != n:
+        raise ValueError("decode_frames needs one or more frames, each with a codec and a width")
+    dst = _as_u8(out, writable=True)
+    if digest is not None and len(digest) != DIGEST_SIZE:
+        raise ValueError(f"digest must have 16 bytes, got {len(digest)}")
+    views = [memoryview(_as_u8(f)) for f in frames]
+    for v, c, w in zip(views, codecs, widths):
+        if len(v) < _HEADER or c not in _CODECS or w not in (1, 2, 4, 8):
+            raise ValueError("deltackpt kernel: invalid argument")
+    raw_len = len(dst)
+    for k, (v, c, w) in enumerate(zip(views, codecs, widths)):
+        h = xxhash.xxh3_64(v[:_CHECKED])
+        h.update(v[_HEADER:])
+        if h.intdigest() != int.from_bytes(v[_CHECKED:_HEADER], "little"):
+            return ECHECKSUM, k
+        payload = v[_HEADER:]
+        if c == 0:
+            if len(payload) != raw_len:
+                return EPAYLOAD, k
+            dst[:] = np.frombuffer(payload, dtype=np.uint8)
+            continue
+        data = _unzstd(payload, raw_len)
+        if data is None:
+            return EPAYLOAD, k
+        if c == 1:
+            dst[:] = np.frombuffer(data, dtype=np.uint8)
+        elif c == 2:
+            merge_planes(data, w, dst)
+        else:
+            merge_planes_xor(data, dst.copy(), w, dst)
+    if digest is not None and xxhash.xxh3_128_digest(memoryview(dst)) != bytes(digest):
+        return EDIGEST, n
+    return 0, 0

@@ -26,7 +26,7 @@ caller expects: a zstd payload whose declared content size differs is rejected b
 from __future__ import annotations
 
 import struct
-import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +53,11 @@ MAX_RAW = 1 << 31
 _MAX_WINDOW = 1 << 27
 #: A delta frame at most this fraction of the raw size is kept without also trying the standalone encoding.
 DELTA_GOOD_ENOUGH = 0.5
+#: A delta frame is kept over the standalone one only when at most this fraction of its size. Every load of the
+#: chunk then also decodes the base's chain (about one more frame read and decompressed), which a saving of a
+#: few percent does not pay for: AdamW's first moment, for one, changes too much per step for deltas to gain more
+#: than 2-3%, and storing it standalone keeps restores short (docs/format.md, "Delta frames").
+DELTA_MIN_GAIN = 0.9
 
 
 @dataclass(frozen=True)
@@ -117,8 +122,9 @@ class Encoder:
     ) -> bytes:
         """Return the smallest frame for ``raw`` among raw, (planes+)zstd and, with ``base``, the XOR delta.
 
-        With a base and ``try_alone=False`` the standalone encoding is not tried (the caller knows deltas win
-        for this tensor); it is always tried without a base.
+        The delta wins only by a margin: it is kept when at most :data:`DELTA_MIN_GAIN` of the standalone
+        frame's size. With a base and ``try_alone=False`` the standalone encoding is not tried (the caller knows
+        deltas win for this tensor); it is always tried without a base.
 
         ``digest`` is the raw bytes' XXH3-128 (the caller computed it while naming chunks); ``width`` the
         element size used for byte planes (1 means plain zstd). ``base`` is the raw bytes of the chunk at the
@@ -141,7 +147,7 @@ class Encoder:
         # A delta this small is not beaten by a standalone encoding of float data: skip the second compression.
         if base is None or (try_alone and len(best) > n * DELTA_GOOD_ENOUGH):
             alone = self._cctx.compress(self._planes(raw, width, None) if width > 1 else raw)
-            if base is None or len(alone) <= len(best):
+            if base is None or len(best) > len(alone) * DELTA_MIN_GAIN:
                 best_codec, best, base_id = (PLANES_ZSTD if width > 1 else ZSTD), alone, NO_BASE
         if len(best) >= n:
             return _frame(RAW, width, n, digest, NO_BASE, bytes(raw))
@@ -170,34 +176,6 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
 
 def _at(where: str | None) -> str:
     return f" at {where}" if where else ""
-
-
-_local = threading.local()
-
-
-def _dctx() -> zstandard.ZstdDecompressor:
-    d = getattr(_local, "dctx", None)
-    if d is None:
-        d = _local.dctx = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW)
-    return d
-
-
-def _decompress(payload: memoryview, raw_len: int, cid: str) -> bytes:
-    try:
-        params = zstandard.get_frame_parameters(payload)
-    except zstandard.ZstdError as exc:
-        raise CorruptChunkError(f"bad zstd payload ({exc})", chunk_id=cid) from None
-    if params.content_size != raw_len:
-        raise CorruptChunkError(
-            f"zstd payload declares {params.content_size} bytes, the frame {raw_len}", chunk_id=cid
-        )
-    try:
-        data = _dctx().decompress(payload, max_output_size=raw_len)
-    except zstandard.ZstdError as exc:
-        raise CorruptChunkError(f"zstd payload does not decompress ({exc})", chunk_id=cid) from None
-    if len(data) != raw_len:
-        raise CorruptChunkError(f"zstd payload gave {len(data)} bytes, expected {raw_len}", chunk_id=cid)
-    return data
 
 
 def check_frame(
@@ -250,27 +228,123 @@ def decode(
     :func:`parse_header`). ``verify`` re-hashes the result and compares it with the frame's digest.
     Raises :class:`CorruptChunkError` for any damage.
     """
-    h, payload = check_frame(frame, expect_digest=expect_digest, expect_len=expect_len, where=where)
-    cid = chunk_hex(h.digest, h.raw_len)
-    if out is None:
-        dest = np.empty(h.raw_len, dtype=np.uint8)
-    else:
-        dest = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
-        if len(dest) != h.raw_len:
-            raise ValueError(f"output buffer has {len(dest)} bytes, chunk {cid} has {h.raw_len}")
-    if h.codec == RAW:
-        dest[:] = np.frombuffer(payload, dtype=np.uint8)
-    elif h.codec == ZSTD:
-        dest[:] = np.frombuffer(_decompress(payload, h.raw_len, cid), dtype=np.uint8)
-    elif h.codec == PLANES_ZSTD:
-        kernel.merge_planes(_decompress(payload, h.raw_len, cid), h.width, dest)
-    else:
+    h = _parse(frame, expect_digest, expect_len, where)
+    dest = _dest(out, h.raw_len, chunk_hex(h.digest, h.raw_len))
+    if h.codec == DELTA:
+        cid = chunk_hex(h.digest, h.raw_len)
         if base is None:
             raise ValueError(f"delta chunk {cid} needs its base {chunk_hex(h.base, h.raw_len)}")
         base = memoryview(base).cast("B")
         if len(base) != h.raw_len:
+            check_frame(frame, where=where)  # a damaged length is damage, not the caller's mistake
             raise ValueError(f"delta base has {len(base)} bytes, chunk {cid} has {h.raw_len}")
-        kernel.merge_planes_xor(_decompress(payload, h.raw_len, cid), base, h.width, dest)
-    if verify and kernel.digest(dest) != h.digest:
-        raise CorruptChunkError(f"decoded bytes do not match the chunk id{_at(where)}", chunk_id=cid)
+        dest[:] = np.frombuffer(base, dtype=np.uint8)
+    _run([frame], [h], [where], dest, verify)
     return memoryview(dest)
+
+
+#: Frames one chunk's decoding may read (its own and its bases'): far above any chain bound a store uses, so
+#: only a damaged index (a cycle of bases) reaches it.
+MAX_CHAIN_FRAMES = 64
+
+
+def decode_chain(
+    digest: bytes,
+    raw_len: int,
+    fetch: Callable[[bytes], tuple[bytes | memoryview, str | None]],
+    *,
+    out: memoryview | np.ndarray | None = None,
+    verify: bool = True,
+) -> memoryview:
+    """Decode the chunk ``(digest, raw_len)`` with its chain of delta bases; return its raw bytes.
+
+    ``fetch(digest)`` returns the frame of the chunk with that digest (and ``raw_len``) and a description of where
+    it lies, or raises :class:`CorruptChunkError`. The chunk's frame is fetched first, then its base's while the
+    frame is a delta, down to a keyframe; then the frames are applied oldest first in one kernel call
+    (:func:`deltackpt.kernel.decode_frames`: checksums, zstd, byte planes, XOR, and with ``verify`` the digest of
+    the result; the bases' own digests need no separate check, as any error in them changes the result).
+    Damage to a base frame is reported for this chunk, naming the base: ``its delta base <id> is damaged``.
+    """
+    cid = chunk_hex(digest, raw_len)
+    frames: list[bytes | memoryview] = []
+    headers: list[FrameHeader] = []
+    wheres: list[str | None] = []
+    want = digest
+    while True:
+        if len(frames) >= MAX_CHAIN_FRAMES:
+            raise CorruptChunkError(f"delta chain is longer than {MAX_CHAIN_FRAMES} frames (a cycle?)", chunk_id=cid)
+        try:
+            frame, where = fetch(want)
+            h = _parse(frame, want, raw_len, where)
+        except CorruptChunkError as exc:
+            if not frames:
+                raise
+            raise CorruptChunkError(
+                f"its delta base {chunk_hex(want, raw_len)} is damaged: {exc.reason}", chunk_id=cid
+            ) from None
+        frames.append(frame)
+        headers.append(h)
+        wheres.append(where)
+        if h.codec != DELTA:
+            break
+        want = h.base
+    dest = _dest(out, raw_len, cid)
+    frames.reverse()
+    headers.reverse()
+    wheres.reverse()
+    _run(frames, headers, wheres, dest, verify)
+    return memoryview(dest)
+
+
+def _parse(frame: bytes | memoryview, digest: bytes | None, raw_len: int | None, where: str | None) -> FrameHeader:
+    """The header of ``frame``, checked against the expected identity and the frame's length. The checksum is
+    left to the kernel, except when the header disagrees with what was expected: a damaged byte is then
+    reported as a checksum mismatch (damage), not as a newer format or another chunk."""
+    try:
+        h = parse_header(frame, where=where)
+        if digest is not None and h.digest != digest or raw_len is not None and h.raw_len != raw_len:
+            raise CorruptChunkError("identity")
+        if len(frame) < h.frame_len:
+            raise CorruptChunkError("truncated")
+    except (CorruptChunkError, FormatVersionError):
+        check_frame(frame, expect_digest=digest, expect_len=raw_len, where=where)  # raises the precise error
+        raise
+    return h
+
+
+def _dest(out: memoryview | np.ndarray | None, raw_len: int, cid: str) -> np.ndarray:
+    if out is None:
+        return np.empty(raw_len, dtype=np.uint8)
+    dest = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
+    if len(dest) != raw_len:
+        raise ValueError(f"output buffer has {len(dest)} bytes, chunk {cid} has {raw_len}")
+    return dest
+
+
+_PAYLOAD_DAMAGE = {
+    kernel.ECHECKSUM: "frame checksum mismatch",
+    kernel.EPAYLOAD: "payload does not decode to the recorded length (bad zstd data)",
+}
+
+
+def _run(frames: list[bytes | memoryview], headers: list[FrameHeader], wheres: list[str | None], dest: np.ndarray,
+         verify: bool) -> None:
+    """Apply parsed frames (oldest first) to ``dest`` in the kernel; map its status to the error to raise."""
+    top = headers[-1]
+    cid = chunk_hex(top.digest, top.raw_len)
+    status, bad = kernel.decode_frames(
+        [memoryview(f)[: h.frame_len] for f, h in zip(frames, headers)],
+        [h.codec for h in headers],
+        [h.width for h in headers],
+        dest,
+        top.digest if verify else None,
+    )
+    if status == 0:
+        return
+    if status == kernel.EDIGEST:
+        raise CorruptChunkError(f"decoded bytes do not match the chunk id{_at(wheres[-1])}", chunk_id=cid)
+    reason = f"{_PAYLOAD_DAMAGE.get(status, f'decoder status {status}')}{_at(wheres[bad])}"
+    if bad == len(frames) - 1:
+        raise CorruptChunkError(reason, chunk_id=cid)
+    h = headers[bad]
+    raise CorruptChunkError(f"its delta base {chunk_hex(h.digest, h.raw_len)} is damaged: {reason}", chunk_id=cid)

@@ -29,6 +29,13 @@ Contract (both backends)
   copy.
 - :func:`xor_split_planes` is ``split_planes(src XOR base)``; :func:`merge_planes_xor` is
   ``merge_planes(src) XOR base``; ``base`` is as long as ``src``.
+- :func:`decode_frames` ``(frames, codecs, widths, out, digest=None) -> (status, bad)`` decodes one chunk:
+  it applies whole frames (header + payload, see :mod:`deltackpt.codec`) in order to ``out`` (a keyframe
+  overwrites it, a delta frame XORs onto it, so ``out`` holds the base when the first frame is a delta) after
+  checking each frame's checksum, then compares the result's digest with ``digest`` when given. ``status`` is
+  0, or :data:`ECHECKSUM` / :data:`EPAYLOAD` (frame ``bad`` is damaged) or :data:`EDIGEST` (``bad == n``).
+  Codecs and widths come from the caller's parsed headers. The native version runs one C call without the
+  GIL (its own zstd context per thread): the load path's whole per-chunk work.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 #: Bumped whenever the native functions' signatures or semantics change; compiled into the extension.
-API_VERSION = 1
+API_VERSION = 2
 
 _NATIVE_SOURCES = ("kernel.c", "kernel.h", "_kernel.pyx")
 
@@ -113,7 +120,10 @@ split_planes = _impl.split_planes
 merge_planes = _impl.merge_planes
 xor_split_planes = _impl.xor_split_planes
 merge_planes_xor = _impl.merge_planes_xor
+decode_frames = _impl.decode_frames
 DIGEST_SIZE = 16
+#: Status codes of :func:`decode_frames`.
+ECHECKSUM, EPAYLOAD, EDIGEST = -2, -3, -4
 
 __all__ = [
     "API_VERSION",
@@ -121,6 +131,7 @@ __all__ = [
     "StaleBuildError",
     "backend",
     "chunk_digests",
+    "decode_frames",
     "digest",
     "merge_planes",
     "merge_planes_xor",

@@ -748,8 +748,10 @@ class Store:
                 raise CorruptChunkError(
                     "chunk is not in the index", chunk_id=_kid(k), checkpoint=m.id, key=t.key
                 )
+        chains = self._prefetch(locs)
         futures = [
-            (t, k, self.read_pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify)) for t, k, view in work
+            (t, k, self.read_pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify, bases=chains))
+            for t, k, view in work
         ]
         first_error: BaseException | None = None
         for t, k, fut in futures:
@@ -764,32 +766,51 @@ class Store:
         if first_error is not None:
             raise first_error
 
+    def _prefetch(self, locs: dict[bytes, ChunkLoc]) -> dict[bytes, ChunkLoc]:
+        """Look up the delta bases of ``locs`` (all levels) and ask the kernel to start reading every frame a
+        load of them needs, in file order (a cold load then reads at the disk's pace, not one frame per worker at
+        a time). Returns the bases' locations."""
+        bases: dict[bytes, ChunkLoc] = {}
+        level = locs
+        ranges = []
+        for _ in range(codec.MAX_CHAIN_FRAMES):
+            want = set()
+            for k, loc in level.items():
+                ranges.append((loc.pack_id, loc.offset, loc.frame_len))
+                if loc.codec == codec.DELTA:
+                    bk = loc.base + k[16:]
+                    if bk not in bases and bk not in locs:
+                        want.add(bk)
+            if not want:
+                break
+            level = self.index.lookup_chunks(want)
+            bases.update(level)
+        # The hint blocks while the kernel queues the reads: off the critical path, decoding starts at once.
+        threading.Thread(target=self.reader.will_need, args=(ranges,), name="deltackpt-prefetch", daemon=True).start()
+        return bases
+
     def read_chunk(
         self, key: bytes, loc: ChunkLoc | None = None, *, out: np.ndarray | None = None, verify: bool = True,
-        _depth: int = 0,
+        bases: Mapping[bytes, ChunkLoc] | None = None,
     ) -> memoryview:
-        """Decode one chunk (its delta bases first) and return its raw bytes, filling ``out`` when given."""
-        if loc is None:
-            found = self.index.lookup_chunks([key])
-            if key not in found:
-                raise CorruptChunkError("chunk is not in the index", chunk_id=_kid(key))
-            loc = found[key]
-        if _depth > 64:
-            raise CorruptChunkError("delta chain is longer than 64 frames (a cycle?)", chunk_id=_kid(key))
-        frame = self.reader.read(loc.pack_id, loc.offset, loc.frame_len)
-        base = None
-        if loc.codec == codec.DELTA:
-            base_key = loc.base + key[16:]  # a delta base has the same length as the chunk
-            try:
-                base = self.read_chunk(base_key, verify=verify, _depth=_depth + 1)
-            except CorruptChunkError as exc:
-                raise CorruptChunkError(
-                    f"its delta base {_kid(base_key)} is damaged: {exc.reason}", chunk_id=_kid(key)
-                ) from None
-        return codec.decode(
-            frame, expect_digest=key[:16], expect_len=int.from_bytes(key[16:], "big"), out=out, base=base,
-            verify=verify, where=f"pack {loc.pack_id} offset {loc.offset}",
-        )
+        """Decode one chunk with its delta bases and return its raw bytes, filling ``out`` when given.
+
+        ``loc`` is the chunk's location and ``bases`` those of (some of) its bases when the caller looked them
+        up already; the others come from the index."""
+        raw_len = int.from_bytes(key[16:], "big")
+
+        def fetch(digest: bytes) -> tuple[bytes, str]:
+            at = loc if digest == key[:16] and loc is not None else None
+            if at is None and bases is not None:
+                at = bases.get(digest + key[16:])
+            if at is None:
+                found = self.index.lookup_chunks([digest + key[16:]])
+                at = found.get(digest + key[16:])
+                if at is None:
+                    raise CorruptChunkError("chunk is not in the index", chunk_id=_kid(digest + key[16:]))
+            return self.reader.read(at.pack_id, at.offset, at.frame_len), f"pack {at.pack_id} offset {at.offset}"
+
+        return codec.decode_chain(key[:16], raw_len, fetch, out=out, verify=verify)
 
     # -- delete ---------------------------------------------------------------------------------------------
     def delete(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:

@@ -9,6 +9,7 @@ Signatures, results and return types are those of ``deltackpt._pykernel``, bit f
 """
 
 from libc.stdint cimport uint8_t
+from libc.stdlib cimport free, malloc
 
 import numpy as np
 
@@ -25,6 +26,9 @@ cdef extern from "kernel.h" nogil:
                              int threads)
     int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width,
                              int threads)
+    int DCK_ENOMEM
+    int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
+                          const int *widths, int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad)
 
 # Both are set by setup.py: the package's API version and the hash of the kernel sources this was built from;
 # deltackpt.kernel compares them with its own to reject a stale build.
@@ -198,3 +202,50 @@ def merge_planes_xor(src, base, width, out=None, threads=1):
     if base is None:
         raise TypeError("base must be a buffer, not None")
     return _planes(src, base, width, out, threads, True)
+
+
+def decode_frames(frames, codecs, widths, out, digest=None):
+    """Apply frames in order to ``out`` and check its digest; ``(status, bad)``; see deltackpt.kernel."""
+    cdef Py_ssize_t n = len(frames)
+    if n < 1 or len(codecs) != n or len(widths) != n:
+        raise ValueError("decode_frames needs one or more frames, each with a codec and a width")
+    cdef unsigned char[::1] o = _as_u8(out, writable=True)
+    cdef const unsigned char[::1] dg
+    cdef const uint8_t *pdg = NULL
+    if digest is not None:
+        dg = _as_u8(digest)
+        if dg.shape[0] != 16:
+            raise ValueError(f"digest must have 16 bytes, got {dg.shape[0]}")
+        pdg = &dg[0]
+    views = [_as_u8(f) for f in frames]  # keeps every frame's buffer exported while the loop runs
+    cdef const uint8_t **pf = <const uint8_t **>malloc(n * sizeof(uint8_t *))
+    cdef size_t *pl = <size_t *>malloc(n * sizeof(size_t))
+    cdef int *pc = <int *>malloc(n * sizeof(int))
+    cdef int *pw = <int *>malloc(n * sizeof(int))
+    cdef const unsigned char[::1] v
+    cdef Py_ssize_t k
+    cdef int rc, bad = 0
+    cdef size_t raw_len = o.shape[0]
+    cdef uint8_t *po = _wptr(o)
+    try:
+        if pf == NULL or pl == NULL or pc == NULL or pw == NULL:
+            raise MemoryError()
+        for k in range(n):
+            v = views[k]
+            pf[k] = _rptr(v)
+            pl[k] = v.shape[0]
+            pc[k] = codecs[k]
+            pw[k] = widths[k]
+            if _overlap(o, v):
+                raise ValueError("output buffer overlaps a frame")
+        with nogil:
+            rc = dck_decode_frames(pf, pl, pc, pw, <int>n, po, raw_len, pdg, &bad)
+    finally:
+        free(pf)
+        free(pl)
+        free(pc)
+        free(pw)
+    if rc == DCK_ENOMEM:
+        raise MemoryError("deltackpt kernel: no memory for decoding scratch")
+    _check(rc if rc == DCK_EINVAL else 0)
+    return rc, bad

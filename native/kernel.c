@@ -37,7 +37,9 @@
 #include "kernel.h"
 
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
+#include <zstd.h>
 
 #if !defined(DCK_NO_SIMD) && (defined(__SSE2__) || defined(_M_X64) || (defined(_M_IX86_FP) && _M_IX86_FP >= 2))
 #define DCK_HAVE_SSE2 1
@@ -656,4 +658,156 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
     if (len > 0 && base == NULL)
         return DCK_EINVAL;
     return dck_planes(src, base, dst, len, width, 1, threads);
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+ * Frame decoding
+ * ---------------------------------------------------------------------------------------------------------- */
+
+/* One thread's decoding state: a zstd context and a scratch buffer for byte planes, freed at thread exit. */
+struct dck_decoder {
+    ZSTD_DCtx *dctx;
+    uint8_t *scratch;
+    size_t cap;
+};
+
+static pthread_key_t dck_decoder_key;
+static pthread_once_t dck_decoder_once = PTHREAD_ONCE_INIT;
+static int dck_decoder_key_ok;
+
+/* Contract: frees a dck_decoder (the thread-exit destructor of dck_decoder_key). */
+static void dck_decoder_free(void *p)
+{
+    struct dck_decoder *d = (struct dck_decoder *)p;
+    if (d == NULL)
+        return;
+    ZSTD_freeDCtx(d->dctx);
+    free(d->scratch);
+    free(d);
+}
+
+/* Contract: creates dck_decoder_key once per process; records whether that worked. */
+static void dck_decoder_key_init(void)
+{
+    dck_decoder_key_ok = pthread_key_create(&dck_decoder_key, dck_decoder_free) == 0;
+}
+
+/* Contract: the calling thread's decoder with at least `need` bytes of scratch, or NULL when out of memory. */
+static struct dck_decoder *dck_decoder_get(size_t need)
+{
+    struct dck_decoder *d;
+
+    pthread_once(&dck_decoder_once, dck_decoder_key_init);
+    if (!dck_decoder_key_ok)
+        return NULL;
+    d = (struct dck_decoder *)pthread_getspecific(dck_decoder_key);
+    if (d == NULL) {
+        d = (struct dck_decoder *)calloc(1, sizeof(*d));
+        if (d == NULL)
+            return NULL;
+        d->dctx = ZSTD_createDCtx();
+        if (d->dctx == NULL ||
+            ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_windowLogMax, DCK_ZSTD_WINDOW_LOG_MAX)) ||
+            pthread_setspecific(dck_decoder_key, d) != 0) {
+            dck_decoder_free(d);
+            return NULL;
+        }
+    }
+    if (d->cap < need) {
+        uint8_t *p = (uint8_t *)malloc(need);
+        if (p == NULL)
+            return NULL;
+        free(d->scratch);
+        d->scratch = p;
+        d->cap = need;
+    }
+    return d;
+}
+
+/* Contract: 1 when the checksum stored in frame[56..64) (little-endian) matches XXH3-64 over frame[0..56) followed
+ * by frame[64..len); len >= DCK_FRAME_HEADER. */
+static int dck_frame_checksum_ok(const uint8_t *frame, size_t len)
+{
+    XXH3_state_t st;
+    uint64_t want = 0;
+    int i;
+
+    for (i = 7; i >= 0; i--)
+        want = (want << 8) | frame[DCK_FRAME_CHECKED + i];
+    XXH3_64bits_reset(&st);
+    XXH3_64bits_update(&st, frame, DCK_FRAME_CHECKED);
+    XXH3_64bits_update(&st, frame + DCK_FRAME_HEADER, len - DCK_FRAME_HEADER);
+    return XXH3_64bits_digest(&st) == want;
+}
+
+/* Contract: decompresses the single zstd frame src[0..len) into out[0..raw_len); 0 when it declares and yields
+ * exactly raw_len bytes, DCK_EPAYLOAD otherwise (out then holds unspecified bytes). */
+static int dck_unzstd(ZSTD_DCtx *dctx, const uint8_t *src, size_t len, uint8_t *out, size_t raw_len)
+{
+    unsigned long long declared = ZSTD_getFrameContentSize(src, len);
+    size_t got;
+
+    if (declared != (unsigned long long)raw_len || ZSTD_findFrameCompressedSize(src, len) != len)
+        return DCK_EPAYLOAD;
+    got = ZSTD_decompressDCtx(dctx, out, raw_len, src, len);
+    if (ZSTD_isError(got) || got != raw_len)
+        return DCK_EPAYLOAD;
+    return 0;
+}
+
+int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs, const int *widths,
+                      int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad)
+{
+    struct dck_decoder *dec = NULL;
+    int k, rc;
+
+    if (bad == NULL || frames == NULL || frame_lens == NULL || codecs == NULL || widths == NULL || n < 1 ||
+        (dst == NULL && raw_len > 0))
+        return DCK_EINVAL;
+    *bad = 0;
+    for (k = 0; k < n; k++) {
+        int w = widths[k];
+        if (frames[k] == NULL || frame_lens[k] < DCK_FRAME_HEADER || codecs[k] < DCK_CODEC_RAW ||
+            codecs[k] > DCK_CODEC_DELTA || (w != 1 && w != 2 && w != 4 && w != 8)) {
+            *bad = k;
+            return DCK_EINVAL;
+        }
+    }
+    for (k = 0; k < n; k++) {
+        const uint8_t *payload = frames[k] + DCK_FRAME_HEADER;
+        size_t plen = frame_lens[k] - DCK_FRAME_HEADER;
+        int codec = codecs[k];
+
+        *bad = k;
+        if (!dck_frame_checksum_ok(frames[k], frame_lens[k]))
+            return DCK_ECHECKSUM;
+        if (codec == DCK_CODEC_RAW) {
+            if (plen != raw_len)
+                return DCK_EPAYLOAD;
+            if (raw_len > 0)
+                memcpy(dst, payload, raw_len);
+            continue;
+        }
+        if (dec == NULL && (dec = dck_decoder_get(raw_len > 0 ? raw_len : 1)) == NULL)
+            return DCK_ENOMEM;
+        if (codec == DCK_CODEC_ZSTD) {
+            if ((rc = dck_unzstd(dec->dctx, payload, plen, dst, raw_len)) != 0)
+                return rc;
+            continue;
+        }
+        if ((rc = dck_unzstd(dec->dctx, payload, plen, dec->scratch, raw_len)) != 0)
+            return rc;
+        /* merge_planes XOR dst works in place: every 16-byte block of base is read before the same block of
+         * output is written (dck_stage_store, and the scalar loops index both identically). */
+        dck_planes(dec->scratch, codec == DCK_CODEC_DELTA ? dst : NULL, dst, raw_len, widths[k], 1, 1);
+    }
+    if (digest != NULL) {
+        uint8_t got[DCK_DIGEST_SIZE];
+        *bad = n;
+        dck_digest(dst, raw_len, got);
+        if (memcmp(got, digest, DCK_DIGEST_SIZE) != 0)
+            return DCK_EDIGEST;
+    }
+    *bad = 0;
+    return 0;
 }

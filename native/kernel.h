@@ -92,6 +92,53 @@ int dck_xor_split_planes(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
 int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t len, int width,
                          int threads);
 
+/* ------------------------------------------------------------------------------------------------------------
+ * Frame decoding (the load path). Frame layout and codec ids are those of deltackpt/codec.py and docs/format.md.
+ * ---------------------------------------------------------------------------------------------------------- */
+
+/* Bytes of a frame header; the payload follows it. Bytes [0, 56) and the payload are covered by the checksum
+ * stored little-endian at [56, 64). */
+#define DCK_FRAME_HEADER 64
+#define DCK_FRAME_CHECKED 56
+/* Codec ids. */
+#define DCK_CODEC_RAW 0
+#define DCK_CODEC_ZSTD 1
+#define DCK_CODEC_PLANES_ZSTD 2
+#define DCK_CODEC_DELTA 3
+/* Largest zstd window a payload may ask for (log2): bounds the decoder's memory for a damaged frame. */
+#define DCK_ZSTD_WINDOW_LOG_MAX 27
+/* Error codes of dck_decode_frames (besides DCK_EINVAL). */
+#define DCK_ECHECKSUM (-2) /* a frame's checksum does not match its bytes */
+#define DCK_EPAYLOAD (-3)  /* a payload does not decode to exactly raw_len bytes */
+#define DCK_EDIGEST (-4)   /* the decoded bytes do not match the expected digest */
+#define DCK_ENOMEM (-5)    /* scratch memory could not be allocated */
+
+/*
+ * Decode one chunk by applying n frames in order to dst, then check its digest. Single-threaded; safe to call
+ * from many threads at once (each thread keeps its own zstd context and scratch buffer).
+ *
+ * Inputs:  frames[k] points at frame k's bytes (header and payload), frame_lens[k] >= DCK_FRAME_HEADER + the
+ *          payload length; codecs[k] and widths[k] (1, 2, 4 or 8) are the frame's header fields, which the caller
+ *          has parsed and validated (magic, version, lengths, identity). raw_len is every frame's raw length and
+ *          dst's size. digest: the expected canonical XXH3-128 of the result, or NULL to skip that check.
+ * Effect:  frame k, in order k = 0 .. n-1, must first pass its checksum: XXH3-64 over bytes [0, 56) followed by
+ *          the payload [64, frame_lens[k]) equals the u64 at [56, 64) (else DCK_ECHECKSUM). Then its payload
+ *          P (the decoded bytes, exactly raw_len of them: RAW is the payload itself and its length must be
+ *          raw_len; the others are one zstd frame declaring content size raw_len, window at most
+ *          2^DCK_ZSTD_WINDOW_LOG_MAX; else DCK_EPAYLOAD) is applied:
+ *            RAW, ZSTD:    dst = P
+ *            PLANES_ZSTD:  dst = merge_planes(P, width)
+ *            DELTA:        dst = merge_planes(P, width) XOR dst   (dst holds the base chunk on entry: the caller
+ *                                                                 puts it there, or an earlier frame decoded it)
+ *          A chain (keyframe, delta, delta, ...) decodes to the newest chunk this way. Finally, with a digest,
+ *          the result must hash to it (else DCK_EDIGEST).
+ * Returns: 0; or an error code with *bad set to the index of the failing frame (n for DCK_EDIGEST). On error
+ *          dst holds unspecified bytes. DCK_EINVAL (nothing read): n < 1, a NULL pointer, an unknown codec or
+ *          width, or a frame shorter than its header.
+ */
+int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs, const int *widths,
+                      int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad);
+
 #ifdef __cplusplus
 }
 #endif

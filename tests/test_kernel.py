@@ -117,6 +117,7 @@ def test_kernel_api_is_the_backend_api() -> None:
         "merge_planes",
         "xor_split_planes",
         "merge_planes_xor",
+        "decode_frames",
     ):
         assert getattr(kernel, name) is getattr(impl, name)
     assert kernel.DIGEST_SIZE == 16
@@ -546,3 +547,126 @@ def test_no_warning_when_current() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert kernel._select()[0] == "native"
+
+
+# ------------------------------------------------------------------------------------------ frame decoding
+
+
+def _chain(n_frames: int, size: int, width: int, seed: int) -> tuple[list[bytes], list[np.ndarray]]:
+    """A keyframe and n_frames - 1 delta frames of an evolving float-like buffer; returns (frames, versions)."""
+    from deltackpt import codec
+
+    rng = np.random.default_rng(seed)
+    enc = codec.Encoder()
+    versions = [rng.integers(0, 256, size, dtype=np.uint8)]
+    for _ in range(n_frames - 1):
+        nxt = versions[-1].copy()
+        flip = rng.integers(0, max(size, 1), size=max(size // 5, 1))
+        if size:
+            nxt[flip] ^= rng.integers(1, 256, len(flip), dtype=np.uint8)
+        versions.append(nxt)
+    frames = [enc.encode(memoryview(versions[0]), kernel.digest(versions[0]), width)]
+    for prev, cur in zip(versions, versions[1:]):
+        frames.append(
+            codec._frame(
+                codec.DELTA, width, size, kernel.digest(cur), kernel.digest(prev),
+                enc._cctx.compress(kernel.xor_split_planes(cur, prev, width).tobytes()),
+            )
+        )
+    return frames, versions
+
+
+def _fields(frames: list[bytes]) -> tuple[list[int], list[int]]:
+    return [f[5] for f in frames], [f[6] for f in frames]
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+@FAST
+@given(n_frames=st.integers(1, 4), size=st.sampled_from([0, 1, 7, 64, 1000, 4097]), width=widths,
+       seed=st.integers(0, 2**32 - 1))
+def test_decode_frames_applies_a_chain(mod: types.ModuleType, n_frames: int, size: int, width: int,
+                                       seed: int) -> None:
+    frames, versions = _chain(n_frames, size, width, seed)
+    codecs, ws = _fields(frames)
+    out = np.full(size, 0xAB, np.uint8)
+    assert mod.decode_frames(frames, codecs, ws, out, kernel.digest(versions[-1])) == (0, 0)
+    np.testing.assert_array_equal(out, versions[-1])
+    if n_frames > 1:  # a delta frame alone applies onto the base the caller put in ``out``
+        out[:] = versions[-2]
+        assert mod.decode_frames(frames[-1:], codecs[-1:], ws[-1:], out, None) == (0, 0)
+        np.testing.assert_array_equal(out, versions[-1])
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+@FAST
+@given(n_frames=st.integers(1, 4), width=widths, seed=st.integers(0, 2**32 - 1), data=st.data())
+def test_decode_frames_reports_the_damaged_frame(mod: types.ModuleType, n_frames: int, width: int, seed: int,
+                                                 data: st.DataObject) -> None:
+    frames, versions = _chain(n_frames, 3000, width, seed)
+    codecs, ws = _fields(frames)
+    k = data.draw(st.integers(0, n_frames - 1), label="damaged frame")
+    pos = data.draw(st.sampled_from(list(range(0, 56)) + list(range(64, len(frames[k])))), label="byte")
+    bad = bytearray(frames[k])
+    bad[pos] ^= data.draw(st.integers(1, 255), label="mask")
+    frames[k] = bytes(bad)
+    out = np.empty(3000, np.uint8)
+    assert mod.decode_frames(frames, codecs, ws, out, kernel.digest(versions[-1])) == (kernel.ECHECKSUM, k)
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+def test_decode_frames_payload_and_digest_errors(mod: types.ModuleType) -> None:
+    from deltackpt import codec
+
+    frames, versions = _chain(2, 5000, 4, 7)
+    codecs, ws = _fields(frames)
+    out = np.empty(5000, np.uint8)
+    # the right frames checked against another digest: the result is reported, not a frame (bad == n)
+    assert mod.decode_frames(frames, codecs, ws, out, kernel.digest(versions[0])) == (kernel.EDIGEST, 2)
+    assert mod.decode_frames(frames, codecs, ws, out, None) == (0, 0)
+    raw = versions[0]
+    d = kernel.digest(raw)
+    zst = codec.Encoder()._cctx.compress(raw.tobytes())
+    forged = [
+        codec._frame(codec.ZSTD, 1, 5000, d, codec.NO_BASE, zst[:-3]),  # truncated zstd data, valid checksum
+        codec._frame(codec.ZSTD, 1, 5000, d, codec.NO_BASE, zst + zst),  # two zstd frames
+        codec._frame(codec.ZSTD, 1, 5000, d, codec.NO_BASE, b"\x28\xb5\x2f\xfd" + bytes(40)),  # garbage
+        codec._frame(codec.ZSTD, 1, 5000, d, codec.NO_BASE, codec.Encoder()._cctx.compress(raw[:4999].tobytes())),
+        codec._frame(codec.RAW, 1, 5000, d, codec.NO_BASE, raw[:4999].tobytes()),  # raw payload of the wrong size
+    ]
+    for f in forged:
+        assert mod.decode_frames([f], [f[5]], [f[6]], out, d) == (kernel.EPAYLOAD, 0)
+    ok = codec._frame(codec.ZSTD, 1, 5000, d, codec.NO_BASE, zst)
+    assert mod.decode_frames([ok], [1], [1], out, d) == (0, 0)
+    np.testing.assert_array_equal(out, raw)
+    with pytest.raises(ValueError):
+        mod.decode_frames([], [], [], out, None)
+    with pytest.raises(ValueError):
+        mod.decode_frames([ok], [9], [1], out, None)
+    with pytest.raises(ValueError):
+        mod.decode_frames([ok], [1], [3], out, None)
+    with pytest.raises(ValueError):
+        mod.decode_frames([ok[:40]], [1], [1], out, None)
+    with pytest.raises(ValueError):
+        mod.decode_frames([ok], [1], [1], out, b"short")
+
+
+@needs_native
+def test_decode_frames_threads_share_nothing() -> None:
+    """Many threads decode at once (each has its own zstd context and scratch) and all get the right bytes."""
+    chains = [_chain(3, 200_000 + i, 4, i) for i in range(8)]
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        frames, versions = chains[i]
+        codecs, ws = _fields(frames)
+        out = np.empty(len(versions[-1]), np.uint8)
+        for _ in range(20):
+            if native.decode_frames(frames, codecs, ws, out, kernel.digest(versions[-1])) != (0, 0):
+                errors.append(f"chain {i}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
