@@ -1,17 +1,19 @@
 """Where the bytes of dense AdamW training go: dedup, byte planes and deltas, saved every step and every 10.
 
-``python -m bench.delta [--saves 20] [--small]`` trains the suite's GPT (52.6M fp32 parameters; ``--small``:
-1.7M) with AdamW (lr 1e-4, weight decay 0.1) on random token ids and saves the full training state into two
-stores after every step (``Store(max_chain=0)``: dedup + byte planes + zstd; default ``Store()``: deltas
-too), then does the same saving every 10 steps. For each save it reports bytes relative to ``torch.save``
-of the same state for
+``python -m bench.delta [--saves 20] [--small] [--every 1,10] [--max-chain K]`` trains the suite's GPT (52.6M
+fp32 parameters; ``--small``: 1.7M) with AdamW (lr 1e-4, weight decay 0.1) on random token ids and saves the
+full training state into two stores after every step (``Store(max_chain=0)``: dedup + byte planes + zstd;
+``Store(max_chain=K)``, by default the store's default: deltas too), then does the same saving every 10 steps.
+For each save it reports bytes relative to ``torch.save`` of the same state for
 
 - dedup: the raw bytes of chunks no earlier checkpoint holds (what an uncompressed dedup store writes),
 - planes: what ``Store(max_chain=0)`` writes (dedup, then byte planes + zstd),
 - delta: what ``Store()`` writes (XOR against the parent's chunk when smaller),
 
 split by where the bytes go (weights, exp_avg, exp_avg_sq), and the restore time of the newest and the
-oldest checkpoint against ``torch.load`` of a ``.pt`` file (page cache dropped before each load).
+oldest checkpoint against ``torch.load`` of a ``.pt`` file, with the page cache dropped before each load (what a
+restarted job sees; on a VM the disk's speed swings from run to run) and with the files in the page cache (the
+CPU cost of decoding against torch.load's).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 import deltackpt
 from bench.models import GPT, GPTConfig
+from deltackpt import config
 
 
 def _drop_cache(root: Path) -> None:
@@ -47,12 +50,12 @@ def _category(key: str) -> str:
     return "weights" if key.startswith("model") else "other"
 
 
-def _run(cfg: GPTConfig, saves: int, every: int, root: Path) -> dict:
+def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | None) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     planes = deltackpt.Store(root / "planes", max_chain=0)
-    delta = deltackpt.Store(root / "delta")
+    delta = deltackpt.Store(root / "delta", max_chain=max_chain)
     seen: set[bytes] = set()
     rows = []
     torch_sizes = []
@@ -90,21 +93,24 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path) -> dict:
     infos = delta.list()
     planes.close()
     delta.close()
-    loads = {}
+    loads: dict[str, float] = {}
+    warm: dict[str, float] = {}
     for name, fn in (
         ("torch.load", lambda: torch.load(root / "state.pt", weights_only=True)),
         ("delta newest", lambda: _load(root / "delta", infos[-1].id)),
         ("delta oldest", lambda: _load(root / "delta", infos[0].id)),
         ("planes newest", lambda: _load(root / "planes", None)),
     ):
-        times = []
-        for _ in range(3):
-            _drop_cache(root)
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        loads[name] = statistics.median(times)
-    return {"rows": rows, "loads": loads}
+        for table, drop in ((loads, True), (warm, False)):
+            times = []
+            for _ in range(3):
+                if drop:
+                    _drop_cache(root)
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            table[name] = statistics.median(times)
+    return {"rows": rows, "loads": loads, "warm": warm}
 
 
 def _load(path: Path, cid: str | None) -> None:
@@ -116,15 +122,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--saves", type=int, default=20)
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--every", default="1,10", help="save intervals to run, comma-separated (default 1,10)")
+    ap.add_argument("--max-chain", type=int, default=None, help="the delta store's max_chain (default: the store's)")
     args = ap.parse_args(argv)
     cfg = GPTConfig(d_model=128, n_layers=4, vocab=2048) if args.small else GPTConfig()
+    chain = config.DEFAULT_MAX_CHAIN if args.max_chain is None else args.max_chain
     print(f"GPT {cfg.n_params() / 1e6:.1f}M parameters, AdamW lr 1e-4; deltackpt backend "
-          f"{deltackpt.backend}")
-    for every in (1, 10):
+          f"{deltackpt.backend}; delta store max_chain={chain}")
+    for every in (int(e) for e in args.every.split(",")):
         root = Path(tempfile.mkdtemp(prefix="deltackpt-delta-"))
         try:
             print(f"\nsaving every {every} step(s), {args.saves} saves")
-            res = _run(cfg, args.saves, every, root)
+            res = _run(cfg, args.saves, every, root, chain)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         steady = res["rows"][1:]  # the first save has no parent
@@ -139,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{sum(r['by'][cat][i] for r in steady) / logical:.3f}" for i in (1, 2, 3)) + " |")
         print("\nrestore (page cache dropped, median of 3): " + ", ".join(
             f"{k} {v:.2f} s" for k, v in res["loads"].items()))
+        print("restore (page cache warm, median of 3): " + ", ".join(
+            f"{k} {v:.2f} s" for k, v in res["warm"].items()))
     return 0
 
 

@@ -287,3 +287,26 @@ def test_no_deltas_when_max_chain_is_zero(store_path: Path) -> None:
         assert all(loc.codec != deltackpt.codec.DELTA for _, loc in s.index.iter_chunks())
         for step, state in history.items():
             assert_same_state(state, s.load(step))
+
+
+def test_delta_kept_only_when_clearly_smaller() -> None:
+    """The encoder keeps a delta frame only when it is at most DELTA_MIN_GAIN of the standalone frame: a delta
+    that gains a few percent would cost every later load a base decode."""
+    enc = deltackpt.codec.Encoder()
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal(1 << 14, dtype=np.float32)
+    bd = deltackpt.kernel.digest(base)
+
+    def codec_for(new: np.ndarray) -> tuple[int, int, int]:
+        frame = enc.encode(memoryview(new).cast("B"), deltackpt.kernel.digest(new), 4, memoryview(base).cast("B"), bd)
+        alone = enc.encode(memoryview(new).cast("B"), deltackpt.kernel.digest(new), 4)
+        return deltackpt.codec.parse_header(frame).codec, len(frame), len(alone)
+
+    # low mantissa bits changing: the delta is far smaller and wins
+    small = (base.view(np.uint32) ^ rng.integers(0, 1 << 8, base.size, dtype=np.uint32)).view(np.float32)
+    c, n_frame, n_alone = codec_for(small)
+    assert c == deltackpt.codec.DELTA and n_frame < 0.9 * n_alone
+    # momentum-like change (x * 0.9 + noise): the delta gains 2-3% and the standalone frame is kept
+    big = base * np.float32(0.9) + np.float32(0.3) * rng.standard_normal(base.size, dtype=np.float32)
+    c, n_frame, n_alone = codec_for(big.astype(np.float32))
+    assert c != deltackpt.codec.DELTA and n_frame == n_alone
