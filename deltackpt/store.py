@@ -22,6 +22,7 @@ import collections
 import fcntl
 import json
 import os
+import re
 import secrets
 import threading
 import time
@@ -511,7 +512,7 @@ class Store:
                 todo = [(i, k) for i, k in todo if k not in pending and k not in new_locs]
                 stored = self.index.has_chunks(k for _, k in todo)
                 todo = [(i, k) for i, k in todo if k not in stored]
-                bases = self._bases(leaf, parents.get(leaf.path), pm, todo, generation) if k_max else {}
+                bases = self._bases(leaf, parents.get(leaf.path), pm, todo, generation + entry.first) if k_max else {}
                 mode = self._delta_mode(leaf.path)
                 for i, k in todo:
                     if k in pending:
@@ -519,8 +520,10 @@ class Store:
                     pending.add(k)
                     view = memoryview(buf)[i * cs : i * cs + min(cs, leaf.nbytes - i * cs)]
                     base_key, base_depth = bases.get(i, (None, -1))
-                    # every 16th chunk tries both encodings, so the statistics behind ``mode`` stay current
-                    fut = self.pool.submit(self._encode, view, k, leaf.width, base_key, "both" if i % 16 == 0 else mode)
+                    # every 16th chunk of the checkpoint (counted across tensors, shifted by one each generation)
+                    # tries both encodings, so the statistics behind ``mode`` stay current
+                    probe = (entry.first + i + generation) % 16 == 0
+                    fut = self.pool.submit(self._encode, view, k, leaf.width, base_key, "both" if probe else mode)
                     inflight.append((fut, k, entry, base_depth if base_key is not None else -1))
                     drain(limit)
             drain(0)
@@ -544,14 +547,16 @@ class Store:
         pt: manifest.TensorEntry | None,
         pm: manifest.Manifest | None,
         todo: list[tuple[int, bytes]],
-        generation: int,
+        phase: int,
     ) -> dict[int, tuple[bytes, int]]:
         """Delta base (key, depth) for each new chunk position whose parent chunk may serve as one.
 
         A chunk gets no base (a keyframe) when the parent tensor differs in kind, dtype or shape, when the
         parent chunk is all zero, when the chain would exceed ``max_chain`` frames, and on its staggered
-        keyframe turn ``(generation + position) % (max_chain + 1) == 0``, which spreads keyframes over
-        checkpoints so that every checkpoint restores in about the same time.
+        keyframe turn ``(phase + position) % (max_chain + 1) == 0``. ``phase`` is the checkpoint's generation
+        plus the index of the tensor's first chunk in the checkpoint, so keyframes are spread over all chunks
+        of a checkpoint (small one-chunk tensors too) and over checkpoints: every checkpoint restores in about
+        the same time.
         """
         if pt is None or pm is None or not todo:
             return {}
@@ -560,7 +565,7 @@ class Store:
         period = self.max_chain + 1
         cand: dict[int, bytes] = {}
         for i, k in todo:
-            if (generation + i) % period == 0:
+            if (phase + i) % period == 0:
                 continue
             j = pt.first + i
             if pm.flags[j] & manifest.FLAG_ZERO:
@@ -575,10 +580,14 @@ class Store:
         return out
 
     def _delta_mode(self, path: str) -> str:
-        """How to encode the changed chunks of tensor ``path``, from how its chunks fared in recent saves:
+        """How to encode the changed chunks of tensor ``path``, from how chunks of its role fared in recent saves:
         ``"delta"`` when deltas almost always won, ``"alone"`` when they almost never did, else ``"both"``
-        (the encoder tries both and keeps the smaller). Saves a second compression per chunk."""
-        won, tried = self._delta_stats.get(path, (0, 0))
+        (the encoder tries both and keeps the smaller). Saves a second compression per chunk.
+
+        The statistics are kept per role, not per tensor (:func:`_role`: ``optimizer.state.7.exp_avg`` and
+        ``optimizer.state.9.exp_avg`` share theirs): most tensors of a model have only a few chunks and would
+        otherwise take many saves to leave ``"both"``, while tensors of one role change alike."""
+        won, tried = self._delta_stats.get(_role(path), (0, 0))
         if tried < 8:
             return "both"
         if won >= 0.95 * tried:
@@ -588,10 +597,11 @@ class Store:
         return "both"
 
     def _count_delta(self, path: str, won: bool) -> None:
-        w, t = self._delta_stats.get(path, (0, 0))
+        role = _role(path)
+        w, t = self._delta_stats.get(role, (0, 0))
         if t >= 64:  # a moving window: training changes how well deltas do
             w, t = w // 2, t // 2
-        self._delta_stats[path] = (w + int(won), t + 1)
+        self._delta_stats[role] = (w + int(won), t + 1)
 
     def _encode(self, view: memoryview, key: bytes, width: int, base_key: bytes | None, mode: str = "both") -> bytes:
         base = None
@@ -849,6 +859,15 @@ class Store:
         from deltackpt import maintenance
 
         return maintenance.repair(self, **kwargs)
+
+
+_INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])")
+
+
+def _role(path: str) -> str:
+    """A tensor's key path with its numeric parts (layer and parameter indices) replaced by ``#``:
+    ``model.blocks.3.attn.weight`` -> ``model.blocks.#.attn.weight``."""
+    return _INDEX_PART.sub("#", path)
 
 
 def _kid(key: bytes) -> str:
