@@ -21,9 +21,8 @@ import re
 import struct
 import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from deltackpt import codec
 from deltackpt.errors import CorruptChunkError, CorruptionError, DeltackptError, FormatVersionError
@@ -166,23 +165,6 @@ class PackReader:
                 f"pack {pack_id} is truncated: frame at offset {offset} needs {length} bytes, got {len(data)}"
             )
         return data
-
-    def will_need(self, ranges: Iterable[tuple[str, int, int]]) -> None:
-        """Hint that the frames at ``(pack_id, offset, length)`` will be read soon: the kernel starts reading them
-        in the background (``POSIX_FADV_WILLNEED``), adjacent ranges merged. Missing packs are left to
-        :meth:`read` to report."""
-        merged: list[list[Any]] = []
-        for pack_id, offset, length in sorted(ranges):
-            last = merged[-1] if merged else None
-            if last is not None and last[0] == pack_id and offset <= last[1] + last[2]:
-                last[2] = max(last[2], offset + length - last[1])
-            else:
-                merged.append([pack_id, offset, length])
-        for pack_id, offset, length in merged:
-            try:
-                os.posix_fadvise(self._fd(pack_id), offset, length, os.POSIX_FADV_WILLNEED)
-            except (CorruptionError, OSError):
-                pass
 
     def forget(self, pack_id: str) -> None:
         with self._lock:

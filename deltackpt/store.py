@@ -758,7 +758,7 @@ class Store:
                 raise CorruptChunkError(
                     "chunk is not in the index", chunk_id=_kid(k), checkpoint=m.id, key=t.key
                 )
-        chains = self._prefetch(locs)
+        chains = self._base_locations(locs)
         futures = [
             (t, k, self.read_pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify, bases=chains))
             for t, k, view in work
@@ -776,27 +776,21 @@ class Store:
         if first_error is not None:
             raise first_error
 
-    def _prefetch(self, locs: dict[bytes, ChunkLoc]) -> dict[bytes, ChunkLoc]:
-        """Look up the delta bases of ``locs`` (all levels) and ask the kernel to start reading every frame a
-        load of them needs, in file order (a cold load then reads at the disk's pace, not one frame per worker at
-        a time). Returns the bases' locations."""
+    def _base_locations(self, locs: dict[bytes, ChunkLoc]) -> dict[bytes, ChunkLoc]:
+        """The index entries of every delta base that decoding ``locs`` needs (all levels), looked up in one
+        batch per level instead of once per frame by the decoding workers."""
         bases: dict[bytes, ChunkLoc] = {}
         level = locs
-        ranges = []
         for _ in range(codec.MAX_CHAIN_FRAMES):
-            want = set()
-            for k, loc in level.items():
-                ranges.append((loc.pack_id, loc.offset, loc.frame_len))
-                if loc.codec == codec.DELTA:
-                    bk = loc.base + k[16:]
-                    if bk not in bases and bk not in locs:
-                        want.add(bk)
+            want = {
+                loc.base + k[16:]
+                for k, loc in level.items()
+                if loc.codec == codec.DELTA and loc.base + k[16:] not in bases and loc.base + k[16:] not in locs
+            }
             if not want:
                 break
             level = self.index.lookup_chunks(want)
             bases.update(level)
-        # The hint blocks while the kernel queues the reads: off the critical path, decoding starts at once.
-        threading.Thread(target=self.reader.will_need, args=(ranges,), name="deltackpt-prefetch", daemon=True).start()
         return bases
 
     def read_chunk(
