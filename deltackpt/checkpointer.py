@@ -321,15 +321,16 @@ class Checkpointer:
     def step(self, step: int) -> bool:
         """Tell the checkpointer that ``step`` steps are complete; save if due. Returns True if a save started.
 
-        Raises the error of a failed background save. After a SIGTERM/SIGINT it saves (whatever the interval),
-        waits for the save, then passes the signal on.
+        Raises the error of a failed background save. After a SIGTERM/SIGINT it saves (whatever the interval;
+        a keyframe save, so that the restart restores from one frame per chunk), waits for the save, then
+        passes the signal on.
         """
         self._raise_background_error()
         if self._signal is not None:
             if step == self.last_saved_step:
                 self.wait()  # this step's save is already under way
             else:
-                self.save(step, wait=True)
+                self.save(step, wait=True, keyframe=True)
             self._pass_signal_on()
             return True
         if step % self.every_n_steps == 0 and step != self.last_saved_step:
@@ -337,24 +338,27 @@ class Checkpointer:
             return True
         return False
 
-    def save(self, step: int, *, wait: bool = False, metadata: Mapping[str, Any] | None = None) -> None:
-        """Save now. Async mode snapshots and returns; ``wait=True`` (or sync mode) returns once committed."""
+    def save(
+        self, step: int, *, wait: bool = False, metadata: Mapping[str, Any] | None = None, keyframe: bool = False
+    ) -> None:
+        """Save now. Async mode snapshots and returns; ``wait=True`` (or sync mode) returns once committed.
+        ``keyframe`` as for :meth:`Store.save`."""
         self._check_open()
         self._raise_background_error()
         self.wait()  # at most one save in flight: the staging buffers are about to be rewritten
         state = self.capture(step)
         meta = dict(metadata) if metadata else None
         if self._executor is None:
-            self._run_save(state, step, meta)
+            self._run_save(state, step, meta, keyframe)
         else:
             snap = self._staging.snapshot(state)
-            self._inflight = self._executor.submit(self._run_save, snap, step, meta)
+            self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe)
             if wait:
                 self.wait()
         self.last_saved_step = step
 
-    def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None) -> CheckpointInfo:
-        info = self.store.save(state, step=step, metadata=meta)
+    def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None, keyframe: bool = False) -> CheckpointInfo:
+        info = self.store.save(state, step=step, metadata=meta, keyframe=keyframe)
         self.last_info = info
         if self.retention is not None:
             self._apply_retention()

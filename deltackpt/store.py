@@ -370,6 +370,7 @@ class Store:
         *,
         parent: str | None = None,
         allow_pickle: bool = False,
+        keyframe: bool = False,
         _replace: Record | None = None,
     ) -> CheckpointInfo:
         """Durably store ``state`` as a checkpoint at ``step`` and return its info.
@@ -378,8 +379,10 @@ class Store:
         tensor that the parent checkpoint also holds (same key, dtype and shape) may be stored as an XOR delta
         against the parent's chunk. When this returns the checkpoint survives a crash. ``parent`` (a
         checkpoint id) is the lineage and delta parent; by default the checkpoint this handle last saved or
-        loaded, else the latest one. Raises UnsupportedTypeError (a TypeError naming the key path) before
-        writing anything if the state holds something that cannot be stored.
+        loaded, else the latest one. ``keyframe=True`` stores every new chunk standalone (no deltas), so the
+        changed tensors of this checkpoint restore from one frame per chunk: for the last save before a
+        planned stop. Raises UnsupportedTypeError (a TypeError naming the key path) before writing anything if
+        the state holds something that cannot be stored.
         """
         step = _check_step(step)
         skeleton, leaves = tree.flatten(state, allow_pickle=allow_pickle)
@@ -397,7 +400,7 @@ class Store:
                     parent = latest.id if latest is not None else None
             elif _replace is None and self.index.get(id=parent) is None:
                 raise CheckpointNotFoundError(f"parent checkpoint {parent} is not in {self.path}")
-            use_delta = parent is not None and self.max_chain > 0 and _replace is None
+            use_delta = parent is not None and self.max_chain > 0 and _replace is None and not keyframe
             pm = self._parent_manifest(parent) if use_delta else None
             generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0
             entries, digests, flags, new_locs, written = self._write_leaves(leaves, pm, generation)

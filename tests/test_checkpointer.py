@@ -737,3 +737,32 @@ def test_restore_on_an_empty_store_returns_zero(fast_dir: Path) -> None:
         assert_bitwise(before, model.state_dict())
         with pytest.raises(deltackpt.CheckpointNotFoundError):
             ckpt.restore(step=3)
+
+
+def test_signal_save_is_a_keyframe(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save made at the step boundary after SIGTERM stores its chunks standalone, so the restarted run
+    restores from one frame per chunk. (The process-level SIGTERM path is tested above; here the handler's
+    hand-off is replaced so the test process survives.)"""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, every_n_steps=1, handle_signals=False)
+    passed: list[int] = []
+    monkeypatch.setattr(ckpt, "_pass_signal_on", lambda: passed.append(1))
+    for step in (1, 2, 3):
+        model(torch.randn(4, 256)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 3:
+            ckpt._signal = signal.SIGTERM  # what the handler records
+        ckpt.step(step)
+    ckpt.close()
+    assert passed == [1]
+    with Store(fast_dir / "store") as s:
+        def delta_frames(step: int) -> int:
+            m = s.manifest(step)
+            keys = [dg + ln.to_bytes(4, "big") for t in m.tensors for _, dg, ln in m.chunk_keys(t)]
+            return sum(loc.codec == deltackpt.codec.DELTA for loc in s.index.lookup_chunks(keys).values())
+
+        assert delta_frames(2) > 0, "an ordinary save of changed weights takes deltas"
+        assert delta_frames(3) == 0

@@ -331,3 +331,31 @@ def test_delta_statistics_are_shared_by_tensor_role(store_path: Path) -> None:
             s.save(state, step=step)
         assert s._delta_mode("blocks.5.w") == "delta"  # 24 one-chunk tensors, one role
         assert_same_state(state, s.load(2))
+
+
+def test_keyframe_save_writes_no_deltas(store_path: Path) -> None:
+    """``save(keyframe=True)`` stores every new chunk standalone (what a restart after a planned stop wants);
+    the saves after it take deltas against it again."""
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.standard_normal(4 * SMALL_CHUNK // 4, dtype=np.float32))
+
+    def nudge() -> None:
+        x.view(torch.int32).bitwise_xor_(torch.randint(0, 64, x.shape, dtype=torch.int32))
+
+    def codecs(info: deltackpt.CheckpointInfo) -> set[int]:
+        m = s.manifest(id=info.id)
+        keys = [dg + ln.to_bytes(4, "big") for t in m.tensors for _, dg, ln in m.chunk_keys(t)]
+        return {loc.codec for loc in s.index.lookup_chunks(keys).values()}
+
+    with deltackpt.Store(store_path, chunk_size=SMALL_CHUNK) as s:
+        s.save({"x": x}, step=0)
+        nudge()
+        assert deltackpt.codec.DELTA in codecs(s.save({"x": x}, step=1))
+        nudge()
+        kf = s.save({"x": x}, step=2, keyframe=True)
+        assert deltackpt.codec.DELTA not in codecs(kf)
+        assert kf.parent == s.info(1).id  # lineage is kept
+        want = x.clone()
+        nudge()
+        assert deltackpt.codec.DELTA in codecs(s.save({"x": x}, step=3))
+        assert torch.equal(s.load(2)["x"], want) and torch.equal(s.load(3)["x"], x)
