@@ -664,7 +664,10 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
  * Frame decoding
  * ---------------------------------------------------------------------------------------------------------- */
 
-/* One thread's decoding state: a zstd context and a scratch buffer for byte planes, freed at thread exit. */
+/* One thread's decoding state: a zstd context and a scratch buffer for byte planes, freed at thread exit. A
+ * scratch buffer larger than DCK_SCRATCH_KEEP is freed after each call instead of kept (large chunk sizes would
+ * otherwise pin one chunk of memory per reading thread). */
+#define DCK_SCRATCH_KEEP ((size_t)16 * 1024 * 1024)
 struct dck_decoder {
     ZSTD_DCtx *dctx;
     uint8_t *scratch;
@@ -724,6 +727,16 @@ static struct dck_decoder *dck_decoder_get(size_t need)
     return d;
 }
 
+/* Contract: frees the scratch buffer of dec (NULL allowed) when it is larger than DCK_SCRATCH_KEEP. */
+static void dck_decoder_trim(struct dck_decoder *dec)
+{
+    if (dec != NULL && dec->cap > DCK_SCRATCH_KEEP) {
+        free(dec->scratch);
+        dec->scratch = NULL;
+        dec->cap = 0;
+    }
+}
+
 /* Contract: 1 when the checksum stored in frame[56..64) (little-endian) matches XXH3-64 over frame[0..56) followed
  * by frame[64..len); len >= DCK_FRAME_HEADER. */
 static int dck_frame_checksum_ok(const uint8_t *frame, size_t len)
@@ -755,6 +768,45 @@ static int dck_unzstd(ZSTD_DCtx *dctx, const uint8_t *src, size_t len, uint8_t *
     return 0;
 }
 
+/* Contract: the frame loop of dck_decode_frames (arguments validated by it): applies frames[0..n) to dst, setting
+ * *bad to the frame being applied; uses (and creates on first need) the thread's decoder, stored in *decp. */
+static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
+                            const int *widths, int n, uint8_t *dst, size_t raw_len, int *bad,
+                            struct dck_decoder **decp)
+{
+    int k, rc;
+
+    for (k = 0; k < n; k++) {
+        const uint8_t *payload = frames[k] + DCK_FRAME_HEADER;
+        size_t plen = frame_lens[k] - DCK_FRAME_HEADER;
+        int codec = codecs[k];
+
+        *bad = k;
+        if (!dck_frame_checksum_ok(frames[k], frame_lens[k]))
+            return DCK_ECHECKSUM;
+        if (codec == DCK_CODEC_RAW) {
+            if (plen != raw_len)
+                return DCK_EPAYLOAD;
+            if (raw_len > 0)
+                memcpy(dst, payload, raw_len);
+            continue;
+        }
+        if (*decp == NULL && (*decp = dck_decoder_get(raw_len > 0 ? raw_len : 1)) == NULL)
+            return DCK_ENOMEM;
+        if (codec == DCK_CODEC_ZSTD) {
+            if ((rc = dck_unzstd((*decp)->dctx, payload, plen, dst, raw_len)) != 0)
+                return rc;
+            continue;
+        }
+        if ((rc = dck_unzstd((*decp)->dctx, payload, plen, (*decp)->scratch, raw_len)) != 0)
+            return rc;
+        /* merge_planes XOR dst works in place: every 16-byte block of base is read before the same block of
+         * output is written (dck_stage_store, and the scalar loops index both identically). */
+        dck_planes((*decp)->scratch, codec == DCK_CODEC_DELTA ? dst : NULL, dst, raw_len, widths[k], 1, 1);
+    }
+    return 0;
+}
+
 int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs, const int *widths,
                       int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad)
 {
@@ -773,34 +825,10 @@ int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, co
             return DCK_EINVAL;
         }
     }
-    for (k = 0; k < n; k++) {
-        const uint8_t *payload = frames[k] + DCK_FRAME_HEADER;
-        size_t plen = frame_lens[k] - DCK_FRAME_HEADER;
-        int codec = codecs[k];
-
-        *bad = k;
-        if (!dck_frame_checksum_ok(frames[k], frame_lens[k]))
-            return DCK_ECHECKSUM;
-        if (codec == DCK_CODEC_RAW) {
-            if (plen != raw_len)
-                return DCK_EPAYLOAD;
-            if (raw_len > 0)
-                memcpy(dst, payload, raw_len);
-            continue;
-        }
-        if (dec == NULL && (dec = dck_decoder_get(raw_len > 0 ? raw_len : 1)) == NULL)
-            return DCK_ENOMEM;
-        if (codec == DCK_CODEC_ZSTD) {
-            if ((rc = dck_unzstd(dec->dctx, payload, plen, dst, raw_len)) != 0)
-                return rc;
-            continue;
-        }
-        if ((rc = dck_unzstd(dec->dctx, payload, plen, dec->scratch, raw_len)) != 0)
-            return rc;
-        /* merge_planes XOR dst works in place: every 16-byte block of base is read before the same block of
-         * output is written (dck_stage_store, and the scalar loops index both identically). */
-        dck_planes(dec->scratch, codec == DCK_CODEC_DELTA ? dst : NULL, dst, raw_len, widths[k], 1, 1);
-    }
+    rc = dck_apply_frames(frames, frame_lens, codecs, widths, n, dst, raw_len, bad, &dec);
+    dck_decoder_trim(dec);
+    if (rc != 0)
+        return rc;
     if (digest != NULL) {
         uint8_t got[DCK_DIGEST_SIZE];
         *bad = n;

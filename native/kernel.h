@@ -115,7 +115,8 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
 
 /*
  * Decode one chunk by applying n frames in order to dst, then check its digest. Single-threaded; safe to call
- * from many threads at once (each thread keeps its own zstd context and scratch buffer).
+ * from many threads at once (each thread keeps its own zstd context and a scratch buffer of raw_len bytes; a
+ * scratch buffer over 16 MiB is freed when the call returns).
  *
  * Inputs:  frames[k] points at frame k's bytes (header and payload), frame_lens[k] >= DCK_FRAME_HEADER + the
  *          payload length; codecs[k] and widths[k] (1, 2, 4 or 8) are the frame's header fields, which the caller

@@ -670,3 +670,16 @@ def test_decode_frames_threads_share_nothing() -> None:
     for t in threads:
         t.join()
     assert errors == []
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+def test_decode_frames_large_chunks_repeatedly(mod: types.ModuleType) -> None:
+    """Chunks above the 16 MiB the native decoder keeps as per-thread scratch (freed after each call): decoding
+    one, a small one, then the large one again gives the right bytes each time."""
+    big = _chain(2, (17 << 20) + 3, 4, 11)
+    small = _chain(2, 4096, 4, 12)
+    for frames, versions in (big, small, big):
+        codecs, ws = _fields(frames)
+        out = np.empty(len(versions[-1]), np.uint8)
+        assert mod.decode_frames(frames, codecs, ws, out, kernel.digest(versions[-1])) == (0, 0)
+        np.testing.assert_array_equal(out, versions[-1])
