@@ -1,8 +1,10 @@
 """The chunk codec: one chunk's raw bytes <-> one self-describing frame.
 
 Where it sits: ``save`` hands every chunk the store does not hold yet to :meth:`Encoder.encode`, which returns
-the frame appended to a pack; ``load`` reads a frame back and :func:`decode` turns it into the raw bytes (into a
-caller's buffer when one is given), verifying the frame checksum and, by default, the raw digest.
+the frame appended to a pack; ``load`` gives :func:`decode_chain` a way to fetch frames, and it reads the
+chunk's frame and those of its delta bases and turns them into the raw bytes (into a caller's buffer when one is
+given) in one kernel call, verifying every frame checksum and, by default, the raw digest. :func:`decode` does
+the same for one frame whose base the caller already holds.
 
 Frame layout (little-endian, 64-byte header, then the payload; see ``docs/format.md``)::
 
@@ -19,8 +21,8 @@ Frame layout (little-endian, 64-byte header, then the payload; see ``docs/format
     64  ..  payload
 
 Decoding never allocates more than the raw length the frame records, and that length must equal what the
-caller expects: a zstd payload whose declared content size differs is rejected before any allocation
-(python-zstandard's ``max_output_size`` does not cap a frame that declares its own size).
+caller expects: a zstd payload whose declared content size differs, or that holds more than one zstd frame, is
+rejected before anything is decompressed (see :func:`deltackpt.kernel.decode_frames`).
 """
 
 from __future__ import annotations
