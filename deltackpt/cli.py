@@ -19,7 +19,7 @@ from typing import Any
 import lmdb
 import torch
 
-from deltackpt import maintenance, manifest, tree
+from deltackpt import codec, maintenance, manifest, tree
 from deltackpt.errors import DeltackptError
 from deltackpt.store import Store
 
@@ -147,10 +147,18 @@ def cmd_du(args: argparse.Namespace) -> int:
         logical = sum(i.logical_bytes for i in infos)
         unique_raw = frames = 0
         n_chunks = 0
+        deltas = [0, 0, 0]  # delta frames: count, raw bytes, frame bytes
+        deepest = 0
         for k, loc in s.index.iter_chunks():
-            unique_raw += int.from_bytes(k[16:], "big")
+            raw = int.from_bytes(k[16:], "big")
+            unique_raw += raw
             frames += loc.frame_len
             n_chunks += 1
+            if loc.codec == codec.DELTA:
+                deltas[0] += 1
+                deltas[1] += raw
+                deltas[2] += loc.frame_len
+                deepest = max(deepest, loc.depth)
         packs_bytes = sum(p.stat().st_size for p in (s.path / "packs").glob("*.pack"))
         man_bytes = sum(p.stat().st_size for p in (s.path / "manifests").glob("*.manifest"))
         on_disk = packs_bytes + man_bytes
@@ -163,6 +171,9 @@ def cmd_du(args: argparse.Namespace) -> int:
             ("dedup ratio (logical / unique)", f"{logical / unique_raw:.2f}x" if unique_raw else "-"),
             ("compression ratio (unique / stored)", f"{unique_raw / frames:.2f}x" if frames else "-"),
             ("overall (logical / on disk)", f"{logical / on_disk:.2f}x" if on_disk else "-"),
+            ("delta frames (of all chunks)", f"{deltas[0]} of {n_chunks}, {human(deltas[2])} for {human(deltas[1])} raw"
+             + (f" ({deltas[1] / deltas[2]:.2f}x)" if deltas[2] else "")),
+            ("longest delta chain (frames a chunk's decode reads)", str(deepest + 1) if n_chunks else "-"),
             ("reclaimable by gc (packs - live frames)", human(max(0, packs_bytes - frames))),
         ]
         print(table(rows, ["", ""]))

@@ -226,6 +226,25 @@ def test_du_counts_and_ratios(capsys: pytest.CaptureFixture[str], store_path: Pa
     on_disk += sum(p.stat().st_size for p in (store_path / "manifests").glob("*.manifest"))
     assert du["overall (logical / on disk)"] == f"{9 * CS / on_disk:.2f}x"
     assert "reclaimable by gc (packs - live frames)" in du
+    assert du["delta frames (of all chunks)"].startswith("0 of 3,")
+    assert du["longest delta chain (frames a chunk's decode reads)"] == "1"
+
+
+def test_du_reports_delta_frames(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4 * CS // 4, generator=gen)
+    with open_store(store_path) as s:
+        for step in range(4):
+            s.save({"x": x}, step=step)
+            x.view(torch.int32).bitwise_xor_(torch.randint(0, 256, x.shape, dtype=torch.int32, generator=gen))
+        locs = [loc for _, loc in s.index.iter_chunks()]
+    n_delta = sum(loc.codec == deltackpt.codec.DELTA for loc in locs)
+    assert n_delta > 0
+    rc, out, _ = cli(capsys, "du", store_path)
+    du = _du(out)
+    assert rc == 0
+    assert du["delta frames (of all chunks)"].startswith(f"{n_delta} of {len(locs)},")
+    assert du["longest delta chain (frames a chunk's decode reads)"] == str(max(loc.depth for loc in locs) + 1)
 
 
 def test_du_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
@@ -236,6 +255,7 @@ def test_du_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) ->
     assert du["checkpoints"] == "0"
     assert du["dedup ratio (logical / unique)"] == "-"
     assert du["compression ratio (unique / stored)"] == "-"
+    assert du["longest delta chain (frames a chunk's decode reads)"] == "-"
 
 
 # -- verify ------------------------------------------------------------------------------------------------
