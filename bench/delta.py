@@ -19,7 +19,6 @@ CPU cost of decoding against torch.load's).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
@@ -30,18 +29,8 @@ import torch
 
 import deltackpt
 from bench.models import GPT, GPTConfig
+from bench.util import evict
 from deltackpt import config
-
-
-def _drop_cache(root: Path) -> None:
-    for p in root.rglob("*"):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _category(key: str) -> str:
@@ -105,7 +94,7 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
             times = []
             for _ in range(3):
                 if drop:
-                    _drop_cache(root)
+                    evict(root)
                 t0 = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t0)

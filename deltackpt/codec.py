@@ -231,9 +231,9 @@ def decode(
     Raises :class:`CorruptChunkError` for any damage.
     """
     h = _parse(frame, expect_digest, expect_len, where)
-    dest = _dest(out, h.raw_len, chunk_hex(h.digest, h.raw_len))
+    cid = chunk_hex(h.digest, h.raw_len)
+    dest = _dest(out, h.raw_len, cid)
     if h.codec == DELTA:
-        cid = chunk_hex(h.digest, h.raw_len)
         if base is None:
             raise ValueError(f"delta chunk {cid} needs its base {chunk_hex(h.base, h.raw_len)}")
         base = memoryview(base).cast("B")
@@ -304,13 +304,12 @@ def _parse(frame: bytes | memoryview, digest: bytes | None, raw_len: int | None,
     reported as a checksum mismatch (damage), not as a newer format or another chunk."""
     try:
         h = parse_header(frame, where=where)
-        if digest is not None and h.digest != digest or raw_len is not None and h.raw_len != raw_len:
-            raise CorruptChunkError("identity")
-        if len(frame) < h.frame_len:
-            raise CorruptChunkError("truncated")
     except (CorruptChunkError, FormatVersionError):
-        check_frame(frame, expect_digest=digest, expect_len=raw_len, where=where)  # raises the precise error
+        check_frame(frame, expect_digest=digest, expect_len=raw_len, where=where)  # checksum first
         raise
+    wrong = (digest is not None and h.digest != digest) or (raw_len is not None and h.raw_len != raw_len)
+    if wrong or len(frame) < h.frame_len:
+        check_frame(frame, expect_digest=digest, expect_len=raw_len, where=where)  # raises the precise error
     return h
 
 

@@ -102,6 +102,17 @@ def pack_files(store_path: Path) -> list[Path]:
     return sorted((store_path / "packs").glob("*.pack"))
 
 
+def _seen_before(orig: Any, loaded: Any, memo: dict[int, Any], where: str) -> bool:
+    """Aliasing check of assert_same_state: True when ``orig`` was met already (and ``loaded`` is the object it
+    came back as then); otherwise records the pair, after checking ``loaded`` is no other original's copy."""
+    if id(orig) in memo:
+        assert memo[id(orig)] is loaded, f"{where}: aliasing lost"
+        return True
+    assert all(v is not loaded for v in memo.values()), f"{where}: distinct objects came back as one"
+    memo[id(orig)] = loaded
+    return False
+
+
 def assert_same_state(orig: Any, loaded: Any, memo: dict[int, Any] | None = None, path: str = "") -> None:
     """Structure, types, dtypes, shapes and bits of ``loaded`` equal those of ``orig``.
 
@@ -113,11 +124,8 @@ def assert_same_state(orig: Any, loaded: Any, memo: dict[int, Any] | None = None
     where = path or "<root>"
     assert type(loaded) is type(orig), f"{where}: type {type(loaded)} != {type(orig)}"
     if isinstance(orig, torch.Tensor):
-        if id(orig) in memo:
-            assert memo[id(orig)] is loaded, f"{where}: aliasing lost"
+        if _seen_before(orig, loaded, memo, where):
             return
-        assert all(v is not loaded for v in memo.values()), f"{where}: distinct tensors came back as one"
-        memo[id(orig)] = loaded
         assert loaded.dtype == orig.dtype, f"{where}: dtype {loaded.dtype} != {orig.dtype}"
         assert loaded.shape == orig.shape, f"{where}: shape {loaded.shape} != {orig.shape}"
         assert loaded.device.type == "cpu"
@@ -126,11 +134,8 @@ def assert_same_state(orig: Any, loaded: Any, memo: dict[int, Any] | None = None
         assert tensor_bytes(loaded) == tensor_bytes(orig), f"{where}: bits differ"
         return
     if isinstance(orig, np.ndarray):
-        if id(orig) in memo:
-            assert memo[id(orig)] is loaded, f"{where}: aliasing lost"
+        if _seen_before(orig, loaded, memo, where):
             return
-        assert all(v is not loaded for v in memo.values()), f"{where}: distinct arrays came back as one"
-        memo[id(orig)] = loaded
         assert loaded.dtype == orig.dtype, f"{where}: dtype {loaded.dtype} != {orig.dtype}"
         assert loaded.dtype.str == orig.dtype.str, f"{where}: byte order {loaded.dtype.str}"
         assert loaded.shape == orig.shape, f"{where}: shape {loaded.shape} != {orig.shape}"
