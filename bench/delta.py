@@ -2,13 +2,15 @@
 
 ``python -m bench.delta [--saves 20] [--small] [--every 1,10] [--max-chain K]`` trains the suite's GPT (52.6M
 fp32 parameters; ``--small``: 1.7M) with AdamW (lr 1e-4, weight decay 0.1) on random token ids and saves the
-full training state into two stores after every step (``Store(max_chain=0)``: dedup + byte planes + zstd;
-``Store(max_chain=K)``, by default the store's default: deltas too), then does the same saving every 10 steps.
-For each save it reports bytes relative to ``torch.save`` of the same state for
+full training state into three stores after every step (``Store(max_chain=0)``: dedup + byte planes + zstd;
+``Store(max_chain=K, predict=False)``: XOR deltas too; ``Store(max_chain=K)``, by default the store's default:
+predicted frames too), then does the same saving every 10 steps. For each save it reports bytes relative to
+``torch.save`` of the same state for
 
 - dedup: the raw bytes of chunks no earlier checkpoint holds (what an uncompressed dedup store writes),
 - planes: what ``Store(max_chain=0)`` writes (dedup, then byte planes + zstd),
-- delta: what ``Store()`` writes (XOR against the parent's chunk when smaller),
+- xor: what ``Store(predict=False)`` writes (XOR against the parent's chunk when smaller),
+- predicted: what ``Store()`` writes (AdamW second moments and weights as residuals of a prediction),
 
 split by where the bytes go (weights, exp_avg, exp_avg_sq), and the restore time of the newest and the
 oldest checkpoint against ``torch.load`` of a ``.pt`` file, with the page cache dropped before each load (what a
@@ -44,7 +46,8 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     planes = deltackpt.Store(root / "planes", max_chain=0)
-    delta = deltackpt.Store(root / "delta", max_chain=max_chain)
+    xor = deltackpt.Store(root / "xor", max_chain=max_chain, predict=False)
+    delta = deltackpt.Store(root / "delta", max_chain=max_chain, predict=True)
     seen: set[bytes] = set()
     rows = []
     torch_sizes = []
@@ -61,12 +64,15 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
         torch_bytes = pt.stat().st_size
         torch_sizes.append(torch_bytes)
         ip = planes.save(state, step=n)
+        ix = xor.save(state, step=n)
+        t0 = time.perf_counter()
         idl = delta.save(state, step=n)
-        mp, md = planes.manifest(id=ip.id), delta.manifest(id=idl.id)
+        save_s = time.perf_counter() - t0
+        mp, mx, md = planes.manifest(id=ip.id), xor.manifest(id=ix.id), delta.manifest(id=idl.id)
         by = {}
-        for tp, td in zip(mp.tensors, md.tensors):
+        for tp, tx, td in zip(mp.tensors, mx.tensors, md.tensors):
             cat = _category(tp.key)
-            b = by.setdefault(cat, [0, 0, 0, 0])
+            b = by.setdefault(cat, [0, 0, 0, 0, 0])
             b[0] += tp.nbytes
             for _, dg, ln in mp.chunk_keys(tp):
                 k = dg + ln.to_bytes(4, "big")
@@ -74,20 +80,24 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
                     b[1] += ln
                     seen.add(k)
             b[2] += tp.written
-            b[3] += td.written
+            b[3] += tx.written
+            b[4] += td.written
         rows.append({"save": n, "torch": torch_bytes, "dedup": sum(v[1] for v in by.values()),
-                     "planes": ip.written_bytes, "delta": idl.written_bytes, "by": by})
+                     "planes": ip.written_bytes, "xor": ix.written_bytes, "predicted": idl.written_bytes, "by": by})
         print(f"  save {n:2d}: torch.save {torch_bytes / 1e6:.1f} MB; dedup {rows[-1]['dedup'] / torch_bytes:.3f}, "
-              f"planes {ip.written_bytes / torch_bytes:.3f}, delta {idl.written_bytes / torch_bytes:.3f}", flush=True)
+              f"planes {ip.written_bytes / torch_bytes:.3f}, xor {ix.written_bytes / torch_bytes:.3f}, "
+              f"predicted {idl.written_bytes / torch_bytes:.3f} (saved in {save_s:.2f} s)", flush=True)
     infos = delta.list()
-    planes.close()
-    delta.close()
+    xor_infos = xor.list()
+    for s in (planes, xor, delta):
+        s.close()
     loads: dict[str, float] = {}
     warm: dict[str, float] = {}
     for name, fn in (
         ("torch.load", lambda: torch.load(root / "state.pt", weights_only=True)),
-        ("delta newest", lambda: _load(root / "delta", infos[-1].id)),
-        ("delta oldest", lambda: _load(root / "delta", infos[0].id)),
+        ("predicted newest", lambda: _load(root / "delta", infos[-1].id)),
+        ("predicted oldest", lambda: _load(root / "delta", infos[0].id)),
+        ("xor newest", lambda: _load(root / "xor", xor_infos[-1].id)),
         ("planes newest", lambda: _load(root / "planes", None)),
     ):
         for table, drop in ((loads, True), (warm, False)):
@@ -127,14 +137,14 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
         steady = res["rows"][1:]  # the first save has no parent
         tb = sum(r["torch"] for r in steady)
-        print(f"\n| every {every} | dedup | byte planes | delta |\n|---|---:|---:|---:|")
+        print(f"\n| every {every} | dedup | byte planes | xor delta | predicted |\n|---|---:|---:|---:|---:|")
         print(f"| all state, saves 2-{args.saves} | " + " | ".join(
-            f"{sum(r[k] for r in steady) / tb:.3f}" for k in ("dedup", "planes", "delta")) + " |")
+            f"{sum(r[k] for r in steady) / tb:.3f}" for k in ("dedup", "planes", "xor", "predicted")) + " |")
         for cat in ("weights", "exp_avg", "exp_avg_sq"):
             logical = sum(r["by"][cat][0] for r in steady if cat in r["by"])
             if logical:
                 print(f"| {cat} | " + " | ".join(
-                    f"{sum(r['by'][cat][i] for r in steady) / logical:.3f}" for i in (1, 2, 3)) + " |")
+                    f"{sum(r['by'][cat][i] for r in steady) / logical:.3f}" for i in (1, 2, 3, 4)) + " |")
         print("\nrestore (page cache dropped, median of 3): " + ", ".join(
             f"{k} {v:.2f} s" for k, v in res["loads"].items()))
         print("restore (page cache warm, median of 3): " + ", ".join(

@@ -108,7 +108,7 @@ def merge_planes_xor(
 ECHECKSUM = -2
 EPAYLOAD = -3
 EDIGEST = -4
-_CODECS = (0, 1, 2, 3)  # raw, zstd, planes+zstd, delta
+_CODECS = (0, 1, 2, 3, 4)  # raw, zstd, planes+zstd, delta, predicted
 _HEADER, _CHECKED = 64, 56
 _WINDOW_MAX = 1 << 27
 
@@ -139,8 +139,8 @@ def decode_frames(
     if digest is not None and len(digest) != DIGEST_SIZE:
         raise ValueError(f"digest must have 16 bytes, got {len(digest)}")
     views = [memoryview(_as_u8(f)) for f in frames]
-    for v, c, w in zip(views, codecs, widths):
-        if len(v) < _HEADER or c not in _CODECS or w not in (1, 2, 4, 8):
+    for k, (v, c, w) in enumerate(zip(views, codecs, widths)):
+        if len(v) < _HEADER or c not in _CODECS or w not in (1, 2, 4, 8) or (c == 4 and k != 0):
             raise ValueError("deltackpt kernel: invalid argument")
     raw_len = len(dst)
     for k, (v, c, w) in enumerate(zip(views, codecs, widths)):
@@ -154,6 +154,11 @@ def decode_frames(
                 return EPAYLOAD, k
             dst[:] = np.frombuffer(payload, dtype=np.uint8)
             continue
+        if c == 4:  # skip the prediction record (u32 length, record); dst holds the prediction
+            rec = int.from_bytes(payload[:4], "little") if len(payload) >= 4 else -1
+            if rec < 0 or rec > len(payload) - 4:
+                return EPAYLOAD, k
+            payload = payload[4 + rec :]
         data = _unzstd(payload, raw_len)
         if data is None:
             return EPAYLOAD, k

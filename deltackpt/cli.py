@@ -148,16 +148,18 @@ def cmd_du(args: argparse.Namespace) -> int:
         unique_raw = frames = 0
         n_chunks = 0
         deltas = [0, 0, 0]  # delta frames: count, raw bytes, frame bytes
+        predicted = [0, 0, 0]  # predicted frames: the same
         deepest = 0
         for k, loc in s.index.iter_chunks():
             raw = int.from_bytes(k[16:], "big")
             unique_raw += raw
             frames += loc.frame_len
             n_chunks += 1
-            if loc.codec == codec.DELTA:
-                deltas[0] += 1
-                deltas[1] += raw
-                deltas[2] += loc.frame_len
+            if loc.codec in codec.BASED:
+                row = deltas if loc.codec == codec.DELTA else predicted
+                row[0] += 1
+                row[1] += raw
+                row[2] += loc.frame_len
                 deepest = max(deepest, loc.depth)
         packs_bytes = sum(p.stat().st_size for p in (s.path / "packs").glob("*.pack"))
         man_bytes = sum(p.stat().st_size for p in (s.path / "manifests").glob("*.manifest"))
@@ -173,7 +175,10 @@ def cmd_du(args: argparse.Namespace) -> int:
             ("overall (logical / on disk)", f"{logical / on_disk:.2f}x" if on_disk else "-"),
             ("delta frames (of all chunks)", f"{deltas[0]} of {n_chunks}, {human(deltas[2])} for {human(deltas[1])} raw"
              + (f" ({deltas[1] / deltas[2]:.2f}x)" if deltas[2] else "")),
-            ("longest delta chain (frames a chunk's decode reads)", str(deepest + 1) if n_chunks else "-"),
+            ("predicted frames (of all chunks)",
+             f"{predicted[0]} of {n_chunks}, {human(predicted[2])} for {human(predicted[1])} raw"
+             + (f" ({predicted[1] / predicted[2]:.2f}x)" if predicted[2] else "")),
+            ("deepest chain (generations a chunk's decode reads)", str(deepest + 1) if n_chunks else "-"),
             ("reclaimable by gc (packs - live frames)", human(max(0, packs_bytes - frames))),
         ]
         print(table(rows, ["", ""]))

@@ -9,16 +9,17 @@ the same for one frame whose base the caller already holds.
 Frame layout (little-endian, 64-byte header, then the payload; see ``docs/format.md``)::
 
     0   4   magic b"DCKF"
-    4   1   format version (1)
-    5   1   codec id (0 raw, 1 zstd, 2 planes+zstd, 3 xor-delta+planes+zstd)
+    4   1   format version (1; 2 for codec 4, which version-1 readers cannot decode)
+    5   1   codec id (0 raw, 1 zstd, 2 planes+zstd, 3 xor-delta+planes+zstd, 4 predicted)
     6   1   element width (1, 2, 4, 8)
     7   1   flags (0; readers reject other values)
     8   8   raw length
     16  8   stored (payload) length
     24  16  raw digest: canonical XXH3-128 of the raw bytes (the chunk id with the raw length)
-    40  16  base digest: for codec 3 the id of the base chunk (same raw length); zero otherwise
+    40  16  base digest: for codecs 3 and 4 the id of the base chunk (same raw length); zero otherwise
     56  8   checksum: XXH3-64 over header bytes 0..55 followed by the payload
-    64  ..  payload
+    64  ..  payload; for codec 4: u32 record length L, the prediction record (L bytes, see
+            :mod:`deltackpt.predict`), then zstd(byte planes(raw XOR prediction))
 
 Decoding never allocates more than the raw length the frame records, and that length must equal what the
 caller expects: a zstd payload whose declared content size differs, or that holds more than one zstd frame, is
@@ -35,11 +36,13 @@ import numpy as np
 import xxhash
 import zstandard
 
-from deltackpt import kernel
+from deltackpt import kernel, predict
 from deltackpt.errors import CorruptChunkError, FormatVersionError
 
 MAGIC = b"DCKF"
 FRAME_VERSION = 1
+#: the version byte of predicted frames (codec 4): a version-1 reader refuses them as a newer format
+PREDICTED_VERSION = 2
 HEADER = struct.Struct("<4sBBBBQQ16s16sQ")
 HEADER_SIZE = HEADER.size  # 64
 CHECKED = 56  # header bytes covered by the checksum (everything before it)
@@ -48,7 +51,10 @@ RAW = 0
 ZSTD = 1
 PLANES_ZSTD = 2
 DELTA = 3  # XOR with the base chunk, byte planes, zstd
-CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", PLANES_ZSTD: "planes+zstd", DELTA: "delta"}
+PREDICTED = 4  # XOR with a prediction from the base and referenced chunks, byte planes, zstd
+CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", PLANES_ZSTD: "planes+zstd", DELTA: "delta", PREDICTED: "predicted"}
+#: codecs whose frame names a base chunk
+BASED = (DELTA, PREDICTED)
 NO_BASE = bytes(16)
 #: Largest raw chunk a frame may declare; bounds any allocation a damaged frame could ask for.
 MAX_RAW = 1 << 31
@@ -89,7 +95,8 @@ def frame_checksum(header56: bytes | memoryview, payload: bytes | memoryview) ->
 
 
 def _frame(codec: int, width: int, raw_len: int, digest: bytes, base: bytes, payload: bytes) -> bytes:
-    head = HEADER.pack(MAGIC, FRAME_VERSION, codec, width, 0, raw_len, len(payload), digest, base, 0)
+    version = PREDICTED_VERSION if codec == PREDICTED else FRAME_VERSION
+    head = HEADER.pack(MAGIC, version, codec, width, 0, raw_len, len(payload), digest, base, 0)
     head56 = head[:CHECKED]
     return head56 + struct.pack("<Q", frame_checksum(head56, payload)) + payload
 
@@ -155,6 +162,22 @@ class Encoder:
             return _frame(RAW, width, n, digest, NO_BASE, bytes(raw))
         return _frame(best_codec, width, n, digest, base_id, best)
 
+    def encode_predicted(
+        self, raw: memoryview | bytes, digest: bytes, width: int, prediction: memoryview | np.ndarray,
+        base_digest: bytes, record: bytes,
+    ) -> bytes:
+        """Return the predicted frame (codec 4) of ``raw``: ``record`` (a packed
+        :class:`deltackpt.predict.Prediction` naming the referenced chunks) and the residual ``raw XOR
+        prediction`` in byte planes, zstd-compressed. ``prediction`` is what :func:`deltackpt.predict.predict`
+        computes from ``base_digest``'s chunk and the record's references; the caller decides whether the frame
+        beats the other encodings."""
+        raw = memoryview(raw).cast("B")
+        if len(raw) > MAX_RAW:
+            raise ValueError(f"chunk of {len(raw)} bytes exceeds the frame limit of {MAX_RAW}")
+        residual = self._cctx.compress(self._planes(raw, width, memoryview(prediction).cast("B")))
+        payload = struct.pack("<I", len(record)) + record + residual
+        return _frame(PREDICTED, width, len(raw), digest, base_digest, payload)
+
 
 def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameHeader:
     """Parse and sanity-check a frame header (not the checksum, which needs the payload)."""
@@ -163,15 +186,15 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
     magic, version, codec, width, flags, raw_len, stored_len, digest, base, checksum = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise CorruptChunkError(f"bad frame magic {bytes(magic)!r}{_at(where)}")
-    if version != FRAME_VERSION:
-        raise FormatVersionError(f"frame format version {version} is not supported (this reader: 1){_at(where)}")
-    if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0:
+    if version not in (FRAME_VERSION, PREDICTED_VERSION):
+        raise FormatVersionError(f"frame format version {version} is not supported (this reader: 1, 2){_at(where)}")
+    if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0 or (version == 2) != (codec == PREDICTED):
         raise CorruptChunkError(f"bad frame header (codec {codec}, width {width}, flags {flags}){_at(where)}")
     if raw_len > MAX_RAW or stored_len > MAX_RAW + 1024:
         raise CorruptChunkError(f"frame declares {raw_len} raw / {stored_len} stored bytes{_at(where)}")
     if codec == RAW and stored_len != raw_len:
         raise CorruptChunkError(f"raw frame stores {stored_len} bytes for {raw_len}{_at(where)}")
-    if (codec == DELTA) != (base != NO_BASE):
+    if (codec in BASED) != (base != NO_BASE):
         raise CorruptChunkError(f"frame base digest does not match its codec{_at(where)}")
     return FrameHeader(codec, width, raw_len, stored_len, bytes(digest), bytes(base), checksum)
 
@@ -233,6 +256,8 @@ def decode(
     h = _parse(frame, expect_digest, expect_len, where)
     cid = chunk_hex(h.digest, h.raw_len)
     dest = _dest(out, h.raw_len, cid)
+    if h.codec == PREDICTED:
+        raise ValueError(f"predicted chunk {cid} decodes with decode_chain (it needs its referenced chunks)")
     if h.codec == DELTA:
         if base is None:
             raise ValueError(f"delta chunk {cid} needs its base {chunk_hex(h.base, h.raw_len)}")
@@ -257,15 +282,20 @@ def decode_chain(
     *,
     out: memoryview | np.ndarray | None = None,
     verify: bool = True,
+    resolve: Callable[[bytes], memoryview | np.ndarray] | None = None,
 ) -> memoryview:
     """Decode the chunk ``(digest, raw_len)`` with its chain of delta bases; return its raw bytes.
 
     ``fetch(digest)`` returns the frame of the chunk with that digest (and ``raw_len``) and a description of where
     it lies, or raises :class:`CorruptChunkError`. The chunk's frame is fetched first, then its base's while the
-    frame is a delta, down to a keyframe; then the frames are applied oldest first in one kernel call
-    (:func:`deltackpt.kernel.decode_frames`: checksums, zstd, byte planes, XOR, and with ``verify`` the digest of
-    the result; the bases' own digests need no separate check, as any error in them changes the result).
-    Damage to a base frame is reported for this chunk, naming the base: ``its delta base <id> is damaged``.
+    frame is a delta, down to a keyframe or a predicted frame; then the frames are applied oldest first in one
+    kernel call (:func:`deltackpt.kernel.decode_frames`: checksums, zstd, byte planes, XOR, and with ``verify``
+    the digest of the result; the bases' own digests need no separate check, as any error in them changes the
+    result). A predicted frame at the bottom of the chain first has its checksum checked, then its prediction
+    computed (:func:`deltackpt.predict.predict`) from chunks that ``resolve(digest)`` decodes in full: its base
+    and its references. Damage to a base frame is reported for this chunk, naming the base: ``its delta base
+    <id> is damaged``; damage to a predicted frame's base or reference likewise, as ``its prediction input <id>
+    is damaged``.
     """
     cid = chunk_hex(digest, raw_len)
     frames: list[bytes | memoryview] = []
@@ -294,8 +324,46 @@ def decode_chain(
     frames.reverse()
     headers.reverse()
     wheres.reverse()
+    if headers[0].codec == PREDICTED:
+        _predict_into(frames[0], headers[0], wheres[0], dest, resolve, top=len(frames) == 1, cid=cid)
     _run(frames, headers, wheres, dest, verify)
     return memoryview(dest)
+
+
+def prediction_record(payload: bytes | memoryview, where: str | None = None) -> predict.Prediction:
+    """The prediction record at the start of a predicted frame's (checked) payload."""
+    n = int.from_bytes(payload[:4], "little") if len(payload) >= 4 else -1
+    if n < 0 or n > len(payload) - 4:
+        raise CorruptChunkError(f"predicted frame's record overruns its payload{_at(where)}")
+    try:
+        return predict.Prediction.unpack(payload[4 : 4 + n])
+    except CorruptChunkError as exc:
+        raise CorruptChunkError(f"{exc.reason}{_at(where)}") from None
+
+
+def _predict_into(frame: bytes | memoryview, h: FrameHeader, where: str | None, dest: np.ndarray,
+                  resolve: Callable[[bytes], memoryview | np.ndarray] | None, *, top: bool, cid: str) -> None:
+    """Put the prediction of the predicted frame ``frame`` into ``dest`` (its checksum is checked first, so a
+    damaged record is reported as damage, not as a missing reference)."""
+    own = chunk_hex(h.digest, h.raw_len)
+    try:
+        _, payload = check_frame(frame, expect_digest=h.digest, expect_len=h.raw_len, where=where)
+        rec = prediction_record(payload, where)
+    except CorruptChunkError as exc:
+        if top:
+            raise CorruptChunkError(exc.reason, chunk_id=cid) from None
+        raise CorruptChunkError(f"its delta base {own} is damaged: {exc.reason}", chunk_id=cid) from None
+    if resolve is None:
+        raise ValueError(f"predicted chunk {own} needs a resolver for the chunks it references")
+    inputs = []
+    for ref in (h.base, *rec.refs):
+        try:
+            inputs.append(resolve(ref))
+        except CorruptChunkError as exc:
+            raise CorruptChunkError(
+                f"its prediction input {chunk_hex(ref, h.raw_len)} is damaged: {exc.reason}", chunk_id=cid
+            ) from None
+    predict.predict(rec, inputs[0], inputs[1:], dest)
 
 
 def _parse(frame: bytes | memoryview, digest: bytes | None, raw_len: int | None, where: str | None) -> FrameHeader:

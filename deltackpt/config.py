@@ -13,6 +13,7 @@ read threads (loads, verify)      ``DELTACKPT_READ_THREADS``  4 x worker threads
 pack file roll-over size          ``DELTACKPT_PACK_SIZE``     1 GiB
 longest delta chain (0: no delta) ``DELTACKPT_MAX_CHAIN``     2
 delta base cache                  ``DELTACKPT_DELTA_CACHE``   1 GiB
+predicted frames (AdamW state)    ``DELTACKPT_PREDICT``       1 (on; 0 turns them off)
 allow the index on network FS     ``DELTACKPT_ALLOW_NETWORK_FS``  0
 ================================  ==========================  ==========================================
 """
@@ -74,6 +75,10 @@ def max_chain() -> int:
 
 def delta_cache_bytes() -> int:
     return _env_int("DELTACKPT_DELTA_CACHE", DEFAULT_DELTA_CACHE)
+
+
+def predict() -> bool:
+    return _env_int("DELTACKPT_PREDICT", 1) != 0
 
 
 def allow_network_fs() -> bool:

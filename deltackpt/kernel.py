@@ -31,7 +31,8 @@ Contract (both backends)
   ``merge_planes(src) XOR base``; ``base`` is as long as ``src``.
 - :func:`decode_frames` ``(frames, codecs, widths, out, digest=None) -> (status, bad)`` decodes one chunk:
   it applies whole frames (header + payload, see :mod:`deltackpt.codec`) in order to ``out`` (a keyframe
-  overwrites it, a delta frame XORs onto it, so ``out`` holds the base when the first frame is a delta) after
+  overwrites it, a delta frame XORs onto it, so ``out`` holds the base when the first frame is a delta; a
+  predicted frame, only ever the first, XORs its residual onto the prediction the caller put in ``out``) after
   checking each frame's checksum, then compares the result's digest with ``digest`` when given. ``status`` is
   0, or :data:`ECHECKSUM` / :data:`EPAYLOAD` (frame ``bad`` is damaged) or :data:`EDIGEST` (``bad == n``).
   Codecs and widths come from the caller's parsed headers. The native version runs one C call without the
@@ -47,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 #: Bumped whenever the native functions' signatures or semantics change; compiled into the extension.
-API_VERSION = 2
+API_VERSION = 3
 
 _NATIVE_SOURCES = ("kernel.c", "kernel.h", "_kernel.pyx")
 

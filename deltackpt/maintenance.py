@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 
 from deltackpt import codec, manifest, packs
-from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
+from deltackpt.errors import CheckpointNotFoundError, CorruptChunkError, CorruptionError, DeltackptError
 from deltackpt.index import ChunkLoc, Record, chunk_key
 
 if TYPE_CHECKING:
@@ -151,14 +151,19 @@ def _live_keys(store: Store, records: list[Record]) -> set[bytes]:
             continue  # deleted by another process since gc listed it: its chunks are not live
         # any other error (a damaged manifest) aborts gc: never free what it may reference
         live.update(k for _, k in _stored_chunks(m))
-    # delta bases of live chunks are live too (transitively)
+    # what live chunks reference is live too (transitively): delta bases, and the bases and inputs of predicted
+    # frames. A predicted frame whose record is damaged cannot be decoded, so what it names is no longer needed
+    # by it; a read error aborts gc.
     frontier = list(live)
     while frontier:
         locs = store.index.lookup_chunks(frontier)
         frontier = []
         for k, loc in locs.items():
-            if loc.codec == codec.DELTA:
-                b = loc.base + k[16:]
+            try:
+                refs = store.references(k, loc)
+            except CorruptChunkError:
+                continue
+            for b in refs:
                 if b not in live:
                     live.add(b)
                     frontier.append(b)
@@ -265,7 +270,7 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
             try:
                 for offset, h in packs.scan(path, damaged=damaged):
                     k = chunk_key(h.digest, h.raw_len)
-                    if k not in chunks or (chunks[k].codec == codec.DELTA and h.codec != codec.DELTA):
+                    if k not in chunks or (chunks[k].codec in codec.BASED and h.codec not in codec.BASED):
                         chunks[k] = ChunkLoc(path.stem, offset, h.frame_len, h.codec, 0, h.base)
             except (DeltackptError, OSError):
                 damaged.append(-1)
@@ -273,7 +278,14 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
                 report.damaged_packs.append(path.stem)
             if progress is not None:
                 progress(n, len(pack_paths))
-        _fix_depths(chunks)
+        refs: dict[bytes, list[bytes]] = {}
+        for k, loc in chunks.items():
+            if loc.codec in codec.BASED:
+                try:
+                    refs[k] = store.references(k, loc)
+                except (CorruptChunkError, OSError):
+                    refs[k] = [bytes(20)]  # an unreadable record: the entry is dropped below
+        _fix_depths(chunks, refs)
         records: list[Record] = []
         for p in sorted((store.path / "manifests").glob("*.manifest")):
             try:
@@ -299,8 +311,9 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
     return report
 
 
-def _fix_depths(chunks: dict[bytes, ChunkLoc]) -> None:
-    """Drop delta entries whose base is gone, and set each entry's chain depth."""
+def _fix_depths(chunks: dict[bytes, ChunkLoc], refs: dict[bytes, list[bytes]]) -> None:
+    """Drop entries that reference a chunk that is gone (delta bases, prediction inputs: ``refs``), and set each
+    entry's chain depth: 0 for a standalone frame, else one more than the deepest chunk it references."""
     depth: dict[bytes, int] = {}
 
     def resolve(k: bytes, seen: int = 0) -> int | None:
@@ -309,14 +322,14 @@ def _fix_depths(chunks: dict[bytes, ChunkLoc]) -> None:
         loc = chunks.get(k)
         if loc is None or seen > 64:
             return None
-        if loc.codec != codec.DELTA:
-            depth[k] = 0
-            return 0
-        d = resolve(loc.base + k[16:], seen + 1)
-        if d is None:
-            return None
-        depth[k] = d + 1
-        return d + 1
+        d = 0
+        for r in refs.get(k, ()):
+            rd = resolve(r, seen + 1)
+            if rd is None:
+                return None
+            d = max(d, rd + 1)
+        depth[k] = d
+        return d
 
     for k in list(chunks):
         d = resolve(k)

@@ -26,6 +26,7 @@ import re
 import secrets
 import threading
 import time
+import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -36,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltackpt import codec, config, kernel, manifest, tree
+from deltackpt import codec, config, kernel, manifest, predict, tree
 from deltackpt.cache import ChunkCache
 from deltackpt.errors import (
     CheckpointNotFoundError,
@@ -160,7 +161,9 @@ class Store:
     ``threads`` (worker threads for hashing, encoding and decoding), ``max_chain`` (the most delta frames a
     chunk's decode may read beyond its own; 0 turns deltas off) and ``delta_cache_bytes`` (raw bytes of the
     last save kept in memory as delta bases for the next one; bases not found there are decoded from disk) and
-    ``read_threads`` (workers for loads and verify; more than the CPUs, as cold reads wait on the disk).
+    ``read_threads`` (workers for loads and verify; more than the CPUs, as cold reads wait on the disk) and
+    ``predict`` (store changed AdamW second moments and parameters as predicted frames, on by default; see
+    :mod:`deltackpt.predict`).
     A Store may be used from several threads and shared with other processes on the same host; it must not
     be used across ``fork`` (open a new one in the child).
     """
@@ -177,6 +180,7 @@ class Store:
         max_chain: int | None = None,
         delta_cache_bytes: int | None = None,
         read_threads: int | None = None,
+        predict: bool | None = None,
     ) -> None:
         self.path = Path(path)
         allow = config.allow_network_fs() if allow_network_fs is None else allow_network_fs
@@ -205,6 +209,7 @@ class Store:
             raise ValueError(f"max_chain must be between 0 (no deltas) and 64, got {self.max_chain}")
         cache = config.delta_cache_bytes() if delta_cache_bytes is None else int(delta_cache_bytes)
         self._base_cache = ChunkCache(cache if self.max_chain else 0)
+        self.predict = config.predict() if predict is None else bool(predict)
         self._closed = False
 
     # -- layout -----------------------------------------------------------------------------------------
@@ -403,7 +408,8 @@ class Store:
             use_delta = parent is not None and self.max_chain > 0 and _replace is None and not keyframe
             pm = self._parent_manifest(parent) if use_delta else None
             generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0
-            entries, digests, flags, new_locs, written = self._write_leaves(leaves, pm, generation)
+            roles = predict.plan(state, leaves) if pm is not None and self.predict else {}
+            entries, digests, flags, new_locs, written = self._write_leaves(leaves, pm, generation, roles)
             self._writer.sync()  # 1. every new frame durable
             m = manifest.Manifest(
                 id=ckpt_id,
@@ -461,34 +467,65 @@ class Store:
         return None if rec is None else self._manifest(rec)
 
     def _write_leaves(
-        self, leaves: list[tree.Leaf], pm: manifest.Manifest | None, generation: int
+        self, leaves: list[tree.Leaf], pm: manifest.Manifest | None, generation: int,
+        roles: Mapping[str, predict.Role] | None = None,
     ) -> tuple[list[manifest.TensorEntry], np.ndarray, np.ndarray, dict[bytes, ChunkLoc], int]:
+        """Name every chunk of ``leaves``, encode and append the new ones; return the manifest's tensor entries,
+        digests and flags, the new chunks' locations and the bytes written.
+
+        Chunks are encoded on the worker pool as they are named, except those of tensors with a predictor role
+        (``roles``, from :func:`deltackpt.predict.plan`): they wait until every other chunk is written, so the
+        chain depth of the first-moment chunks they reference is known. The keyframe turns of a parameter and
+        of its second moment are aligned (both take the first moment's phase): their chains then have the same
+        depths, and each can be predicted whenever the other can.
+        """
         cs = self.chunk_size
         k_max = self.max_chain
+        roles = roles or {}
         parents = {t.key: t for t in pm.tensors} if pm is not None and pm.chunk_size == cs else {}
         entries: list[manifest.TensorEntry] = []
         all_digests: list[np.ndarray] = []
         all_flags: list[np.ndarray] = []
         new_locs: dict[bytes, ChunkLoc] = {}
         pending: set[bytes] = set()
-        inflight: collections.deque[tuple[Future[bytes], bytes, manifest.TensorEntry, int]] = collections.deque()
+        # (future, key, entry, depth if the frame is a delta, depth if it is a predicted frame)
+        inflight: collections.deque[tuple[Future[bytes], bytes, manifest.TensorEntry, int, int]] = collections.deque()
         limit = self.threads * _INFLIGHT_PER_THREAD
         written = 0
         first = 0
+        hosted: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # CPU leaves: (bytes, digests, zero)
+        deferred: list[tuple[tree.Leaf, manifest.TensorEntry, int, bytes, tuple[bytes, int]]] = []
 
         def drain(keep: int) -> None:
             nonlocal written
             while len(inflight) > keep:
-                fut, key, entry, base_depth = inflight.popleft()
+                fut, key, entry, delta_depth, pred_depth = inflight.popleft()
                 frame = fut.result()
                 pack_id, offset = self._writer.append(frame)
                 h = codec.parse_header(frame)
-                depth = base_depth + 1 if h.codec == codec.DELTA else 0
-                if base_depth >= 0 and h.codec != codec.RAW:  # a base was offered: did the delta win?
+                depth = {codec.DELTA: delta_depth, codec.PREDICTED: pred_depth}.get(h.codec, 0)
+                if delta_depth > 0 and h.codec not in (codec.RAW, codec.PREDICTED):  # did the offered delta win?
                     self._count_delta(entry.key, h.codec == codec.DELTA)
                 new_locs[key] = ChunkLoc(pack_id, offset, len(frame), h.codec, depth, h.base)
                 entry.written += len(frame)
                 written += len(frame)
+
+        def submit(leaf: tree.Leaf, entry: manifest.TensorEntry, i: int, k: bytes, base: tuple[bytes, int] | None,
+                   buf: np.ndarray, prediction: tuple[predict.Role, list[bytes], int] | None = None) -> None:
+            view = memoryview(buf)[i * cs : i * cs + min(cs, leaf.nbytes - i * cs)]
+            if prediction is not None:
+                assert base is not None
+                role, refs, pred_depth = prediction
+                m = hosted[role.m][0][i * cs : i * cs + len(view)]
+                fut = self.pool.submit(self._encode_predicted, view, k, leaf.width, base[0], role, refs, m)
+                inflight.append((fut, k, entry, base[1] + 1, pred_depth))
+            else:
+                # every 16th chunk of the checkpoint (counted across tensors, shifted by one each generation)
+                # tries both encodings, so the statistics behind the encoding mode stay current
+                mode = "both" if (entry.first + i + generation) % 16 == 0 else self._delta_mode(leaf.path)
+                fut = self.pool.submit(self._encode, view, k, leaf.width, base[0] if base else None, mode)
+                inflight.append((fut, k, entry, base[1] + 1 if base else 0, 0))
+            drain(limit)
 
         try:
             for leaf in leaves:
@@ -507,6 +544,8 @@ class Store:
                 entries.append(entry)
                 all_digests.append(digests)
                 all_flags.append(zero.astype(np.uint8))
+                if not on_device:
+                    hosted[leaf.path] = (buf, digests, zero)
                 todo = [
                     (i, chunk_key(digests[i].tobytes(), min(cs, leaf.nbytes - i * cs)))
                     for i in range(n)
@@ -515,25 +554,27 @@ class Store:
                 todo = [(i, k) for i, k in todo if k not in pending and k not in new_locs]
                 stored = self.index.has_chunks(k for _, k in todo)
                 todo = [(i, k) for i, k in todo if k not in stored]
-                bases = self._bases(leaf, parents.get(leaf.path), pm, todo, generation + entry.first) if k_max else {}
-                mode = self._delta_mode(leaf.path)
+                role = roles.get(leaf.path) if not on_device else None
+                phase = generation + (zlib.crc32(role.m.encode()) if role is not None else entry.first)
+                bases = self._bases(leaf, parents.get(leaf.path), pm, todo, phase) if k_max else {}
                 for i, k in todo:
                     if k in pending:
                         continue  # the same bytes twice in this tensor
                     pending.add(k)
-                    view = memoryview(buf)[i * cs : i * cs + min(cs, leaf.nbytes - i * cs)]
-                    base_key, base_depth = bases.get(i, (None, -1))
-                    # every 16th chunk of the checkpoint (counted across tensors, shifted by one each generation)
-                    # tries both encodings, so the statistics behind ``mode`` stay current
-                    probe = (entry.first + i + generation) % 16 == 0
-                    fut = self.pool.submit(self._encode, view, k, leaf.width, base_key, "both" if probe else mode)
-                    inflight.append((fut, k, entry, base_depth if base_key is not None else -1))
-                    drain(limit)
+                    base = bases.get(i)
+                    if role is not None and base is not None:
+                        deferred.append((leaf, entry, i, k, base))
+                    else:
+                        submit(leaf, entry, i, k, base, buf)
+            drain(0)  # every chunk a prediction may reference is written: its depth is known
+            for leaf, entry, i, k, base in deferred:
+                prediction = self._prediction_inputs(roles[leaf.path], i, k, base, hosted, parents, pm, new_locs)
+                submit(leaf, entry, i, k, base, hosted[leaf.path][0], prediction)
             drain(0)
         except BaseException:
-            for fut, _, _, _ in inflight:
+            for fut, *_ in inflight:
                 fut.cancel()
-            for fut, _, _, _ in inflight:
+            for fut, *_ in inflight:
                 if not fut.cancelled():
                     try:
                         fut.result()
@@ -543,6 +584,44 @@ class Store:
         digests = np.concatenate(all_digests) if all_digests else np.empty((0, 16), np.uint8)
         flags = np.concatenate(all_flags) if all_flags else np.empty(0, np.uint8)
         return entries, digests, flags, new_locs, written
+
+    def _prediction_inputs(
+        self, role: predict.Role, i: int, k: bytes, base: tuple[bytes, int],
+        hosted: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
+        parents: Mapping[str, manifest.TensorEntry], pm: manifest.Manifest | None,
+        new_locs: Mapping[bytes, ChunkLoc],
+    ) -> tuple[predict.Role, list[bytes], int] | None:
+        """The keys of the chunks a prediction of chunk ``i`` (key ``k``) would reference, in the record's order
+        (this checkpoint's first moment, the parent's first moment, for a parameter the parent's second
+        moment), and the chain depth it would have; None when it cannot be predicted within the chain bound or
+        a referenced chunk is all zero, on a device, or missing from the parent."""
+        n = int.from_bytes(k[16:], "big")
+        got = hosted.get(role.m)
+        if got is None or i >= len(got[2]) or got[2][i] or pm is None:
+            return None
+        refs = [got[1][i].tobytes() + k[16:]]
+        for path in (role.m, role.v) if role.predictor == predict.PARAM else (role.m,):
+            pt = parents.get(path or "")
+            if pt is None or pt.nbytes != got[0].nbytes or i >= pt.count:
+                return None
+            j = pt.first + i
+            if pm.flags[j] & manifest.FLAG_ZERO or pt.chunk_len(i, pm.chunk_size) != n:
+                return None
+            refs.append(pm.digests[j].tobytes() + k[16:])
+        depths = [new_locs[r].depth if r in new_locs else None for r in refs]
+        missing = [r for r, d in zip(refs, depths) if d is None]
+        found = self.index.lookup_chunks(missing) if missing else {}
+        depth = base[1]
+        for r, d in zip(refs, depths):
+            if d is None:
+                loc = found.get(r)
+                if loc is None:
+                    return None
+                d = loc.depth
+            depth = max(depth, d)
+        if depth + 1 > self.max_chain:
+            return None
+        return role, refs, depth + 1
 
     def _bases(
         self,
@@ -620,6 +699,43 @@ class Store:
         frame = self._encoder().encode(
             view, key[:16], width, base, None if base_key is None else base_key[:16], try_alone=mode != "delta"
         )
+        self._base_cache.put(key, view)
+        return frame
+
+    def _raw_of(self, key: bytes) -> np.ndarray | memoryview:
+        """The raw bytes of a stored chunk: from the cache of the last save's chunks, else decoded."""
+        got = self._base_cache.get(key)
+        return got if got is not None else self.read_chunk(key)
+
+    def _encode_predicted(
+        self, view: memoryview, key: bytes, width: int, base_key: bytes, role: predict.Role, refs: list[bytes],
+        m: np.ndarray,
+    ) -> bytes:
+        """Encode a chunk of a tensor with a predictor role: the predicted frame when the prediction is good,
+        else the better of the delta and standalone frames (:meth:`_encode`). ``refs`` are the keys of the
+        chunks the prediction references (:meth:`_prediction_inputs`), ``m`` the bytes of the first of them,
+        this save's first moment."""
+        n = len(view)
+        moments = predict.second_moment_coefs(role.beta1, role.beta2)
+        try:
+            base = self._raw_of(base_key)
+            inputs = [m] + [self._raw_of(r) for r in refs[1:]]
+        except CorruptChunkError:
+            return self._encode(view, key, width, None)  # a damaged input must not spread: store a keyframe
+        if role.predictor == predict.SECOND_MOMENT:
+            coefs: tuple[float, ...] | None = moments
+        else:
+            coefs = predict.fit_param(base, view, m, inputs[1], inputs[2], moments, predict.param_eps(role))
+            if coefs is None:
+                return self._encode(view, key, width, base_key)
+        record = predict.Prediction(role.predictor, tuple(r[:16] for r in refs), coefs)
+        guess = np.empty(n, dtype=np.uint8)
+        predict.predict(record, base, inputs, guess)
+        frame = self._encoder().encode_predicted(view, key[:16], width, guess, base_key[:16], record.pack())
+        if len(frame) > n * codec.DELTA_GOOD_ENOUGH:  # a poor prediction (another optimizer, a wrong pair)
+            other = self._encode(view, key, width, base_key)
+            if len(other) <= len(frame):
+                return other
         self._base_cache.put(key, view)
         return frame
 
@@ -762,22 +878,37 @@ class Store:
                     "chunk is not in the index", chunk_id=_kid(k), checkpoint=m.id, key=t.key
                 )
         chains = self._base_locations(locs)
-        futures = [
-            (t, k, self.read_pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify, bases=chains))
-            for t, k, view in work
-        ]
+        # A predicted chunk references chunks that may be decoded by this same load (this checkpoint's first
+        # moments, say): decode in rounds of rising chain depth, as a chunk's depth exceeds that of everything it
+        # references, and let later rounds take what earlier ones decoded (``memo``).
+        memo: dict[bytes, np.ndarray] | None = None
+        rounds = [work]
+        if any(loc.codec == codec.PREDICTED for loc in locs.values()):
+            memo = {}
+            by_depth: dict[int, list[tuple[manifest.TensorEntry, bytes, np.ndarray]]] = {}
+            for item in work:
+                by_depth.setdefault(locs[item[1]].depth, []).append(item)
+            rounds = [by_depth[d] for d in sorted(by_depth)]
         first_error: BaseException | None = None
-        for t, k, fut in futures:
-            try:
-                fut.result()
-            except CorruptChunkError as exc:
-                if first_error is None:
-                    first_error = CorruptChunkError(exc.reason, chunk_id=_kid(k), checkpoint=m.id, key=t.key)
-            except BaseException as exc:  # keep waiting for the rest, then raise the first
-                if first_error is None:
-                    first_error = exc
-        if first_error is not None:
-            raise first_error
+        for batch in rounds:
+            futures = [
+                (t, k, view, self.read_pool.submit(
+                    self.read_chunk, k, locs[k], out=view, verify=verify, bases=chains, memo=memo))
+                for t, k, view in batch
+            ]
+            for t, k, view, fut in futures:
+                try:
+                    fut.result()
+                    if memo is not None:
+                        memo[k] = view
+                except CorruptChunkError as exc:
+                    if first_error is None:
+                        first_error = CorruptChunkError(exc.reason, chunk_id=_kid(k), checkpoint=m.id, key=t.key)
+                except BaseException as exc:  # keep waiting for the rest, then raise the first
+                    if first_error is None:
+                        first_error = exc
+            if first_error is not None:
+                raise first_error
 
     def _base_locations(self, locs: dict[bytes, ChunkLoc]) -> dict[bytes, ChunkLoc]:
         """The index entries of every delta base that decoding ``locs`` needs (all levels), looked up in one
@@ -788,7 +919,7 @@ class Store:
             want = {
                 loc.base + k[16:]
                 for k, loc in level.items()
-                if loc.codec == codec.DELTA and loc.base + k[16:] not in bases and loc.base + k[16:] not in locs
+                if loc.codec in codec.BASED and loc.base + k[16:] not in bases and loc.base + k[16:] not in locs
             }
             if not want:
                 break
@@ -798,12 +929,15 @@ class Store:
 
     def read_chunk(
         self, key: bytes, loc: ChunkLoc | None = None, *, out: np.ndarray | None = None, verify: bool = True,
-        bases: Mapping[bytes, ChunkLoc] | None = None,
+        bases: Mapping[bytes, ChunkLoc] | None = None, memo: dict[bytes, np.ndarray] | None = None,
+        _nesting: int = 0,
     ) -> memoryview:
         """Decode one chunk with its delta bases and return its raw bytes, filling ``out`` when given.
 
         ``loc`` is the chunk's location and ``bases`` those of (some of) its bases when the caller looked them
-        up already; the others come from the index."""
+        up already; the others come from the index. A predicted chunk's inputs (its base and the chunks it
+        references) are decoded the same way, taken from ``memo`` (raw bytes by chunk key) when there and
+        added to it when decoded."""
         raw_len = int.from_bytes(key[16:], "big")
 
         def fetch(digest: bytes) -> tuple[bytes, str]:
@@ -817,7 +951,34 @@ class Store:
                     raise CorruptChunkError("chunk is not in the index", chunk_id=_kid(digest + key[16:]))
             return self.reader.read(at.pack_id, at.offset, at.frame_len), f"pack {at.pack_id} offset {at.offset}"
 
-        return codec.decode_chain(key[:16], raw_len, fetch, out=out, verify=verify)
+        def resolve(digest: bytes) -> np.ndarray | memoryview:
+            k = digest + key[16:]
+            if memo is not None and k in memo:
+                return memo[k]
+            if _nesting >= codec.MAX_CHAIN_FRAMES:
+                raise CorruptChunkError(
+                    f"prediction inputs nest deeper than {codec.MAX_CHAIN_FRAMES} (a cycle?)", chunk_id=_kid(k)
+                )
+            raw = self.read_chunk(k, verify=True, bases=bases, memo=memo, _nesting=_nesting + 1)
+            if memo is not None:
+                memo[k] = np.frombuffer(raw, dtype=np.uint8)
+            return raw
+
+        return codec.decode_chain(key[:16], raw_len, fetch, out=out, verify=verify, resolve=resolve)
+
+    def references(self, key: bytes, loc: ChunkLoc) -> list[bytes]:
+        """Keys of the chunks decoding ``key`` needs directly: a delta's base; a predicted frame's base and
+        the chunks its record names (read from the frame). Raises :class:`CorruptChunkError` when a predicted
+        frame's record cannot be read intact."""
+        if loc.codec == codec.DELTA:
+            return [loc.base + key[16:]]
+        if loc.codec != codec.PREDICTED:
+            return []
+        frame = self.reader.read(loc.pack_id, loc.offset, loc.frame_len)
+        where = f"pack {loc.pack_id} offset {loc.offset}"
+        h, payload = codec.check_frame(frame, expect_digest=key[:16], expect_len=int.from_bytes(key[16:], "big"),
+                                       where=where)
+        return [r + key[16:] for r in (h.base, *codec.prediction_record(payload, where).refs)]
 
     # -- delete ---------------------------------------------------------------------------------------------
     def delete(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:

@@ -798,11 +798,21 @@ static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_le
                 return rc;
             continue;
         }
+        if (codec == DCK_CODEC_PREDICTED) { /* skip the prediction record: u32 length, then the record */
+            size_t rec;
+            if (plen < 4)
+                return DCK_EPAYLOAD;
+            rec = (size_t)payload[0] | (size_t)payload[1] << 8 | (size_t)payload[2] << 16 | (size_t)payload[3] << 24;
+            if (rec > plen - 4)
+                return DCK_EPAYLOAD;
+            payload += 4 + rec;
+            plen -= 4 + rec;
+        }
         if ((rc = dck_unzstd((*decp)->dctx, payload, plen, (*decp)->scratch, raw_len)) != 0)
             return rc;
         /* merge_planes XOR dst works in place: every 16-byte block of base is read before the same block of
          * output is written (dck_stage_store, and the scalar loops index both identically). */
-        dck_planes((*decp)->scratch, codec == DCK_CODEC_DELTA ? dst : NULL, dst, raw_len, widths[k], 1, 1);
+        dck_planes((*decp)->scratch, codec >= DCK_CODEC_DELTA ? dst : NULL, dst, raw_len, widths[k], 1, 1);
     }
     return 0;
 }
@@ -820,7 +830,7 @@ int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, co
     for (k = 0; k < n; k++) {
         int w = widths[k];
         if (frames[k] == NULL || frame_lens[k] < DCK_FRAME_HEADER || codecs[k] < DCK_CODEC_RAW ||
-            codecs[k] > DCK_CODEC_DELTA || (w != 1 && w != 2 && w != 4 && w != 8)) {
+            codecs[k] > DCK_CODEC_PREDICTED || (codecs[k] == DCK_CODEC_PREDICTED && k != 0) || (w != 1 && w != 2 && w != 4 && w != 8)) {
             *bad = k;
             return DCK_EINVAL;
         }

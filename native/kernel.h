@@ -105,6 +105,7 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
 #define DCK_CODEC_ZSTD 1
 #define DCK_CODEC_PLANES_ZSTD 2
 #define DCK_CODEC_DELTA 3
+#define DCK_CODEC_PREDICTED 4
 /* Largest zstd window a payload may ask for (log2): bounds the decoder's memory for a damaged frame. */
 #define DCK_ZSTD_WINDOW_LOG_MAX 27
 /* Error codes of dck_decode_frames (besides DCK_EINVAL). */
@@ -126,11 +127,15 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
  *          the payload [64, frame_lens[k]) equals the u64 at [56, 64) (else DCK_ECHECKSUM). Then its payload
  *          P (the decoded bytes, exactly raw_len of them: RAW is the payload itself and its length must be
  *          raw_len; the others are one zstd frame declaring content size raw_len, window at most
- *          2^DCK_ZSTD_WINDOW_LOG_MAX; else DCK_EPAYLOAD) is applied:
+ *          2^DCK_ZSTD_WINDOW_LOG_MAX, where a PREDICTED payload first holds a u32 little-endian length L and L
+ *          bytes of prediction record that are skipped here, L + 4 <= payload length; else DCK_EPAYLOAD) is
+ *          applied:
  *            RAW, ZSTD:    dst = P
  *            PLANES_ZSTD:  dst = merge_planes(P, width)
  *            DELTA:        dst = merge_planes(P, width) XOR dst   (dst holds the base chunk on entry: the caller
  *                                                                 puts it there, or an earlier frame decoded it)
+ *            PREDICTED:    dst = merge_planes(P, width) XOR dst   (dst holds the prediction, which the caller
+ *                                                                 computed from the record; only as frame 0)
  *          A chain (keyframe, delta, delta, ...) decodes to the newest chunk this way. Finally, with a digest,
  *          the result must hash to it (else DCK_EDIGEST).
  * Returns: 0; or an error code with *bad set to the index of the failing frame (n for DCK_EDIGEST). On error

@@ -227,7 +227,7 @@ def test_du_counts_and_ratios(capsys: pytest.CaptureFixture[str], store_path: Pa
     assert du["overall (logical / on disk)"] == f"{9 * CS / on_disk:.2f}x"
     assert "reclaimable by gc (packs - live frames)" in du
     assert du["delta frames (of all chunks)"].startswith("0 of 3,")
-    assert du["longest delta chain (frames a chunk's decode reads)"] == "1"
+    assert du["deepest chain (generations a chunk's decode reads)"] == "1"
 
 
 def test_du_reports_delta_frames(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
@@ -244,7 +244,7 @@ def test_du_reports_delta_frames(capsys: pytest.CaptureFixture[str], store_path:
     du = _du(out)
     assert rc == 0
     assert du["delta frames (of all chunks)"].startswith(f"{n_delta} of {len(locs)},")
-    assert du["longest delta chain (frames a chunk's decode reads)"] == str(max(loc.depth for loc in locs) + 1)
+    assert du["deepest chain (generations a chunk's decode reads)"] == str(max(loc.depth for loc in locs) + 1)
 
 
 def test_du_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
@@ -255,7 +255,7 @@ def test_du_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) ->
     assert du["checkpoints"] == "0"
     assert du["dedup ratio (logical / unique)"] == "-"
     assert du["compression ratio (unique / stored)"] == "-"
-    assert du["longest delta chain (frames a chunk's decode reads)"] == "-"
+    assert du["deepest chain (generations a chunk's decode reads)"] == "-"
 
 
 # -- verify ------------------------------------------------------------------------------------------------

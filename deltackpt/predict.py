@@ -1,0 +1,244 @@
+"""Predicted frames: AdamW's update rule turns a checkpoint's optimizer state into a forecast of the next one.
+
+Where it sits: between the store and the codec. ``save`` asks :func:`plan` which float32 tensors of a state are
+AdamW second moments (``exp_avg_sq``) and parameters, and which first moment (``exp_avg``) and second moment
+each one pairs with. For a changed chunk of such a tensor the store computes a prediction (:func:`predict`) from
+the parent's chunk at the same position and the paired chunks, and the codec stores ``raw XOR prediction`` as a
+*predicted frame* (codec 4) that names those chunks and carries the coefficients. ``load`` decodes the named
+chunks first, recomputes the same prediction and applies the frame. See ``docs/format.md``, "Predicted frames".
+
+Why it works: with ``m``, ``v``, ``p`` the new first moment, second moment and parameter and primes for the
+parent's, the gradient follows from the two first moments, ``g = (m - β1·m') / (1 - β1)``; then
+``v = β2·v' + (1 - β2)·g²`` and ``p = A·p' - B·m / (√v + E)`` hold up to float32 rounding, so the residual is a
+few low bits. ``m`` itself carries the step's new information and is stored as before. The parameter's
+predictor recomputes ``v`` from ``v'`` rather than referencing this checkpoint's ``v``: both predicted tensors
+then depend only on the parent's chunks and ``m``, so their chains stay as short as a second moment's.
+
+Exactness is what makes this lossless: the prediction is a pure function of the stored coefficients and the
+referenced chunks' bytes, computed with IEEE-754 float64 operations that are correctly rounded everywhere (numpy
+ufuncs, one operation each: ``+ - * / sqrt``), then rounded once to float32. Encoder and decoder therefore agree
+bit for bit on every machine, and which coefficients the encoder chose only changes the residual's size. A
+wrong pairing or another optimizer costs one trial compression, never correctness.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from deltackpt.errors import CorruptChunkError
+from deltackpt.tree import _child
+
+#: predictor ids (prefix byte 0)
+SECOND_MOMENT = 1  # refs: m, m' (base v'); coefs c0..c3: g = (m - c0*m') * c1 ; v = c2*v' + c3*(g*g)
+PARAM = 2  # refs: m, m', v'; base p'; coefs c0..c6: g and w as v above, p = c4*p' - c5*(m / (sqrt(w) + c6))
+NAMES = {SECOND_MOMENT: "adam-v", PARAM: "adam-param"}
+_SHAPE = {SECOND_MOMENT: (2, 4), PARAM: (3, 7)}  # (references, coefficients)
+_PREFIX_HEAD = struct.Struct("<BBHI")  # predictor, refs, coefficients, reserved (0)
+#: elements the encoder fits the parameter coefficients on (an evenly spaced sample of the chunk)
+FIT_SAMPLE = 1 << 15
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a predicted frame records besides its residual: how to recompute the prediction."""
+
+    predictor: int
+    refs: tuple[bytes, ...]  # 16-byte digests of chunks with the frame's raw length, in the predictor's order
+    coefs: tuple[float, ...]
+
+    def pack(self) -> bytes:
+        return (
+            _PREFIX_HEAD.pack(self.predictor, len(self.refs), len(self.coefs), 0)
+            + b"".join(self.refs)
+            + struct.pack(f"<{len(self.coefs)}d", *self.coefs)
+        )
+
+    @classmethod
+    def unpack(cls, buf: bytes | memoryview) -> Prediction:
+        buf = bytes(buf)
+        if len(buf) < _PREFIX_HEAD.size:
+            raise CorruptChunkError(f"prediction record of {len(buf)} bytes is truncated")
+        predictor, nrefs, ncoefs, reserved = _PREFIX_HEAD.unpack_from(buf)
+        if predictor not in _SHAPE or (nrefs, ncoefs) != _SHAPE[predictor] or reserved != 0:
+            raise CorruptChunkError(f"bad prediction record (predictor {predictor}, {nrefs} refs, {ncoefs} coefs)")
+        if len(buf) != _PREFIX_HEAD.size + 16 * nrefs + 8 * ncoefs:
+            raise CorruptChunkError(f"prediction record has {len(buf)} bytes for {nrefs} refs and {ncoefs} coefs")
+        at = _PREFIX_HEAD.size
+        refs = tuple(buf[at + 16 * i : at + 16 * (i + 1)] for i in range(nrefs))
+        coefs = struct.unpack_from(f"<{ncoefs}d", buf, at + 16 * nrefs)
+        if not all(np.isfinite(coefs)):
+            raise CorruptChunkError("prediction record has a non-finite coefficient")
+        return cls(predictor, refs, tuple(coefs))
+
+
+def _f64(buf: Any) -> np.ndarray:
+    return np.frombuffer(memoryview(buf).cast("B"), dtype="<f4").astype(np.float64)
+
+
+def _second_moment(c: tuple[float, ...], m: np.ndarray, m1: np.ndarray, v1: np.ndarray) -> np.ndarray:
+    """``c2*v1 + c3*(g*g)`` with ``g = (m - c0*m1) * c1``, in float64 (``m`` is not modified)."""
+    g = m - c[0] * m1
+    g *= c[1]
+    g *= g
+    g *= c[3]
+    v = c[2] * v1
+    v += g
+    return v
+
+
+def predict(p: Prediction, base: Any, refs: list[Any], out: np.ndarray) -> None:
+    """Write the prediction's float32 bytes into ``out`` (uint8, the chunk's raw length).
+
+    ``base`` is the raw bytes of the frame's base chunk (the parent's chunk at the same position), ``refs``
+    those of ``p.refs`` in order. Every operation is one correctly rounded float64 operation in the order
+    written in the predictor's definition (see the ``SECOND_MOMENT`` and ``PARAM`` comments), so the result is
+    the same bytes on every IEEE-754 machine. Non-finite intermediates are allowed and deterministic.
+    """
+    res = np.frombuffer(memoryview(out).cast("B"), dtype="<f4")
+    with np.errstate(all="ignore"):
+        if p.predictor == SECOND_MOMENT:
+            res[:] = _second_moment(p.coefs, _f64(refs[0]), _f64(refs[1]), _f64(base))
+        elif p.predictor == PARAM:
+            m = _f64(refs[0])
+            d = np.sqrt(_second_moment(p.coefs[:4], m, _f64(refs[1]), _f64(refs[2])))
+            d += p.coefs[6]
+            u = m / d
+            u *= p.coefs[5]
+            q = p.coefs[4] * _f64(base)
+            q -= u
+            res[:] = q
+        else:  # Prediction.unpack admits no other predictor
+            raise ValueError(f"unknown predictor {p.predictor}")
+
+
+def fit_param(
+    p_old: Any, p_new: Any, m: Any, m_old: Any, v_old: Any, moments: tuple[float, float, float, float], e: float
+) -> tuple[float, ...] | None:
+    """Coefficients of the parameter predictor for one chunk: ``moments`` (c0..c3, see
+    :func:`second_moment_coefs`), then A and B of ``p = A·p' - B·m / (√w + E)`` fitted by least squares on an
+    evenly spaced sample, then ``e`` (E). None when the chunk gives nothing to fit (no update, non-finite)."""
+    n = len(memoryview(p_new).cast("B")) // 4
+    step = max(1, n // FIT_SAMPLE)
+    po, pn, mm, m1, v1 = (_f64(b)[::step] for b in (p_old, p_new, m, m_old, v_old))
+    with np.errstate(all="ignore"):
+        u = mm / (np.sqrt(_second_moment(moments, mm, m1, v1)) + e)
+        ok = np.isfinite(po) & np.isfinite(pn) & np.isfinite(u)
+        if ok.sum() < 16:
+            return None
+        x = np.stack([po[ok], -u[ok]], axis=1)
+        sol, *_ = np.linalg.lstsq(x, pn[ok], rcond=None)
+    a, b = float(sol[0]), float(sol[1])
+    if not (np.isfinite(a) and np.isfinite(b)) or b == 0.0:
+        return None
+    return (*moments, a, b, e)
+
+
+def second_moment_coefs(beta1: float, beta2: float) -> tuple[float, float, float, float]:
+    return beta1, 1.0 / (1.0 - beta1), beta2, 1.0 - beta2
+
+
+@dataclass(frozen=True)
+class Role:
+    """How one tensor of a state can be predicted: from its first moment ``m`` (this checkpoint's and the
+    parent's) and, for a parameter, the parent's second moment ``v`` (key paths of the state)."""
+
+    predictor: int
+    m: str
+    v: str | None  # the paired second moment (parameters only)
+    beta1: float
+    beta2: float
+    eps: float
+    step: float  # the optimizer step count after the update the checkpoint holds
+
+
+def plan(state: Any, leaves: Iterable[Any]) -> dict[str, Role]:
+    """Find AdamW-style optimizer states (``torch.optim`` state dicts with ``exp_avg`` and ``exp_avg_sq``) in
+    ``state`` and return, by key path, the role of each predictable float32 tensor: every ``exp_avg_sq``, and
+    each model parameter the optimizer state can be paired with. A parameter is paired with the i-th optimizer
+    state of its shape when it is the i-th of exactly as many float32 tensors of that shape outside optimizer
+    states (model state dicts list parameters in the optimizer's order); shapes with another count are left
+    unpaired. Only performance depends on this guess: a wrong pair gives a large residual, and the encoder then
+    keeps another encoding."""
+    by_path = {leaf.path: leaf for leaf in leaves}
+    roles: dict[str, Role] = {}
+    optimizer_prefixes: list[str] = []
+    states: list[tuple[str, str, tuple[int, ...], Role]] = []  # (m path, v path, shape, role of v)
+    for path, opt in _optimizer_dicts(state, ""):
+        optimizer_prefixes.append(path)
+        spath = _child(path, "state")
+        for group in opt["param_groups"]:
+            if not isinstance(group, Mapping):
+                continue
+            betas = group.get("betas", (0.9, 0.999))
+            try:
+                beta1, beta2 = float(betas[0]), float(betas[1])
+                eps = float(group.get("eps", 1e-8))
+            except (TypeError, ValueError, IndexError):
+                continue
+            if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+                continue
+            for idx in group.get("params", ()):
+                st = opt["state"].get(idx)
+                if not isinstance(st, Mapping) or "exp_avg" not in st or "exp_avg_sq" not in st:
+                    continue
+                base = _child(spath, idx)
+                mp, vp = _child(base, "exp_avg"), _child(base, "exp_avg_sq")
+                ml, vl = by_path.get(mp), by_path.get(vp)
+                if ml is None or vl is None or not (_is_f32(ml) and _is_f32(vl)) or ml.shape != vl.shape:
+                    continue
+                try:
+                    step = float(st.get("step", 0))
+                except (TypeError, ValueError, RuntimeError):
+                    step = 0.0
+                role = Role(SECOND_MOMENT, mp, None, beta1, beta2, eps, step)
+                roles[vp] = role
+                states.append((mp, vp, tuple(vl.shape), role))
+    if not states:
+        return roles
+    params: dict[tuple[int, ...], list[str]] = {}
+    for leaf in leaves:
+        if _is_f32(leaf) and not any(_inside(leaf.path, p) for p in optimizer_prefixes):
+            params.setdefault(tuple(leaf.shape), []).append(leaf.path)
+    per_shape: dict[tuple[int, ...], list[tuple[str, str, Role]]] = {}
+    for mp, vp, shape, role in states:
+        per_shape.setdefault(shape, []).append((mp, vp, role))
+    for shape, group_states in per_shape.items():
+        cands = params.get(shape, [])
+        if len(cands) != len(group_states):
+            continue
+        for ppath, (mp, vp, role) in zip(cands, group_states):
+            roles[ppath] = Role(PARAM, mp, vp, role.beta1, role.beta2, role.eps, role.step)
+    return roles
+
+
+def param_eps(role: Role) -> float:
+    """E of the parameter predictor: ``eps·√(1 - β2^t)`` (torch divides √v by that root instead)."""
+    if role.step >= 1:
+        return role.eps * float(np.sqrt(1.0 - role.beta2**role.step))
+    return role.eps
+
+
+def _optimizer_dicts(obj: Any, path: str) -> Iterable[tuple[str, Mapping[str, Any]]]:
+    if isinstance(obj, Mapping):
+        if isinstance(obj.get("state"), Mapping) and isinstance(obj.get("param_groups"), (list, tuple)):
+            yield path, obj
+            return
+        for k, v in obj.items():
+            if isinstance(k, (str, int)):
+                yield from _optimizer_dicts(v, _child(path, k))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _optimizer_dicts(v, _child(path, i))
+
+
+def _inside(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".") or path.startswith(prefix + "[")
+
+
+def _is_f32(leaf: Any) -> bool:
+    return leaf.dtype in ("float32", "<f4") and leaf.width == 4

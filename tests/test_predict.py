@@ -1,0 +1,367 @@
+"""Predicted frames (codec 4): AdamW second moments and parameters stored as residuals of a prediction.
+
+Covers the predictor's arithmetic (golden digests, both backends), the frame and record format, pairing
+(:func:`deltackpt.predict.plan`), and the store: real AdamW training restores bit-exactly at every step, the chain
+bound holds, damage to a prediction input is reported for the dependent chunk, and delete, gc and repair keep
+every input a retained checkpoint needs.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_same_state
+from hypothesis import given
+from hypothesis import strategies as st
+
+import deltackpt
+from deltackpt import _pykernel, codec, kernel, predict
+from deltackpt.errors import CorruptChunkError, CorruptionError, FormatVersionError
+
+CHUNK = 1 << 14
+
+
+def _train(steps: int, *, seed: int = 0, lr: float = 1e-3, wd: float = 0.1, optimizer: str = "adamw",
+           store: deltackpt.Store | None = None, every: int = 1) -> dict[int, Any]:
+    """Train a small MLP on random data; save (and return a deep copy of) the state every ``every`` steps."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    if optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    elif optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.8, 0.99), eps=1e-6)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
+    history: dict[int, Any] = {}
+    for step in range(1, steps + 1):
+        x = torch.randn(32, 64)
+        loss = (model(x) - x.flip(1)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        if step % every == 0:
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
+            history[step] = copy.deepcopy(state)
+            if store is not None:
+                store.save(state, step=step)
+    return history
+
+
+def _codecs(s: deltackpt.Store) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for _, loc in s.index.iter_chunks():
+        out[loc.codec] = out.get(loc.codec, 0) + 1
+    return out
+
+
+# -- the predictor -------------------------------------------------------------------------------------------
+
+def _inputs(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(n).astype(np.float32) * s for s in (0.02, 1e-3, 1e-3, 1.0)]
+
+
+#: Pinned digests of the predictions below: the predictor's arithmetic is part of the on-disk format, and any
+#: change to it (operation order, precision) would make existing frames decode to other bytes.
+GOLDEN = {
+    predict.SECOND_MOMENT: "6c1e68b9e6e74897554f81c8641258ee",
+    predict.PARAM: "91cb7735bd0e3c2826b20cad7ad9475f",
+}
+
+
+@pytest.mark.parametrize("predictor", [predict.SECOND_MOMENT, predict.PARAM])
+def test_prediction_golden_digest(predictor: int) -> None:
+    p, m, m1, v = _inputs(4099, 7)
+    v = np.abs(v) * 1e-6
+    if predictor == predict.SECOND_MOMENT:
+        rec = predict.Prediction(predictor, (bytes(16), bytes(16)), predict.second_moment_coefs(0.9, 0.999))
+        base, refs = v, [m, m1]
+    else:
+        coefs = (*predict.second_moment_coefs(0.9, 0.999), 0.99999, 1.5e-5, 7.7e-10)
+        rec = predict.Prediction(predictor, (bytes(16),) * 3, coefs)
+        base, refs = p, [m, m1, v]
+    out = np.empty(base.nbytes, dtype=np.uint8)
+    predict.predict(rec, base, refs, out)
+    assert kernel.digest(out).hex() == GOLDEN[predictor]
+
+
+def test_prediction_follows_its_definition_element_by_element() -> None:
+    """The vectorised predictor equals the definition evaluated with Python floats (IEEE binary64, one rounding
+    per operation, math.sqrt correctly rounded), then rounded once to float32."""
+    import math
+
+    p, m, m1, v = _inputs(64, 11)
+    v = np.abs(v) * 1e-6
+    c = predict.second_moment_coefs(0.85, 0.995)
+    out = np.empty(v.nbytes, dtype=np.uint8)
+    predict.predict(predict.Prediction(predict.SECOND_MOMENT, (bytes(16),) * 2, c), v, [m, m1], out)
+    for i in range(64):
+        g = (float(m[i]) - c[0] * float(m1[i])) * c[1]
+        want = np.float32(c[2] * float(v[i]) + c[3] * (g * g))
+        assert out.view(np.float32)[i].tobytes() == want.tobytes()
+    k = (*c, 0.99999, 1.5e-5, 7.7e-10)
+    predict.predict(predict.Prediction(predict.PARAM, (bytes(16),) * 3, k), p, [m, m1, v], out)
+    for i in range(64):
+        g = (float(m[i]) - k[0] * float(m1[i])) * k[1]
+        w = k[2] * float(v[i]) + k[3] * (g * g)
+        want = np.float32(k[4] * float(p[i]) - k[5] * (float(m[i]) / (math.sqrt(w) + k[6])))
+        assert out.view(np.float32)[i].tobytes() == want.tobytes()
+
+
+def test_prediction_record_round_trip_and_damage() -> None:
+    rec = predict.Prediction(predict.PARAM, (b"a" * 16, b"b" * 16, b"c" * 16), (1.0, 2.0, 3.0, 4, 5, 6, 7))
+    assert predict.Prediction.unpack(rec.pack()) == rec
+    packed = rec.pack()
+    bad = [
+        packed[:-1],  # truncated
+        packed + b"x",  # too long
+        bytes([9]) + packed[1:],  # unknown predictor
+        packed[:1] + bytes([2]) + packed[2:],  # wrong number of references
+        packed[:-8] + struct.pack("<d", float("nan")),  # non-finite coefficient
+    ]
+    for b in bad:
+        with pytest.raises(CorruptChunkError):
+            predict.Prediction.unpack(b)
+
+
+def _predicted_frame(seed: int = 1) -> tuple[bytes, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    raw = rng.standard_normal(3000).astype(np.float32)
+    guess = (raw + rng.standard_normal(3000).astype(np.float32) * 1e-7).astype(np.float32)
+    rec = predict.Prediction(predict.SECOND_MOMENT, (b"m" * 16, b"n" * 16), (1.0, 0.0, 1.0, 0.0)).pack()
+    frame = codec.Encoder().encode_predicted(raw, kernel.digest(raw), 4, guess, b"b" * 16, rec)
+    return frame, raw, guess
+
+
+@pytest.mark.parametrize("impl", ["python", "native"])
+def test_kernel_applies_predicted_frame_on_both_backends(impl: str) -> None:
+    if impl == "native" and deltackpt.backend != "native":
+        pytest.skip("native kernel not selected")
+    mod = _pykernel if impl == "python" else kernel
+    frame, raw, guess = _predicted_frame()
+    h = codec.parse_header(frame)
+    assert (h.codec, frame[4]) == (codec.PREDICTED, codec.PREDICTED_VERSION)
+    out = guess.view(np.uint8).copy()
+    assert mod.decode_frames([frame], [codec.PREDICTED], [4], out, kernel.digest(raw)) == (0, 0)
+    assert out.tobytes() == raw.tobytes()
+    damaged = bytearray(frame)
+    damaged[codec.HEADER_SIZE + 10] ^= 1  # inside the record
+    out = guess.view(np.uint8).copy()
+    assert mod.decode_frames([bytes(damaged)], [codec.PREDICTED], [4], out, None)[0] == kernel.ECHECKSUM
+    # a predicted frame is only ever the first frame of a call
+    with pytest.raises(ValueError):
+        mod.decode_frames([frame, frame], [codec.PREDICTED, codec.PREDICTED], [4, 4], out, None)
+
+
+def test_frame_version_and_codec_must_agree() -> None:
+    frame, _, _ = _predicted_frame()
+    for version, codec_id in ((codec.FRAME_VERSION, codec.PREDICTED), (codec.PREDICTED_VERSION, codec.DELTA)):
+        b = bytearray(frame)
+        b[4], b[5] = version, codec_id
+        with pytest.raises(CorruptChunkError):
+            codec.parse_header(bytes(b))
+    b = bytearray(frame)
+    b[4] = 3
+    with pytest.raises(FormatVersionError):
+        codec.parse_header(bytes(b))
+
+
+# -- pairing ----------------------------------------------------------------------------------------------
+
+def test_plan_pairs_parameters_with_their_optimizer_state() -> None:
+    state = _train(1)[1]
+    _, leaves = deltackpt.tree.flatten(state)
+    roles = predict.plan(state, leaves)
+    names = list(state["model"])
+    for i, name in enumerate(names):
+        r = roles[f"model.{name}"]
+        assert (r.predictor, r.m, r.v) == (
+            predict.PARAM, f"optimizer.state[{i}].exp_avg", f"optimizer.state[{i}].exp_avg_sq"
+        )
+        assert roles[f"optimizer.state[{i}].exp_avg_sq"].predictor == predict.SECOND_MOMENT
+    assert not any(k.endswith("exp_avg") for k in roles)
+    # a frozen extra tensor of the same shape as a parameter makes that shape ambiguous: left unpaired
+    state["model"]["extra"] = torch.zeros(64)
+    _, leaves = deltackpt.tree.flatten(state)
+    roles = predict.plan(state, leaves)
+    assert "model.0.weight" in roles and "model.2.bias" not in roles and "model.extra" not in roles
+
+
+def test_plan_ignores_other_optimizers_and_dtypes() -> None:
+    sgd = _train(1, optimizer="sgd")[1]
+    _, leaves = deltackpt.tree.flatten(sgd)
+    assert predict.plan(sgd, leaves) == {}
+    adam = _train(1)[1]
+    adam = {"model": {k: v.double() for k, v in adam["model"].items()}, "optimizer": adam["optimizer"]}
+    _, leaves = deltackpt.tree.flatten(adam)
+    roles = predict.plan(adam, leaves)
+    assert roles and all(r.predictor == predict.SECOND_MOMENT for r in roles.values())
+
+
+# -- the store --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("max_chain", [1, 2, 3])
+def test_adamw_training_restores_every_step_exactly(tmp_path: Path, max_chain: int) -> None:
+    with deltackpt.Store(tmp_path / "s", chunk_size=CHUNK, max_chain=max_chain) as s:
+        history = _train(10, store=s)
+        locs = [loc for _, loc in s.index.iter_chunks()]
+        assert all(loc.depth <= max_chain for loc in locs)
+        counts = _codecs(s)
+        if max_chain >= 2:  # a second moment at depth 1 references only keyframes of m and its base
+            assert counts.get(codec.PREDICTED, 0) > 0, counts
+        for step, state in history.items():
+            assert_same_state(state, s.load(step))
+        assert s.verify().ok
+    # a fresh handle: no cached chunks, every input decoded from the packs
+    with deltackpt.Store(tmp_path / "s") as s:
+        for step in (1, 5, 10):
+            assert_same_state(history[step], s.load(step))
+
+
+def test_predicted_frames_write_fewer_bytes(tmp_path: Path) -> None:
+    written = {}
+    for on in (True, False):
+        with deltackpt.Store(tmp_path / str(on), chunk_size=CHUNK, predict=on, max_chain=3) as s:
+            _train(8, store=s)
+            written[on] = sum(i.written_bytes for i in s.list()[1:])
+            assert (codec.PREDICTED in _codecs(s)) == on
+    assert written[True] < 0.85 * written[False], written
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+def test_other_optimizers_restore_exactly(tmp_path: Path, optimizer: str) -> None:
+    with deltackpt.Store(tmp_path / "s", chunk_size=CHUNK) as s:
+        history = _train(6, optimizer=optimizer, store=s)
+        if optimizer == "adam":  # other betas and eps, no weight decay: still predicted
+            assert codec.PREDICTED in _codecs(s)
+        for step, state in history.items():
+            assert_same_state(state, s.load(step))
+
+
+def test_saving_every_few_steps_falls_back_without_loss(tmp_path: Path) -> None:
+    """Three optimizer steps between saves: the one-step prediction is poor, so frames are deltas or standalone;
+    whichever is kept, every checkpoint restores exactly."""
+    with deltackpt.Store(tmp_path / "s", chunk_size=CHUNK) as s:
+        history = _train(12, store=s, every=3)
+        for step, state in history.items():
+            assert_same_state(state, s.load(step))
+
+
+def _predicted_chunk(s: deltackpt.Store) -> tuple[bytes, list[bytes]]:
+    for k, loc in s.index.iter_chunks():
+        if loc.codec == codec.PREDICTED:
+            return k, s.references(k, loc)
+    raise AssertionError("no predicted chunk")
+
+
+def _damage(s: deltackpt.Store, store_path: Path, key: bytes) -> None:
+    loc = s.index.lookup_chunks([key])[key]
+    path = store_path / "packs" / f"{loc.pack_id}.pack"
+    with open(path, "r+b") as f:
+        f.seek(loc.offset + loc.frame_len - 3)
+        b = f.read(1)
+        f.seek(loc.offset + loc.frame_len - 3)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def test_damaged_prediction_input_is_reported_for_dependents(tmp_path: Path) -> None:
+    store_path = tmp_path / "s"
+    with deltackpt.Store(store_path, chunk_size=CHUNK, max_chain=2) as s:
+        _train(4, store=s)
+        key, refs = _predicted_chunk(s)
+        ref = refs[2]  # the first moment it references (refs: base, then the record's)
+        _damage(s, store_path, ref)
+        report = s.verify()
+        assert not report.ok
+        dependents = [p for p in report.problems if "prediction input" in p.message]
+        assert dependents, [str(p) for p in report.problems]
+        assert any(codec.chunk_hex(ref[:16], int.from_bytes(ref[16:], "big")) in p.message for p in dependents)
+        broken = {p.checkpoint for p in report.problems}
+        for info in s.list():
+            if info.id in broken:
+                with pytest.raises(CorruptionError) as exc:
+                    s.load(id=info.id)
+                assert exc.value.chunk_id and exc.value.key
+
+
+def test_inputs_survive_delete_gc_and_repair(tmp_path: Path) -> None:
+    store_path = tmp_path / "s"
+    with deltackpt.Store(store_path, chunk_size=CHUNK, max_chain=3, pack_size=1 << 16) as s:
+        history = _train(8, store=s)
+        depths = {k: loc.depth for k, loc in s.index.iter_chunks()}
+        for step in (1, 2, 4, 5, 6):  # parents of predicted chunks, whose first moments they reference
+            s.delete(step)
+        report = s.gc(repack_below=0.9)
+        assert report.deleted_packs + report.repacked_packs > 0
+        for step in (3, 7, 8):
+            assert_same_state(history[step], s.load(step))
+        assert s.verify().ok
+        live_depths = {k: loc.depth for k, loc in s.index.iter_chunks()}
+    assert all(depths[k] == d for k, d in live_depths.items())
+    shutil.rmtree(store_path / "index")
+    with deltackpt.maintenance.open_for_repair(store_path) as s:
+        s.repair()
+        repaired = {k: loc.depth for k, loc in s.index.iter_chunks()}  # dead frames gc left in packs come back
+        assert all(repaired.get(k) == d for k, d in live_depths.items())
+        for step in (3, 7, 8):
+            assert_same_state(history[step], s.load(step))
+
+
+# -- property: any AdamW-shaped evolution restores exactly ----------------------------------------------------
+
+_specials = st.sampled_from([0.0, -0.0, 1e-45, -3e38, float("inf"), float("-inf"), float("nan")])
+
+
+@given(
+    beta1=st.floats(0.0, 0.99),
+    beta2=st.floats(0.5, 0.9999),
+    lr=st.floats(1e-6, 1e-1),
+    steps=st.integers(2, 5),
+    n=st.integers(1, 3000),
+    specials=st.lists(st.tuples(st.integers(0, 2999), _specials), max_size=4),
+    shuffle=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_any_adam_like_history_restores_exactly(
+    tmp_path_factory: pytest.TempPathFactory, beta1: float, beta2: float, lr: float, steps: int, n: int,
+    specials: list[tuple[int, float]], shuffle: bool, seed: int,
+) -> None:
+    """Whatever the hyperparameters, special values or pairing, predicted or not, every step loads bit-exactly:
+    the prediction only changes the residual's size."""
+    rng = np.random.default_rng(seed)
+    p = rng.standard_normal(n).astype(np.float32)
+    m = np.zeros(n, np.float32)
+    v = np.zeros(n, np.float32)
+    path = tmp_path_factory.mktemp("adam") / "s"
+    history = {}
+    with deltackpt.Store(path, chunk_size=4096, max_chain=2) as s:
+        for t in range(1, steps + 1):
+            g = rng.standard_normal(n).astype(np.float32)
+            for i, x in specials:
+                if i < n and rng.random() < 0.5:
+                    g[i] = x
+            with np.errstate(all="ignore"):  # special values overflow and turn into NaN on purpose
+                m = (beta1 * m + (1 - beta1) * g).astype(np.float32)
+                v = (beta2 * v + (1 - beta2) * g * g).astype(np.float32)
+                p = (p - lr * m / (np.sqrt(v) + 1e-8)).astype(np.float32)
+            pp = rng.permutation(p) if shuffle else p  # a wrong pairing
+            state = {
+                "model": {"w": torch.from_numpy(pp.copy())},
+                "opt": {"state": {0: {"step": torch.tensor(float(t)), "exp_avg": torch.from_numpy(m.copy()),
+                                      "exp_avg_sq": torch.from_numpy(v.copy())}},
+                        "param_groups": [{"params": [0], "betas": (beta1, beta2), "eps": 1e-8, "lr": lr}]},
+            }
+            history[t] = copy.deepcopy(state)
+            s.save(state, step=t)
+        assert all(loc.depth <= 2 for _, loc in s.index.iter_chunks())
+        for t, state in history.items():
+            assert_same_state(state, s.load(t))
