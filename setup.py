@@ -74,12 +74,14 @@ extension = Extension(
     ],
     extra_compile_args=[
         "-O3",
+        "-ffp-contract=off",  # predictions must be exact IEEE operations, never fused (docs/format.md 8a)
+        "-fno-math-errno",  # lets sqrt vectorize (sqrtpd); results are unchanged
         "-Wall",
         "-Wextra",
         *shlex.split(os.environ.get("DELTACKPT_EXTRA_CFLAGS", "")),
     ],
     extra_link_args=shlex.split(os.environ.get("DELTACKPT_EXTRA_LDFLAGS", "")),
-    libraries=["pthread", "zstd"],
+    libraries=["pthread", "zstd", "m"],
 )
 
 setup(ext_modules=cythonize([extension], compiler_directives={"language_level": "3"}, quiet=True))

@@ -171,3 +171,55 @@ def decode_frames(
     if digest is not None and xxhash.xxh3_128_digest(memoryview(dst)) != bytes(digest):
         return EDIGEST, n
     return 0, 0
+
+
+_F32_MIN = 2.0**-126
+
+
+def _f32_in(buf: object) -> np.ndarray:
+    """float32 elements widened to float64, subnormals read as zeros of their sign."""
+    bits = np.frombuffer(_as_u8(buf), dtype="<u4")
+    sub = (bits & 0x7F800000) == 0
+    if sub.any():
+        bits = np.where(sub, bits & 0x80000000, bits)
+    return bits.view("<f4").astype(np.float64)
+
+
+def adam_w(c: tuple[float, ...] | list[float], m: np.ndarray, m1: np.ndarray, v1: np.ndarray) -> np.ndarray:
+    """The predictors' second-moment estimate in float64: ``g = m - c0*m1; g*c1; g*g; g*c3; c2*v1 + g``."""
+    g = m - c[0] * m1
+    g *= c[1]
+    g *= g
+    g *= c[3]
+    w = c[2] * v1
+    w += g
+    return w
+
+
+def predict(predictor: int, coefs: object, base: object, refs: list[object], out: object) -> None:
+    """Reference of the native ``dck_predict`` (see native/kernel.h): one numpy ufunc per double operation, in
+    the same order, so both are correctly rounded IEEE operations with identical results."""
+    o = _as_u8(out, writable=True)
+    n = len(o)
+    c = [float(x) for x in coefs]  # type: ignore[attr-defined]
+    ok = (predictor, len(c), len(refs)) in ((1, 4, 2), (2, 7, 3))
+    if n % 4 or not ok or len(_as_u8(base)) != n or any(len(_as_u8(r)) != n for r in refs):
+        raise ValueError("deltackpt kernel: invalid argument")
+    with np.errstate(all="ignore"):
+        m = _f32_in(refs[0])
+        if predictor == 1:
+            q = adam_w(c, m, _f32_in(refs[1]), _f32_in(base))
+        else:
+            d = np.sqrt(adam_w(c, m, _f32_in(refs[1]), _f32_in(refs[2])))
+            d += c[6]
+            u = m / d
+            u *= c[5]
+            q = c[4] * _f32_in(base)
+            q -= u
+        res = q.astype("<f4")
+        bits = res.view("<u4")
+        tiny = np.abs(q) < _F32_MIN
+        if tiny.any():
+            bits[tiny] = np.where(np.signbit(q[tiny]), 0x80000000, 0).astype("<u4")
+        bits[np.isnan(q)] = 0x7FC00000
+    o[:] = res.view(np.uint8)

@@ -37,6 +37,10 @@ Contract (both backends)
   0, or :data:`ECHECKSUM` / :data:`EPAYLOAD` (frame ``bad`` is damaged) or :data:`EDIGEST` (``bad == n``).
   Codecs and widths come from the caller's parsed headers. The native version runs one C call without the
   GIL (its own zstd context per thread): the load path's whole per-chunk work.
+- :func:`predict` ``(predictor, coefs, base, refs, out)`` computes a predicted frame's prediction: float32
+  elements of ``base`` and ``refs`` in, float32 out, with the exact operation sequence of ``docs/format.md``
+  §8a (subnormal inputs read as zero, canonical NaN, results below 2^-126 flushed to zero), so both backends
+  and every machine produce the same bytes. Arguments are checked by :mod:`deltackpt.predict`.
 """
 
 from __future__ import annotations
@@ -122,6 +126,7 @@ merge_planes = _impl.merge_planes
 xor_split_planes = _impl.xor_split_planes
 merge_planes_xor = _impl.merge_planes_xor
 decode_frames = _impl.decode_frames
+predict = _impl.predict
 DIGEST_SIZE = 16
 #: Status codes of :func:`decode_frames`.
 ECHECKSUM, EPAYLOAD, EDIGEST = -2, -3, -4
@@ -136,6 +141,7 @@ __all__ = [
     "digest",
     "merge_planes",
     "merge_planes_xor",
+    "predict",
     "split_planes",
     "xor_split_planes",
 ]

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from deltackpt import kernel
+from deltackpt._pykernel import adam_w
 from deltackpt.errors import CorruptChunkError
 from deltackpt.tree import _child
 
@@ -71,49 +73,33 @@ class Prediction:
         at = _PREFIX_HEAD.size
         refs = tuple(buf[at + 16 * i : at + 16 * (i + 1)] for i in range(nrefs))
         coefs = struct.unpack_from(f"<{ncoefs}d", buf, at + 16 * nrefs)
-        if not all(np.isfinite(coefs)):
-            raise CorruptChunkError("prediction record has a non-finite coefficient")
+        if not valid_coefs(coefs):
+            raise CorruptChunkError(f"prediction record has a coefficient out of range: {coefs}")
         return cls(predictor, refs, tuple(coefs))
+
+
+#: Coefficients are 0 or of magnitude within [2^-60, 2^60]: the predictors' float64 intermediates then never
+#: leave the normal range, so flush-to-zero settings cannot change a prediction (docs/format.md 8a).
+COEF_MIN, COEF_MAX = 2.0**-60, 2.0**60
+
+
+def valid_coefs(coefs: Iterable[float]) -> bool:
+    return all(c == 0.0 or COEF_MIN <= abs(c) <= COEF_MAX for c in coefs)
 
 
 def _f64(buf: Any) -> np.ndarray:
     return np.frombuffer(memoryview(buf).cast("B"), dtype="<f4").astype(np.float64)
 
 
-def _second_moment(c: tuple[float, ...], m: np.ndarray, m1: np.ndarray, v1: np.ndarray) -> np.ndarray:
-    """``c2*v1 + c3*(g*g)`` with ``g = (m - c0*m1) * c1``, in float64 (``m`` is not modified)."""
-    g = m - c[0] * m1
-    g *= c[1]
-    g *= g
-    g *= c[3]
-    v = c[2] * v1
-    v += g
-    return v
-
-
 def predict(p: Prediction, base: Any, refs: list[Any], out: np.ndarray) -> None:
     """Write the prediction's float32 bytes into ``out`` (uint8, the chunk's raw length).
 
     ``base`` is the raw bytes of the frame's base chunk (the parent's chunk at the same position), ``refs``
-    those of ``p.refs`` in order. Every operation is one correctly rounded float64 operation in the order
-    written in the predictor's definition (see the ``SECOND_MOMENT`` and ``PARAM`` comments), so the result is
-    the same bytes on every IEEE-754 machine. Non-finite intermediates are allowed and deterministic.
+    those of ``p.refs`` in order. The kernel (:func:`deltackpt.kernel.predict`, native or the numpy reference)
+    evaluates the predictor's definition (``docs/format.md`` §8a) one correctly rounded float64 operation at a
+    time, so the result is the same bytes on every IEEE-754 machine and backend.
     """
-    res = np.frombuffer(memoryview(out).cast("B"), dtype="<f4")
-    with np.errstate(all="ignore"):
-        if p.predictor == SECOND_MOMENT:
-            res[:] = _second_moment(p.coefs, _f64(refs[0]), _f64(refs[1]), _f64(base))
-        elif p.predictor == PARAM:
-            m = _f64(refs[0])
-            d = np.sqrt(_second_moment(p.coefs[:4], m, _f64(refs[1]), _f64(refs[2])))
-            d += p.coefs[6]
-            u = m / d
-            u *= p.coefs[5]
-            q = p.coefs[4] * _f64(base)
-            q -= u
-            res[:] = q
-        else:  # Prediction.unpack admits no other predictor
-            raise ValueError(f"unknown predictor {p.predictor}")
+    kernel.predict(p.predictor, p.coefs, base, refs, out)
 
 
 def fit_param(
@@ -126,20 +112,20 @@ def fit_param(
     step = max(1, n // FIT_SAMPLE)
     po, pn, mm, m1, v1 = (_f64(b)[::step] for b in (p_old, p_new, m, m_old, v_old))
     with np.errstate(all="ignore"):
-        u = mm / (np.sqrt(_second_moment(moments, mm, m1, v1)) + e)
+        u = mm / (np.sqrt(adam_w(moments, mm, m1, v1)) + e)
         ok = np.isfinite(po) & np.isfinite(pn) & np.isfinite(u)
         if ok.sum() < 16:
             return None
         x = np.stack([po[ok], -u[ok]], axis=1)
         sol, *_ = np.linalg.lstsq(x, pn[ok], rcond=None)
-    a, b = float(sol[0]), float(sol[1])
-    if not (np.isfinite(a) and np.isfinite(b)) or b == 0.0:
-        return None
-    return (*moments, a, b, e)
+    coefs = (*moments, float(sol[0]), float(sol[1]), e)
+    return coefs if valid_coefs(coefs) and coefs[5] != 0.0 else None
 
 
-def second_moment_coefs(beta1: float, beta2: float) -> tuple[float, float, float, float]:
-    return beta1, 1.0 / (1.0 - beta1), beta2, 1.0 - beta2
+def second_moment_coefs(beta1: float, beta2: float) -> tuple[float, float, float, float] | None:
+    """c0..c3 of the second-moment estimate for AdamW's betas; None when they are out of the coefficients' range."""
+    coefs = (beta1, 1.0 / (1.0 - beta1), beta2, 1.0 - beta2)
+    return coefs if valid_coefs(coefs) else None
 
 
 @dataclass(frozen=True)

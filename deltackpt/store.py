@@ -722,6 +722,8 @@ class Store:
             inputs = [m] + [self._raw_of(r) for r in refs[1:]]
         except CorruptChunkError:
             return self._encode(view, key, width, None)  # a damaged input must not spread: store a keyframe
+        if moments is None:
+            return self._encode(view, key, width, base_key)
         if role.predictor == predict.SECOND_MOMENT:
             coefs: tuple[float, ...] | None = moments
         else:

@@ -29,6 +29,8 @@ cdef extern from "kernel.h" nogil:
     int DCK_ENOMEM
     int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
                           const int *widths, int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad)
+    int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs,
+                    int nrefs, uint8_t *out, size_t len)
 
 # Both are set by setup.py: the package's API version and the hash of the kernel sources this was built from;
 # deltackpt.kernel compares them with its own to reject a stale build.
@@ -249,3 +251,35 @@ def decode_frames(frames, codecs, widths, out, digest=None):
         raise MemoryError("deltackpt kernel: no memory for decoding scratch")
     _check(rc if rc == DCK_EINVAL else 0)
     return rc, bad
+
+
+def predict(predictor, coefs, base, refs, out):
+    """Write the prediction of ``predictor`` from ``coefs``, ``base`` and ``refs`` into ``out``; see
+    deltackpt.kernel."""
+    cdef unsigned char[::1] o = _as_u8(out, writable=True)
+    cdef Py_ssize_t n = o.shape[0]
+    cdef const unsigned char[::1] b = _as_u8(base)
+    views = [_as_u8(r) for r in refs]
+    cdef int nrefs = len(views)
+    cdef int nc = len(coefs)
+    if n % 4 or b.shape[0] != n or any(len(v) != n for v in views) or not 2 <= nrefs <= 3 or not 4 <= nc <= 7:
+        raise ValueError("deltackpt kernel: invalid argument")
+    cdef double c[7]
+    cdef const uint8_t *pr[3]
+    cdef const unsigned char[::1] v
+    cdef int k, rc
+    for k in range(nc):
+        c[k] = coefs[k]
+    for k in range(nrefs):
+        v = views[k]
+        pr[k] = _rptr(v)
+        if _overlap(o, v):
+            raise ValueError("output buffer overlaps an input")
+    if _overlap(o, b):
+        raise ValueError("output buffer overlaps an input")
+    cdef const uint8_t *pb = _rptr(b)
+    cdef uint8_t *po = _wptr(o)
+    cdef int pred = predictor
+    with nogil:
+        rc = dck_predict(pred, c, nc, pb, pr, nrefs, po, <size_t>n)
+    _check(rc)

@@ -36,6 +36,7 @@
 
 #include "kernel.h"
 
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -847,5 +848,104 @@ int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, co
             return DCK_EDIGEST;
     }
     *bad = 0;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------------
+ * Predictions
+ * ---------------------------------------------------------------------------------------------------------- */
+
+/* Elements per block of dck_predict: inputs are staged into aligned float arrays so the arithmetic loop is plain
+ * and vectorizes (SSE2: two doubles per operation). */
+#define DCK_PREDICT_BLOCK 512
+
+/* Contract: dst[0..n) = the little-endian float32 values at src, each subnormal replaced by a zero of its sign. */
+static void dck_f32_load(float *dst, const uint8_t *src, size_t n)
+{
+    uint32_t b[DCK_PREDICT_BLOCK];
+    size_t i;
+
+    memcpy(b, src, 4 * n);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (i = 0; i < n; i++)
+        b[i] = __builtin_bswap32(b[i]);
+#endif
+    for (i = 0; i < n; i++)
+        b[i] = (b[i] & 0x7f800000u) ? b[i] : (b[i] & 0x80000000u);
+    memcpy(dst, b, 4 * n);
+}
+
+/* Contract: stores q[0..n) at dst as little-endian float32: canonical NaN 0x7FC00000 for a NaN, a zero of q's sign
+ * when |q| < 2^-126, else q rounded to float; q is overwritten. Three plain loops, so each vectorizes: the flush
+ * happens in double (what is converted is then zero or at least 2^-126, so flush-to-zero modes cannot change the
+ * conversion), the NaN test on the float bits. */
+static void dck_f32_store(uint8_t *dst, double *q, size_t n)
+{
+    float f[DCK_PREDICT_BLOCK];
+    uint32_t b[DCK_PREDICT_BLOCK];
+    size_t i;
+
+    for (i = 0; i < n; i++)
+        q[i] = fabs(q[i]) < 0x1p-126 ? copysign(0.0, q[i]) : q[i];
+    for (i = 0; i < n; i++)
+        f[i] = (float)q[i];
+    memcpy(b, f, 4 * n);
+    for (i = 0; i < n; i++)
+        b[i] = (b[i] & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : b[i];
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (i = 0; i < n; i++)
+        b[i] = __builtin_bswap32(b[i]);
+#endif
+    memcpy(dst, b, 4 * n);
+}
+
+int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs, int nrefs,
+                uint8_t *out, size_t len)
+{
+    float m[DCK_PREDICT_BLOCK], m1[DCK_PREDICT_BLOCK], v1[DCK_PREDICT_BLOCK], b1[DCK_PREDICT_BLOCK];
+    double q[DCK_PREDICT_BLOCK];
+    size_t at, n = len / 4;
+
+    if (len % 4 != 0 || c == NULL || refs == NULL)
+        return DCK_EINVAL;
+    if (!((predictor == DCK_PREDICT_ADAM_V && nc == 4 && nrefs == 2) ||
+          (predictor == DCK_PREDICT_ADAM_PARAM && nc == 7 && nrefs == 3)))
+        return DCK_EINVAL;
+    if (len > 0 && (base == NULL || out == NULL || refs[0] == NULL || refs[1] == NULL ||
+                    (nrefs == 3 && refs[2] == NULL)))
+        return DCK_EINVAL;
+    for (at = 0; at < n; at += DCK_PREDICT_BLOCK) {
+        size_t i, k = n - at < DCK_PREDICT_BLOCK ? n - at : DCK_PREDICT_BLOCK;
+        const double c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+
+        dck_f32_load(m, refs[0] + 4 * at, k);
+        dck_f32_load(m1, refs[1] + 4 * at, k);
+        dck_f32_load(b1, base + 4 * at, k);
+        if (predictor == DCK_PREDICT_ADAM_V) {
+            for (i = 0; i < k; i++) { /* w = c2*v1 + c3*(g*g), g = (m - c0*m1)*c1, one rounding per step */
+                double g = (double)m[i] - c0 * (double)m1[i];
+                g = g * c1;
+                g = g * g;
+                g = g * c3;
+                q[i] = c2 * (double)b1[i] + g;
+            }
+        } else {
+            const double c4 = c[4], c5 = c[5], c6 = c[6];
+            dck_f32_load(v1, refs[2] + 4 * at, k);
+            for (i = 0; i < k; i++) { /* q = c4*p1 - c5*(m / (sqrt(w) + c6)) */
+                double g = (double)m[i] - c0 * (double)m1[i];
+                double d, u;
+                g = g * c1;
+                g = g * g;
+                g = g * c3;
+                d = sqrt(c2 * (double)v1[i] + g);
+                d = d + c6;
+                u = (double)m[i] / d;
+                u = u * c5;
+                q[i] = c4 * (double)b1[i] - u;
+            }
+        }
+        dck_f32_store(out + 4 * at, q, k);
+    }
     return 0;
 }

@@ -145,6 +145,34 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
 int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs, const int *widths,
                       int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad);
 
+/* ------------------------------------------------------------------------------------------------------------
+ * Predictions (predicted frames, codec 4). The arithmetic is part of the on-disk format: docs/format.md, 8a.
+ * ---------------------------------------------------------------------------------------------------------- */
+
+#define DCK_PREDICT_ADAM_V 1     /* refs m, m1; base v1; coefficients c0..c3 */
+#define DCK_PREDICT_ADAM_PARAM 2 /* refs m, m1, v1; base p1; coefficients c0..c6 */
+
+/*
+ * Compute a prediction of len bytes (len % 4 == 0, len / 4 little-endian float32 values) into out.
+ *
+ * Inputs:  predictor (DCK_PREDICT_*), its nc coefficients c (4 or 7; each 0 or of magnitude in [2^-60, 2^60],
+ *          which the caller checked), base and refs[0..nrefs) (2 or 3), each len bytes of float32.
+ * Effect:  for every element i, with every input x read as float32 and widened exactly to double after a
+ *          subnormal x is replaced by a zero of the same sign:
+ *            adam-v:     g = m - c0*m1; g = g*c1; g = g*g; g = g*c3; w = c2*v1; w = w + g; q = w
+ *            adam-param: w as above from (m, m1, v1); d = sqrt(w); d = d + c6; u = m / d; u = u*c5;
+ *                        q = c4*p1; q = q - u
+ *          each step one correctly rounded double operation in this order (the build passes
+ *          -ffp-contract=off: no fused multiply-add). out[i] = 0x7FC00000 if q is NaN; a zero with q's sign if
+ *          |q| < 2^-126; else (float)q, rounded to nearest. Within the coefficient bounds no double
+ *          intermediate is subnormal, so the result does not depend on flush-to-zero or denormals-are-zero
+ *          modes; rounding must be to nearest (the default).
+ * Returns: 0; DCK_EINVAL for an unknown predictor, a wrong nc or nrefs, len % 4 != 0, or a NULL pointer with
+ *          len > 0. Single-threaded (callers decode many chunks in parallel); no allocation.
+ */
+int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs, int nrefs,
+                uint8_t *out, size_t len);
+
 #ifdef __cplusplus
 }
 #endif
