@@ -880,37 +880,49 @@ class Store:
                     "chunk is not in the index", chunk_id=_kid(k), checkpoint=m.id, key=t.key
                 )
         chains = self._base_locations(locs)
-        # A predicted chunk references chunks that may be decoded by this same load (this checkpoint's first
-        # moments, say): decode in rounds of rising chain depth, as a chunk's depth exceeds that of everything it
-        # references, and let later rounds take what earlier ones decoded (``memo``).
-        memo: dict[bytes, np.ndarray] | None = None
-        rounds = [work]
-        if any(loc.codec == codec.PREDICTED for loc in locs.values()):
-            memo = {}
-            by_depth: dict[int, list[tuple[manifest.TensorEntry, bytes, np.ndarray]]] = {}
-            for item in work:
-                by_depth.setdefault(locs[item[1]].depth, []).append(item)
-            rounds = [by_depth[d] for d in sorted(by_depth)]
-        first_error: BaseException | None = None
-        for batch in rounds:
-            futures = [
-                (t, k, view, self.read_pool.submit(
-                    self.read_chunk, k, locs[k], out=view, verify=verify, bases=chains, memo=memo))
-                for t, k, view in batch
-            ]
-            for t, k, view, fut in futures:
+        # Predicted chunks reference this checkpoint's first moments and chunks of older checkpoints that the load
+        # does not return. They are decoded after everything else, in groups that share one first moment (a
+        # parameter and its second moment), each group with its own memo of decoded inputs: every input is
+        # decoded once per group, and memory stays at a few chunks per read thread.
+        later = [item for item in work if locs[item[1]].codec == codec.PREDICTED]
+        first = [item for item in work if locs[item[1]].codec != codec.PREDICTED] if later else work
+        errors: list[BaseException] = []
+
+        def run(futures: list[tuple[manifest.TensorEntry, bytes, Future[Any]]]) -> None:
+            for t, k, fut in futures:
                 try:
                     fut.result()
-                    if memo is not None:
-                        memo[k] = view
                 except CorruptChunkError as exc:
-                    if first_error is None:
-                        first_error = CorruptChunkError(exc.reason, chunk_id=_kid(k), checkpoint=m.id, key=t.key)
+                    errors.append(CorruptChunkError(exc.reason, chunk_id=_kid(k), checkpoint=m.id, key=t.key))
                 except BaseException as exc:  # keep waiting for the rest, then raise the first
-                    if first_error is None:
-                        first_error = exc
-            if first_error is not None:
-                raise first_error
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+
+        run([(t, k, self.read_pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify, bases=chains))
+             for t, k, view in first])
+        if not later:
+            return
+        decoded = {k: view for _, k, view in first}
+        run([(t, k, self.read_pool.submit(self.references, k, locs[k])) for t, k, _ in later])
+        groups: dict[bytes, list[tuple[manifest.TensorEntry, bytes, np.ndarray]]] = {}
+        for t, k, view in later:
+            refs = self.references(k, locs[k])  # the frame is in the page cache now
+            groups.setdefault(refs[1] if len(refs) > 1 else k, []).append((t, k, view))
+        run([(group[0][0], group[0][1], self.read_pool.submit(self._read_group, group, locs, chains, decoded, verify))
+             for group in groups.values()])
+
+    def _read_group(self, group: list[tuple[manifest.TensorEntry, bytes, np.ndarray]], locs: Mapping[bytes, ChunkLoc],
+                    chains: Mapping[bytes, ChunkLoc], decoded: Mapping[bytes, np.ndarray], verify: bool) -> None:
+        """Decode predicted chunks that share inputs, with one memo of their inputs (``decoded``: chunks this
+        load already holds). Errors name the chunk that failed."""
+        memo: dict[bytes, np.ndarray] = {}
+        for t, k, view in sorted(group, key=lambda item: locs[item[1]].depth):
+            try:
+                self.read_chunk(k, locs[k], out=view, verify=verify, bases=chains, memo=memo, known=decoded)
+            except CorruptChunkError as exc:
+                raise CorruptChunkError(exc.reason, chunk_id=_kid(k), key=t.key) from None
+            memo[k] = view
 
     def _base_locations(self, locs: dict[bytes, ChunkLoc]) -> dict[bytes, ChunkLoc]:
         """The index entries of every delta base that decoding ``locs`` needs (all levels), looked up in one
@@ -932,14 +944,14 @@ class Store:
     def read_chunk(
         self, key: bytes, loc: ChunkLoc | None = None, *, out: np.ndarray | None = None, verify: bool = True,
         bases: Mapping[bytes, ChunkLoc] | None = None, memo: dict[bytes, np.ndarray] | None = None,
-        _nesting: int = 0,
+        known: Mapping[bytes, np.ndarray] | None = None, _nesting: int = 0,
     ) -> memoryview:
         """Decode one chunk with its delta bases and return its raw bytes, filling ``out`` when given.
 
         ``loc`` is the chunk's location and ``bases`` those of (some of) its bases when the caller looked them
         up already; the others come from the index. A predicted chunk's inputs (its base and the chunks it
-        references) are decoded the same way, taken from ``memo`` (raw bytes by chunk key) when there and
-        added to it when decoded."""
+        references) are decoded the same way, taken from ``known`` or ``memo`` (raw bytes by chunk key) when
+        there and added to ``memo`` when decoded."""
         raw_len = int.from_bytes(key[16:], "big")
 
         def fetch(digest: bytes) -> tuple[bytes, str]:
@@ -955,13 +967,15 @@ class Store:
 
         def resolve(digest: bytes) -> np.ndarray | memoryview:
             k = digest + key[16:]
+            if known is not None and k in known:
+                return known[k]
             if memo is not None and k in memo:
                 return memo[k]
             if _nesting >= codec.MAX_CHAIN_FRAMES:
                 raise CorruptChunkError(
                     f"prediction inputs nest deeper than {codec.MAX_CHAIN_FRAMES} (a cycle?)", chunk_id=_kid(k)
                 )
-            raw = self.read_chunk(k, verify=True, bases=bases, memo=memo, _nesting=_nesting + 1)
+            raw = self.read_chunk(k, verify=True, bases=bases, memo=memo, known=known, _nesting=_nesting + 1)
             if memo is not None:
                 memo[k] = np.frombuffer(raw, dtype=np.uint8)
             return raw
