@@ -6,7 +6,7 @@
 ``torch.save``          torch.save straight to the final file, no fsync (not durable: the page cache holds it)
 ``safetensors+fsync``   safetensors.save_file of the tensor leaves (plain values as JSON metadata), durable
 ``dcp``                 torch.distributed.checkpoint.save with FileSystemWriter(sync_files=True), one process
-``deltackpt``           Store.save with the default settings: deltas on (max_chain=2 unless configured)
+``deltackpt``           Store.save with the default settings: deltas and predicted frames on (max_chain=3)
 ``deltackpt-dedup``     Store.save, dedup only (max_chain=0)
 ``deltackpt-async``     deltackpt.Checkpointer(async_save=True) over a delta store: the training thread only
                         waits for ``step()``; the save completes in the background

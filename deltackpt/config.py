@@ -11,7 +11,7 @@ zstd level                        ``DELTACKPT_ZSTD_LEVEL``    1
 worker threads                    ``DELTACKPT_THREADS``       the CPUs this process may run on
 read threads (loads, verify)      ``DELTACKPT_READ_THREADS``  4 x worker threads, at least 8
 pack file roll-over size          ``DELTACKPT_PACK_SIZE``     1 GiB
-longest delta chain (0: no delta) ``DELTACKPT_MAX_CHAIN``     2
+longest delta chain (0: no delta) ``DELTACKPT_MAX_CHAIN``     3
 delta base cache                  ``DELTACKPT_DELTA_CACHE``   1 GiB
 predicted frames (AdamW state)    ``DELTACKPT_PREDICT``       1 (on; 0 turns them off)
 allow the index on network FS     ``DELTACKPT_ALLOW_NETWORK_FS``  0
@@ -25,7 +25,7 @@ import os
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 1
 DEFAULT_PACK_SIZE = 1 << 30
-DEFAULT_MAX_CHAIN = 2
+DEFAULT_MAX_CHAIN = 3
 DEFAULT_DELTA_CACHE = 1 << 30
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 1 << 30

@@ -204,6 +204,7 @@ class Store:
         self._last_manifest: manifest.Manifest | None = None
         self._pinned = _Pinned()
         self._delta_stats: dict[str, tuple[int, int]] = {}
+        self._predict_stats: dict[str, tuple[int, int]] = {}  # the same for predicted frames
         self.max_chain = config.max_chain() if max_chain is None else int(max_chain)
         if not 0 <= self.max_chain <= 64:
             raise ValueError(f"max_chain must be between 0 (no deltas) and 64, got {self.max_chain}")
@@ -482,6 +483,7 @@ class Store:
         cs = self.chunk_size
         k_max = self.max_chain
         roles = roles or {}
+        first_moments = {r.m for r in roles.values()}
         parents = {t.key: t for t in pm.tensors} if pm is not None and pm.chunk_size == cs else {}
         entries: list[manifest.TensorEntry] = []
         all_digests: list[np.ndarray] = []
@@ -493,7 +495,8 @@ class Store:
         limit = self.threads * _INFLIGHT_PER_THREAD
         written = 0
         first = 0
-        hosted: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # CPU leaves: (bytes, digests, zero)
+        # tensors with a predictor role and their first moments (on the CPU): (bytes, digests, zero flags)
+        hosted: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         deferred: list[tuple[tree.Leaf, manifest.TensorEntry, int, bytes, tuple[bytes, int]]] = []
 
         def drain(keep: int) -> None:
@@ -504,7 +507,9 @@ class Store:
                 pack_id, offset = self._writer.append(frame)
                 h = codec.parse_header(frame)
                 depth = {codec.DELTA: delta_depth, codec.PREDICTED: pred_depth}.get(h.codec, 0)
-                if delta_depth > 0 and h.codec not in (codec.RAW, codec.PREDICTED):  # did the offered delta win?
+                if pred_depth > 0:  # a prediction was tried: did it win?
+                    self._count_delta(entry.key, h.codec == codec.PREDICTED, self._predict_stats)
+                elif delta_depth > 0 and h.codec != codec.RAW:  # did the offered delta win?
                     self._count_delta(entry.key, h.codec == codec.DELTA)
                 new_locs[key] = ChunkLoc(pack_id, offset, len(frame), h.codec, depth, h.base)
                 entry.written += len(frame)
@@ -544,8 +549,8 @@ class Store:
                 entries.append(entry)
                 all_digests.append(digests)
                 all_flags.append(zero.astype(np.uint8))
-                if not on_device:
-                    hosted[leaf.path] = (buf, digests, zero)
+                if not on_device and (leaf.path in roles or leaf.path in first_moments):
+                    hosted[leaf.path] = (buf, digests, zero)  # kept until the predictions are encoded
                 todo = [
                     (i, chunk_key(digests[i].tobytes(), min(cs, leaf.nbytes - i * cs)))
                     for i in range(n)
@@ -556,7 +561,11 @@ class Store:
                 todo = [(i, k) for i, k in todo if k not in stored]
                 role = roles.get(leaf.path) if not on_device else None
                 phase = generation + (zlib.crc32(role.m.encode()) if role is not None else entry.first)
-                bases = self._bases(leaf, parents.get(leaf.path), pm, todo, phase) if k_max else {}
+                bases = {}
+                # a first moment that predictions reference stays standalone: its deltas gain 2-3%, and their
+                # depth would add to every prediction's, which then reaches the chain bound sooner
+                if k_max and leaf.path not in first_moments:
+                    bases = self._bases(leaf, parents.get(leaf.path), pm, todo, phase)
                 for i, k in todo:
                     if k in pending:
                         continue  # the same bytes twice in this tensor
@@ -568,7 +577,10 @@ class Store:
                         submit(leaf, entry, i, k, base, buf)
             drain(0)  # every chunk a prediction may reference is written: its depth is known
             for leaf, entry, i, k, base in deferred:
-                prediction = self._prediction_inputs(roles[leaf.path], i, k, base, hosted, parents, pm, new_locs)
+                prediction = None
+                # as with deltas, every 16th chunk tries even when predictions stopped winning for this role
+                if self._predicting(leaf.path) or (entry.first + i + generation) % 16 == 0:
+                    prediction = self._prediction_inputs(roles[leaf.path], i, k, base, hosted, parents, pm, new_locs)
                 submit(leaf, entry, i, k, base, hosted[leaf.path][0], prediction)
             drain(0)
         except BaseException:
@@ -678,12 +690,19 @@ class Store:
             return "alone"
         return "both"
 
-    def _count_delta(self, path: str, won: bool) -> None:
+    def _count_delta(self, path: str, won: bool, stats: dict[str, tuple[int, int]] | None = None) -> None:
+        stats = self._delta_stats if stats is None else stats
         role = _role(path)
-        w, t = self._delta_stats.get(role, (0, 0))
+        w, t = stats.get(role, (0, 0))
         if t >= 64:  # a moving window: training changes how well deltas do
             w, t = w // 2, t // 2
-        self._delta_stats[role] = (w + int(won), t + 1)
+        stats[role] = (w + int(won), t + 1)
+
+    def _predicting(self, path: str) -> bool:
+        """Whether to try predicted frames for tensor ``path``: not when they almost never won for its role in
+        recent saves (saves several optimizer steps apart, another optimizer), which saves a trial encoding."""
+        won, tried = self._predict_stats.get(_role(path), (0, 0))
+        return tried < 8 or won > 0.05 * tried
 
     def _encode(self, view: memoryview, key: bytes, width: int, base_key: bytes | None, mode: str = "both") -> bytes:
         base = None
@@ -893,7 +912,9 @@ class Store:
                 try:
                     fut.result()
                 except CorruptChunkError as exc:
-                    errors.append(CorruptChunkError(exc.reason, chunk_id=_kid(k), checkpoint=m.id, key=t.key))
+                    if exc.key is None:  # a chunk's own decode: it is the chunk ``k`` of tensor ``t``
+                        exc = CorruptChunkError(exc.reason, chunk_id=_kid(k), key=t.key)
+                    errors.append(CorruptChunkError(exc.reason, chunk_id=exc.chunk_id, checkpoint=m.id, key=exc.key))
                 except BaseException as exc:  # keep waiting for the rest, then raise the first
                     errors.append(exc)
             if errors:
@@ -915,7 +936,7 @@ class Store:
     def _read_group(self, group: list[tuple[manifest.TensorEntry, bytes, np.ndarray]], locs: Mapping[bytes, ChunkLoc],
                     chains: Mapping[bytes, ChunkLoc], decoded: Mapping[bytes, np.ndarray], verify: bool) -> None:
         """Decode predicted chunks that share inputs, with one memo of their inputs (``decoded``: chunks this
-        load already holds). Errors name the chunk that failed."""
+        load already holds). An error names the chunk and tensor that failed."""
         memo: dict[bytes, np.ndarray] = {}
         for t, k, view in sorted(group, key=lambda item: locs[item[1]].depth):
             try:
@@ -1035,12 +1056,13 @@ class Store:
         return maintenance.repair(self, **kwargs)
 
 
-_INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])")
+_INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
 
 
 def _role(path: str) -> str:
     """A tensor's key path with its numeric parts (layer and parameter indices) replaced by ``#``:
-    ``model.blocks.3.attn.weight`` -> ``model.blocks.#.attn.weight``."""
+    ``model.blocks.3.attn.weight`` -> ``model.blocks.#.attn.weight``, ``optimizer.state[7].exp_avg`` ->
+    ``optimizer.state[#].exp_avg``."""
     return _INDEX_PART.sub("#", path)
 
 

@@ -247,6 +247,21 @@ def test_du_reports_delta_frames(capsys: pytest.CaptureFixture[str], store_path:
     assert du["deepest chain (generations a chunk's decode reads)"] == str(max(loc.depth for loc in locs) + 1)
 
 
+def test_du_reports_predicted_frames(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    from test_predict import _train
+
+    with deltackpt.Store(store_path, chunk_size=1 << 14, max_chain=3) as s:
+        _train(6, store=s)
+        locs = [loc for _, loc in s.index.iter_chunks()]
+    n_pred = sum(loc.codec == deltackpt.codec.PREDICTED for loc in locs)
+    assert n_pred > 0
+    rc, out, _ = cli(capsys, "du", store_path)
+    du = _du(out)
+    assert rc == 0
+    assert du["predicted frames (of all chunks)"].startswith(f"{n_pred} of {len(locs)},")
+    assert du["deepest chain (generations a chunk's decode reads)"] == str(max(loc.depth for loc in locs) + 1)
+
+
 def test_du_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     open_store(store_path).close()
     rc, out, _ = cli(capsys, "du", store_path)

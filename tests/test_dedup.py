@@ -319,6 +319,8 @@ def test_delta_statistics_are_shared_by_tensor_role(store_path: Path) -> None:
 
     assert _role("model.blocks.3.attn.weight") == "model.blocks.#.attn.weight"
     assert _role("optimizer.state.12.exp_avg") == "optimizer.state.#.exp_avg"
+    assert _role("optimizer.state[12].exp_avg") == "optimizer.state[#].exp_avg"  # int dict keys
+    assert _role("x[ab].y[3c]") == "x[ab].y[3c]"
     assert _role("layer3.w") == "layer3.w" and _role("x.3b.y") == "x.3b.y" and _role("7") == "#"
     rng = np.random.default_rng(0)
     state = {f"blocks.{i}.w": torch.from_numpy(rng.standard_normal(SMALL_CHUNK // 4, dtype=np.float32))

@@ -1,17 +1,20 @@
 """A Hypothesis state machine over a real store: evolving states, saves, rollbacks (branches), deletes, gc, reopen.
 
-After every operation each retained checkpoint loads bit-exactly, every chunk entry respects the chain bound,
-and every delta entry's base is still indexed (deletes and gc never break a chain).
+The state holds free-form tensors and an AdamW-trained parameter with its optimizer state (so predicted frames
+are written and referenced across branches, deletes and gc). After every operation each retained checkpoint
+loads bit-exactly, every chunk entry respects the chain bound, and every delta base and prediction input of an
+entry is still indexed, at a lower depth (deletes and gc never break a chain).
 """
 
 from __future__ import annotations
 
+import copy
 import shutil
 import tempfile
 
 import numpy as np
 import torch
-from conftest import tensor_bytes
+from conftest import assert_same_state
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -28,6 +31,10 @@ def _clone(state: dict) -> dict:
     return {k: v.clone() for k, v in state.items()}
 
 
+ADAM_N = 3000  # elements of the AdamW-trained parameter (three 4 KiB chunks)
+BETAS, LR, WD, EPS = (0.9, 0.999), 1e-3, 0.1, 1e-8
+
+
 def _random_tensor(rng: np.random.Generator, numel: int, dtype: torch.dtype) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.from_numpy(rng.standard_normal(numel).astype(np.float32)).to(dtype) * 0.02
@@ -41,6 +48,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.store = deltackpt.Store(self.dir, chunk_size=CHUNK, threads=2, max_chain=MAX_CHAIN)
         rng = np.random.default_rng(0)
         self.state = {f"t{i}": _random_tensor(rng, 1500 * (i + 1), torch.float32) for i in range(3)}
+        self.adam = {"w": _random_tensor(rng, ADAM_N, torch.float32), "m": torch.zeros(ADAM_N),
+                     "v": torch.zeros(ADAM_N), "t": 0}
         self.expected: dict[str, dict] = {}  # checkpoint id -> state it must load as
         self.parents: dict[str, str | None] = {}
         self.step = 0
@@ -62,6 +71,31 @@ class StoreMachine(RuleBasedStateMachine):
                 flat[idx] += (torch.from_numpy(rng.standard_normal(n).astype(np.float32)) * 1e-4).to(t.dtype)
             elif n:
                 t.view(-1)[0] += 1
+
+    @rule(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 2))
+    def adam_step(self, seed: int, steps: int) -> None:
+        """AdamW steps on the parameter ``w`` with a random gradient (as torch.optim.AdamW computes them)."""
+        rng = np.random.default_rng(seed)
+        a = self.adam
+        for _ in range(steps):
+            g = torch.from_numpy(rng.standard_normal(ADAM_N).astype(np.float32))
+            a["t"] += 1
+            a["w"].mul_(1 - LR * WD)
+            a["m"].lerp_(g, 1 - BETAS[0])
+            a["v"].mul_(BETAS[1]).addcmul_(g, g, value=1 - BETAS[1])
+            bc1, bc2 = 1 - BETAS[0] ** a["t"], 1 - BETAS[1] ** a["t"]
+            denom = (a["v"].sqrt() / bc2**0.5).add_(EPS)
+            a["w"].addcdiv_(a["m"], denom, value=-LR / bc1)
+
+    def _tree(self) -> dict:
+        a = self.adam
+        return {
+            "model": {**self.state, "adam_w": a["w"]},
+            "optim": {
+                "state": {0: {"step": torch.tensor(float(a["t"])), "exp_avg": a["m"], "exp_avg_sq": a["v"]}},
+                "param_groups": [{"params": [0], "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}],
+            },
+        }
 
     @rule(seed=st.integers(0, 2**32 - 1), numel=st.integers(0, 5000), dtype=st.sampled_from(DTYPES))
     def add_tensor(self, seed: int, numel: int, dtype: torch.dtype) -> None:
@@ -86,9 +120,10 @@ class StoreMachine(RuleBasedStateMachine):
     def save(self, same_step: bool) -> None:
         if not (same_step and self.step):
             self.step += 1
-        info = self.store.save(self.state, step=self.step)
+        tree = self._tree()
+        info = self.store.save(tree, step=self.step)
         assert info.parent == self.head or self.head is None or self.head not in self.expected
-        self.expected[info.id] = _clone(self.state)
+        self.expected[info.id] = copy.deepcopy(tree)
         self.parents[info.id] = info.parent
         self.head = info.id
 
@@ -97,7 +132,10 @@ class StoreMachine(RuleBasedStateMachine):
     def rollback(self, data: st.DataObject) -> None:
         cid = data.draw(st.sampled_from(list(self.expected)))  # save order: ids are random
         loaded = self.store.load(id=cid)
-        self.state = _clone(loaded)
+        model = dict(loaded["model"])
+        opt = loaded["optim"]["state"][0]
+        self.adam = {"w": model.pop("adam_w"), "m": opt["exp_avg"], "v": opt["exp_avg_sq"], "t": int(opt["step"])}
+        self.state = _clone(model)
         self.head = cid  # the next save is a branch from here
 
     @precondition(lambda self: self.expected)
@@ -124,11 +162,7 @@ class StoreMachine(RuleBasedStateMachine):
     def every_retained_checkpoint_loads_bit_exactly(self) -> None:
         assert sorted(i.id for i in self.store.list()) == sorted(self.expected)
         for cid, want in self.expected.items():
-            got = self.store.load(id=cid)
-            assert list(got) == list(want), cid
-            for k in want:
-                assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, (cid, k)
-                assert tensor_bytes(got[k]) == tensor_bytes(want[k]), (cid, k)
+            assert_same_state(want, self.store.load(id=cid))
         self.store._head = self.head  # the loads above moved the handle's head; the run's head is ours
 
     @invariant()
@@ -140,6 +174,10 @@ class StoreMachine(RuleBasedStateMachine):
                 base = entries.get(loc.base + k[16:])
                 assert base is not None, "a delta's base was dropped"
                 assert base.depth == loc.depth - 1
+            if loc.codec == codec.PREDICTED:
+                inputs = [entries.get(r) for r in self.store.references(k, loc)]
+                assert all(i is not None for i in inputs), "a prediction input was dropped"
+                assert max(i.depth for i in inputs if i is not None) == loc.depth - 1
 
 
 StoreMachine.TestCase.settings = settings(
