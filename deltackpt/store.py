@@ -730,8 +730,9 @@ class Store:
         self, view: memoryview, key: bytes, width: int, base_key: bytes, role: predict.Role, refs: list[bytes],
         m: np.ndarray,
     ) -> bytes:
-        """Encode a chunk of a tensor with a predictor role: the predicted frame when the prediction is good,
-        else the better of the delta and standalone frames (:meth:`_encode`). ``refs`` are the keys of the
+        """Encode a chunk of a tensor with a predictor role: the predicted frame when it is at most half the raw
+        size or at most :data:`~deltackpt.codec.DELTA_MIN_GAIN` of the better of the delta and standalone frames
+        (:meth:`_encode`), else that frame. ``refs`` are the keys of the
         chunks the prediction references (:meth:`_prediction_inputs`), ``m`` the bytes of the first of them,
         this save's first moment."""
         n = len(view)
@@ -753,9 +754,10 @@ class Store:
         guess = np.empty(n, dtype=np.uint8)
         predict.predict(record, base, inputs, guess)
         frame = self._encoder().encode_predicted(view, key[:16], width, guess, base_key[:16], record.pack())
-        if len(frame) > n * codec.DELTA_GOOD_ENOUGH:  # a poor prediction (another optimizer, a wrong pair)
+        if len(frame) > n * codec.DELTA_GOOD_ENOUGH:  # a poor prediction (saves steps apart, another optimizer)
             other = self._encode(view, key, width, base_key)
-            if len(other) <= len(frame):
+            # as for deltas, a margin: every later load of a predicted chunk also decodes its inputs
+            if len(frame) > len(other) * codec.DELTA_MIN_GAIN:
                 return other
         self._base_cache.put(key, view)
         return frame
@@ -974,6 +976,8 @@ class Store:
         references) are decoded the same way, taken from ``known`` or ``memo`` (raw bytes by chunk key) when
         there and added to ``memo`` when decoded."""
         raw_len = int.from_bytes(key[16:], "big")
+        if memo is None:
+            memo = {}  # inputs shared within this chunk's decode (a parameter's and its base's, say)
 
         def fetch(digest: bytes) -> tuple[bytes, str]:
             at = loc if digest == key[:16] and loc is not None else None
@@ -990,15 +994,14 @@ class Store:
             k = digest + key[16:]
             if known is not None and k in known:
                 return known[k]
-            if memo is not None and k in memo:
+            if k in memo:
                 return memo[k]
             if _nesting >= codec.MAX_CHAIN_FRAMES:
                 raise CorruptChunkError(
                     f"prediction inputs nest deeper than {codec.MAX_CHAIN_FRAMES} (a cycle?)", chunk_id=_kid(k)
                 )
             raw = self.read_chunk(k, verify=True, bases=bases, memo=memo, known=known, _nesting=_nesting + 1)
-            if memo is not None:
-                memo[k] = np.frombuffer(raw, dtype=np.uint8)
+            memo[k] = np.frombuffer(raw, dtype=np.uint8)
             return raw
 
         return codec.decode_chain(key[:16], raw_len, fetch, out=out, verify=verify, resolve=resolve)
