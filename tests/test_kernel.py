@@ -683,3 +683,51 @@ def test_decode_frames_large_chunks_repeatedly(mod: types.ModuleType) -> None:
         out = np.empty(len(versions[-1]), np.uint8)
         assert mod.decode_frames(frames, codecs, ws, out, kernel.digest(versions[-1])) == (0, 0)
         np.testing.assert_array_equal(out, versions[-1])
+
+
+# -- predictions (dck_predict; docs/format.md 8a) ------------------------------------------------------------
+
+_coef = st.one_of(st.just(0.0), st.floats(2.0**-60, 2.0**60), st.floats(-(2.0**60), -(2.0**-60)))
+_SPECIAL_F32 = [0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFFFFFFF, 0x00800000, 0x7F7FFFFF,
+                0x80000000]
+
+
+@needs_native
+@FAST
+@given(predictor=st.sampled_from([1, 2]), n=st.integers(0, 700), coefs=st.lists(_coef, min_size=7, max_size=7),
+       seed=st.integers(0, 2**32 - 1), specials=st.lists(st.sampled_from(_SPECIAL_F32), max_size=8))
+def test_predict_backends_agree_bit_for_bit(predictor: int, n: int, coefs: list[float], seed: int,
+                                            specials: list[int]) -> None:
+    """Arbitrary float32 bit patterns (subnormals, infinities, NaN payloads), any length (blocks of 512 and a
+    tail), any coefficients in range: the native kernel and the numpy reference produce the same bytes."""
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for _ in range(4):
+        a = (rng.standard_normal(n) * 10.0 ** rng.integers(-40, 38, n)).astype(np.float32).view(np.uint32)
+        a[: len(specials)] = specials[: len(a)]
+        rng.shuffle(a)
+        arrays.append(a.view(np.uint8))
+    nrefs, nc = (2, 4) if predictor == 1 else (3, 7)
+    outs = []
+    for mod in (ref, native):
+        out = np.empty(4 * n, np.uint8)
+        with np.errstate(all="ignore"):
+            mod.predict(predictor, coefs[:nc], arrays[0], arrays[1 : 1 + nrefs], out)
+        outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+def test_predict_rejects_bad_arguments(mod: types.ModuleType) -> None:
+    a = np.zeros(64, np.uint8)
+    out = np.empty(64, np.uint8)
+    bad = [
+        (3, [0.0] * 4, a, [a, a]),  # unknown predictor
+        (1, [0.0] * 7, a, [a, a]),  # coefficients of the other predictor
+        (2, [0.0] * 7, a, [a, a]),  # too few references
+        (1, [0.0] * 4, a[:60], [a, a]),  # lengths differ
+        (1, [0.0] * 4, a[:62], [a[:62], a[:62]]),  # not whole float32 elements
+    ]
+    for predictor, coefs, base, refs in bad:
+        with pytest.raises(ValueError):
+            mod.predict(predictor, coefs, base, refs, out[: len(base)])
