@@ -87,8 +87,9 @@ def valid_coefs(coefs: Iterable[float]) -> bool:
     return all(c == 0.0 or COEF_MIN <= abs(c) <= COEF_MAX for c in coefs)
 
 
-def _f64(buf: Any) -> np.ndarray:
-    return np.frombuffer(memoryview(buf).cast("B"), dtype="<f4").astype(np.float64)
+def _f64(buf: Any, step: int = 1) -> np.ndarray:
+    """Every ``step``-th float32 element of ``buf``, widened to float64."""
+    return np.frombuffer(memoryview(buf).cast("B"), dtype="<f4")[::step].astype(np.float64)
 
 
 def predict(p: Prediction, base: Any, refs: list[Any], out: np.ndarray) -> None:
@@ -110,7 +111,7 @@ def fit_param(
     evenly spaced sample, then ``e`` (E). None when the chunk gives nothing to fit (no update, non-finite)."""
     n = len(memoryview(p_new).cast("B")) // 4
     step = max(1, n // FIT_SAMPLE)
-    po, pn, mm, m1, v1 = (_f64(b)[::step] for b in (p_old, p_new, m, m_old, v_old))
+    po, pn, mm, m1, v1 = (_f64(b, step) for b in (p_old, p_new, m, m_old, v_old))
     with np.errstate(all="ignore"):
         u = mm / (np.sqrt(adam_w(moments, mm, m1, v1)) + e)
         ok = np.isfinite(po) & np.isfinite(pn) & np.isfinite(u)
