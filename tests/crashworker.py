@@ -37,12 +37,40 @@ CHUNK_SIZE = 4096
 
 
 # -- the deterministic states -------------------------------------------------------------------------------
+_ADAM_N = 3072  # elements of the AdamW-trained parameter: three 4 KiB chunks
+_adam_memo: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+
+def _adam(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(parameter, exp_avg, exp_avg_sq) after ``step + 1`` AdamW steps with gradients seeded by the step, in
+    float32 numpy (torch ops in a child forked from a process that ran them can hang in OpenMP): consecutive
+    saves get predicted frames (docs/format.md 8a)."""
+    f32 = np.float32
+    while len(_adam_memo) <= step:
+        t = len(_adam_memo)
+        if t == 0:
+            p = np.random.default_rng(11).standard_normal(_ADAM_N).astype(f32)
+            m, v = np.zeros(_ADAM_N, f32), np.zeros(_ADAM_N, f32)
+        else:
+            p, m, v = (x.copy() for x in _adam_memo[-1])
+        grad = np.random.default_rng(2_000_003 + t).standard_normal(_ADAM_N).astype(f32)
+        p *= f32(1 - 1e-3 * 0.01)
+        m += f32(0.1) * (grad - m)
+        v = v * f32(0.999) + f32(0.001) * grad * grad
+        denom = np.sqrt(v) / f32((1 - 0.999 ** (t + 1)) ** 0.5) + f32(1e-8)
+        p -= f32(1e-3 / (1 - 0.9 ** (t + 1))) * m / denom
+        _adam_memo.append((p, m, v))
+    return tuple(torch.from_numpy(x.copy()) for x in _adam_memo[step])  # type: ignore[return-value]
+
+
 def make_state(step: int) -> dict[str, Any]:
     """The training state of ``step``: a pure function of ``step``.
 
     Consecutive steps share most chunks (``model.w`` differs in one 4 KiB chunk, ``emb``/``mask``/``exp_avg``
-    change every 4 steps, ``zeros`` never) so each save dedups most chunks and writes a few new ones.
+    change every 4 steps, ``zeros`` never) so each save dedups most chunks and writes a few new ones; the
+    AdamW-trained ``model.adam_w`` and its optimizer state change at every step (predicted frames).
     """
+    adam_w, adam_m, adam_v = _adam(step)
     g = torch.Generator().manual_seed(step)
     slow = torch.Generator().manual_seed(1_000_003 + step // 4)
     fixed = torch.Generator().manual_seed(7)
@@ -58,12 +86,14 @@ def make_state(step: int) -> dict[str, Any]:
             "mask": torch.rand(777, generator=slow) > 0.5,
             "idx": torch.arange(step, step + 300, dtype=torch.int64),
             "zeros": torch.zeros(3000),
+            "adam_w": adam_w,
         },
         "optim": {
             "state": {
-                0: {"exp_avg": torch.randn(5000, generator=slow) * 1e-3, "step": torch.tensor(float(step))}
+                0: {"exp_avg": torch.randn(5000, generator=slow) * 1e-3, "step": torch.tensor(float(step))},
+                1: {"exp_avg": adam_m, "exp_avg_sq": adam_v, "step": torch.tensor(float(step + 1))},
             },
-            "param_groups": [{"lr": 0.1 / (step + 1), "betas": (0.9, 0.999), "params": [0]}],
+            "param_groups": [{"lr": 0.1 / (step + 1), "betas": (0.9, 0.999), "params": [0, 1]}],
         },
         "np": np.random.default_rng(step).standard_normal(300).astype(np.float32),
         "step": step,
