@@ -927,10 +927,11 @@ class Store:
         if not later:
             return
         decoded = {k: view for _, k, view in first}
-        run([(t, k, self.read_pool.submit(self.references, k, locs[k])) for t, k, _ in later])
+        lookups = [(t, k, self.read_pool.submit(self.references, k, locs[k])) for t, k, _ in later]
+        run(lookups)
         groups: dict[bytes, list[tuple[manifest.TensorEntry, bytes, np.ndarray]]] = {}
-        for t, k, view in later:
-            refs = self.references(k, locs[k])  # the frame is in the page cache now
+        for (t, k, view), (_, _, fut) in zip(later, lookups):
+            refs = fut.result()
             groups.setdefault(refs[1] if len(refs) > 1 else k, []).append((t, k, view))
         run([(group[0][0], group[0][1], self.read_pool.submit(self._read_group, group, locs, chains, decoded, verify))
              for group in groups.values()])

@@ -238,12 +238,18 @@ def test_du_reports_delta_frames(capsys: pytest.CaptureFixture[str], store_path:
             s.save({"x": x}, step=step)
             x.view(torch.int32).bitwise_xor_(torch.randint(0, 256, x.shape, dtype=torch.int32, generator=gen))
         locs = [loc for _, loc in s.index.iter_chunks()]
-    n_delta = sum(loc.codec == deltackpt.codec.DELTA for loc in locs)
-    assert n_delta > 0
+    _assert_du_counts(capsys, store_path, locs, deltackpt.codec.DELTA, "delta frames (of all chunks)")
+
+
+def _assert_du_counts(capsys: pytest.CaptureFixture[str], store_path: Path, locs: list[Any], codec_id: int,
+                      row: str) -> None:
+    """``du`` counts the frames of ``codec_id`` (there are some) in ``row`` and reports the deepest chain."""
+    n = sum(loc.codec == codec_id for loc in locs)
+    assert n > 0
     rc, out, _ = cli(capsys, "du", store_path)
     du = _du(out)
     assert rc == 0
-    assert du["delta frames (of all chunks)"].startswith(f"{n_delta} of {len(locs)},")
+    assert du[row].startswith(f"{n} of {len(locs)},")
     assert du["deepest chain (generations a chunk's decode reads)"] == str(max(loc.depth for loc in locs) + 1)
 
 
@@ -253,13 +259,7 @@ def test_du_reports_predicted_frames(capsys: pytest.CaptureFixture[str], store_p
     with deltackpt.Store(store_path, chunk_size=1 << 14, max_chain=3) as s:
         _train(6, store=s)
         locs = [loc for _, loc in s.index.iter_chunks()]
-    n_pred = sum(loc.codec == deltackpt.codec.PREDICTED for loc in locs)
-    assert n_pred > 0
-    rc, out, _ = cli(capsys, "du", store_path)
-    du = _du(out)
-    assert rc == 0
-    assert du["predicted frames (of all chunks)"].startswith(f"{n_pred} of {len(locs)},")
-    assert du["deepest chain (generations a chunk's decode reads)"] == str(max(loc.depth for loc in locs) + 1)
+    _assert_du_counts(capsys, store_path, locs, deltackpt.codec.PREDICTED, "predicted frames (of all chunks)")
 
 
 def test_du_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
