@@ -5,7 +5,8 @@
 
 Prints a markdown table (GB/s = 1e9 bytes per second of input, median of the repetitions, after one warm-up
 run) and checks the targets: native digests at 1 MiB chunks with 2 threads no slower than one memcpy,
-native digests at 64 KiB chunks >= 1.5x a Python loop over the xxhash package, plane split >= 3 GB/s.
+native digests at 64 KiB chunks >= 1.5x a Python loop over the xxhash package, plane split >= 3 GB/s. Rows for
+the two predictors (predicted frames; at most 64 MiB of output) compare the kernel's vector and portable loops.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def main() -> int:
 
     rows: list[tuple[str, str, str, str, float]] = []
 
-    def row(op: str, backend: str, threads: object, param: str, fn: Callable[[], object]) -> float:
-        gbs = measure(fn, size, reps)
+    def row(op: str, backend: str, threads: object, param: str, fn: Callable[[], object], nbytes: int = size) -> float:
+        gbs = measure(fn, nbytes, reps)
         rows.append((op, backend, str(threads), param, gbs))
         print(f"  {op:<20} {backend:<16} t={threads!s:<2} {param:<8} {gbs:7.2f} GB/s", file=sys.stderr)
         return gbs
@@ -109,6 +110,35 @@ def main() -> int:
             for t in (1, 2):
                 results[op, "native", t, 0] = row(op, "native", t, "", lambda fn=fn, t=t: fn(native, t))
         row(op, "python", 1, "", lambda fn=fn: fn(ref, 1))
+
+    # Predictions (predicted frames), one call per 1 MiB chunk and single-threaded, as loads run them; GB/s of
+    # float32 output. The native kernel runs its vector loops (AVX2 where the CPU has it) and its portable ones.
+    n_pred = min(size, 64 * MIB) // 4
+    m = (rng.standard_normal(n_pred) * 1e-3).astype(np.float32)
+    m1 = (0.9 * m + rng.standard_normal(n_pred).astype(np.float32) * 1e-4).astype(np.float32)
+    v = (m.astype(np.float64) ** 2 + 1e-10).astype(np.float32)
+    p = rng.standard_normal(n_pred).astype(np.float32)
+    out = np.empty_like(p)
+    predictors = [
+        ("predict adam-v", 1, [0.9, 10.0, 0.999, 0.001], v, [m, m1]),
+        ("predict adam-param", 2, [0.9, 10.0, 0.999, 0.001, 0.99999, 1e-4, 1e-8], p, [m, m1, v]),
+    ]
+
+    def predict_chunks(mod: object, predictor: int, coefs: list[float], b: np.ndarray, refs: list[np.ndarray]) -> None:
+        step = MIB // 4
+        for at in range(0, n_pred, step):
+            cut = slice(at, at + step)
+            mod.predict(predictor, coefs, b[cut], [r[cut] for r in refs], out[cut])  # type: ignore[attr-defined]
+
+    for op, *args in predictors:
+        if native is not None:
+            results[op, "native", 1, 0] = row(op, "native", 1, "1 MiB", lambda a=args: predict_chunks(native, *a),
+                                              4 * n_pred)
+            was = native.use_simd(False)
+            results[op, "portable", 1, 0] = row(op, "native, portable", 1, "1 MiB",
+                                                lambda a=args: predict_chunks(native, *a), 4 * n_pred)
+            native.use_simd(was)
+        row(op, "python", 1, "1 MiB", lambda a=args: predict_chunks(ref, *a), 4 * n_pred)
 
     print(f"\nBuffer {size // MIB} MiB, median of {reps} after one warm-up; {cpu_name()}, {os.cpu_count()} CPUs;")
     print(f"Python {platform.python_version()}, numpy {np.__version__}, xxhash {xxhash.VERSION}.\n")

@@ -31,6 +31,7 @@ cdef extern from "kernel.h" nogil:
                           const int *widths, int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad)
     int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs,
                     int nrefs, uint8_t *out, size_t len)
+    int dck_use_simd(int on)
 
 # Both are set by setup.py: the package's API version and the hash of the kernel sources this was built from;
 # deltackpt.kernel compares them with its own to reject a stale build.
@@ -283,3 +284,10 @@ def predict(predictor, coefs, base, refs, out):
     with nogil:
         rc = dck_predict(pred, c, nc, pb, pr, nrefs, po, <size_t>n)
     _check(rc)
+
+
+def use_simd(on):
+    """Allow (``True``, the default) or forbid the kernel's run-time-chosen vector loops; returns the previous
+    setting. The results are identical either way: tests use this to check the portable loops on machines
+    whose CPU would otherwise always take the vector ones. Native backend only."""
+    return bool(dck_use_simd(1 if on else 0))

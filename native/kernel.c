@@ -7,17 +7,25 @@
  * target has them (e.g. NEON ld2/ld4). Both paths produce identical bytes; tests compare them with the
  * numpy reference in deltackpt/_pykernel.py. Defining DCK_NO_SIMD forces the scalar path (for testing it).
  *
- * XXH3 runtime dispatch (x86-64 with GCC or clang, when the build does not already target AVX2): the header's
- * AVX2 kernels are compiled with a function-level target attribute, as xxhash's own xxh_x86dispatch.c does,
- * and the long-input loop picks them when the CPU has AVX2. Every XXH3 vector path returns identical digests.
+ * Runtime dispatch (x86-64 with GCC or clang): AVX2 loops are compiled with a function-level target attribute,
+ * as xxhash's own xxh_x86dispatch.c does, and run when the CPU has AVX2: XXH3's long-input loop (unless the
+ * build already targets AVX2, when the header uses it directly) and the predictions. Every path returns
+ * identical bits; dck_use_simd(0) forces the portable ones so tests can compare them.
  * (AVX-512 is left out: on data streamed from memory it gains nothing here, and it can lower clocks.)
  */
 #if !defined(DCK_NO_SIMD) && !defined(DCK_NO_DISPATCH) && defined(__x86_64__) && \
-    (defined(__GNUC__) || defined(__clang__)) && !defined(__AVX2__)
+    (defined(__GNUC__) || defined(__clang__))
+#define DCK_AVX2 1 /* AVX2 loops, compiled with a function-level target attribute and chosen at run time */
+#define DCK_TARGET_AVX2 __attribute__((__target__("avx2")))
+#include <immintrin.h>
+#else
+#define DCK_AVX2 0
+#endif
+
+#if DCK_AVX2 && !defined(__AVX2__)
 #define DCK_XXH_DISPATCH 1
 #define XXH_DISPATCH_AVX2 1
-#define XXH_TARGET_AVX2 __attribute__((__target__("avx2")))
-#include <immintrin.h>
+#define XXH_TARGET_AVX2 DCK_TARGET_AVX2
 #else
 #define DCK_XXH_DISPATCH 0
 #endif
@@ -54,6 +62,30 @@
 #else
 #define DCK_INLINE static inline
 #endif
+
+/* ------------------------------------------------------------------------------------------------------------
+ * Run-time choice of vector loops
+ * ---------------------------------------------------------------------------------------------------------- */
+
+static int dck_simd_allowed = 1;
+
+int dck_use_simd(int on)
+{
+    int was = dck_simd_allowed;
+    dck_simd_allowed = on != 0;
+    return was;
+}
+
+/* Contract: 1 when the AVX2 loops may run: they were compiled in, dck_use_simd allows them, the CPU has AVX2. */
+static int dck_have_avx2(void)
+{
+#if DCK_AVX2
+    __builtin_cpu_init();
+    return dck_simd_allowed && __builtin_cpu_supports("avx2");
+#else
+    return 0;
+#endif
+}
 
 /* ------------------------------------------------------------------------------------------------------------
  * Thread fan-out
@@ -163,8 +195,7 @@ XXH_TARGET_AVX2 static XXH128_hash_t dck_hashlong_avx2(const void *XXH_RESTRICT 
 static XXH3_hashLong128_f dck_pick_hashlong(void)
 {
 #if DCK_XXH_DISPATCH
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2"))
+    if (dck_have_avx2())
         return dck_hashlong_avx2;
 #endif
     return XXH3_hashLong_128b_default;
@@ -899,24 +930,18 @@ static void dck_f32_store(uint8_t *dst, double *q, size_t n)
     memcpy(dst, b, 4 * n);
 }
 
-int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs, int nrefs,
-                uint8_t *out, size_t len)
+/* Contract: out[4*at .. 4*(at+n)) = the prediction (kernel.h) of elements [at, at+n), by the portable loops:
+ * blocks of DCK_PREDICT_BLOCK staged into aligned arrays, which compilers vectorize for the build's baseline. */
+static void dck_predict_portable(int predictor, const double *c, const uint8_t *base, const uint8_t *const *refs,
+                                 uint8_t *out, size_t at, size_t n)
 {
     float m[DCK_PREDICT_BLOCK], m1[DCK_PREDICT_BLOCK], v1[DCK_PREDICT_BLOCK], b1[DCK_PREDICT_BLOCK];
     double q[DCK_PREDICT_BLOCK];
-    size_t at, n = len / 4;
+    const double c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+    size_t end = at + n;
 
-    if (len % 4 != 0 || c == NULL || refs == NULL)
-        return DCK_EINVAL;
-    if (!((predictor == DCK_PREDICT_ADAM_V && nc == 4 && nrefs == 2) ||
-          (predictor == DCK_PREDICT_ADAM_PARAM && nc == 7 && nrefs == 3)))
-        return DCK_EINVAL;
-    if (len > 0 && (base == NULL || out == NULL || refs[0] == NULL || refs[1] == NULL ||
-                    (nrefs == 3 && refs[2] == NULL)))
-        return DCK_EINVAL;
-    for (at = 0; at < n; at += DCK_PREDICT_BLOCK) {
-        size_t i, k = n - at < DCK_PREDICT_BLOCK ? n - at : DCK_PREDICT_BLOCK;
-        const double c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+    for (; at < end; at += DCK_PREDICT_BLOCK) {
+        size_t i, k = end - at < DCK_PREDICT_BLOCK ? end - at : DCK_PREDICT_BLOCK;
 
         dck_f32_load(m, refs[0] + 4 * at, k);
         dck_f32_load(m1, refs[1] + 4 * at, k);
@@ -947,5 +972,87 @@ int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, con
         }
         dck_f32_store(out + 4 * at, q, k);
     }
+}
+
+#if DCK_AVX2
+/* Contract: the four float32 at p (unaligned), subnormals replaced by zeros of their sign, widened to double. */
+DCK_TARGET_AVX2 static inline __m256d dck_load4(const uint8_t *p)
+{
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i sub = _mm_cmpeq_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7f800000)), _mm_setzero_si128());
+    b = _mm_blendv_epi8(b, _mm_and_si128(b, _mm_set1_epi32((int)0x80000000u)), sub);
+    return _mm256_cvtps_pd(_mm_castsi128_ps(b));
+}
+
+/* Contract: stores q at p (unaligned) as dck_f32_store does for each of its four values. */
+DCK_TARGET_AVX2 static inline void dck_store4(uint8_t *p, __m256d q)
+{
+    const __m256d sign = _mm256_set1_pd(-0.0);
+    __m256d tiny = _mm256_cmp_pd(_mm256_andnot_pd(sign, q), _mm256_set1_pd(0x1p-126), _CMP_LT_OQ); /* NaN: no */
+    __m128i b;
+
+    q = _mm256_blendv_pd(q, _mm256_and_pd(q, sign), tiny);
+    b = _mm_castps_si128(_mm256_cvtpd_ps(q));
+    b = _mm_blendv_epi8(b, _mm_set1_epi32(0x7fc00000),
+                        _mm_cmpgt_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000)));
+    _mm_storeu_si128((__m128i *)p, b);
+}
+
+/* Contract: as dck_predict_portable over elements [0, n), n % 4 == 0, four at a time in AVX registers: the same
+ * correctly rounded operations in the same order, so the same bits. Only called when the CPU has AVX2. */
+DCK_TARGET_AVX2 static void dck_predict_avx2(int predictor, const double *c, const uint8_t *base,
+                                             const uint8_t *const *refs, uint8_t *out, size_t n)
+{
+    const __m256d c0 = _mm256_set1_pd(c[0]), c1 = _mm256_set1_pd(c[1]), c2 = _mm256_set1_pd(c[2]),
+                  c3 = _mm256_set1_pd(c[3]);
+    size_t i;
+
+    if (predictor == DCK_PREDICT_ADAM_V) {
+        for (i = 0; i < n; i += 4) {
+            __m256d g = _mm256_sub_pd(dck_load4(refs[0] + 4 * i), _mm256_mul_pd(c0, dck_load4(refs[1] + 4 * i)));
+            g = _mm256_mul_pd(g, c1);
+            g = _mm256_mul_pd(g, g);
+            g = _mm256_mul_pd(g, c3);
+            dck_store4(out + 4 * i, _mm256_add_pd(_mm256_mul_pd(c2, dck_load4(base + 4 * i)), g));
+        }
+    } else {
+        const __m256d c4 = _mm256_set1_pd(c[4]), c5 = _mm256_set1_pd(c[5]), c6 = _mm256_set1_pd(c[6]);
+        for (i = 0; i < n; i += 4) {
+            __m256d m = dck_load4(refs[0] + 4 * i);
+            __m256d g = _mm256_sub_pd(m, _mm256_mul_pd(c0, dck_load4(refs[1] + 4 * i)));
+            __m256d d, u;
+            g = _mm256_mul_pd(g, c1);
+            g = _mm256_mul_pd(g, g);
+            g = _mm256_mul_pd(g, c3);
+            d = _mm256_sqrt_pd(_mm256_add_pd(_mm256_mul_pd(c2, dck_load4(refs[2] + 4 * i)), g));
+            d = _mm256_add_pd(d, c6);
+            u = _mm256_div_pd(m, d);
+            u = _mm256_mul_pd(u, c5);
+            dck_store4(out + 4 * i, _mm256_sub_pd(_mm256_mul_pd(c4, dck_load4(base + 4 * i)), u));
+        }
+    }
+}
+#endif
+
+int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs, int nrefs,
+                uint8_t *out, size_t len)
+{
+    size_t done = 0, n = len / 4;
+
+    if (len % 4 != 0 || c == NULL || refs == NULL)
+        return DCK_EINVAL;
+    if (!((predictor == DCK_PREDICT_ADAM_V && nc == 4 && nrefs == 2) ||
+          (predictor == DCK_PREDICT_ADAM_PARAM && nc == 7 && nrefs == 3)))
+        return DCK_EINVAL;
+    if (len > 0 && (base == NULL || out == NULL || refs[0] == NULL || refs[1] == NULL ||
+                    (nrefs == 3 && refs[2] == NULL)))
+        return DCK_EINVAL;
+#if DCK_AVX2
+    if (dck_have_avx2()) {
+        done = n - n % 4;
+        dck_predict_avx2(predictor, c, base, refs, out, done);
+    }
+#endif
+    dck_predict_portable(predictor, c, base, refs, out, done, n - done);
     return 0;
 }

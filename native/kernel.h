@@ -173,6 +173,14 @@ int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, co
 int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs, int nrefs,
                 uint8_t *out, size_t len);
 
+/*
+ * Vector loops chosen at run time (x86-64: AVX2 for XXH3's long-input loop and for dck_predict, when the CPU has
+ * it). on == 0 limits every later call to the portable loops, on != 0 restores the default; results are the same
+ * bits either way (tests compare the two). Returns the previous setting. Not to be called while other threads
+ * are inside kernel calls.
+ */
+int dck_use_simd(int on);
+
 #ifdef __cplusplus
 }
 #endif

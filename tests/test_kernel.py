@@ -9,6 +9,7 @@ which one ran.
 from __future__ import annotations
 
 import ast
+import contextlib
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ import threading
 import time
 import types
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -126,12 +128,26 @@ def test_kernel_api_is_the_backend_api() -> None:
 # ---------------------------------------------------------------------------- native == python, bit for bit
 
 
+@contextlib.contextmanager
+def simd_loops(on: bool) -> Iterator[None]:
+    """Run the native kernel with its run-time-chosen vector loops allowed (``on``) or forbidden."""
+    was = native.use_simd(on)
+    try:
+        yield
+    finally:
+        native.use_simd(was)
+
+
 @needs_native
+@pytest.mark.parametrize("simd", [True, False], ids=["vector", "portable"])
 @FAST
 @given(data=buffers(), chunk_size=chunk_sizes, threads=thread_counts)
-def test_chunk_digests_native_equals_python(data: np.ndarray, chunk_size: int, threads: int) -> None:
-    assert_digests_equal(native.chunk_digests(data, chunk_size, threads), ref.chunk_digests(data, chunk_size))
-    assert native.digest(data) == ref.digest(data)
+def test_chunk_digests_native_equals_python(simd: bool, data: np.ndarray, chunk_size: int, threads: int) -> None:
+    """Digests agree with the reference, through XXH3's vector long-input loop (AVX2 where the CPU has it) and
+    through its portable one."""
+    with simd_loops(simd):
+        assert_digests_equal(native.chunk_digests(data, chunk_size, threads), ref.chunk_digests(data, chunk_size))
+        assert native.digest(data) == ref.digest(data)
 
 
 @needs_native
@@ -693,13 +709,15 @@ _SPECIAL_F32 = [0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFF
 
 
 @needs_native
+@pytest.mark.parametrize("simd", [True, False], ids=["vector", "portable"])
 @FAST
 @given(predictor=st.sampled_from([1, 2]), n=st.integers(0, 700), coefs=st.lists(_coef, min_size=7, max_size=7),
        seed=st.integers(0, 2**32 - 1), specials=st.lists(st.sampled_from(_SPECIAL_F32), max_size=8))
-def test_predict_backends_agree_bit_for_bit(predictor: int, n: int, coefs: list[float], seed: int,
+def test_predict_backends_agree_bit_for_bit(simd: bool, predictor: int, n: int, coefs: list[float], seed: int,
                                             specials: list[int]) -> None:
-    """Arbitrary float32 bit patterns (subnormals, infinities, NaN payloads), any length (blocks of 512 and a
-    tail), any coefficients in range: the native kernel and the numpy reference produce the same bytes."""
+    """Arbitrary float32 bit patterns (subnormals, infinities, NaN payloads), any length (blocks of 512, groups
+    of four and a tail), any coefficients in range: the native kernel, with its run-time-chosen vector loops
+    (AVX2 on x86-64) and with the portable ones, and the numpy reference produce the same bytes."""
     rng = np.random.default_rng(seed)
     arrays = []
     for _ in range(4):
@@ -711,7 +729,7 @@ def test_predict_backends_agree_bit_for_bit(predictor: int, n: int, coefs: list[
     outs = []
     for mod in (ref, native):
         out = np.empty(4 * n, np.uint8)
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"), simd_loops(simd):
             mod.predict(predictor, coefs[:nc], arrays[0], arrays[1 : 1 + nrefs], out)
         outs.append(out)
     np.testing.assert_array_equal(outs[0], outs[1])
