@@ -1001,7 +1001,9 @@ class Store:
                 raise CorruptChunkError(
                     f"prediction inputs nest deeper than {codec.MAX_CHAIN_FRAMES} (a cycle?)", chunk_id=_kid(k)
                 )
-            raw = self.read_chunk(k, verify=True, bases=bases, memo=memo, known=known, _nesting=_nesting + 1)
+            # Not re-hashed: this chunk's own digest covers its inputs (a wrong input changes the prediction, so the
+            # result), as it covers delta bases; frame checksums still name a damaged input.
+            raw = self.read_chunk(k, verify=False, bases=bases, memo=memo, known=known, _nesting=_nesting + 1)
             memo[k] = np.frombuffer(raw, dtype=np.uint8)
             return raw
 

@@ -181,6 +181,34 @@ def test_truncated_pack(store_path: Path, two_ckpts: dict[str, Any]) -> None:
         _assert_names(ei.value, ids[3], "a", chunks[3]["a"][0][0])
 
 
+def test_pack_shortened_under_an_open_handle(store_path: Path, two_ckpts: dict[str, Any]) -> None:
+    """Packs are read through memory maps. A handle that already mapped a pack which something then shortens
+    reports the frames past the new end as truncated (a typed error, not a SIGBUS), and still loads the rest."""
+    ids, chunks = two_ckpts["ids"], two_ckpts["chunks"]
+    cid, loc = chunks[1]["b"][1]
+    pack = _pack_path(store_path, loc)
+    with _open(store_path) as s:
+        for step in (1, 2, 3):
+            assert_same_state(two_ckpts["states"][step], s.load(step))  # every pack mapped whole
+        os.truncate(pack, loc.offset + codec.HEADER_SIZE + 10)
+        with pytest.raises(CorruptChunkError, match="truncated") as ei:
+            s.load(1)
+        _assert_names(ei.value, ids[1], "b", cid)
+        assert_same_state(two_ckpts["states"][3], s.load(3))
+
+
+def test_pack_grown_after_it_was_mapped(store_path: Path) -> None:
+    """A handle maps a pack, then appends more frames to it (its next save): loads see the new frames."""
+    states = [{"x": _rand(3 * CS, seed), "y": _rand(2 * CS, seed + 10)} for seed in range(4)]
+    with _open(store_path) as s:
+        for step, state in enumerate(states):
+            s.save(state, step=step)
+            assert_same_state(state, s.load(step))
+        assert len(list((store_path / "packs").glob("*.pack"))) == 1
+        for step, state in enumerate(states):
+            assert_same_state(state, s.load(step))
+
+
 def test_deleted_pack(store_path: Path) -> None:
     a, b, d = _rand(3 * CS, 0), _rand(2 * CS, 1), _rand(2 * CS + 100, 2)
     with _open(store_path) as s:
