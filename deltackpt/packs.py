@@ -135,20 +135,11 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 
 
 class PackReader:
-    """Reads frames by (pack id, offset, length). Thread-safe; keeps pack files open and mapped.
-
-    Frames come back as read-only views of a shared mapping of the pack, not copies: a load reads every byte of
-    its frames once, in the kernel, straight from the page cache. A pack that grew since it was mapped (its
-    writer appended and committed more frames) is mapped again; a view stays valid as long as it is referenced,
-    also after :meth:`forget`, :meth:`close` or a remap. A frame that lies past the current end of its pack file
-    is reported as truncation, also when the file was shortened after it was mapped (packs are never shortened
-    by deltackpt; this is damage from outside).
-    """
+    """Reads frames by (pack id, offset, length). Thread-safe; keeps pack files open."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._fds: dict[str, int] = {}
-        self._maps: dict[str, mmap.mmap] = {}
         self._lock = threading.Lock()
 
     def _fd(self, pack_id: str) -> int:
@@ -167,46 +158,23 @@ class PackReader:
                 self._fds[pack_id] = fd
             return fd
 
-    def _map(self, pack_id: str, end: int) -> mmap.mmap | None:
-        """A mapping of the pack that covers bytes [0, end), or None when the file is shorter than that.
-
-        The file's size is checked on every call, not only when mapping: touching a mapped page past the end
-        of a file that something else shortened would kill the process (SIGBUS) instead of raising."""
-        fd = self._fd(pack_id)
-        if os.fstat(fd).st_size < end:
-            return None
-        m = self._maps.get(pack_id)
-        if m is not None and len(m) >= end:
-            return m
-        with self._lock:
-            m = self._maps.get(pack_id)
-            if m is None or len(m) < end:
-                m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # the whole file as it is now
-                if len(m) < end:
-                    return None
-                self._maps[pack_id] = m  # an older, shorter mapping lives on while views of it do
-            return m
-
-    def read(self, pack_id: str, offset: int, length: int) -> memoryview:
-        """The frame at ``offset`` of ``length`` bytes, as a read-only view (see the class docstring)."""
-        m = self._map(pack_id, offset + length) if offset >= 0 and length >= 0 else None
-        if m is None:
+    def read(self, pack_id: str, offset: int, length: int) -> bytes:
+        data = os.pread(self._fd(pack_id), length, offset)
+        if len(data) != length:
             raise CorruptChunkError(
-                f"pack {pack_id} is truncated: frame at offset {offset} needs {length} bytes past the end of the file"
+                f"pack {pack_id} is truncated: frame at offset {offset} needs {length} bytes, got {len(data)}"
             )
-        return memoryview(m)[offset : offset + length]
+        return data
 
     def forget(self, pack_id: str) -> None:
         with self._lock:
             fd = self._fds.pop(pack_id, None)
-            self._maps.pop(pack_id, None)
         if fd is not None:
             os.close(fd)
 
     def close(self) -> None:
         with self._lock:
             fds, self._fds = self._fds, {}
-            self._maps = {}
         for fd in fds.values():
             os.close(fd)
 

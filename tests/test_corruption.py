@@ -182,14 +182,14 @@ def test_truncated_pack(store_path: Path, two_ckpts: dict[str, Any]) -> None:
 
 
 def test_pack_shortened_under_an_open_handle(store_path: Path, two_ckpts: dict[str, Any]) -> None:
-    """Packs are read through memory maps. A handle that already mapped a pack which something then shortens
-    reports the frames past the new end as truncated (a typed error, not a SIGBUS), and still loads the rest."""
+    """A handle that already read a pack which something then shortens reports the frames past the new end as
+    truncated, and still loads the rest."""
     ids, chunks = two_ckpts["ids"], two_ckpts["chunks"]
     cid, loc = chunks[1]["b"][1]
     pack = _pack_path(store_path, loc)
     with _open(store_path) as s:
         for step in (1, 2, 3):
-            assert_same_state(two_ckpts["states"][step], s.load(step))  # every pack mapped whole
+            assert_same_state(two_ckpts["states"][step], s.load(step))  # every pack open
         os.truncate(pack, loc.offset + codec.HEADER_SIZE + 10)
         with pytest.raises(CorruptChunkError, match="truncated") as ei:
             s.load(1)
@@ -197,8 +197,8 @@ def test_pack_shortened_under_an_open_handle(store_path: Path, two_ckpts: dict[s
         assert_same_state(two_ckpts["states"][3], s.load(3))
 
 
-def test_pack_grown_after_it_was_mapped(store_path: Path) -> None:
-    """A handle maps a pack, then appends more frames to it (its next save): loads see the new frames."""
+def test_pack_grown_while_open(store_path: Path) -> None:
+    """A handle reads a pack, then appends more frames to it (its next save): loads see the new frames."""
     states = [{"x": _rand(3 * CS, seed), "y": _rand(2 * CS, seed + 10)} for seed in range(4)]
     with _open(store_path) as s:
         for step, state in enumerate(states):
