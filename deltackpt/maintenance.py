@@ -15,14 +15,16 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lmdb
+import numpy as np
 
-from deltackpt import codec, manifest, packs
+from deltackpt import codec, kernel, manifest, packs
 from deltackpt.errors import CheckpointNotFoundError, CorruptChunkError, CorruptionError, DeltackptError
 from deltackpt.index import ChunkLoc, Record, chunk_key
 
@@ -93,8 +95,9 @@ def verify(
 ) -> VerifyReport:
     """Decode every chunk of one checkpoint (or all) and check it against its id; report, never raise.
 
-    Each distinct chunk is decoded once, however many checkpoints share it. A damaged delta base is reported
-    for every chunk that depends on it.
+    Each distinct chunk is checked once, however many checkpoints share it. A damaged delta base or prediction
+    input is reported for every chunk that depends on it. Chunks that predicted frames tie together are checked
+    by one worker in checkpoint order, sharing their decoded inputs (see :func:`_check_group`).
     """
     report = VerifyReport()
     if step is None and id is None:
@@ -117,21 +120,10 @@ def verify(
             plans.append((rec, _stored_chunks(m)))
         unique = list(dict.fromkeys(k for _, chunks in plans for _, k in chunks))
         locs = store.index.lookup_chunks(unique)
-
-        def check(k: bytes) -> str | None:
-            if k not in locs:
-                return "chunk is not in the index"
-            try:
-                store.read_chunk(k, locs[k], verify=True)
-            except DeltackptError as exc:  # corruption, or a damaged byte that reads as an unknown format
-                return getattr(exc, "reason", None) or str(exc)
-            return None
-
-        total = len(unique)
-        for done, (k, err) in enumerate(zip(unique, store.read_pool.map(check, unique)), 1):
-            results[k] = err
+        for group in store.read_pool.map(lambda g: _check_group(store, g, locs), _related(store, unique, locs)):
+            results.update(group)
             if progress is not None:
-                progress(done, total)
+                progress(len(results), len(unique))
         for rec, chunks in plans:
             for key, k in chunks:
                 report.chunks += 1
@@ -140,6 +132,68 @@ def verify(
                     cid = codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big"))
                     report.problems.append(Problem(rec.id, rec.step, key, cid, err))
     return report
+
+
+def _related(store: Store, keys: list[bytes], locs: dict[bytes, ChunkLoc]) -> list[list[tuple[bytes, list[bytes]]]]:
+    """``keys`` (in order) split into groups of chunks that predicted frames tie together, each chunk with the
+    chunks its decode reads directly (a predicted frame's base and the chunks its record names)."""
+    predicted = [k for k in keys if k in locs and locs[k].codec == codec.PREDICTED]
+
+    def refs(k: bytes) -> list[bytes]:
+        try:
+            return store.references(k, locs[k])
+        except CorruptChunkError:
+            return []  # the chunk's own check reports the damage
+    direct = dict(zip(predicted, store.read_pool.map(refs, predicted)))
+    root: dict[bytes, bytes] = {}
+
+    def find(k: bytes) -> bytes:
+        while root.get(k, k) != k:
+            root[k] = root.get(root[k], root[k])  # path halving
+            k = root[k]
+        return k
+    for k, rs in direct.items():
+        for r in rs:
+            a, b = find(k), find(r)
+            if a != b:
+                root[a] = b
+    groups: dict[bytes, list[tuple[bytes, list[bytes]]]] = {}
+    for k in keys:
+        groups.setdefault(find(k), []).append((k, direct.get(k, [])))
+    return list(groups.values())
+
+
+def _check_group(store: Store, group: list[tuple[bytes, list[bytes]]],
+                 locs: dict[bytes, ChunkLoc]) -> dict[bytes, str | None]:
+    """Decode and check the chunks of one group of :func:`_related`, in order, with one memo of decoded chunks:
+    every chunk that predictions read is decoded once for the group (not once per dependent), and dropped once
+    the last chunk of the group that reads it is done. Returns each chunk's problem, or None."""
+    readers = Counter(r for _, rs in group for r in rs)  # chunks of the group still to check that read r
+    todo = {k for k, _ in group}
+    memo: dict[bytes, np.ndarray] = {}
+    out: dict[bytes, str | None] = {}
+    for k, rs in group:
+        err: str | None = None
+        if k not in locs:
+            err = "chunk is not in the index"
+        elif k in memo:  # decoded already as another chunk's input (frames checked, bytes not yet hashed)
+            if kernel.digest(memo[k]) != k[:16]:
+                err = "decoded bytes do not match the chunk id"
+        else:
+            try:
+                raw = store.read_chunk(k, locs[k], verify=True, memo=memo)
+                if readers[k]:
+                    memo[k] = np.frombuffer(raw, dtype=np.uint8)
+            except DeltackptError as exc:  # corruption, or a damaged byte that reads as an unknown format
+                err = getattr(exc, "reason", None) or str(exc)
+        out[k] = err
+        todo.discard(k)
+        for r in rs:
+            readers[r] -= 1
+        for r in (*rs, k):
+            if readers[r] <= 0 and r not in todo:
+                memo.pop(r, None)
+    return out
 
 
 def _live_keys(store: Store, records: list[Record]) -> set[bytes]:

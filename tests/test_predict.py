@@ -317,6 +317,22 @@ def test_damaged_prediction_input_is_reported_for_dependents(tmp_path: Path) -> 
                 assert (info.id, exc.value.key, exc.value.chunk_id) in broken  # the chunk verify names
 
 
+def test_verify_decodes_each_chunk_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify shares decoded inputs between the chunks that predictions tie together, so a store of predicted
+    frames is checked with at most one kernel decode per distinct chunk. (Checked chunk by chunk, every predicted
+    chunk decoded its inputs' chains again: 2-3 decodes per chunk here.)"""
+    with deltackpt.Store(tmp_path / "s", chunk_size=CHUNK, max_chain=3) as s:
+        _train(10, store=s)
+        assert _codecs(s).get(codec.PREDICTED, 0) > 0
+        calls: list[int] = []
+        real = kernel.decode_frames
+        monkeypatch.setattr(kernel, "decode_frames", lambda *a: calls.append(1) or real(*a))
+        report = s.verify()
+        assert report.ok and report.checkpoints == 10
+        distinct = sum(1 for _ in s.index.iter_chunks())
+        assert 0 < len(calls) <= distinct, (len(calls), distinct)
+
+
 def test_inputs_survive_delete_gc_and_repair(tmp_path: Path) -> None:
     store_path = tmp_path / "s"
     with deltackpt.Store(store_path, chunk_size=CHUNK, max_chain=3, pack_size=1 << 16) as s:
