@@ -91,24 +91,26 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
     xor_infos = xor.list()
     for s in (planes, xor, delta):
         s.close()
-    loads: dict[str, float] = {}
-    warm: dict[str, float] = {}
-    for name, fn in (
-        ("torch.load", lambda: torch.load(root / "state.pt", weights_only=True)),
-        ("predicted newest", lambda: _load(root / "delta", infos[-1].id)),
-        ("predicted oldest", lambda: _load(root / "delta", infos[0].id)),
-        ("xor newest", lambda: _load(root / "xor", xor_infos[-1].id)),
-        ("planes newest", lambda: _load(root / "planes", None)),
-    ):
-        for table, drop in ((loads, True), (warm, False)):
-            times = []
-            for _ in range(3):
+    loaders = {
+        "torch.load": lambda: torch.load(root / "state.pt", weights_only=True),
+        "predicted newest": lambda: _load(root / "delta", infos[-1].id),
+        "predicted oldest": lambda: _load(root / "delta", infos[0].id),
+        "xor newest": lambda: _load(root / "xor", xor_infos[-1].id),
+        "planes newest": lambda: _load(root / "planes", None),
+    }
+    # Rounds over all loaders (each cold, then warm), medians per loader: interleaving keeps this VM's swings in
+    # disk and CPU speed out of the ratios.
+    times: dict[tuple[str, bool], list[float]] = {(name, drop): [] for name in loaders for drop in (True, False)}
+    for _ in range(3):
+        for name, fn in loaders.items():
+            for drop in (True, False):
                 if drop:
                     evict(root)
                 t0 = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - t0)
-            table[name] = statistics.median(times)
+                times[name, drop].append(time.perf_counter() - t0)
+    loads = {name: statistics.median(times[name, True]) for name in loaders}
+    warm = {name: statistics.median(times[name, False]) for name in loaders}
     return {"rows": rows, "loads": loads, "warm": warm}
 
 
@@ -145,9 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             if logical:
                 print(f"| {cat} | " + " | ".join(
                     f"{sum(r['by'][cat][i] for r in steady) / logical:.3f}" for i in (1, 2, 3, 4)) + " |")
-        print("\nrestore (page cache dropped, median of 3): " + ", ".join(
+        print("\nrestore (page cache dropped, median of 3 interleaved rounds): " + ", ".join(
             f"{k} {v:.2f} s" for k, v in res["loads"].items()))
-        print("restore (page cache warm, median of 3): " + ", ".join(
+        print("restore (page cache warm, median of 3 interleaved rounds): " + ", ".join(
             f"{k} {v:.2f} s" for k, v in res["warm"].items()))
     return 0
 
