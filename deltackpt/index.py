@@ -287,18 +287,20 @@ class Index:
 
     # -- checkpoints ----------------------------------------------------------------------------------
     def commit_checkpoint(
-        self, record: Record, chunks: dict[bytes, ChunkLoc], *, replace: Record | None = None
+        self, record: Record, chunks: dict[bytes, ChunkLoc], *, replace: Record | None = None,
+        repoint: bool = False,
     ) -> Record:
         """THE commit point: record the new chunks and the checkpoint in one durable transaction.
 
-        A chunk another writer recorded meanwhile keeps its first location (both frames are valid).
+        A chunk another writer recorded meanwhile keeps its first location (both frames are valid); with
+        ``repoint`` (a rewrite, whose chunks are all standalone frames) every entry points to the new frame.
         With ``replace``, that checkpoint's records are removed in the same transaction and the new one takes
         its place in commit order (its seq); it raises CorruptIndexError if ``replace`` is gone.
         Returns the record with its commit sequence number set.
         """
         with self._write() as txn:
             for k, loc in chunks.items():
-                txn.put(k, loc.pack(), db=self.db_chunks, overwrite=False)
+                txn.put(k, loc.pack(), db=self.db_chunks, overwrite=repoint)
             if replace is None:
                 last = txn.get(b"seq", db=self.db_meta)
                 seq = (_U64.unpack(last)[0] if last else 0) + 1

@@ -410,7 +410,9 @@ class Store:
             pm = self._parent_manifest(parent) if use_delta else None
             generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0
             roles = predict.plan(state, leaves) if pm is not None and self.predict else {}
-            entries, digests, flags, new_locs, written = self._write_leaves(leaves, pm, generation, roles)
+            entries, digests, flags, new_locs, written = self._write_leaves(
+                leaves, pm, generation, roles, self_contained=_replace is not None
+            )
             self._writer.sync()  # 1. every new frame durable
             m = manifest.Manifest(
                 id=ckpt_id,
@@ -438,7 +440,8 @@ class Store:
                 written_bytes=written,
                 metadata=meta_node,
             )
-            rec = self.index.commit_checkpoint(rec, new_locs, replace=_replace)  # 3. THE COMMIT POINT
+            rec = self.index.commit_checkpoint(rec, new_locs, replace=_replace,  # 3. THE COMMIT POINT
+                                               repoint=_replace is not None)
             if _replace is None:
                 self._head = ckpt_id
                 self._last_manifest = m
@@ -451,7 +454,10 @@ class Store:
 
         One index transaction swaps the old checkpoint for the new one, so a crash leaves one or the other.
         Retention uses it to thin old checkpoints to model weights; the handle's parent for later saves is
-        unchanged.
+        unchanged. The new checkpoint is self-contained: its chunks that the store holds as delta or predicted
+        frames are written again standalone and their index entries re-pointed in the same transaction, so it
+        keeps no older checkpoint's chunks alive (thinning frees the optimizer state those frames decoded
+        from). Later checkpoints that decode from these chunks read the standalone frames.
         """
         old = self._record(id=id)
         head, last = self._head, self._last_manifest
@@ -469,7 +475,7 @@ class Store:
 
     def _write_leaves(
         self, leaves: list[tree.Leaf], pm: manifest.Manifest | None, generation: int,
-        roles: Mapping[str, predict.Role] | None = None,
+        roles: Mapping[str, predict.Role] | None = None, *, self_contained: bool = False,
     ) -> tuple[list[manifest.TensorEntry], np.ndarray, np.ndarray, dict[bytes, ChunkLoc], int]:
         """Name every chunk of ``leaves``, encode and append the new ones; return the manifest's tensor entries,
         digests and flags, the new chunks' locations and the bytes written.
@@ -479,6 +485,10 @@ class Store:
         chain depth of the first-moment chunks they reference is known. The keyframe turns of a parameter and
         of its second moment are aligned (both take the first moment's phase): their chains then have the same
         depths, and each can be predicted whenever the other can.
+
+        With ``self_contained`` (a rewrite; ``pm`` is then None, so new chunks are standalone), chunks the store
+        holds only as delta or predicted frames are encoded again standalone too; their new locations are among
+        those returned, for the commit to re-point.
         """
         cs = self.chunk_size
         k_max = self.max_chain
@@ -557,7 +567,11 @@ class Store:
                     if not zero[i]
                 ]
                 todo = [(i, k) for i, k in todo if k not in pending and k not in new_locs]
-                stored = self.index.has_chunks(k for _, k in todo)
+                if self_contained:
+                    found = self.index.lookup_chunks(k for _, k in todo)
+                    stored = {k for k, loc in found.items() if loc.codec not in codec.BASED}
+                else:
+                    stored = self.index.has_chunks(k for _, k in todo)
                 todo = [(i, k) for i, k in todo if k not in stored]
                 role = roles.get(leaf.path) if not on_device else None
                 phase = generation + (zlib.crc32(role.m.encode()) if role is not None else entry.first)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import deltackpt
 from deltackpt import _pykernel, codec, kernel, predict
 from deltackpt.errors import CorruptChunkError, CorruptionError, FormatVersionError
+from deltackpt.index import chunk_key
 
 CHUNK = 1 << 14
 
@@ -331,6 +332,39 @@ def test_verify_decodes_each_chunk_once(tmp_path: Path, monkeypatch: pytest.Monk
         assert report.ok and report.checkpoints == 10
         distinct = sum(1 for _ in s.index.iter_chunks())
         assert 0 < len(calls) <= distinct, (len(calls), distinct)
+
+
+def _chunk_keys(s: deltackpt.Store, cid: str) -> set[bytes]:
+    m = s.manifest(id=cid)
+    return {chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)}
+
+
+def test_rewrite_is_self_contained(tmp_path: Path) -> None:
+    """Thinning a checkpoint to its weights (Store.rewrite) writes its predicted weight chunks again standalone:
+    the later checkpoints that decode from them still restore exactly, and once the other checkpoints are gone,
+    gc leaves exactly the thinned checkpoint's own chunks (no optimizer state, no older chunks)."""
+    with deltackpt.Store(tmp_path / "s", chunk_size=CHUNK, max_chain=3) as s:
+        history = _train(8, store=s)
+        target = s.list()[3]
+        before = s.index.lookup_chunks(_chunk_keys(s, target.id))
+        assert any(loc.codec == codec.PREDICTED for loc in before.values())
+        weights = {"model": history[target.step]["model"], "thinned": True}
+        s.rewrite(weights, id=target.id)
+        thinned = s.list()[3]
+        assert thinned.step == target.step and thinned.id != target.id
+        after = s.index.lookup_chunks(_chunk_keys(s, thinned.id))
+        assert after and all(loc.codec not in codec.BASED and loc.depth == 0 for loc in after.values())
+        assert_same_state(weights, s.load(id=thinned.id))
+        for step in range(target.step + 1, 9):  # their frames decode from the re-pointed chunks
+            assert_same_state(history[step], s.load(step))
+        assert s.verify().ok
+        for info in s.list():
+            if info.id != thinned.id:
+                s.delete(id=info.id)
+        s.gc()
+        assert {k for k, _ in s.index.iter_chunks()} == _chunk_keys(s, thinned.id)
+        assert_same_state(weights, s.load(id=thinned.id))
+        assert s.verify().ok
 
 
 def test_inputs_survive_delete_gc_and_repair(tmp_path: Path) -> None:
