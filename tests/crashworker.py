@@ -194,6 +194,25 @@ def _child_save(cmd: dict[str, Any]) -> None:
     os._exit(3)
 
 
+def thinned_state(step: int) -> dict[str, Any]:
+    """What retention's thinning keeps of ``make_state(step)``: the model weights."""
+    return {"model": make_state(step)["model"], "step": step, "thinned": True}
+
+
+def _child_rewrite(cmd: dict[str, Any]) -> None:
+    """Rewrites every checkpoint in turn, newest first, to its thinned state or back to its full one (whichever it
+    does not hold: metadata ``thinned``), until killed; acks the step after each commit."""
+    st = _open(cmd["store"])
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # runs until killed
+        for info in reversed(st.list()):
+            thin = not (isinstance(info.metadata, dict) and info.metadata.get("thinned"))
+            state = thinned_state(info.step) if thin else make_state(info.step)
+            st.rewrite(state, id=info.id, metadata={"thinned": thin})
+            _ack(cmd["ack"], str(info.step))
+    os._exit(3)
+
+
 def _child_gc(cmd: dict[str, Any]) -> None:
     st = _open(cmd["store"])
     deadline = time.monotonic() + 60
@@ -221,7 +240,7 @@ def zygote() -> None:
         if pid == 0:
             code = 1
             try:
-                {"save": _child_save, "gc": _child_gc}[cmd["op"]](cmd)
+                {"save": _child_save, "gc": _child_gc, "rewrite": _child_rewrite}[cmd["op"]](cmd)
             except BaseException:
                 traceback.print_exc()
                 sys.stderr.flush()

@@ -32,6 +32,7 @@ CS = cw.CHUNK_SIZE
 SAVE_KILLS = int(os.environ.get("DELTACKPT_CRASH_KILLS", "60"))
 SAVE_STORES = 3  # the kills are spread over a few stores so that re-checking a whole store stays cheap
 GC_KILLS = 20
+REWRITE_KILLS = 12
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="needs Linux fork, flock and SIGKILL")
 
@@ -208,3 +209,44 @@ def test_sigkill_during_gc(tmp_path: Path, zygote: Any, rng: random.Random) -> N
         cw.assert_same(cw.make_state(step), st.load(id=info.id), "a save after the final gc")
         _verify_ok(st, "a save after the final gc")
     print(f"{GC_KILLS} kills during gc:", dict(stats))
+
+
+def test_sigkill_during_rewrite(tmp_path: Path, zygote: Any, rng: random.Random) -> None:
+    """A child rewrites checkpoints (thinning them to weights, which writes their delta and predicted chunks again
+    standalone and re-points the index, and back to full states) and is killed at a random moment. Every step
+    still has exactly one checkpoint, holding either its full or its thinned state bit-exactly, and verify and
+    gc find nothing wrong."""
+    d = tmp_path / "store"
+    ack = tmp_path / "rewrite.ack"
+    steps: list[int] = []
+    stats: collections.Counter[str] = collections.Counter()
+    for n in range(REWRITE_KILLS):
+        with Store(d, chunk_size=CS) as st:  # new checkpoints with deltas and predicted frames: the child's first
+            for step in range(len(steps), len(steps) + 3):  # rewrites (newest first) re-encode their chunks
+                st.save(cw.make_state(step), step, metadata={"thinned": False})
+                steps.append(step)
+            stats["chunks at depth > 0 before the kill"] += sum(1 for _, loc in st.index.iter_chunks() if loc.depth)
+        done_before = len(cw.read_acks(ack))
+        delay = rng.uniform(0.0, 0.15)
+        reply = zygote.run(op="rewrite", store=str(d), ack=str(ack), delay=delay)
+        where = f"rewrite kill {n} ({delay:.3f} s after the fork)"
+        assert reply["killed"], f"{where}: the rewrite child ended by itself: {reply}\n{zygote.errors()}"
+        stats["rewrites committed"] += len(cw.read_acks(ack)) - done_before
+        with Store(d, chunk_size=CS) as st:
+            infos = st.list()
+            assert sorted(i.step for i in infos) == steps, f"{where}: a checkpoint was lost or doubled"
+            for info in infos:
+                thinned = isinstance(info.metadata, dict) and info.metadata.get("thinned")
+                stats["thinned" if thinned else "full"] += 1
+                want = cw.thinned_state(info.step) if thinned else cw.make_state(info.step)
+                cw.assert_same(want, st.load(id=info.id), f"{where}: step {info.step}")
+            _verify_ok(st, where)
+    with Store(d, chunk_size=CS) as st:
+        st.gc()
+        _check_clean_after_gc(d, st)
+        for info in st.list():
+            thinned = isinstance(info.metadata, dict) and info.metadata.get("thinned")
+            want = cw.thinned_state(info.step) if thinned else cw.make_state(info.step)
+            cw.assert_same(want, st.load(id=info.id), f"after the final gc: step {info.step}")
+        _verify_ok(st, "after the final gc")
+    print(f"{REWRITE_KILLS} kills during rewrites:", dict(stats))
