@@ -16,7 +16,8 @@ split by where the bytes go (weights, exp_avg, exp_avg_sq), and the restore time
 oldest checkpoint against ``torch.load`` of a ``.pt`` file, each load in a fresh process as a restarted job does
 it, with the page cache dropped before the load (a restart on another machine; on a VM the disk's speed swings
 from run to run) and with the files in the page cache (a restart in place: the CPU cost of decoding against
-torch.load's).
+torch.load's), and the CPU time of the warm restores (user + system over all threads: the work that more cores
+would share).
 """
 
 from __future__ import annotations
@@ -104,39 +105,46 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
     # Rounds over all loaders (each cold, then warm), medians per loader: interleaving keeps this VM's swings in
     # disk and CPU speed out of the ratios.
     times: dict[tuple[str, bool], list[float]] = {(name, drop): [] for name in loaders for drop in (True, False)}
+    cpu: dict[str, list[float]] = {name: [] for name in loaders}
     for _ in range(3):
         for name, (path, cid) in loaders.items():
             for drop in (True, False):
                 if drop:
                     evict(root)
-                times[name, drop].append(_load_in_child(path, cid))
+                wall, used = _load_in_child(path, cid)
+                times[name, drop].append(wall)
+                if not drop:
+                    cpu[name].append(used)
     loads = {name: statistics.median(times[name, True]) for name in loaders}
     warm = {name: statistics.median(times[name, False]) for name in loaders}
-    return {"rows": rows, "loads": loads, "warm": warm}
+    warm_cpu = {name: statistics.median(v) for name, v in cpu.items()}
+    return {"rows": rows, "loads": loads, "warm": warm, "warm_cpu": warm_cpu}
 
 
 # A restore as a restarted job does it: in a fresh process (imports not timed). Timed in one process after other
 # loads, torch.load can reuse the memory a previous load freed and skip its page faults (0.14 s instead of
 # 0.5-0.6 s here), which measures the allocator's state rather than the format.
 _CHILD = """
-import sys, time, torch, deltackpt
+import os, sys, time, torch, deltackpt
 path, cid = sys.argv[1], sys.argv[2] or None
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), os.times()
 if path.endswith(".pt"):
     torch.load(path, weights_only=True)
 else:
     with deltackpt.Store(path) as s:
         s.load(id=cid)
-print(time.perf_counter() - t0)
+c1 = os.times()
+print(time.perf_counter() - t0, c1.user - c0.user + c1.system - c0.system)
 """
 
 
-def _load_in_child(path: Path, cid: str | None) -> float:
+def _load_in_child(path: Path, cid: str | None) -> tuple[float, float]:
     """Seconds a fresh process takes to load ``path`` (a ``.pt`` file, or checkpoint ``cid`` of a store, the
-    latest when None), imports excluded."""
+    latest when None), imports excluded: wall-clock time and CPU time (user + system, all threads)."""
     done = subprocess.run([sys.executable, "-c", _CHILD, str(path), cid or ""], capture_output=True, text=True,
                           check=True)
-    return float(done.stdout.split()[-1])
+    wall, used = done.stdout.split()[-2:]
+    return float(wall), float(used)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{k} {v:.2f} s" for k, v in res["loads"].items()))
         print("restore in a fresh process (page cache warm, median of 3 interleaved rounds): " + ", ".join(
             f"{k} {v:.2f} s" for k, v in res["warm"].items()))
+        print("CPU time of those warm restores (user + system, all threads; what more cores share): " + ", ".join(
+            f"{k} {v:.2f} s" for k, v in res["warm_cpu"].items()))
     return 0
 
 
