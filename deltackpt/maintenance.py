@@ -138,13 +138,8 @@ def _related(store: Store, keys: list[bytes], locs: dict[bytes, ChunkLoc]) -> li
     """``keys`` (in order) split into groups of chunks that predicted frames tie together, each chunk with the
     chunks its decode reads directly (a predicted frame's base and the chunks its record names)."""
     predicted = [k for k in keys if k in locs and locs[k].codec == codec.PREDICTED]
-
-    def refs(k: bytes) -> list[bytes]:
-        try:
-            return store.references(k, locs[k])
-        except CorruptChunkError:
-            return []  # the chunk's own check reports the damage
-    direct = dict(zip(predicted, store.read_pool.map(refs, predicted)))
+    # a damaged record names nothing here: the chunk's own check reports the damage
+    direct = dict(zip(predicted, store.read_pool.map(lambda k: _references(store, k, locs[k]), predicted)))
     root: dict[bytes, bytes] = {}
 
     def find(k: bytes) -> bytes:
@@ -196,6 +191,15 @@ def _check_group(store: Store, group: list[tuple[bytes, list[bytes]]],
     return out
 
 
+def _references(store: Store, k: bytes, loc: ChunkLoc) -> list[bytes]:
+    """:meth:`Store.references`, but none for a predicted frame whose record is damaged: it cannot be decoded,
+    so it needs nothing (any other read error propagates)."""
+    try:
+        return store.references(k, loc)
+    except CorruptChunkError:
+        return []
+
+
 def _live_keys(store: Store, records: list[Record]) -> set[bytes]:
     live: set[bytes] = set()
     for rec in records:
@@ -213,11 +217,7 @@ def _live_keys(store: Store, records: list[Record]) -> set[bytes]:
         locs = store.index.lookup_chunks(frontier)
         frontier = []
         for k, loc in locs.items():
-            try:
-                refs = store.references(k, loc)
-            except CorruptChunkError:
-                continue
-            for b in refs:
+            for b in _references(store, k, loc):
                 if b not in live:
                     live.add(b)
                     frontier.append(b)

@@ -22,9 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import deltackpt
-from deltackpt import _pykernel, codec, kernel, predict
+from deltackpt import _pykernel, codec, kernel, maintenance, predict
 from deltackpt.errors import CorruptChunkError, CorruptionError, FormatVersionError
-from deltackpt.index import chunk_key
 
 CHUNK = 1 << 14
 
@@ -335,8 +334,7 @@ def test_verify_decodes_each_chunk_once(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def _chunk_keys(s: deltackpt.Store, cid: str) -> set[bytes]:
-    m = s.manifest(id=cid)
-    return {chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)}
+    return {k for _, k in maintenance._stored_chunks(s.manifest(id=cid))}
 
 
 def test_rewrite_is_self_contained(tmp_path: Path) -> None:
