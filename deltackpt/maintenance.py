@@ -27,6 +27,7 @@ import numpy as np
 from deltackpt import codec, kernel, manifest, packs
 from deltackpt.errors import CheckpointNotFoundError, CorruptChunkError, CorruptionError, DeltackptError
 from deltackpt.index import ChunkLoc, Record, chunk_key
+from deltackpt.scratch import Scratch
 
 if TYPE_CHECKING:
     from deltackpt.store import Store
@@ -120,7 +121,9 @@ def verify(
             plans.append((rec, _stored_chunks(m)))
         unique = list(dict.fromkeys(k for _, chunks in plans for _, k in chunks))
         locs = store.index.lookup_chunks(unique)
-        for group in store.read_pool.map(lambda g: _check_group(store, g, locs), _related(store, unique, locs)):
+        scratch = Scratch(max([store.chunk_size, *(loc.frame_len for loc in locs.values())]))
+        for group in store.read_pool.map(lambda g: _check_group(store, g, locs, scratch),
+                                         _related(store, unique, locs)):
             results.update(group)
             if progress is not None:
                 progress(len(results), len(unique))
@@ -159,7 +162,7 @@ def _related(store: Store, keys: list[bytes], locs: dict[bytes, ChunkLoc]) -> li
 
 
 def _check_group(store: Store, group: list[tuple[bytes, list[bytes]]],
-                 locs: dict[bytes, ChunkLoc]) -> dict[bytes, str | None]:
+                 locs: dict[bytes, ChunkLoc], scratch: Scratch) -> dict[bytes, str | None]:
     """Decode and check the chunks of one group of :func:`_related`, in order, with one memo of decoded chunks:
     every chunk that predictions read is decoded once for the group (not once per dependent), and dropped once
     the last chunk of the group that reads it is done. Returns each chunk's problem, or None."""
@@ -167,27 +170,32 @@ def _check_group(store: Store, group: list[tuple[bytes, list[bytes]]],
     todo = {k for k, _ in group}
     memo: dict[bytes, np.ndarray] = {}
     out: dict[bytes, str | None] = {}
-    for k, rs in group:
-        err: str | None = None
-        if k not in locs:
-            err = "chunk is not in the index"
-        elif k in memo:  # decoded already as another chunk's input (frames checked, bytes not yet hashed)
-            if kernel.digest(memo[k]) != k[:16]:
-                err = "decoded bytes do not match the chunk id"
-        else:
-            try:
-                raw = store.read_chunk(k, locs[k], verify=True, memo=memo)
-                if readers[k]:
-                    memo[k] = np.frombuffer(raw, dtype=np.uint8)
-            except DeltackptError as exc:  # corruption, or a damaged byte that reads as an unknown format
-                err = getattr(exc, "reason", None) or str(exc)
-        out[k] = err
-        todo.discard(k)
-        for r in rs:
-            readers[r] -= 1
-        for r in (*rs, k):
-            if readers[r] <= 0 and r not in todo:
-                memo.pop(r, None)
+    try:
+        for k, rs in group:
+            err: str | None = None
+            if k not in locs:
+                err = "chunk is not in the index"
+            elif k in memo:  # decoded already as another chunk's input (frames checked, bytes not yet hashed)
+                if kernel.digest(memo[k]) != k[:16]:
+                    err = "decoded bytes do not match the chunk id"
+            else:
+                buf = scratch.take(int.from_bytes(k[16:], "big"))
+                try:
+                    store.read_chunk(k, locs[k], out=buf, verify=True, memo=memo, scratch=scratch)
+                    memo[k] = buf
+                except DeltackptError as exc:  # corruption, or a damaged byte that reads as an unknown format
+                    err = getattr(exc, "reason", None) or str(exc)
+                    scratch.give(buf)
+            out[k] = err
+            todo.discard(k)
+            for r in rs:
+                readers[r] -= 1
+            for r in (*rs, k):
+                if readers[r] <= 0 and r not in todo and r in memo:
+                    scratch.give(memo.pop(r))
+    finally:
+        for buf in memo.values():
+            scratch.give(buf)
     return out
 
 

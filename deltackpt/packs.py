@@ -24,6 +24,8 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from deltackpt import codec
 from deltackpt.errors import CorruptChunkError, CorruptionError, DeltackptError, FormatVersionError
 
@@ -158,11 +160,20 @@ class PackReader:
                 self._fds[pack_id] = fd
             return fd
 
-    def read(self, pack_id: str, offset: int, length: int) -> bytes:
-        data = os.pread(self._fd(pack_id), length, offset)
-        if len(data) != length:
+    def read(self, pack_id: str, offset: int, length: int, into: np.ndarray | None = None) -> bytes | np.ndarray:
+        """The ``length`` bytes at ``offset`` of a pack: read into ``into`` (a writable uint8 buffer of exactly
+        ``length`` bytes, returned) when given, else into new bytes."""
+        if into is None:
+            data: bytes | np.ndarray = os.pread(self._fd(pack_id), length, offset)
+            got = len(data)
+        else:
+            if len(into) != length:
+                raise ValueError(f"read buffer has {len(into)} bytes for {length}")
+            data = into
+            got = os.preadv(self._fd(pack_id), [into], offset)
+        if got != length:
             raise CorruptChunkError(
-                f"pack {pack_id} is truncated: frame at offset {offset} needs {length} bytes, got {len(data)}"
+                f"pack {pack_id} is truncated: frame at offset {offset} needs {length} bytes, got {got}"
             )
         return data
 

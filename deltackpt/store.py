@@ -51,6 +51,7 @@ from deltackpt.errors import (
 )
 from deltackpt.index import ChunkLoc, Index, Record, check_local, chunk_key
 from deltackpt.packs import PackReader, PackWriter, fsync_dir
+from deltackpt.scratch import Scratch
 
 STORE_FORMAT = "deltackpt-store"
 STORE_VERSION = 1
@@ -915,6 +916,7 @@ class Store:
                     "chunk is not in the index", chunk_id=_kid(k), checkpoint=m.id, key=t.key
                 )
         chains = self._base_locations(locs)
+        scratch = Scratch(max([cs, *(loc.frame_len for loc in (*locs.values(), *chains.values()))]))
         # Predicted chunks reference this checkpoint's first moments and chunks of older checkpoints that the load
         # does not return. They are decoded after everything else, in groups that share one first moment (a
         # parameter and its second moment), each group with its own memo of decoded inputs: every input is
@@ -936,31 +938,39 @@ class Store:
             if errors:
                 raise errors[0]
 
-        run([(t, k, self.read_pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify, bases=chains))
+        run([(t, k, self.read_pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify, bases=chains,
+                                          scratch=scratch))
              for t, k, view in first])
         if not later:
             return
         decoded = {k: view for _, k, view in first}
-        lookups = [(t, k, self.read_pool.submit(self.references, k, locs[k])) for t, k, _ in later]
+        lookups = [(t, k, self.read_pool.submit(self.references, k, locs[k], scratch)) for t, k, _ in later]
         run(lookups)
         groups: dict[bytes, list[tuple[manifest.TensorEntry, bytes, np.ndarray]]] = {}
         for (t, k, view), (_, _, fut) in zip(later, lookups):
             refs = fut.result()
             groups.setdefault(refs[1] if len(refs) > 1 else k, []).append((t, k, view))
-        run([(group[0][0], group[0][1], self.read_pool.submit(self._read_group, group, locs, chains, decoded, verify))
+        run([(group[0][0], group[0][1], self.read_pool.submit(self._read_group, group, locs, chains, decoded, verify,
+                                                              scratch))
              for group in groups.values()])
 
     def _read_group(self, group: list[tuple[manifest.TensorEntry, bytes, np.ndarray]], locs: Mapping[bytes, ChunkLoc],
-                    chains: Mapping[bytes, ChunkLoc], decoded: Mapping[bytes, np.ndarray], verify: bool) -> None:
+                    chains: Mapping[bytes, ChunkLoc], decoded: Mapping[bytes, np.ndarray], verify: bool,
+                    scratch: Scratch) -> None:
         """Decode predicted chunks that share inputs, with one memo of their inputs (``decoded``: chunks this
         load already holds). An error names the chunk and tensor that failed."""
         memo: dict[bytes, np.ndarray] = {}
-        for t, k, view in sorted(group, key=lambda item: locs[item[1]].depth):
-            try:
-                self.read_chunk(k, locs[k], out=view, verify=verify, bases=chains, memo=memo, known=decoded)
-            except CorruptChunkError as exc:
-                raise CorruptChunkError(exc.reason, chunk_id=_kid(k), key=t.key) from None
-            memo[k] = view
+        try:
+            for t, k, view in sorted(group, key=lambda item: locs[item[1]].depth):
+                try:
+                    self.read_chunk(k, locs[k], out=view, verify=verify, bases=chains, memo=memo, known=decoded,
+                                    scratch=scratch)
+                except CorruptChunkError as exc:
+                    raise CorruptChunkError(exc.reason, chunk_id=_kid(k), key=t.key) from None
+                memo[k] = view
+        finally:
+            for buf in memo.values():
+                scratch.give(buf)
 
     def _base_locations(self, locs: dict[bytes, ChunkLoc]) -> dict[bytes, ChunkLoc]:
         """The index entries of every delta base that decoding ``locs`` needs (all levels), looked up in one
@@ -982,19 +992,22 @@ class Store:
     def read_chunk(
         self, key: bytes, loc: ChunkLoc | None = None, *, out: np.ndarray | None = None, verify: bool = True,
         bases: Mapping[bytes, ChunkLoc] | None = None, memo: dict[bytes, np.ndarray] | None = None,
-        known: Mapping[bytes, np.ndarray] | None = None, _nesting: int = 0,
+        known: Mapping[bytes, np.ndarray] | None = None, scratch: Scratch | None = None, _nesting: int = 0,
     ) -> memoryview:
         """Decode one chunk with its delta bases and return its raw bytes, filling ``out`` when given.
 
         ``loc`` is the chunk's location and ``bases`` those of (some of) its bases when the caller looked them
         up already; the others come from the index. A predicted chunk's inputs (its base and the chunks it
         references) are decoded the same way, taken from ``known`` or ``memo`` (raw bytes by chunk key) when
-        there and added to ``memo`` when decoded."""
+        there and added to ``memo`` when decoded. With ``scratch``, frames are read into its buffers (given back
+        before returning) and inputs decoded into them: the caller gives back ``memo``'s values when done."""
         raw_len = int.from_bytes(key[16:], "big")
+        own_memo = memo is None
         if memo is None:
             memo = {}  # inputs shared within this chunk's decode (a parameter's and its base's, say)
+        held: list[np.ndarray] = []  # frames read into scratch buffers
 
-        def fetch(digest: bytes) -> tuple[bytes, str]:
+        def fetch(digest: bytes) -> tuple[bytes | memoryview, str]:
             at = loc if digest == key[:16] and loc is not None else None
             if at is None and bases is not None:
                 at = bases.get(digest + key[16:])
@@ -1003,7 +1016,12 @@ class Store:
                 at = found.get(digest + key[16:])
                 if at is None:
                     raise CorruptChunkError("chunk is not in the index", chunk_id=_kid(digest + key[16:]))
-            return self.reader.read(at.pack_id, at.offset, at.frame_len), f"pack {at.pack_id} offset {at.offset}"
+            where = f"pack {at.pack_id} offset {at.offset}"
+            if scratch is None:
+                return self.reader.read(at.pack_id, at.offset, at.frame_len), where
+            buf = scratch.take(at.frame_len)
+            held.append(buf)
+            return memoryview(self.reader.read(at.pack_id, at.offset, at.frame_len, into=buf)), where
 
         def resolve(digest: bytes) -> np.ndarray | memoryview:
             k = digest + key[16:]
@@ -1017,25 +1035,48 @@ class Store:
                 )
             # Not re-hashed: this chunk's own digest covers its inputs (a wrong input changes the prediction, so the
             # result), as it covers delta bases; frame checksums still name a damaged input.
-            raw = self.read_chunk(k, verify=False, bases=bases, memo=memo, known=known, _nesting=_nesting + 1)
-            memo[k] = np.frombuffer(raw, dtype=np.uint8)
+            if scratch is None:
+                raw = self.read_chunk(k, verify=False, bases=bases, memo=memo, known=known, _nesting=_nesting + 1)
+                memo[k] = np.frombuffer(raw, dtype=np.uint8)
+                return raw
+            buf = scratch.take(raw_len)
+            try:
+                raw = self.read_chunk(k, out=buf, verify=False, bases=bases, memo=memo, known=known, scratch=scratch,
+                                      _nesting=_nesting + 1)
+            except BaseException:
+                scratch.give(buf)
+                raise
+            memo[k] = buf  # the memo's owner gives it back
             return raw
 
-        return codec.decode_chain(key[:16], raw_len, fetch, out=out, verify=verify, resolve=resolve)
+        try:
+            return codec.decode_chain(key[:16], raw_len, fetch, out=out, verify=verify, resolve=resolve)
+        finally:
+            if scratch is not None:
+                for buf in held:
+                    scratch.give(buf)
+                if own_memo:
+                    for buf in memo.values():
+                        scratch.give(buf)
 
-    def references(self, key: bytes, loc: ChunkLoc) -> list[bytes]:
+    def references(self, key: bytes, loc: ChunkLoc, scratch: Scratch | None = None) -> list[bytes]:
         """Keys of the chunks decoding ``key`` needs directly: a delta's base; a predicted frame's base and
-        the chunks its record names (read from the frame). Raises :class:`CorruptChunkError` when a predicted
-        frame's record cannot be read intact."""
+        the chunks its record names (read from the frame, into a ``scratch`` buffer when given). Raises
+        :class:`CorruptChunkError` when a predicted frame's record cannot be read intact."""
         if loc.codec == codec.DELTA:
             return [loc.base + key[16:]]
         if loc.codec != codec.PREDICTED:
             return []
-        frame = self.reader.read(loc.pack_id, loc.offset, loc.frame_len)
-        where = f"pack {loc.pack_id} offset {loc.offset}"
-        h, payload = codec.check_frame(frame, expect_digest=key[:16], expect_len=int.from_bytes(key[16:], "big"),
-                                       where=where)
-        return [r + key[16:] for r in (h.base, *codec.prediction_record(payload, where).refs)]
+        buf = None if scratch is None else scratch.take(loc.frame_len)
+        try:
+            frame = memoryview(self.reader.read(loc.pack_id, loc.offset, loc.frame_len, into=buf))
+            where = f"pack {loc.pack_id} offset {loc.offset}"
+            h, payload = codec.check_frame(frame, expect_digest=key[:16], expect_len=int.from_bytes(key[16:], "big"),
+                                           where=where)
+            return [r + key[16:] for r in (h.base, *codec.prediction_record(payload, where).refs)]
+        finally:
+            if scratch is not None and buf is not None:
+                scratch.give(buf)
 
     # -- delete ---------------------------------------------------------------------------------------------
     def delete(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:

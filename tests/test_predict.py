@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import deltackpt
-from deltackpt import _pykernel, codec, kernel, maintenance, predict
+from deltackpt import _pykernel, codec, kernel, maintenance, predict, scratch
 from deltackpt.errors import CorruptChunkError, CorruptionError, FormatVersionError
 
 CHUNK = 1 << 14
@@ -437,3 +437,46 @@ def test_any_adam_like_history_restores_exactly(
         assert all(loc.depth <= 2 for _, loc in s.index.iter_chunks())
         for t, state in history.items():
             assert_same_state(state, s.load(t))
+
+
+class _Counted(scratch.Scratch):
+    """A Scratch that remembers itself and counts the buffers it had to allocate."""
+
+    made: list[_Counted] = []
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.takes = self.fresh = 0
+        _Counted.made.append(self)
+
+    def take(self, n: int) -> np.ndarray:
+        self.takes += 1
+        self.fresh += not self._free
+        return super().take(n)
+
+
+def test_loads_reuse_and_return_scratch_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loads and verify read frames and decode prediction inputs into scratch buffers: they are reused (far
+    fewer allocated than used), and every one is given back, also when a damaged frame ends the load."""
+    from deltackpt import store as store_mod
+
+    _Counted.made = []
+    monkeypatch.setattr(store_mod, "Scratch", _Counted)
+    monkeypatch.setattr(maintenance, "Scratch", _Counted)
+    store_path = tmp_path / "s"
+    with deltackpt.Store(store_path, chunk_size=CHUNK, max_chain=3) as s:
+        history = _train(8, store=s)
+        for step, state in history.items():
+            assert_same_state(state, s.load(step))
+        assert s.verify().ok
+        assert len(_Counted.made) == len(history) + 1
+        takes, fresh = sum(c.takes for c in _Counted.made), sum(c.fresh for c in _Counted.made)
+        assert takes > 4 * fresh, (takes, fresh)
+        assert not any(c._lent for c in _Counted.made)
+        key, refs = _predicted_chunk(s)
+        _damage(s, store_path, refs[0])
+        with pytest.raises(CorruptionError):
+            for step in history:
+                s.load(step)
+        assert not s.verify().ok
+        assert not any(c._lent for c in _Counted.made)
