@@ -68,7 +68,7 @@ DELTA_GOOD_ENOUGH = 0.5
 DELTA_MIN_GAIN = 0.9
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FrameHeader:
     codec: int
     width: int

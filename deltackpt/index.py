@@ -48,7 +48,7 @@ def chunk_key(digest: bytes, length: int) -> bytes:
     return digest + _CHUNK_LEN.pack(length)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkLoc:
     pack_id: str
     offset: int

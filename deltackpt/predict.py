@@ -45,7 +45,7 @@ _PREFIX_HEAD = struct.Struct("<BBHI")  # predictor, refs, coefficients, reserved
 FIT_SAMPLE = 1 << 15
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Prediction:
     """What a predicted frame records besides its residual: how to recompute the prediction."""
 
