@@ -121,7 +121,7 @@ def verify(
             plans.append((rec, _stored_chunks(m)))
         unique = list(dict.fromkeys(k for _, chunks in plans for _, k in chunks))
         locs = store.index.lookup_chunks(unique)
-        scratch = Scratch(max([store.chunk_size, *(loc.frame_len for loc in locs.values())]))
+        scratch = Scratch.for_frames(store.chunk_size, (loc.frame_len for loc in locs.values()))
         for group in store.read_pool.map(lambda g: _check_group(store, g, locs, scratch),
                                          _related(store, unique, locs)):
             results.update(group)

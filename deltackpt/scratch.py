@@ -15,8 +15,11 @@ requests get a buffer of their own that is not kept.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 
 import numpy as np
+
+from deltackpt import codec
 
 
 class Scratch:
@@ -25,6 +28,12 @@ class Scratch:
         self._free: list[np.ndarray] = []
         self._lent: set[int] = set()  # id() of buffers handed out and not yet given back
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_frames(cls, chunk_size: int, frame_lens: Iterable[int]) -> Scratch:
+        """A pool whose buffers hold any chunk of ``chunk_size`` bytes with a frame header, and any of the frames
+        whose lengths are given (the ones a load knows it will read)."""
+        return cls(max([chunk_size + codec.HEADER_SIZE, *frame_lens]))
 
     def take(self, n: int) -> np.ndarray:
         """A writable uint8 buffer of ``n`` bytes (uninitialised)."""

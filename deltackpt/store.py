@@ -916,7 +916,7 @@ class Store:
                     "chunk is not in the index", chunk_id=_kid(k), checkpoint=m.id, key=t.key
                 )
         chains = self._base_locations(locs)
-        scratch = Scratch(max([cs, *(loc.frame_len for loc in (*locs.values(), *chains.values()))]))
+        scratch = Scratch.for_frames(cs, (loc.frame_len for loc in (*locs.values(), *chains.values())))
         # Predicted chunks reference this checkpoint's first moments and chunks of older checkpoints that the load
         # does not return. They are decoded after everything else, in groups that share one first moment (a
         # parameter and its second moment), each group with its own memo of decoded inputs: every input is
