@@ -26,7 +26,9 @@ class Scratch:
     def __init__(self, size: int) -> None:
         self.size = int(size)
         self._free: list[np.ndarray] = []
-        self._lent: set[int] = set()  # id() of buffers handed out and not yet given back
+        # Buffers handed out and not yet given back, by id(). Holding them keeps their ids from being reused by
+        # another object while lent, so give() can never take in memory that is not the pool's.
+        self._lent: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -43,7 +45,7 @@ class Scratch:
             buf = self._free.pop() if self._free else None
             if buf is None:
                 buf = np.empty(self.size, dtype=np.uint8)
-            self._lent.add(id(buf))
+            self._lent[id(buf)] = buf
         return buf[:n]
 
     def give(self, view: np.ndarray | memoryview | bytes) -> None:
@@ -52,6 +54,5 @@ class Scratch:
         if buf is None:
             return
         with self._lock:
-            if id(buf) in self._lent:
-                self._lent.discard(id(buf))
-                self._free.append(buf)  # type: ignore[arg-type]
+            if self._lent.get(id(buf)) is buf:
+                self._free.append(self._lent.pop(id(buf)))
