@@ -999,12 +999,15 @@ class Store:
         ``loc`` is the chunk's location and ``bases`` those of (some of) its bases when the caller looked them
         up already; the others come from the index. A predicted chunk's inputs (its base and the chunks it
         references) are decoded the same way, taken from ``known`` or ``memo`` (raw bytes by chunk key) when
-        there and added to ``memo`` when decoded. With ``scratch``, frames are read into its buffers (given back
-        before returning) and inputs decoded into them: the caller gives back ``memo``'s values when done."""
+        there and added to ``memo`` when decoded. Frames are read into buffers of ``scratch`` (given back before
+        returning) and inputs decoded into them: a caller that passes both gives back ``memo``'s values when
+        done. Without ``scratch`` this call uses a pool of its own."""
         raw_len = int.from_bytes(key[16:], "big")
         own_memo = memo is None
         if memo is None:
             memo = {}  # inputs shared within this chunk's decode (a parameter's and its base's, say)
+        if scratch is None:
+            scratch = Scratch.for_frames(raw_len, ())
         held: list[np.ndarray] = []  # frames read into scratch buffers
 
         def fetch(digest: bytes) -> tuple[bytes | memoryview, str]:
@@ -1016,12 +1019,10 @@ class Store:
                 at = found.get(digest + key[16:])
                 if at is None:
                     raise CorruptChunkError("chunk is not in the index", chunk_id=_kid(digest + key[16:]))
-            where = f"pack {at.pack_id} offset {at.offset}"
-            if scratch is None:
-                return self.reader.read(at.pack_id, at.offset, at.frame_len), where
             buf = scratch.take(at.frame_len)
             held.append(buf)
-            return memoryview(self.reader.read(at.pack_id, at.offset, at.frame_len, into=buf)), where
+            self.reader.read(at.pack_id, at.offset, at.frame_len, into=buf)
+            return memoryview(buf), f"pack {at.pack_id} offset {at.offset}"
 
         def resolve(digest: bytes) -> np.ndarray | memoryview:
             k = digest + key[16:]
@@ -1035,10 +1036,6 @@ class Store:
                 )
             # Not re-hashed: this chunk's own digest covers its inputs (a wrong input changes the prediction, so the
             # result), as it covers delta bases; frame checksums still name a damaged input.
-            if scratch is None:
-                raw = self.read_chunk(k, verify=False, bases=bases, memo=memo, known=known, _nesting=_nesting + 1)
-                memo[k] = np.frombuffer(raw, dtype=np.uint8)
-                return raw
             buf = scratch.take(raw_len)
             try:
                 raw = self.read_chunk(k, out=buf, verify=False, bases=bases, memo=memo, known=known, scratch=scratch,
@@ -1052,12 +1049,11 @@ class Store:
         try:
             return codec.decode_chain(key[:16], raw_len, fetch, out=out, verify=verify, resolve=resolve)
         finally:
-            if scratch is not None:
-                for buf in held:
+            for buf in held:
+                scratch.give(buf)
+            if own_memo:
+                for buf in memo.values():
                     scratch.give(buf)
-                if own_memo:
-                    for buf in memo.values():
-                        scratch.give(buf)
 
     def references(self, key: bytes, loc: ChunkLoc, scratch: Scratch | None = None) -> list[bytes]:
         """Keys of the chunks decoding ``key`` needs directly: a delta's base; a predicted frame's base and
