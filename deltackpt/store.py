@@ -1008,7 +1008,7 @@ class Store:
             memo = {}  # inputs shared within this chunk's decode (a parameter's and its base's, say)
         if scratch is None:
             scratch = Scratch.for_frames(raw_len, ())
-        held: list[np.ndarray] = []  # frames read into scratch buffers
+        held: list[bytes | np.ndarray] = []  # frames read into scratch buffers
 
         def fetch(digest: bytes) -> tuple[bytes | memoryview, str]:
             at = loc if digest == key[:16] and loc is not None else None
@@ -1019,10 +1019,9 @@ class Store:
                 at = found.get(digest + key[16:])
                 if at is None:
                     raise CorruptChunkError("chunk is not in the index", chunk_id=_kid(digest + key[16:]))
-            buf = scratch.take(at.frame_len)
+            buf, where = self._read_frame(at, scratch)
             held.append(buf)
-            self.reader.read(at.pack_id, at.offset, at.frame_len, into=buf)
-            return memoryview(buf), f"pack {at.pack_id} offset {at.offset}"
+            return memoryview(buf), where
 
         def resolve(digest: bytes) -> np.ndarray | memoryview:
             k = digest + key[16:]
@@ -1057,22 +1056,33 @@ class Store:
 
     def references(self, key: bytes, loc: ChunkLoc, scratch: Scratch | None = None) -> list[bytes]:
         """Keys of the chunks decoding ``key`` needs directly: a delta's base; a predicted frame's base and
-        the chunks its record names (read from the frame, into a ``scratch`` buffer when given). Raises
+        the chunks its record names (read from the frame, into a buffer of ``scratch`` when given). Raises
         :class:`CorruptChunkError` when a predicted frame's record cannot be read intact."""
         if loc.codec == codec.DELTA:
             return [loc.base + key[16:]]
         if loc.codec != codec.PREDICTED:
             return []
-        buf = None if scratch is None else scratch.take(loc.frame_len)
+        buf, where = self._read_frame(loc, scratch)
         try:
-            frame = memoryview(self.reader.read(loc.pack_id, loc.offset, loc.frame_len, into=buf))
-            where = f"pack {loc.pack_id} offset {loc.offset}"
-            h, payload = codec.check_frame(frame, expect_digest=key[:16], expect_len=int.from_bytes(key[16:], "big"),
-                                           where=where)
+            h, payload = codec.check_frame(memoryview(buf), expect_digest=key[:16],
+                                           expect_len=int.from_bytes(key[16:], "big"), where=where)
             return [r + key[16:] for r in (h.base, *codec.prediction_record(payload, where).refs)]
         finally:
-            if scratch is not None and buf is not None:
+            if scratch is not None:
                 scratch.give(buf)
+
+    def _read_frame(self, loc: ChunkLoc, scratch: Scratch | None) -> tuple[bytes | np.ndarray, str]:
+        """The frame at ``loc`` and where it lies: read into a buffer of ``scratch`` when given (the caller gives
+        it back), else into new bytes."""
+        if scratch is None:
+            return self.reader.read(loc.pack_id, loc.offset, loc.frame_len), f"pack {loc.pack_id} offset {loc.offset}"
+        buf = scratch.take(loc.frame_len)
+        try:
+            self.reader.read(loc.pack_id, loc.offset, loc.frame_len, into=buf)
+        except BaseException:
+            scratch.give(buf)
+            raise
+        return buf, f"pack {loc.pack_id} offset {loc.offset}"
 
     # -- delete ---------------------------------------------------------------------------------------------
     def delete(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:

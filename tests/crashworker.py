@@ -199,6 +199,16 @@ def thinned_state(step: int) -> dict[str, Any]:
     return {"model": make_state(step)["model"], "step": step, "thinned": True}
 
 
+def is_thinned(info: Any) -> bool:
+    """Whether checkpoint ``info`` holds a thinned state (metadata ``thinned``, set by the rewrite child)."""
+    return isinstance(info.metadata, dict) and bool(info.metadata.get("thinned"))
+
+
+def expected_state(info: Any) -> dict[str, Any]:
+    """The state checkpoint ``info`` holds: its step's full state, or the thinned one."""
+    return thinned_state(info.step) if is_thinned(info) else make_state(info.step)
+
+
 def _child_rewrite(cmd: dict[str, Any]) -> None:
     """Rewrites every checkpoint in turn, newest first, to its thinned state or back to its full one (whichever it
     does not hold: metadata ``thinned``), until killed; acks the step after each commit."""
@@ -206,7 +216,7 @@ def _child_rewrite(cmd: dict[str, Any]) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:  # runs until killed
         for info in reversed(st.list()):
-            thin = not (isinstance(info.metadata, dict) and info.metadata.get("thinned"))
+            thin = not is_thinned(info)
             state = thinned_state(info.step) if thin else make_state(info.step)
             st.rewrite(state, id=info.id, metadata={"thinned": thin})
             _ack(cmd["ack"], str(info.step))

@@ -236,17 +236,13 @@ def test_sigkill_during_rewrite(tmp_path: Path, zygote: Any, rng: random.Random)
             infos = st.list()
             assert sorted(i.step for i in infos) == steps, f"{where}: a checkpoint was lost or doubled"
             for info in infos:
-                thinned = isinstance(info.metadata, dict) and info.metadata.get("thinned")
-                stats["thinned" if thinned else "full"] += 1
-                want = cw.thinned_state(info.step) if thinned else cw.make_state(info.step)
-                cw.assert_same(want, st.load(id=info.id), f"{where}: step {info.step}")
+                stats["thinned" if cw.is_thinned(info) else "full"] += 1
+                cw.assert_same(cw.expected_state(info), st.load(id=info.id), f"{where}: step {info.step}")
             _verify_ok(st, where)
     with Store(d, chunk_size=CS) as st:
         st.gc()
         _check_clean_after_gc(d, st)
         for info in st.list():
-            thinned = isinstance(info.metadata, dict) and info.metadata.get("thinned")
-            want = cw.thinned_state(info.step) if thinned else cw.make_state(info.step)
-            cw.assert_same(want, st.load(id=info.id), f"after the final gc: step {info.step}")
+            cw.assert_same(cw.expected_state(info), st.load(id=info.id), f"after the final gc: step {info.step}")
         _verify_ok(st, "after the final gc")
     print(f"{REWRITE_KILLS} kills during rewrites:", dict(stats))
