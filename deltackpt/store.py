@@ -27,12 +27,12 @@ import secrets
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -57,6 +57,8 @@ STORE_FORMAT = "deltackpt-store"
 STORE_VERSION = 1
 MAX_STEP = (1 << 63) - 1
 _INFLIGHT_PER_THREAD = 3
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -923,36 +925,60 @@ class Store:
         # decoded once per group, and memory stays at a few chunks per read thread.
         later = [item for item in work if locs[item[1]].codec == codec.PREDICTED]
         first = [item for item in work if locs[item[1]].codec != codec.PREDICTED] if later else work
-        errors: list[BaseException] = []
 
-        def run(futures: list[tuple[manifest.TensorEntry, bytes, Future[Any]]]) -> None:
-            for t, k, fut in futures:
-                try:
-                    fut.result()
-                except CorruptChunkError as exc:
-                    if exc.key is None:  # a chunk's own decode: it is the chunk ``k`` of tensor ``t``
-                        exc = CorruptChunkError(exc.reason, chunk_id=_kid(k), key=t.key)
-                    errors.append(CorruptChunkError(exc.reason, chunk_id=exc.chunk_id, checkpoint=m.id, key=exc.key))
-                except BaseException as exc:  # keep waiting for the rest, then raise the first
-                    errors.append(exc)
-            if errors:
-                raise errors[0]
+        def named(item: tuple[manifest.TensorEntry, bytes, Any], exc: BaseException) -> BaseException:
+            """A failure as raised by the load: naming the checkpoint, and the chunk and tensor it was for."""
+            if not isinstance(exc, CorruptChunkError):
+                return exc
+            if exc.key is None:  # a chunk's own decode: it is the chunk ``k`` of tensor ``t``
+                exc = CorruptChunkError(exc.reason, chunk_id=_kid(item[1]), key=item[0].key)
+            return CorruptChunkError(exc.reason, chunk_id=exc.chunk_id, checkpoint=m.id, key=exc.key)
 
-        run([(t, k, self.read_pool.submit(self.read_chunk, k, locs[k], out=view, verify=verify, bases=chains,
-                                          scratch=scratch))
-             for t, k, view in first])
+        self.read_each(lambda item: self.read_chunk(item[1], locs[item[1]], out=item[2], verify=verify, bases=chains,
+                                                     scratch=scratch), first, named)
         if not later:
             return
         decoded = {k: view for _, k, view in first}
-        lookups = [(t, k, self.read_pool.submit(self.references, k, locs[k], scratch)) for t, k, _ in later]
-        run(lookups)
+        refs = self.read_each(lambda item: self.references(item[1], locs[item[1]], scratch), later, named)
         groups: dict[bytes, list[tuple[manifest.TensorEntry, bytes, np.ndarray]]] = {}
-        for (t, k, view), (_, _, fut) in zip(later, lookups):
-            refs = fut.result()
-            groups.setdefault(refs[1] if len(refs) > 1 else k, []).append((t, k, view))
-        run([(group[0][0], group[0][1], self.read_pool.submit(self._read_group, group, locs, chains, decoded, verify,
-                                                              scratch))
-             for group in groups.values()])
+        for item, r in zip(later, refs):
+            groups.setdefault(r[1] if len(r) > 1 else item[1], []).append(item)
+        self.read_each(lambda group: self._read_group(group, locs, chains, decoded, verify, scratch),
+                       list(groups.values()), lambda group, exc: named(group[0], exc))
+
+    def read_each(self, fn: Callable[[_T], _R], items: Sequence[_T],
+                  named: Callable[[_T, BaseException], BaseException] | None = None) -> list[_R]:
+        """``[fn(item) for item in items]`` on the read workers, which take items in order from one queue.
+
+        One task per worker rather than a future per item: a load has thousands of chunks, and each future
+        (with its condition, lock and work item) cost a worker wakeup and about a dozen objects for the cyclic
+        GC, half of all a load allocated. Once an item fails no more are started; when every started item has
+        finished, the failure of the earliest failed item (in ``items`` order) is raised, through
+        ``named(item, exc)`` when given. Items are handed out in order, so every item before it was started and
+        which failure is raised does not depend on timing. Not for use from a read worker (it would wait on
+        its own pool)."""
+        results: list[Any] = [None] * len(items)
+        failed: list[tuple[int, BaseException]] = []
+        todo = collections.deque(enumerate(items))  # popleft is atomic
+
+        def work() -> None:
+            while not failed:
+                try:
+                    i, item = todo.popleft()
+                except IndexError:
+                    return
+                try:
+                    results[i] = fn(item)
+                except BaseException as exc:  # stop handing out items; raised below
+                    failed.append((i, exc))
+
+        workers = [self.read_pool.submit(work) for _ in range(min(self.read_threads, len(items)))]
+        for w in workers:
+            w.result()
+        if failed:
+            i, exc = min(failed, key=lambda f: f[0])
+            raise (named(items[i], exc) if named is not None else exc)
+        return results
 
     def _read_group(self, group: list[tuple[manifest.TensorEntry, bytes, np.ndarray]], locs: Mapping[bytes, ChunkLoc],
                     chains: Mapping[bytes, ChunkLoc], decoded: Mapping[bytes, np.ndarray], verify: bool,
