@@ -1,11 +1,11 @@
 """Where the bytes of dense AdamW training go: dedup, byte planes and deltas, saved every step and every 10.
 
-``python -m bench.delta [--saves 20] [--small] [--every 1,10] [--max-chain K]`` trains the suite's GPT (52.6M
-fp32 parameters; ``--small``: 1.7M) with AdamW (lr 1e-4, weight decay 0.1) on random token ids and saves the
-full training state into three stores after every step (``Store(max_chain=0)``: dedup + byte planes + zstd;
-``Store(max_chain=K, predict=False)``: XOR deltas too; ``Store(max_chain=K)``, by default the store's default:
-predicted frames too), then does the same saving every 10 steps. For each save it reports bytes relative to
-``torch.save`` of the same state for
+``python -m bench.delta [--saves 20] [--small] [--every 1,10] [--max-chain K] [--cores 1,2,4]`` trains the
+suite's GPT (52.6M fp32 parameters; ``--small``: 1.7M) with AdamW (lr 1e-4, weight decay 0.1) on random token
+ids and saves the full training state into three stores after every step (``Store(max_chain=0)``: dedup + byte
+planes + zstd; ``Store(max_chain=K, predict=False)``: XOR deltas too; ``Store(max_chain=K)``, by default the
+store's default: predicted frames too), then does the same saving every 10 steps. For each save it reports bytes
+relative to ``torch.save`` of the same state for
 
 - dedup: the raw bytes of chunks no earlier checkpoint holds (what an uncompressed dedup store writes),
 - planes: what ``Store(max_chain=0)`` writes (dedup, then byte planes + zstd),
@@ -17,12 +17,14 @@ oldest checkpoint against ``torch.load`` of a ``.pt`` file, each load in a fresh
 it, with the page cache dropped before the load (a restart on another machine; on a VM the disk's speed swings
 from run to run) and with the files in the page cache (a restart in place: the CPU cost of decoding against
 torch.load's), and the CPU time of the warm restores (user + system over all threads: the work that more cores
-would share).
+would share). ``--cores`` repeats the warm restores of ``torch.load`` and the newest checkpoint pinned to the
+first n CPUs for each n given: how restores scale with cores on the machine at hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import subprocess
@@ -45,7 +47,8 @@ def _category(key: str) -> str:
     return "weights" if key.startswith("model") else "other"
 
 
-def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | None) -> dict:
+def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | None,
+         cores: list[int]) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
@@ -118,14 +121,28 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
     loads = {name: statistics.median(times[name, True]) for name in loaders}
     warm = {name: statistics.median(times[name, False]) for name in loaders}
     warm_cpu = {name: statistics.median(v) for name, v in cpu.items()}
-    return {"rows": rows, "loads": loads, "warm": warm, "warm_cpu": warm_cpu}
+    # The same warm restores on the first n CPUs this process may use: how decoding scales with cores
+    # (torch.load runs on one). Interleaved rounds again, medians.
+    allowed = sorted(os.sched_getaffinity(0))
+    pinned: dict[tuple[int, str], list[float]] = {}
+    for _ in range(3):
+        for n in cores:
+            for name in ("torch.load", "predicted newest"):
+                path, cid = loaders[name]
+                pinned.setdefault((n, name), []).append(_load_in_child(path, cid, allowed[:n])[0])
+    scaling = {n: {name: statistics.median(pinned[n, name]) for name in ("torch.load", "predicted newest")}
+               for n in cores}
+    return {"rows": rows, "loads": loads, "warm": warm, "warm_cpu": warm_cpu, "scaling": scaling}
 
 
 # A restore as a restarted job does it: in a fresh process (imports not timed). Timed in one process after other
 # loads, torch.load can reuse the memory a previous load freed and skip its page faults (0.14 s instead of
 # 0.5-0.6 s here), which measures the allocator's state rather than the format.
 _CHILD = """
-import os, sys, time, torch, deltackpt
+import os, sys
+if sys.argv[3]:
+    os.sched_setaffinity(0, [int(c) for c in sys.argv[3].split(",")])  # before torch reads the CPU count
+import time, torch, deltackpt
 path, cid = sys.argv[1], sys.argv[2] or None
 t0, c0 = time.perf_counter(), os.times()
 if path.endswith(".pt"):
@@ -138,11 +155,13 @@ print(time.perf_counter() - t0, c1.user - c0.user + c1.system - c0.system)
 """
 
 
-def _load_in_child(path: Path, cid: str | None) -> tuple[float, float]:
+def _load_in_child(path: Path, cid: str | None, cpus: list[int] | None = None) -> tuple[float, float]:
     """Seconds a fresh process takes to load ``path`` (a ``.pt`` file, or checkpoint ``cid`` of a store, the
-    latest when None), imports excluded: wall-clock time and CPU time (user + system, all threads)."""
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(path), cid or ""], capture_output=True, text=True,
-                          check=True)
+    latest when None), imports excluded: wall-clock time and CPU time (user + system, all threads). With
+    ``cpus`` the process runs on those CPUs only (deltackpt sizes its thread pools by them)."""
+    pin = ",".join(map(str, cpus)) if cpus else ""
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(path), cid or "", pin], capture_output=True,
+                          text=True, check=True)
     wall, used = done.stdout.split()[-2:]
     return float(wall), float(used)
 
@@ -153,7 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--every", default="1,10", help="save intervals to run, comma-separated (default 1,10)")
     ap.add_argument("--max-chain", type=int, default=None, help="the delta store's max_chain (default: the store's)")
+    ap.add_argument("--cores", default="", help="also time warm restores pinned to this many CPUs, comma-separated "
+                    "(e.g. 1,2,4; at most the CPUs this process may use)")
     args = ap.parse_args(argv)
+    cores = [int(c) for c in args.cores.split(",") if c.strip()]
+    available = len(os.sched_getaffinity(0))
+    if any(not 1 <= n <= available for n in cores):
+        ap.error(f"--cores: each count must be between 1 and {available} (the CPUs this process may use)")
     cfg = GPTConfig(d_model=128, n_layers=4, vocab=2048) if args.small else GPTConfig()
     chain = config.DEFAULT_MAX_CHAIN if args.max_chain is None else args.max_chain
     print(f"GPT {cfg.n_params() / 1e6:.1f}M parameters, AdamW lr 1e-4; deltackpt backend "
@@ -162,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tempfile.mkdtemp(prefix="deltackpt-delta-"))
         try:
             print(f"\nsaving every {every} step(s), {args.saves} saves")
-            res = _run(cfg, args.saves, every, root, chain)
+            res = _run(cfg, args.saves, every, root, chain, cores)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         steady = res["rows"][1:]  # the first save has no parent
@@ -181,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{k} {v:.2f} s" for k, v in res["warm"].items()))
         print("CPU time of those warm restores (user + system, all threads; what more cores share): " + ", ".join(
             f"{k} {v:.2f} s" for k, v in res["warm_cpu"].items()))
+        for n, t in res["scaling"].items():
+            print(f"restore pinned to {n} CPU(s) (page cache warm, median of 3 interleaved rounds): torch.load "
+                  f"{t['torch.load']:.2f} s, predicted newest {t['predicted newest']:.2f} s "
+                  f"({t['predicted newest'] / t['torch.load']:.2f}x)")
     return 0
 
 
