@@ -122,10 +122,11 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
     warm = {name: statistics.median(times[name, False]) for name in loaders}
     warm_cpu = {name: statistics.median(v) for name, v in cpu.items()}
     # The same warm restores on the first n CPUs this process may use: how decoding scales with cores
-    # (torch.load runs on one). Interleaved rounds again, medians.
+    # (torch.load runs on one). Interleaved rounds again, medians; five, as these loads are cheap and the
+    # ratios between them are what counts.
     allowed = sorted(os.sched_getaffinity(0))
     pinned: dict[tuple[int, str], list[float]] = {}
-    for _ in range(3):
+    for _ in range(5):
         for n in cores:
             for name in ("torch.load", "predicted newest"):
                 path, cid = loaders[name]
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print("CPU time of those warm restores (user + system, all threads; what more cores share): " + ", ".join(
             f"{k} {v:.2f} s" for k, v in res["warm_cpu"].items()))
         for n, t in res["scaling"].items():
-            print(f"restore pinned to {n} CPU(s) (page cache warm, median of 3 interleaved rounds): torch.load "
+            print(f"restore pinned to {n} CPU(s) (page cache warm, median of 5 interleaved rounds): torch.load "
                   f"{t['torch.load']:.2f} s, predicted newest {t['predicted newest']:.2f} s "
                   f"({t['predicted newest'] / t['torch.load']:.2f}x)")
     return 0
