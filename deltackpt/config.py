@@ -61,7 +61,9 @@ def threads() -> int:
 
 
 def read_threads(threads: int) -> int:
-    """Loads overlap disk reads with decoding: cold reads on a 2-core VM ran 1.7x faster with 8 than with 2."""
+    """The most read workers: a load starts one per worker thread (decoding from the page cache is CPU-bound)
+    and adds one whenever a frame read would wait on the disk, up to this; cold reads on a 2-core VM ran 1.7x
+    faster with 8 than with 2. Verify uses this many."""
     return _env_int("DELTACKPT_READ_THREADS", max(8, 4 * threads))
 
 

@@ -21,7 +21,7 @@ import re
 import struct
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -160,9 +160,12 @@ class PackReader:
                 self._fds[pack_id] = fd
             return fd
 
-    def read(self, pack_id: str, offset: int, length: int, into: np.ndarray | None = None) -> bytes | np.ndarray:
+    def read(self, pack_id: str, offset: int, length: int, into: np.ndarray | None = None,
+             before_blocking: Callable[[], None] | None = None) -> bytes | np.ndarray:
         """The ``length`` bytes at ``offset`` of a pack: read into ``into`` (a writable uint8 buffer of exactly
-        ``length`` bytes, returned) when given, else into new bytes."""
+        ``length`` bytes, returned) when given, else into new bytes. With ``before_blocking`` (and ``into``),
+        the read first takes only what the page cache holds (``RWF_NOWAIT``, Linux), and calls
+        ``before_blocking()`` before it waits on the disk for the rest."""
         if into is None:
             data: bytes | np.ndarray = os.pread(self._fd(pack_id), length, offset)
             got = len(data)
@@ -170,7 +173,12 @@ class PackReader:
             if len(into) != length:
                 raise ValueError(f"read buffer has {len(into)} bytes for {length}")
             data = into
-            got = os.preadv(self._fd(pack_id), [into], offset)
+            fd = self._fd(pack_id)
+            got = _read_cached(fd, into, offset) if before_blocking is not None else 0
+            if got < length:
+                if before_blocking is not None:
+                    before_blocking()
+                got += os.preadv(fd, [into[got:]], offset + got)
         if got != length:
             raise CorruptChunkError(
                 f"pack {pack_id} is truncated: frame at offset {offset} needs {length} bytes, got {got}"
@@ -188,6 +196,24 @@ class PackReader:
             fds, self._fds = self._fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+
+
+def _read_cached(fd: int, into: np.ndarray, offset: int) -> int:
+    """Bytes of ``into`` filled from the page cache alone (0 when none are cached, or where the system or file
+    system cannot tell: no ``RWF_NOWAIT``)."""
+    if _NOWAIT is None:
+        return 0
+    try:
+        return os.preadv(fd, [into], offset, _NOWAIT)
+    except BlockingIOError:
+        return 0
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return 0
+        raise
 
 
 def is_active(path: Path) -> bool:

@@ -57,6 +57,8 @@ STORE_FORMAT = "deltackpt-store"
 STORE_VERSION = 1
 MAX_STEP = (1 << 63) - 1
 _INFLIGHT_PER_THREAD = 3
+#: per read worker of :meth:`Store.read_each`: what to call before a frame read waits on the disk
+_worker = threading.local()
 _T = TypeVar("_T")
 _R = TypeVar("_R")
 
@@ -164,7 +166,8 @@ class Store:
     ``threads`` (worker threads for hashing, encoding and decoding), ``max_chain`` (the most delta frames a
     chunk's decode may read beyond its own; 0 turns deltas off) and ``delta_cache_bytes`` (raw bytes of the
     last save kept in memory as delta bases for the next one; bases not found there are decoded from disk) and
-    ``read_threads`` (workers for loads and verify; more than the CPUs, as cold reads wait on the disk) and
+    ``read_threads`` (the most workers for loads and verify: a load starts ``threads`` and adds one whenever a
+    frame read has to wait on the disk) and
     ``predict`` (store changed AdamW second moments and parameters as predicted frames, on by default; see
     :mod:`deltackpt.predict`).
     A Store may be used from several threads and shared with other processes on the same host; it must not
@@ -274,7 +277,7 @@ class Store:
 
     def _pools(self) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
         """(workers for saves, workers for loads), created on first use and again after fork (threads do not
-        survive it). Loads get more workers than CPUs (``read_threads``): cold reads wait on the disk."""
+        survive it). Loads may use more workers than CPUs (``read_threads``): cold reads wait on the disk."""
         pools = self._pools_of
         if pools is None or pools[0] != os.getpid():
             with self._pool_lock:
@@ -952,7 +955,10 @@ class Store:
 
         One task per worker rather than a future per item: a load has thousands of chunks, and each future
         (with its condition, lock and work item) cost a worker wakeup and about a dozen objects for the cyclic
-        GC, half of all a load allocated. Once an item fails no more are started; when every started item has
+        GC, half of all a load allocated. It starts one worker per CPU (``threads``): from the page cache,
+        decoding is CPU-bound and more workers only contend. A worker whose frame read must wait on the disk
+        (:meth:`PackReader.read` finds it is not cached) first starts another, up to ``read_threads``, so cold
+        reads overlap decoding. Once an item fails no more are started; when every started item has
         finished, the failure of the earliest failed item (in ``items`` order) is raised, through
         ``named(item, exc)`` when given. Items are handed out in order, so every item before it was started and
         which failure is raised does not depend on timing. Not for use from a read worker (it would wait on
@@ -960,21 +966,38 @@ class Store:
         results: list[Any] = [None] * len(items)
         failed: list[tuple[int, BaseException]] = []
         todo = collections.deque(enumerate(items))  # popleft is atomic
+        workers: list[Future[None]] = []
+        most = min(self.read_threads, len(items))
+        lock = threading.Lock()
+
+        def more() -> None:
+            """A worker is about to wait on the disk: another takes its place (up to ``read_threads``)."""
+            if len(workers) < most and todo:
+                with lock:
+                    if len(workers) < most:
+                        workers.append(self.read_pool.submit(work))
 
         def work() -> None:
-            while not failed:
-                try:
-                    i, item = todo.popleft()
-                except IndexError:
-                    return
-                try:
-                    results[i] = fn(item)
-                except BaseException as exc:  # stop handing out items; raised below
-                    failed.append((i, exc))
+            _worker.before_blocking = more
+            try:
+                while not failed:
+                    try:
+                        i, item = todo.popleft()
+                    except IndexError:
+                        return
+                    try:
+                        results[i] = fn(item)
+                    except BaseException as exc:  # stop handing out items; raised below
+                        failed.append((i, exc))
+            finally:
+                _worker.before_blocking = None
 
-        workers = [self.read_pool.submit(work) for _ in range(min(self.read_threads, len(items)))]
-        for w in workers:
-            w.result()
+        with lock:
+            workers.extend(self.read_pool.submit(work) for _ in range(min(self.threads, most)))
+        done = 0
+        while done < len(workers):  # workers can be added until the last one ends
+            workers[done].result()
+            done += 1
         if failed:
             i, exc = min(failed, key=lambda f: f[0])
             raise (named(items[i], exc) if named is not None else exc)
@@ -1104,7 +1127,8 @@ class Store:
             return self.reader.read(loc.pack_id, loc.offset, loc.frame_len), f"pack {loc.pack_id} offset {loc.offset}"
         buf = scratch.take(loc.frame_len)
         try:
-            self.reader.read(loc.pack_id, loc.offset, loc.frame_len, into=buf)
+            self.reader.read(loc.pack_id, loc.offset, loc.frame_len, into=buf,
+                             before_blocking=getattr(_worker, "before_blocking", None))
         except BaseException:
             scratch.give(buf)
             raise

@@ -153,42 +153,6 @@ def test_several_damaged_chunks_all_reported(store_path: Path, two_ckpts: dict[s
             assert ei.value.key == "a" and ei.value.chunk_id == a0
 
 
-@given(n=st.integers(0, 40), fail=st.sets(st.integers(0, 39), max_size=4), threads=st.integers(1, 6),
-       seed=st.integers(0, 2**16))
-def test_read_each_order_and_earliest_failure(tmp_path_factory: pytest.TempPathFactory, n: int, fail: set[int],
-                                              threads: int, seed: int) -> None:
-    """Loads fan chunks out with Store.read_each: results come back in item order; of several failures the
-    earliest item's is raised, whatever the timing; once an item has failed, each other worker starts at most
-    one more item (it may have looked for work just before the failure was recorded); every started item has
-    finished when the call returns."""
-    rng = np.random.default_rng(seed)
-    delays = rng.uniform(0, 0.002, size=n)
-    events: list[tuple[str, int]] = []  # appends are atomic: one log of starts and ends across workers
-
-    def fn(i: int) -> int:
-        events.append(("start", i))
-        time.sleep(delays[i])
-        events.append(("end", i))
-        if i in fail:
-            raise ValueError(i)
-        return i * i
-
-    with deltackpt.Store(tmp_path_factory.mktemp("each") / "s", read_threads=threads) as s:
-        failing = sorted(f for f in fail if f < n)
-        if not failing:
-            assert s.read_each(fn, list(range(n))) == [i * i for i in range(n)]
-            assert sorted(i for e, i in events if e == "start") == list(range(n))
-            return
-        with pytest.raises(ValueError) as ei:
-            s.read_each(fn, list(range(n)), lambda item, exc: ValueError(("named", item, exc.args[0])))
-        started = [i for e, i in events if e == "start"]
-        assert ei.value.args[0] == ("named", failing[0], failing[0])
-        assert sorted(started) == sorted(i for e, i in events if e == "end")  # nothing still running
-        assert sorted(started) == list(range(len(started)))  # handed out in order: a prefix of the items ran
-        first_failure = min(events.index(("end", f)) for f in failing if ("end", f) in events)
-        assert sum(e == "start" for e, _ in events[first_failure:]) <= threads - 1
-
-
 def test_truncated_pack(store_path: Path, two_ckpts: dict[str, Any]) -> None:
     ids, chunks = two_ckpts["ids"], two_ckpts["chunks"]
     cid, loc = chunks[1]["b"][1]

@@ -1,0 +1,166 @@
+"""How loads read: items fanned out over read workers (Store.read_each), which start one per CPU and grow when a
+frame read has to wait on the disk (PackReader.read with ``before_blocking``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_same_state, pack_files
+from hypothesis import given
+from hypothesis import strategies as st
+
+import deltackpt
+from deltackpt import packs
+from deltackpt import store as store_module
+from deltackpt.index import chunk_key
+
+CS = 64 * 1024
+
+
+def _drop_cache(path: Path, offset: int = 0) -> bool:
+    """Ask the kernel to drop ``path``'s cached pages from the first page boundary at or after ``offset`` on;
+    True when a read there would now wait on the disk. Some file systems (tmpfs) keep every page: tests that
+    need a cold read skip there."""
+    if not hasattr(os, "posix_fadvise") or getattr(os, "RWF_NOWAIT", None) is None:
+        return False
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-offset // page) * page
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, start, 0, os.POSIX_FADV_DONTNEED)
+        probe = np.empty(1, dtype=np.uint8)
+        try:
+            os.preadv(fd, [probe], start, os.RWF_NOWAIT)
+        except BlockingIOError:
+            return True
+        return False
+    finally:
+        os.close(fd)
+
+
+@given(n=st.integers(0, 40), fail=st.sets(st.integers(0, 39), max_size=4), threads=st.integers(1, 6),
+       seed=st.integers(0, 2**16))
+def test_read_each_order_and_earliest_failure(tmp_path_factory: pytest.TempPathFactory, n: int, fail: set[int],
+                                              threads: int, seed: int) -> None:
+    """Loads fan chunks out with Store.read_each: results come back in item order; of several failures the
+    earliest item's is raised, whatever the timing; once an item has failed, each other worker starts at most
+    one more item (it may have looked for work just before the failure was recorded); every started item has
+    finished when the call returns."""
+    rng = np.random.default_rng(seed)
+    delays = rng.uniform(0, 0.002, size=n)
+    events: list[tuple[str, int]] = []  # appends are atomic: one log of starts and ends across workers
+
+    def fn(i: int) -> int:
+        events.append(("start", i))
+        time.sleep(delays[i])
+        events.append(("end", i))
+        if i in fail:
+            raise ValueError(i)
+        return i * i
+
+    with deltackpt.Store(tmp_path_factory.mktemp("each") / "s", read_threads=threads) as s:
+        failing = sorted(f for f in fail if f < n)
+        if not failing:
+            assert s.read_each(fn, list(range(n))) == [i * i for i in range(n)]
+            assert sorted(i for e, i in events if e == "start") == list(range(n))
+            return
+        with pytest.raises(ValueError) as ei:
+            s.read_each(fn, list(range(n)), lambda item, exc: ValueError(("named", item, exc.args[0])))
+        started = [i for e, i in events if e == "start"]
+        assert ei.value.args[0] == ("named", failing[0], failing[0])
+        assert sorted(started) == sorted(i for e, i in events if e == "end")  # nothing still running
+        assert sorted(started) == list(range(len(started)))  # handed out in order: a prefix of the items ran
+        first_failure = min(events.index(("end", f)) for f in failing if ("end", f) in events)
+        assert sum(e == "start" for e, _ in events[first_failure:]) <= threads - 1
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_read_each_starts_one_worker_per_cpu_and_grows_while_reads_wait(tmp_path: Path, blocking: bool) -> None:
+    """Decoding from the page cache is CPU-bound: read_each starts ``threads`` workers. A worker about to wait
+    on the disk (the hook PackReader.read calls, here called directly) starts another, up to ``read_threads``."""
+    seen: set[int] = set()
+
+    def fn(i: int) -> int:
+        seen.add(threading.get_ident())
+        hook = store_module._worker.before_blocking
+        if blocking:
+            hook()
+        time.sleep(0.005)
+        return i
+
+    with deltackpt.Store(tmp_path / "s", threads=2, read_threads=6) as s:
+        assert s.read_each(fn, list(range(60))) == list(range(60))
+    if blocking:
+        assert 2 < len(seen) <= 6
+    else:
+        assert len(seen) <= 2
+    assert store_module._worker.__dict__.get("before_blocking") is None  # not left set on this thread
+
+
+def _frame(s: deltackpt.Store, step: int, key: str) -> tuple[Path, int, int]:
+    """(pack file, offset, length) of the first chunk's frame of ``key`` in checkpoint ``step``."""
+    m = s.manifest(step)
+    t = next(t for t in m.tensors if t.key == key)
+    _, digest, n = next(iter(m.chunk_keys(t)))
+    loc = s.index.lookup_chunks([chunk_key(digest, n)])[chunk_key(digest, n)]
+    return s.path / "packs" / f"{loc.pack_id}.pack", loc.offset, loc.frame_len
+
+
+def test_pack_read_calls_before_blocking_only_when_it_waits(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    with deltackpt.Store(tmp_path / "s", chunk_size=CS) as s:
+        s.save({"w": torch.randn(CS // 4, generator=g)}, step=0)
+        path, offset, length = _frame(s, 0, "w")
+    reader = packs.PackReader(path.parent)
+    calls: list[int] = []
+    try:
+        want = bytes(reader.read(path.stem, offset, length))
+        out = np.empty(length, dtype=np.uint8)
+        reader.read(path.stem, offset, length, into=out, before_blocking=lambda: calls.append(1))
+        assert calls == [] and out.tobytes() == want  # cached: nothing waits
+        if not _drop_cache(path, offset + length // 2):  # the frame's second half (and what follows)
+            pytest.skip("this file system keeps the pages cached")
+        out[:] = 0
+        reader.read(path.stem, offset, length, into=out, before_blocking=lambda: calls.append(1))
+        assert calls == [1] and out.tobytes() == want  # half from the cache, the rest after the hook
+        if not _drop_cache(path):
+            pytest.skip("this file system keeps the pages cached")
+        out[:] = 0
+        reader.read(path.stem, offset, length, into=out, before_blocking=lambda: calls.append(1))
+        assert calls == [1, 1] and out.tobytes() == want
+    finally:
+        reader.close()
+
+
+def test_load_from_a_dropped_page_cache_is_exact(tmp_path: Path) -> None:
+    """A restore on a cold cache reads frames partly from the cache and partly after waiting, over a growing
+    set of workers: the state still comes back bit for bit, predicted and delta frames included."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    states = []
+    with deltackpt.Store(tmp_path / "s", chunk_size=4096, threads=2, read_threads=8) as s:
+        for step in range(4):
+            model(torch.randn(8, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            s.save(state, step=step)
+            states.append(torch.utils._pytree.tree_map(lambda x: x.clone() if torch.is_tensor(x) else x, state))
+        codecs = {loc.codec for _, loc in s.index.iter_chunks()}
+    assert {deltackpt.codec.DELTA, deltackpt.codec.PREDICTED} & codecs
+    cold = [_drop_cache(p) for p in pack_files(tmp_path / "s")]
+    with deltackpt.Store(tmp_path / "s", threads=2, read_threads=8) as s:
+        for step in (3, 0, 2):
+            assert_same_state(states[step], s.load(step))
+            for p in pack_files(tmp_path / "s"):
+                _drop_cache(p)
+    if not any(cold):
+        pytest.skip("this file system keeps the pages cached (the load above read them warm)")
