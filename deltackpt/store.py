@@ -975,7 +975,10 @@ class Store:
             if len(workers) < most and todo:
                 with lock:
                     if len(workers) < most:
-                        workers.append(self.read_pool.submit(work))
+                        try:
+                            workers.append(self.read_pool.submit(work))
+                        except RuntimeError:  # the pool is shutting down (interpreter exit): carry on without
+                            pass
 
         def work() -> None:
             _worker.before_blocking = more
