@@ -97,20 +97,20 @@ def test_read_each_starts_one_worker_per_cpu_and_grows_while_reads_wait(tmp_path
         assert len(seen) <= 2
 
 
-def _frame(s: deltackpt.Store, step: int, key: str) -> tuple[Path, int, int]:
-    """(pack file, offset, length) of the first chunk's frame of ``key`` in checkpoint ``step``."""
-    m = s.manifest(step)
-    t = next(t for t in m.tensors if t.key == key)
-    _, digest, n = next(iter(m.chunk_keys(t)))
-    loc = s.index.lookup_chunks([chunk_key(digest, n)])[chunk_key(digest, n)]
-    return s.path / "packs" / f"{loc.pack_id}.pack", loc.offset, loc.frame_len
-
-
-def test_cached_pack_read_does_not_call_before_blocking(tmp_path: Path) -> None:
+@pytest.fixture
+def frame(tmp_path: Path) -> tuple[Path, int, int]:
+    """(pack file, offset, length) of the frame of a one-chunk tensor saved into a new store."""
     g = torch.Generator().manual_seed(0)
     with deltackpt.Store(tmp_path / "s", chunk_size=CS) as s:
         s.save({"w": torch.randn(CS // 4, generator=g)}, step=0)
-        path, offset, length = _frame(s, 0, "w")
+        (t,) = s.manifest(0).tensors
+        _, digest, n = next(iter(s.manifest(0).chunk_keys(t)))
+        loc = s.index.lookup_chunks([chunk_key(digest, n)])[chunk_key(digest, n)]
+        return s.path / "packs" / f"{loc.pack_id}.pack", loc.offset, loc.frame_len
+
+
+def test_cached_pack_read_does_not_call_before_blocking(frame: tuple[Path, int, int]) -> None:
+    path, offset, length = frame
     reader = packs.PackReader(path.parent)
     calls: list[int] = []
     try:
@@ -124,15 +124,12 @@ def test_cached_pack_read_does_not_call_before_blocking(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("cached", ["none", "a third", "all"])
 def test_pack_read_takes_the_cached_part_then_calls_before_blocking(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cached: str
+    frame: tuple[Path, int, int], monkeypatch: pytest.MonkeyPatch, cached: str
 ) -> None:
     """How much of a frame the page cache holds is the kernel's business; here the cache-only read is made to
     return none, a third or all of the frame, and the rest must come from the blocking read, at the right
     offset, after exactly one call of the hook."""
-    g = torch.Generator().manual_seed(0)
-    with deltackpt.Store(tmp_path / "s", chunk_size=CS) as s:
-        s.save({"w": torch.randn(CS // 4, generator=g)}, step=0)
-        path, offset, length = _frame(s, 0, "w")
+    path, offset, length = frame
     want = path.read_bytes()[offset : offset + length]
     part = {"none": 0, "a third": length // 3, "all": length}[cached]
 
