@@ -125,14 +125,12 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
     # (torch.load runs on one). Interleaved rounds again, medians; five, as these loads are cheap and the
     # ratios between them are what counts.
     allowed = sorted(os.sched_getaffinity(0))
-    pinned: dict[tuple[int, str], list[float]] = {}
+    pinned: dict[int, dict[str, list[float]]] = {n: {"torch.load": [], "predicted newest": []} for n in cores}
     for _ in range(5):
-        for n in cores:
-            for name in ("torch.load", "predicted newest"):
-                path, cid = loaders[name]
-                pinned.setdefault((n, name), []).append(_load_in_child(path, cid, allowed[:n])[0])
-    scaling = {n: {name: statistics.median(pinned[n, name]) for name in ("torch.load", "predicted newest")}
-               for n in cores}
+        for n, by_name in pinned.items():
+            for name, walls in by_name.items():
+                walls.append(_load_in_child(*loaders[name], allowed[:n])[0])
+    scaling = {n: {name: statistics.median(walls) for name, walls in by_name.items()} for n, by_name in pinned.items()}
     return {"rows": rows, "loads": loads, "warm": warm, "warm_cpu": warm_cpu, "scaling": scaling}
 
 

@@ -11,29 +11,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_state, pack_files
+from conftest import assert_same_state
 from hypothesis import given
 from hypothesis import strategies as st
 
 import deltackpt
+from bench.util import evict
 from deltackpt import packs
 from deltackpt import store as store_module
 from deltackpt.index import chunk_key
 
 CS = 64 * 1024
-
-
-def _drop_cache(path: Path) -> None:
-    """Drop ``path``'s pages from the page cache. (Only whole files: a range can start inside a large folio,
-    which the kernel keeps.)"""
-    if not hasattr(os, "posix_fadvise"):
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 @given(n=st.integers(0, 40), fail=st.sets(st.integers(0, 39), max_size=4), threads=st.integers(1, 6),
@@ -169,6 +157,5 @@ def test_load_from_a_dropped_page_cache_is_exact(tmp_path: Path) -> None:
     assert {deltackpt.codec.DELTA, deltackpt.codec.PREDICTED} & codecs
     with deltackpt.Store(tmp_path / "s", threads=2, read_threads=8) as s:
         for step in (3, 0, 2):
-            for p in pack_files(tmp_path / "s"):
-                _drop_cache(p)
+            evict(tmp_path / "s" / "packs")
             assert_same_state(states[step], s.load(step))
