@@ -215,6 +215,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
           f"freed {human(r.freed_bytes)}")
     if r.skipped_active_packs:
         print(f"{r.skipped_active_packs} pack(s) still being written by another process were left alone")
+    if r.repack_stopped:
+        print(f"deltackpt: repacking stopped: {r.repack_stopped}", file=sys.stderr)
+        return 1
     return 0
 
 

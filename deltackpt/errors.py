@@ -85,3 +85,10 @@ class StoreLockedError(DeltackptError):
 
 class ShapeMismatchError(DeltackptError, ValueError):
     """``load_into`` found a target tensor whose dtype or shape differs from the stored one."""
+
+
+class IndexWriteError(DeltackptError, OSError):
+    """The LMDB index could not be written (disk full, quota, I/O error); the operation did not commit.
+
+    An ``OSError`` too: ``errno`` is ``ENOSPC`` when LMDB reported a full disk or a full map, else ``EIO``.
+    """

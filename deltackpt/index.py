@@ -18,6 +18,7 @@ LMDB has no page checksums; the manifests carry their own, and records hold the 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
@@ -30,7 +31,13 @@ from typing import Any
 
 import lmdb
 
-from deltackpt.errors import CorruptIndexError, DeltackptError, FormatVersionError, NetworkFilesystemError
+from deltackpt.errors import (
+    CorruptIndexError,
+    DeltackptError,
+    FormatVersionError,
+    IndexWriteError,
+    NetworkFilesystemError,
+)
 
 INDEX_VERSION = 1
 LOC = struct.Struct("<16sQIBB16s")  # pack id (uuid bytes), offset, frame length, codec, chain depth, base digest
@@ -258,6 +265,12 @@ class Index:
         try:
             with env.begin(write=True) as txn:
                 yield txn
+        except lmdb.Error as exc:  # a write or the commit failed: LMDB aborted the transaction
+            full = isinstance(exc, (lmdb.DiskError, lmdb.MapFullError))
+            raise IndexWriteError(
+                errno.ENOSPC if full else errno.EIO,
+                f"could not write the index of {self.path.parent} ({exc}); the operation did not commit",
+            ) from exc
         finally:
             with _REGISTRY_LOCK:
                 _WRITERS[key] -= 1

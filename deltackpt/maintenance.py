@@ -12,6 +12,7 @@ crash after it leaves unreferenced old packs; the next gc removes either.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import time
@@ -72,6 +73,8 @@ class GcReport:
     freed_bytes: int = 0
     orphan_manifests: int = 0
     skipped_active_packs: int = 0
+    #: why repacking stopped early (no space left for the copies), with what is left to do; None when it did not
+    repack_stopped: str | None = None
 
 
 @dataclass
@@ -241,6 +244,10 @@ def gc(
     deleted; packs whose live fraction is below ``repack_below`` have their live frames copied to a new pack
     and are deleted. Packs another writer still appends to are left alone. Orphan manifests and temporary
     files of interrupted saves are removed.
+
+    What frees space without writing comes first, then the sparse packs one at a time, so gc helps on a full
+    disk: when a copy finds no space (``ENOSPC``, ``EDQUOT``, ``EFBIG``) the copies of that pack are removed,
+    repacking stops and ``repack_stopped`` in the report says so; everything freed until then stays freed.
     """
     report = GcReport()
     with store._save_lock:
@@ -272,35 +279,10 @@ def gc(
             live_bytes = sum(loc.frame_len for _, loc in live_entries)
             if size > 0 and live_bytes / size < repack_below:
                 to_repack.append(pack_id)
-        moved: dict[bytes, ChunkLoc] = {}
-        if to_repack:
-            writer = packs.PackWriter(packs_dir)
-            try:
-                for n, pack_id in enumerate(to_repack, 1):
-                    for k, loc in by_pack[pack_id]:
-                        frame = store.reader.read(loc.pack_id, loc.offset, loc.frame_len)
-                        codec.check_frame(frame, expect_digest=k[:16], expect_len=int.from_bytes(k[16:], "big"),
-                                          where=f"pack {pack_id} offset {loc.offset}")
-                        new_pack, off = writer.append(frame)
-                        moved[k] = ChunkLoc(new_pack, off, loc.frame_len, loc.codec, loc.depth, loc.base)
-                    to_delete.append(all_packs[pack_id])
-                    if progress is not None:
-                        progress(n, len(to_repack))
-                writer.sync()
-            finally:
-                writer.close()
-        report.moved_chunks = len(moved)
-        report.repacked_packs = len(to_repack)
-        store.index.apply_chunk_changes(dead, moved)  # gc's commit point
-        for path in to_delete:
-            try:
-                report.freed_bytes += path.stat().st_size
-                store.reader.forget(path.stem)
-                path.unlink()
-                report.deleted_packs += 1
-            except FileNotFoundError:
-                pass
-        packs.fsync_dir(packs_dir)
+        # First what frees space without writing any (a full disk is when gc matters most): the dead entries go
+        # in one transaction, then the packs no live frame is in.
+        store.index.apply_chunk_changes(dead, {})
+        _unlink_packs(store, to_delete, report)
         known = {r.id for r in records}
         mdir = store.path / "manifests"
         for p in mdir.glob("*.manifest"):
@@ -311,7 +293,67 @@ def gc(
         packs.fsync_dir(mdir)
         for p in (store.path / "tmp").iterdir():
             p.unlink()
+        # Then each sparse pack in turn: its live frames are copied and made durable, one transaction re-points
+        # them, and only then is the pack unlinked, so each step needs at most one pack's live bytes of space.
+        if to_repack:
+            writer = packs.PackWriter(packs_dir)
+            try:
+                for n, pack_id in enumerate(to_repack, 1):
+                    mark = writer.mark()
+                    moved: dict[bytes, ChunkLoc] = {}
+                    try:
+                        for k, loc in by_pack[pack_id]:
+                            frame = store.reader.read(loc.pack_id, loc.offset, loc.frame_len)
+                            codec.check_frame(frame, expect_digest=k[:16], expect_len=int.from_bytes(k[16:], "big"),
+                                              where=f"pack {pack_id} offset {loc.offset}")
+                            new_pack, off = writer.append(frame)
+                            moved[k] = ChunkLoc(new_pack, off, loc.frame_len, loc.codec, loc.depth, loc.base)
+                        writer.sync()
+                        store.index.apply_chunk_changes([], moved)  # this pack's commit point
+                    except BaseException as exc:
+                        if not _repointed(store, moved):
+                            writer.rollback(mark)  # nothing references the copies: give their space back
+                        if not isinstance(exc, OSError) or exc.errno not in _NO_SPACE:
+                            raise
+                        report.repack_stopped = (f"{exc.strerror or exc}: {len(to_repack) - n + 1} pack(s) left to "
+                                                 "repack; free some space and run gc again")
+                        break
+                    report.moved_chunks += len(moved)
+                    report.repacked_packs += 1
+                    _unlink_packs(store, [all_packs[pack_id]], report)
+                    if progress is not None:
+                        progress(n, len(to_repack))
+            finally:
+                writer.close()
     return report
+
+
+#: errnos of a write that failed for want of space: gc stops repacking and keeps what it freed
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _repointed(store: Store, moved: dict[bytes, ChunkLoc]) -> bool:
+    """Whether a repack's commit took place after all (true when the index cannot say)."""
+    if not moved:
+        return False
+    k, loc = next(iter(moved.items()))
+    try:
+        return store.index.lookup_chunks([k]).get(k) == loc
+    except Exception:
+        return True
+
+
+def _unlink_packs(store: Store, paths: list[Path], report: GcReport) -> None:
+    """Delete packs whose live frames (if any) are referenced elsewhere since a committed transaction."""
+    for path in paths:
+        try:
+            report.freed_bytes += path.stat().st_size
+            store.reader.forget(path.stem)
+            path.unlink()
+            report.deleted_packs += 1
+        except FileNotFoundError:
+            pass
+    packs.fsync_dir(store.path / "packs")
 
 
 def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:

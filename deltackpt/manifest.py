@@ -187,13 +187,17 @@ def write(directory: Path, tmp_dir: Path, manifest: Manifest) -> tuple[Path, str
     tmp = tmp_dir / f"{manifest.id}.manifest.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, final)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, final)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk, say: give the space back now rather than at the next gc
+        raise
     fsync_dir(directory)
     return final, checksum_of(data)
 

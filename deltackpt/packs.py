@@ -52,7 +52,9 @@ class PackWriter:
     """The one writer of a pack. Not thread-safe; the store serialises appends.
 
     The writer rolls over to a new pack once the current one exceeds ``max_size`` bytes. After any failed
-    write the pack is abandoned (its tail may be torn) and the next append starts a new pack.
+    write the pack is abandoned (its tail may be torn) and the next append starts a new pack. A caller whose
+    frames will never be referenced (a save that failed before its commit) gives their space back with
+    :meth:`rollback` to a :meth:`mark` taken before the first of them.
     """
 
     def __init__(self, directory: Path, max_size: int = 1 << 30) -> None:
@@ -64,6 +66,7 @@ class PackWriter:
         self._dir_dirty = False
         self._unsynced = False
         self._pid = os.getpid()
+        self._opened: list[str] = []  # packs opened since the last mark
 
     def _open_new(self) -> None:
         self.close()
@@ -79,6 +82,7 @@ class PackWriter:
             path.unlink(missing_ok=True)
             raise
         self._fd, self.pack_id, self._offset = fd, pack_id, len(header)
+        self._opened.append(pack_id)
         self._pid = os.getpid()
         self._dir_dirty = True
         self._unsynced = True
@@ -113,6 +117,38 @@ class PackWriter:
             self._abandon()  # the state of unsynced data after a failed fsync is unknown: never reuse it
             raise
         self._unsynced = False
+
+    def mark(self) -> tuple[str | None, int]:
+        """Where the next frame goes, for :meth:`rollback`."""
+        self._opened = []
+        return self.pack_id, self._offset
+
+    def rollback(self, mark: tuple[str | None, int]) -> None:
+        """Remove every frame appended since ``mark``: packs opened since are deleted, the pack open at the mark
+        is cut back to its length then. Only for frames nothing references (their save did not commit). Best
+        effort, as it runs while a failure propagates: an error here leaves garbage for gc, never harm. Safe
+        after the pack's lock was released: bytes past the mark are nobody's, and no other writer appends to
+        this writer's packs."""
+        pack_id, offset = mark
+        opened, self._opened = self._opened, []
+        try:
+            if self.pack_id is not None and self.pack_id in opened:
+                self._abandon()
+            for p in opened:
+                (self.directory / f"{p}.pack").unlink(missing_ok=True)
+            if pack_id is not None:
+                if self.pack_id == pack_id and self._fd is not None:
+                    os.ftruncate(self._fd, offset)
+                    os.lseek(self._fd, offset, os.SEEK_SET)  # appends write at the file position
+                    self._offset = offset
+                else:
+                    fd = os.open(self.directory / f"{pack_id}.pack", os.O_WRONLY | os.O_CLOEXEC)
+                    try:
+                        os.ftruncate(fd, offset)
+                    finally:
+                        os.close(fd)
+        except OSError:
+            pass
 
     def _abandon(self) -> None:
         fd, self._fd, self.pack_id = self._fd, None, None

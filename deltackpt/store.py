@@ -19,6 +19,7 @@ On-disk layout of a store (see ``docs/format.md``)::
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import json
 import os
@@ -416,44 +417,61 @@ class Store:
             pm = self._parent_manifest(parent) if use_delta else None
             generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0
             roles = predict.plan(state, leaves) if pm is not None and self.predict else {}
-            entries, digests, flags, new_locs, written = self._write_leaves(
-                leaves, pm, generation, roles, self_contained=_replace is not None
-            )
-            self._writer.sync()  # 1. every new frame durable
-            m = manifest.Manifest(
-                id=ckpt_id,
-                step=step,
-                created=time.time(),
-                parent=parent,
-                chunk_size=self.chunk_size,
-                tree=skeleton,
-                tensors=entries,
-                digests=digests,
-                flags=flags,
-                metadata=meta_node,
-                logical_bytes=sum(e.nbytes for e in entries),
-                written_bytes=written,
-                extra={"generation": generation},
-            )
-            _, checksum = manifest.write(self._manifests_dir, self._tmp_dir, m)  # 2. manifest durable
-            rec = Record(
-                id=ckpt_id,
-                step=step,
-                created=m.created,
-                parent=parent,
-                manifest_checksum=checksum,
-                logical_bytes=m.logical_bytes,
-                written_bytes=written,
-                metadata=meta_node,
-            )
-            rec = self.index.commit_checkpoint(rec, new_locs, replace=_replace,  # 3. THE COMMIT POINT
-                                               repoint=_replace is not None)
+            mark = self._writer.mark()
+            try:
+                entries, digests, flags, new_locs, written = self._write_leaves(
+                    leaves, pm, generation, roles, self_contained=_replace is not None
+                )
+                self._writer.sync()  # 1. every new frame durable
+                m = manifest.Manifest(
+                    id=ckpt_id,
+                    step=step,
+                    created=time.time(),
+                    parent=parent,
+                    chunk_size=self.chunk_size,
+                    tree=skeleton,
+                    tensors=entries,
+                    digests=digests,
+                    flags=flags,
+                    metadata=meta_node,
+                    logical_bytes=sum(e.nbytes for e in entries),
+                    written_bytes=written,
+                    extra={"generation": generation},
+                )
+                _, checksum = manifest.write(self._manifests_dir, self._tmp_dir, m)  # 2. manifest durable
+                rec = Record(
+                    id=ckpt_id,
+                    step=step,
+                    created=m.created,
+                    parent=parent,
+                    manifest_checksum=checksum,
+                    logical_bytes=m.logical_bytes,
+                    written_bytes=written,
+                    metadata=meta_node,
+                )
+                rec = self.index.commit_checkpoint(rec, new_locs, replace=_replace,  # 3. THE COMMIT POINT
+                                                   repoint=_replace is not None)
+            except BaseException:
+                # Nothing of a save that did not commit is referenced: on a full disk, say, its frames and its
+                # manifest give their space back (else gc reclaims them).
+                if not self._committed(ckpt_id):
+                    self._writer.rollback(mark)
+                    with contextlib.suppress(OSError):  # best effort: the save's own error is what propagates
+                        self._unlink_manifest(ckpt_id)
+                raise
             if _replace is None:
                 self._head = ckpt_id
                 self._last_manifest = m
         if _replace is not None:
             self._unlink_manifest(_replace.id)
         return CheckpointInfo.from_record(rec)
+
+    def _committed(self, checkpoint_id: str) -> bool:
+        """Whether a save's commit took place after all (true when the index cannot say)."""
+        try:
+            return self.index.get(id=checkpoint_id) is not None
+        except Exception:
+            return True
 
     def rewrite(self, state: Any, *, id: str, metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
         """Replace checkpoint ``id`` by ``state`` (same step and parent, same place in commit order).
