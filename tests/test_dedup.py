@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zstandard
 from conftest import SMALL_CHUNK, assert_same_state, dir_size, pack_files, tensor_bytes
 
 import deltackpt
@@ -361,3 +362,23 @@ def test_keyframe_save_writes_no_deltas(store_path: Path) -> None:
         nudge()
         assert deltackpt.codec.DELTA in codecs(s.save({"x": x}, step=3))
         assert torch.equal(s.load(2)["x"], want) and torch.equal(s.load(3)["x"], x)
+
+
+def test_planes_use_their_own_match_finder_and_plain_bytes_the_levels() -> None:
+    """Byte planes go through the coarse match finder (codec.PLANES_PARAMS), plain bytes (width 1) through the
+    level's own: far-apart repeats in bytes (text, pickles) need the level's larger hash table. Both decode."""
+    enc = deltackpt.codec.Encoder()
+    text = np.frombuffer((Path(__file__).read_bytes() * 64)[: 1 << 20], np.uint8)
+    frame = enc.encode(memoryview(text), deltackpt.kernel.digest(text), 1)
+    with_planes_finder = zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+        compression_level=1, **deltackpt.codec.PLANES_PARAMS)).compress(text.tobytes())
+    assert len(frame) < len(with_planes_finder) / 4
+    floats = np.random.default_rng(5).standard_normal(1 << 18, dtype=np.float32)
+    fframe = enc.encode(memoryview(floats).cast("B"), deltackpt.kernel.digest(floats), 4)
+    planes = np.empty(floats.nbytes, np.uint8)
+    deltackpt.kernel.split_planes(memoryview(floats).cast("B"), 4, planes)
+    assert len(fframe) - deltackpt.codec.HEADER_SIZE == len(
+        zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters(
+            compression_level=1, write_content_size=True, **deltackpt.codec.PLANES_PARAMS)).compress(planes))
+    for f, raw in ((frame, text), (fframe, floats)):
+        assert bytes(deltackpt.codec.decode(f)) == raw.tobytes()
