@@ -47,6 +47,15 @@ def _category(key: str) -> str:
     return "weights" if key.startswith("model") else "other"
 
 
+def adamw_step(model: GPT, opt: torch.optim.Optimizer, cfg: GPTConfig) -> None:
+    """One real AdamW step of this benchmark's training: a batch of 2 random token sequences, reproduced."""
+    x = torch.randint(0, cfg.vocab, (2, cfg.ctx))
+    loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, cfg.vocab), x.reshape(-1))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
 def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | None,
          cores: list[int]) -> dict:
     torch.manual_seed(0)
@@ -60,11 +69,7 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
     torch_sizes = []
     for n in range(saves):
         for _ in range(every):
-            x = torch.randint(0, cfg.vocab, (2, cfg.ctx))
-            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, cfg.vocab), x.reshape(-1))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            adamw_step(model, opt, cfg)
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         pt = root / "state.pt"
         torch.save(state, pt)
