@@ -1,0 +1,400 @@
+"""Sharded checkpoints of many ranks through ``torch.distributed.checkpoint`` (DCP), stored incrementally.
+
+Where it sits: beside :class:`deltackpt.Store`, as DCP's storage layer. ``dcp.save(state, storage_writer=
+DeltaStorageWriter(root, step=n))`` has every rank save the shards DCP plans for it as one checkpoint of its own
+store, ``root/rank-<r>`` (so each rank's shards are deduplicated and delta-coded against its previous save,
+and no two processes write one store); then the coordinator saves DCP's metadata (which shard of which tensor
+lies in which rank's checkpoint) as a checkpoint of ``root/meta``. That commit is the DCP checkpoint's commit
+point: a crash before it leaves the previous step the newest. ``dcp.load(state, storage_reader=
+DeltaStorageReader(root))`` reads the metadata of a step (the newest by default) and has DCP plan the reads
+for the loading ranks, however many and however sharded (resharding), and each rank reads the slices it needs
+from whichever rank stores hold them.
+
+Nothing is unpickled on load by default: DCP serialises non-tensor values (``BYTE_IO`` items) with pickle, so
+the writer stores those it can as plain values instead (the kinds :mod:`deltackpt.tree` encodes: numbers,
+strings, lists, dicts, ...) and keeps the pickle only for the others; loading a pickled one needs
+``allow_pickle=True`` on the reader. DCP's metadata is stored as plain values too.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint import DefaultSavePlanner, StorageReader, StorageWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from deltackpt import tree
+from deltackpt.errors import (
+    CheckpointNotFoundError,
+    CorruptManifestError,
+    DeltackptError,
+    FormatVersionError,
+    UnsafeLoadError,
+    UnsupportedTypeError,
+)
+from deltackpt.store import Store
+
+#: version of the plain-value layout of DCP metadata in ``root/meta`` checkpoints
+META_FORMAT = 1
+_TENSORS, _PICKLED, _OBJECTS = "tensors", "pickled", "dcp_objects"
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """A save plan's storage data: the rank whose store the plan's items go to."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where one DCP item lies: its key in checkpoint ``checkpoint`` of rank ``rank``'s store, how (``kind``:
+    tensor, object, pickled) and its size in bytes."""
+
+    rank: int
+    key: str
+    checkpoint: str
+    kind: str
+    nbytes: int
+
+
+def _rank_path(root: Path, rank: int) -> Path:
+    return root / f"rank-{rank:05d}"
+
+
+def _item_key(index: MetadataIndex) -> str:
+    offset = "" if index.offset is None else ",".join(map(str, index.offset))
+    return f"{index.fqn}@{offset}"
+
+
+def _existing(path: Path, what: str) -> Store:
+    if not (path / "STORE").exists():
+        raise CheckpointNotFoundError(f"{what}: no deltackpt store at {path}")
+    return Store(path)
+
+
+class DeltaStorageWriter(StorageWriter):
+    """DCP storage writer into the deltackpt stores under ``root`` (see the module docstring).
+
+    ``step`` is the training step the checkpoint is saved as; set ``writer.step`` before each ``dcp.save`` to
+    reuse one writer (its stores stay open, so each rank's last save stays in memory as delta bases). A
+    ``checkpoint_id`` given to ``dcp.save`` is taken as the root. ``store_options`` go to every rank's
+    :class:`~deltackpt.Store` (``max_chain``, ``threads``, ...).
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None,
+                 **store_options: Any) -> None:
+        super().__init__()
+        self.root = None if root is None else Path(root)
+        self.step = step
+        self.store_options = store_options
+        self.is_coordinator = False
+        self._stores: dict[Path, Store] = {}
+
+    def _store(self, path: Path) -> Store:
+        s = self._stores.get(path)
+        if s is None:
+            s = self._stores[path] = Store(path, **self.store_options)
+        return s
+
+    def close(self) -> None:
+        """Close the stores this writer opened."""
+        for s in self._stores.values():
+            s.close()
+        self._stores.clear()
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None and (self.root is None or Path(checkpoint_id) != self.root):
+            self.close()
+            self.root = Path(checkpoint_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not kwargs.get("use_collectives", True):
+            raise ValueError("DeltaStorageWriter needs DCP's collectives (use_collectives=True): the coordinator "
+                             "commits every rank's shards at once")
+        if self.root is None:
+            raise ValueError("DeltaStorageWriter needs a root directory (or a checkpoint_id to dcp.save)")
+        if self.step is None:
+            raise ValueError("DeltaStorageWriter needs the step to save as (DeltaStorageWriter(root, step=n))")
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return [replace(p, storage_data=_Slot(rank)) for rank, p in enumerate(plans)]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        assert self.root is not None and self.step is not None
+        rank = plan.storage_data.rank if isinstance(plan.storage_data, _Slot) else 0
+        tensors: dict[str, torch.Tensor] = {}
+        pickled: dict[str, np.ndarray] = {}
+        objects: dict[str, Any] = {}
+        kinds: list[tuple[Any, str, str, int]] = []
+        for item in plan.items:
+            key = _item_key(item.index)
+            if item.type == WriteItemType.BYTE_IO:
+                obj, plain = _plain_object(planner, item.index)
+                if plain:
+                    objects[key] = obj
+                    kinds.append((item.index, key, "object", 0))
+                else:
+                    data = planner.resolve_data(item)
+                    raw = np.frombuffer(data.getbuffer(), np.uint8).copy()
+                    pickled[key] = raw
+                    kinds.append((item.index, key, "pickled", raw.nbytes))
+            else:
+                t = planner.resolve_data(item).detach()
+                tensors[key] = t if t.is_contiguous() else t.contiguous()
+                kinds.append((item.index, key, "tensor", t.numel() * t.element_size()))
+        store = self._store(_rank_path(self.root, rank))
+        info = store.save({_TENSORS: tensors, _PICKLED: pickled}, step=self.step, metadata={_OBJECTS: objects})
+        results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
+                   for index, key, kind, n in kinds]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        assert self.root is not None and self.step is not None
+        where = [[r.index.fqn, None if r.index.offset is None else list(r.index.offset), r.index.index,
+                  r.storage_data.rank, r.storage_data.key, r.storage_data.checkpoint, r.storage_data.kind,
+                  r.size_in_bytes] for rs in results for r in rs]
+        sm = metadata.storage_meta
+        doc = {
+            "format": META_FORMAT,
+            "version": metadata.version,
+            "state_dict_metadata": {fqn: _encode_md(md) for fqn, md in metadata.state_dict_metadata.items()},
+            "planner_data": metadata.planner_data,
+            "storage_meta": None if sm is None else {"checkpoint_id": None if sm.checkpoint_id is None
+                                                     else str(sm.checkpoint_id),
+                                                     "save_id": sm.save_id, "modules": list(sm.modules)},
+            "items": where,
+        }
+        try:
+            tree.encode_plain(doc)
+        except UnsupportedTypeError as exc:
+            raise UnsupportedTypeError(f"DCP metadata of step {self.step}: {exc}") from None
+        self._store(self.root / "meta").save({}, step=self.step, metadata=doc)  # the commit point
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=None if self.root is None else str(self.root))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return (Path(checkpoint_id) / "meta" / "STORE").exists()
+
+
+def _plain_object(planner: SavePlanner, index: MetadataIndex) -> tuple[Any, bool]:
+    """The value behind a ``BYTE_IO`` item and whether it is plain data (stored without pickle). Only for
+    planners that serialise it as :class:`DefaultSavePlanner` does (``torch.save`` of the looked-up object):
+    another planner's bytes may be more than the object, so they are kept as they are."""
+    if type(planner).transform_object is not DefaultSavePlanner.transform_object:  # type: ignore[attr-defined]
+        return None, False
+    obj = planner.lookup_object(index)  # type: ignore[attr-defined]
+    try:
+        tree.encode_plain(obj)
+    except UnsupportedTypeError:
+        return None, False
+    return obj, True
+
+
+def _encode_md(md: Any) -> dict[str, Any]:
+    if isinstance(md, BytesStorageMetadata):
+        return {"kind": "bytes"}
+    if isinstance(md, TensorStorageMetadata):
+        return {"kind": "tensor", "dtype": md.properties.dtype, "requires_grad": md.properties.requires_grad,
+                "size": list(md.size), "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks]}
+    raise UnsupportedTypeError(f"unknown DCP storage metadata {type(md).__name__}")
+
+
+def _decode_md(fqn: str, d: Any, where: str) -> Any:
+    try:
+        if d["kind"] == "bytes":
+            return BytesStorageMetadata()
+        if d["kind"] == "tensor":
+            if not isinstance(d["dtype"], torch.dtype):
+                raise TypeError("dtype")
+            return TensorStorageMetadata(
+                properties=TensorProperties(dtype=d["dtype"], requires_grad=bool(d["requires_grad"])),
+                size=torch.Size(d["size"]),
+                chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in d["chunks"]],
+            )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptManifestError(f"{where}: DCP metadata of {fqn!r} is malformed ({exc})") from None
+    raise CorruptManifestError(f"{where}: DCP metadata of {fqn!r} has unknown kind {d.get('kind')!r}")
+
+
+class DeltaStorageReader(StorageReader):
+    """DCP storage reader of the deltackpt stores under ``root``: the DCP checkpoint of ``step`` (the newest
+    when None). ``allow_pickle=True`` loads non-tensor values the writer could only keep pickled; ``verify``
+    is :meth:`Store.load`'s."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
+                 allow_pickle: bool = False, verify: bool = True) -> None:
+        super().__init__()
+        self.root = None if root is None else Path(root)
+        self.step = step
+        self.allow_pickle = allow_pickle
+        self.verify = verify
+        self._where: dict[MetadataIndex, _Stored] = {}
+        self._objects: dict[tuple[int, str], Mapping[str, Any]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            self.root = Path(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if self.root is None:
+            raise ValueError("DeltaStorageReader needs a root directory (or a checkpoint_id to dcp.load)")
+        with _existing(self.root / "meta", "DCP checkpoints") as meta:
+            info = meta.info(self.step) if self.step is not None else meta.latest()
+            if info is None:
+                raise CheckpointNotFoundError(f"no DCP checkpoint in {self.root}")
+        where = f"DCP checkpoint of step {info.step} in {self.root}"
+        doc = info.metadata
+        if not isinstance(doc, dict) or not isinstance(doc.get("format"), int):
+            raise CorruptManifestError(f"{where}: not DCP metadata")
+        if doc["format"] > META_FORMAT:
+            raise FormatVersionError(f"{where}: DCP metadata format {doc['format']} is newer than this reader's")
+        try:
+            sdm = {fqn: _decode_md(fqn, d, where) for fqn, d in doc["state_dict_metadata"].items()}
+            storage = {MetadataIndex(fqn, offset, index): _Stored(int(rank), str(key), str(ckpt), str(kind), int(n))
+                       for fqn, offset, index, rank, key, ckpt, kind, n in doc["items"]}
+            sm = doc["storage_meta"]
+            storage_meta = StorageMeta() if sm is None else StorageMeta(
+                checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"], modules=list(sm["modules"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
+        self._where = storage
+        return Metadata(state_dict_metadata=sdm, planner_data=doc["planner_data"], storage_data=storage,
+                        storage_meta=storage_meta, version=doc["version"])
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self._where = dict(metadata.storage_data)
+        self._sizes = {MetadataIndex(fqn, c.offsets): c.sizes for fqn, md in metadata.state_dict_metadata.items()
+                       if isinstance(md, TensorStorageMetadata) for c in md.chunks}
+        self._dtypes = {fqn: md.properties.dtype for fqn, md in metadata.state_dict_metadata.items()
+                        if isinstance(md, TensorStorageMetadata)}
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self.root is not None
+        by_checkpoint: dict[tuple[int, str], list[tuple[ReadItem, _Stored]]] = {}
+        for req in plan.items:
+            s = self._where.get(req.storage_index)
+            if s is None:
+                raise CorruptManifestError(f"DCP metadata in {self.root} does not say where {req.storage_index} lies")
+            by_checkpoint.setdefault((s.rank, s.checkpoint), []).append((req, s))
+        for (rank, ckpt), reqs in sorted(by_checkpoint.items()):
+            with _existing(_rank_path(self.root, rank), f"rank {rank}'s shards") as store:
+                self._read_checkpoint(store, ckpt, reqs, planner)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_checkpoint(self, store: Store, ckpt: str, reqs: list[tuple[ReadItem, _Stored]],
+                         planner: LoadPlanner) -> None:
+        # every stored shard that a read needs, decoded once into a host buffer
+        bufs: dict[str, torch.Tensor] = {}
+        pickled: dict[str, np.ndarray] = {}
+        for req, s in reqs:
+            if s.kind == "tensor" and s.key not in bufs:
+                sizes = self._sizes.get(MetadataIndex(req.storage_index.fqn, req.storage_index.offset))
+                if sizes is None:
+                    raise CorruptManifestError(f"DCP metadata in {self.root} has no chunk {req.storage_index}")
+                bufs[s.key] = torch.empty(sizes, dtype=self._dtypes[req.storage_index.fqn])
+            elif s.kind == "pickled":
+                if not self.allow_pickle:
+                    raise UnsafeLoadError(
+                        f"DCP item {req.storage_index.fqn!r} was saved pickled (a value deltackpt cannot store as "
+                        "plain data); pass allow_pickle=True to DeltaStorageReader to unpickle it")
+                pickled[s.key] = np.empty(s.nbytes, np.uint8)
+        objects: Mapping[str, Any] = {}
+        if any(s.kind == "object" for _, s in reqs):
+            objects = (store.info(id=ckpt).metadata or {}).get(_OBJECTS, {})
+        if bufs or pickled:
+            missing = store.load_into({_TENSORS: bufs, _PICKLED: pickled}, id=ckpt, verify=self.verify,
+                                      strict=False)
+            if missing:
+                raise CorruptManifestError(f"checkpoint {ckpt} of {store.path} lacks DCP items {missing[:5]}")
+        for req, s in reqs:
+            if req.type == LoadItemType.BYTE_IO:
+                if s.kind == "object":
+                    if s.key not in objects:
+                        raise CorruptManifestError(f"checkpoint {ckpt} of {store.path} lacks DCP item {s.key!r}")
+                    value = io.BytesIO()
+                    torch.save(objects[s.key], value)  # plain values this reader decoded: nothing of the store runs
+                else:
+                    value = io.BytesIO(pickled[s.key].tobytes())
+                value.seek(0)
+                planner.load_bytes(req, value)
+                continue
+            if s.kind != "tensor":
+                raise CorruptManifestError(
+                    f"DCP item {req.storage_index.fqn!r} is stored as {s.kind}, read as a tensor")
+            src = bufs[s.key]
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                src = src.narrow(dim, start, length)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != src.size():
+                raise DeltackptError(f"DCP item {req.storage_index.fqn!r}: read {tuple(src.size())} for a target of "
+                                     f"{tuple(target.size())}")
+            target.copy_(src)
+            planner.commit_tensor(req, target)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return (Path(checkpoint_id) / "meta" / "STORE").exists()
+
+
+def steps(root: str | os.PathLike[str]) -> list[int]:
+    """The steps of the DCP checkpoints under ``root``, oldest first."""
+    with _existing(Path(root) / "meta", "DCP checkpoints") as meta:
+        return [c.step for c in meta.list()]
+
+
+def delete(root: str | os.PathLike[str], step: int) -> None:
+    """Delete the DCP checkpoint of ``step``: its meta checkpoint first (so the step is gone at once, even if
+    this is interrupted), then the rank checkpoints it names. Space returns with ``gc`` of each store."""
+    root = Path(root)
+    with _existing(root / "meta", "DCP checkpoints") as meta:
+        items = (meta.info(step).metadata or {}).get("items", [])
+        meta.delete(step)
+    for rank, ckpt in sorted({(int(it[3]), str(it[5])) for it in items}):
+        with _existing(_rank_path(root, rank), f"rank {rank}'s shards") as store:
+            try:
+                store.delete(id=ckpt)
+            except CheckpointNotFoundError:
+                pass  # deleted already (an interrupted delete of this step)

@@ -1,0 +1,84 @@
+"""One rank of a torch.distributed job (gloo, CPU) saving or loading DTensor shards through deltackpt.distributed.
+
+``python tests/dcp_worker.py MODE RANK WORLD ROOT INIT_FILE [STEP]``; :func:`expected` is the full state of a
+step, which tests/test_distributed.py checks loads against.
+
+- ``save``: the state of STEP, its matrix sharded by rows over the ranks (``Shard(0)``), saved as STEP;
+- ``load``: the newest checkpoint loaded into the matrix sharded by columns (``Shard(1)``): resharding;
+  each rank checks its shard and the plain values and exits 0 only if they match;
+- ``die``: saves STEP but is killed (SIGKILL, by itself) at the coordinator's commit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+ROWS, COLS = 12, 10
+
+
+def expected(step: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(ROWS, COLS, generator=g)
+    w[0, : step + 1] += 0.5 * step  # a few elements change each step
+    return {"w": w, "b": torch.arange(COLS, dtype=torch.float64) * step, "step": step, "tag": f"step-{step}",
+            "sched": {"lr": [1e-3, 5e-4], "warmup": step < 3}}
+
+
+def main() -> int:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from deltackpt.distributed import DeltaStorageReader, DeltaStorageWriter
+
+    warnings.filterwarnings("ignore")
+    mode, rank, world, root, init = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    mesh = init_device_mesh("cpu", (world,))
+    try:
+        if mode in ("save", "die"):
+            step = int(sys.argv[6])
+            full = expected(step)
+            state = dict(full, w=distribute_tensor(full["w"], mesh, [Shard(0)]),
+                         b=distribute_tensor(full["b"], mesh, [Replicate()]))
+
+            class Dying(DeltaStorageWriter):
+                def finish(self, metadata: Any, results: Any) -> None:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            writer = (Dying if mode == "die" else DeltaStorageWriter)(root, step=step)
+            dcp.save(state, storage_writer=writer)
+            writer.close()
+            return 0
+        if mode == "load":
+            state = {"w": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
+                     "b": distribute_tensor(torch.zeros(COLS, dtype=torch.float64), mesh, [Replicate()]),
+                     "step": 0, "tag": "", "sched": {"lr": [0.0, 0.0], "warmup": False}}
+            dcp.load(state, storage_reader=DeltaStorageReader(root))
+            want = expected(state["step"])
+            cols = COLS // world
+            ok = (torch.equal(state["w"].to_local(), want["w"][:, rank * cols:(rank + 1) * cols])
+                  and torch.equal(state["b"].to_local(), want["b"])
+                  and {k: state[k] for k in ("step", "tag", "sched")} == {k: want[k] for k in ("step", "tag", "sched")})
+            print(f"rank {rank} loaded step {state['step']}: {'ok' if ok else 'MISMATCH'}", flush=True)
+            return 0 if ok else 1
+        raise SystemExit(f"unknown mode {mode}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""deltackpt.distributed: DCP sharded saves of many ranks, resharding loads, incremental steps, commit point.
+
+Multi-rank tests run real gloo process groups on the CPU (tests/dcp_worker.py, one process per rank).
+"""
+
+from __future__ import annotations
+
+import fractions
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import deltackpt
+from deltackpt.distributed import DeltaStorageReader, DeltaStorageWriter
+
+WORKER = Path(__file__).resolve().parent / "dcp_worker.py"
+sys.path.insert(0, str(WORKER.parent))
+from dcp_worker import COLS, ROWS, expected  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+
+
+def ranks(mode: str, root: Path, tmp_path: Path, world: int = 2, *extra: Any,
+          timeout: float = 120) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``world`` ranks of tests/dcp_worker.py in one gloo group; return their results."""
+    init = tmp_path / f"pg-{mode}-{len(list(tmp_path.glob('pg-*')))}"
+    procs = [subprocess.Popen([sys.executable, str(WORKER), mode, str(r), str(world), str(root), str(init),
+                               *map(str, extra)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    out = []
+    for p in procs:
+        try:
+            so, se = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            so, se = p.communicate()
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, so, se))
+    return out
+
+
+def load_full(root: Path, step: int | None = None) -> dict[str, Any]:
+    """The checkpoint loaded by one process without a process group, into unsharded tensors."""
+    state = {"w": torch.zeros(ROWS, COLS), "b": torch.zeros(COLS, dtype=torch.float64), "step": 0, "tag": "",
+             "sched": {"lr": [0.0, 0.0], "warmup": False}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=DeltaStorageReader(root, step))
+    return state
+
+
+def assert_state(got: dict[str, Any], want: dict[str, Any]) -> None:
+    assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+    assert {k: got[k] for k in ("step", "tag", "sched")} == {k: want[k] for k in ("step", "tag", "sched")}
+
+
+def test_two_ranks_save_shards_and_load_resharded(tmp_path: Path) -> None:
+    """Two ranks save a row-sharded matrix at steps 1 and 2; one process loads the full matrix of either step,
+    and two ranks load it sharded by columns. Each rank's shards went into its own store."""
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        for r in ranks("save", root, tmp_path, 2, step):
+            assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(p.name for p in root.iterdir()) == ["meta", "rank-00000", "rank-00001"]
+    assert_state(load_full(root), expected(2))
+    assert_state(load_full(root, step=1), expected(1))
+    for r in ranks("load", root, tmp_path, 2):
+        assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+    for rank in (0, 1):
+        with deltackpt.Store(root / f"rank-{rank:05d}") as s:
+            assert [c.step for c in s.list()] == [1, 2]
+            assert s.verify().problems == []
+
+
+def test_a_crash_at_the_commit_leaves_the_previous_step_newest(tmp_path: Path) -> None:
+    """The coordinator is killed (SIGKILL) where it would commit step 2: every rank's shards of step 2 are in
+    their stores, yet the newest DCP checkpoint is step 1, intact, and step 2 can be saved again."""
+    root = tmp_path / "ckpt"
+    for r in ranks("save", root, tmp_path, 2, 1):
+        assert r.returncode == 0, r.stderr[-3000:]
+    died = ranks("die", root, tmp_path, 2, 2, timeout=60)
+    assert died[0].returncode == -9, died[0].stderr[-3000:]
+    assert_state(load_full(root), expected(1))
+    with pytest.raises(CheckpointException, match="no checkpoint at step 2"):  # DCP wraps the reader's errors
+        load_full(root, step=2)
+    for r in ranks("save", root, tmp_path, 2, 2):
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert_state(load_full(root), expected(2))
+
+
+def test_incremental_steps_write_only_what_changed(tmp_path: Path) -> None:
+    """One reused writer: a step that changes a few elements writes a small fraction of the first step."""
+    root = tmp_path / "ckpt"
+    g = torch.Generator().manual_seed(1)
+    state = {"big": torch.randn(1 << 20, generator=g), "other": torch.randn(1000, 300, generator=g)}
+    w = DeltaStorageWriter(root, step=0)
+    written = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(3):
+            w.step = step
+            state["big"][step * 1000:(step + 1) * 1000] += 1.0
+            dcp.save(state, storage_writer=w)
+            with deltackpt.Store(root / "rank-00000") as s:
+                written.append(s.info(step).written_bytes)
+    w.close()
+    assert written[1] < written[0] / 10 and written[2] < written[0] / 10, written
+    target = {"big": torch.zeros(1 << 20), "other": torch.zeros(1000, 300)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=DeltaStorageReader(root))
+    assert torch.equal(target["big"], state["big"]) and torch.equal(target["other"], state["other"])
+
+
+def test_values_that_need_pickle_load_only_when_allowed(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": torch.ones(3), "frac": fractions.Fraction(1, 3), "n": 5},
+                 storage_writer=DeltaStorageWriter(root, step=0))
+        target: dict[str, Any] = {"x": torch.zeros(3), "frac": None, "n": 0}
+        with pytest.raises(CheckpointException) as caught:
+            dcp.load(target, storage_reader=DeltaStorageReader(root))
+        exc = caught.value.failures[0][0]
+        assert isinstance(exc, deltackpt.UnsafeLoadError) and "'frac'" in str(exc)
+        dcp.load(target, storage_reader=DeltaStorageReader(root, allow_pickle=True))
+    assert target["frac"] == fractions.Fraction(1, 3) and target["n"] == 5 and torch.equal(target["x"], torch.ones(3))
+
+
+def test_missing_checkpoints_are_named(tmp_path: Path) -> None:
+    with pytest.raises(deltackpt.CheckpointNotFoundError, match="no deltackpt store"):
+        DeltaStorageReader(tmp_path / "nothing").read_metadata()
+    root = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": torch.ones(3)}, storage_writer=DeltaStorageWriter(root, step=4))
+    with pytest.raises(deltackpt.CheckpointNotFoundError, match="step 5"):
+        DeltaStorageReader(root, step=5).read_metadata()
+    with pytest.raises(ValueError, match="step"):
+        DeltaStorageWriter(root).set_up_storage_writer(True)
+    assert DeltaStorageReader.validate_checkpoint_id(root) and not DeltaStorageReader.validate_checkpoint_id(tmp_path)
+    assert os.path.isdir(root / "rank-00000")
+
+
+def test_steps_and_delete(tmp_path: Path) -> None:
+    from deltackpt import distributed
+
+    root = tmp_path / "ckpt"
+    w = DeltaStorageWriter(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (3, 4, 5):
+            w.step = step
+            dcp.save({"x": torch.full((100,), float(step))}, storage_writer=w)
+    w.close()
+    assert distributed.steps(root) == [3, 4, 5]
+    distributed.delete(root, 4)
+    assert distributed.steps(root) == [3, 5]
+    with deltackpt.Store(root / "rank-00000") as s:
+        assert [c.step for c in s.list()] == [3, 5]
+    target = {"x": torch.zeros(100)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=DeltaStorageReader(root, step=3))
+    assert torch.equal(target["x"], torch.full((100,), 3.0))
+    with pytest.raises(deltackpt.CheckpointNotFoundError):
+        distributed.delete(root, 4)
