@@ -172,3 +172,20 @@ def test_steps_and_delete(tmp_path: Path) -> None:
     assert torch.equal(target["x"], torch.full((100,), 3.0))
     with pytest.raises(deltackpt.CheckpointNotFoundError):
         distributed.delete(root, 4)
+
+
+def test_async_save(tmp_path: Path) -> None:
+    """dcp.async_save through one reused writer: each step waited for before the next changes ``step``."""
+    root = tmp_path / "ckpt"
+    w = DeltaStorageWriter(root)
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(3):
+            w.step = step
+            x[step] += 1.0
+            dcp.async_save({"x": x, "step": step}, storage_writer=w).result()
+        w.close()
+        target: dict[str, Any] = {"x": torch.zeros(10_000), "step": -1}
+        dcp.load(target, storage_reader=DeltaStorageReader(root))
+    assert target["step"] == 2 and torch.equal(target["x"], x)
