@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from deltackpt import tree
+from deltackpt import config, tree
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptManifestError,
@@ -96,7 +96,7 @@ def _item_key(index: MetadataIndex) -> str:
 def _existing(path: Path, what: str) -> Store:
     if not (path / "STORE").exists():
         raise CheckpointNotFoundError(f"{what}: no deltackpt store at {path}")
-    return Store(path)
+    return Store(path, threads=_threads_per_rank())
 
 
 class DeltaStorageWriter(StorageWriter):
@@ -120,7 +120,7 @@ class DeltaStorageWriter(StorageWriter):
     def _store(self, path: Path) -> Store:
         s = self._stores.get(path)
         if s is None:
-            s = self._stores[path] = Store(path, **self.store_options)
+            s = self._stores[path] = Store(path, **{"threads": _threads_per_rank(), **self.store_options})
         return s
 
     def close(self) -> None:
@@ -209,6 +209,21 @@ class DeltaStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return (Path(checkpoint_id) / "meta" / "STORE").exists()
+
+
+def _threads_per_rank() -> int:
+    """Worker threads for one rank's stores: ``DELTACKPT_THREADS`` when set; else the CPUs this process may use,
+    divided among the ranks of this host (``LOCAL_WORLD_SIZE``, set by torchrun) unless the launcher pinned
+    each rank to CPUs of its own (fewer CPUs than the host's)."""
+    if "DELTACKPT_THREADS" in os.environ:
+        return config.threads()
+    n = config.cpu_count()
+    if n == (os.cpu_count() or n):
+        try:
+            n //= max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+        except ValueError:
+            pass
+    return max(1, n)
 
 
 def _plain_object(planner: SavePlanner, index: MetadataIndex) -> tuple[Any, bool]:

@@ -189,3 +189,28 @@ def test_async_save(tmp_path: Path) -> None:
         target: dict[str, Any] = {"x": torch.zeros(10_000), "step": -1}
         dcp.load(target, storage_reader=DeltaStorageReader(root))
     assert target["step"] == 2 and torch.equal(target["x"], x)
+
+
+def test_ranks_of_one_host_share_its_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun (LOCAL_WORLD_SIZE) a rank's store takes its share of the host's CPUs, not all of them;
+    DELTACKPT_THREADS and an explicit threads= win."""
+    from deltackpt import config
+
+    monkeypatch.delenv("DELTACKPT_THREADS", raising=False)
+    monkeypatch.setattr(config, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+
+    def threads(name: str, **options: Any) -> int:
+        w = DeltaStorageWriter(tmp_path / name, **options)
+        try:
+            return w._store(tmp_path / name / "rank-00000").threads
+        finally:
+            w.close()
+
+    assert threads("a") == 4
+    monkeypatch.setattr(config, "cpu_count", lambda: 2)  # pinned to 2 of the 16: those are this rank's
+    assert threads("b") == 2
+    monkeypatch.setenv("DELTACKPT_THREADS", "3")
+    assert threads("c") == 3
+    assert threads("d", threads=5) == 5
