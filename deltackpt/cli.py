@@ -80,6 +80,9 @@ def _which(arg: str) -> dict[str, Any]:
 def _open(path: str) -> Store:
     p = Path(path)
     if not (p / "STORE").exists():
+        if (p / "meta" / "STORE").exists():
+            raise DeltackptError(f"{path} is a sharded (DCP) checkpoint root: its stores are {p / 'meta'} (the "
+                                 f"steps) and {p / 'rank-*'} (each rank's shards)")
         raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
     return Store(p)
 

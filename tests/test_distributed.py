@@ -214,3 +214,17 @@ def test_ranks_of_one_host_share_its_cpus(tmp_path: Path, monkeypatch: pytest.Mo
     monkeypatch.setenv("DELTACKPT_THREADS", "3")
     assert threads("c") == 3
     assert threads("d", threads=5) == 5
+
+
+def test_the_cli_points_from_a_dcp_root_to_its_stores(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from deltackpt.cli import main
+
+    root = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": torch.ones(3)}, storage_writer=DeltaStorageWriter(root, step=7))
+    assert main(["ls", str(root)]) == 1
+    assert "sharded (DCP) checkpoint root" in capsys.readouterr().err
+    assert main(["ls", str(root / "meta")]) == 0
+    assert "7" in capsys.readouterr().out
+    assert not (root / "STORE").exists()
