@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -82,6 +83,9 @@ class _Stored:
     checkpoint: str
     kind: str
     nbytes: int
+
+
+_RANK_DIR = re.compile(r"rank-(\d{5,})")
 
 
 def _rank_path(root: Path, rank: int) -> Path:
@@ -401,15 +405,53 @@ def steps(root: str | os.PathLike[str]) -> list[int]:
 
 
 def delete(root: str | os.PathLike[str], step: int) -> None:
-    """Delete the DCP checkpoint of ``step``: its meta checkpoint first (so the step is gone at once, even if
-    this is interrupted), then the rank checkpoints it names. Space returns with ``gc`` of each store."""
+    """Delete the DCP checkpoint of ``step`` (every one, if the step was saved more than once): its meta
+    checkpoint first (so the step is gone at once, even if this is interrupted), then the rank checkpoints it
+    names. Space returns with ``gc`` of each store; :func:`prune` removes what an interrupted delete left."""
+    root = Path(root)
+    named: set[tuple[int, str]] = set()
+    with _existing(root / "meta", "DCP checkpoints") as meta:
+        meta.info(step)  # CheckpointNotFoundError naming the step when there is none
+        for info in [c for c in meta.list() if c.step == step]:
+            named |= _named(info)
+            meta.delete(id=info.id)
+    _delete_rank_checkpoints(root, named)
+
+
+def prune(root: str | os.PathLike[str]) -> int:
+    """Delete the rank checkpoints that no DCP checkpoint names and that their rank store committed before one
+    that a DCP checkpoint does name: what a save that crashed before its commit, or an interrupted
+    :func:`delete`, left behind. A rank's newest unnamed checkpoints may be a save in progress and are kept
+    (commit order within each store decides, not clocks, which may differ between hosts). Returns how many
+    were deleted; space returns with ``gc``."""
     root = Path(root)
     with _existing(root / "meta", "DCP checkpoints") as meta:
-        items = (meta.info(step).metadata or {}).get("items", [])
-        meta.delete(step)
-    for rank, ckpt in sorted({(int(it[3]), str(it[5])) for it in items}):
+        named = set().union(set(), *(_named(i) for i in meta.list()))
+    stale: set[tuple[int, str]] = set()
+    for path in sorted(root.iterdir()):
+        m = _RANK_DIR.fullmatch(path.name)
+        if m is None or not (path / "STORE").exists():
+            continue
+        rank = int(m.group(1))
+        with _existing(path, f"rank {rank}'s shards") as store:
+            ids = [c.id for c in store.list()]  # commit order
+        last_named = max((i for i, c in enumerate(ids) if (rank, c) in named), default=-1)
+        stale |= {(rank, c) for c in ids[:last_named] if (rank, c) not in named}
+    _delete_rank_checkpoints(root, stale)
+    return len(stale)
+
+
+def _named(info: Any) -> set[tuple[int, str]]:
+    """(rank, checkpoint id) of every rank checkpoint a meta checkpoint names."""
+    return {(int(it[3]), str(it[5])) for it in (info.metadata or {}).get("items", [])}
+
+
+def _delete_rank_checkpoints(root: Path, which: set[tuple[int, str]]) -> None:
+    for rank in sorted({r for r, _ in which}):
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards") as store:
-            try:
-                store.delete(id=ckpt)
-            except CheckpointNotFoundError:
-                pass  # deleted already (an interrupted delete of this step)
+            for r, ckpt in which:
+                if r == rank:
+                    try:
+                        store.delete(id=ckpt)
+                    except CheckpointNotFoundError:
+                        pass  # deleted already (an interrupted delete)

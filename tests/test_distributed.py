@@ -90,8 +90,17 @@ def test_a_crash_at_the_commit_leaves_the_previous_step_newest(tmp_path: Path) -
     assert_state(load_full(root), expected(1))
     with pytest.raises(CheckpointException, match="no checkpoint at step 2"):  # DCP wraps the reader's errors
         load_full(root, step=2)
+    from deltackpt import distributed
+
+    assert distributed.prune(root) == 0  # the dead save's shards are each rank's newest: maybe in progress
     for r in ranks("save", root, tmp_path, 2, 2):
         assert r.returncode == 0, r.stderr[-3000:]
+    assert_state(load_full(root), expected(2))
+    assert distributed.prune(root) == 2  # now committed over: one per rank
+    for rank in (0, 1):
+        with deltackpt.Store(root / f"rank-{rank:05d}") as s:
+            assert [c.step for c in s.list()] == [1, 2]
+    assert_state(load_full(root, step=1), expected(1))
     assert_state(load_full(root), expected(2))
 
 
@@ -159,12 +168,15 @@ def test_steps_and_delete(tmp_path: Path) -> None:
         for step in (3, 4, 5):
             w.step = step
             dcp.save({"x": torch.full((100,), float(step))}, storage_writer=w)
+        w.step = 4  # the same step again: both go
+        dcp.save({"x": torch.full((100,), 4.5)}, storage_writer=w)
     w.close()
-    assert distributed.steps(root) == [3, 4, 5]
+    assert distributed.steps(root) == [3, 4, 5, 4]
     distributed.delete(root, 4)
     assert distributed.steps(root) == [3, 5]
     with deltackpt.Store(root / "rank-00000") as s:
         assert [c.step for c in s.list()] == [3, 5]
+    assert distributed.prune(root) == 0
     target = {"x": torch.zeros(100)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
