@@ -146,7 +146,9 @@ _CHILD = """
 import os, sys
 if sys.argv[3]:
     os.sched_setaffinity(0, [int(c) for c in sys.argv[3].split(",")])  # before torch reads the CPU count
-import time, torch, deltackpt
+import gc, time, torch, deltackpt
+if sys.argv[4]:
+    gc.freeze()  # what the imports allocated is never scanned again (bench.restart)
 path, cid = sys.argv[1], sys.argv[2] or None
 t0, c0 = time.perf_counter(), os.times()
 if path.endswith(".pt"):
@@ -159,13 +161,15 @@ print(time.perf_counter() - t0, c1.user - c0.user + c1.system - c0.system)
 """
 
 
-def _load_in_child(path: Path, cid: str | None, cpus: list[int] | None = None) -> tuple[float, float]:
+def _load_in_child(path: Path, cid: str | None, cpus: list[int] | None = None, *,
+                   gc_freeze: bool = False) -> tuple[float, float]:
     """Seconds a fresh process takes to load ``path`` (a ``.pt`` file, or checkpoint ``cid`` of a store, the
     latest when None), imports excluded: wall-clock time and CPU time (user + system, all threads). With
-    ``cpus`` the process runs on those CPUs only (deltackpt sizes its thread pools by them)."""
+    ``cpus`` the process runs on those CPUs only (deltackpt sizes its thread pools by them); with
+    ``gc_freeze`` it calls ``gc.freeze()`` after its imports."""
     pin = ",".join(map(str, cpus)) if cpus else ""
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(path), cid or "", pin], capture_output=True,
-                          text=True, check=True)
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(path), cid or "", pin, "1" if gc_freeze else ""],
+                          capture_output=True, text=True, check=True)
     wall, used = done.stdout.split()[-2:]
     return float(wall), float(used)
 
