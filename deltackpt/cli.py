@@ -81,8 +81,8 @@ def _open(path: str) -> Store:
     p = Path(path)
     if not (p / "STORE").exists():
         if (p / "meta" / "STORE").exists():
-            raise DeltackptError(f"{path} is a sharded (DCP) checkpoint root: its stores are {p / 'meta'} (the "
-                                 f"steps) and {p / 'rank-*'} (each rank's shards)")
+            raise DeltackptError(f"{path} is a sharded (DCP) checkpoint root: 'deltackpt dcp {path}' lists its "
+                                 f"steps; its stores are {p / 'meta'} and {p / 'rank-*'} (each rank's shards)")
         raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
     return Store(p)
 
@@ -222,6 +222,31 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"deltackpt: repacking stopped: {r.repack_stopped}", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_dcp(args: argparse.Namespace) -> int:
+    from deltackpt import distributed  # imports torch.distributed.checkpoint: only for this command
+
+    root = Path(args.store)
+    for step in args.rm:
+        distributed.delete(root, step)
+        print(f"deleted DCP checkpoint of step {step}")
+    if args.prune:
+        print(f"pruned {distributed.prune(root)} rank checkpoint(s) no step names")
+    rc = 0
+    if args.gc:
+        for path in [root / "meta", *sorted(root.glob("rank-*"))]:
+            if (path / "STORE").exists():
+                with Store(path) as s:
+                    r = s.gc()
+                print(f"gc {path.name}: freed {human(r.freed_bytes)}")
+                if r.repack_stopped:
+                    print(f"deltackpt: {path.name}: repacking stopped: {r.repack_stopped}", file=sys.stderr)
+                    rc = 1
+    rows = [(i.step, when(i.created), i.ranks, human(i.logical_bytes), human(i.written_bytes))
+            for i in distributed.summary(root)]
+    print(table(rows, ["step", "committed", "ranks", "logical", "written"], right={0, 2, 3, 4}))
+    return rc
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
@@ -401,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("file", help="source file")
     im.add_argument("--step", type=int, required=True, help="step to record")
     add("resume-info", cmd_resume_info, "which step a training run would resume from, and what it holds")
+    dc = add("dcp", cmd_dcp, "list (and delete, prune, gc) the steps of a sharded torch.distributed.checkpoint root")
+    dc.add_argument("--rm", type=int, nargs="+", default=[], metavar="STEP", help="delete these steps first")
+    dc.add_argument("--prune", action="store_true", help="delete shards of saves that never committed")
+    dc.add_argument("--gc", action="store_true", help="then gc every store of the root")
     return p
 
 

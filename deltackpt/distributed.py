@@ -404,6 +404,36 @@ def steps(root: str | os.PathLike[str]) -> list[int]:
         return [c.step for c in meta.list()]
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """One DCP checkpoint: its step, when it was committed, how many ranks saved shards, and their logical and
+    written bytes summed over those ranks' checkpoints."""
+
+    step: int
+    created: float
+    ranks: int
+    logical_bytes: int
+    written_bytes: int
+
+
+def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
+    """Every DCP checkpoint under ``root``, oldest commit first."""
+    root = Path(root)
+    with _existing(root / "meta", "DCP checkpoints") as meta:
+        infos = meta.list()
+    sizes: dict[tuple[int, str], tuple[int, int]] = {}
+    for rank in sorted({r for i in infos for r, _ in _named(i)}):
+        with _existing(_rank_path(root, rank), f"rank {rank}'s shards") as store:
+            for c in store.list():
+                sizes[rank, c.id] = (c.logical_bytes, c.written_bytes)
+    out = []
+    for i in infos:
+        named = _named(i)
+        out.append(StepInfo(i.step, i.created, len({r for r, _ in named}),
+                            sum(sizes.get(n, (0, 0))[0] for n in named), sum(sizes.get(n, (0, 0))[1] for n in named)))
+    return out
+
+
 def delete(root: str | os.PathLike[str], step: int) -> None:
     """Delete the DCP checkpoint of ``step`` (every one, if the step was saved more than once): its meta
     checkpoint first (so the step is gone at once, even if this is interrupted), then the rank checkpoints it

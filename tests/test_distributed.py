@@ -242,6 +242,39 @@ def test_the_cli_points_from_a_dcp_root_to_its_stores(tmp_path: Path, capsys: py
     assert not (root / "STORE").exists()
 
 
+def test_the_dcp_command_lists_deletes_prunes_and_collects(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from deltackpt import distributed
+    from deltackpt.cli import main
+
+    root = tmp_path / "ckpt"
+    w = DeltaStorageWriter(root)
+    x = torch.randn(300_000, generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (10, 20, 30):
+            w.step = step
+            x[:1000] += 1.0
+            dcp.save({"x": x}, storage_writer=w)
+    w.close()
+    capsys.readouterr()
+    assert main(["dcp", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [ln.split()[0] for ln in lines[-3:]] == ["10", "20", "30"]
+    info = distributed.summary(root)
+    assert [i.ranks for i in info] == [1, 1, 1] and info[0].logical_bytes == x.numel() * 4
+    assert info[1].written_bytes < info[0].written_bytes / 5
+    assert main(["dcp", str(root), "--rm", "10", "20", "--prune", "--gc"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted DCP checkpoint of step 10" in out and "pruned 0" in out and "gc rank-00000" in out
+    assert distributed.steps(root) == [30]
+    target = {"x": torch.zeros(300_000)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=DeltaStorageReader(root))
+    assert torch.equal(target["x"], x)
+
+
 def test_model_and_optimizer_through_dcp_state_dict_helpers(tmp_path: Path) -> None:
     """The usual DCP round trip: get_state_dict of a model and its AdamW, save, load into fresh ones with
     set_state_dict; the optimizer's param_groups (non-tensor values) come back without pickle."""
