@@ -234,15 +234,24 @@ def cmd_dcp(args: argparse.Namespace) -> int:
     if args.prune:
         print(f"pruned {distributed.prune(root)} rank checkpoint(s) no step names")
     rc = 0
+    stores = [p for p in [root / "meta", *sorted(root.glob("rank-*"))] if (p / "STORE").exists()]
     if args.gc:
-        for path in [root / "meta", *sorted(root.glob("rank-*"))]:
-            if (path / "STORE").exists():
-                with Store(path) as s:
-                    r = s.gc()
-                print(f"gc {path.name}: freed {human(r.freed_bytes)}")
-                if r.repack_stopped:
-                    print(f"deltackpt: {path.name}: repacking stopped: {r.repack_stopped}", file=sys.stderr)
-                    rc = 1
+        for path in stores:
+            with Store(path) as s:
+                r = s.gc()
+            print(f"gc {path.name}: freed {human(r.freed_bytes)}")
+            if r.repack_stopped:
+                print(f"deltackpt: {path.name}: repacking stopped: {r.repack_stopped}", file=sys.stderr)
+                rc = 1
+    if args.verify:
+        for path in stores:
+            with Store(path) as s, progress(f"verify {path.name}") as bar:
+                report = s.verify(progress=bar)
+            for problem in report.problems:
+                print(f"{path.name}: {problem}")
+            print(f"verify {path.name}: {report.checkpoints} checkpoint(s), "
+                  f"{'OK' if report.ok else f'{len(report.problems)} problem(s)'}")
+            rc = rc if report.ok else 1
     rows = [(i.step, when(i.created), i.ranks, human(i.logical_bytes), human(i.written_bytes))
             for i in distributed.summary(root)]
     print(table(rows, ["step", "committed", "ranks", "logical", "written"], right={0, 2, 3, 4}))
@@ -430,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--rm", type=int, nargs="+", default=[], metavar="STEP", help="delete these steps first")
     dc.add_argument("--prune", action="store_true", help="delete shards of saves that never committed")
     dc.add_argument("--gc", action="store_true", help="then gc every store of the root")
+    dc.add_argument("--verify", action="store_true", help="then verify every store of the root (exit 1 on damage)")
     return p
 
 

@@ -268,6 +268,16 @@ def test_the_dcp_command_lists_deletes_prunes_and_collects(tmp_path: Path,
     out = capsys.readouterr().out
     assert "deleted DCP checkpoint of step 10" in out and "pruned 0" in out and "gc rank-00000" in out
     assert distributed.steps(root) == [30]
+    assert main(["dcp", str(root), "--verify"]) == 0
+    assert "verify rank-00000: 1 checkpoint(s), OK" in capsys.readouterr().out
+    pack = next((root / "rank-00000" / "packs").glob("*.pack"))
+    data = bytearray(pack.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # damage a frame of the remaining step's shards
+    pack.write_bytes(bytes(data))
+    assert main(["dcp", str(root), "--verify"]) == 1
+    assert "rank-00000: " in capsys.readouterr().out
+    data[len(data) // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
     target = {"x": torch.zeros(300_000)}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
