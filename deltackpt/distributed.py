@@ -97,6 +97,11 @@ def _item_key(index: MetadataIndex) -> str:
     return f"{index.fqn}@{offset}"
 
 
+def _is_root(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a sharded checkpoint root (it has the meta store)."""
+    return (Path(path) / "meta" / "STORE").exists()
+
+
 def _existing(path: Path, what: str) -> Store:
     if not (path / "STORE").exists():
         raise CheckpointNotFoundError(f"{what}: no deltackpt store at {path}")
@@ -118,7 +123,6 @@ class DeltaStorageWriter(StorageWriter):
         self.root = None if root is None else Path(root)
         self.step = step
         self.store_options = store_options
-        self.is_coordinator = False
         self._stores: dict[Path, Store] = {}
 
     def _store(self, path: Path) -> Store:
@@ -146,7 +150,6 @@ class DeltaStorageWriter(StorageWriter):
             raise ValueError("DeltaStorageWriter needs a root directory (or a checkpoint_id to dcp.save)")
         if self.step is None:
             raise ValueError("DeltaStorageWriter needs the step to save as (DeltaStorageWriter(root, step=n))")
-        self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -212,7 +215,7 @@ class DeltaStorageWriter(StorageWriter):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return (Path(checkpoint_id) / "meta" / "STORE").exists()
+        return _is_root(checkpoint_id)
 
 
 def _threads_per_rank() -> int:
@@ -283,7 +286,6 @@ class DeltaStorageReader(StorageReader):
         self.allow_pickle = allow_pickle
         self.verify = verify
         self._where: dict[MetadataIndex, _Stored] = {}
-        self._objects: dict[tuple[int, str], Mapping[str, Any]] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
@@ -311,7 +313,6 @@ class DeltaStorageReader(StorageReader):
                 checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"], modules=list(sm["modules"]))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
-        self._where = storage
         return Metadata(state_dict_metadata=sdm, planner_data=doc["planner_data"], storage_data=storage,
                         storage_meta=storage_meta, version=doc["version"])
 
@@ -395,7 +396,7 @@ class DeltaStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return (Path(checkpoint_id) / "meta" / "STORE").exists()
+        return _is_root(checkpoint_id)
 
 
 def steps(root: str | os.PathLike[str]) -> list[int]:
