@@ -24,7 +24,7 @@ import random
 import signal
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -34,6 +34,7 @@ import torch
 from deltackpt.errors import DeltackptError
 from deltackpt.retention import THINNED_KEY, Retention
 from deltackpt.store import CheckpointInfo, Store, _byte_view
+from deltackpt.tree import alias_key
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -139,16 +140,17 @@ class _Staging:
     def snapshot(self, state: Any) -> Any:
         """Copy ``state`` (containers rebuilt, tensors and arrays copied into staging) and return the copy."""
         self._used = set()
-        seen: dict[int, Any] = {}
+        seen: dict[Hashable, Any] = {}  # by tree.alias_key: tied tensors get one buffer and stay one leaf
         cuda = False
 
         def copy(obj: Any, path: str) -> Any:
             nonlocal cuda
             if isinstance(obj, torch.Tensor):
-                if id(obj) in seen:
-                    return seen[id(obj)]
                 if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided:
                     return obj  # Store.save raises the proper error for it
+                key = alias_key(obj)
+                if key in seen:
+                    return seen[key]
                 src = obj.detach()
                 buf = self._buffer_for(path, src)
                 cuda = cuda or src.device.type == "cuda"
@@ -161,18 +163,19 @@ class _Staging:
                         buf.copy_(src, non_blocking=src.device.type == "cuda")
                 self._used.add(path)
                 out: Any = torch.nn.Parameter(buf, obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else buf
-                seen[id(obj)] = out
+                seen[key] = out
                 return out
             if isinstance(obj, np.ndarray):
-                if id(obj) in seen:
-                    return seen[id(obj)]
+                key = alias_key(obj)
+                if key in seen:
+                    return seen[key]
                 nbuf = self._buffers.get(path)
                 if not (isinstance(nbuf, np.ndarray) and nbuf.dtype == obj.dtype and nbuf.shape == obj.shape):
                     nbuf = np.empty_like(obj, order="C")
                     self._buffers[path] = nbuf
                 np.copyto(nbuf, obj)
                 self._used.add(path)
-                seen[id(obj)] = nbuf
+                seen[key] = nbuf
                 return nbuf
             if isinstance(obj, dict):
                 return type(obj)((k, copy(v, f"{path}.{k}")) for k, v in obj.items())

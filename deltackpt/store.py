@@ -864,17 +864,23 @@ class Store:
 
         ``target`` is a state tree of the same shape as the saved one (e.g. ``model.state_dict()``). CPU
         tensors are filled directly (no second full copy); others through a host buffer. Plain values are
-        not touched. Returns the key paths that were not filled; with ``strict`` (default) any missing or
-        unexpected key, and any dtype or shape difference, raises before a byte is copied.
+        not touched. Key paths are every path at which a tensor appears: a tensor tied under two paths in the
+        checkpoint fills both targets, and a target tied under two paths is filled once. Returns the key paths
+        that were not filled; with ``strict`` (default) any missing or unexpected key, and any dtype or shape
+        difference, raises before a byte is copied.
         """
         rec = self._record(step, id)
-        _, leaves = tree.flatten(target, allow_pickle=True)
-        by_path = {leaf.path: leaf for leaf in leaves}
+        skeleton, leaves = tree.flatten(target, allow_pickle=True)
+        wanted = tree.leaf_paths(skeleton)  # every path of every target leaf (a tied weight has two)
         with self._gc_lock():
             m = self._manifest(rec)
-            stored = {t.key: t for t in m.tensors}
-            missing = sorted(set(by_path) - set(stored))
-            unexpected = sorted(set(stored) - set(by_path))
+            stored: dict[str, manifest.TensorEntry] = {}
+            for path, i in tree.leaf_paths(m.tree).items():
+                if not 0 <= i < len(m.tensors):
+                    raise CorruptManifestError(f"checkpoint {rec.id}: {path!r} names tensor {i} of {len(m.tensors)}")
+                stored[path] = m.tensors[i]
+            missing = sorted(set(wanted) - set(stored))
+            unexpected = sorted(set(stored) - set(wanted))
             if strict and (missing or unexpected):
                 raise ShapeMismatchError(
                     f"checkpoint {rec.id} (step {rec.step}) and the target differ: missing in checkpoint "
@@ -882,15 +888,20 @@ class Store:
                 )
             jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []
             copies: list[tuple[Any, np.ndarray]] = []
-            for key, t in stored.items():
-                leaf = by_path.get(key)
-                if leaf is None:
+            filled: set[int] = set()
+            for key, i in wanted.items():
+                t = stored.get(key)
+                if t is None:
                     continue
+                leaf = leaves[i]
                 if leaf.kind != t.kind or leaf.dtype != t.dtype or list(leaf.shape) != t.shape:
                     raise ShapeMismatchError(
                         f"{key!r}: checkpoint has {t.kind} {t.dtype}{tuple(t.shape)}, target has "
                         f"{leaf.kind} {leaf.dtype}{tuple(leaf.shape)}"
                     )
+                if i in filled:  # a target leaf under two paths (tied) is filled from the first
+                    continue
+                filled.add(i)
                 obj = leaf.obj
                 direct: np.ndarray | None = None
                 if isinstance(obj, torch.Tensor):

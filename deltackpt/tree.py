@@ -18,7 +18,9 @@ Skeleton nodes are JSON lists whose first element is a tag::
     ["sz", [2, 3]]            torch.Size          ["ns", "<f8", "hex"]   numpy scalar
     ["x", name, node]         registered type     ["p", "base64"]        pickled (opt-in only)
 
-Dict keys are nodes too, limited to str and int.
+Dict keys are nodes too, limited to str and int. An array met twice is one leaf referenced twice: the same
+object, or another tensor (array) viewing the same memory the same way (:func:`alias_key`), such as the two
+entries of a tied model's ``state_dict()``; it loads as one object.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import base64
 import pickle
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,16 +122,17 @@ class _Flattener:
     def __init__(self, allow_pickle: bool) -> None:
         self.allow_pickle = allow_pickle
         self.leaves: list[Leaf] = []
-        self._seen: dict[int, int] = {}
+        self._seen: dict[Hashable, int] = {}
 
     def leaf(self, obj: torch.Tensor | np.ndarray, path: str) -> list[Any]:
-        idx = self._seen.get(id(obj))
+        key = alias_key(obj)
+        idx = self._seen.get(key)
         is_torch = isinstance(obj, torch.Tensor)
         if idx is None:
             leaf = _torch_leaf(obj, path) if is_torch else _numpy_leaf(obj, path)  # type: ignore[arg-type]
             idx = len(self.leaves)
             self.leaves.append(leaf)
-            self._seen[id(obj)] = idx
+            self._seen[key] = idx
         return ["T" if is_torch else "A", idx]
 
     def node(self, obj: Any, path: str) -> list[Any]:
@@ -187,6 +190,48 @@ class _Flattener:
             f"cannot store {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__} "
             "(register it with deltackpt.register_type, or opt in with allow_pickle=True)"
         )
+
+
+def alias_key(obj: torch.Tensor | np.ndarray) -> Hashable:
+    """What makes two arrays of a state one leaf: the same object, or the same view of the same memory (address,
+    shape, strides, dtype, device) with the same type, ``requires_grad`` and lazy conjugate/negative bits. A tied
+    model's ``state_dict()`` detaches each parameter into a new tensor object, so its tied entries are two
+    objects with one key; ``torch.save`` likewise stores their storage once and restores them sharing it.
+    Partly overlapping views stay separate leaves (each stores its own bytes). Empty arrays, whose address
+    means nothing, and tensors without ordinary memory are keyed by identity alone."""
+    if isinstance(obj, torch.Tensor):
+        plain = type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided
+        if not plain or obj.numel() == 0 or obj.is_meta or obj.is_quantized or obj.is_nested:
+            return id(obj)
+        return ("T", type(obj), str(obj.device), obj.data_ptr(), tuple(obj.shape), obj.stride(), obj.dtype,
+                obj.requires_grad, obj.is_conj(), obj.is_neg())
+    if isinstance(obj, np.ndarray) and obj.size > 0:
+        return ("A", obj.__array_interface__["data"][0], obj.shape, obj.strides, obj.dtype.str)
+    return id(obj)
+
+
+def leaf_paths(skeleton: Any) -> dict[str, int]:
+    """Every key path at which ``skeleton`` references an array leaf, with the leaf's index (in document
+    order). A leaf met twice appears under both paths: the tensor table names only the first."""
+    return dict(_leaf_refs(skeleton, ""))
+
+
+def _leaf_refs(n: Any, path: str) -> Iterator[tuple[str, int]]:
+    try:
+        tag = n[0]
+        if tag in ("T", "A"):
+            yield path, int(n[1])
+        elif tag in ("d", "o"):
+            for k, v in zip(n[1], n[2]):
+                key = int(k[1]) if k[0] == "i" else k[1]
+                yield from _leaf_refs(v, _child(path, key))
+        elif tag in ("l", "t"):
+            for i, v in enumerate(n[1]):
+                yield from _leaf_refs(v, _child(path, i))
+        elif tag == "x":
+            yield from _leaf_refs(n[2], path)
+    except (IndexError, KeyError, TypeError, ValueError) as exc:
+        raise CorruptManifestError(f"malformed state skeleton at {path or '<root>'}: {exc!r}") from None
 
 
 def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:

@@ -102,22 +102,35 @@ def pack_files(store_path: Path) -> list[Path]:
     return sorted((store_path / "packs").glob("*.pack"))
 
 
-def _seen_before(orig: Any, loaded: Any, memo: dict[int, Any], where: str) -> bool:
+def _identity(obj: Any) -> Any:
+    """What the store treats as one array: the same object, or (with elements) the same view of the same memory
+    with the same type, dtype, requires_grad and conjugate/negative bits (the entries of a tied model's
+    ``state_dict()``)."""
+    if isinstance(obj, torch.Tensor) and obj.numel() > 0:
+        return (type(obj), obj.device, obj.data_ptr(), obj.shape, obj.stride(), obj.dtype, obj.requires_grad,
+                obj.is_conj(), obj.is_neg())
+    if isinstance(obj, np.ndarray) and obj.size > 0:
+        return (obj.ctypes.data, obj.shape, obj.strides, obj.dtype)
+    return id(obj)
+
+
+def _seen_before(orig: Any, loaded: Any, memo: dict[Any, Any], where: str) -> bool:
     """Aliasing check of assert_same_state: True when ``orig`` was met already (and ``loaded`` is the object it
     came back as then); otherwise records the pair, after checking ``loaded`` is no other original's copy."""
-    if id(orig) in memo:
-        assert memo[id(orig)] is loaded, f"{where}: aliasing lost"
+    key = _identity(orig)
+    if key in memo:
+        assert memo[key] is loaded, f"{where}: aliasing lost"
         return True
     assert all(v is not loaded for v in memo.values()), f"{where}: distinct objects came back as one"
-    memo[id(orig)] = loaded
+    memo[key] = loaded
     return False
 
 
-def assert_same_state(orig: Any, loaded: Any, memo: dict[int, Any] | None = None, path: str = "") -> None:
+def assert_same_state(orig: Any, loaded: Any, memo: dict[Any, Any] | None = None, path: str = "") -> None:
     """Structure, types, dtypes, shapes and bits of ``loaded`` equal those of ``orig``.
 
-    Tensors and arrays must keep their aliasing: one object in ``orig`` (met twice) is one object in
-    ``loaded``, and two distinct objects stay two.
+    Tensors and arrays must keep their aliasing: one object in ``orig`` (met twice), or two views of the same
+    memory such as tied weights, is one object in ``loaded``, and two distinct arrays stay two.
     """
     if memo is None:
         memo = {}

@@ -614,6 +614,39 @@ def _finally_step(output: str) -> int:
     return int(m.group(1))
 
 
+def test_async_save_of_a_tied_model_stages_and_stores_the_tied_weight_once(fast_dir: Path) -> None:
+    """A tied model's ``state_dict()`` holds the shared weight under two keys, as two tensor objects: the staging
+    copy keeps them one buffer, the checkpoint one tensor, and the restore ties them again."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(64, 16)
+            self.head = torch.nn.Linear(16, 64, bias=False)
+            self.head.weight = self.emb.weight
+
+    torch.manual_seed(0)
+    model = Tied()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=True, handle_signals=False) as ckpt:
+        for step in (1, 2):
+            model.head(model.emb(torch.arange(8))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.save(step)
+        ckpt.wait()
+        assert ckpt.staging_bytes == _state_nbytes(ckpt.capture(2)) - 64 * 16 * 4  # the tied weight once
+        keys = [t.key for t in ckpt.store.manifest(2).tensors]
+        assert "model.emb.weight" in keys and "model.head.weight" not in keys
+        want = model.emb.weight.detach().clone()
+        restored = Tied()
+        with Checkpointer(ckpt.store, model=restored, optimizer=torch.optim.AdamW(restored.parameters()),
+                          handle_signals=False) as again:
+            assert again.restore() == 2
+        assert restored.emb.weight is restored.head.weight
+        assert torch.equal(restored.emb.weight, want)
+
+
 @linux_only
 def test_sigterm_saves_at_step_boundary_and_exits_143(fast_dir: Path, rng: random.Random) -> None:
     code, before, output, logged = _sigterm_run(fast_dir, rng, finally_out=fast_dir / "model.pt")

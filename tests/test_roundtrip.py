@@ -361,6 +361,71 @@ def test_tied_weights_stay_tied(store: deltackpt.Store) -> None:
         assert torch.equal(out[k].detach(), v.detach())
 
 
+def test_tied_weights_of_a_plain_state_dict_are_one_tensor(store: deltackpt.Store) -> None:
+    """``state_dict()`` detaches each parameter into a new tensor: the tied pair is two objects viewing one memory.
+    It is stored once and loads as one tensor (``torch.save`` keeps them sharing memory too)."""
+    model = TiedLM()
+    sd = model.state_dict()
+    assert sd["emb.weight"] is not sd["head.weight"]
+    assert sd["emb.weight"].data_ptr() == sd["head.weight"].data_ptr()
+    info = store.save({"model": sd}, step=1)
+    assert [t.key for t in store.manifest(1).tensors] == ["model.emb.weight", "model.mid.weight", "model.mid.bias"]
+    assert info.logical_bytes == sum(v.numel() * 4 for k, v in sd.items() if k != "head.weight")
+    out = store.load(1)["model"]
+    assert list(out) == list(sd)
+    assert out["emb.weight"] is out["head.weight"]
+    assert_same_state(sd, out)
+    untied = torch.nn.Module()
+    untied.emb, untied.mid = torch.nn.Embedding(11, 4), torch.nn.Linear(4, 4)
+    untied.head = torch.nn.Linear(4, 11, bias=False)
+    untied.load_state_dict(out)
+    assert torch.equal(untied.head.weight, sd["emb.weight"])
+
+
+def test_views_that_only_overlap_stay_separate(store: deltackpt.Store) -> None:
+    base = torch.arange(24, dtype=torch.float32)
+    c = torch.full((3,), 1 + 2j, dtype=torch.complex64)
+    a = np.arange(10, dtype=np.int32)
+    state = {
+        "whole": base, "reshaped": base.view(4, 6), "slice": base[2:8], "again": base[2:8],
+        "ints": base.view(torch.int32), "param": torch.nn.Parameter(base),
+        "c": c, "conj": c.conj(), "imag": c.imag, "neg": c.conj().imag,
+        "empty1": torch.empty(0), "empty2": torch.empty(0), "a": a, "a_view": a[:], "a_step": a[::2],
+    }
+    store.save(state, step=1)
+    out = store.load(1)
+    keys = [t.key for t in store.manifest(1).tensors]
+    assert "again" not in keys and "a_view" not in keys  # the same view of the same memory: one leaf each
+    assert out["slice"] is out["again"] and out["a"] is out["a_view"]
+    distinct = ["whole", "reshaped", "slice", "ints", "param", "c", "conj", "imag", "neg", "empty1", "empty2", "a",
+                "a_step"]
+    assert len({id(out[k]) for k in distinct}) == len(distinct)
+    assert_same_state(state, out)
+    assert torch.equal(out["conj"], c.conj()) and torch.equal(out["neg"], torch.full((3,), -2.0))
+    assert torch.equal(out["imag"], torch.full((3,), 2.0))
+
+
+def test_load_into_matches_every_path_of_a_tied_tensor(store: deltackpt.Store) -> None:
+    tied = TiedLM()
+    sd = tied.state_dict()
+    store.save(sd, step=1)  # one tensor entry for emb.weight and head.weight
+    untied = TiedLM()
+    untied.head.weight = torch.nn.Parameter(torch.zeros(11, 4))
+    assert store.load_into(untied.state_dict(), step=1) == []  # head.weight is found under its second path
+    assert torch.equal(untied.head.weight, sd["emb.weight"]) and torch.equal(untied.emb.weight, sd["emb.weight"])
+    # and the other way: a checkpoint with two separate tensors into a tied target, filled once
+    store.save({k: v.clone() for k, v in sd.items()}, step=2)
+    assert len(store.manifest(2).tensors) == 4
+    target = TiedLM()
+    assert target.emb.weight is target.head.weight
+    assert store.load_into(target.state_dict(), step=2) == []
+    assert torch.equal(target.emb.weight, sd["emb.weight"]) and torch.equal(target.mid.weight, sd["mid.weight"])
+    with pytest.raises(ShapeMismatchError, match="head.weight"):
+        bad = TiedLM()
+        bad.head.weight = torch.nn.Parameter(torch.zeros(11, 5))
+        store.load_into(bad.state_dict(), step=1)
+
+
 def test_parameter_same_object_twice(store: deltackpt.Store) -> None:
     p = torch.nn.Parameter(torch.randn(3, 2))
     frozen = torch.nn.Parameter(torch.randn(4), requires_grad=False)
