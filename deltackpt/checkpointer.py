@@ -24,6 +24,7 @@ import random
 import signal
 import threading
 import warnings
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Hashable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -121,15 +122,15 @@ class _Staging:
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor | np.ndarray] = {}
-        self._used: set[str] = set()
+        self._buffers: dict[tuple[Any, ...], torch.Tensor | np.ndarray] = {}
+        self._used: set[tuple[Any, ...]] = set()
 
     @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() if isinstance(b, torch.Tensor) else b.nbytes
                    for b in self._buffers.values())
 
-    def _buffer_for(self, path: str, src: torch.Tensor) -> torch.Tensor:
+    def _buffer_for(self, path: tuple[Any, ...], src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
         if not (isinstance(buf, torch.Tensor) and buf.dtype == src.dtype and buf.shape == src.shape):
             pin = src.device.type == "cuda"
@@ -143,7 +144,7 @@ class _Staging:
         seen: dict[Hashable, Any] = {}  # by tree.alias_key: tied tensors get one buffer and stay one leaf
         cuda = False
 
-        def copy(obj: Any, path: str) -> Any:
+        def copy(obj: Any, path: tuple[Any, ...]) -> Any:  # path: the keys down to obj (no string collisions)
             nonlocal cuda
             if isinstance(obj, torch.Tensor):
                 if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided:
@@ -177,15 +178,20 @@ class _Staging:
                 self._used.add(path)
                 seen[key] = nbuf
                 return nbuf
-            if isinstance(obj, dict):
-                return type(obj)((k, copy(v, f"{path}.{k}")) for k, v in obj.items())
-            if isinstance(obj, list):
-                return [copy(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-            if isinstance(obj, tuple) and type(obj) is tuple:
-                return tuple(copy(v, f"{path}[{i}]") for i, v in enumerate(obj))
+            t = type(obj)
+            if t is dict or t is OrderedDict or t is Counter or t is defaultdict:
+                out = obj.copy()  # same type, order and default factory; values replaced below
+                for k, v in obj.items():
+                    out[k] = copy(v, (*path, k))
+                return out
+            if t is list or t is tuple or t is deque:
+                items = [copy(v, (*path, i)) for i, v in enumerate(obj)]
+                return items if t is list else tuple(items) if t is tuple else deque(items, maxlen=obj.maxlen)
+            if t is set:
+                return set(obj)  # elements are plain values; a copy keeps the save from seeing later changes
             return obj
 
-        snap = copy(state, "")
+        snap = copy(state, ())
         if cuda:
             torch.cuda.synchronize()
         for path in set(self._buffers) - self._used:  # tensors that left the state: free their buffers

@@ -8,7 +8,7 @@ trusting a byte.
 Layout of ``manifests/<id>.manifest`` (little-endian)::
 
     0    8   magic b"DCKMANIF"
-    8    4   format version (1)
+    8    4   format version (1; 2 when the state skeleton holds a version-2 node, see :func:`tree.format_version`)
     12   4   flags (0)
     16   8   header length H
     24   8   chunk count N
@@ -34,11 +34,13 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from deltackpt import tree
 from deltackpt.errors import CorruptManifestError, FormatVersionError, InvalidNameError
 from deltackpt.packs import fsync_dir
 
 MAGIC = b"DCKMANIF"
-MANIFEST_VERSION = 1
+#: the newest manifest version this code reads and writes; a manifest records the oldest one its content needs
+MANIFEST_VERSION = 2
 _HEAD = struct.Struct("<8sIIQQ")
 FLAG_ZERO = 1
 _ID = re.compile(r"^[0-9a-f]{16}$")
@@ -117,7 +119,7 @@ class Manifest:
             raise ValueError("digest table does not match the flag table")
         body = b"".join(
             [
-                _HEAD.pack(MAGIC, MANIFEST_VERSION, 0, len(head), n),
+                _HEAD.pack(MAGIC, tree.format_version(self.tree), 0, len(head), n),
                 head,
                 np.ascontiguousarray(self.digests, dtype=np.uint8).tobytes(),
                 np.ascontiguousarray(self.flags, dtype=np.uint8).tobytes(),
@@ -139,8 +141,10 @@ def parse(data: bytes, *, where: str) -> Manifest:
     magic, version, flags, hlen, n = _HEAD.unpack_from(data)
     if magic != MAGIC:
         raise CorruptManifestError(f"manifest {where} has bad magic {magic!r}")
-    if version != MANIFEST_VERSION:
-        raise FormatVersionError(f"manifest {where} has format version {version} (this reader: 1)")
+    if not 1 <= version <= MANIFEST_VERSION:
+        raise FormatVersionError(
+            f"manifest {where} has format version {version} (this reader: 1 to {MANIFEST_VERSION})"
+        )
     if flags != 0 or _HEAD.size + hlen + 17 * n + 16 != len(data):
         raise CorruptManifestError(f"manifest {where} has an inconsistent layout")
     off = _HEAD.size

@@ -18,9 +18,18 @@ Skeleton nodes are JSON lists whose first element is a tag::
     ["sz", [2, 3]]            torch.Size          ["ns", "<f8", "hex"]   numpy scalar
     ["x", name, node]         registered type     ["p", "base64"]        pickled (opt-in only)
 
-Dict keys are nodes too, limited to str and int. An array met twice is one leaf referenced twice: the same
-object, or another tensor (array) viewing the same memory the same way (:func:`alias_key`), such as the two
-entries of a tied model's ``state_dict()``; it loads as one object.
+and, from manifest format version 2 (written only by states that hold one of them, see :func:`format_version`)::
+
+    ["c", "hex", "hex"]       complex (two floats' bits)
+    ["S", [values]]           set                 ["F", [values]]        frozenset
+    ["C", [keys], [values]]   collections.Counter ["q", [values], maxlen] collections.deque (maxlen null or int)
+    ["D", factory, [keys], [values]]  collections.defaultdict; factory is null or one of DEFAULT_FACTORIES
+
+Dict keys are nodes too: str and int, and from version 2 any hashable plain value (None, bool, float,
+complex, bytes, numpy scalars, torch dtypes and devices, and tuples and frozensets of those). Set elements are
+hashable plain values likewise. An array met twice is one leaf referenced twice: the same object, or another
+tensor (array) viewing the same memory the same way (:func:`alias_key`), such as the two entries of a tied
+model's ``state_dict()``; it loads as one object.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from __future__ import annotations
 import base64
 import pickle
 import struct
-from collections import OrderedDict
+from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -111,11 +120,22 @@ def _plane_width(itemsize: int, is_complex: bool) -> int:
 
 _NUMPY_KINDS = set("biufc")
 
+#: defaultdict factories a skeleton may name: builtin types, looked up in this table (nothing is evaluated)
+DEFAULT_FACTORIES: dict[str, type] = {
+    cls.__name__: cls
+    for cls in (int, float, complex, bool, str, bytes, list, tuple, dict, set, frozenset, OrderedDict, Counter, deque)
+}
+#: tags of manifest format version 2 (:func:`format_version`)
+V2_TAGS = frozenset({"c", "S", "F", "C", "q", "D"})
+_HASHABLE = (type(None), bool, int, float, complex, str, bytes)
+
 
 def _child(path: str, key: Any) -> str:
-    if isinstance(key, int):
+    if type(key) is int:
         return f"{path}[{key}]"
-    return f"{path}.{key}" if path else str(key)
+    if type(key) is str:
+        return f"{path}.{key}" if path else key
+    return f"{path}[{key!r}]"
 
 
 class _Flattener:
@@ -135,6 +155,23 @@ class _Flattener:
             self._seen[key] = idx
         return ["T" if is_torch else "A", idx]
 
+    def plain(self, value: Any, path: str, what: str) -> list[Any]:
+        """The node of a dict key or set element: a hashable plain value (str, int, None, bool, float,
+        complex, bytes, a numpy scalar, a torch dtype or device, or a tuple or frozenset of those)."""
+        t = type(value)
+        if t in _HASHABLE or t is torch.dtype or t is torch.device or (
+            isinstance(value, np.generic) and value.dtype.kind in _NUMPY_KINDS
+        ):
+            return self.node(value, path)
+        if t is tuple or t is frozenset:
+            inner = [self.plain(v, path, what) for v in value]
+            return ["t", inner] if t is tuple else ["F", inner]
+        raise UnsupportedTypeError(
+            f"cannot store {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__} as a {what} "
+            f"({value!r:.60}); dict keys and set elements must be str, int, None, bool, float, complex, bytes, "
+            "numpy scalars, torch dtypes or devices, or tuples or frozensets of those"
+        )
+
     def node(self, obj: Any, path: str) -> list[Any]:
         t = type(obj)
         if obj is None:
@@ -149,22 +186,31 @@ class _Flattener:
             return ["s", obj]
         if t is bytes:
             return ["y", base64.b64encode(obj).decode()]
-        if t is dict or t is OrderedDict:
+        if t is dict or t is OrderedDict or t is Counter or t is defaultdict:
             keys, vals = [], []
             for k, v in obj.items():
-                if type(k) is str:
-                    keys.append(["s", k])
-                elif type(k) is int:
-                    keys.append(["i", str(k)])
-                else:
-                    raise UnsupportedTypeError(
-                        f"dict key {k!r} at {path or '<root>'} has type {type(k).__name__}; keys must be str or int"
-                    )
+                keys.append(self.plain(k, path, "dict key"))
                 vals.append(self.node(v, _child(path, k)))
-            return ["d" if t is dict else "o", keys, vals]
+            if t is defaultdict:
+                factory = obj.default_factory
+                name = None if factory is None else getattr(factory, "__name__", None)
+                if factory is not None and DEFAULT_FACTORIES.get(name) is not factory:  # type: ignore[arg-type]
+                    raise UnsupportedTypeError(
+                        f"cannot store {path or '<root>'}: unsupported type defaultdict with default_factory "
+                        f"{factory!r}; the factory must be None or one of {', '.join(DEFAULT_FACTORIES)} "
+                        "(or convert it to a dict)"
+                    )
+                return ["D", name, keys, vals]
+            return ["d" if t is dict else "o" if t is OrderedDict else "C", keys, vals]
         if t is list or t is tuple:
             tag = "l" if t is list else "t"
             return [tag, [self.node(v, _child(path, i)) for i, v in enumerate(obj)]]
+        if t is deque:
+            return ["q", [self.node(v, _child(path, i)) for i, v in enumerate(obj)], obj.maxlen]
+        if t is set or t is frozenset:
+            return ["S" if t is set else "F", [self.plain(v, path, "set element") for v in obj]]
+        if t is complex:
+            return ["c", struct.pack(">d", obj.real).hex(), struct.pack(">d", obj.imag).hex()]
         if t is torch.Size:
             return ["sz", [int(x) for x in obj]]
         if isinstance(obj, torch.Tensor):
@@ -221,11 +267,11 @@ def _leaf_refs(n: Any, path: str) -> Iterator[tuple[str, int]]:
         tag = n[0]
         if tag in ("T", "A"):
             yield path, int(n[1])
-        elif tag in ("d", "o"):
-            for k, v in zip(n[1], n[2]):
-                key = int(k[1]) if k[0] == "i" else k[1]
-                yield from _leaf_refs(v, _child(path, key))
-        elif tag in ("l", "t"):
+        elif tag in ("d", "o", "C", "D"):
+            keys, vals = (n[1], n[2]) if tag != "D" else (n[2], n[3])
+            for k, v in zip(keys, vals):
+                yield from _leaf_refs(v, _child(path, _plain_build(k)))
+        elif tag in ("l", "t", "q"):
             for i, v in enumerate(n[1]):
                 yield from _leaf_refs(v, _child(path, i))
         elif tag == "x":
@@ -279,11 +325,40 @@ def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[list[Any], list[
     return skeleton, f.leaves
 
 
+def format_version(skeleton: Any) -> int:
+    """The manifest format version a skeleton needs: 2 when it holds a version-2 node (:data:`V2_TAGS`, or a
+    dict key other than str and int), else 1, so that states of version-1 kinds stay readable by version 1."""
+    stack = [skeleton]
+    while stack:
+        n = stack.pop()
+        if type(n) is not list or not n:
+            continue
+        tag = n[0]
+        if tag in V2_TAGS:
+            return 2
+        if tag in ("d", "o"):
+            if any(k[0] not in ("s", "i") for k in n[1]):
+                return 2
+            stack.extend(n[2])
+        elif tag in ("l", "t"):
+            stack.extend(n[1])
+        elif tag == "x":
+            stack.append(n[2])
+    return 1
+
+
 def encode_plain(value: Any) -> list[Any]:
-    """Skeleton of a value that holds no arrays (e.g. checkpoint metadata)."""
+    """Skeleton of a value that holds no arrays (e.g. checkpoint metadata), of version-1 kinds only: it is kept
+    in the index too, which every version of the format reads."""
     skeleton, leaves = flatten(value)
     if leaves:
         raise UnsupportedTypeError(f"metadata may not hold tensors or arrays (found one at {leaves[0].path!r})")
+    if format_version(skeleton) > 1:
+        raise UnsupportedTypeError(
+            "metadata may hold None, bool, int, float, str, bytes, lists, tuples, and dicts with str or int keys "
+            "(and torch dtypes, devices and sizes, numpy scalars); convert sets, Counters, deques, defaultdicts "
+            "and complex numbers"
+        )
     return skeleton
 
 
@@ -299,6 +374,15 @@ def unflatten(skeleton: Any, leaves: list[Any], *, allow_pickle: bool = False) -
 
 def decode_plain(skeleton: Any) -> Any:
     return unflatten(skeleton, [])
+
+
+def _plain_build(n: Any) -> Any:
+    """A dict key or set element: a hashable plain value (no arrays, registered types or pickles)."""
+    if type(n) is not list or not n or n[0] not in ("N", "b", "i", "f", "s", "y", "c", "ns", "dt", "dv", "t", "F"):
+        raise ValueError(f"dict key or set element node {n!r:.40}")
+    if n[0] == "t":
+        return tuple(_plain_build(v) for v in n[1])
+    return _build(n, [], False)
 
 
 def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
@@ -319,16 +403,35 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
         return n[1]
     if tag == "y":
         return base64.b64decode(n[1], validate=True)
-    if tag in ("d", "o"):
-        keys = [_build(k, leaves, allow_pickle) for k in n[1]]
-        if any(type(k) not in (str, int) for k in keys) or len(keys) != len(n[2]):
+    if tag in ("d", "o", "C", "D"):
+        knodes, vnodes = (n[1], n[2]) if tag != "D" else (n[2], n[3])
+        keys = [_plain_build(k) for k in knodes]
+        if len(keys) != len(vnodes):
             raise ValueError("dict node")
-        vals = [_build(v, leaves, allow_pickle) for v in n[2]]
-        return dict(zip(keys, vals)) if tag == "d" else OrderedDict(zip(keys, vals))
+        vals = [_build(v, leaves, allow_pickle) for v in vnodes]
+        if tag == "d":
+            return dict(zip(keys, vals))
+        if tag == "o":
+            return OrderedDict(zip(keys, vals))
+        if tag == "C":
+            return Counter(dict(zip(keys, vals)))
+        if n[1] is not None and n[1] not in DEFAULT_FACTORIES:
+            raise ValueError(f"defaultdict factory {n[1]!r}")
+        return defaultdict(None if n[1] is None else DEFAULT_FACTORIES[n[1]], zip(keys, vals))
     if tag == "l":
         return [_build(v, leaves, allow_pickle) for v in n[1]]
     if tag == "t":
         return tuple(_build(v, leaves, allow_pickle) for v in n[1])
+    if tag == "q":
+        if n[2] is not None and (type(n[2]) is not int or n[2] < 0):
+            raise ValueError("deque maxlen")
+        return deque((_build(v, leaves, allow_pickle) for v in n[1]), maxlen=n[2])
+    if tag == "S":
+        return {_plain_build(v) for v in n[1]}
+    if tag == "F":
+        return frozenset(_plain_build(v) for v in n[1])
+    if tag == "c":
+        return complex(struct.unpack(">d", bytes.fromhex(n[1]))[0], struct.unpack(">d", bytes.fromhex(n[2]))[0])
     if tag in ("T", "A"):
         i = n[1]
         if type(i) is not int or not 0 <= i < len(leaves):

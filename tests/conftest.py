@@ -6,6 +6,7 @@ examples); pick one with ``HYPOTHESIS_PROFILE=thorough``.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import struct
@@ -102,6 +103,22 @@ def pack_files(store_path: Path) -> list[Path]:
     return sorted((store_path / "packs").glob("*.pack"))
 
 
+def _canon(x: Any) -> Any:
+    """A hashable stand-in for a plain value that compares floats (and complex parts) by their bits, so NaN keys
+    and -0.0 compare exactly, and sets by their elements' stand-ins."""
+    if isinstance(x, float):
+        return ("f", float_bits(x))
+    if isinstance(x, complex):
+        return ("c", float_bits(x.real), float_bits(x.imag))
+    if isinstance(x, (set, frozenset)):
+        return (type(x).__name__, frozenset(_canon(v) for v in x))
+    if type(x) is tuple:
+        return ("t", tuple(_canon(v) for v in x))
+    if isinstance(x, np.generic):
+        return ("ns", x.dtype.str, x.tobytes())
+    return (type(x).__name__, x)
+
+
 def _identity(obj: Any) -> Any:
     """What the store treats as one array: the same object, or (with elements) the same view of the same memory
     with the same type, dtype, requires_grad and conjugate/negative bits (the entries of a tied model's
@@ -154,19 +171,22 @@ def assert_same_state(orig: Any, loaded: Any, memo: dict[Any, Any] | None = None
         assert loaded.shape == orig.shape, f"{where}: shape {loaded.shape} != {orig.shape}"
         assert array_bytes(loaded) == array_bytes(orig), f"{where}: bits differ"
         return
-    if isinstance(orig, dict):  # dict and OrderedDict: same keys (types too) in the same order
-        assert list(loaded.keys()) == list(orig.keys()), f"{where}: keys {list(loaded)} != {list(orig)}"
-        assert [type(k) for k in loaded] == [type(k) for k in orig], f"{where}: key types"
-        for k in orig:
-            assert_same_state(orig[k], loaded[k], memo, f"{path}[{k!r}]")
+    if isinstance(orig, dict):  # dict, OrderedDict, Counter, defaultdict: same keys (types, bits) in the same order
+        assert [_canon(k) for k in loaded] == [_canon(k) for k in orig], f"{where}: keys {list(loaded)} != {list(orig)}"
+        if isinstance(orig, collections.defaultdict):
+            assert loaded.default_factory is orig.default_factory, f"{where}: default_factory"
+        for (k, a), b in zip(orig.items(), loaded.values(), strict=True):
+            assert_same_state(a, b, memo, f"{path}[{k!r}]")
         return
-    if isinstance(orig, (list, tuple)) and not isinstance(orig, torch.Size):
+    if isinstance(orig, (list, tuple, collections.deque)) and not isinstance(orig, torch.Size):
         assert len(loaded) == len(orig), f"{where}: length {len(loaded)} != {len(orig)}"
+        if isinstance(orig, collections.deque):
+            assert loaded.maxlen == orig.maxlen, f"{where}: maxlen {loaded.maxlen} != {orig.maxlen}"
         for i, (a, b) in enumerate(zip(orig, loaded, strict=True)):
             assert_same_state(a, b, memo, f"{path}[{i}]")
         return
-    if isinstance(orig, float):
-        assert float_bits(loaded) == float_bits(orig), f"{where}: float bits {loaded!r} != {orig!r}"
+    if isinstance(orig, (float, complex, set, frozenset)):
+        assert _canon(loaded) == _canon(orig), f"{where}: {loaded!r} != {orig!r} (bits)"
         return
     if isinstance(orig, np.generic):
         assert loaded.dtype == orig.dtype, f"{where}: numpy scalar dtype {loaded.dtype} != {orig.dtype}"

@@ -6,7 +6,7 @@ import json
 import os
 import re
 import warnings
-from collections import OrderedDict, defaultdict, namedtuple
+from collections import Counter, OrderedDict, defaultdict, namedtuple
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +53,14 @@ def _quantized() -> torch.Tensor:
 
 UNSUPPORTED = {
     "quantized": _quantized(),
-    "set": {1, 2},
-    "frozenset": frozenset([1]),
+    "set_of_objects": {Custom()},
+    "frozenset_of_namedtuples": frozenset([Point(1, 2)]),
     "object": object(),
     "lambda": lambda x: x,
     "custom": Custom(),
     "namedtuple": Point(1, 2),
-    "defaultdict": defaultdict(int),
-    "complex": 1 + 2j,
+    "defaultdict_lambda": defaultdict(lambda: 0),
+    "defaultdict_custom": defaultdict(Custom),
     "bytearray": bytearray(b"ab"),
     "range": range(3),
     "ellipsis": ...,
@@ -98,9 +98,10 @@ def test_unsupported_value_names_key_path_and_writes_nothing(
 @pytest.mark.parametrize(
     ("state", "path"),
     [
-        ({"a": {"b": [1, {"c": {1, 2}}]}}, "a.b[1].c"),
+        ({"a": {"b": [1, {"c": {1, object()}}]}}, "a.b[1].c"),
         ([0, [1, 2, object()]], "[1][2]"),
-        ({"x": ({7: {"deep": set()}},)}, "x[0][7].deep"),
+        ({"x": ({7: {"deep": frozenset([(1, Custom())])}},)}, "x[0][7].deep"),
+        ({"x": {(1, 2): {None: object()}}}, "x[(1, 2)][None]"),
         ({"layers": OrderedDict([("0.weight", torch.ones(1)), ("1.bias", object())])}, "layers.1.bias"),
         (object(), "<root>"),
     ],
@@ -111,7 +112,7 @@ def test_key_paths_in_messages(store: deltackpt.Store, state: Any, path: str) ->
     assert store.list() == []
 
 
-@pytest.mark.parametrize("key", [(1, 2), 1.5, None, True, b"k", frozenset()])
+@pytest.mark.parametrize("key", [(1, object()), Custom(), Point(1, 2), frozenset([Custom()]), torch.ones(1)])
 def test_bad_dict_keys(store: deltackpt.Store, store_path: Path, key: Any) -> None:
     snap = _snapshot(store_path)
     state = {"optimizer": {"state": {key: torch.ones(2)}}}
@@ -123,7 +124,7 @@ def test_bad_dict_keys(store: deltackpt.Store, store_path: Path, key: Any) -> No
 
 @given(
     prefix=st.lists(st.one_of(st.text("abcxyz_", min_size=1, max_size=5), st.integers(0, 3)), max_size=4),
-    bad=st.sampled_from([set(), object(), frozenset([1]), (lambda: 0)]),
+    bad=st.sampled_from([{Custom()}, object(), frozenset([Point(1, 2)]), (lambda: 0), defaultdict(Custom)]),
 )
 def test_unsupported_anywhere_hypothesis(tmp_path_factory: pytest.TempPathFactory, prefix: list[Any],
                                          bad: Any) -> None:
@@ -155,7 +156,7 @@ def test_pickle_opt_in_still_refuses_unpicklable(store: deltackpt.Store, store_p
 
 def test_metadata_is_checked_before_writing(store: deltackpt.Store, store_path: Path) -> None:
     snap = _snapshot(store_path)
-    for meta in ({"t": torch.ones(2)}, {"s": {1}}, {"o": object()}, {(1, 2): 3}):
+    for meta in ({"t": torch.ones(2)}, {"s": {1}}, {"o": object()}, {(1, 2): 3}, {"c": Counter()}, {"z": 1j}):
         with pytest.raises(UnsupportedTypeError):
             store.save({"w": torch.randn(5000)}, step=1, metadata=meta)
     assert store.list() == [] and _snapshot(store_path) == snap
@@ -357,6 +358,21 @@ def test_damaged_manifest_changes_nothing_else(store_path: Path) -> None:
         s.gc()
         assert [i.id for i in s.list()] == [ids[1], ids[3]]
         assert_same_state(states[3], s.load(3))
+
+
+@pytest.mark.parametrize("version", [0, 3, 2**31])
+def test_manifest_of_an_unknown_version_is_a_format_version_error(store: deltackpt.Store, version: int) -> None:
+    import xxhash
+
+    from deltackpt import manifest
+
+    info = store.save({"c": Counter({1: 2})}, step=1)
+    data = (store.path / "manifests" / f"{info.id}.manifest").read_bytes()
+    assert int.from_bytes(data[8:12], "little") == 2
+    manifest.parse(data, where="m")  # version 2: read
+    body = data[:8] + version.to_bytes(4, "little") + data[12:-16]
+    with pytest.raises(deltackpt.FormatVersionError, match=f"format version {version} .this reader: 1 to 2"):
+        manifest.parse(body + xxhash.xxh3_128_digest(body), where="m")
 
 
 # -- load side ---------------------------------------------------------------------------------------------

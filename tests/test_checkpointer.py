@@ -11,6 +11,7 @@ run in a fresh interpreter. Kill points are random; the seed is printed - rerun 
 
 from __future__ import annotations
 
+import collections
 import gc
 import importlib.util
 import json
@@ -612,6 +613,38 @@ def _finally_step(output: str) -> int:
     m = re.search(r"^FINALLY (\d+)$", output, re.M)
     assert m, f"the worker's finally block did not run: {output[-3000:]}"
     return int(m.group(1))
+
+
+def test_async_save_stages_counters_sets_and_keys_that_print_alike(fast_dir: Path) -> None:
+    """The staging snapshot keeps container types (MultiStepLR's Counter, defaultdicts, deques), copies mutable
+    plain containers (a set changed after step() returns is saved as it was), and gives tensors under keys that
+    print alike (1 and "1") buffers of their own."""
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[1, 3, 3], gamma=0.5)
+    extra = {
+        "seen": {1, 2},
+        "by_key": {1: torch.zeros(4), "1": torch.ones(4)},
+        "hist": collections.defaultdict(list, {"loss": [0.5]}),
+        "window": collections.deque([torch.full((2,), 7.0)], maxlen=4),
+    }
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, scheduler=sched, extra=extra,
+                      async_save=True, handle_signals=False) as ckpt:
+        opt.step()
+        sched.step()
+        ckpt.save(1)
+        extra["seen"].add(99)  # after the snapshot: not part of step 1
+        extra["hist"]["loss"].append(0.25)
+        ckpt.wait()
+        saved = ckpt.store.load(1)
+    assert saved["extra"]["seen"] == {1, 2}
+    assert saved["extra"]["hist"] == {"loss": [0.5]} and saved["extra"]["hist"].default_factory is list
+    assert torch.equal(saved["extra"]["by_key"][1], torch.zeros(4))
+    assert torch.equal(saved["extra"]["by_key"]["1"], torch.ones(4))
+    assert type(saved["extra"]["window"]) is collections.deque and saved["extra"]["window"].maxlen == 4
+    assert torch.equal(saved["extra"]["window"][0], torch.full((2,), 7.0))
+    milestones = saved["scheduler"]["milestones"]
+    assert type(milestones) is collections.Counter and milestones == collections.Counter({1: 1, 3: 2})
 
 
 def test_async_save_of_a_tied_model_stages_and_stores_the_tied_weight_once(fast_dir: Path) -> None:

@@ -7,7 +7,7 @@ import dataclasses
 import math
 import struct
 import tempfile
-from collections import OrderedDict
+from collections import Counter, OrderedDict, defaultdict, deque
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import deltackpt
 from deltackpt import ShapeMismatchError, UnsafeLoadError, UnsupportedTypeError
+from deltackpt.tree import DEFAULT_FACTORIES
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
 
@@ -141,8 +142,21 @@ plain_values = st.one_of(
     st.sampled_from([torch.device(d) for d in ("cpu", "cuda:1", "meta", "cuda")]),
     st.lists(st.integers(0, 10), max_size=4).map(torch.Size),
     numpy_scalars,
+    st.complex_numbers(allow_nan=True, allow_infinity=True),
+    st.tuples(raw_floats, raw_floats).map(lambda p: complex(*p)),  # NaN payloads and -0.0 in both parts
 )
-dict_keys = st.one_of(st.text(max_size=8), st.integers(), st.sampled_from([0, 1, "0", "1", "", 2**100]))
+hashable_values = st.recursive(
+    st.one_of(
+        st.none(), st.booleans(), st.integers(), st.text(max_size=8), st.binary(max_size=8), raw_floats,
+        st.complex_numbers(allow_nan=True), numpy_scalars, st.sampled_from(TORCH_DTYPES + [torch.device("cpu")]),
+    ),
+    lambda inner: st.one_of(st.lists(inner, max_size=3).map(tuple), st.frozensets(inner, max_size=3)),
+    max_leaves=6,
+)
+plain_values = st.one_of(plain_values, st.sets(hashable_values, max_size=4), st.frozensets(hashable_values, max_size=4))
+dict_keys = st.one_of(
+    st.text(max_size=8), st.integers(), st.sampled_from([0, 1, "0", "1", "", 2**100]), hashable_values
+)
 
 
 def containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -151,6 +165,11 @@ def containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         st.dictionaries(dict_keys, children, max_size=4).map(lambda d: OrderedDict(reversed(d.items()))),
         st.lists(children, max_size=4),
         st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(dict_keys, children, max_size=4).map(Counter),
+        st.tuples(st.sampled_from([None, *DEFAULT_FACTORIES.values()]),
+                  st.dictionaries(dict_keys, children, max_size=4)).map(lambda fd: defaultdict(*fd)),
+        st.tuples(st.lists(children, max_size=4), st.one_of(st.none(), st.integers(4, 6)))
+        .map(lambda lm: deque(*lm)),
     )
 
 
@@ -317,6 +336,64 @@ def test_containers_keep_types_and_order(store: deltackpt.Store) -> None:
     assert list(out["z"]) == ["b", "a", 3]
     assert type(out["z"][3][1]) is tuple and type(out["z"][3][1][1]) is list
     assert out["z"][3][0] is out["z"][3][1][0]
+
+
+def _manifest_version(store: deltackpt.Store, step: int) -> int:
+    data = (store.path / "manifests" / f"{store.info(step).id}.manifest").read_bytes()
+    return int.from_bytes(data[8:12], "little")
+
+
+def test_sets_counters_deques_defaultdicts_complex_and_hashable_keys(store: deltackpt.Store) -> None:
+    """Plain containers beyond dict/list/tuple, stored as data (manifest version 2), never pickled."""
+    t = torch.arange(4.0)
+    state = {
+        "milestones": Counter({30: 1, 60: 2}),  # MultiStepLR's state_dict holds one
+        "seen": {3, "a", (1, 2.5), None, frozenset({b"x"})},
+        "frozen": frozenset({-0.0, 1 + 2j}),
+        "c": complex(float("nan"), -0.0),
+        "window": deque([t, 1.5, {"k": t}], maxlen=3),
+        "queue": deque([]),
+        "by_name": defaultdict(list, {"a": [t], "b": []}),
+        "plain_dd": defaultdict(None, {1: "x"}),
+        "keys": {(1, "a"): 1, None: 2, True: 3, 2.5: 4, b"k": 5, 1j: 6, torch.float16: 7,
+                 np.int64(9): 8, frozenset({1}): 9, torch.device("cpu"): 10},
+    }
+    store.save(state, step=1)
+    out = store.load(1)
+    assert_same_state(state, out)
+    assert out["window"][0] is out["window"][2]["k"] is out["by_name"]["a"][0]
+    assert out["by_name"]["new"] == [] and out["window"].maxlen == 3
+    assert out["milestones"] + Counter({30: 1}) == Counter({30: 2, 60: 2})
+    assert _manifest_version(store, 1) == 2
+    store.save({"a": [t, (1, 2)], "b": {"x": 1.5, 2: None}}, step=2)  # version-1 kinds only: a version-1 manifest
+    assert _manifest_version(store, 2) == 1
+
+
+def test_multisteplr_resumes_with_its_counter(store: deltackpt.Store) -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4, 4, 5], gamma=0.5)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    store.save({"sched": sched.state_dict(), "opt": opt.state_dict()}, step=3)
+    expected = []
+    for _ in range(3):
+        opt.step()
+        sched.step()
+        expected.append(sched.get_last_lr())
+    opt2 = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=1.0)
+    sched2 = torch.optim.lr_scheduler.MultiStepLR(opt2, milestones=[100])
+    out = store.load(3)
+    opt2.load_state_dict(out["opt"])
+    sched2.load_state_dict(out["sched"])
+    assert type(sched2.milestones) is Counter and sched2.milestones == Counter({2: 1, 4: 2, 5: 1})
+    got = []
+    for _ in range(3):
+        opt2.step()
+        sched2.step()
+        got.append(sched2.get_last_lr())
+    assert got == expected == [[0.125], [0.0625], [0.0625]]
 
 
 # -- aliasing and parameters ----------------------------------------------------------------------------
