@@ -163,7 +163,11 @@ class _Staging:
                     with torch.no_grad():
                         buf.copy_(src, non_blocking=src.device.type == "cuda")
                 self._used.add(path)
-                out: Any = torch.nn.Parameter(buf, obj.requires_grad) if isinstance(obj, torch.nn.Parameter) else buf
+                out: Any = buf
+                if isinstance(obj, torch.nn.Parameter):
+                    out = torch.nn.Parameter(buf, obj.requires_grad)
+                elif obj.requires_grad:  # saved and restored with the flag, as a synchronous save keeps it
+                    out = buf.detach().requires_grad_()
                 seen[key] = out
                 return out
             if isinstance(obj, np.ndarray):

@@ -121,8 +121,9 @@ def _host_bytes(obj: torch.Tensor | np.ndarray, staging: _Pinned | None = None) 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
     """A flat uint8 view sharing ``t``'s memory, or None when its layout has none (non-contiguous, or a
-    one-element tensor whose stride is not 1, which torch calls contiguous but cannot view as bytes)."""
-    if not t.is_contiguous():
+    one-element tensor whose stride is not 1, which torch calls contiguous but cannot view as bytes) or its
+    memory does not hold its values (a lazily conjugated or negated view)."""
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
     flat = t.reshape(-1)
     if flat.stride(0) != 1:

@@ -205,6 +205,46 @@ def test_roundtrip_nested_states(shared_store: deltackpt.Store, state: Any) -> N
     assert_same_state(state, loaded)
 
 
+@given(state=states())
+def test_async_staging_snapshot_is_an_independent_equal_copy(shared_store: deltackpt.Store, state: Any) -> None:
+    """What an async save stores: the staging snapshot equals the state (types, bits, aliasing, requires_grad),
+    shares no memory with it, and stays as it was when the state changes afterwards."""
+    from deltackpt.checkpointer import _Staging
+
+    before = _save_load(shared_store, state)
+    staging = _Staging()
+    for _ in range(2):  # the second snapshot reuses the first one's buffers
+        snap = staging.snapshot(state)
+        assert_same_state(state, snap)
+    mine = {id(x) for x in _arrays(state)}
+    for x in _arrays(snap):
+        assert id(x) not in mine
+        if isinstance(x, torch.Tensor) and x.numel():
+            assert all(not _shares(x, y) for y in _arrays(state)), "the snapshot shares memory with the state"
+    for x in _arrays(state):  # the loop may change every tensor once step() returned
+        if isinstance(x, torch.Tensor) and x.numel() and x.is_contiguous() and not x.is_conj():
+            x.detach().reshape(-1).view(torch.uint8).bitwise_not_()
+        elif isinstance(x, np.ndarray) and x.size and x.flags.writeable and x.flags.c_contiguous:
+            x.reshape(-1).view(np.uint8)[...] ^= 0xFF
+    assert_same_state(before, _save_load(shared_store, snap))
+
+
+def _arrays(obj: Any) -> list[Any]:
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return [obj]
+    if isinstance(obj, dict):
+        return [a for v in obj.values() for a in _arrays(v)]
+    if isinstance(obj, (list, tuple, deque)) and not isinstance(obj, torch.Size):
+        return [a for v in obj for a in _arrays(v)]
+    return []
+
+
+def _shares(a: torch.Tensor, b: Any) -> bool:
+    if not isinstance(b, torch.Tensor) or not b.numel():
+        return False
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 @given(t=torch_tensors())
 def test_roundtrip_every_torch_dtype(shared_store: deltackpt.Store, t: torch.Tensor) -> None:
     loaded = _save_load(shared_store, {"t": t})
