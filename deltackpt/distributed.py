@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -346,15 +346,23 @@ class DeltaStorageReader(StorageReader):
 
     def _read_checkpoint(self, store: Store, ckpt: str, reqs: list[tuple[ReadItem, _Stored]],
                          planner: LoadPlanner) -> None:
-        # every stored shard that a read needs, decoded once into a host buffer
+        # every stored shard that a read needs, decoded once into a host buffer: the chunks of it that the reads'
+        # slices reach (a rank of a resharded job may need a few rows of a shard), or all of it
         bufs: dict[str, torch.Tensor] = {}
+        spans: dict[str, tuple[int, int]] = {}
         pickled: dict[str, np.ndarray] = {}
         for req, s in reqs:
-            if s.kind == "tensor" and s.key not in bufs:
-                sizes = self._sizes.get(MetadataIndex(req.storage_index.fqn, req.storage_index.offset))
-                if sizes is None:
-                    raise CorruptManifestError(f"DCP metadata in {self.root} has no chunk {req.storage_index}")
-                bufs[s.key] = torch.empty(sizes, dtype=self._dtypes[req.storage_index.fqn])
+            if s.kind == "tensor":
+                if s.key not in bufs:
+                    sizes = self._sizes.get(MetadataIndex(req.storage_index.fqn, req.storage_index.offset))
+                    if sizes is None:
+                        raise CorruptManifestError(f"DCP metadata in {self.root} has no chunk {req.storage_index}")
+                    bufs[s.key] = torch.empty(sizes, dtype=self._dtypes[req.storage_index.fqn])
+                span = _byte_span(bufs[s.key], req.storage_offsets, req.lengths)
+                path = tree._child(_TENSORS, s.key)
+                if span is not None:
+                    old = spans.get(path, span)
+                    spans[path] = (min(old[0], span[0]), max(old[1], span[1]))
             elif s.kind == "pickled":
                 if not self.allow_pickle:
                     raise UnsafeLoadError(
@@ -366,7 +374,7 @@ class DeltaStorageReader(StorageReader):
             objects = (store.info(id=ckpt).metadata or {}).get(_OBJECTS, {})
         if bufs or pickled:
             missing = store.load_into({_TENSORS: bufs, _PICKLED: pickled}, id=ckpt, verify=self.verify,
-                                      strict=False)
+                                      strict=False, spans=spans)
             if missing:
                 raise CorruptManifestError(f"checkpoint {ckpt} of {store.path} lacks DCP items {missing[:5]}")
         for req, s in reqs:
@@ -397,6 +405,17 @@ class DeltaStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _is_root(checkpoint_id)
+
+
+def _byte_span(shard: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
+    """The bytes of the C-ordered ``shard`` from the first to the last element of the slice at ``offsets`` with
+    ``lengths`` (None for an empty slice): the slice lies within them."""
+    if any(n <= 0 for n in lengths):
+        return None
+    strides = shard.stride()
+    first = sum(o * st for o, st in zip(offsets, strides))
+    last = sum((o + n - 1) * st for o, n, st in zip(offsets, lengths, strides))
+    return first * shard.element_size(), (last + 1) * shard.element_size()
 
 
 def steps(root: str | os.PathLike[str]) -> list[int]:

@@ -860,6 +860,7 @@ class Store:
         id: str | None = None,
         verify: bool = True,
         strict: bool = True,
+        spans: Mapping[str, tuple[int, int]] | None = None,
     ) -> list[str]:
         """Copy a checkpoint's tensors into the tensors of ``target`` in place, matched by key path.
 
@@ -868,7 +869,11 @@ class Store:
         not touched. Key paths are every path at which a tensor appears: a tensor tied under two paths in the
         checkpoint fills both targets, and a target tied under two paths is filled once. Returns the key paths
         that were not filled; with ``strict`` (default) any missing or unexpected key, and any dtype or shape
-        difference, raises before a byte is copied.
+        difference, raises before a byte is copied. ``spans`` maps key paths to byte ranges ``(start, end)`` of
+        their tensors (C order): only the chunks overlapping that range are read and decoded, and only the
+        target bytes they cover are written (at least ``start .. end``, at most whole chunks around it); for
+        reading a slice of a large tensor, such as the rows one rank of a resharded job needs. Contiguous CPU
+        targets only.
         """
         rec = self._record(step, id)
         skeleton, leaves = tree.flatten(target, allow_pickle=True)
@@ -888,8 +893,10 @@ class Store:
                     f"{missing[:5]}, not in target {unexpected[:5]}"
                 )
             jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []
+            job_spans: list[tuple[int, int] | None] = []
             copies: list[tuple[Any, np.ndarray]] = []
             filled: set[int] = set()
+            spans = spans or {}
             for key, i in wanted.items():
                 t = stored.get(key)
                 if t is None:
@@ -910,6 +917,10 @@ class Store:
                     direct = None if view is None else view.numpy()
                 elif obj.flags.c_contiguous and obj.flags.writeable:
                     direct = obj.reshape(-1).view(np.uint8)
+                span = spans.get(key)
+                if span is not None and direct is None:
+                    raise ValueError(f"{key!r}: a span needs a contiguous CPU target")
+                job_spans.append(span)
                 if direct is not None:
                     jobs.append((t, direct))
                 else:  # decode into a contiguous host copy, then copy into the target's layout or device
@@ -920,7 +931,7 @@ class Store:
                         staging = np.empty(obj.shape, dtype=obj.dtype)
                         jobs.append((t, staging.reshape(-1).view(np.uint8)))
                     copies.append((obj, staging))
-            self._read_into(m, jobs, verify=verify)
+            self._read_into(m, jobs, verify=verify, spans=job_spans)
             for obj, staging in copies:
                 if isinstance(obj, torch.Tensor):
                     with torch.no_grad():
@@ -931,13 +942,20 @@ class Store:
         return missing
 
     def _read_into(self, m: manifest.Manifest, jobs: list[tuple[manifest.TensorEntry, np.ndarray]], *,
-                   verify: bool) -> None:
+                   verify: bool, spans: Sequence[tuple[int, int] | None] | None = None) -> None:
+        """Decode the tensors of ``jobs`` (entry, output bytes); ``spans[n]``, when given and not None, limits
+        job n to the chunks that overlap that byte range of the tensor (the rest of its output is not written)."""
         cs = m.chunk_size
         work: list[tuple[manifest.TensorEntry, bytes, np.ndarray]] = []
-        for t, out in jobs:
+        for n, (t, out) in enumerate(jobs):
             if len(out) != t.nbytes:
                 raise ShapeMismatchError(f"{t.key!r}: buffer of {len(out)} bytes for {t.nbytes}")
-            for i in range(t.count):
+            chunks = range(t.count)
+            span = spans[n] if spans is not None else None
+            if span is not None:
+                lo, hi = max(0, span[0]), min(t.nbytes, span[1])
+                chunks = range(lo // cs, -(-hi // cs)) if lo < hi else range(0)
+            for i in chunks:
                 j = t.first + i
                 view = out[i * cs : i * cs + t.chunk_len(i, cs)]
                 if m.flags[j] & manifest.FLAG_ZERO:
