@@ -115,11 +115,17 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"logical    {human(info.logical_bytes)}   written {human(info.written_bytes)}   "
               f"tensors {len(m.tensors)}   chunk size {human(m.chunk_size)}")
         print()
+        also: dict[int, list[str]] = {}  # further paths of a tensor the state holds twice (tied weights)
+        for path, i in tree.leaf_paths(m.tree).items():
+            if 0 <= i < len(m.tensors) and path != m.tensors[i].key:
+                also.setdefault(i, []).append(path)
         rows = [
             (t.key or "<root>", t.dtype, "x".join(map(str, t.shape)) or "()", human(t.nbytes), human(t.written))
-            for t in m.tensors
+            + ((", ".join(also.get(i, [])),) if also else ())
+            for i, t in enumerate(m.tensors)
         ]
-        print(table(rows, ["key", "dtype", "shape", "logical", "written"], right={3, 4}))
+        print(table(rows, ["key", "dtype", "shape", "logical", "written"] + (["also at"] if also else []),
+                    right={3, 4}))
     return 0
 
 

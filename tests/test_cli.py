@@ -113,6 +113,20 @@ def test_ls_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) ->
     assert table_rows(out) == []
 
 
+def test_show_names_every_path_of_a_tied_tensor(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    sd = {"emb.weight": emb.state_dict()["weight"], "head.weight": head.state_dict()["weight"], "x": torch.ones(2)}
+    with open_store(store_path) as s:
+        s.save({"model": sd}, step=1)
+    rc, out, _ = cli(capsys, "show", store_path, 1)
+    assert rc == 0 and "tensors 2" in out
+    row = next(line for line in out.splitlines() if line.startswith("model.emb.weight"))
+    assert row.split()[-1] == "model.head.weight" and "also at" in out
+    assert "head" not in next(line for line in out.splitlines() if line.startswith("model.x "))
+
+
 def test_show_prints_each_tensor(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     w = rand(2 * CS, 0).reshape(64, 32)
     s1 = {
