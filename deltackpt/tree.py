@@ -267,8 +267,8 @@ def _leaf_refs(n: Any, path: str) -> Iterator[tuple[str, int]]:
         tag = n[0]
         if tag in ("T", "A"):
             yield path, int(n[1])
-        elif tag in ("d", "o", "C", "D"):
-            keys, vals = (n[1], n[2]) if tag != "D" else (n[2], n[3])
+        elif tag in _DICT_TAGS:
+            keys, vals = _dict_parts(n)
             for k, v in zip(keys, vals):
                 yield from _leaf_refs(v, _child(path, _plain_build(k)))
         elif tag in ("l", "t", "q"):
@@ -376,6 +376,14 @@ def decode_plain(skeleton: Any) -> Any:
     return unflatten(skeleton, [])
 
 
+_DICT_TAGS = ("d", "o", "C", "D")
+
+
+def _dict_parts(n: list[Any]) -> tuple[Any, Any]:
+    """The key nodes and value nodes of a dict-like node (a defaultdict's come after its factory)."""
+    return (n[2], n[3]) if n[0] == "D" else (n[1], n[2])
+
+
 def _plain_build(n: Any) -> Any:
     """A dict key or set element: a hashable plain value (no arrays, registered types or pickles)."""
     if type(n) is not list or not n or n[0] not in ("N", "b", "i", "f", "s", "y", "c", "ns", "dt", "dv", "t", "F"):
@@ -403,8 +411,8 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
         return n[1]
     if tag == "y":
         return base64.b64decode(n[1], validate=True)
-    if tag in ("d", "o", "C", "D"):
-        knodes, vnodes = (n[1], n[2]) if tag != "D" else (n[2], n[3])
+    if tag in _DICT_TAGS:
+        knodes, vnodes = _dict_parts(n)
         keys = [_plain_build(k) for k in knodes]
         if len(keys) != len(vnodes):
             raise ValueError("dict node")
