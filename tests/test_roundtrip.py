@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
+import os
 import struct
 import tempfile
+import threading
 from collections import Counter, OrderedDict, defaultdict, deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -772,3 +776,109 @@ def test_reopen_in_fresh_directory_roundtrip() -> None:
             s.save(state, step=1)
         with deltackpt.Store(p) as s:
             assert_same_state(state, s.load(1))
+
+
+# -- the cyclic garbage collector during saves and loads ------------------------------------------------------
+
+
+class _GcProbe:
+    """Records whether the cyclic collector is enabled when a save pickles it (after calling its ``hook``) and when
+    a load rebuilds it."""
+
+    seen: list[bool] = []
+
+    def __init__(self, hook: Any = None) -> None:
+        _GcProbe.seen.append(gc.isenabled())
+        self.hook = hook
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        if self.hook is not None:
+            self.hook()
+        _GcProbe.seen.append(gc.isenabled())
+        return (_GcProbe, ())
+
+
+@pytest.fixture
+def probe() -> Iterator[type[_GcProbe]]:
+    _GcProbe.seen = []
+    was = gc.isenabled()
+    try:
+        yield _GcProbe
+    finally:
+        _GcProbe.seen = []
+        (gc.enable if was else gc.disable)()
+
+
+def test_cyclic_gc_waits_while_a_save_or_load_runs(store: deltackpt.Store, probe: type[_GcProbe]) -> None:
+    gc.enable()
+    state = {"w": torch.arange(10.0), "p": probe()}
+    probe.seen.clear()
+    store.save(state, step=1, allow_pickle=True)
+    assert probe.seen == [False] and gc.isenabled()
+    probe.seen.clear()
+    out = store.load(1, allow_pickle=True)
+    assert probe.seen == [False] and gc.isenabled()
+    assert isinstance(out["p"], _GcProbe)
+    with pytest.raises(UnsupportedTypeError):  # a save that fails leaves the collector as it was, too
+        store.save({"f": lambda: 0}, step=2)
+    assert gc.isenabled()
+
+
+def test_a_disabled_cyclic_gc_stays_disabled(store: deltackpt.Store, probe: type[_GcProbe]) -> None:
+    gc.disable()
+    store.save({"w": torch.arange(10.0), "p": probe()}, step=1, allow_pickle=True)
+    store.load(1, allow_pickle=True)
+    assert not gc.isenabled()
+
+
+def test_cyclic_gc_resumes_after_the_last_of_overlapping_saves(tmp_path: Path, probe: type[_GcProbe]) -> None:
+    gc.enable()
+    b_inside, a_inside, b_done = threading.Event(), threading.Event(), threading.Event()
+    # b pauses the collector first; a saves meanwhile and, after b returned, looks again
+    states = {
+        "b": {"p1": probe(lambda: (b_inside.set(), a_inside.wait(30))), "w": torch.arange(1000.0)},
+        "a": {"p1": probe(a_inside.set), "p2": probe(lambda: b_done.wait(30)), "w": torch.arange(1000.0)},
+    }
+    stores = {n: deltackpt.Store(tmp_path / n, chunk_size=SMALL_CHUNK) for n in states}
+    errors: list[BaseException] = []
+
+    def save(n: str) -> None:
+        try:
+            stores[n].save(states[n], step=1, allow_pickle=True)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            if n == "b":
+                b_done.set()
+
+    probe.seen.clear()
+    try:
+        threads = [threading.Thread(target=save, args=(n,)) for n in states]
+        threads[0].start()
+        assert b_inside.wait(30)
+        threads[1].start()
+        for t in threads:
+            t.join(60)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert probe.seen == [False, False, False]  # a's second look came after b returned: still paused
+        assert gc.isenabled()
+    finally:
+        for s in stores.values():
+            s.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_during_a_save_has_the_cyclic_gc_on(store: deltackpt.Store, probe: type[_GcProbe]) -> None:
+    gc.enable()
+    children: list[int] = []
+
+    def fork() -> None:
+        pid = os.fork()
+        if pid == 0:  # the child: the save it was forked in does not go on here
+            os._exit(0 if gc.isenabled() else 3)
+        children.append(pid)
+
+    store.save({"p": probe(fork)}, step=1, allow_pickle=True)
+    (pid,) = children
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
