@@ -6,9 +6,10 @@ checkpoint and loads the ``.pt`` with ``torch.load`` in fresh processes, each wi
 right after the imports, in interleaved rounds (warm page cache; medians of wall-clock and CPU time).
 
 Why: a process that has just imported torch holds a few hundred thousand objects the cyclic GC tracks and is
-due a full collection, which the first code that allocates enough objects pays (0.1 s here, inside a restore).
-``gc.freeze()`` moves what exists into a permanent generation that collections skip, so that pass never
-happens; ``torch.load`` gains too.
+due a full collection, which the first code that allocates enough objects pays (0.1 s here). ``torch.load``
+pays it inside the load; deltackpt's loads hold the collector off, so the pass comes after them, in whatever
+the process does next (this benchmark times the load only). ``gc.freeze()`` moves what exists into a permanent
+generation that collections skip, so that pass never happens.
 """
 
 from __future__ import annotations
