@@ -14,8 +14,8 @@ relative to ``torch.save`` of the same state for
 
 split by where the bytes go (weights, exp_avg, exp_avg_sq), and the restore time of the newest and the
 oldest checkpoint against ``torch.load`` of a ``.pt`` file, each load in a fresh process as a restarted job does
-it (calling ``gc.freeze()`` after its imports, so that neither loader pays the collection the imports left due:
-``torch.load`` would pay it inside the load, deltackpt after it; ``bench.restart``), with the page cache dropped before the load (a restart on another machine; on a VM the disk's speed swings
+it (calling ``gc.freeze()`` after its imports, so that neither loader pays the collection the imports left due;
+``bench.restart`` measures it), with the page cache dropped before the load (a restart on another machine; on a VM the disk's speed swings
 from run to run) and with the files in the page cache (a restart in place: the CPU cost of decoding against
 torch.load's), and the CPU time of the warm restores (user + system over all threads: the work that more cores
 would share). ``--cores`` repeats the warm restores of ``torch.load`` and the newest checkpoint pinned to the

@@ -7,9 +7,9 @@ right after the imports, in interleaved rounds (warm page cache; medians of wall
 
 Why: a process that has just imported torch holds a few hundred thousand objects the cyclic GC tracks and is
 due a full collection, which the first code that allocates enough objects pays (0.1 s here). ``torch.load``
-pays it inside the load; deltackpt's loads hold the collector off, so the pass comes after them, in whatever
-the process does next (this benchmark times the load only). ``gc.freeze()`` moves what exists into a permanent
-generation that collections skip, so that pass never happens.
+pays it inside the load; deltackpt's loads hold the collector off while they decode and pay it when they
+return. ``gc.freeze()`` moves what exists into a permanent generation that collections skip, so that pass
+never happens.
 """
 
 from __future__ import annotations
