@@ -14,9 +14,10 @@ relative to ``torch.save`` of the same state for
 
 split by where the bytes go (weights, exp_avg, exp_avg_sq), and the restore time of the newest and the
 oldest checkpoint against ``torch.load`` of a ``.pt`` file, each load in a fresh process as a restarted job does
-it (calling ``gc.freeze()`` after its imports, so that neither loader pays the collection the imports left due;
-``bench.restart`` measures it), with the page cache dropped before the load (a restart on another machine; on a VM the disk's speed swings
-from run to run) and with the files in the page cache (a restart in place: the CPU cost of decoding against
+it (like a restarted job, without ``gc.freeze()``: each loader pays the collection the imports left due,
+``torch.load`` during the load and deltackpt when its load returns; ``bench.restart`` measures it), with the
+page cache dropped before the load (a restart on another machine; on a VM the disk's speed swings from run to
+run) and with the files in the page cache (a restart in place: the CPU cost of decoding against
 torch.load's), and the CPU time of the warm restores (user + system over all threads: the work that more cores
 would share). ``--cores`` repeats the warm restores of ``torch.load`` and the newest checkpoint pinned to the
 first n CPUs for each n given: how restores scale with cores on the machine at hand.
@@ -120,7 +121,7 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
             for drop in (True, False):
                 if drop:
                     evict(root)
-                wall, used = _load_in_child(path, cid, gc_freeze=True)
+                wall, used = _load_in_child(path, cid)
                 times[name, drop].append(wall)
                 if not drop:
                     cpu[name].append(used)
@@ -135,7 +136,7 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
     for _ in range(5):
         for n, by_name in pinned.items():
             for name, walls in by_name.items():
-                walls.append(_load_in_child(*loaders[name], allowed[:n], gc_freeze=True)[0])
+                walls.append(_load_in_child(*loaders[name], allowed[:n])[0])
     scaling = {n: {name: statistics.median(walls) for name, walls in by_name.items()} for n, by_name in pinned.items()}
     return {"rows": rows, "loads": loads, "warm": warm, "warm_cpu": warm_cpu, "scaling": scaling}
 

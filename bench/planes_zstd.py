@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         loads = {"PLANES_PARAMS": root / "store", "level 1": root / "level1", "torch.load": root / "state.pt"}
         for _ in range(args.restore):
             for name, path in loads.items():
-                times.setdefault(name, []).append(_load_in_child(path, None, gc_freeze=True))
+                times.setdefault(name, []).append(_load_in_child(path, None))
     dctx = zstandard.ZstdDecompressor()
     raw: collections.Counter[str] = collections.Counter()
     size: collections.Counter[tuple[str, str]] = collections.Counter()
