@@ -152,9 +152,10 @@ def _cyclic_gc_paused() -> Iterator[None]:
         yield
     finally:
         with _gc_pause_lock:
-            _gc_pause_depth -= 1
-            if _gc_pause_depth == 0 and _gc_pause_owned:
-                gc.enable()
+            if _gc_pause_depth > 0:  # else this call began before a fork, in the parent: the child reset the count
+                _gc_pause_depth -= 1
+                if _gc_pause_depth == 0 and _gc_pause_owned:
+                    gc.enable()
 
 
 def _pausing_gc(fn: _F) -> _F:
