@@ -21,8 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
-import functools
-import gc
 import json
 import os
 import re
@@ -35,12 +33,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from deltackpt import codec, config, kernel, manifest, predict, tree
+from deltackpt import codec, collector, config, kernel, manifest, predict, tree
 from deltackpt.cache import ChunkCache
 from deltackpt.errors import (
     CheckpointNotFoundError,
@@ -67,7 +65,6 @@ _INLINE_BELOW = 64 << 10
 _worker = threading.local()
 _T = TypeVar("_T")
 _R = TypeVar("_R")
-_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -123,62 +120,6 @@ def _host_bytes(obj: torch.Tensor | np.ndarray, staging: _Pinned | None = None) 
         return flat.numpy()
     a = np.ascontiguousarray(obj)
     return a.reshape(-1).view(np.uint8)
-
-
-_gc_pause_lock = threading.Lock()
-_gc_pause_depth = 0  # saves and loads in progress in this process
-_gc_pause_owned = False  # whether the first of them disabled the collector (it was enabled then)
-
-
-@contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Hold off Python's cyclic garbage collector while saves or loads run in this process.
-
-    A save of a state with many tensors allocates a few container objects per tensor (tree leaves, manifest
-    entries) that live until it ends. Their count alone triggers collections of the oldest generation, each a
-    pass over every object the process holds, the training job's included: 0.2-0.6 s per save of 16,500 small
-    tensors on this project's VM, none of it reclaiming anything. Reference counting still frees everything
-    as usual; only the search for reference cycles waits until the last save or load in progress returns. The
-    collector is left as found: disabled stays disabled.
-    """
-    global _gc_pause_depth, _gc_pause_owned
-    with _gc_pause_lock:
-        if _gc_pause_depth == 0:
-            _gc_pause_owned = gc.isenabled()
-            if _gc_pause_owned:
-                gc.disable()
-        _gc_pause_depth += 1
-    try:
-        yield
-    finally:
-        with _gc_pause_lock:
-            if _gc_pause_depth > 0:  # else this call began before a fork, in the parent: the child reset the count
-                _gc_pause_depth -= 1
-                if _gc_pause_depth == 0 and _gc_pause_owned:
-                    gc.enable()
-
-
-def _pausing_gc(fn: _F) -> _F:
-    """Run ``fn`` under :func:`_cyclic_gc_paused`."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with _cyclic_gc_paused():
-            return fn(*args, **kwargs)
-
-    return cast(_F, run)
-
-
-def _gc_pause_after_fork() -> None:
-    """A child forked during a save or load of another thread: that save does not exist in the child."""
-    global _gc_pause_depth, _gc_pause_owned, _gc_pause_lock
-    _gc_pause_lock = threading.Lock()
-    if _gc_pause_depth and _gc_pause_owned:
-        gc.enable()
-    _gc_pause_depth, _gc_pause_owned = 0, False
-
-
-os.register_at_fork(after_in_child=_gc_pause_after_fork)
 
 
 class _Done:
@@ -465,7 +406,7 @@ class Store:
         return self.index.count()
 
     # -- save ---------------------------------------------------------------------------------------------
-    @_pausing_gc
+    @collector.paused_during
     def save(
         self,
         state: Any,
@@ -894,7 +835,7 @@ class Store:
         return frame
 
     # -- load ---------------------------------------------------------------------------------------------
-    @_pausing_gc
+    @collector.paused_during
     def load(
         self,
         step: int | None = None,
@@ -945,7 +886,7 @@ class Store:
         self._head = rec.id
         return state
 
-    @_pausing_gc
+    @collector.paused_during
     def load_into(
         self,
         target: Any,
