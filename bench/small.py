@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
 import statistics
 import tempfile
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 import deltackpt
+from bench.util import fsync_path
 
 
 def _state(n: int) -> dict[str, Any]:
@@ -37,11 +37,7 @@ def _state(n: int) -> dict[str, Any]:
 
 def _torch_save(state: Any, path: Path) -> None:
     torch.save(state, path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_path(path)
 
 
 def main(argv: list[str] | None = None) -> int:
