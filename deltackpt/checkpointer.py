@@ -325,7 +325,8 @@ class Checkpointer:
         self.wait()
         if step is None and id is None and self.store.latest() is None:
             return 0
-        state = self.store.load(step, id=id, map_location=self.map_location)
+        # the model's own tensors are offered: they are decoded in place, and load_state_dict then copies nothing
+        state = self.store.load(step, id=id, map_location=self.map_location, into={"model": _group_state(self.model)})
         restored = self.apply(state)
         self.last_saved_step = restored
         return restored

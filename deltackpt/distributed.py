@@ -359,7 +359,7 @@ class DeltaStorageReader(StorageReader):
                         raise CorruptManifestError(f"DCP metadata in {self.root} has no chunk {req.storage_index}")
                     bufs[s.key] = torch.empty(sizes, dtype=self._dtypes[req.storage_index.fqn])
                 span = _byte_span(bufs[s.key], req.storage_offsets, req.lengths)
-                path = tree._child(_TENSORS, s.key)
+                path = tree.child_path(_TENSORS, s.key)
                 if span is not None:
                     old = spans.get(path, span)
                     spans[path] = (min(old[0], span[0]), max(old[1], span[1]))

@@ -33,7 +33,7 @@ import numpy as np
 from deltackpt import kernel
 from deltackpt._pykernel import adam_w
 from deltackpt.errors import CorruptChunkError
-from deltackpt.tree import _child
+from deltackpt.tree import child_path
 
 #: predictor ids (prefix byte 0)
 SECOND_MOMENT = 1  # refs: m, m' (base v'); coefs c0..c3: g = (m - c0*m') * c1 ; v = c2*v' + c3*(g*g)
@@ -157,7 +157,7 @@ def plan(state: Any, leaves: Iterable[Any]) -> dict[str, Role]:
     states: list[tuple[str, str, tuple[int, ...], Role]] = []  # (m path, v path, shape, role of v)
     for path, opt in _optimizer_dicts(state, ""):
         optimizer_prefixes.append(path)
-        spath = _child(path, "state")
+        spath = child_path(path, "state")
         for group in opt["param_groups"]:
             if not isinstance(group, Mapping):
                 continue
@@ -173,8 +173,8 @@ def plan(state: Any, leaves: Iterable[Any]) -> dict[str, Role]:
                 st = opt["state"].get(idx)
                 if not isinstance(st, Mapping) or "exp_avg" not in st or "exp_avg_sq" not in st:
                     continue
-                base = _child(spath, idx)
-                mp, vp = _child(base, "exp_avg"), _child(base, "exp_avg_sq")
+                base = child_path(spath, idx)
+                mp, vp = child_path(base, "exp_avg"), child_path(base, "exp_avg_sq")
                 ml, vl = by_path.get(mp), by_path.get(vp)
                 if ml is None or vl is None or not (_is_f32(ml) and _is_f32(vl)) or ml.shape != vl.shape:
                     continue
@@ -217,10 +217,10 @@ def _optimizer_dicts(obj: Any, path: str) -> Iterable[tuple[str, Mapping[str, An
             return
         for k, v in obj.items():
             if isinstance(k, (str, int)):
-                yield from _optimizer_dicts(v, _child(path, k))
+                yield from _optimizer_dicts(v, child_path(path, k))
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _optimizer_dicts(v, _child(path, i))
+            yield from _optimizer_dicts(v, child_path(path, i))
 
 
 def _inside(path: str, prefix: str) -> bool:

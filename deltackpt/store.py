@@ -844,21 +844,42 @@ class Store:
         map_location: Any = None,
         verify: bool = True,
         allow_pickle: bool = False,
+        into: Any = None,
     ) -> Any:
         """Load a checkpoint (the latest when ``step`` and ``id`` are None) and return its state.
 
         ``map_location`` works like ``torch.load``'s (a device, a device string, or a dict mapping stored
         device strings to targets). ``verify=False`` skips re-hashing decoded chunks (frame checksums are
         still checked). The next ``save`` through this handle descends from the loaded checkpoint.
+
+        ``into`` (e.g. ``{"model": model.state_dict()}``) offers tensors to decode into: a stored tensor whose
+        key path leads to a tensor of the same dtype and shape in ``into`` is written into that tensor's memory,
+        on its device (``map_location`` does not apply to it), and the returned state holds that very object.
+        Other stored tensors, and offered tensors that do not match, are handled as without ``into``. Then
+        ``model.load_state_dict(state["model"])`` finds its own memory already holding the values (torch's
+        ``copy_`` skips a copy onto itself): no second copy of the model is allocated. If the load raises,
+        the offered tensors may hold part of the checkpoint.
         """
         rec = self._record(step, id)
         with self._gc_lock():
             m = self._manifest(rec)
+            given = _placements(m, into) if into is not None else {}
             objs: list[Any] = []
             jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []
             finals: list[tuple[int, torch.Tensor, torch.device]] = []
-            for t in m.tensors:
-                if t.kind == "torch":
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for n, t in enumerate(m.tensors):
+                target = given.get(n)
+                if target is not None:
+                    view = _byte_view(target) if target.device.type == "cpu" else None
+                    if view is None:  # decode into a host buffer, then copy into the target's layout or device
+                        staging = torch.empty(t.shape, dtype=target.dtype, pin_memory=target.device.type == "cuda")
+                        copies.append((target, staging))
+                        view = _byte_view(staging)
+                    assert view is not None
+                    jobs.append((t, view.numpy()))
+                    objs.append(target)
+                elif t.kind == "torch":
                     dt = tree.torch_dtype(t.dtype)
                     dev = _resolve_device(t.device, map_location)
                     pin = dev.type == "cuda"
@@ -872,12 +893,15 @@ class Store:
                     jobs.append((t, arr.reshape(-1).view(np.uint8)))
                     objs.append(arr)
             self._read_into(m, jobs, verify=verify)
+        with torch.no_grad():
+            for target, staging in copies:
+                target.copy_(staging, non_blocking=True)
         for i, out, dev in finals:
             objs[i] = out.to(dev, non_blocking=True)
-        if finals and torch.cuda.is_available():
+        if (finals or copies) and torch.cuda.is_available():
             torch.cuda.synchronize()
         for i, t in enumerate(m.tensors):
-            if t.kind == "torch":
+            if t.kind == "torch" and i not in given:
                 if t.parameter:
                     objs[i] = torch.nn.Parameter(objs[i], requires_grad=t.requires_grad)
                 elif t.requires_grad:
@@ -1260,6 +1284,27 @@ class Store:
 
 
 _INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
+
+
+def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor]:
+    """Which offered tensor each stored tensor of ``m`` is decoded into (by index in the tensor table): the
+    first tensor of the same dtype and shape at one of its places in ``into``. Memory is filled from one stored
+    tensor only: a tensor offered at two places (tied) while the checkpoint stores two is offered to the first."""
+    out: dict[int, torch.Tensor] = {}
+    taken: set[Any] = set()
+    for i, target in tree.pair_leaves(m.tree, into):
+        if not isinstance(target, torch.Tensor) or i in out or not 0 <= i < len(m.tensors):
+            continue
+        t = m.tensors[i]
+        if (t.kind != "torch" or target.dtype != tree.torch_dtype(t.dtype) or list(target.shape) != list(t.shape)
+                or target.is_meta or target.layout != torch.strided or target.is_quantized or target.is_nested):
+            continue
+        key = (str(target.device), target.data_ptr()) if target.numel() else id(target)
+        if key in taken:
+            continue
+        taken.add(key)
+        out[i] = target
+    return out
 
 
 def _role(path: str) -> str:

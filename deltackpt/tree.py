@@ -38,7 +38,7 @@ import base64
 import pickle
 import struct
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,7 +130,8 @@ V2_TAGS = frozenset({"c", "S", "F", "C", "q", "D"})
 _HASHABLE = (type(None), bool, int, float, complex, str, bytes)
 
 
-def _child(path: str, key: Any) -> str:
+def child_path(path: str, key: Any) -> str:
+    """The key path of ``key`` under ``path``, as errors and manifests name it: ``a.b``, ``a[0]``, ``a[(1, 2)]``."""
     if type(key) is int:
         return f"{path}[{key}]"
     if type(key) is str:
@@ -190,7 +191,7 @@ class _Flattener:
             keys, vals = [], []
             for k, v in obj.items():
                 keys.append(self.plain(k, path, "dict key"))
-                vals.append(self.node(v, _child(path, k)))
+                vals.append(self.node(v, child_path(path, k)))
             if t is defaultdict:
                 factory = obj.default_factory
                 name = None if factory is None else getattr(factory, "__name__", None)
@@ -204,9 +205,9 @@ class _Flattener:
             return ["d" if t is dict else "o" if t is OrderedDict else "C", keys, vals]
         if t is list or t is tuple:
             tag = "l" if t is list else "t"
-            return [tag, [self.node(v, _child(path, i)) for i, v in enumerate(obj)]]
+            return [tag, [self.node(v, child_path(path, i)) for i, v in enumerate(obj)]]
         if t is deque:
-            return ["q", [self.node(v, _child(path, i)) for i, v in enumerate(obj)], obj.maxlen]
+            return ["q", [self.node(v, child_path(path, i)) for i, v in enumerate(obj)], obj.maxlen]
         if t is set or t is frozenset:
             return ["S" if t is set else "F", [self.plain(v, path, "set element") for v in obj]]
         if t is complex:
@@ -262,6 +263,36 @@ def leaf_paths(skeleton: Any) -> dict[str, int]:
     return dict(_leaf_refs(skeleton, ""))
 
 
+def pair_leaves(skeleton: Any, target: Any) -> Iterator[tuple[int, Any]]:
+    """``(leaf index, object)`` for every array leaf of ``skeleton`` at whose place ``target`` (a tree of dicts,
+    lists and tuples) holds an object, in document order: dict entries matched by key, sequence items by
+    position. The structural counterpart of :func:`leaf_paths`, so ``{"a.b": x}`` and ``{"a": {"b": x}}``,
+    which share a key path, never pair with each other. Nothing of ``target`` is modified (a ``defaultdict``
+    gains no keys)."""
+    try:
+        tag = skeleton[0]
+        if tag in ("T", "A"):
+            yield int(skeleton[1]), target
+        elif tag in _DICT_TAGS and isinstance(target, Mapping):
+            keys, vals = _dict_parts(skeleton)
+            for k, v in zip(keys, vals):
+                key = _plain_build(k)
+                try:
+                    child = target.get(key, _ABSENT)
+                except TypeError:  # a mapping that cannot hold such a key
+                    continue
+                if child is not _ABSENT:
+                    yield from pair_leaves(v, child)
+        elif tag in ("l", "t", "q") and isinstance(target, (list, tuple, deque)):
+            for v, child in zip(skeleton[1], target):
+                yield from pair_leaves(v, child)
+    except (IndexError, KeyError, TypeError, ValueError) as exc:
+        raise CorruptManifestError(f"malformed state skeleton: {exc!r}") from None
+
+
+_ABSENT = object()
+
+
 def _leaf_refs(n: Any, path: str) -> Iterator[tuple[str, int]]:
     try:
         tag = n[0]
@@ -270,10 +301,10 @@ def _leaf_refs(n: Any, path: str) -> Iterator[tuple[str, int]]:
         elif tag in _DICT_TAGS:
             keys, vals = _dict_parts(n)
             for k, v in zip(keys, vals):
-                yield from _leaf_refs(v, _child(path, _plain_build(k)))
+                yield from _leaf_refs(v, child_path(path, _plain_build(k)))
         elif tag in ("l", "t", "q"):
             for i, v in enumerate(n[1]):
-                yield from _leaf_refs(v, _child(path, i))
+                yield from _leaf_refs(v, child_path(path, i))
         elif tag == "x":
             yield from _leaf_refs(n[2], path)
     except (IndexError, KeyError, TypeError, ValueError) as exc:

@@ -383,6 +383,38 @@ def test_exact_resume_in_process(fast_dir: Path, total: int, split: int) -> None
     assert_bitwise(ref, tw.final_state(parts), "final")
 
 
+def test_restore_decodes_into_the_model(fast_dir: Path) -> None:
+    """restore() hands load_state_dict the model's own tensors, already holding the checkpoint's values: no
+    second copy of the model is allocated. The optimizer's state is loaded as usual."""
+    seen: list[bool] = []
+
+    class Spy(torch.nn.Sequential):
+        def load_state_dict(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+            mine = self.state_dict()
+            seen.append(all(state[k].data_ptr() == v.data_ptr() for k, v in mine.items()))
+            return super().load_state_dict(state, *args, **kwargs)
+
+    def build(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = Spy(torch.nn.Linear(5, 7), torch.nn.Linear(7, 2))
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    model, opt = build(0)
+    model(torch.randn(3, 5)).sum().backward()
+    opt.step()
+    with deltackpt.Checkpointer(fast_dir / "s", model=model, optimizer=opt, async_save=False,
+                                handle_signals=False) as ckpt:
+        ckpt.save(1)
+    model2, opt2 = build(1)
+    ptrs = [p.data_ptr() for p in model2.parameters()]
+    with deltackpt.Checkpointer(fast_dir / "s", model=model2, optimizer=opt2, handle_signals=False) as ckpt:
+        assert ckpt.restore() == 1
+    assert seen == [True]
+    assert [p.data_ptr() for p in model2.parameters()] == ptrs
+    assert_bitwise(model.state_dict(), model2.state_dict(), "model")
+    assert_bitwise(opt.state_dict(), opt2.state_dict(), "optimizer")
+
+
 # -- 2. async saves do not see later mutations ------------------------------------------------------------
 
 @pytest.mark.parametrize("device", [

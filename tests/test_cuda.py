@@ -80,3 +80,18 @@ def test_dcp_shards_on_the_gpu_save_and_load_into_gpu_targets(tmp_path: Path) ->
         dcp.load(target, storage_reader=DeltaStorageReader(tmp_path / "ckpt"))
     assert target["w"].is_cuda and torch.equal(target["w"], state["w"]) and torch.equal(target["b"], state["b"])
     assert target["n"] == 3
+
+
+@cuda
+def test_load_decodes_into_offered_cuda_tensors(tmp_path: Path) -> None:
+    """A CUDA model offered to load(into=...) is filled through a pinned host buffer; the state holds its tensors."""
+    torch.manual_seed(0)
+    src = torch.nn.Linear(300, 200)
+    with deltackpt.Store(tmp_path / "s", chunk_size=1 << 14) as s:
+        s.save({"model": src.state_dict()}, step=1)
+        dst = torch.nn.Linear(300, 200).cuda()
+        mine = dst.state_dict()
+        state = s.load(into={"model": mine}, map_location="cpu")
+        for k, v in mine.items():
+            assert state["model"][k] is v and v.device.type == "cuda"
+            assert torch.equal(v.cpu(), src.state_dict()[k]), k

@@ -716,6 +716,120 @@ def test_load_into_non_strict(store: deltackpt.Store) -> None:
     assert torch.equal(target["c"], torch.zeros(4))
 
 
+# -- load(into=...) -----------------------------------------------------------------------------------
+
+
+def _garbage_like(shape: tuple[int, ...], dtype: torch.dtype, layout: str, seed: int) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` full of random bytes; ``layout`` "noncontig" makes it a permuted view."""
+    g = torch.Generator().manual_seed(seed)
+    if layout == "noncontig" and len(shape) >= 2:
+        base = torch.empty(tuple(reversed(shape)), dtype=dtype)
+        t = base.permute(*reversed(range(len(shape))))
+    else:
+        t = base = torch.empty(shape, dtype=dtype)
+    if base.numel():
+        base.reshape(-1).view(torch.uint8).copy_(torch.randint(0, 256, (base.numel() * base.element_size(),),
+                                                               dtype=torch.uint8, generator=g))
+    return t
+
+
+@st.composite
+def tensor_trees(draw: st.DrawFn) -> Any:
+    """Dicts and lists of torch tensors from a small pool (so some appear twice), two levels deep, with keys that
+    look like key paths (``{"a.b": x, "a": {"b": y}}``)."""
+    pool = draw(st.lists(torch_tensors(), min_size=1, max_size=5))
+    leaf = st.sampled_from(range(len(pool))).map(lambda i: pool[i])
+    keys = st.one_of(st.sampled_from(["a", "b", "a.b", "0", "[0]"]), st.integers(0, 2))
+    inner = st.one_of(leaf, st.dictionaries(keys, leaf, min_size=1, max_size=3),
+                      st.lists(leaf, min_size=1, max_size=3))
+    return draw(st.one_of(st.dictionaries(keys, inner, min_size=1, max_size=4),
+                          st.lists(inner, min_size=1, max_size=4)))
+
+
+@given(state=tensor_trees(), data=st.data())
+def test_load_decodes_into_offered_tensors(shared_store: deltackpt.Store, state: Any, data: st.DataObject) -> None:
+    """``load(into=...)``: a stored tensor goes into the first offered tensor of its dtype and shape at one of its
+    places (the returned state then holds that object, at every place of the stored tensor); offers that do not
+    match, and second offers for one stored tensor, are left untouched; every value loads bit-exactly."""
+    shared_store.counter += 1
+    shared_store.save(state, step=shared_store.counter)
+    places: list[tuple[torch.Tensor, Any]] = []  # (original tensor, offer) in document order
+
+    def mirror(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            how = data.draw(st.sampled_from(["match"] * 3 + ["noncontig"] * 2 + ["none", "shape", "dtype", "numpy"]))
+            offer: Any = None
+            if how in ("match", "noncontig"):
+                offer = _garbage_like(tuple(obj.shape), obj.dtype, how, len(places))
+            elif how == "shape":
+                offer = _garbage_like((obj.numel() + 1,), obj.dtype, how, len(places))
+            elif how == "dtype":
+                other = torch.int16 if obj.dtype != torch.int16 else torch.int32
+                offer = _garbage_like(tuple(obj.shape), other, how, len(places))
+            elif how == "numpy":
+                offer = np.zeros(tuple(obj.shape), dtype=np.uint8)
+            places.append((obj, offer))
+            return offer
+        if isinstance(obj, dict):
+            return {k: mirror(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple, deque)) and not isinstance(obj, torch.Size):
+            return [mirror(v) for v in obj]
+        return None
+
+    into = mirror(state)
+    before = [tensor_bytes(x) if isinstance(x, torch.Tensor) else None for _, x in places]
+    loaded = shared_store.load(step=shared_store.counter, into=into)
+    got = [x for x in _arrays(loaded) if isinstance(x, torch.Tensor)]
+    assert len(got) == len(places)
+    first: dict[Any, torch.Tensor | None] = {}  # per stored tensor: the offer it must have gone into
+    for (orig, offer), out in zip(places, got):
+        assert out.dtype == orig.dtype and out.shape == orig.shape
+        assert tensor_bytes(out) == tensor_bytes(orig)
+        fits = isinstance(offer, torch.Tensor) and offer.dtype == orig.dtype and offer.shape == orig.shape
+        first.setdefault(deltackpt.tree.alias_key(orig), None)
+        if fits and first[deltackpt.tree.alias_key(orig)] is None:
+            first[deltackpt.tree.alias_key(orig)] = offer
+    for (orig, offer), out, was in zip(places, got, before):
+        chosen = first[deltackpt.tree.alias_key(orig)]
+        if chosen is None:
+            assert all(out is not x for _, x in places), "a stored tensor went into an offer that did not fit"
+        else:
+            assert out is chosen
+        if isinstance(offer, torch.Tensor) and offer is not chosen:
+            assert tensor_bytes(offer) == was, "an offer that was not taken changed"
+
+
+def test_load_into_a_model_needs_no_second_copy(store: deltackpt.Store) -> None:
+    """The model's own tensors come back in the loaded state, so load_state_dict has nothing to copy; the
+    optimizer's state is new; the values are the saved ones."""
+    src = _model(0)
+    opt = torch.optim.AdamW(src.parameters())
+    src(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    store.save({"model": src.state_dict(), "optimizer": opt.state_dict()}, step=1)
+    dst = _model(1)
+    mine = dst.state_dict()
+    state = store.load(step=1, into={"model": mine})
+    for k, v in mine.items():
+        assert state["model"][k] is v, k
+        assert tensor_bytes(v) == tensor_bytes(src.state_dict()[k]), k
+    assert tensor_bytes(dst[0].weight) == tensor_bytes(src[0].weight)  # filled through the model's memory
+    exp_avg = state["optimizer"]["state"][0]["exp_avg"]
+    assert all(exp_avg.data_ptr() != p.data_ptr() for p in dst.parameters())
+    assert tensor_bytes(exp_avg) == tensor_bytes(opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_load_into_tied_offer_and_untied_checkpoint(store: deltackpt.Store) -> None:
+    """Two stored tensors at the two places of one tied offered tensor: the first fills it, the second loads as
+    a new tensor (as torch would, load_state_dict then copies it over the first)."""
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    store.save({"emb": a, "head": b}, step=1)
+    w = torch.zeros(4, 3)
+    state = store.load(step=1, into={"emb": w, "head": w.view(4, 3)})
+    assert state["emb"] is w and torch.equal(w, a)
+    assert state["head"] is not w and torch.equal(state["head"], b)
+
+
 # -- registered types and pickle -----------------------------------------------------------------------
 
 
