@@ -853,8 +853,9 @@ class Store:
         still checked). The next ``save`` through this handle descends from the loaded checkpoint.
 
         ``into`` (e.g. ``{"model": model.state_dict()}``) offers tensors to decode into: a stored tensor whose
-        key path leads to a tensor of the same dtype and shape in ``into`` is written into that tensor's memory,
-        on its device (``map_location`` does not apply to it), and the returned state holds that very object.
+        place in the state (dict keys and list positions, matched structurally) holds a tensor of the same dtype
+        and shape in ``into`` is written into that tensor's memory, on its device (``map_location`` does not
+        apply to it), and the returned state holds that very object.
         Other stored tensors, and offered tensors that do not match, are handled as without ``into``. Then
         ``model.load_state_dict(state["model"])`` finds its own memory already holding the values (torch's
         ``copy_`` skips a copy onto itself): no second copy of the model is allocated. If the load raises,
@@ -871,7 +872,7 @@ class Store:
             for n, t in enumerate(m.tensors):
                 target = given.get(n)
                 if target is not None:
-                    view = _byte_view(target) if target.device.type == "cpu" else None
+                    view = _byte_view(target.detach()) if target.device.type == "cpu" else None
                     if view is None:  # decode into a host buffer, then copy into the target's layout or device
                         staging = torch.empty(t.shape, dtype=target.dtype, pin_memory=target.device.type == "cuda")
                         copies.append((target, staging))

@@ -819,6 +819,20 @@ def test_load_into_a_model_needs_no_second_copy(store: deltackpt.Store) -> None:
     assert tensor_bytes(exp_avg) == tensor_bytes(opt.state_dict()["state"][0]["exp_avg"])
 
 
+def test_load_into_parameters_and_lazy_views(store: deltackpt.Store) -> None:
+    """Offers that need care: a Parameter that requires grad (filled through a detached view, still requiring
+    grad), a lazily conjugated view and a transposed view of a Parameter (both through a host buffer)."""
+    w, c, t = torch.randn(4, 5), torch.randn(3, dtype=torch.complex64), torch.randn(5, 4)
+    store.save({"w": torch.nn.Parameter(w), "c": c, "t": t}, step=1)
+    p = torch.nn.Parameter(torch.zeros(4, 5))
+    lazy = torch.zeros(3, dtype=torch.complex64).conj()
+    pt = torch.nn.Parameter(torch.zeros(4, 5)).t()
+    state = store.load(step=1, into={"w": p, "c": lazy, "t": pt})
+    assert state["w"] is p and p.requires_grad and torch.equal(p, w)
+    assert state["c"] is lazy and lazy.is_conj() and torch.equal(lazy, c)
+    assert state["t"] is pt and torch.equal(pt, t)
+
+
 def test_load_into_tied_offer_and_untied_checkpoint(store: deltackpt.Store) -> None:
     """Two stored tensors at the two places of one tied offered tensor: the first fills it, the second loads as
     a new tensor (as torch would, load_state_dict then copies it over the first)."""
