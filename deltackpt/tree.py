@@ -268,26 +268,31 @@ def pair_leaves(skeleton: Any, target: Any) -> Iterator[tuple[int, Any]]:
     lists and tuples) holds an object, in document order: dict entries matched by key, sequence items by
     position. The structural counterpart of :func:`leaf_paths`, so ``{"a.b": x}`` and ``{"a": {"b": x}}``,
     which share a key path, never pair with each other. Nothing of ``target`` is modified (a ``defaultdict``
-    gains no keys)."""
+    gains no keys). A malformed skeleton raises :class:`CorruptManifestError`; ``target`` is only looked at."""
     try:
         tag = skeleton[0]
         if tag in ("T", "A"):
-            yield int(skeleton[1]), target
-        elif tag in _DICT_TAGS and isinstance(target, Mapping):
-            keys, vals = _dict_parts(skeleton)
-            for k, v in zip(keys, vals):
-                key = _plain_build(k)
-                try:
-                    child = target.get(key, _ABSENT)
-                except TypeError:  # a mapping that cannot hold such a key
-                    continue
-                if child is not _ABSENT:
-                    yield from pair_leaves(v, child)
-        elif tag in ("l", "t", "q") and isinstance(target, (list, tuple, deque)):
-            for v, child in zip(skeleton[1], target):
-                yield from pair_leaves(v, child)
+            leaf = int(skeleton[1])
+        elif tag in _DICT_TAGS:
+            knodes, vals = _dict_parts(skeleton)
+            keys = [_plain_build(k) for k in knodes]
+        elif tag in ("l", "t", "q"):
+            vals = skeleton[1]
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         raise CorruptManifestError(f"malformed state skeleton: {exc!r}") from None
+    if tag in ("T", "A"):
+        yield leaf, target
+    elif tag in _DICT_TAGS and isinstance(target, Mapping):
+        for key, v in zip(keys, vals):
+            try:
+                child = target.get(key, _ABSENT)
+            except (TypeError, KeyError):  # a mapping that cannot hold or look up such a key
+                continue
+            if child is not _ABSENT:
+                yield from pair_leaves(v, child)
+    elif tag in ("l", "t", "q") and isinstance(target, (list, tuple, deque)):
+        for v, child in zip(vals, target):
+            yield from pair_leaves(v, child)
 
 
 _ABSENT = object()

@@ -833,6 +833,23 @@ def test_load_into_parameters_and_lazy_views(store: deltackpt.Store) -> None:
     assert state["t"] is pt and torch.equal(pt, t)
 
 
+def test_pair_leaves_matches_places_not_key_paths() -> None:
+    """The skeleton of {"a.b": x, "a": {"b": y}} pairs each leaf with the object at its own place; a target
+    mapping that cannot look a key up is skipped, not blamed on the manifest; a malformed skeleton is."""
+    skeleton, _ = deltackpt.tree.flatten({"a.b": torch.zeros(1), "a": {"b": torch.ones(1)}, "l": [torch.zeros(2)]})
+    x, y, z = object(), object(), object()
+    assert list(deltackpt.tree.pair_leaves(skeleton, {"a": {"b": y}, "a.b": x, "l": (z,)})) == [(0, x), (1, y), (2, z)]
+    assert list(deltackpt.tree.pair_leaves(skeleton, {"a": [y], "l": {}})) == []
+
+    class Picky(dict):
+        def get(self, key: Any, default: Any = None) -> Any:
+            raise TypeError("no")
+
+    assert list(deltackpt.tree.pair_leaves(skeleton, Picky(a=x))) == []
+    with pytest.raises(deltackpt.CorruptManifestError):
+        list(deltackpt.tree.pair_leaves(["d", [["s", "a"]], [["T"]]], {"a": x}))
+
+
 def test_load_into_tied_offer_and_untied_checkpoint(store: deltackpt.Store) -> None:
     """Two stored tensors at the two places of one tied offered tensor: the first fills it, the second loads as
     a new tensor (as torch would, load_state_dict then copies it over the first)."""
