@@ -77,18 +77,20 @@ def _which(arg: str) -> dict[str, Any]:
     return {"id": manifest.check_id(arg)}
 
 
-def _open(path: str) -> Store:
+def _open(path: str, *, readonly: bool = False) -> Store:
+    """The store at ``path``; ``readonly`` for commands that only read (they then work on a read-only mount and
+    never change anything)."""
     p = Path(path)
     if not (p / "STORE").exists():
         if (p / "meta" / "STORE").exists():
             raise DeltackptError(f"{path} is a sharded (DCP) checkpoint root: 'deltackpt dcp {path}' lists its "
                                  f"steps; its stores are {p / 'meta'} and {p / 'rank-*'} (each rank's shards)")
         raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
-    return Store(p)
+    return Store(p, readonly=True if readonly else None)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with _open(args.store) as s:
+    with _open(args.store, readonly=True) as s:
         infos = s.list()
         rows = [
             (i.step, i.id, when(i.created), human(i.logical_bytes), human(i.written_bytes),
@@ -106,7 +108,7 @@ def _meta_str(meta: Any) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    with _open(args.store) as s:
+    with _open(args.store, readonly=True) as s:
         info = s.info(**_which(args.checkpoint))
         m = s.manifest(id=info.id)
         print(f"checkpoint {info.id}  step {info.step}  created {when(info.created)}  parent {info.parent or '-'}")
@@ -130,7 +132,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_log(args: argparse.Namespace) -> int:
-    with _open(args.store) as s:
+    with _open(args.store, readonly=True) as s:
         infos = s.list()
         by_id = {i.id: i for i in infos}
         children: dict[str | None, int] = {}
@@ -151,7 +153,7 @@ def cmd_log(args: argparse.Namespace) -> int:
 
 
 def cmd_du(args: argparse.Namespace) -> int:
-    with _open(args.store) as s:
+    with _open(args.store, readonly=True) as s:
         infos = s.list()
         logical = sum(i.logical_bytes for i in infos)
         unique_raw = frames = 0
@@ -195,7 +197,7 @@ def cmd_du(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    with _open(args.store) as s, progress("verify") as bar:
+    with _open(args.store, readonly=True) as s, progress("verify") as bar:
         which = _which(args.checkpoint) if args.checkpoint else {}
         if args.checkpoint == "latest":
             which = {"id": s.info().id}
@@ -318,7 +320,7 @@ def _tensor_dict(state: Any) -> dict[str, torch.Tensor]:
 
 def cmd_export(args: argparse.Namespace) -> int:
     dest = Path(args.file)
-    with _open(args.store) as s:
+    with _open(args.store, readonly=True) as s:
         state = s.load(**_which(args.checkpoint), map_location="cpu")
     if dest.suffix == ".safetensors":
         try:
@@ -360,7 +362,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_resume_info(args: argparse.Namespace) -> int:
-    with _open(args.store) as s:
+    with _open(args.store, readonly=True) as s:
         latest = s.latest()
         if latest is None:
             print(f"{args.store} holds no checkpoint: a run would start from step 0")

@@ -83,6 +83,11 @@ class StoreLockedError(DeltackptError):
     """An operation that needs the store alone (gc, repair) could not get it in time."""
 
 
+class ReadOnlyStoreError(DeltackptError, PermissionError):
+    """A save, delete, gc or repair on a store opened read-only (``Store(path, readonly=True)``, or a store on a
+    read-only filesystem). Nothing was changed."""
+
+
 class ShapeMismatchError(DeltackptError, ValueError):
     """``load_into`` found a target tensor whose dtype or shape differs from the stored one."""
 

@@ -134,26 +134,37 @@ class _Shared:
     """One LMDB environment per process and path: LMDB forbids opening an environment twice in a process."""
 
     def __init__(self, path: Path, readonly: bool) -> None:
+        """``readonly``: create nothing and write nothing. The environment is still opened for writing where
+        that is allowed (LMDB's reader table then works as for any reader, and a writing handle of this process
+        can share it); on a read-only filesystem, or without write permission, it is opened read-only, and
+        without LMDB's lock file when that cannot be opened either (nothing can write there)."""
         if not readonly:
             path.mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(
-            str(path), map_size=MAP_SIZE, max_dbs=8, subdir=True, readonly=readonly,
-            lock=True, sync=True, metasync=True, readahead=False, meminit=False, create=not readonly,
-        )
+        opts = dict(map_size=MAP_SIZE, max_dbs=8, subdir=True, sync=True, metasync=True, readahead=False,
+                    meminit=False, create=not readonly)
+        self.readonly = False
+        try:
+            self.env = lmdb.open(str(path), readonly=False, lock=True, **opts)
+        except lmdb.Error:
+            if not readonly:
+                raise
+            self.readonly = True
+            try:
+                self.env = lmdb.open(str(path), readonly=True, lock=True, **opts)
+            except lmdb.Error:
+                self.env = lmdb.open(str(path), readonly=True, lock=False, **opts)
         self.refs = 0
         try:
             self.dbs = {name: self.env.open_db(name.encode(), create=not readonly)
                         for name in ("meta", "chunks", "ckpts", "ids", "steps")}
-            if not readonly:
+            if not self.readonly:
                 self.env.reader_check()  # clear reader slots of dead processes
-                with self.env.begin(write=True) as txn:
-                    v = txn.get(b"format", db=self.dbs["meta"])
-                    if v is None:
-                        txn.put(b"format", str(INDEX_VERSION).encode(), db=self.dbs["meta"])
-                    elif int(v) > INDEX_VERSION:
-                        raise FormatVersionError(
-                            f"index format {int(v)} is newer than this reader ({INDEX_VERSION})"
-                        )
+            with self.env.begin(write=not readonly) as txn:
+                v = txn.get(b"format", db=self.dbs["meta"])
+                if v is None and not readonly:
+                    txn.put(b"format", str(INDEX_VERSION).encode(), db=self.dbs["meta"])
+                elif v is not None and int(v) > INDEX_VERSION:
+                    raise FormatVersionError(f"index format {int(v)} is newer than this reader ({INDEX_VERSION})")
         except BaseException:
             self.env.close()
             raise

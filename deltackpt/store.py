@@ -43,10 +43,12 @@ from deltackpt.cache import ChunkCache
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
+    CorruptIndexError,
     CorruptManifestError,
     DeltackptError,
     FormatVersionError,
     InvalidNameError,
+    ReadOnlyStoreError,
     ShapeMismatchError,
     StoreLockedError,
 )
@@ -202,6 +204,10 @@ class Store:
     frame read has to wait on the disk) and
     ``predict`` (store changed AdamW second moments and parameters as predicted frames, on by default; see
     :mod:`deltackpt.predict`).
+    ``readonly=True`` opens an existing store without writing anything to it (no lock or directory is created,
+    the index is opened read-only): loads, listing and verify work, and save, delete, gc and repair raise
+    :class:`ReadOnlyStoreError`. A store on a read-only filesystem is opened that way unless ``readonly=False``
+    is given, which then raises :class:`ReadOnlyStoreError` at once.
     A Store may be used from several threads and shared with other processes on the same host; it must not
     be used across ``fork`` (open a new one in the child).
     """
@@ -219,6 +225,7 @@ class Store:
         delta_cache_bytes: int | None = None,
         read_threads: int | None = None,
         predict: bool | None = None,
+        readonly: bool | None = None,
     ) -> None:
         self.path = Path(path)
         allow = config.allow_network_fs() if allow_network_fs is None else allow_network_fs
@@ -226,8 +233,15 @@ class Store:
             check_local(self.path)  # before anything is created
         self.zstd_level = config.zstd_level() if zstd_level is None else int(zstd_level)
         self.threads = max(1, config.threads() if threads is None else int(threads))
+        on_readonly_fs = _readonly_filesystem(self.path)
+        if on_readonly_fs and readonly is False:
+            raise ReadOnlyStoreError(f"store {self.path} is on a read-only filesystem: open it with readonly=True")
+        self.readonly = on_readonly_fs if readonly is None else bool(readonly)
+        self._readonly_why = "on a read-only filesystem" if on_readonly_fs else "open read-only"
         self.chunk_size = self._init_layout(chunk_size)
-        self.index = Index(self.path / "index", allow_network_fs=allow)
+        if self.readonly and not (self.path / "index").is_dir():
+            raise CorruptIndexError(f"store {self.path} has no index/ (lost?): 'deltackpt repair' rebuilds it")
+        self.index = Index(self.path / "index", allow_network_fs=allow, readonly=self.readonly)
         self._packs_dir = self.path / "packs"
         self._manifests_dir = self.path / "manifests"
         self._tmp_dir = self.path / "tmp"
@@ -254,6 +268,8 @@ class Store:
     # -- layout -----------------------------------------------------------------------------------------
     def _init_layout(self, chunk_size: int | None) -> int:
         cfg_path = self.path / "STORE"
+        if not cfg_path.exists() and self.readonly:
+            raise DeltackptError(f"{self.path} is not a deltackpt store (no STORE file; a read-only open creates none)")
         if not cfg_path.exists():
             cs = config.check_chunk_size(config.chunk_size() if chunk_size is None else chunk_size)
             for sub in ("packs", "manifests", "tmp", "index"):
@@ -281,9 +297,15 @@ class Store:
             raise FormatVersionError(f"store {self.path} has format version {version}; this deltackpt reads 1")
         if chunk_size is not None and chunk_size != cs:
             raise ValueError(f"store {self.path} was created with chunk_size={cs}, not {chunk_size}")
-        for sub in ("packs", "manifests", "tmp"):  # e.g. an empty tmp/ does not survive a copy through git
-            (self.path / sub).mkdir(exist_ok=True)
+        if not self.readonly:
+            for sub in ("packs", "manifests", "tmp"):  # e.g. an empty tmp/ does not survive a copy through git
+                (self.path / sub).mkdir(exist_ok=True)
         return config.check_chunk_size(cs)
+
+    def _writable(self, what: str) -> None:
+        """Raise :class:`ReadOnlyStoreError` (before anything is done) when this handle may not write."""
+        if self.readonly:
+            raise ReadOnlyStoreError(f"cannot {what}: store {self.path} is {self._readonly_why}")
 
     def close(self) -> None:
         """Release the pack being written, worker threads and open files. Idempotent."""
@@ -332,10 +354,21 @@ class Store:
 
     @contextmanager
     def _gc_lock(self, exclusive: bool = False, timeout: float | None = None) -> Iterator[None]:
-        """Saves and loads hold this shared; gc and repair hold it exclusively."""
+        """Saves and loads hold this shared; gc and repair hold it exclusively. A read-only handle takes it when
+        it can open the lock file for reading, and reads without it otherwise (nothing on a read-only
+        filesystem can change the store under it)."""
         if self._closed:
             raise DeltackptError(f"store {self.path} is closed")
-        fd = os.open(self.path / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        if self.readonly:
+            try:
+                fd = os.open(self.path / "gc.lock", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = -1
+            if fd < 0:
+                yield
+                return
+        else:
+            fd = os.open(self.path / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
             if timeout is None:
@@ -429,6 +462,7 @@ class Store:
         planned stop. Raises UnsupportedTypeError (a TypeError naming the key path) before writing anything if
         the state holds something that cannot be stored.
         """
+        self._writable("save")
         step = _check_step(step)
         skeleton, leaves = tree.flatten(state, allow_pickle=allow_pickle)
         meta_node = tree.encode_plain(dict(metadata)) if metadata is not None else None
@@ -1248,6 +1282,7 @@ class Store:
     # -- delete ---------------------------------------------------------------------------------------------
     def delete(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:
         """Remove a checkpoint (the newest with ``step``, or the one with ``id``). Space returns with :meth:`gc`."""
+        self._writable("delete")
         if step is None and id is None:
             raise ValueError("delete needs a step or an id")
         rec = self._record(step, id)
@@ -1269,6 +1304,7 @@ class Store:
         """Reclaim chunks no retained checkpoint reaches; see :func:`deltackpt.maintenance.gc`."""
         from deltackpt import maintenance
 
+        self._writable("gc")
         return maintenance.gc(self, **kwargs)
 
     def verify(self, step: int | None = None, *, id: str | None = None, **kwargs: Any) -> Any:
@@ -1281,10 +1317,24 @@ class Store:
         """Rebuild the index from packs and manifests; see :func:`deltackpt.maintenance.repair`."""
         from deltackpt import maintenance
 
+        self._writable("repair")
         return maintenance.repair(self, **kwargs)
 
 
 _INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
+
+
+def _readonly_filesystem(path: Path) -> bool:
+    """True when ``path`` (or, if it does not exist yet, the nearest directory above it) is on a filesystem
+    mounted read-only."""
+    for p in (path, *path.absolute().parents):
+        try:
+            return bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+    return False
 
 
 def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor]:

@@ -373,7 +373,9 @@ def test_rm_several_and_latest(capsys: pytest.CaptureFixture[str], store_path: P
 def test_repair_restores_checkpoints_after_index_loss(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                       three: dict[str, Any]) -> None:
     shutil.rmtree(store_path / "index")
-    assert ls_pairs(capsys, store_path) == []
+    rc, out, err = cli(capsys, "ls", store_path)  # a read command creates nothing, an empty index least of all
+    assert rc == 1 and out == "" and "repair" in err
+    assert_one_line_error(err)
     rc, out, err = cli(capsys, "repair", store_path)
     assert rc == 0 and err == ""
     m = re.fullmatch(r"indexed (\d+) chunk\(s\) from (\d+) pack\(s\); 3 checkpoint\(s\) restored", out.strip())

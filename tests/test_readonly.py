@@ -1,0 +1,120 @@
+"""Read-only stores: ``Store(path, readonly=True)``, and stores on a read-only filesystem (opened read-only
+without being asked). Everything that reads works; every write raises ReadOnlyStoreError and changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot
+
+import deltackpt
+from deltackpt import ReadOnlyStoreError
+from deltackpt.cli import main as cli
+
+
+def _content(path: Path) -> dict[str, str]:
+    """Every file of the store but LMDB's reader table (``index/lock.mdb``), which every reader writes to."""
+    return {k: v for k, v in dir_snapshot(path).items() if k != "index/lock.mdb"}
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[Path, list[dict]]:
+    torch.manual_seed(0)
+    states = []
+    with deltackpt.Store(tmp_path / "s", chunk_size=SMALL_CHUNK) as s:
+        w = torch.randn(5000)
+        for step in range(3):
+            w = w + 0.01 * torch.randn(5000)
+            states.append({"w": w.clone(), "step": step})
+            s.save(states[-1], step=step)
+    return tmp_path / "s", states
+
+
+def test_readonly_handle_reads_everything_and_writes_nothing(saved: tuple[Path, list[dict]]) -> None:
+    path, states = saved
+    before = _content(path)
+    with deltackpt.Store(path, readonly=True) as s:
+        assert s.readonly
+        assert [i.step for i in s.list()] == [0, 1, 2]
+        for step, state in enumerate(states):
+            assert_same_state(state, s.load(step=step))
+        target = {"w": torch.zeros(5000), "step": 0}
+        s.load_into(target, step=1)
+        assert torch.equal(target["w"], states[1]["w"])
+        assert s.verify().ok
+        for what, op in [("save", lambda: s.save(states[0], step=9)), ("delete", lambda: s.delete(step=0)),
+                         ("gc", s.gc), ("repair", s.repair)]:
+            with pytest.raises(ReadOnlyStoreError, match=f"cannot {what}"):
+                op()
+    assert _content(path) == before
+    with deltackpt.Checkpointer(path, model=torch.nn.Linear(2, 2), handle_signals=False) as ckpt:
+        assert not ckpt.store.readonly  # a writable handle on the same store still saves
+    assert _content(path) == before
+
+
+def test_readonly_open_creates_nothing(tmp_path: Path) -> None:
+    with pytest.raises(deltackpt.DeltackptError, match="no STORE file"):
+        deltackpt.Store(tmp_path / "nothing", readonly=True)
+    assert not (tmp_path / "nothing").exists()
+
+
+def test_readonly_open_of_a_store_that_lost_its_index(saved: tuple[Path, list[dict]]) -> None:
+    path, _ = saved
+    for f in (path / "index").iterdir():
+        f.unlink()
+    (path / "index").rmdir()
+    with pytest.raises(deltackpt.CorruptionError, match="repair"):
+        deltackpt.Store(path, readonly=True)
+    assert not (path / "index").exists()
+
+
+def test_read_commands_open_read_only(saved: tuple[Path, list[dict]], capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = saved
+    before = _content(path)
+    for args in (["ls"], ["log"], ["du"], ["verify"], ["show", str(path), "latest"], ["resume-info"]):
+        argv = args if args[0] == "show" else [*args, str(path)]
+        assert cli(argv) == 0, args
+    assert _content(path) == before
+    capsys.readouterr()
+
+
+@pytest.fixture
+def readonly_mount(saved: tuple[Path, list[dict]], tmp_path: Path) -> Iterator[tuple[Path, list[dict]]]:
+    """The saved store seen through a read-only bind mount (needs root and mount; skips otherwise)."""
+    path, states = saved
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root on Linux")
+    ok = subprocess.run(["mount", "--bind", str(path), str(mnt)], capture_output=True).returncode == 0
+    if not ok:
+        pytest.skip("mount --bind is not permitted here")
+    try:
+        if subprocess.run(["mount", "-o", "remount,bind,ro", str(mnt)], capture_output=True).returncode != 0:
+            pytest.skip("a read-only remount is not permitted here")
+        yield mnt, states
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_store_on_a_readonly_filesystem(readonly_mount: tuple[Path, list[dict]],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    mnt, states = readonly_mount
+    with deltackpt.Store(mnt) as s:  # not asked for: the filesystem decides
+        assert s.readonly
+        assert_same_state(states[-1], s.load())
+        assert s.verify().ok
+        with pytest.raises(ReadOnlyStoreError, match="read-only filesystem"):
+            s.save(states[0], step=7)
+    with pytest.raises(ReadOnlyStoreError, match="readonly=True"):
+        deltackpt.Store(mnt, readonly=False)
+    assert cli(["ls", str(mnt)]) == 0
+    assert cli(["gc", str(mnt)]) == 1
+    assert "read-only filesystem" in capsys.readouterr().err
