@@ -102,10 +102,12 @@ def _is_root(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / "meta" / "STORE").exists()
 
 
-def _existing(path: Path, what: str) -> Store:
+def _existing(path: Path, what: str, *, readonly: bool = False) -> Store:
+    """The existing store at ``path`` (``what`` names it in the error when there is none); ``readonly`` for
+    readers, which then change nothing and work on a read-only mount."""
     if not (path / "STORE").exists():
         raise CheckpointNotFoundError(f"{what}: no deltackpt store at {path}")
-    return Store(path, threads=_threads_per_rank())
+    return Store(path, threads=_threads_per_rank(), readonly=True if readonly else None)
 
 
 class DeltaStorageWriter(StorageWriter):
@@ -294,7 +296,7 @@ class DeltaStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.root is None:
             raise ValueError("DeltaStorageReader needs a root directory (or a checkpoint_id to dcp.load)")
-        with _existing(self.root / "meta", "DCP checkpoints") as meta:
+        with _existing(self.root / "meta", "DCP checkpoints", readonly=True) as meta:
             info = meta.info(self.step) if self.step is not None else meta.latest()
             if info is None:
                 raise CheckpointNotFoundError(f"no DCP checkpoint in {self.root}")
@@ -338,7 +340,7 @@ class DeltaStorageReader(StorageReader):
                 raise CorruptManifestError(f"DCP metadata in {self.root} does not say where {req.storage_index} lies")
             by_checkpoint.setdefault((s.rank, s.checkpoint), []).append((req, s))
         for (rank, ckpt), reqs in sorted(by_checkpoint.items()):
-            with _existing(_rank_path(self.root, rank), f"rank {rank}'s shards") as store:
+            with _existing(_rank_path(self.root, rank), f"rank {rank}'s shards", readonly=True) as store:
                 self._read_checkpoint(store, ckpt, reqs, planner)
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -420,7 +422,7 @@ def _byte_span(shard: torch.Tensor, offsets: Sequence[int], lengths: Sequence[in
 
 def steps(root: str | os.PathLike[str]) -> list[int]:
     """The steps of the DCP checkpoints under ``root``, oldest first."""
-    with _existing(Path(root) / "meta", "DCP checkpoints") as meta:
+    with _existing(Path(root) / "meta", "DCP checkpoints", readonly=True) as meta:
         return [c.step for c in meta.list()]
 
 
@@ -439,11 +441,11 @@ class StepInfo:
 def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
     """Every DCP checkpoint under ``root``, oldest commit first."""
     root = Path(root)
-    with _existing(root / "meta", "DCP checkpoints") as meta:
+    with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
         infos = meta.list()
     sizes: dict[tuple[int, str], tuple[int, int]] = {}
     for rank in sorted({r for i in infos for r, _ in _named(i)}):
-        with _existing(_rank_path(root, rank), f"rank {rank}'s shards") as store:
+        with _existing(_rank_path(root, rank), f"rank {rank}'s shards", readonly=True) as store:
             for c in store.list():
                 sizes[rank, c.id] = (c.logical_bytes, c.written_bytes)
     out = []

@@ -4,9 +4,11 @@ without being asked). Everything that reads works; every write raises ReadOnlySt
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,23 +87,27 @@ def test_read_commands_open_read_only(saved: tuple[Path, list[dict]], capsys: py
     capsys.readouterr()
 
 
-@pytest.fixture
-def readonly_mount(saved: tuple[Path, list[dict]], tmp_path: Path) -> Iterator[tuple[Path, list[dict]]]:
-    """The saved store seen through a read-only bind mount (needs root and mount; skips otherwise)."""
-    path, states = saved
-    mnt = tmp_path / "ro"
+@contextlib.contextmanager
+def _mounted_readonly(path: Path, mnt: Path) -> Iterator[Path]:
+    """``path`` seen through a read-only bind mount at ``mnt`` (needs root and mount; skips otherwise)."""
     mnt.mkdir()
     if sys.platform != "linux" or os.geteuid() != 0:
         pytest.skip("a read-only bind mount needs root on Linux")
-    ok = subprocess.run(["mount", "--bind", str(path), str(mnt)], capture_output=True).returncode == 0
-    if not ok:
+    if subprocess.run(["mount", "--bind", str(path), str(mnt)], capture_output=True).returncode != 0:
         pytest.skip("mount --bind is not permitted here")
     try:
         if subprocess.run(["mount", "-o", "remount,bind,ro", str(mnt)], capture_output=True).returncode != 0:
             pytest.skip("a read-only remount is not permitted here")
-        yield mnt, states
+        yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+@pytest.fixture
+def readonly_mount(saved: tuple[Path, list[dict]], tmp_path: Path) -> Iterator[tuple[Path, list[dict]]]:
+    path, states = saved
+    with _mounted_readonly(path, tmp_path / "ro") as mnt:
+        yield mnt, states
 
 
 def test_store_on_a_readonly_filesystem(readonly_mount: tuple[Path, list[dict]],
@@ -118,3 +124,26 @@ def test_store_on_a_readonly_filesystem(readonly_mount: tuple[Path, list[dict]],
     assert cli(["ls", str(mnt)]) == 0
     assert cli(["gc", str(mnt)]) == 1
     assert "read-only filesystem" in capsys.readouterr().err
+
+
+def test_a_sharded_checkpoint_on_a_readonly_filesystem(tmp_path: Path) -> None:
+    """torch.distributed.checkpoint loads from a read-only root, and its steps can be listed."""
+    import torch.distributed.checkpoint as dcp
+
+    from deltackpt.distributed import DeltaStorageReader, DeltaStorageWriter, steps
+
+    state = {"w": torch.randn(300, 40), "step": 3}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        writer = DeltaStorageWriter(tmp_path / "ckpt", step=3)
+        dcp.save(state, storage_writer=writer)
+        writer.close()  # LMDB refuses a second environment on the same files in one process (the mount's)
+    with _mounted_readonly(tmp_path / "ckpt", tmp_path / "ro") as mnt:
+        before = _content(mnt)
+        assert steps(mnt) == [3]
+        target = {"w": torch.zeros(300, 40), "step": 0}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(target, storage_reader=DeltaStorageReader(mnt))
+        assert torch.equal(target["w"], state["w"]) and target["step"] == 3
+        assert _content(mnt) == before
