@@ -177,6 +177,17 @@ _REGISTRY_LOCK = threading.Lock()
 _WRITERS: dict[tuple[int, str], int] = {}
 
 
+def _identity(path: Path) -> str:
+    """What names an environment in this process's registry: its directory's device and inode, so that one
+    store reached by two paths (a symlink, a bind mount) is one environment, as LMDB requires; the real path
+    while the directory does not exist."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return f"device {st.st_dev} inode {st.st_ino}"
+
+
 def _drop_inherited(real: str) -> None:
     """In a forked child, close the environment handles of ``real`` inherited from the parent.
 
@@ -189,7 +200,7 @@ def _drop_inherited(real: str) -> None:
     for key in [k for k in _REGISTRY if k[1] == real and k[0] != me]:
         if _WRITERS.get(key, 0):
             raise DeltackptError(
-                f"{real}: this process was forked while another thread was committing to the store; open "
+                f"index {real}: this process was forked while another thread was committing to the store; open "
                 "stores in processes started with the 'spawn' method, or fork outside of saves"
             )
         sh = _REGISTRY.pop(key)
@@ -206,7 +217,9 @@ class Index:
         self.readonly = readonly
         if not allow_network_fs:
             check_local(path)
-        self._real = os.path.realpath(path)
+        if not readonly:
+            path.mkdir(parents=True, exist_ok=True)
+        self._real = _identity(path)
         self._held: tuple[int, str] | None = None
         self._closed = False
         self._shared()

@@ -135,9 +135,8 @@ def test_a_sharded_checkpoint_on_a_readonly_filesystem(tmp_path: Path) -> None:
     state = {"w": torch.randn(300, 40), "step": 3}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        writer = DeltaStorageWriter(tmp_path / "ckpt", step=3)
+        writer = DeltaStorageWriter(tmp_path / "ckpt", step=3)  # its stores stay open: the mount's share them
         dcp.save(state, storage_writer=writer)
-        writer.close()  # LMDB refuses a second environment on the same files in one process (the mount's)
     with _mounted_readonly(tmp_path / "ckpt", tmp_path / "ro") as mnt:
         before = _content(mnt)
         assert steps(mnt) == [3]
@@ -147,3 +146,4 @@ def test_a_sharded_checkpoint_on_a_readonly_filesystem(tmp_path: Path) -> None:
             dcp.load(target, storage_reader=DeltaStorageReader(mnt))
         assert torch.equal(target["w"], state["w"]) and target["step"] == 3
         assert _content(mnt) == before
+    writer.close()
