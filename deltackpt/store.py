@@ -206,8 +206,9 @@ class Store:
     :mod:`deltackpt.predict`).
     ``readonly=True`` opens an existing store without writing anything to it (no lock or directory is created,
     the index is opened read-only): loads, listing and verify work, and save, delete, gc and repair raise
-    :class:`ReadOnlyStoreError`. A store on a read-only filesystem is opened that way unless ``readonly=False``
-    is given, which then raises :class:`ReadOnlyStoreError` at once.
+    :class:`ReadOnlyStoreError`. A store on a read-only filesystem, or one whose directories this process may
+    not write (another user's), is opened that way unless ``readonly=False`` is given, which then raises
+    :class:`ReadOnlyStoreError` at once.
     A Store may be used from several threads and shared with other processes on the same host; it must not
     be used across ``fork`` (open a new one in the child).
     """
@@ -233,11 +234,11 @@ class Store:
             check_local(self.path)  # before anything is created
         self.zstd_level = config.zstd_level() if zstd_level is None else int(zstd_level)
         self.threads = max(1, config.threads() if threads is None else int(threads))
-        on_readonly_fs = _readonly_filesystem(self.path)
-        if on_readonly_fs and readonly is False:
-            raise ReadOnlyStoreError(f"store {self.path} is on a read-only filesystem: open it with readonly=True")
-        self.readonly = on_readonly_fs if readonly is None else bool(readonly)
-        self._readonly_why = "on a read-only filesystem" if on_readonly_fs else "open read-only"
+        why = _why_readonly(self.path)
+        if why is not None and readonly is False:
+            raise ReadOnlyStoreError(f"store {self.path} is {why}: open it with readonly=True")
+        self.readonly = why is not None if readonly is None else bool(readonly)
+        self._readonly_why = why or "open read-only"
         self.chunk_size = self._init_layout(chunk_size)
         if self.readonly and not (self.path / "index").is_dir():
             raise CorruptIndexError(f"store {self.path} has no index/ (lost?): 'deltackpt repair' rebuilds it")
@@ -1324,17 +1325,23 @@ class Store:
 _INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
 
 
-def _readonly_filesystem(path: Path) -> bool:
-    """True when ``path`` (or, if it does not exist yet, the nearest directory above it) is on a filesystem
-    mounted read-only."""
+def _why_readonly(path: Path) -> str | None:
+    """Why the store at ``path`` can only be read, or None when it can be written (or does not exist yet): its
+    filesystem is mounted read-only, or this process may not write its directories (another user's store)."""
     for p in (path, *path.absolute().parents):
         try:
-            return bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+            if os.statvfs(p).f_flag & os.ST_RDONLY:
+                return "on a read-only filesystem"
+            break
         except FileNotFoundError:
             continue
         except OSError:
-            return False
-    return False
+            break
+    if (path / "STORE").exists():
+        for sub in (path, path / "index", path / "packs", path / "manifests"):
+            if sub.exists() and not os.access(sub, os.W_OK):
+                return f"not writable by this user (no write permission on {sub})"
+    return None
 
 
 def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor]:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,3 +149,38 @@ def test_a_sharded_checkpoint_on_a_readonly_filesystem(tmp_path: Path) -> None:
         assert torch.equal(target["w"], state["w"]) and target["step"] == 3
         assert _content(mnt) == before
     writer.close()
+
+
+def test_another_users_store_opens_read_only(saved: tuple[Path, list[dict]]) -> None:
+    """A store this user may not write (here: root's, opened as nobody) opens read-only by itself: it loads and
+    verifies, without LMDB's lock file where that is not writable either, and a save says why it cannot."""
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a process as another user")
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    if subprocess.run([*nobody, sys.executable, "-c", "import torch, deltackpt"], capture_output=True,
+                      env={**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)}).returncode:
+        pytest.skip("the interpreter or the checkout cannot be read by an unprivileged user here")
+    path, states = saved
+    shared = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        shutil.copytree(path, shared / "s")
+        before = _content(shared / "s")
+        code = (
+            "import sys, deltackpt, torch\n"
+            "s = deltackpt.Store(sys.argv[1])\n"
+            "assert s.readonly and s.verify().ok\n"
+            "assert torch.equal(s.load()['w'], torch.load(sys.argv[2]))\n"
+            "try:\n    s.save({'w': torch.ones(2)}, step=9)\n"
+            "except deltackpt.ReadOnlyStoreError as e:\n    print(e)\n"
+        )
+        torch.save(states[-1]["w"], shared / "w.pt")
+        (shared / "w.pt").chmod(0o644)
+        done = subprocess.run([*nobody, sys.executable, "-c", code, str(shared / "s"), str(shared / "w.pt")],
+                              capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)})
+        assert done.returncode == 0, done.stderr
+        assert "not writable by this user" in done.stdout
+        assert _content(shared / "s") == before
+    finally:
+        shutil.rmtree(shared)
