@@ -13,6 +13,8 @@ copied elsewhere. A crash can leave a torn frame at a pack's end; nothing refere
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -205,29 +207,99 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
         view = view[n:]
 
 
-class PackReader:
-    """Reads frames by (pack id, offset, length). Thread-safe; keeps pack files open."""
+def open_files_budget() -> int:
+    """How many pack files a :class:`PackReader` keeps open at most: a quarter of this process's soft limit on
+    open files, between 16 and 1024. A store holds a pack per gigabyte and per writing session, and a checkpoint
+    that dedups against many sessions' packs, or ``verify`` of a large store, reads from more packs than a
+    common limit of 1024 open files allows."""
+    try:
+        import resource
 
-    def __init__(self, directory: Path) -> None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 256
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(16, min(1024, soft // 4))
+
+
+class _Handle:
+    """An open pack file and how many reads are using it; closed by whoever lets go of it last after it was
+    dropped from the cache."""
+
+    __slots__ = ("fd", "users", "dropped")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.users = 0
+        self.dropped = False
+
+
+class PackReader:
+    """Reads frames by (pack id, offset, length). Thread-safe. Keeps up to ``max_open`` pack files open (the
+    least recently read are closed first, once no read is using them; default :func:`open_files_budget`)."""
+
+    def __init__(self, directory: Path, max_open: int | None = None) -> None:
         self.directory = directory
-        self._fds: dict[str, int] = {}
+        self.max_open = max(1, open_files_budget() if max_open is None else int(max_open))
+        self._open: collections.OrderedDict[str, _Handle] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def _fd(self, pack_id: str) -> int:
-        fd = self._fds.get(pack_id)
-        if fd is not None:
-            return fd
+    @contextlib.contextmanager
+    def _fd(self, pack_id: str) -> Iterator[int]:
+        """The open file of pack ``pack_id``, kept open until the ``with`` block ends."""
+        h = self._take(pack_id)
+        try:
+            yield h.fd
+        finally:
+            with self._lock:
+                h.users -= 1
+                close = h.dropped and h.users == 0
+            if close:
+                os.close(h.fd)
+
+    def _take(self, pack_id: str) -> _Handle:
         with self._lock:
-            fd = self._fds.get(pack_id)
-            if fd is None:
-                if not valid_pack_id(pack_id):
-                    raise CorruptionError(f"index names an invalid pack id {pack_id!r}")
-                try:
-                    fd = os.open(self.directory / f"{pack_id}.pack", os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
-                    raise CorruptChunkError(f"pack {pack_id} is missing") from None
-                self._fds[pack_id] = fd
-            return fd
+            h = self._open.get(pack_id)
+            if h is not None:
+                self._open.move_to_end(pack_id)
+                h.users += 1
+                return h
+        if not valid_pack_id(pack_id):
+            raise CorruptionError(f"index names an invalid pack id {pack_id!r}")
+        path = self.directory / f"{pack_id}.pack"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise CorruptChunkError(f"pack {pack_id} is missing") from None
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            self._shed(0)  # out of file descriptors: close every idle pack file, then try once more
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        with self._lock:
+            h = self._open.get(pack_id)
+            if h is None:  # (another thread may have opened it meanwhile: keep theirs)
+                h = self._open[pack_id] = _Handle(fd)
+                fd = -1
+            h.users += 1
+            self._open.move_to_end(pack_id)
+        if fd >= 0:
+            os.close(fd)
+        self._shed(self.max_open)
+        return h
+
+    def _shed(self, keep: int) -> None:
+        """Drop the least recently read pack files beyond ``keep``; those in use close when their reads end."""
+        closing = []
+        with self._lock:
+            while len(self._open) > keep:
+                _, h = self._open.popitem(last=False)
+                h.dropped = True
+                if h.users == 0:
+                    closing.append(h.fd)
+        for fd in closing:
+            os.close(fd)
 
     def read(self, pack_id: str, offset: int, length: int, into: np.ndarray | None = None,
              before_blocking: Callable[[], None] | None = None) -> bytes | np.ndarray:
@@ -235,19 +307,19 @@ class PackReader:
         ``length`` bytes, returned) when given, else into new bytes. With ``before_blocking`` (and ``into``),
         the read first takes only what the page cache holds (``RWF_NOWAIT``, Linux), and calls
         ``before_blocking()`` before it waits on the disk for the rest."""
-        if into is None:
-            data: bytes | np.ndarray = os.pread(self._fd(pack_id), length, offset)
-            got = len(data)
-        else:
-            if len(into) != length:
-                raise ValueError(f"read buffer has {len(into)} bytes for {length}")
-            data = into
-            fd = self._fd(pack_id)
-            got = _read_cached(fd, into, offset) if before_blocking is not None else 0
-            if got < length:
-                if before_blocking is not None:
-                    before_blocking()
-                got += os.preadv(fd, [into[got:]], offset + got)
+        if into is not None and len(into) != length:
+            raise ValueError(f"read buffer has {len(into)} bytes for {length}")
+        with self._fd(pack_id) as fd:
+            if into is None:
+                data: bytes | np.ndarray = os.pread(fd, length, offset)
+                got = len(data)
+            else:
+                data = into
+                got = _read_cached(fd, into, offset) if before_blocking is not None else 0
+                if got < length:
+                    if before_blocking is not None:
+                        before_blocking()
+                    got += os.preadv(fd, [into[got:]], offset + got)
         if got != length:
             raise CorruptChunkError(
                 f"pack {pack_id} is truncated: frame at offset {offset} needs {length} bytes, got {got}"
@@ -255,16 +327,18 @@ class PackReader:
         return data
 
     def forget(self, pack_id: str) -> None:
+        """Close pack ``pack_id`` (once no read is using it): before it is deleted or replaced."""
         with self._lock:
-            fd = self._fds.pop(pack_id, None)
-        if fd is not None:
-            os.close(fd)
+            h = self._open.pop(pack_id, None)
+            if h is None:
+                return
+            h.dropped = True
+            close = h.users == 0
+        if close:
+            os.close(h.fd)
 
     def close(self) -> None:
-        with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+        self._shed(0)
 
 
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)

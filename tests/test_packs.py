@@ -7,6 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -88,3 +89,103 @@ def test_small_frames_wait_for_the_sync(tmp_path: Path) -> None:
     _, big = w.append(b"b" * packs.WRITE_BUFFER)
     assert path.stat().st_size == big + packs.WRITE_BUFFER
     w.close()
+
+
+# -- the reader's bounded set of open pack files ------------------------------------------------------------
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _many_packs(root: Path, n: int) -> list[tuple[str, int, bytes]]:
+    """``n`` packs of one frame-sized record each: (pack id, offset, bytes)."""
+    w = PackWriter(root, max_size=1)  # every append rolls over to a new pack
+    out = []
+    for i in range(n):
+        data = os.urandom(50 + i)
+        pack_id, offset = w.append(data)
+        out.append((pack_id, offset, data))
+    w.sync()
+    w.close()
+    return out
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+@settings(max_examples=50)
+@given(order=st.lists(st.integers(0, 39), min_size=1, max_size=200), max_open=st.integers(1, 6),
+       forget=st.lists(st.integers(0, 39), max_size=10))
+def test_reader_keeps_at_most_max_open_files(order: list[int], max_open: int, forget: list[int]) -> None:
+    """Reads from 40 packs in any order, with some packs forgotten on the way, through a reader that may keep
+    only a few open: every read returns its bytes, no more than ``max_open`` files are open at any time, and
+    closing the reader closes them all."""
+    with tempfile.TemporaryDirectory() as d:
+        frames = _many_packs(Path(d), 40)
+        base = _open_fds()
+        r = PackReader(Path(d), max_open=max_open)
+        for n, i in enumerate(order):
+            pack_id, offset, data = frames[i]
+            assert bytes(r.read(pack_id, offset, len(data))) == data
+            assert _open_fds() - base <= max_open
+            if n < len(forget):
+                r.forget(frames[forget[n]][0])
+        r.close()
+        assert _open_fds() == base
+
+
+def test_reader_threads_share_and_shed_files() -> None:
+    """Eight threads read 60 packs through a reader that keeps 3 open: files another thread is reading from are
+    closed only after that read ends (a closed or reused descriptor would read wrong bytes or fail)."""
+    import threading
+
+    with tempfile.TemporaryDirectory() as d:
+        frames = _many_packs(Path(d), 60)
+        r = PackReader(Path(d), max_open=3)
+        errors: list[BaseException] = []
+
+        def work(seed: int) -> None:
+            import random
+
+            rng = random.Random(seed)
+            try:
+                for _ in range(400):
+                    pack_id, offset, data = frames[rng.randrange(len(frames))]
+                    buf = np.empty(len(data), dtype=np.uint8)
+                    got = r.read(pack_id, offset, len(data), into=buf, before_blocking=lambda: None)
+                    assert got.tobytes() == data
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        r.close()
+        assert not errors, errors[0]
+
+
+def test_a_store_with_more_packs_than_open_files_allowed(tmp_path: Path) -> None:
+    """A checkpoint spread over more packs than the process may open files loads and verifies (in a child
+    process whose open-file limit is 64)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    import deltackpt
+
+    with deltackpt.Store(tmp_path / "s", chunk_size=4096, pack_size=4096) as s:
+        s.save({"w": torch.randn(300_000, generator=torch.Generator().manual_seed(0))}, step=0)
+    assert len(list((tmp_path / "s" / "packs").glob("*.pack"))) > 100
+    code = (
+        "import resource, sys, torch, deltackpt\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+        "s = deltackpt.Store(sys.argv[1])\n"
+        "w = s.load()['w']\n"
+        "assert torch.equal(w, torch.randn(300_000, generator=torch.Generator().manual_seed(0)))\n"
+        "assert s.verify().ok\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)})
+    assert done.returncode == 0, done.stderr[-2000:]
