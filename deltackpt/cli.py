@@ -37,13 +37,15 @@ def when(ts: float) -> str:
 
 
 def table(rows: Sequence[Sequence[Any]], header: Sequence[str], right: set[int] | None = None) -> str:
+    """Aligned columns under ``header`` and a rule; a header of empty names (a two-column listing) prints none."""
     right = right or set()
-    cells = [list(map(str, header))] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    titled = any(header)
+    cells = ([list(map(str, header))] if titled else []) + [[str(c) for c in r] for r in rows]
+    widths = [max([len(r[i]) for r in cells] or [0]) for i in range(len(header))]
     lines = []
     for n, r in enumerate(cells):
         lines.append("  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if n == 0:
+        if n == 0 and titled:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(line.rstrip() for line in lines)
 

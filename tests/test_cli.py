@@ -228,6 +228,7 @@ def test_du_counts_and_ratios(capsys: pytest.CaptureFixture[str], store_path: Pa
             s.save({"x": compressible}, step=step)
     rc, out, err = cli(capsys, "du", store_path)
     assert rc == 0 and err == ""
+    assert out.splitlines()[0].startswith("checkpoints")  # a two-column listing: no empty header, no rule
     du = _du(out)
     assert du["checkpoints"] == "3"
     assert size_of(du["logical bytes (all checkpoints)"]) == pytest.approx(9 * CS, rel=0.01)
