@@ -1339,7 +1339,7 @@ def _why_readonly(path: Path) -> str | None:
             break
     if (path / "STORE").exists():
         for sub in (path, path / "index", path / "packs", path / "manifests"):
-            if sub.exists() and not os.access(sub, os.W_OK):
+            if sub.exists() and not os.access(sub, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
                 return f"not writable by this user (no write permission on {sub})"
     return None
 
