@@ -170,8 +170,13 @@ def _load_in_child(path: Path, cid: str | None, cpus: list[int] | None = None, *
     ``cpus`` the process runs on those CPUs only (deltackpt sizes its thread pools by them); with
     ``gc_freeze`` it calls ``gc.freeze()`` after its imports."""
     pin = ",".join(map(str, cpus)) if cpus else ""
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(path), cid or "", pin, "1" if gc_freeze else ""],
-                          capture_output=True, text=True, check=True)
+    return timed_child(_CHILD, str(path), cid or "", pin, "1" if gc_freeze else "")
+
+
+def timed_child(code: str, *args: str, cwd: Path | None = None) -> tuple[float, float]:
+    """Run ``code`` in a fresh interpreter with ``args``; return the two numbers its last output line ends with
+    (the child's wall-clock and CPU seconds of what it timed)."""
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True, cwd=cwd)
     wall, used = done.stdout.split()[-2:]
     return float(wall), float(used)
 

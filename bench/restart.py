@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.delta import _load_in_child
+from bench.delta import _load_in_child, timed_child
 from bench.planes_zstd import _train_and_save
+from bench.util import repo_root
 
 _RESTART_CHILD = """
 import gc, os, sys, time
@@ -55,10 +55,7 @@ print(time.perf_counter() - t0, c1.user - c0.user + c1.system - c0.system)
 
 def _restart_in_child(path: Path, how: str, small: bool) -> tuple[float, float]:
     """Seconds (wall, CPU) a fresh process takes to restore ``path`` into a GPT and AdamW it built first."""
-    done = subprocess.run([sys.executable, "-c", _RESTART_CHILD, str(path), how, "1" if small else "0"],
-                          capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parent.parent)
-    wall, used = done.stdout.split()[-2:]
-    return float(wall), float(used)
+    return timed_child(_RESTART_CHILD, str(path), how, "1" if small else "0", cwd=repo_root())
 
 
 def _table(title: str, head: str, times: dict[str, list[tuple[float, float]]]) -> None:

@@ -163,6 +163,37 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
     return flat.view(torch.uint8)
 
 
+def _decode_target(obj: torch.Tensor | np.ndarray) -> tuple[np.ndarray, Any]:
+    """Where a stored array meant for ``obj`` (a tensor or array to fill in place) is decoded: ``(bytes, None)``,
+    ``obj``'s own memory, when it is a contiguous writable CPU array; else ``(bytes, staging)``, a contiguous
+    host buffer (pinned for CUDA) that :func:`_copy_back` then copies into ``obj``'s layout or device."""
+    if isinstance(obj, torch.Tensor):
+        view = _byte_view(obj.detach()) if obj.device.type == "cpu" else None
+        if view is not None:
+            return view.numpy(), None
+        staging: Any = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.device.type == "cuda")
+        return _byte_view(staging).numpy(), staging  # type: ignore[union-attr]
+    if obj.flags.c_contiguous and obj.flags.writeable:
+        return obj.reshape(-1).view(np.uint8), None
+    staging = np.empty(obj.shape, dtype=obj.dtype)
+    return staging.reshape(-1).view(np.uint8), staging
+
+
+def _copy_back(copies: Sequence[tuple[Any, Any]]) -> None:
+    """Copy each decoded staging buffer into its target (see :func:`_decode_target`); returns once CUDA targets
+    hold their values."""
+    on_cuda = False
+    with torch.no_grad():
+        for obj, staging in copies:
+            if isinstance(obj, torch.Tensor):
+                obj.copy_(staging, non_blocking=True)
+                on_cuda = on_cuda or obj.device.type == "cuda"
+            else:
+                obj[...] = staging
+    if on_cuda:
+        torch.cuda.synchronize()
+
+
 class _Pinned:
     """A growable pinned (page-locked) host buffer for device-to-host copies of accelerator tensors."""
 
@@ -360,16 +391,10 @@ class Store:
         filesystem can change the store under it)."""
         if self._closed:
             raise DeltackptError(f"store {self.path} is closed")
-        if self.readonly:
-            try:
-                fd = os.open(self.path / "gc.lock", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                fd = -1
-            if fd < 0:
-                yield
-                return
-        else:
-            fd = os.open(self.path / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = self._open_gc_lock()
+        if fd is None:
+            yield
+            return
         try:
             mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
             if timeout is None:
@@ -387,6 +412,15 @@ class Store:
             yield
         finally:
             os.close(fd)
+
+    def _open_gc_lock(self) -> int | None:
+        """The lock file, opened for flock(); None for a read-only handle that cannot open it."""
+        if not self.readonly:
+            return os.open(self.path / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            return os.open(self.path / "gc.lock", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
 
     def _encoder(self) -> codec.Encoder:
         enc = getattr(self._local, "encoder", None)
@@ -903,17 +937,14 @@ class Store:
             objs: list[Any] = []
             jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []
             finals: list[tuple[int, torch.Tensor, torch.device]] = []
-            copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+            copies: list[tuple[Any, Any]] = []
             for n, t in enumerate(m.tensors):
                 target = given.get(n)
                 if target is not None:
-                    view = _byte_view(target.detach()) if target.device.type == "cpu" else None
-                    if view is None:  # decode into a host buffer, then copy into the target's layout or device
-                        staging = torch.empty(t.shape, dtype=target.dtype, pin_memory=target.device.type == "cuda")
+                    out, staging = _decode_target(target)
+                    jobs.append((t, out))
+                    if staging is not None:
                         copies.append((target, staging))
-                        view = _byte_view(staging)
-                    assert view is not None
-                    jobs.append((t, view.numpy()))
                     objs.append(target)
                 elif t.kind == "torch":
                     dt = tree.torch_dtype(t.dtype)
@@ -929,12 +960,10 @@ class Store:
                     jobs.append((t, arr.reshape(-1).view(np.uint8)))
                     objs.append(arr)
             self._read_into(m, jobs, verify=verify)
-        with torch.no_grad():
-            for target, staging in copies:
-                target.copy_(staging, non_blocking=True)
+        _copy_back(copies)
         for i, out, dev in finals:
             objs[i] = out.to(dev, non_blocking=True)
-        if (finals or copies) and torch.cuda.is_available():
+        if finals and torch.cuda.is_available():
             torch.cuda.synchronize()
         for i, t in enumerate(m.tensors):
             if t.kind == "torch" and i not in given:
@@ -1005,34 +1034,16 @@ class Store:
                 if i in filled:  # a target leaf under two paths (tied) is filled from the first
                     continue
                 filled.add(i)
-                obj = leaf.obj
-                direct: np.ndarray | None = None
-                if isinstance(obj, torch.Tensor):
-                    view = _byte_view(obj.detach()) if obj.device.type == "cpu" else None
-                    direct = None if view is None else view.numpy()
-                elif obj.flags.c_contiguous and obj.flags.writeable:
-                    direct = obj.reshape(-1).view(np.uint8)
+                out, staging = _decode_target(leaf.obj)
                 span = spans.get(key)
-                if span is not None and direct is None:
+                if span is not None and staging is not None:
                     raise ValueError(f"{key!r}: a span needs a contiguous CPU target")
                 job_spans.append(span)
-                if direct is not None:
-                    jobs.append((t, direct))
-                else:  # decode into a contiguous host copy, then copy into the target's layout or device
-                    if isinstance(obj, torch.Tensor):
-                        staging: Any = torch.empty(obj.shape, dtype=obj.dtype)
-                        jobs.append((t, _byte_view(staging).numpy()))  # type: ignore[union-attr]
-                    else:
-                        staging = np.empty(obj.shape, dtype=obj.dtype)
-                        jobs.append((t, staging.reshape(-1).view(np.uint8)))
-                    copies.append((obj, staging))
+                jobs.append((t, out))
+                if staging is not None:
+                    copies.append((leaf.obj, staging))
             self._read_into(m, jobs, verify=verify, spans=job_spans)
-            for obj, staging in copies:
-                if isinstance(obj, torch.Tensor):
-                    with torch.no_grad():
-                        obj.copy_(staging)
-                else:
-                    obj[...] = staging
+            _copy_back(copies)
         self._head = rec.id
         return missing
 
