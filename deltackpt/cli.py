@@ -120,7 +120,7 @@ def cmd_show(args: argparse.Namespace) -> int:
               f"tensors {len(m.tensors)}   chunk size {human(m.chunk_size)}")
         print()
         also: dict[int, list[str]] = {}  # further paths of a tensor the state holds twice (tied weights)
-        for path, i in tree.leaf_paths(m.tree).items():
+        for _, path, i in tree.leaf_refs(m.tree):
             if 0 <= i < len(m.tensors) and path != m.tensors[i].key:
                 also.setdefault(i, []).append(path)
         rows = [

@@ -22,6 +22,7 @@ import collections
 import contextlib
 import fcntl
 import json
+import operator
 import os
 import re
 import secrets
@@ -986,31 +987,36 @@ class Store:
         strict: bool = True,
         spans: Mapping[str, tuple[int, int]] | None = None,
     ) -> list[str]:
-        """Copy a checkpoint's tensors into the tensors of ``target`` in place, matched by key path.
+        """Copy a checkpoint's tensors into the tensors of ``target`` in place, matched by place.
 
         ``target`` is a state tree of the same shape as the saved one (e.g. ``model.state_dict()``). CPU
         tensors are filled directly (no second full copy); others through a host buffer. Plain values are
-        not touched. Key paths are every path at which a tensor appears: a tensor tied under two paths in the
-        checkpoint fills both targets, and a target tied under two paths is filled once. Returns the key paths
-        that were not filled; with ``strict`` (default) any missing or unexpected key, and any dtype or shape
-        difference, raises before a byte is copied. ``spans`` maps key paths to byte ranges ``(start, end)`` of
-        their tensors (C order): only the chunks overlapping that range are read and decoded, and only the
-        target bytes they cover are written (at least ``start .. end``, at most whole chunks around it); for
-        reading a slice of a large tensor, such as the rows one rank of a resharded job needs. Contiguous CPU
-        targets only.
+        not touched. A stored tensor fills the target tensor at the same place: the same dict keys and sequence
+        positions from the root (``{"a.b": x}`` and ``{"a": {"b": x}}`` are different places, although errors
+        name both ``a.b``). Every place of a tensor counts: a tensor tied at two places in the checkpoint fills
+        both targets, and a target tied at two places is filled once. Returns the key paths of the target's
+        tensors that were not filled; with ``strict`` (default) any missing or unexpected tensor, and any dtype
+        or shape difference, raises before a byte is copied. ``spans`` maps key paths to byte ranges
+        ``(start, end)`` of their tensors (C order): only the chunks overlapping that range are read and
+        decoded, and only the target bytes they cover are written (at least ``start .. end``, at most whole
+        chunks around it); for reading a slice of a large tensor, such as the rows one rank of a resharded job
+        needs. Contiguous CPU targets only.
         """
         rec = self._record(step, id)
         skeleton, leaves = tree.flatten(target, allow_pickle=True)
-        wanted = tree.leaf_paths(skeleton)  # every path of every target leaf (a tied weight has two)
+        wanted = tree.leaf_refs(skeleton)  # every place of every target leaf (a tied weight has two)
+        span_at = _span_places(wanted, spans or {})
         with self._gc_lock():
             m = self._manifest(rec)
-            stored: dict[str, manifest.TensorEntry] = {}
-            for path, i in tree.leaf_paths(m.tree).items():
+            stored: dict[tree.Place, manifest.TensorEntry] = {}
+            stored_paths: dict[tree.Place, str] = {}
+            for place, path, i in tree.leaf_refs(m.tree):
                 if not 0 <= i < len(m.tensors):
                     raise CorruptManifestError(f"checkpoint {rec.id}: {path!r} names tensor {i} of {len(m.tensors)}")
-                stored[path] = m.tensors[i]
-            missing = sorted(set(wanted) - set(stored))
-            unexpected = sorted(set(stored) - set(wanted))
+                stored[place], stored_paths[place] = m.tensors[i], path
+            wanted_places = {place for place, _, _ in wanted}
+            missing = sorted(path for place, path, _ in wanted if place not in stored)
+            unexpected = sorted(path for place, path in stored_paths.items() if place not in wanted_places)
             if strict and (missing or unexpected):
                 raise ShapeMismatchError(
                     f"checkpoint {rec.id} (step {rec.step}) and the target differ: missing in checkpoint "
@@ -1020,9 +1026,8 @@ class Store:
             job_spans: list[tuple[int, int] | None] = []
             copies: list[tuple[Any, np.ndarray]] = []
             filled: set[int] = set()
-            spans = spans or {}
-            for key, i in wanted.items():
-                t = stored.get(key)
+            for place, key, i in wanted:
+                t = stored.get(place)
                 if t is None:
                     continue
                 leaf = leaves[i]
@@ -1031,11 +1036,11 @@ class Store:
                         f"{key!r}: checkpoint has {t.kind} {t.dtype}{tuple(t.shape)}, target has "
                         f"{leaf.kind} {leaf.dtype}{tuple(leaf.shape)}"
                     )
-                if i in filled:  # a target leaf under two paths (tied) is filled from the first
+                if i in filled:  # a target leaf at two places (tied) is filled from the first
                     continue
                 filled.add(i)
                 out, staging = _decode_target(leaf.obj)
-                span = spans.get(key)
+                span = span_at.get(place)
                 if span is not None and staging is not None:
                     raise ValueError(f"{key!r}: a span needs a contiguous CPU target")
                 job_spans.append(span)
@@ -1353,6 +1358,28 @@ def _why_readonly(path: Path) -> str | None:
             if sub.exists() and not os.access(sub, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
                 return f"not writable by this user (no write permission on {sub})"
     return None
+
+
+def _span_places(refs: Sequence[tuple[tree.Place, str, int]],
+                 spans: Mapping[str, tuple[int, int]]) -> dict[tree.Place, tuple[int, int]]:
+    """``load_into``'s ``spans``, keyed by key path, moved to the places of ``refs`` (a target's leaves). A
+    key path that names no tensor of the target, or two different places, raises ``ValueError``."""
+    by_path: dict[str, list[tree.Place]] = {}
+    for place, path, _ in refs:
+        by_path.setdefault(path, []).append(place)
+    out: dict[tree.Place, tuple[int, int]] = {}
+    for path, span in spans.items():
+        places = by_path.get(path)
+        if not places:
+            raise ValueError(f"spans names {path!r}, which is not a tensor of the target")
+        if len(places) > 1:
+            raise ValueError(f"spans names {path!r}, the key path of {len(places)} places of the target")
+        try:
+            lo, hi = span
+            out[places[0]] = (operator.index(lo), operator.index(hi))
+        except (TypeError, ValueError):
+            raise ValueError(f"spans[{path!r}]: (start, end) must be two ints, not {span!r}") from None
+    return out
 
 
 def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor]:

@@ -257,16 +257,23 @@ def alias_key(obj: torch.Tensor | np.ndarray) -> Hashable:
     return id(obj)
 
 
-def leaf_paths(skeleton: Any) -> dict[str, int]:
-    """Every key path at which ``skeleton`` references an array leaf, with the leaf's index (in document
-    order). A leaf met twice appears under both paths: the tensor table names only the first."""
-    return dict(_leaf_refs(skeleton, ""))
+#: A leaf's place in a state tree, exact where key paths are not: one step per level, ``("k", key)`` for a dict
+#: entry, ``("i", n)`` for a sequence item, ``("x", name)`` for the inside of a registered type. ``{"a.b": x}``
+#: and ``{"a": {"b": x}}`` share the key path ``a.b`` but not a place; so do ``{0: x}`` and ``[x]`` (``[0]``).
+Place = tuple[tuple[str, Any], ...]
+
+
+def leaf_refs(skeleton: Any) -> list[tuple[Place, str, int]]:
+    """``(place, key path, leaf index)`` for every reference of ``skeleton`` to an array leaf, in document
+    order. A leaf met twice appears at both places: the tensor table names only the first. A malformed
+    skeleton raises :class:`CorruptManifestError`."""
+    return list(_leaf_refs(skeleton, "", ()))
 
 
 def pair_leaves(skeleton: Any, target: Any) -> Iterator[tuple[int, Any]]:
     """``(leaf index, object)`` for every array leaf of ``skeleton`` at whose place ``target`` (a tree of dicts,
     lists and tuples) holds an object, in document order: dict entries matched by key, sequence items by
-    position. The structural counterpart of :func:`leaf_paths`, so ``{"a.b": x}`` and ``{"a": {"b": x}}``,
+    position. Places are matched as :data:`Place` names them, so ``{"a.b": x}`` and ``{"a": {"b": x}}``,
     which share a key path, never pair with each other. Nothing of ``target`` is modified (a ``defaultdict``
     gains no keys). A malformed skeleton raises :class:`CorruptManifestError`; ``target`` is only looked at."""
     try:
@@ -298,20 +305,22 @@ def pair_leaves(skeleton: Any, target: Any) -> Iterator[tuple[int, Any]]:
 _ABSENT = object()
 
 
-def _leaf_refs(n: Any, path: str) -> Iterator[tuple[str, int]]:
+def _leaf_refs(n: Any, path: str, place: Place) -> Iterator[tuple[Place, str, int]]:
     try:
         tag = n[0]
         if tag in ("T", "A"):
-            yield path, int(n[1])
+            yield place, path, int(n[1])
         elif tag in _DICT_TAGS:
             keys, vals = _dict_parts(n)
             for k, v in zip(keys, vals):
-                yield from _leaf_refs(v, child_path(path, _plain_build(k)))
+                key = _plain_build(k)
+                hash(key)  # a place is a dict key of its own
+                yield from _leaf_refs(v, child_path(path, key), (*place, ("k", key)))
         elif tag in ("l", "t", "q"):
             for i, v in enumerate(n[1]):
-                yield from _leaf_refs(v, child_path(path, i))
+                yield from _leaf_refs(v, child_path(path, i), (*place, ("i", i)))
         elif tag == "x":
-            yield from _leaf_refs(n[2], path)
+            yield from _leaf_refs(n[2], path, (*place, ("x", str(n[1]))))
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         raise CorruptManifestError(f"malformed state skeleton at {path or '<root>'}: {exc!r}") from None
 

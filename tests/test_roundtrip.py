@@ -799,6 +799,51 @@ def test_load_decodes_into_offered_tensors(shared_store: deltackpt.Store, state:
             assert tensor_bytes(offer) == was, "an offer that was not taken changed"
 
 
+@given(state=tensor_trees(), data=st.data())
+def test_load_into_fills_each_place(shared_store: deltackpt.Store, state: Any, data: st.DataObject) -> None:
+    """``load_into`` fills the target tensor at each place of the state (contiguous or not) with the tensor stored
+    at that same place, also where places share a key path (``{"a.b": x, "a": {"b": y}}``)."""
+    shared_store.counter += 1
+    shared_store.save(state, step=shared_store.counter)
+    offers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def mirror(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            layout = data.draw(st.sampled_from(["contig", "noncontig"]))
+            offers.append((obj, _garbage_like(tuple(obj.shape), obj.dtype, layout, len(offers))))
+            return offers[-1][1]
+        if isinstance(obj, dict):
+            return {k: mirror(v) for k, v in obj.items()}
+        return [mirror(v) for v in obj]
+
+    target = mirror(state)
+    assert shared_store.load_into(target, step=shared_store.counter) == []
+    for orig, offer in offers:
+        assert tensor_bytes(offer) == tensor_bytes(orig)
+
+
+def test_load_into_matches_places_not_key_paths(store: deltackpt.Store) -> None:
+    """Places that share a key path are told apart: strict mode reports the place a target lacks, non-strict
+    mode leaves the tensor at the other place alone, and a span naming a shared key path is refused."""
+    x, y = torch.randn(3), torch.randn(3)
+    store.save({"a.b": x, "a": {"b": y}, "m": {0: x + 1}}, step=1)
+    target = {"a.b": torch.zeros(3), "a": {"b": torch.zeros(3)}, "m": {0: torch.zeros(3)}}
+    assert store.load_into(target, step=1) == []
+    assert torch.equal(target["a.b"], x) and torch.equal(target["a"]["b"], y) and torch.equal(target["m"][0], x + 1)
+    flat = {"a.b": torch.zeros(3), "m": [torch.zeros(3)]}  # {0: ...} and [...] both say m[0]
+    differ = r"missing in checkpoint \['m\[0\]'\], not in target \['a.b', 'm\[0\]'\]"
+    with pytest.raises(ShapeMismatchError, match=differ):
+        store.load_into(flat, step=1)
+    assert store.load_into(flat, step=1, strict=False) == ["m[0]"]
+    assert torch.equal(flat["a.b"], x) and torch.equal(flat["m"][0], torch.zeros(3))
+    with pytest.raises(ValueError, match="2 places"):
+        store.load_into(target, step=1, spans={"a.b": (0, 4)})
+    with pytest.raises(ValueError, match="not a tensor of the target"):
+        store.load_into(target, step=1, spans={"a.c": (0, 4)})
+    with pytest.raises(ValueError, match="two ints"):
+        store.load_into(target, step=1, spans={"m[0]": (0.5, 4)})
+
+
 def test_load_into_a_model_needs_no_second_copy(store: deltackpt.Store) -> None:
     """The model's own tensors come back in the loaded state, so load_state_dict has nothing to copy; the
     optimizer's state is new; the values are the saved ones."""
