@@ -274,7 +274,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
         r = s.repair(progress=bar)
     print(f"indexed {r.chunks} chunk(s) from {r.packs} pack(s); {r.checkpoints} checkpoint(s) restored")
     for p in r.damaged_packs:
-        print(f"pack {p} is damaged: frames after the damage were not indexed")
+        print(f"pack {p} is damaged: its intact frames were indexed, the damaged ones skipped")
     for c in r.lost_checkpoints:
         print(f"checkpoint {c} could not be restored (damaged manifest or missing chunks)")
     return 0 if not r.lost_checkpoints and not r.damaged_packs else 1

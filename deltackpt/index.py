@@ -133,11 +133,33 @@ def check_local(path: Path) -> None:
 class _Shared:
     """One LMDB environment per process and path: LMDB forbids opening an environment twice in a process."""
 
-    def __init__(self, path: Path, readonly: bool) -> None:
+    def __init__(self, path: Path, readonly: bool, create: bool, rebuilding: bool) -> None:
         """``readonly``: create nothing and write nothing. The environment is still opened for writing where
         that is allowed (LMDB's reader table then works as for any reader, and a writing handle of this process
         can share it); on a read-only filesystem, or without write permission, it is opened read-only, and
-        without LMDB's lock file when that cannot be opened either (nothing can write there)."""
+        without LMDB's lock file when that cannot be opened either (nothing can write there).
+
+        ``create``: a new store's index, which gets its ``format`` record now. Otherwise an index without that
+        record (its files deleted or emptied) is lost, and opening it raises :class:`CorruptIndexError` before
+        anything is created, unless ``rebuilding`` (a repair, whose rebuild writes the record)."""
+        if path.exists() and not path.is_dir():
+            raise CorruptIndexError(_lost(path, f"{path} is not a directory"))
+        if not (create or rebuilding):
+            data = path / "data.mdb"
+            try:
+                lost = data.stat().st_size == 0
+            except FileNotFoundError:
+                lost = True
+            if lost:
+                raise CorruptIndexError(_lost(path, f"{data} is missing or empty"))
+        try:
+            self._open(path, readonly, create, rebuilding)
+        except lmdb.Error as exc:  # LMDB's own errors name no store and are no DeltackptError
+            raise CorruptIndexError(
+                f"cannot open the index of store {path.parent}: {type(exc).__name__}: {exc}; if it is damaged, "
+                "'deltackpt repair STORE' rebuilds it from packs and manifests") from exc
+
+    def _open(self, path: Path, readonly: bool, create: bool, rebuilding: bool) -> None:
         if not readonly:
             path.mkdir(parents=True, exist_ok=True)
         opts = dict(map_size=MAP_SIZE, max_dbs=8, subdir=True, sync=True, metasync=True, readahead=False,
@@ -159,15 +181,24 @@ class _Shared:
                         for name in ("meta", "chunks", "ckpts", "ids", "steps")}
             if not self.readonly:
                 self.env.reader_check()  # clear reader slots of dead processes
-            with self.env.begin(write=not readonly) as txn:
+            with self.env.begin(write=create) as txn:
                 v = txn.get(b"format", db=self.dbs["meta"])
-                if v is None and not readonly:
+                if v is None and create:
                     txn.put(b"format", str(INDEX_VERSION).encode(), db=self.dbs["meta"])
+                elif v is None and not rebuilding:
+                    raise CorruptIndexError(_lost(path, "it holds no format record"))
+                elif v is not None and not v.isdigit():
+                    raise CorruptIndexError(_lost(path, f"its format record is {bytes(v)[:20]!r}"))
                 elif v is not None and int(v) > INDEX_VERSION:
                     raise FormatVersionError(f"index format {int(v)} is newer than this reader ({INDEX_VERSION})")
         except BaseException:
             self.env.close()
             raise
+
+
+def _lost(path: Path, why: str) -> str:
+    return (f"the index of store {path.parent} was lost or emptied ({why}); 'deltackpt repair STORE' rebuilds it "
+            "from packs and manifests (in Python: deltackpt.maintenance.open_for_repair(path).repair())")
 
 
 _REGISTRY: dict[tuple[int, str], _Shared] = {}
@@ -212,9 +243,15 @@ class Index:
     """The LMDB environment of one store. Safe to use from several threads and from several ``Index``
     objects of one process (they share the environment); a child process after ``fork`` opens its own."""
 
-    def __init__(self, path: Path, *, allow_network_fs: bool = False, readonly: bool = False) -> None:
+    def __init__(self, path: Path, *, allow_network_fs: bool = False, readonly: bool = False, create: bool = False,
+                 rebuilding: bool = False) -> None:
+        """``create``: the index of a new store (it gets its ``format`` record); ``rebuilding``: the index a
+        repair will rebuild (it may be empty). Otherwise an index that lost its files raises
+        :class:`CorruptIndexError`."""
         self.path = path
         self.readonly = readonly
+        self._create = create and not readonly
+        self._rebuilding = rebuilding
         if not allow_network_fs:
             check_local(path)
         if not readonly:
@@ -234,7 +271,7 @@ class Index:
                 sh = _REGISTRY.get(key)
                 if sh is None:
                     _drop_inherited(self._real)
-                    sh = _REGISTRY[key] = _Shared(self.path, self.readonly)
+                    sh = _REGISTRY[key] = _Shared(self.path, self.readonly, self._create, self._rebuilding)
                 if self._held != key:  # first use in this process (or after fork): take a reference
                     sh.refs += 1
                     self._held = key
@@ -422,3 +459,4 @@ class Index:
                 txn.put(rec.id.encode(), sk, db=self.db_ids)
                 txn.put(_U64.pack(rec.step) + sk, b"", db=self.db_steps)
             txn.put(b"seq", _U64.pack(seq), db=self.db_meta)
+            txn.put(b"format", str(INDEX_VERSION).encode(), db=self.db_meta)  # the index is the store's again

@@ -462,9 +462,14 @@ def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
     if not (Path(path) / "STORE").exists():
         raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
     try:
-        store = Store(path, **kwargs)
-        store.index.records()
-        return store
+        store = Store(path, _repair=True, **kwargs)
     except (lmdb.Error, CorruptionError, ValueError):  # the index is unusable: start a new one
         rebuild_index_dir(Path(path))
-        return Store(path, **kwargs)
+        return Store(path, _repair=True, **kwargs)
+    try:
+        store.index.records()
+    except (lmdb.Error, CorruptionError, ValueError):
+        store.close()
+        rebuild_index_dir(Path(path))
+        return Store(path, _repair=True, **kwargs)
+    return store

@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from deltackpt import codec
-from deltackpt.errors import CorruptChunkError, CorruptionError, DeltackptError, FormatVersionError
+from deltackpt.errors import CorruptChunkError, CorruptionError, DeltackptError
 
 PACK_MAGIC = b"DCKPACK1"
 PACK_VERSION = 1
@@ -393,10 +393,10 @@ def scan(path: Path, damaged: list[int] | None = None) -> Iterator[tuple[int, co
 
 def _scan(path: Path, data: mmap.mmap, damaged: list[int] | None) -> Iterator[tuple[int, codec.FrameHeader]]:
     magic, version, _ = PACK_HEADER.unpack_from(data)
-    if magic != PACK_MAGIC:
-        raise CorruptionError(f"{path.name} is not a pack (magic {magic!r})")
-    if version != PACK_VERSION:
-        raise FormatVersionError(f"pack {path.name} has format version {version}")
+    if (magic, version) != (PACK_MAGIC, PACK_VERSION) and damaged is not None:
+        # a damaged header is damage like any other: every frame after it verifies on its own (frame checksums
+        # and versions), so the intact ones are still found; readers never look at the header
+        damaged.append(0)
     offset = PACK_HEADER.size
     end = len(data)
     view = memoryview(data)

@@ -44,7 +44,6 @@ from deltackpt.cache import ChunkCache
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
-    CorruptIndexError,
     CorruptManifestError,
     DeltackptError,
     FormatVersionError,
@@ -259,7 +258,10 @@ class Store:
         read_threads: int | None = None,
         predict: bool | None = None,
         readonly: bool | None = None,
+        _repair: bool = False,
     ) -> None:
+        """``_repair`` is for :func:`deltackpt.maintenance.open_for_repair` only: it opens a store whose index
+        was lost, which a repair then rebuilds."""
         self.path = Path(path)
         allow = config.allow_network_fs() if allow_network_fs is None else allow_network_fs
         if not allow:
@@ -271,10 +273,16 @@ class Store:
             raise ReadOnlyStoreError(f"store {self.path} is {why}: open it with readonly=True")
         self.readonly = why is not None if readonly is None else bool(readonly)
         self._readonly_why = why or "open read-only"
-        self.chunk_size = self._init_layout(chunk_size)
-        if self.readonly and not (self.path / "index").is_dir():
-            raise CorruptIndexError(f"store {self.path} has no index/ (lost?): 'deltackpt repair' rebuilds it")
-        self.index = Index(self.path / "index", allow_network_fs=allow, readonly=self.readonly)
+        self.index: Index | None = None  # type: ignore[assignment]  # a new store's is opened as it is created
+        try:
+            self.chunk_size = self._init_layout(chunk_size, allow)
+            if self.index is None:
+                self.index = Index(self.path / "index", allow_network_fs=allow, readonly=self.readonly,
+                                   rebuilding=_repair)
+        except BaseException:
+            if self.index is not None:
+                self.index.close()
+            raise
         self._packs_dir = self.path / "packs"
         self._manifests_dir = self.path / "manifests"
         self._tmp_dir = self.path / "tmp"
@@ -299,7 +307,7 @@ class Store:
         self._closed = False
 
     # -- layout -----------------------------------------------------------------------------------------
-    def _init_layout(self, chunk_size: int | None) -> int:
+    def _init_layout(self, chunk_size: int | None, allow_network_fs: bool) -> int:
         cfg_path = self.path / "STORE"
         if not cfg_path.exists() and self.readonly:
             raise DeltackptError(f"{self.path} is not a deltackpt store (no STORE file; a read-only open creates none)")
@@ -308,6 +316,9 @@ class Store:
             for sub in ("packs", "manifests", "tmp", "index"):
                 (self.path / sub).mkdir(parents=True, exist_ok=True)
             (self.path / "gc.lock").touch()
+            # the index (with its format record) before STORE: a store that has STORE and an index without that
+            # record lost its index, and is refused until a repair rebuilds it
+            self.index = Index(self.path / "index", allow_network_fs=allow_network_fs, create=True)
             tmp = self.path / f"STORE.{os.getpid()}.{secrets.token_hex(4)}.tmp"
             tmp.write_text(json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION, "chunk_size": cs}) + "\n")
             with open(tmp, "rb") as f:

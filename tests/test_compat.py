@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import deltackpt
+from deltackpt import maintenance
 
 FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"
 
@@ -85,7 +86,7 @@ def test_v1_store_holds_delta_frames(v1_store: Path) -> None:
 
 def test_v1_store_repairs_and_accepts_new_saves(v1_store: Path) -> None:
     shutil.rmtree(v1_store / "index")
-    with deltackpt.Store(v1_store) as s:
+    with maintenance.open_for_repair(v1_store) as s:
         assert s.repair().checkpoints == 3
         for step, state in expected_states():
             assert _same(state, s.load(step=step))

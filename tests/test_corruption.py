@@ -5,21 +5,25 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import subprocess
+import sys
 import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
 import zstandard
-from conftest import SMALL_CHUNK, assert_same_state
+from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot
 from hypothesis import given
 from hypothesis import strategies as st
 
 import deltackpt
 from deltackpt import CorruptChunkError, CorruptManifestError, codec, kernel, maintenance
+from deltackpt.errors import CorruptIndexError
 from deltackpt.index import ChunkLoc, chunk_key
 
 CS = SMALL_CHUNK
@@ -375,21 +379,60 @@ def _check_repaired(store: deltackpt.Store, filled: dict[str, Any]) -> None:
     assert store.list()[-1].seq > max(i.seq for i in store.list()[:-1])
 
 
-@pytest.mark.parametrize("how", ["open_for_repair", "store_repair"])
-def test_index_removed_and_repaired(store_path: Path, how: str) -> None:
+@pytest.mark.parametrize("how", ["files_removed", "dir_removed", "emptied"])
+def test_lost_index_is_refused_until_repaired(store_path: Path, how: str) -> None:
+    """A store whose index was lost does not open as an empty store (whose gc would free every pack): every
+    open raises CorruptIndexError naming the repair, without creating or changing a file; a repair rebuilds it."""
     filled = _fill(store_path)
-    for p in (store_path / "index").iterdir():
-        p.unlink()
-    if how == "open_for_repair":
-        s = maintenance.open_for_repair(store_path)
+    if how == "files_removed":
+        for p in (store_path / "index").iterdir():
+            p.unlink()
+    elif how == "dir_removed":
+        shutil.rmtree(store_path / "index")
     else:
-        s = deltackpt.Store(store_path)
-    with s:
-        assert s.list() == []
-        with pytest.raises(deltackpt.CheckpointNotFoundError):
-            s.load(1)
+        (store_path / "index" / "data.mdb").write_bytes(b"")
+    before = dir_snapshot(store_path)
+    for readonly in (None, False, True):
+        with pytest.raises(CorruptIndexError, match="lost or emptied.*deltackpt repair"):
+            deltackpt.Store(store_path, readonly=readonly)
+    cli = subprocess.run([sys.executable, "-m", "deltackpt", "gc", str(store_path)], capture_output=True, text=True)
+    assert cli.returncode == 1 and "deltackpt repair" in cli.stderr and "Traceback" not in cli.stderr
+    assert dir_snapshot(store_path) == before
+    with maintenance.open_for_repair(store_path) as s:
         report = s.repair()
         assert report.checkpoints == 3 and report.lost_checkpoints == []
+        _check_repaired(s, filled)
+    with deltackpt.Store(store_path) as s:  # the rebuilt index is the store's index again
+        assert [i.step for i in s.list()] == [1, 3, 4, 5]
+
+
+def test_repair_reads_the_frames_of_a_pack_whose_header_is_damaged(store_path: Path) -> None:
+    """Readers never look at a pack's header, and neither does a repair need it: every frame verifies on its
+    own. One flipped header byte is reported as damage and costs no checkpoint (it used to cost all of them)."""
+    filled = _fill(store_path)
+    (pack,) = (store_path / "packs").glob("*.pack")
+    with open(pack, "r+b") as f:
+        f.write(b"X")  # the first byte of the magic
+    shutil.rmtree(store_path / "index")
+    with maintenance.open_for_repair(store_path) as s:
+        report = s.repair()
+        assert report.checkpoints == 3 and report.lost_checkpoints == [] and report.damaged_packs == [pack.stem]
+        _check_repaired(s, filled)
+
+
+def test_repair_interrupted_before_its_commit_leaves_the_index_lost(store_path: Path) -> None:
+    """The rebuilt index becomes the store's in the rebuild's one transaction: a repair that stops before it
+    (here: an exception after the packs were scanned) leaves a store that is still refused, not one that looks
+    empty."""
+    filled = _fill(store_path)
+    shutil.rmtree(store_path / "index")
+    with maintenance.open_for_repair(store_path) as s, mock.patch.object(
+            maintenance, "_fix_depths", side_effect=MemoryError), pytest.raises(MemoryError):
+        s.repair()
+    with pytest.raises(CorruptIndexError):
+        deltackpt.Store(store_path)
+    with maintenance.open_for_repair(store_path) as s:
+        assert s.repair().checkpoints == 3
         _check_repaired(s, filled)
 
 
@@ -399,6 +442,8 @@ def test_index_garbled_and_repaired(store_path: Path) -> None:
     size = data.stat().st_size
     with open(data, "r+b") as f:
         f.write(os.urandom(min(size, 3 * 4096)))
+    with pytest.raises(CorruptIndexError, match="deltackpt repair"):  # LMDB's own error, typed and explained
+        deltackpt.Store(store_path)
     with maintenance.open_for_repair(store_path) as s:
         report = s.repair()
         assert report.checkpoints == 3
