@@ -19,7 +19,7 @@ from typing import Any
 import lmdb
 import torch
 
-from deltackpt import codec, maintenance, manifest, tree
+from deltackpt import codec, maintenance, manifest, packs, tree
 from deltackpt.errors import DeltackptError
 from deltackpt.store import Store
 
@@ -174,8 +174,8 @@ def cmd_du(args: argparse.Namespace) -> int:
                 row[1] += raw
                 row[2] += loc.frame_len
                 deepest = max(deepest, loc.depth)
-        packs_bytes = sum(p.stat().st_size for p in (s.path / "packs").glob("*.pack"))
-        man_bytes = sum(p.stat().st_size for p in (s.path / "manifests").glob("*.manifest"))
+        packs_bytes = sum(p.stat().st_size for p in packs.pack_files(s.path / "packs").values())
+        man_bytes = sum(p.stat().st_size for p in (s.path / "manifests").glob("*.manifest") if p.is_file())
         on_disk = packs_bytes + man_bytes
         rows = [
             ("checkpoints", len(infos)),

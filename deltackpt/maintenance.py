@@ -264,7 +264,7 @@ def gc(
                 dead.append(k)
         report.dead_chunks = len(dead)
         packs_dir = store.path / "packs"
-        all_packs = {p.stem: p for p in packs_dir.glob("*.pack") if packs.valid_pack_id(p.stem)}
+        all_packs = packs.pack_files(packs_dir)
         to_delete: list[Path] = []
         to_repack: list[str] = []
         for pack_id, path in all_packs.items():
@@ -275,7 +275,10 @@ def gc(
             if not live_entries:
                 to_delete.append(path)
                 continue
-            size = path.stat().st_size
+            try:
+                size = path.stat().st_size
+            except OSError:  # gone meanwhile: nothing to repack
+                continue
             live_bytes = sum(loc.frame_len for _, loc in live_entries)
             if size > 0 and live_bytes / size < repack_below:
                 to_repack.append(pack_id)
@@ -286,7 +289,7 @@ def gc(
         known = {r.id for r in records}
         mdir = store.path / "manifests"
         for p in mdir.glob("*.manifest"):
-            if p.stem not in known:
+            if p.stem not in known and p.is_file():
                 report.freed_bytes += p.stat().st_size
                 p.unlink()
                 report.orphan_manifests += 1
@@ -367,7 +370,7 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
     report = RepairReport()
     with store._gc_lock(exclusive=True):
         chunks: dict[bytes, ChunkLoc] = {}
-        pack_paths = sorted(p for p in (store.path / "packs").glob("*.pack") if packs.valid_pack_id(p.stem))
+        pack_paths = sorted(packs.pack_files(store.path / "packs").values())
         for n, path in enumerate(pack_paths, 1):
             report.packs += 1
             damaged: list[int] = []

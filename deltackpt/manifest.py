@@ -212,6 +212,8 @@ def read(directory: Path, checkpoint_id: str, *, expect_checksum: str | None = N
         data = p.read_bytes()
     except FileNotFoundError:
         raise CorruptManifestError(f"manifest of checkpoint {checkpoint_id} is missing ({p})") from None
+    except (IsADirectoryError, NotADirectoryError):
+        raise CorruptManifestError(f"manifest of checkpoint {checkpoint_id} is not a regular file ({p})") from None
     if expect_checksum is not None and checksum_of(data) != expect_checksum:
         raise CorruptManifestError(
             f"manifest of checkpoint {checkpoint_id} does not match the checksum the index recorded"

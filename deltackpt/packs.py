@@ -20,6 +20,7 @@ import fcntl
 import mmap
 import os
 import re
+import stat
 import struct
 import threading
 import uuid
@@ -277,6 +278,9 @@ class PackReader:
                 raise
             self._shed(0)  # out of file descriptors: close every idle pack file, then try once more
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory opens too, and fails only at the first read
+            os.close(fd)
+            raise CorruptChunkError(f"pack {pack_id} is not a regular file ({path})")
         with self._lock:
             h = self._open.get(pack_id)
             if h is None:  # (another thread may have opened it meanwhile: keep theirs)
@@ -357,6 +361,12 @@ def _read_cached(fd: int, into: np.ndarray, offset: int) -> int:
         if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
             return 0
         raise
+
+
+def pack_files(directory: Path) -> dict[str, Path]:
+    """The packs of a ``packs/`` directory by id: regular files (or links to one) with a pack's name. Anything
+    else there (a directory, a dangling link) is no pack, and maintenance leaves it alone."""
+    return {p.stem: p for p in directory.glob("*.pack") if valid_pack_id(p.stem) and p.is_file()}
 
 
 def is_active(path: Path) -> bool:

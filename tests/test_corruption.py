@@ -347,6 +347,38 @@ def test_damaged_manifest(store_path: Path, two_ckpts: dict[str, Any], damage: s
         assert s.info(2).id == ids[2]  # the index record is intact
 
 
+@pytest.mark.parametrize("what", ["pack", "manifest", "dangling pack link"])
+def test_pack_or_manifest_that_is_no_file(store_path: Path, what: str) -> None:
+    """A directory (or a dangling link) where a pack or manifest should be is damage like a missing file: typed
+    errors that name the checkpoint, verify reports it, and gc and du neither crash nor touch it."""
+    a, b = _rand(2 * CS, 0), _rand(2 * CS, 1)
+    with _open(store_path) as s:
+        s.save({"a": a}, step=1)
+    with _open(store_path) as s:
+        info = s.save({"a": a, "b": b}, step=2)
+        (pack_b,) = {loc.pack_id for _, loc in _chunks_of(s, 2)["b"]}
+    victim = (store_path / "manifests" / f"{info.id}.manifest" if what == "manifest"
+              else store_path / "packs" / f"{pack_b}.pack")
+    victim.unlink()
+    if what == "dangling pack link":
+        victim.symlink_to(store_path / "nowhere.pack")
+    else:
+        victim.mkdir()
+    error = CorruptManifestError if what == "manifest" else CorruptChunkError
+    with _open(store_path) as s:
+        with pytest.raises(error, match=info.id if what == "manifest" else "checkpoint " + info.id):
+            s.load(2)
+        assert_same_state({"a": a}, s.load(1))
+        problems = s.verify().problems
+        assert problems and {p.checkpoint for p in problems} == {info.id}
+        if what != "manifest":  # (gc refuses to run while a manifest is damaged: it could free what it names)
+            s.gc()
+            assert s.verify().problems == problems
+    du = subprocess.run([sys.executable, "-m", "deltackpt", "du", str(store_path)], capture_output=True, text=True)
+    assert du.returncode == 0 and "Traceback" not in du.stderr
+    assert victim.is_symlink() or victim.is_dir()
+
+
 # -- the index ---------------------------------------------------------------------------------------------
 
 
