@@ -106,7 +106,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _meta_str(meta: Any) -> str:
     if not meta:
         return ""
-    return " ".join(f"{k}={v}" for k, v in meta.items()) if isinstance(meta, dict) else str(meta)
+    if isinstance(meta, dict):
+        return " ".join(f"{_short(k)}={_short(v)}" for k, v in meta.items())
+    return _short(meta)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A metadata value for a listing: at most ``limit`` characters."""
+    try:
+        text = tree.int_text(value) if type(value) is int else str(value)
+    except ValueError:  # a container holding an int of more digits than Python converts at once
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def cmd_show(args: argparse.Namespace) -> int:

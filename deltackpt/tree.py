@@ -125,6 +125,7 @@ DEFAULT_FACTORIES: dict[str, type] = {
     cls.__name__: cls
     for cls in (int, float, complex, bool, str, bytes, list, tuple, dict, set, frozenset, OrderedDict, Counter, deque)
 }
+_CONTAINERS = frozenset({dict, OrderedDict, Counter, defaultdict, list, tuple, deque})
 #: tags of manifest format version 2 (:func:`format_version`)
 V2_TAGS = frozenset({"c", "S", "F", "C", "q", "D"})
 _HASHABLE = (type(None), bool, int, float, complex, str, bytes)
@@ -133,10 +134,13 @@ _HASHABLE = (type(None), bool, int, float, complex, str, bytes)
 def child_path(path: str, key: Any) -> str:
     """The key path of ``key`` under ``path``, as errors and manifests name it: ``a.b``, ``a[0]``, ``a[(1, 2)]``."""
     if type(key) is int:
-        return f"{path}[{key}]"
+        return f"{path}[{int_text(key)}]"
     if type(key) is str:
         return f"{path}.{key}" if path else key
-    return f"{path}[{key!r}]"
+    try:
+        return f"{path}[{key!r}]"
+    except ValueError:  # e.g. a tuple holding an int of more digits than Python converts at once
+        return f"{path}[<{type(key).__name__}>]"
 
 
 class _Flattener:
@@ -144,6 +148,7 @@ class _Flattener:
         self.allow_pickle = allow_pickle
         self.leaves: list[Leaf] = []
         self._seen: dict[Hashable, int] = {}
+        self._open: set[int] = set()  # ids of the containers around the node being flattened
 
     def leaf(self, obj: torch.Tensor | np.ndarray, path: str) -> list[Any]:
         key = alias_key(obj)
@@ -175,12 +180,26 @@ class _Flattener:
 
     def node(self, obj: Any, path: str) -> list[Any]:
         t = type(obj)
+        if t in _CONTAINERS:
+            if id(obj) in self._open:
+                raise UnsupportedTypeError(f"cannot store {path or '<root>'}: it contains itself (a reference cycle)")
+            if len(self._open) >= MAX_DEPTH:
+                raise UnsupportedTypeError(
+                    f"cannot store {path or '<root>'}: containers nested more than {MAX_DEPTH} levels deep")
+            self._open.add(id(obj))
+            try:
+                return self._node(obj, path, t)
+            finally:
+                self._open.discard(id(obj))
+        return self._node(obj, path, t)
+
+    def _node(self, obj: Any, path: str, t: type) -> list[Any]:
         if obj is None:
             return ["N"]
         if t is bool:
             return ["b", obj]
         if t is int:
-            return ["i", str(obj)]
+            return ["i", int_text(obj)]
         if t is float:
             return ["f", struct.pack(">d", obj).hex()]
         if t is str:
@@ -363,6 +382,45 @@ def _numpy_leaf(a: np.ndarray, path: str) -> Leaf:
     )
 
 
+#: Python converts ints of more decimal digits than this (and its own limit, 4300 by default) only in parts
+_DIGITS = 4000
+_PART = 10**_DIGITS
+#: How deeply containers (dicts, lists, tuples, deques) may nest in a state: far beyond any real state, and within
+#: what Python's default recursion limit lets the save and the load of such a state do.
+MAX_DEPTH = 128
+
+
+def int_text(x: int) -> str:
+    """``str(x)`` for an int of any size: Python refuses to convert ints of more than
+    ``sys.get_int_max_str_digits()`` digits in one go, a limit that is global to the process, so longer ones
+    are converted in parts of :data:`_DIGITS` digits."""
+    if -_PART < x < _PART:
+        return str(x)
+    parts: list[str] = []
+    rest = abs(x)
+    while rest >= _PART:
+        rest, low = divmod(rest, _PART)
+        parts.append(str(low).zfill(_DIGITS))
+    parts.append(str(rest))
+    return ("-" if x < 0 else "") + "".join(reversed(parts))
+
+
+def int_value(text: Any) -> int:
+    """The int :func:`int_text` wrote (any number of digits)."""
+    if type(text) is not str:
+        raise ValueError(f"int node {text!r:.40}")
+    digits = text[1:] if text[:1] == "-" else text
+    if len(digits) <= _DIGITS:
+        return int(text)
+    if not (digits.isascii() and digits.isdigit()):
+        raise ValueError(f"int node {text:.40}...")
+    x = 0
+    for i in range(0, len(digits), _DIGITS):
+        part = digits[i : i + _DIGITS]
+        x = x * 10 ** len(part) + int(part)
+    return -x if text[:1] == "-" else x
+
+
 def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[list[Any], list[Leaf]]:
     """Return (skeleton, leaves). Raises UnsupportedTypeError naming the key path; touches nothing."""
     f = _Flattener(allow_pickle)
@@ -447,7 +505,7 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
             raise ValueError("bool node")
         return n[1]
     if tag == "i":
-        return int(n[1])
+        return int_value(n[1])
     if tag == "f":
         return struct.unpack(">d", bytes.fromhex(n[1]))[0]
     if tag == "s":

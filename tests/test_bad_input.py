@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -73,6 +74,8 @@ UNSUPPORTED = {
     "meta": torch.empty(3, device="meta"),
     "numpy_str_scalar": np.str_("x"),
     "numpy_datetime": np.datetime64("2020-01-01"),
+    "reference_cycle": (lambda c: (c.append({"again": c}), c)[1])([]),
+    "nested_too_deep": functools.reduce(lambda inner, _: [inner], range(deltackpt.tree.MAX_DEPTH), 0),
 }
 
 

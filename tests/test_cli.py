@@ -113,6 +113,16 @@ def test_ls_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) ->
     assert table_rows(out) == []
 
 
+def test_listings_abbreviate_long_metadata(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """Metadata values are cut to 80 characters in listings, ints past Python's 4300-digit limit included."""
+    with open_store(store_path) as s:
+        s.save({"w": torch.ones(2)}, step=1, metadata={"n": 10**5000, "t": (10**5000,), "s": "ok"})
+    for cmd in (("ls",), ("show", 1)):
+        rc, out, err = cli(capsys, cmd[0], store_path, *cmd[1:])
+        assert rc == 0 and err == ""
+        assert "n=" + "1" + "0" * 78 + "…" in out and "t=<tuple>" in out and "s=ok" in out
+
+
 def test_show_names_every_path_of_a_tied_tensor(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     emb = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)

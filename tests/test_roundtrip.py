@@ -844,6 +844,23 @@ def test_load_into_matches_places_not_key_paths(store: deltackpt.Store) -> None:
         store.load_into(target, step=1, spans={"m[0]": (0.5, 4)})
 
 
+@given(x=st.one_of(st.integers(), st.integers(1, 30_000).map(lambda n: 7**n),
+                   st.integers(1, 30_000).map(lambda n: -(3**n))))
+def test_ints_of_any_size_in_text(x: int) -> None:
+    """The manifest's decimal text of an int, past Python's 4300-digit limit of one conversion."""
+    text = deltackpt.tree.int_text(x)
+    assert deltackpt.tree.int_value(text) == x
+    assert text == f"{x:d}" if abs(x) < 10**4000 else text.lstrip("-").isdigit() and text[:1] != "0"
+
+
+def test_huge_ints_in_state_and_metadata(store: deltackpt.Store) -> None:
+    big, neg = 10**4300 + 17, -(2**40_000)
+    store.save({"n": big, "m": [neg, {big: 1}], "w": torch.ones(3)}, step=1, metadata={"n": big})
+    out = store.load(1)
+    assert out["n"] == big and out["m"][0] == neg and out["m"][1] == {big: 1}
+    assert store.info(1).metadata == {"n": big}
+
+
 def test_load_into_a_model_needs_no_second_copy(store: deltackpt.Store) -> None:
     """The model's own tensors come back in the loaded state, so load_state_dict has nothing to copy; the
     optimizer's state is new; the values are the saved ones."""
