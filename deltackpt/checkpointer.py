@@ -34,7 +34,7 @@ import torch
 
 from deltackpt.errors import DeltackptError
 from deltackpt.retention import THINNED_KEY, Retention
-from deltackpt.store import CheckpointInfo, Store, _byte_view
+from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_step
 from deltackpt.tree import alias_key
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -265,6 +265,7 @@ class Checkpointer:
         self._staging = _Staging()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save") if async_save else None
         self._inflight: Future[CheckpointInfo] | None = None
+        self._inflight_step = -1
         self._signal: int | None = None
         self._previous: dict[int, Any] = {}
         self._closed = False
@@ -339,6 +340,7 @@ class Checkpointer:
         a keyframe save, so that the restart restores from one frame per chunk), waits for the save, then
         passes the signal on.
         """
+        step = _check_step(step)
         self._raise_background_error()
         if self._signal is not None:
             if step == self.last_saved_step:
@@ -358,6 +360,7 @@ class Checkpointer:
         """Save now. Async mode snapshots and returns; ``wait=True`` (or sync mode) returns once committed.
         ``keyframe`` as for :meth:`Store.save`."""
         self._check_open()
+        step = _check_step(step)
         self._raise_background_error()
         self.wait()  # at most one save in flight: the staging buffers are about to be rewritten
         state = self.capture(step)
@@ -367,6 +370,7 @@ class Checkpointer:
         else:
             snap = self._staging.snapshot(state)
             self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe)
+            self._inflight_step = step
             if wait:
                 self.wait()
         self.last_saved_step = step
@@ -408,8 +412,10 @@ class Checkpointer:
             return None
         try:
             return fut.result()
-        except BaseException as exc:
-            raise DeltackptError(f"background save failed: {exc}") from exc
+        except BaseException as exc:  # the save's own error, type and all (as Future.result raises it) ...
+            if hasattr(exc, "add_note"):  # ... which says where it came from (Python 3.11+)
+                exc.add_note(f"deltackpt: raised by the background save of step {self._inflight_step}")
+            raise
 
     def _raise_background_error(self) -> None:
         fut = self._inflight
