@@ -423,10 +423,15 @@ class Checkpointer:
             self.wait()
 
     def close(self) -> None:
-        """Wait for the last save and raise its error, if any; restore signal handlers; release the store."""
+        """Wait for the last save and raise its error, if any; restore signal handlers; release the store.
+
+        A SIGTERM or SIGINT that arrived after the last :meth:`step` (while the last save ran, say) is passed on
+        then, as :meth:`step` would have: to the handler installed before the checkpointer, by default exiting
+        with status 128 + signal."""
         if self._closed:
             return
         self._closed = True
+        previous = dict(self._previous)
         try:
             self.wait()
         finally:
@@ -435,6 +440,13 @@ class Checkpointer:
             self._restore_signals()
             if self._owns_store:
                 self.store.close()
+        signum, self._signal = self._signal, None
+        if signum is not None and signum in previous:
+            prev = previous[signum]
+            if callable(prev):
+                prev(signum, None)
+            elif prev != signal.SIG_IGN:
+                raise SystemExit(128 + signum)
 
     def __enter__(self) -> Checkpointer:
         return self

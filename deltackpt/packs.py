@@ -189,6 +189,11 @@ class PackWriter:
         fd, self._fd, self.pack_id = self._fd, None, None
         self._held, self._held_len = [], 0  # never written: nothing references frames that were never synced
         if fd is not None:
+            if self._pid == os.getpid():  # (a forked child must not release its parent's lock)
+                # children forked while the pack was open share its open file: unlock it for them too, or the
+                # pack would count as being appended to (is_active) for as long as they live
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             try:
                 os.close(fd)
             except OSError:

@@ -423,6 +423,10 @@ class Store:
                         time.sleep(0.05)
             yield
         finally:
+            # Unlock, then close: a process forked meanwhile (a DataLoader starting its workers while an async
+            # save runs) shares this open file, and closing alone would leave the lock held for the child's life.
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
     def _open_gc_lock(self) -> int | None:

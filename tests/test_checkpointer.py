@@ -751,6 +751,32 @@ def test_sigterm_chains_previous_python_handler(fast_dir: Path, rng: random.Rand
         assert [i.step for i in store.list()] == [step]
 
 
+@pytest.mark.parametrize("previous", ["default", "python"])
+def test_signal_after_the_last_step_is_passed_on_by_close(fast_dir: Path, previous: str) -> None:
+    """A SIGTERM that lands after the loop's last step (here: while the last async save runs) is not dropped:
+    close() commits the save, then hands the signal on like step() does."""
+    script = f"""
+import os, signal, sys, torch, deltackpt
+if {previous!r} == "python":
+    signal.signal(signal.SIGTERM, lambda s, f: (print("previous handler", s, flush=True), sys.exit(7)))
+model = torch.nn.Linear(64, 64)
+ckpt = deltackpt.Checkpointer(sys.argv[1], model=model, async_save=True)
+ckpt.step(1)
+os.kill(os.getpid(), signal.SIGTERM)
+ckpt.close()
+print("still running after close", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(fast_dir / "store")], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    assert "still running" not in proc.stdout and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    if previous == "python":
+        assert proc.returncode == 7 and f"previous handler {int(signal.SIGTERM)}" in proc.stdout
+    else:
+        assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr
+    with Store(fast_dir / "store") as store:
+        assert [i.step for i in store.list()] == [1]  # the save in flight was committed first
+
+
 def test_handlers_restored_on_close(fast_dir: Path) -> None:
     def mine(signum: int, frame: Any) -> None:
         pass

@@ -9,6 +9,7 @@ any checkpoint bit for bit.
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -245,3 +246,38 @@ def test_store_opened_after_fork(tmp_path: Path, workers: Workers) -> None:
             cw.assert_same(cw.make_state(s), st.load(s), f"step {s}")
         rep = st.verify()
         assert rep.ok, "; ".join(str(p) for p in rep.problems[:5])
+
+
+def _gc_elsewhere(path: Path) -> str:
+    """gc of ``path`` in another process, giving up after 3 s of waiting for the store: its outcome's name."""
+    code = ("import sys, deltackpt\nfrom deltackpt.errors import StoreLockedError\n"
+            "with deltackpt.Store(sys.argv[1]) as s:\n"
+            "    try:\n        r = s.gc(timeout=3)\n        print('ok', r.skipped_active_packs)\n"
+            "    except StoreLockedError:\n        print('locked')\n")
+    return subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
+                          check=True, timeout=120).stdout.strip()
+
+
+def test_child_forked_during_a_save_holds_nothing_of_the_store(tmp_path: Path) -> None:
+    """A process forked while a save holds the store's locks (a DataLoader starting its workers while an async
+    save runs) shares those open files, but the locks are the save's: once it returns (and once its pack is
+    closed), gc in another process neither waits for the child nor takes the pack for one still being written."""
+    d = tmp_path / "store"
+    st = Store(d, chunk_size=CS)
+    st.save(cw.make_state(0), step=0)
+    r, w = os.pipe()
+    with st._gc_lock():  # what a save or load holds while it runs
+        pid = os.fork()
+        if pid == 0:  # the child only waits, holding everything it inherited
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+    os.close(r)
+    try:
+        assert _gc_elsewhere(d) == "ok 1"  # the parent's open pack counts as active, nothing else waits
+        st.close()
+        assert _gc_elsewhere(d) == "ok 0"  # closed by its writer: no longer active, though the child has it
+    finally:
+        os.write(w, b"x")
+        os.waitpid(pid, 0)
+        os.close(w)
