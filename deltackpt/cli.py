@@ -287,8 +287,11 @@ def cmd_repair(args: argparse.Namespace) -> int:
     for p in r.damaged_packs:
         print(f"pack {p} is damaged: its intact frames were indexed, the damaged ones skipped")
     for c in r.lost_checkpoints:
-        print(f"checkpoint {c} could not be restored (damaged manifest or missing chunks)")
-    return 0 if not r.lost_checkpoints and not r.damaged_packs else 1
+        print(f"checkpoint {c} could not be restored (its manifest is damaged)")
+    for c in r.incomplete_checkpoints:
+        print(f"checkpoint {c} is restored but incomplete: chunks it names are damaged or gone ('deltackpt verify' "
+              "lists them; 'deltackpt rm' it to let gc free the rest)")
+    return 0 if not (r.lost_checkpoints or r.incomplete_checkpoints or r.damaged_packs) else 1
 
 
 def _tensor_dict(state: Any) -> dict[str, torch.Tensor]:

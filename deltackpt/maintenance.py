@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 import numpy as np
 
-from deltackpt import codec, kernel, manifest, packs
+from deltackpt import codec, config, kernel, manifest, packs
 from deltackpt.errors import CheckpointNotFoundError, CorruptChunkError, CorruptionError, DeltackptError
 from deltackpt.index import ChunkLoc, Record, chunk_key
 from deltackpt.scratch import Scratch
@@ -82,7 +82,10 @@ class RepairReport:
     packs: int = 0
     chunks: int = 0
     checkpoints: int = 0
+    #: manifests that could not be read (damaged, or not the checkpoint their name says): not restored
     lost_checkpoints: list[str] = field(default_factory=list)
+    #: checkpoints restored although chunks they name were not found intact (``verify`` names them)
+    incomplete_checkpoints: list[str] = field(default_factory=list)
     damaged_packs: list[str] = field(default_factory=list)
 
 
@@ -362,10 +365,13 @@ def _unlink_packs(store: Store, paths: list[Path], report: GcReport) -> None:
 def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
     """Rebuild the LMDB index from the packs and manifests on disk (after the index was lost or damaged).
 
-    Every intact frame of every pack is indexed; every manifest whose checksum holds and whose chunks are all
-    present becomes a checkpoint again, ordered by creation time. Manifests with missing chunks are reported
-    in ``lost_checkpoints`` and left on disk. Note: a checkpoint deleted just before a crash (its manifest not
-    yet unlinked) comes back; delete it again.
+    Every intact frame of every pack is indexed; every manifest whose checksum holds becomes a checkpoint
+    again, ordered by creation time. One whose chunks are not all found intact (a damaged frame, a lost pack)
+    is restored too and reported in ``incomplete_checkpoints``: as before the index was lost, loading it
+    raises ``CorruptChunkError`` naming what is missing, ``verify`` lists it, and ``gc`` keeps the rest of
+    it, so a repair never frees more than the damage took (``delete`` it to let ``gc`` free it). Manifests that
+    cannot be read are reported in ``lost_checkpoints``. Note: a checkpoint deleted just before a crash (its
+    manifest not yet unlinked) comes back; delete it again.
     """
     report = RepairReport()
     with store._gc_lock(exclusive=True):
@@ -401,9 +407,11 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
             except (DeltackptError, OSError):
                 report.lost_checkpoints.append(p.stem)
                 continue
-            if p.stem != m.id or any(k not in chunks for _, k in _stored_chunks(m)):
+            if p.stem != m.id:
                 report.lost_checkpoints.append(p.stem)
                 continue
+            if any(k not in chunks for _, k in _stored_chunks(m)):
+                report.incomplete_checkpoints.append(m.id)
             records.append(
                 Record(
                     id=m.id, step=m.step, created=m.created, parent=m.parent,
@@ -458,12 +466,30 @@ def rebuild_index_dir(path: Path) -> Path | None:
     return dest
 
 
+def _restore_store_file(root: Path) -> None:
+    """Write the ``STORE`` file of a store that lost it, with the chunk size its manifests name."""
+    from deltackpt.store import write_store_file
+
+    sizes = set()
+    for p in sorted((root / "manifests").glob("*.manifest")):
+        try:
+            sizes.add(manifest.parse(p.read_bytes(), where=p.name).chunk_size)
+        except (DeltackptError, OSError):
+            continue
+    if len(sizes) != 1:
+        raise DeltackptError(
+            f"{root} is not a deltackpt store (no STORE file)" if not sizes else
+            f"{root} lost its STORE file and its manifests name several chunk sizes {sorted(sizes)}")
+    write_store_file(root, config.check_chunk_size(sizes.pop()))
+
+
 def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
     """Open a store whose index may be unreadable: a damaged index is moved aside and an empty one created."""
     from deltackpt.store import Store
 
-    if not (Path(path) / "STORE").exists():
-        raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
+    root = Path(path)
+    if not (root / "STORE").exists():
+        _restore_store_file(root)
     try:
         store = Store(path, _repair=True, **kwargs)
     except (lmdb.Error, CorruptionError, ValueError):  # the index is unusable: start a new one

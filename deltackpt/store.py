@@ -312,6 +312,10 @@ class Store:
         if not cfg_path.exists() and self.readonly:
             raise DeltackptError(f"{self.path} is not a deltackpt store (no STORE file; a read-only open creates none)")
         if not cfg_path.exists():
+            if _holds_checkpoints(self.path):
+                raise DeltackptError(
+                    f"{self.path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
+                    "'deltackpt repair' writes it again, with the chunk size the manifests name")
             cs = config.check_chunk_size(config.chunk_size() if chunk_size is None else chunk_size)
             for sub in ("packs", "manifests", "tmp", "index"):
                 (self.path / sub).mkdir(parents=True, exist_ok=True)
@@ -319,17 +323,7 @@ class Store:
             # the index (with its format record) before STORE: a store that has STORE and an index without that
             # record lost its index, and is refused until a repair rebuilds it
             self.index = Index(self.path / "index", allow_network_fs=allow_network_fs, create=True)
-            tmp = self.path / f"STORE.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            tmp.write_text(json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION, "chunk_size": cs}) + "\n")
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            try:
-                os.link(tmp, cfg_path)  # fails if another process created the store meanwhile: theirs wins
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
-            fsync_dir(self.path)
+            write_store_file(self.path, cs)
         try:
             cfg = json.loads(cfg_path.read_text())
             fmt, version, cs = cfg["format"], int(cfg["version"]), int(cfg["chunk_size"])
@@ -1354,6 +1348,27 @@ class Store:
 
 
 _INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
+
+
+def write_store_file(path: Path, chunk_size: int) -> None:
+    """Write ``path/STORE`` durably (temp file, fsync, link, fsync the directory); of two processes writing it
+    at once, the first wins."""
+    tmp = path / f"STORE.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    tmp.write_text(json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION, "chunk_size": chunk_size}) + "\n")
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    try:
+        os.link(tmp, path / "STORE")  # fails if another process created the store meanwhile: theirs wins
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink()
+    fsync_dir(path)
+
+
+def _holds_checkpoints(path: Path) -> bool:
+    """Whether ``path`` holds a store's packs or manifests (a crash while creating a store leaves neither)."""
+    return any(any((path / sub).glob(pattern)) for sub, pattern in (("packs", "*.pack"), ("manifests", "*.manifest")))
 
 
 def _why_readonly(path: Path) -> str | None:

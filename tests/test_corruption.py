@@ -452,6 +452,23 @@ def test_repair_reads_the_frames_of_a_pack_whose_header_is_damaged(store_path: P
         _check_repaired(s, filled)
 
 
+def test_lost_store_file_is_refused_and_written_again_by_repair(store_path: Path) -> None:
+    """A store that lost its STORE file is not taken for a new, empty directory (which would get the default
+    chunk size): opening it raises; a repair writes STORE again with the chunk size its manifests name."""
+    filled = _fill(store_path)
+    (store_path / "STORE").unlink()
+    before = dir_snapshot(store_path)
+    with pytest.raises(deltackpt.DeltackptError, match="no STORE file but holds"):
+        deltackpt.Store(store_path)
+    with pytest.raises(deltackpt.DeltackptError, match="no STORE file"):
+        deltackpt.Store(store_path, readonly=True)
+    assert dir_snapshot(store_path) == before
+    with maintenance.open_for_repair(store_path) as s:
+        assert s.chunk_size == CS != deltackpt.config.chunk_size()
+        s.repair()
+        _check_repaired(s, filled)
+
+
 def test_repair_interrupted_before_its_commit_leaves_the_index_lost(store_path: Path) -> None:
     """The rebuilt index becomes the store's in the rebuild's one transaction: a repair that stops before it
     (here: an exception after the packs were scanned) leaves a store that is still refused, not one that looks
@@ -493,9 +510,17 @@ def test_repair_reports_checkpoints_whose_chunks_are_gone(store_path: Path) -> N
     shutil.rmtree(store_path / "index")
     with maintenance.open_for_repair(store_path) as s:
         report = s.repair()
-        assert report.lost_checkpoints == [id2]
-        assert [i.id for i in s.list()] == [id1]
+        assert report.lost_checkpoints == [] and report.incomplete_checkpoints == [id2]
+        assert [i.id for i in s.list()] == [id1, id2]  # as before the index was lost
         assert torch.equal(s.load(1)["a"], a)
+        with pytest.raises(CorruptChunkError, match=f"checkpoint {id2}.*'d'"):
+            s.load(2)
+        assert s.load_into({"a": torch.empty_like(a)}, step=2, strict=False) == []  # what survived still loads
+        s.gc()  # frees nothing the damage did not take: "a" of checkpoint 2 stays
+        assert {p.key for p in s.verify().problems} == {"d"}
+        target = {"a": torch.empty_like(a)}
+        s.load_into(target, step=2, strict=False)
+        assert torch.equal(target["a"], a)
 
 
 def test_repair_keeps_intact_frames_after_a_damaged_one(store_path: Path, two_ckpts: dict[str, Any]) -> None:
@@ -507,8 +532,10 @@ def test_repair_keeps_intact_frames_after_a_damaged_one(store_path: Path, two_ck
     shutil.rmtree(store_path / "index")
     with maintenance.open_for_repair(store_path) as s:
         report = s.repair()
-        assert report.lost_checkpoints == [ids[1]]
-        assert [i.id for i in s.list()] == [ids[2], ids[3]]
+        assert report.incomplete_checkpoints == [ids[1]]
+        assert [i.id for i in s.list()] == [ids[1], ids[2], ids[3]]
+        with pytest.raises(CorruptChunkError, match=cid):
+            s.load(1)
         assert_same_state(two_ckpts["states"][2], s.load(2))
         assert_same_state(two_ckpts["states"][3], s.load(3))
 
