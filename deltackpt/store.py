@@ -163,6 +163,25 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
     return flat.view(torch.uint8)
 
 
+def _unfillable(obj: torch.Tensor | np.ndarray) -> str | None:
+    """Why ``obj`` cannot be filled in place with a stored array's values, or None when it can: a read-only
+    numpy array, or a view in which elements may share memory (an ``expand``ed or ``broadcast_to`` view)."""
+    if (obj.size if isinstance(obj, np.ndarray) else obj.numel()) == 0:
+        return None
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.writeable:
+            return "it is a read-only array"
+        strides, item = [abs(st) for st in obj.strides], obj.itemsize
+    else:
+        strides, item = [abs(st) for st in obj.stride()], 1
+    extent = item  # dims from the smallest stride up: each must step past everything the inner ones reach
+    for st, n in sorted((st, n) for st, n in zip(strides, obj.shape) if n > 1):
+        if st < extent:
+            return "elements of it share memory (an expanded or broadcast view)"
+        extent += (n - 1) * st
+    return None
+
+
 def _decode_target(obj: torch.Tensor | np.ndarray) -> tuple[np.ndarray, Any]:
     """Where a stored array meant for ``obj`` (a tensor or array to fill in place) is decoded: ``(bytes, None)``,
     ``obj``'s own memory, when it is a contiguous writable CPU array; else ``(bytes, staging)``, a contiguous
@@ -1047,6 +1066,9 @@ class Store:
                     )
                 if i in filled:  # a target leaf at two places (tied) is filled from the first
                     continue
+                why = _unfillable(leaf.obj)
+                if why is not None:
+                    raise ShapeMismatchError(f"{key!r}: the target cannot hold the checkpoint's values: {why}")
                 filled.add(i)
                 out, staging = _decode_target(leaf.obj)
                 span = span_at.get(place)
@@ -1423,7 +1445,8 @@ def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor]:
             continue
         t = m.tensors[i]
         if (t.kind != "torch" or target.dtype != tree.torch_dtype(t.dtype) or list(target.shape) != list(t.shape)
-                or target.is_meta or target.layout != torch.strided or target.is_quantized or target.is_nested):
+                or target.is_meta or target.layout != torch.strided or target.is_quantized or target.is_nested
+                or _unfillable(target) is not None):
             continue
         key = (str(target.device), target.data_ptr()) if target.numel() else id(target)
         if key in taken:

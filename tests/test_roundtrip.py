@@ -861,6 +861,22 @@ def test_huge_ints_in_state_and_metadata(store: deltackpt.Store) -> None:
     assert store.info(1).metadata == {"n": big}
 
 
+def test_targets_whose_elements_share_memory(store: deltackpt.Store) -> None:
+    """An expanded (stride-0) tensor or a read-only numpy array cannot hold a stored tensor's values: load(into=)
+    leaves such offers alone and loads new arrays; load_into refuses them, naming the key, before writing."""
+    b, a = torch.arange(6.0).reshape(2, 3), np.arange(6.0).reshape(2, 3)
+    store.save({"b": b, "a": a, "w": torch.ones(4)}, step=1)
+    expanded, frozen = torch.zeros(3).expand(2, 3), np.broadcast_to(np.zeros(3), (2, 3))
+    state = store.load(step=1, into={"b": expanded, "a": frozen})
+    assert state["b"] is not expanded and torch.equal(state["b"], b) and not expanded.any()
+    assert state["a"] is not frozen and np.array_equal(state["a"], a) and not frozen.any()
+    for key, bad in (("b", expanded), ("a", frozen)):
+        target = {"b": torch.zeros(2, 3), "a": np.zeros((2, 3)), "w": torch.zeros(4), key: bad}
+        with pytest.raises(ShapeMismatchError, match=f"'{key}': the target cannot hold"):
+            store.load_into(target, step=1)
+        assert not target["w"].any() and not target["b"].any() and not target["a"].any()  # nothing written
+
+
 def test_load_into_a_model_needs_no_second_copy(store: deltackpt.Store) -> None:
     """The model's own tensors come back in the loaded state, so load_state_dict has nothing to copy; the
     optimizer's state is new; the values are the saved ones."""
