@@ -377,6 +377,20 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _settings(value: dict[Any, Any], limit: int = 80) -> str:
+    """``key=value`` of a state dict's plain public entries (a scheduler's ``last_epoch=3, step_size=5``), the
+    step counters first, as many as fit in ``limit`` characters."""
+    keys = sorted((k for k in value if isinstance(k, str) and not k.startswith("_")
+                   and isinstance(value[k], (int, float, str))), key=lambda k: k not in ("last_epoch", "scale"))
+    out = ""
+    for k in keys:
+        item = f"{k}={_short(value[k], 24)}"
+        if len(out) + len(item) + 2 > limit:
+            return out + ", …"
+        out = f"{out}, {item}" if out else item
+    return out
+
+
 def cmd_resume_info(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         latest = s.latest()
@@ -408,6 +422,8 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
                 detail = "keys: " + ", ".join(map(str, value))
             elif part == "optimizer" and isinstance(value, dict) and "param_groups" in value:
                 detail = f"{len(value['param_groups'])} param group(s), " + (detail or "no state tensors")
+            elif not detail and isinstance(value, dict):  # a scheduler, a scaler: its plain public settings
+                detail = _settings(value)
             rows.append((part, detail))
         print(table(rows, ["part", "holds"]))
         if latest.metadata:

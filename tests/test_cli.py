@@ -587,9 +587,11 @@ def test_resume_info_checkpointer_store(capsys: pytest.CaptureFixture[str], stor
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=5)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    with deltackpt.Checkpointer(store_path, model=model, optimizer=opt, extra={"epoch": 2},
+    sched.step()
+    with deltackpt.Checkpointer(store_path, model=model, optimizer=opt, scheduler=sched, extra={"epoch": 2},
                                 async_save=False, handle_signals=False) as ck:
         ck.save(3)
         ck.save(5, metadata={"loss": 1.5})
@@ -602,7 +604,8 @@ def test_resume_info_checkpointer_store(capsys: pytest.CaptureFixture[str], stor
     assert lines[0].startswith(f"a run would resume from step 5 (checkpoint {latest.id}, saved ")
     parts = {line.split(None, 1)[0]: line.split(None, 1)[1] if " " in line.strip() else ""
              for line in lines[3:] if line and not line.startswith("metadata")}
-    assert list(parts) == ["model", "optimizer", "extra", "rng"]
+    assert list(parts) == ["model", "optimizer", "scheduler", "extra", "rng"]
+    assert parts["scheduler"].startswith("last_epoch=1, step_size=5, gamma=0.1")  # plain public settings
     assert parts["model"].startswith("2 tensors, 60 B")  # weight 3x4 + bias 3, float32
     assert parts["optimizer"].startswith("1 param group(s), 2 tensors")  # two momentum buffers
     assert parts["extra"] == "keys: epoch"
