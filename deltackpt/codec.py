@@ -88,6 +88,15 @@ def chunk_hex(digest: bytes, length: int) -> str:
     return f"{digest.hex()}-{length}"
 
 
+def _root(reason: str) -> str:
+    """The damage itself, without the chain of inputs it was reached through (``its delta base <id> is
+    damaged: its prediction input <id> is damaged: ...``): a message names the input the chunk needs and what is
+    wrong, however deep the damage lies (or however often a cycle went round)."""
+    while reason.startswith(("its delta base ", "its prediction input ")) and " is damaged: " in reason:
+        reason = reason.split(" is damaged: ", 1)[1]
+    return reason
+
+
 def frame_checksum(header56: bytes | memoryview, payload: bytes | memoryview) -> int:
     h = xxhash.xxh3_64(header56)
     h.update(payload)
@@ -329,7 +338,7 @@ def decode_chain(
             if not frames:
                 raise
             raise CorruptChunkError(
-                f"its delta base {chunk_hex(want, raw_len)} is damaged: {exc.reason}", chunk_id=cid
+                f"its delta base {chunk_hex(want, raw_len)} is damaged: {_root(exc.reason)}", chunk_id=cid
             ) from None
         frames.append(frame)
         headers.append(h)
@@ -369,7 +378,7 @@ def _predict_into(frame: bytes | memoryview, h: FrameHeader, where: str | None, 
     except CorruptChunkError as exc:
         if top:
             raise CorruptChunkError(exc.reason, chunk_id=cid) from None
-        raise CorruptChunkError(f"its delta base {own} is damaged: {exc.reason}", chunk_id=cid) from None
+        raise CorruptChunkError(f"its delta base {own} is damaged: {_root(exc.reason)}", chunk_id=cid) from None
     if resolve is None:
         raise ValueError(f"predicted chunk {own} needs a resolver for the chunks it references")
     inputs = []
@@ -378,7 +387,7 @@ def _predict_into(frame: bytes | memoryview, h: FrameHeader, where: str | None, 
             inputs.append(resolve(ref))
         except CorruptChunkError as exc:
             raise CorruptChunkError(
-                f"its prediction input {chunk_hex(ref, h.raw_len)} is damaged: {exc.reason}", chunk_id=cid
+                f"its prediction input {chunk_hex(ref, h.raw_len)} is damaged: {_root(exc.reason)}", chunk_id=cid
             ) from None
     predict.predict(rec, inputs[0], inputs[1:], dest)
 

@@ -254,7 +254,7 @@ class Index:
         self._rebuilding = rebuilding
         if not allow_network_fs:
             check_local(path)
-        if not readonly:
+        if not readonly and (create or rebuilding):  # (a lost index is refused before anything is created)
             path.mkdir(parents=True, exist_ok=True)
         self._real = _identity(path)
         self._held: tuple[int, str] | None = None

@@ -417,9 +417,10 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
                     id=m.id, step=m.step, created=m.created, parent=m.parent,
                     manifest_checksum=manifest.checksum_of(data), logical_bytes=m.logical_bytes,
                     written_bytes=m.written_bytes, metadata=m.metadata,
+                    extra={"replaces": list(m.extra["replaces"])} if m.extra.get("replaces") else {},
                 )
             )
-        records.sort(key=lambda r: (r.created, r.id))
+        records.sort(key=lambda r: (r.created, r.id))  # (a rewrite keeps the creation time of what it replaced)
         store.index.rebuild(chunks, records)
         report.chunks = len(chunks)
         report.checkpoints = len(records)

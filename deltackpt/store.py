@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import fcntl
 import json
 import operator
@@ -464,6 +465,8 @@ class Store:
         if step is not None:
             step = _check_step(step)
         rec = self.index.get(step=step, id=id)
+        if rec is None and id is not None:
+            rec = self._replacing(id)
         if rec is None or (step is not None and id is not None and rec.step != step):
             if id is not None:
                 raise CheckpointNotFoundError(f"no checkpoint with id {id} in {self.path}")
@@ -483,17 +486,38 @@ class Store:
                 ) from None
             raise
 
+    def _replacing(self, old_id: str, records: Sequence[Record] | None = None) -> Record | None:
+        """The checkpoint that took the place of ``old_id`` in a :meth:`rewrite` (rarely asked: a scan)."""
+        for rec in self.index.records() if records is None else records:
+            if old_id in rec.extra.get("replaces", ()):
+                return rec
+        return None
+
+    def _info(self, rec: Record) -> CheckpointInfo:
+        """``rec`` as users see it: a parent that was rewritten is named by its current id."""
+        info = CheckpointInfo.from_record(rec)
+        if rec.parent is not None and self.index.get(id=rec.parent) is None:
+            now = self._replacing(rec.parent)
+            if now is not None:
+                info = dataclasses.replace(info, parent=now.id)
+        return info
+
     def list(self) -> list[CheckpointInfo]:
         """Every retained checkpoint, oldest commit first."""
-        return [CheckpointInfo.from_record(r) for r in self.index.records()]
+        records = self.index.records()
+        ids = {r.id for r in records}
+        moved = {old: r.id for r in records for old in r.extra.get("replaces", ())}
+        return [CheckpointInfo.from_record(r) if r.parent in ids or r.parent not in moved
+                else dataclasses.replace(CheckpointInfo.from_record(r), parent=moved[r.parent]) for r in records]
 
     def info(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:
-        """The checkpoint at ``step`` (the newest one with that step), or with ``id``; latest when neither."""
-        return CheckpointInfo.from_record(self._record(step, id))
+        """The checkpoint at ``step`` (the newest one with that step), or with ``id`` (also an id it replaced in
+        a :meth:`rewrite`); latest when neither."""
+        return self._info(self._record(step, id))
 
     def latest(self) -> CheckpointInfo | None:
         rec = self.index.get()
-        return None if rec is None else CheckpointInfo.from_record(rec)
+        return None if rec is None else self._info(rec)
 
     def manifest(self, step: int | None = None, *, id: str | None = None) -> manifest.Manifest:
         """The parsed, verified manifest of a checkpoint (for inspection tools)."""
@@ -546,6 +570,9 @@ class Store:
             use_delta = parent is not None and self.max_chain > 0 and _replace is None and not keyframe
             pm = self._parent_manifest(parent) if use_delta else None
             generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0
+            # a rewrite takes the place of a checkpoint under a new id: it names the ids it replaces, so that a
+            # later checkpoint's parent (and load(id=...) of the old id) still finds it
+            replaces = {"replaces": [_replace.id, *_replace.extra.get("replaces", [])]} if _replace else {}
             roles = predict.plan(state, leaves) if pm is not None and self.predict else {}
             mark = self._writer.mark()
             try:
@@ -556,7 +583,7 @@ class Store:
                 m = manifest.Manifest(
                     id=ckpt_id,
                     step=step,
-                    created=time.time(),
+                    created=_replace.created if _replace is not None else time.time(),  # a rewrite: same place
                     parent=parent,
                     chunk_size=self.chunk_size,
                     tree=skeleton,
@@ -566,7 +593,7 @@ class Store:
                     metadata=meta_node,
                     logical_bytes=sum(e.nbytes for e in entries),
                     written_bytes=written,
-                    extra={"generation": generation},
+                    extra={"generation": generation, **replaces},
                 )
                 _, checksum = manifest.write(self._manifests_dir, self._tmp_dir, m)  # 2. manifest durable
                 rec = Record(
@@ -578,6 +605,7 @@ class Store:
                     logical_bytes=m.logical_bytes,
                     written_bytes=written,
                     metadata=meta_node,
+                    extra=replaces,
                 )
                 rec = self.index.commit_checkpoint(rec, new_locs, replace=_replace,  # 3. THE COMMIT POINT
                                                    repoint=_replace is not None)

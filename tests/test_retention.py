@@ -364,3 +364,36 @@ def test_retention_validation() -> None:
         with pytest.raises(ValueError):
             Retention(**kw)
     assert deltackpt.Retention().plan([]).keep == []
+
+
+def test_rewritten_checkpoint_keeps_its_place_in_the_lineage(tmp_path: Path) -> None:
+    """A rewrite (thinning) gives the checkpoint a new id but its old place: later checkpoints name it as their
+    parent, its old id still finds it, log does not call it deleted, and a repair keeps the commit order (it
+    keeps its creation time), also after a second rewrite."""
+    import shutil
+    import subprocess
+    import sys
+
+    from deltackpt import maintenance
+
+    path = tmp_path / "s"
+    with Store(path) as s:
+        ids = [s.save({"w": torch.full((8,), float(step))}, step=step).id for step in (1, 2, 3)]
+        created = s.info(1).created
+        first = s.rewrite({"w": torch.zeros(8)}, id=ids[0])
+        second = s.rewrite({"w": torch.ones(8)}, id=first.id)
+        assert [i.id for i in s.list()] == [second.id, ids[1], ids[2]]
+        assert s.list()[1].parent == second.id and s.info(2).parent == second.id
+        for old in (ids[0], first.id):
+            assert s.info(id=old).id == second.id
+            assert torch.equal(s.load(id=old)["w"], torch.ones(8))
+        assert s.info(1).created == created
+    log = subprocess.run([sys.executable, "-m", "deltackpt", "log", str(path)], capture_output=True, text=True,
+                         check=True).stdout
+    assert "deleted" not in log and f"1 ({second.id[:8]})" in log
+    shutil.rmtree(path / "index")
+    with maintenance.open_for_repair(path) as s:
+        s.repair()
+        assert [(i.id, i.step) for i in s.list()] == [(second.id, 1), (ids[1], 2), (ids[2], 3)]
+        assert s.list()[1].parent == second.id and s.latest().id == ids[2]
+        assert s.info(id=ids[0]).id == second.id
