@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltackpt.errors import DeltackptError
+from deltackpt.errors import CorruptionError, DeltackptError
 from deltackpt.retention import THINNED_KEY, Retention
 from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_step
 from deltackpt.tree import alias_key
@@ -322,12 +322,38 @@ class Checkpointer:
 
         Saves after this descend from the restored checkpoint: after rolling back to an older step the run
         continues on a branch, and saving a step number that exists on another branch is allowed.
+
+        Restoring the latest, a checkpoint found damaged (:class:`~deltackpt.errors.CorruptionError`) is skipped
+        with a ``RuntimeWarning`` for the newest one before it that restores, so a job restarted onto a damaged
+        store resumes instead of failing at every restart. Thinned checkpoints (weights only) are never fallen
+        back to: if no full checkpoint restores, the first error is raised. A given ``step`` or ``id`` is
+        restored or raises.
         """
         self.wait()
-        if step is None and id is None and self.store.latest() is None:
+        if step is not None or id is not None:
+            return self._restore(self.store.info(step, id=id))
+        infos = self.store.list()
+        if not infos:
             return 0
+        first: CorruptionError | None = None
+        for info in reversed(infos):
+            if first is not None and isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY):
+                break  # weights only: resuming from it would silently drop the optimizer's state
+            try:
+                restored = self._restore(info)
+            except CorruptionError as exc:
+                first = first or exc
+                warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, restoring the one "
+                              f"before it: {exc}", RuntimeWarning, stacklevel=2)
+                continue
+            return restored
+        assert first is not None
+        raise first
+
+    def _restore(self, info: CheckpointInfo) -> int:
         # the model's own tensors are offered: they are decoded in place, and load_state_dict then copies nothing
-        state = self.store.load(step, id=id, map_location=self.map_location, into={"model": _group_state(self.model)})
+        state = self.store.load(id=info.id, map_location=self.map_location,
+                                into={"model": _group_state(self.model)})
         restored = self.apply(state)
         self.last_saved_step = restored
         return restored

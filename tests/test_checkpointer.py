@@ -870,6 +870,37 @@ def test_restore_on_an_empty_store_returns_zero(fast_dir: Path) -> None:
             ckpt.restore(step=3)
 
 
+def test_restore_of_the_latest_skips_damaged_checkpoints(fast_dir: Path) -> None:
+    """A restarted job whose newest checkpoint is damaged resumes from the newest one that restores (with a
+    warning naming what was skipped) instead of failing at every restart; an explicit step still raises, and
+    a thinned (weights-only) checkpoint is never fallen back to."""
+    model, opt = _small()
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=False,
+                      handle_signals=False) as ckpt:
+        for step in (1, 2, 3):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            ckpt.save(step)
+            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        ids = {i.step: i.id for i in ckpt.store.list()}
+    manifest_3 = fast_dir / "store" / "manifests" / f"{ids[3]}.manifest"
+    data = bytearray(manifest_3.read_bytes())
+    data[40] ^= 0xFF
+    manifest_3.write_bytes(bytes(data))
+    fresh, fresh_opt = _small()
+    with Checkpointer(fast_dir / "store", model=fresh, optimizer=fresh_opt, handle_signals=False) as ckpt:
+        with pytest.warns(RuntimeWarning, match=f"checkpoint {ids[3]} \\(step 3\\) is damaged"):
+            assert ckpt.restore() == 2
+        assert_bitwise(states[2], fresh.state_dict())
+        with pytest.raises(deltackpt.CorruptManifestError):
+            ckpt.restore(step=3)
+        ckpt._thin([ids[1]], {i.id: i for i in ckpt.store.list()})  # what Retention(full_last=) does to it
+        ckpt.store.delete(2)
+        with pytest.warns(RuntimeWarning), pytest.raises(deltackpt.CorruptManifestError):
+            ckpt.restore()  # step 1 holds weights only now: the damage of step 3 is reported instead
+
+
 def test_signal_save_is_a_keyframe(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The save made at the step boundary after SIGTERM stores its chunks standalone, so the restarted run
     restores from one frame per chunk. (The process-level SIGTERM path is tested above; here the handler's
