@@ -397,9 +397,16 @@ class Index:
         txn.delete(record.id.encode(), db=self.db_ids)
         txn.delete(_U64.pack(record.step) + sk, db=self.db_steps)
 
-    def remove_checkpoint(self, record: Record) -> None:
+    def remove_checkpoint(self, record: Record) -> bool:
+        """Remove ``record``'s checkpoint; False (and nothing changed) when its id no longer names its seq: a
+        rewrite took its place or a repair renumbered it since the caller read it, so the caller reads again."""
         with self._write() as txn:
-            self._remove(txn, record)
+            sk = _U64.pack(record.seq)
+            if txn.get(record.id.encode(), db=self.db_ids) != sk:
+                return False
+            raw = txn.get(sk, db=self.db_ckpts)
+            self._remove(txn, Record.loads(raw) if raw is not None else record)
+        return True
 
     def get(self, *, step: int | None = None, id: str | None = None) -> Record | None:
         """The newest record with this step (or this id); the newest of all when both are None."""

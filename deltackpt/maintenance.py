@@ -375,7 +375,8 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
     """
     report = RepairReport()
     with store._gc_lock(exclusive=True):
-        chunks: dict[bytes, ChunkLoc] = {}
+        chunks: dict[bytes, ChunkLoc] = {}  # chunks with a standalone frame
+        based: dict[bytes, list[ChunkLoc]] = {}  # the other chunks' delta and predicted frames
         pack_paths = sorted(packs.pack_files(store.path / "packs").values())
         for n, path in enumerate(pack_paths, 1):
             report.packs += 1
@@ -383,22 +384,18 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
             try:
                 for offset, h in packs.scan(path, damaged=damaged):
                     k = chunk_key(h.digest, h.raw_len)
-                    if k not in chunks or (chunks[k].codec in codec.BASED and h.codec not in codec.BASED):
-                        chunks[k] = ChunkLoc(path.stem, offset, h.frame_len, h.codec, 0, h.base)
+                    loc = ChunkLoc(path.stem, offset, h.frame_len, h.codec, 0, h.base)
+                    if h.codec in codec.BASED:
+                        based.setdefault(k, []).append(loc)
+                    elif k not in chunks:
+                        chunks[k] = loc
             except (DeltackptError, OSError):
                 damaged.append(-1)
             if damaged:
                 report.damaged_packs.append(path.stem)
             if progress is not None:
                 progress(n, len(pack_paths))
-        refs: dict[bytes, list[bytes]] = {}
-        for k, loc in chunks.items():
-            if loc.codec in codec.BASED:
-                try:
-                    refs[k] = store.references(k, loc)
-                except (CorruptChunkError, OSError):
-                    refs[k] = [bytes(20)]  # an unreadable record: the entry is dropped below
-        _fix_depths(chunks, refs)
+        _choose_frames(store, chunks, based)
         records: list[Record] = []
         for p in sorted((store.path / "manifests").glob("*.manifest")):
             try:
@@ -427,34 +424,37 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
     return report
 
 
-def _fix_depths(chunks: dict[bytes, ChunkLoc], refs: dict[bytes, list[bytes]]) -> None:
-    """Drop entries that reference a chunk that is gone (delta bases, prediction inputs: ``refs``), and set each
-    entry's chain depth: 0 for a standalone frame, else one more than the deepest chunk it references."""
-    depth: dict[bytes, int] = {}
-
-    def resolve(k: bytes, seen: int = 0) -> int | None:
-        if k in depth:
-            return depth[k]
-        loc = chunks.get(k)
-        if loc is None or seen > 64:
-            return None
-        d = 0
-        for r in refs.get(k, ()):
-            rd = resolve(r, seen + 1)
-            if rd is None:
-                return None
-            d = max(d, rd + 1)
-        depth[k] = d
-        return d
-
-    for k in list(chunks):
-        d = resolve(k)
-        if d is None:
-            del chunks[k]
-        else:
-            loc = chunks[k]
-            chunks[k] = ChunkLoc(loc.pack_id, loc.offset, loc.frame_len, loc.codec, d, loc.base)
-
+def _choose_frames(store: Store, chunks: dict[bytes, ChunkLoc], based: dict[bytes, list[ChunkLoc]]) -> None:
+    """Add to ``chunks`` (the standalone frames found, depth 0) one frame of each other chunk that decodes: a
+    delta or predicted frame whose references (base, prediction inputs) all resolve, the shallowest one, with
+    its chain depth. A chunk can have several such frames (a save killed before its commit leaves durable
+    frames that a later save wrote again against other bases), and a reference may be gone (gc freed it): any
+    frame whose references resolve will do, since every one of them decodes to the chunk's bytes. Chunks with
+    no such frame are left out, as lost."""
+    refs: dict[tuple[str, int], list[bytes]] = {}
+    for k, locs in based.items():
+        if k in chunks:
+            continue
+        for loc in locs:
+            try:
+                refs[(loc.pack_id, loc.offset)] = store.references(k, loc)
+            except (CorruptChunkError, OSError):
+                refs[(loc.pack_id, loc.offset)] = [bytes(20)]  # an unreadable record: never resolves
+    pending = {k: locs for k, locs in based.items() if k not in chunks}
+    while pending:  # each round resolves the chunks whose references were all resolved in earlier rounds
+        found: dict[bytes, ChunkLoc] = {}
+        for k, locs in pending.items():
+            for loc in locs:
+                names = refs[(loc.pack_id, loc.offset)]
+                if all(r in chunks for r in names):
+                    depth = 1 + max((chunks[r].depth for r in names), default=-1)
+                    if k not in found or depth < found[k].depth:
+                        found[k] = ChunkLoc(loc.pack_id, loc.offset, loc.frame_len, loc.codec, depth, loc.base)
+        if not found:
+            break  # what is left references chunks that are gone (or each other: a cycle is damage)
+        chunks.update(found)
+        for k in found:
+            del pending[k]
 
 def rebuild_index_dir(path: Path) -> Path | None:
     """Move a damaged index directory aside so a fresh one can be created; returns where it went."""

@@ -1361,11 +1361,20 @@ class Store:
         self._writable("delete")
         if step is None and id is None:
             raise ValueError("delete needs a step or an id")
-        rec = self._record(step, id)
-        self.index.remove_checkpoint(rec)  # the commit point of a delete
-        if self._head == rec.id:
-            self._head = None
-        self._unlink_manifest(rec.id)
+        # Under gc.lock (shared, as saves): a repair, which rebuilds the index from the manifests it finds, never
+        # runs between this commit and the manifest's unlink.
+        with self._gc_lock():
+            for _ in range(16):
+                rec = self._record(step, id)
+                if self.index.remove_checkpoint(rec):  # the commit point of a delete
+                    break
+                # a rewrite (retention thinning it, in another process) took its place meanwhile: read again
+            else:
+                raise DeltackptError(f"checkpoint {id if id is not None else f'at step {step}'} in {self.path} kept "
+                                     "changing while it was being deleted")
+            if self._head == rec.id:
+                self._head = None
+            self._unlink_manifest(rec.id)
         return CheckpointInfo.from_record(rec)
 
     def _unlink_manifest(self, checkpoint_id: str) -> None:

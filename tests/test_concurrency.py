@@ -281,3 +281,33 @@ def test_child_forked_during_a_save_holds_nothing_of_the_store(tmp_path: Path) -
         os.write(w, b"x")
         os.waitpid(pid, 0)
         os.close(w)
+
+
+def test_delete_racing_a_rewrite_deletes_the_rewritten_checkpoint(tmp_path: Path) -> None:
+    """A delete that read a checkpoint's record just before another handle rewrote it (retention thinning it in
+    another process) must not remove by the stale record: the rewrite took the old one's seq, so that would
+    delete the new record and leave its id dangling. The delete reads again and deletes what took its place."""
+    from unittest import mock
+
+    import torch
+
+    d = tmp_path / "store"
+    with Store(d, chunk_size=CS) as a, Store(d, chunk_size=CS) as b:
+        ids = [a.save({"w": torch.full((CS,), float(s))}, step=s).id for s in (1, 2, 3)]
+        real = a._record
+        raced: list[str] = []
+
+        def record_then_rewrite(*args: Any, **kwargs: Any) -> Any:
+            rec = real(*args, **kwargs)
+            if not raced:  # between the delete's read and its commit, the other handle thins checkpoint 2
+                raced.append(b.rewrite({"w": torch.zeros(4)}, id=ids[1], metadata={"thinned": True}).id)
+            return rec
+
+        with mock.patch.object(a, "_record", side_effect=record_then_rewrite):
+            a.delete(id=ids[1])
+        assert [i.id for i in a.list()] == [ids[0], ids[2]]
+        with a.index.env.begin() as txn:  # no id is left naming a record that is gone
+            assert sorted(bytes(k).decode() for k, _ in txn.cursor(db=a.index.db_ids)) == sorted([ids[0], ids[2]])
+        assert not (d / "manifests" / f"{raced[0]}.manifest").exists()
+        a.gc()
+        assert a.verify().ok and float(a.load(3)["w"][0]) == 3.0

@@ -469,6 +469,49 @@ def test_lost_store_file_is_refused_and_written_again_by_repair(store_path: Path
         _check_repaired(s, filled)
 
 
+def _killed_at_commit(path: Path, state: dict[str, torch.Tensor], step: int, parent: str) -> None:
+    """A save in a child process that dies at the commit point (its frames and manifest are durable), after a
+    committed save of other data into the same pack, so that pack stays live."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            with deltackpt.Store(path) as a:
+                a.save({"other": _rand(4 * CS, 99)}, step=100, parent=parent)
+                a.index.commit_checkpoint = lambda *args, **kwargs: os._exit(0)  # type: ignore[method-assign]
+                a.save(state, step=step, parent=parent)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0, "the child should have died at its commit"
+
+
+@pytest.mark.parametrize("trial", range(4))  # the packs' random names decide which frame a scan meets first
+def test_repair_chooses_a_frame_whose_base_is_there(store_path: Path, trial: int) -> None:
+    """A save killed at its commit leaves durable delta frames against its parent. The chunks are later
+    committed again as deltas against another base, and gc frees the first base. Repair must index the frames
+    that decode (whose base is there), not drop the chunks for the stale frames it met first."""
+    v1 = _rand(8 * CS, trial)
+    v2, v3 = v1.clone(), v1.clone()
+    v2[::97] += 1
+    v3[::89] += 2
+    with _open(store_path) as s:
+        c1 = s.save({"w": v1}, step=1).id
+    _killed_at_commit(store_path, {"w": v3}, 3, c1)
+    with _open(store_path) as s:
+        c2 = s.save({"w": v2}, step=2, parent=c1, keyframe=True).id
+        c3 = s.save({"w": v3}, step=3, parent=c2).id
+        assert any(loc.codec == codec.DELTA for _, loc in _chunks_of(s, 3)["w"])
+        s.delete(id=c1)
+        s.delete(id=c2)
+        s.gc()
+    shutil.rmtree(store_path / "index")
+    with maintenance.open_for_repair(store_path) as s:
+        report = s.repair()
+        assert report.incomplete_checkpoints == []
+        assert torch.equal(s.load(id=c3)["w"], v3)
+        assert s.verify().ok
+
+
 def test_repair_interrupted_before_its_commit_leaves_the_index_lost(store_path: Path) -> None:
     """The rebuilt index becomes the store's in the rebuild's one transaction: a repair that stops before it
     (here: an exception after the packs were scanned) leaves a store that is still refused, not one that looks
@@ -476,7 +519,7 @@ def test_repair_interrupted_before_its_commit_leaves_the_index_lost(store_path: 
     filled = _fill(store_path)
     shutil.rmtree(store_path / "index")
     with maintenance.open_for_repair(store_path) as s, mock.patch.object(
-            maintenance, "_fix_depths", side_effect=MemoryError), pytest.raises(MemoryError):
+            maintenance, "_choose_frames", side_effect=MemoryError), pytest.raises(MemoryError):
         s.repair()
     with pytest.raises(CorruptIndexError):
         deltackpt.Store(store_path)
