@@ -1,9 +1,10 @@
 """A bounded, thread-safe cache of raw chunk bytes: the delta bases of the next save.
 
-Where it sits: ``save`` puts the raw bytes of every chunk it writes here; the next save, encoding chunk i of a
-tensor as a delta against chunk i of its parent, finds the base here instead of decoding it (and its whole
-delta chain) from the packs. Capacity is in bytes; the least recently used chunks go first. With capacity 0
-nothing is kept and every base is decoded from the store.
+Where it sits: ``save`` puts the raw bytes of every chunk it writes here, and once it commits keeps only the
+chunks of the state it saved (:meth:`ChunkCache.retain`); the next save, encoding chunk i of a tensor as a
+delta against chunk i of its parent, finds the base here instead of decoding it (and its whole delta chain)
+from the packs. Capacity is in bytes; the least recently used chunks go first. With capacity 0 nothing is
+kept and every base is decoded from the store.
 """
 
 from __future__ import annotations
@@ -51,6 +52,12 @@ class ChunkCache:
             while self._size > self.capacity:
                 _, old = self._data.popitem(last=False)
                 self._size -= len(old)
+
+    def retain(self, keys: set[bytes]) -> None:
+        """Drop every chunk but those of ``keys`` (the chunks of the state just saved: the next save's bases)."""
+        with self._lock:
+            for k in [k for k in self._data if k not in keys]:
+                self._size -= len(self._data.pop(k))
 
     def clear(self) -> None:
         with self._lock:

@@ -151,6 +151,13 @@ class PackWriter:
             raise
         self._unsynced = False
 
+    def seal_past(self, nbytes: int) -> None:
+        """Stop appending to the current pack if it holds more than ``nbytes``: the next frame starts a new one.
+        gc cannot delete a pack its writer still appends to, so what retention deletes stays on disk until the
+        writer moves on."""
+        if self._fd is not None and self._offset > nbytes:
+            self.close()
+
     def mark(self) -> tuple[str | None, int]:
         """Where the next frame goes, for :meth:`rollback`."""
         self._write_held()  # a rollback cuts the file back to the mark: everything before it must be in the file
@@ -345,6 +352,20 @@ class PackReader:
             close = h.users == 0
         if close:
             os.close(h.fd)
+
+    def drop_unlinked(self) -> None:
+        """Close the cached pack files that were deleted meanwhile (by a gc in another process, or another
+        handle's): an open file keeps a deleted pack's disk space in use for as long as it stays open."""
+        with self._lock:
+            gone = []
+            for pack_id, h in self._open.items():
+                try:
+                    if os.fstat(h.fd).st_nlink == 0:
+                        gone.append(pack_id)
+                except OSError:
+                    gone.append(pack_id)
+        for pack_id in gone:
+            self.forget(pack_id)
 
     def close(self) -> None:
         self._shed(0)

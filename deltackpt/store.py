@@ -377,6 +377,8 @@ class Store:
                 pool.shutdown(wait=True)
         self.reader.close()
         self.index.close()
+        self._base_cache.clear()
+        self._last_manifest = None
 
     def __enter__(self) -> Store:
         return self
@@ -558,6 +560,7 @@ class Store:
             manifest.check_id(parent)
         ckpt_id = secrets.token_hex(8)
         with self._save_lock, self._gc_lock():
+            self.reader.drop_unlinked()
             if parent is None:
                 parent = self._head
                 if parent is not None and self.index.get(id=parent) is None:
@@ -620,6 +623,11 @@ class Store:
             if _replace is None:
                 self._head = ckpt_id
                 self._last_manifest = m
+                # the next save's delta bases are this state's chunks: the cache keeps those, no older ones
+                self._base_cache.retain({chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)})
+                # a pack this writer still appends to is one gc cannot delete: move on once it holds more than
+                # a state's worth (at least _SEAL_BYTES), so what retention deletes is freed by the next gc
+                self._writer.seal_past(max(_SEAL_BYTES, m.logical_bytes))
         if _replace is not None:
             self._unlink_manifest(_replace.id)
         return CheckpointInfo.from_record(rec)
@@ -1115,6 +1123,7 @@ class Store:
                    verify: bool, spans: Sequence[tuple[int, int] | None] | None = None) -> None:
         """Decode the tensors of ``jobs`` (entry, output bytes); ``spans[n]``, when given and not None, limits
         job n to the chunks that overlap that byte range of the tensor (the rest of its output is not written)."""
+        self.reader.drop_unlinked()  # packs a gc elsewhere deleted: their space returns once closed
         cs = m.chunk_size
         work: list[tuple[manifest.TensorEntry, bytes, np.ndarray]] = []
         for n, (t, out) in enumerate(jobs):
@@ -1405,6 +1414,9 @@ class Store:
         self._writable("repair")
         return maintenance.repair(self, **kwargs)
 
+
+#: the least a writer's pack holds before a save moves on to a new one (:meth:`PackWriter.seal_past`)
+_SEAL_BYTES = 64 << 20
 
 _INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
 

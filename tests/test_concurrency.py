@@ -311,3 +311,47 @@ def test_delete_racing_a_rewrite_deletes_the_rewritten_checkpoint(tmp_path: Path
         assert not (d / "manifests" / f"{raced[0]}.manifest").exists()
         a.gc()
         assert a.verify().ok and float(a.load(3)["w"][0]) == 3.0
+
+
+def _deleted_packs_open() -> list[str]:
+    """Pack files this process holds open although they were deleted (Linux /proc)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # (the descriptor listdir itself used)
+            continue
+        if target.endswith(".pack (deleted)"):
+            out.append(target)
+    return out
+
+
+def test_long_running_writer_gives_space_back_to_a_gc_elsewhere(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training process that saves and deletes (retention) while `deltackpt gc` runs from another process:
+    the writer moves on from a pack once it holds a state's worth, so gc can delete what retention freed; and
+    packs gc deleted are closed by the writer's next read or save, so their space really returns. The delta
+    base cache keeps only the last state's chunks, and close() lets it go."""
+    import numpy as np
+    import torch
+
+    import deltackpt.store as store_mod
+
+    monkeypatch.setattr(store_mod, "_SEAL_BYTES", 256 << 10)  # (64 MiB by default; small states here)
+    d = tmp_path / "store"
+    rng = np.random.default_rng(0)
+    state_bytes = 192 << 10
+    with Store(d, chunk_size=CS) as st:
+        for step in range(1, 41):
+            st.save({"w": torch.from_numpy(rng.standard_normal(state_bytes // 4).astype(np.float32))}, step=step)
+            st.load(step)  # the writer reads its packs too (restores, thinning)
+            for old in st.list()[:-2]:
+                st.delete(id=old.id)
+            assert st._base_cache.size <= state_bytes
+            if step % 10 == 0:
+                assert _gc_elsewhere(d).startswith("ok ")
+                st.load(step)  # ... and closes what that gc deleted
+                assert _deleted_packs_open() == []
+        on_disk = sum(p.stat().st_size for p in (d / "packs").glob("*.pack"))
+        assert on_disk < 6 * state_bytes, on_disk  # two live states and the pack being written, not 40 saves
+    assert st._base_cache.size == 0
