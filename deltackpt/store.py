@@ -488,6 +488,13 @@ class Store:
                 ) from None
             raise
 
+    def _current_id(self, cid: str | None) -> str | None:
+        """``cid``, or the id of the checkpoint a rewrite put in its place; None when it is gone."""
+        if cid is None or self.index.get(id=cid) is not None:
+            return cid
+        rec = self._replacing(cid)
+        return None if rec is None else rec.id
+
     def _replacing(self, old_id: str, records: Sequence[Record] | None = None) -> Record | None:
         """The checkpoint that took the place of ``old_id`` in a :meth:`rewrite` (rarely asked: a scan)."""
         for rec in self.index.records() if records is None else records:
@@ -562,14 +569,14 @@ class Store:
         with self._save_lock, self._gc_lock():
             self.reader.drop_unlinked()
             if parent is None:
-                parent = self._head
-                if parent is not None and self.index.get(id=parent) is None:
-                    parent = None  # deleted meanwhile
+                parent = self._current_id(self._head)  # (None when deleted meanwhile)
                 if parent is None:
                     latest = self.index.get()
                     parent = latest.id if latest is not None else None
-            elif _replace is None and self.index.get(id=parent) is None:
-                raise CheckpointNotFoundError(f"parent checkpoint {parent} is not in {self.path}")
+            elif _replace is None:
+                named, parent = parent, self._current_id(parent)
+                if parent is None:
+                    raise CheckpointNotFoundError(f"parent checkpoint {named} is not in {self.path}")
             use_delta = parent is not None and self.max_chain > 0 and _replace is None and not keyframe
             pm = self._parent_manifest(parent) if use_delta else None
             generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0

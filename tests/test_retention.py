@@ -388,6 +388,8 @@ def test_rewritten_checkpoint_keeps_its_place_in_the_lineage(tmp_path: Path) -> 
             assert s.info(id=old).id == second.id
             assert torch.equal(s.load(id=old)["w"], torch.ones(8))
         assert s.info(1).created == created
+        assert s.save({"w": torch.ones(8)}, step=4, parent=ids[0]).parent == second.id  # a branch off it
+        s.delete(4)
     log = subprocess.run([sys.executable, "-m", "deltackpt", "log", str(path)], capture_output=True, text=True,
                          check=True).stdout
     assert "deleted" not in log and f"1 ({second.id[:8]})" in log
