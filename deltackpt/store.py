@@ -495,9 +495,9 @@ class Store:
         rec = self._replacing(cid)
         return None if rec is None else rec.id
 
-    def _replacing(self, old_id: str, records: Sequence[Record] | None = None) -> Record | None:
+    def _replacing(self, old_id: str) -> Record | None:
         """The checkpoint that took the place of ``old_id`` in a :meth:`rewrite` (rarely asked: a scan)."""
-        for rec in self.index.records() if records is None else records:
+        for rec in self.index.records():
             if old_id in rec.extra.get("replaces", ()):
                 return rec
         return None
@@ -505,11 +505,8 @@ class Store:
     def _info(self, rec: Record) -> CheckpointInfo:
         """``rec`` as users see it: a parent that was rewritten is named by its current id."""
         info = CheckpointInfo.from_record(rec)
-        if rec.parent is not None and self.index.get(id=rec.parent) is None:
-            now = self._replacing(rec.parent)
-            if now is not None:
-                info = dataclasses.replace(info, parent=now.id)
-        return info
+        now = self._current_id(rec.parent)
+        return info if now is None or now == rec.parent else dataclasses.replace(info, parent=now)
 
     def list(self) -> list[CheckpointInfo]:
         """Every retained checkpoint, oldest commit first."""
