@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -343,12 +345,31 @@ def cmd_export(args: argparse.Namespace) -> int:
             from safetensors.torch import save_file
         except ImportError:
             raise DeltackptError("exporting .safetensors needs the 'safetensors' package") from None
-        save_file(_tensor_dict(state), str(dest))
+        tensors = _tensor_dict(state)
+
+        def write(tmp: Path) -> None:
+            save_file(tensors, str(tmp))
     elif dest.suffix in (".pt", ".pth"):
-        torch.save(state, dest)
+        def write(tmp: Path) -> None:
+            torch.save(state, tmp)
     else:
         raise DeltackptError(f"cannot export to {dest.name}: use a .pt or .safetensors file name")
-    print(f"exported checkpoint {args.checkpoint} to {dest} ({human(dest.stat().st_size)})")
+    if dest.is_dir():
+        raise DeltackptError(f"cannot export to {dest}: it is a directory")
+    real = Path(os.path.realpath(dest))  # (through a symlink, the file it names is written)
+    # a regular file is written next to the destination and renamed over it, so a failed export leaves no
+    # partial file; anything else (a pipe, a device) is written directly
+    tmp = real.with_name(f".{real.name}.{os.getpid()}.tmp") if not real.exists() or real.is_file() else None
+    try:
+        write(tmp or real)
+        if tmp is not None:
+            os.replace(tmp, real)
+    except Exception as exc:  # safetensors raises its own SafetensorError, torch a RuntimeError
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        raise DeltackptError(f"cannot write {dest}: {_first_line(exc)}") from None
+    size = f" ({human(real.stat().st_size)})" if real.is_file() else ""
+    print(f"exported checkpoint {args.checkpoint} to {dest}{size}")
     return 0
 
 
@@ -362,19 +383,40 @@ def cmd_import(args: argparse.Namespace) -> int:
         try:
             state: Any = load_file(str(src))
         except Exception as exc:  # safetensors raises its own SafetensorError for damaged files
-            raise DeltackptError(f"{src} is not a readable safetensors file: {str(exc).splitlines()[0]}") from None
+            raise DeltackptError(f"{src} is not a readable safetensors file: {_first_line(exc)}") from None
     else:
         try:
             state = torch.load(src, map_location="cpu", weights_only=True)
         except Exception as exc:
             raise DeltackptError(
-                f"{src} cannot be read with torch.load(weights_only=True): {str(exc).splitlines()[0]} "
+                f"{src} cannot be read with torch.load(weights_only=True): {_weights_only_reason(exc)} "
                 "(deltackpt never unpickles arbitrary objects)"
             ) from None
-    with Store(args.store) as s:
+    dest = Path(args.store)
+    if not (dest / "STORE").exists() and (dest / "meta" / "STORE").exists():
+        _open(args.store)  # a DCP root: refused, with the same message as every other command
+    tree.flatten(state)  # a state the store cannot hold is refused before a new store is created for it
+    with Store(dest) as s:
         info = s.save(state, step=args.step, metadata={"imported_from": src.name})
     print(f"imported {src} as checkpoint {info.id} (step {info.step}); wrote {human(info.written_bytes)}")
     return 0
+
+
+def _first_line(exc: BaseException) -> str:
+    text = _ANSI.sub("", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _weights_only_reason(exc: BaseException) -> str:
+    """torch's refusal of a file by ``weights_only``, in one line: its first line and the one naming what it
+    refused (``Unsupported global: GLOBAL collections.deque``)."""
+    lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    why = next((line for line in lines[1:] if "Unsupported" in line or "Unpickler error" in line), None)
+    first = lines[0] if lines else type(exc).__name__
+    return f"{first} ({why})" if why is not None and why not in first else first
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def _settings(value: dict[Any, Any], limit: int = 80) -> str:

@@ -569,6 +569,50 @@ def test_import_refuses_arbitrary_pickles(capsys: pytest.CaptureFixture[str], st
     _UNPICKLED.clear()
 
 
+def test_import_names_what_weights_only_refused_and_creates_nothing(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    """The refusal names the refused type (torch's message puts it on a later line, with terminal escapes);
+    a state the store cannot hold is refused before a new store is created for it; a DCP root is no store."""
+    import collections
+
+    src = tmp_path / "deque.pt"
+    torch.save({"q": collections.deque([1, 2])}, src)
+    rc, _, err = cli(capsys, "import", tmp_path / "new", src, "--step", 1)
+    assert rc == 1 and not (tmp_path / "new").exists()
+    assert "\x1b" not in assert_one_line_error(err, "collections.deque")
+    sparse = tmp_path / "sparse.pt"
+    torch.save({"s": torch.eye(3).to_sparse()}, sparse)
+    rc, _, err = cli(capsys, "import", tmp_path / "new", sparse, "--step", 1)
+    assert rc == 1 and not (tmp_path / "new").exists()
+    assert_one_line_error(err, "sparse")
+    root = tmp_path / "dcp"
+    (root / "meta").mkdir(parents=True)
+    (root / "meta" / "STORE").write_text("{}")
+    ok = tmp_path / "ok.pt"
+    torch.save({"w": torch.ones(2)}, ok)
+    rc, _, err = cli(capsys, "import", root, ok, "--step", 1)
+    assert rc == 1 and sorted(p.name for p in root.iterdir()) == ["meta"]
+    assert_one_line_error(err, "sharded (DCP) checkpoint root")
+
+
+def test_failed_export_is_one_line_and_leaves_no_file(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                      tmp_path: Path) -> None:
+    with open_store(store_path) as s:
+        s.save({"w": torch.ones(3)}, step=1)
+    (tmp_path / "isdir.safetensors").mkdir()
+    for dest, needle in ((tmp_path / "isdir.safetensors", "is a directory"),
+                         (tmp_path / "nodir" / "x.safetensors", "cannot write"),
+                         (tmp_path / "nodir" / "x.pt", "cannot write")):
+        rc, out, err = cli(capsys, "export", store_path, 1, dest)
+        assert rc == 1 and out == ""
+        assert_one_line_error(err, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["isdir.safetensors", "store"]
+    link = tmp_path / "link.pt"
+    link.symlink_to(tmp_path / "target.pt")
+    rc, _, _ = cli(capsys, "export", store_path, 1, link)
+    assert rc == 0 and link.is_symlink() and (tmp_path / "target.pt").is_file()  # written through the link
+
+
 def test_import_damaged_safetensors_is_a_one_line_error(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                         tmp_path: Path, three: dict[str, Any]) -> None:
     src = tmp_path / "broken.safetensors"
