@@ -533,13 +533,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("deltackpt: interrupted", file=sys.stderr)
         return 130
     except lmdb.Error as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"deltackpt: error: the store's index is unreadable ({msg}); 'deltackpt repair STORE' rebuilds it",
-              file=sys.stderr)
+        print(f"deltackpt: error: the store's index is unreadable ({_first_line(exc)}); 'deltackpt repair STORE' "
+              "rebuilds it", file=sys.stderr)
         return 1
     except (DeltackptError, OSError, ValueError, TypeError, RuntimeError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"deltackpt: error: {msg}", file=sys.stderr)
+        print(f"deltackpt: error: {_first_line(exc)}", file=sys.stderr)
         return 1
     finally:
         sys.stdout.flush()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 
 from deltackpt.errors import (
     CorruptIndexError,
@@ -53,6 +54,15 @@ NETWORK_FILESYSTEMS = {
 
 def chunk_key(digest: bytes, length: int) -> bytes:
     return digest + _CHUNK_LEN.pack(length)
+
+
+def chunk_keys(digests: np.ndarray, lengths: np.ndarray) -> list[bytes]:
+    """:func:`chunk_key` of each row of ``digests`` (K, 16) with its length, built in one pass."""
+    rows = np.empty((len(lengths), 16 + _CHUNK_LEN.size), dtype=np.uint8)
+    rows[:, :16] = digests
+    rows[:, 16:] = np.asarray(lengths, dtype=">u4").view(np.uint8).reshape(-1, _CHUNK_LEN.size)
+    raw, width = rows.tobytes(), rows.shape[1]
+    return [raw[i : i + width] for i in range(0, len(raw), width)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,8 +170,6 @@ class _Shared:
                 "'deltackpt repair STORE' rebuilds it from packs and manifests") from exc
 
     def _open(self, path: Path, readonly: bool, create: bool, rebuilding: bool) -> None:
-        if not readonly:
-            path.mkdir(parents=True, exist_ok=True)
         opts = dict(map_size=MAP_SIZE, max_dbs=8, subdir=True, sync=True, metasync=True, readahead=False,
                     meminit=False, create=not readonly)
         self.readonly = False

@@ -27,7 +27,7 @@ import numpy as np
 
 from deltackpt import codec, config, kernel, manifest, packs
 from deltackpt.errors import CheckpointNotFoundError, CorruptChunkError, CorruptionError, DeltackptError
-from deltackpt.index import ChunkLoc, Record, chunk_key
+from deltackpt.index import ChunkLoc, Record, chunk_key, chunk_keys
 from deltackpt.scratch import Scratch
 
 if TYPE_CHECKING:
@@ -222,7 +222,7 @@ def _live_keys(store: Store, records: list[Record]) -> set[bytes]:
         except CheckpointNotFoundError:
             continue  # deleted by another process since gc listed it: its chunks are not live
         # any other error (a damaged manifest) aborts gc: never free what it may reference
-        live.update(k for _, k in _stored_chunks(m))
+        live.update(chunk_keys(*m.stored_chunks()))
     # what live chunks reference is live too (transitively): delta bases, and the bases and inputs of predicted
     # frames. A predicted frame whose record is damaged cannot be decoded, so what it names is no longer needed
     # by it; a read error aborts gc.

@@ -97,6 +97,17 @@ class Manifest:
                 out.append((i, self.digests[j].tobytes(), t.chunk_len(i, self.chunk_size)))
         return out
 
+    def stored_chunks(self) -> tuple[np.ndarray, np.ndarray]:
+        """Digests (K, 16) and lengths (K,) of every stored (non-zero) chunk, tensor after tensor: what
+        :meth:`chunk_keys` names, for the whole checkpoint at once."""
+        cs = self.chunk_size
+        lengths = np.full(len(self.flags), cs, dtype=np.int64)
+        ends = np.array([(t.first + t.count - 1, t.nbytes - (t.count - 1) * cs) for t in self.tensors if t.count],
+                        dtype=np.int64).reshape(-1, 2)
+        lengths[ends[:, 0]] = ends[:, 1]  # each tensor's last chunk may be short
+        stored = (self.flags & FLAG_ZERO) == 0
+        return self.digests[stored], lengths[stored]
+
     def header(self) -> dict[str, Any]:
         return {
             "id": self.id,

@@ -583,7 +583,7 @@ class Store:
             roles = predict.plan(state, leaves) if pm is not None and self.predict else {}
             mark = self._writer.mark()
             try:
-                entries, digests, flags, new_locs, written = self._write_leaves(
+                entries, digests, flags, new_locs, written, state_keys = self._write_leaves(
                     leaves, pm, generation, roles, self_contained=_replace is not None
                 )
                 self._writer.sync()  # 1. every new frame durable
@@ -628,7 +628,7 @@ class Store:
                 self._head = ckpt_id
                 self._last_manifest = m
                 # the next save's delta bases are this state's chunks: the cache keeps those, no older ones
-                self._base_cache.retain({chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)})
+                self._base_cache.retain(state_keys)
                 # a pack this writer still appends to is one gc cannot delete: move on once it holds more than
                 # a state's worth (at least _SEAL_BYTES), so what retention deletes is freed by the next gc
                 self._writer.seal_past(max(_SEAL_BYTES, m.logical_bytes))
@@ -670,9 +670,9 @@ class Store:
     def _write_leaves(
         self, leaves: list[tree.Leaf], pm: manifest.Manifest | None, generation: int,
         roles: Mapping[str, predict.Role] | None = None, *, self_contained: bool = False,
-    ) -> tuple[list[manifest.TensorEntry], np.ndarray, np.ndarray, dict[bytes, ChunkLoc], int]:
+    ) -> tuple[list[manifest.TensorEntry], np.ndarray, np.ndarray, dict[bytes, ChunkLoc], int, set[bytes]]:
         """Name every chunk of ``leaves``, encode and append the new ones; return the manifest's tensor entries,
-        digests and flags, the new chunks' locations and the bytes written.
+        digests and flags, the new chunks' locations, the bytes written and the keys of every stored chunk.
 
         Chunks are encoded on the worker pool as they are named, except those of tensors with a predictor role
         (``roles``, from :func:`deltackpt.predict.plan`): they wait until every other chunk is written, so the
@@ -693,6 +693,7 @@ class Store:
         all_digests: list[np.ndarray] = []
         all_flags: list[np.ndarray] = []
         new_locs: dict[bytes, ChunkLoc] = {}
+        state_keys: set[bytes] = set()  # every stored chunk of the state (what the next save's bases are)
         pending: set[bytes] = set()
         # (future, key, entry, depth if the frame is a delta, depth if it is a predicted frame)
         inflight: collections.deque[tuple[Future[bytes] | _Done, bytes, manifest.TensorEntry, int, int]] = (
@@ -762,6 +763,7 @@ class Store:
                     for i in range(n)
                     if not zero[i]
                 ]
+                state_keys.update(k for _, k in todo)
                 todo = [(i, k) for i, k in todo if k not in pending and k not in new_locs]
                 if self_contained:
                     found = self.index.lookup_chunks(k for _, k in todo)
@@ -805,7 +807,7 @@ class Store:
             raise
         digests = np.concatenate(all_digests) if all_digests else np.empty((0, 16), np.uint8)
         flags = np.concatenate(all_flags) if all_flags else np.empty(0, np.uint8)
-        return entries, digests, flags, new_locs, written
+        return entries, digests, flags, new_locs, written, state_keys
 
     def _prediction_inputs(
         self, role: predict.Role, i: int, k: bytes, base: tuple[bytes, int],
