@@ -344,6 +344,31 @@ class Index:
             with _REGISTRY_LOCK:
                 _WRITERS[key] -= 1
 
+    def refresh(self) -> None:
+        """Make this process's next reads see every commit that survived, including one whose writer died.
+
+        LMDB publishes a commit to the other processes that have the environment open (through its lock file)
+        only after it has written the commit's meta page. A writer killed between the two (kill -9 while the meta
+        page's synchronous write is in flight) leaves its commit durable but unpublished: those processes keep
+        reading the snapshot before it until some process next takes the write lock, which notices the dead
+        writer and publishes the newest meta page. A gc reading that stale snapshot would take the new
+        checkpoint's manifest, pack and deduplicated chunks for garbage. Taking and releasing the write lock
+        (an empty write transaction, aborted) does the publishing. A read-only handle cannot; its reads may lag
+        until a writer comes along, which loses nothing.
+        """
+        if self.readonly:
+            return
+        key = (os.getpid(), self._real)
+        with _REGISTRY_LOCK:
+            _WRITERS[key] = _WRITERS.get(key, 0) + 1
+        try:
+            self.env.begin(write=True).abort()
+        except lmdb.Error:
+            pass  # the operation's own writes report an index that cannot be written
+        finally:
+            with _REGISTRY_LOCK:
+                _WRITERS[key] -= 1
+
     # -- chunks ---------------------------------------------------------------------------------------
     def lookup_chunks(self, keys: Iterable[bytes]) -> dict[bytes, ChunkLoc]:
         out: dict[bytes, ChunkLoc] = {}

@@ -107,12 +107,9 @@ def verify(
     by one worker in checkpoint order, sharing their decoded inputs (see :func:`_check_group`).
     """
     report = VerifyReport()
-    if step is None and id is None:
-        records = store.index.records()
-    else:
-        records = [store._record(step, id)]
     results: dict[bytes, str | None] = {}
     with store._gc_lock():
+        records = store.index.records() if step is None and id is None else [store._record(step, id)]
         plans: list[tuple[Record, list[tuple[str, bytes]]]] = []
         for rec in records:
             report.checkpoints += 1

@@ -437,6 +437,8 @@ class Store:
                         if time.monotonic() > deadline:
                             raise StoreLockedError(f"store {self.path} is busy (saves or loads in progress)") from None
                         time.sleep(0.05)
+            # what is decided under the lock (a gc's garbage, a save's dedup) must see every surviving commit
+            self.index.refresh()
             yield
         finally:
             # Unlock, then close: a process forked meanwhile (a DataLoader starting its workers while an async
@@ -1001,8 +1003,8 @@ class Store:
         ``copy_`` skips a copy onto itself): no second copy of the model is allocated. If the load raises,
         the offered tensors may hold part of the checkpoint.
         """
-        rec = self._record(step, id)
-        with self._gc_lock():
+        with self._gc_lock():  # (resolved under the lock: no gc removes it meanwhile)
+            rec = self._record(step, id)
             m = self._manifest(rec)
             given = _placements(m, into) if into is not None else {}
             objs: list[Any] = []
@@ -1072,11 +1074,11 @@ class Store:
         chunks around it); for reading a slice of a large tensor, such as the rows one rank of a resharded job
         needs. Contiguous CPU targets only.
         """
-        rec = self._record(step, id)
         skeleton, leaves = tree.flatten(target, allow_pickle=True)
         wanted = tree.leaf_refs(skeleton)  # every place of every target leaf (a tied weight has two)
         span_at = _span_places(wanted, spans or {})
         with self._gc_lock():
+            rec = self._record(step, id)
             m = self._manifest(rec)
             stored: dict[tree.Place, manifest.TensorEntry] = {}
             stored_paths: dict[tree.Place, str] = {}

@@ -24,6 +24,7 @@ from typing import Any
 
 import crashworker as cw  # tests/ is on sys.path, as for conftest
 import pytest
+import torch
 
 import deltackpt
 from deltackpt import Store
@@ -246,3 +247,87 @@ def test_sigkill_during_rewrite(tmp_path: Path, zygote: Any, rng: random.Random)
             cw.assert_same(cw.expected_state(info), st.load(id=info.id), f"after the final gc: step {info.step}")
         _verify_ok(st, "after the final gc")
     print(f"{REWRITE_KILLS} kills during rewrites:", dict(stats))
+
+
+# -- a writer killed at LMDB's commit point, while another process keeps the store open ----------------------------
+# LMDB publishes a commit to the other processes after writing its meta page. A writer killed in between leaves the
+# commit durable but unpublished, and a process that kept the environment open reads the snapshot before it until
+# some process takes the write lock again. The shim kills a real child at exactly that point.
+
+
+@pytest.fixture(scope="module")
+def die_after_meta(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the LD_PRELOAD shim")
+    out = tmp_path_factory.mktemp("shim") / "die_after_meta.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(Path(__file__).parent / "die_after_meta.c"),
+                    "-ldl"], check=True)
+    return out
+
+
+def _run_killed_at_commit(shim: Path, code: str) -> None:
+    """Run ``code`` in a fresh Python process that is SIGKILLed right after its first LMDB meta page write."""
+    import subprocess
+
+    env = dict(cw.worker_env(), LD_PRELOAD=str(shim), DIE_AFTER_META="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == -9, f"the child was not killed at its commit (rc {r.returncode}):\n{r.stderr}"
+
+
+#: the states of these tests, as code both this process and the child evaluate
+_W = "torch.randn(12288, generator=torch.Generator().manual_seed(7))"  # 12 chunks
+_B = "torch.arange(3000, dtype=torch.float64)"
+
+
+def _dead_chunk_store(d: Path) -> tuple[Store, dict[str, Any]]:
+    """A store whose only chunks are dead (their checkpoint deleted, no gc yet), kept open by this process."""
+    state = {"w": eval(_W, {"torch": torch})}
+    st = Store(d, chunk_size=CS)
+    st.save(state, step=1)
+    st.delete(step=1)
+    return st, state
+
+
+def test_gc_after_a_writer_died_at_its_commit_keeps_its_checkpoint(tmp_path: Path, die_after_meta: Path) -> None:
+    """A save killed after its commit reached the disk, and before LMDB published it: a gc in a process that had
+    the store open all along must see that checkpoint, not take its manifest, new pack and deduplicated chunks
+    (which the stale snapshot calls dead) for garbage."""
+    d = tmp_path / "store"
+    st, state = _dead_chunk_store(d)
+    try:
+        _run_killed_at_commit(die_after_meta, (
+            "import torch\nfrom deltackpt import Store\n"
+            f"Store({str(d)!r}, chunk_size={CS}).save({{'w': {_W}, 'b': {_B}}}, step=2)\n"
+        ))
+        st.gc()
+    finally:
+        st.close()
+    with Store(d, chunk_size=CS) as st:
+        assert [i.step for i in st.list()] == [2], "the killed save's commit is durable: step 2 exists"
+        cw.assert_same({"w": state["w"], "b": eval(_B, {"torch": torch})}, st.load(step=2), "step 2 after gc")
+        _verify_ok(st, "after gc")
+
+
+def test_save_after_a_gc_died_at_its_commit_does_not_dedup_against_freed_chunks(
+    tmp_path: Path, die_after_meta: Path
+) -> None:
+    """A gc killed after its commit that dropped dead chunks reached the disk: a save in a process that had the
+    store open all along must not reference those chunks (its stale snapshot still lists them), or the new
+    checkpoint would name chunks the index no longer has, and the next gc would delete their pack."""
+    d = tmp_path / "store"
+    st, state = _dead_chunk_store(d)
+    try:
+        _run_killed_at_commit(die_after_meta, f"from deltackpt import Store\nStore({str(d)!r}, chunk_size={CS}).gc()\n")
+        info = st.save(state, step=2)
+    finally:
+        st.close()
+    with Store(d, chunk_size=CS) as st:
+        cw.assert_same(state, st.load(id=info.id), "step 2")
+        _verify_ok(st, "after the killed gc")
+        st.gc()
+        cw.assert_same(state, st.load(id=info.id), "step 2 after another gc")
+        _verify_ok(st, "after another gc")
