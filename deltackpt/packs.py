@@ -106,7 +106,9 @@ class PackWriter:
         if self._fd is not None and self._pid != os.getpid():
             self._abandon()  # inherited across fork: the parent may still append to that pack
         if self._fd is None or self._offset >= self.max_size:
-            self._write_held()
+            # a full pack is made durable before the writer leaves it: :meth:`sync` fsyncs the current pack only,
+            # and frames of this save may already be in this one
+            self.sync()
             self._open_new()
         assert self._fd is not None and self.pack_id is not None
         offset = self._offset
