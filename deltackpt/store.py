@@ -512,6 +512,7 @@ class Store:
 
     def list(self) -> list[CheckpointInfo]:
         """Every retained checkpoint, oldest commit first."""
+        self.index.refresh()  # (as everything users ask about the store: see Index.refresh)
         records = self.index.records()
         ids = {r.id for r in records}
         moved = {old: r.id for r in records for old in r.extra.get("replaces", ())}
@@ -521,17 +522,21 @@ class Store:
     def info(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:
         """The checkpoint at ``step`` (the newest one with that step), or with ``id`` (also an id it replaced in
         a :meth:`rewrite`); latest when neither."""
+        self.index.refresh()
         return self._info(self._record(step, id))
 
     def latest(self) -> CheckpointInfo | None:
+        self.index.refresh()
         rec = self.index.get()
         return None if rec is None else self._info(rec)
 
     def manifest(self, step: int | None = None, *, id: str | None = None) -> manifest.Manifest:
         """The parsed, verified manifest of a checkpoint (for inspection tools)."""
+        self.index.refresh()
         return self._manifest(self._record(step, id))
 
     def __len__(self) -> int:
+        self.index.refresh()
         return self.index.count()
 
     # -- save ---------------------------------------------------------------------------------------------

@@ -331,3 +331,27 @@ def test_save_after_a_gc_died_at_its_commit_does_not_dedup_against_freed_chunks(
         st.gc()
         cw.assert_same(state, st.load(id=info.id), "step 2 after another gc")
         _verify_ok(st, "after another gc")
+
+
+def test_restore_after_a_delete_died_at_its_commit(tmp_path: Path, die_after_meta: Path) -> None:
+    """A trainer that keeps the store open rolls back with restore() after another process deleted the newest
+    checkpoint and was killed at that delete's commit: list() and restore() see the delete (restore() used to pick
+    the deleted checkpoint from a stale list and raise CheckpointNotFoundError)."""
+    d = tmp_path / "store"
+    model = torch.nn.Linear(8, 8)
+    ck = deltackpt.Checkpointer(d, model=model, async_save=False, handle_signals=False)
+    try:
+        weights = {}
+        for s in (1, 2, 3):
+            with torch.no_grad():
+                model.weight += 1
+            ck.step(s)
+            weights[s] = model.weight.detach().clone()
+        _run_killed_at_commit(die_after_meta, f"from deltackpt import Store\nStore({str(d)!r}).delete(3)\n")
+        assert [i.step for i in ck.store.list()] == [1, 2]
+        assert ck.store.latest().step == 2
+        assert len(ck.store) == 2
+        assert ck.restore() == 2
+        assert torch.equal(model.weight, weights[2])
+    finally:
+        ck.close()
