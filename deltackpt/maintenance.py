@@ -367,8 +367,10 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
     is restored too and reported in ``incomplete_checkpoints``: as before the index was lost, loading it
     raises ``CorruptChunkError`` naming what is missing, ``verify`` lists it, and ``gc`` keeps the rest of
     it, so a repair never frees more than the damage took (``delete`` it to let ``gc`` free it). Manifests that
-    cannot be read are reported in ``lost_checkpoints``. Note: a checkpoint deleted just before a crash (its
-    manifest not yet unlinked) comes back; delete it again.
+    cannot be read are reported in ``lost_checkpoints``. A checkpoint that a :meth:`Store.rewrite` replaced (a
+    complete manifest names it in ``replaces``) is not restored, even if the rewrite crashed before unlinking its
+    manifest. Note: a checkpoint deleted just before a crash (its manifest not yet unlinked) comes back; delete
+    it again.
     """
     report = RepairReport()
     with store._gc_lock(exclusive=True):
@@ -414,6 +416,12 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
                     extra={"replaces": list(m.extra["replaces"])} if m.extra.get("replaces") else {},
                 )
             )
+        # A rewrite commits, then unlinks the manifest of the checkpoint it replaced: one killed in between left
+        # both. The replaced one stays gone (its manifest is garbage for gc) unless its replacement is incomplete.
+        incomplete = set(report.incomplete_checkpoints)
+        replaced = {old for r in records if r.id not in incomplete for old in r.extra.get("replaces", ())}
+        records = [r for r in records if r.id not in replaced]
+        report.incomplete_checkpoints = [i for i in report.incomplete_checkpoints if i not in replaced]
         records.sort(key=lambda r: (r.created, r.id))  # (a rewrite keeps the creation time of what it replaced)
         store.index.rebuild(chunks, records)
         report.chunks = len(chunks)

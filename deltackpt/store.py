@@ -639,8 +639,8 @@ class Store:
                 # a pack this writer still appends to is one gc cannot delete: move on once it holds more than
                 # a state's worth (at least _SEAL_BYTES), so what retention deletes is freed by the next gc
                 self._writer.seal_past(max(_SEAL_BYTES, m.logical_bytes))
-        if _replace is not None:
-            self._unlink_manifest(_replace.id)
+            else:  # still under gc.lock, so that no repair restores the replaced checkpoint from its manifest
+                self._unlink_manifest(_replace.id)
         return CheckpointInfo.from_record(rec)
 
     def _committed(self, checkpoint_id: str) -> bool:

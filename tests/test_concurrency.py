@@ -355,3 +355,35 @@ def test_long_running_writer_gives_space_back_to_a_gc_elsewhere(tmp_path: Path,
         on_disk = sum(p.stat().st_size for p in (d / "packs").glob("*.pack"))
         assert on_disk < 6 * state_bytes, on_disk  # two live states and the pack being written, not 40 saves
     assert st._base_cache.size == 0
+
+
+def test_rewrite_unlinks_the_replaced_manifest_under_the_gc_lock(tmp_path: Path) -> None:
+    """A repair (gc.lock exclusive) restores every manifest it finds: one running between a rewrite's commit and
+    its unlink of the replaced manifest would restore the replaced checkpoint, whose manifest the rewrite then
+    unlinks, leaving the index naming a missing manifest. The unlink happens while the rewrite holds the lock:
+    an exclusive lock is not to be had then."""
+    import fcntl
+
+    import torch
+
+    d = tmp_path / "store"
+    with Store(d, chunk_size=CS) as st:
+        old = st.save({"w": torch.ones(CS)}, step=1).id
+        real = st._unlink_manifest
+        exclusive_was_free: list[bool] = []
+
+        def unlink_manifest(checkpoint_id: str) -> None:
+            fd = os.open(d / "gc.lock", os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                exclusive_was_free.append(True)
+            except BlockingIOError:
+                exclusive_was_free.append(False)
+            finally:
+                os.close(fd)
+            real(checkpoint_id)
+
+        st._unlink_manifest = unlink_manifest  # type: ignore[method-assign]
+        st.rewrite({"w": torch.zeros(4)}, id=old)
+        assert exclusive_was_free == [False]
+        assert not (d / "manifests" / f"{old}.manifest").exists()

@@ -355,3 +355,35 @@ def test_restore_after_a_delete_died_at_its_commit(tmp_path: Path, die_after_met
         assert torch.equal(model.weight, weights[2])
     finally:
         ck.close()
+
+
+def test_repair_after_a_rewrite_died_at_its_commit_keeps_the_replacement(tmp_path: Path, die_after_meta: Path) -> None:
+    """A rewrite (retention thinning) killed after its commit, before it unlinked the replaced manifest: a repair
+    restores the replacement only, not the full checkpoint it replaced next to it (same step, same creation
+    time: which one 'latest' named would depend on the random ids)."""
+    from deltackpt.maintenance import open_for_repair
+
+    d = tmp_path / "store"
+    with Store(d, chunk_size=CS) as st:
+        old = st.save({"w": eval(_W, {"torch": torch})}, step=1)
+        st.save({"w": eval(_W, {"torch": torch}) * 2}, step=2)
+    _run_killed_at_commit(die_after_meta, (
+        "import torch\nfrom deltackpt import Store\n"
+        f"Store({str(d)!r}, chunk_size={CS}).rewrite({{'w': torch.zeros(3)}}, id={old.id!r}, metadata={{'thin': 1}})\n"
+    ))
+    assert (d / "manifests" / f"{old.id}.manifest").exists(), "the rewrite was killed before its unlink"
+    st = open_for_repair(d, chunk_size=CS)
+    try:
+        report = st.repair()
+    finally:
+        st.close()
+    assert report.checkpoints == 2 and not report.incomplete_checkpoints
+    with Store(d, chunk_size=CS) as st:
+        infos = st.list()
+        assert [i.step for i in infos] == [1, 2]
+        assert infos[0].id != old.id and infos[0].metadata == {"thin": 1}
+        assert torch.equal(st.load(step=1)["w"], torch.zeros(3))
+        assert st.info(id=old.id).id == infos[0].id  # the old id still names its replacement
+        st.gc()
+        assert not (d / "manifests" / f"{old.id}.manifest").exists()
+        _verify_ok(st, "after repair and gc")
