@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltackpt.errors import CorruptionError, DeltackptError
+from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
 from deltackpt.retention import THINNED_KEY, Retention
 from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_step
 from deltackpt.tree import alias_key
@@ -332,23 +332,25 @@ class Checkpointer:
         self.wait()
         if step is not None or id is not None:
             return self._restore(self.store.info(step, id=id))
-        infos = self.store.list()
-        if not infos:
-            return 0
         first: CorruptionError | None = None
-        for info in reversed(infos):
-            if first is not None and isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY):
-                break  # weights only: resuming from it would silently drop the optimizer's state
-            try:
-                restored = self._restore(info)
-            except CorruptionError as exc:
-                first = first or exc
-                warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, restoring the one "
-                              f"before it: {exc}", RuntimeWarning, stacklevel=2)
-                continue
-            return restored
-        assert first is not None
-        raise first
+        for _ in range(8):  # listed again only if every checkpoint listed was deleted before it could be loaded
+            infos = self.store.list()
+            if not infos:
+                return 0
+            for info in reversed(infos):
+                if first is not None and isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY):
+                    break  # weights only: resuming from it would silently drop the optimizer's state
+                try:
+                    return self._restore(info)
+                except CheckpointNotFoundError:
+                    continue  # deleted since the list (retention in another process): the one before it
+                except CorruptionError as exc:
+                    first = first or exc
+                    warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, restoring the "
+                                  f"one before it: {exc}", RuntimeWarning, stacklevel=2)
+            if first is not None:
+                raise first
+        raise CheckpointNotFoundError(f"the checkpoints of {self.store.path} kept being deleted while restoring")
 
     def _restore(self, info: CheckpointInfo) -> int:
         # the model's own tensors are offered: they are decoded in place, and load_state_dict then copies nothing

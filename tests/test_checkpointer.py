@@ -901,6 +901,43 @@ def test_restore_of_the_latest_skips_damaged_checkpoints(fast_dir: Path) -> None
             ckpt.restore()  # step 1 holds weights only now: the damage of step 3 is reported instead
 
 
+def test_restore_of_the_latest_passes_over_checkpoints_deleted_meanwhile(fast_dir: Path) -> None:
+    """Another process's retention deletes the newest checkpoints between restore()'s list and its load: restore()
+    moves on to the newest that is still there instead of raising CheckpointNotFoundError."""
+    model, opt = _small()
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=False,
+                      handle_signals=False) as ckpt:
+        for step in (1, 2, 3, 4):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            ckpt.save(step)
+            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh, fresh_opt = _small()
+    with Checkpointer(fast_dir / "store", model=fresh, optimizer=fresh_opt, handle_signals=False) as ckpt, \
+            Store(fast_dir / "store") as other:
+        real_list = ckpt.store.list
+        lists = []
+
+        def list_then_delete() -> list[deltackpt.CheckpointInfo]:
+            infos = real_list()
+            lists.append([i.step for i in infos])
+            if len(lists) == 1:  # the other process deletes the two newest right after the first list
+                other.delete(4)
+                other.delete(3)
+            return infos
+
+        ckpt.store.list = list_then_delete  # type: ignore[method-assign]
+        assert ckpt.restore() == 2
+        assert lists == [[1, 2, 3, 4]]
+        assert_bitwise(states[2], fresh.state_dict())
+        other.delete(2)
+        other.delete(1)
+        lists.clear()
+        lists.append([])  # (no more deletes)
+        assert ckpt.restore() == 0  # all gone: the same as an empty store
+
+
 def test_signal_save_is_a_keyframe(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The save made at the step boundary after SIGTERM stores its chunks standalone, so the restarted run
     restores from one frame per chunk. (The process-level SIGTERM path is tested above; here the handler's
