@@ -362,8 +362,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     tmp = real.with_name(f".{real.name}.{os.getpid()}.tmp") if not real.exists() or real.is_file() else None
     try:
         write(tmp or real)
-        if tmp is not None:
+        if tmp is not None:  # durable before it takes the place of an earlier export (a power loss keeps one)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
             os.replace(tmp, real)
+            packs.fsync_dir(real.parent)
     except Exception as exc:  # safetensors raises its own SafetensorError, torch a RuntimeError
         if tmp is not None:
             tmp.unlink(missing_ok=True)

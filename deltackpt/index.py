@@ -39,6 +39,7 @@ from deltackpt.errors import (
     IndexWriteError,
     NetworkFilesystemError,
 )
+from deltackpt.packs import fsync_dir, make_dirs
 
 INDEX_VERSION = 1
 LOC = struct.Struct("<16sQIBB16s")  # pack id (uuid bytes), offset, frame length, codec, chain depth, base digest
@@ -263,11 +264,13 @@ class Index:
         if not allow_network_fs:
             check_local(path)
         if not readonly and (create or rebuilding):  # (a lost index is refused before anything is created)
-            path.mkdir(parents=True, exist_ok=True)
+            make_dirs(path)
         self._real = _identity(path)
         self._held: tuple[int, str] | None = None
         self._closed = False
         self._shared()
+        if not readonly and (create or rebuilding):
+            fsync_dir(path)  # the entries of data.mdb and lock.mdb, which LMDB just created
 
     def _shared(self) -> _Shared:
         if self._closed:

@@ -468,7 +468,7 @@ def rebuild_index_dir(path: Path) -> Path | None:
         return None
     dest = path / f"index.broken-{int(time.time())}"
     shutil.move(str(idx), str(dest))
-    os.makedirs(idx, exist_ok=True)
+    packs.make_dirs(idx)  # (fsyncs ``path``: the move's entries too)
     return dest
 
 

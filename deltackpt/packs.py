@@ -51,6 +51,29 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs(path: Path, subdirs: tuple[str, ...] = ()) -> None:
+    """Create ``path`` (and its missing parents) and ``path/sub`` for each of ``subdirs``, durably: the parent of
+    every directory created here is fsynced, so that a power loss cannot take away a directory whose files a
+    commit made durable (fsync of a file does not make its directory's entry durable)."""
+    missing = []
+    p = path
+    while not p.is_dir():
+        missing.append(p)
+        if p.parent == p:
+            break
+        p = p.parent
+    for d in reversed(missing):
+        d.mkdir(exist_ok=True)
+        fsync_dir(d.parent)
+    created = False
+    for sub in subdirs:
+        if not (path / sub).is_dir():
+            (path / sub).mkdir(exist_ok=True)
+            created = True
+    if created:
+        fsync_dir(path)
+
+
 #: frames smaller than this are gathered and written together, up to this many bytes at a time: one system call
 #: per 4 KiB frame took a quarter of the first save of 16,500 small tensors (README, "Many small tensors")
 WRITE_BUFFER = 1 << 20

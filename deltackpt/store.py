@@ -54,7 +54,7 @@ from deltackpt.errors import (
     StoreLockedError,
 )
 from deltackpt.index import ChunkLoc, Index, Record, check_local, chunk_key
-from deltackpt.packs import PackReader, PackWriter, fsync_dir
+from deltackpt.packs import PackReader, PackWriter, fsync_dir, make_dirs
 from deltackpt.scratch import Scratch
 
 STORE_FORMAT = "deltackpt-store"
@@ -337,8 +337,7 @@ class Store:
                     f"{self.path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
                     "'deltackpt repair' writes it again, with the chunk size the manifests name")
             cs = config.check_chunk_size(config.chunk_size() if chunk_size is None else chunk_size)
-            for sub in ("packs", "manifests", "tmp", "index"):
-                (self.path / sub).mkdir(parents=True, exist_ok=True)
+            make_dirs(self.path, ("packs", "manifests", "tmp", "index"))
             (self.path / "gc.lock").touch()
             # the index (with its format record) before STORE: a store that has STORE and an index without that
             # record lost its index, and is refused until a repair rebuilds it
@@ -355,9 +354,8 @@ class Store:
             raise FormatVersionError(f"store {self.path} has format version {version}; this deltackpt reads 1")
         if chunk_size is not None and chunk_size != cs:
             raise ValueError(f"store {self.path} was created with chunk_size={cs}, not {chunk_size}")
-        if not self.readonly:
-            for sub in ("packs", "manifests", "tmp"):  # e.g. an empty tmp/ does not survive a copy through git
-                (self.path / sub).mkdir(exist_ok=True)
+        if not self.readonly:  # e.g. an empty tmp/ does not survive a copy through git
+            make_dirs(self.path, ("packs", "manifests", "tmp"))
         return config.check_chunk_size(cs)
 
     def _writable(self, what: str) -> None:

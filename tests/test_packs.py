@@ -189,39 +189,3 @@ def test_a_store_with_more_packs_than_open_files_allowed(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)})
     assert done.returncode == 0, done.stderr[-2000:]
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="names descriptors through /proc")
-@pytest.mark.parametrize("buffer", [1, 1 << 20])
-def test_sync_makes_every_pack_written_since_durable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffer: int
-) -> None:
-    """After sync() every byte appended since the last sync is fsynced, in whichever pack it went: a save whose
-    frames roll over into new packs commits them all (the full packs it left were once only closed)."""
-    monkeypatch.setattr(packs, "WRITE_BUFFER", buffer)
-    events: list[tuple[str, str]] = []  # (write | fsync, file)
-    real_write, real_fsync = os.write, os.fsync
-
-    def name(fd: int) -> str:
-        return os.readlink(f"/proc/self/fd/{fd}")
-
-    def write(fd: int, data: bytes | memoryview) -> int:
-        events.append(("write", name(fd)))
-        return real_write(fd, data)
-
-    def fsync(fd: int) -> None:
-        real_fsync(fd)
-        events.append(("fsync", name(fd)))
-
-    monkeypatch.setattr(os, "write", write)
-    monkeypatch.setattr(os, "fsync", fsync)
-    w = PackWriter(tmp_path, max_size=200)
-    for i in range(20):  # about eight packs
-        w.append(bytes([i]) * 70)
-    w.sync()
-    w.close()
-    written = {f for what, f in events if what == "write" and f.endswith(".pack")}
-    assert len(written) >= 5
-    for f in written:
-        last_write = max(i for i, e in enumerate(events) if e == ("write", f))
-        assert any(e == ("fsync", f) for e in events[last_write + 1:]), f"{f} was never fsynced after its last write"
