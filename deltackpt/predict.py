@@ -23,6 +23,7 @@ wrong pairing or another optimizer costs one trial compression, never correctnes
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -109,6 +110,15 @@ def fit_param(
     """Coefficients of the parameter predictor for one chunk: ``moments`` (c0..c3, see
     :func:`second_moment_coefs`), then A and B of ``p = A·p' - B·m / (√w + E)`` fitted by least squares on an
     evenly spaced sample, then ``e`` (E). None when the chunk gives nothing to fit (no update, non-finite)."""
+    return _fit_param(p_old, p_new, m, m_old, v_old, moments, e, score=False)[0]
+
+
+def _fit_param(
+    p_old: Any, p_new: Any, m: Any, m_old: Any, v_old: Any, moments: tuple[float, float, float, float], e: float,
+    *, score: bool = True,
+) -> tuple[tuple[float, ...] | None, float]:
+    """:func:`fit_param`, and (``score``) how far the fitted prediction misses the sample (median relative
+    error; else 0)."""
     n = len(memoryview(p_new).cast("B")) // 4
     step = max(1, n // FIT_SAMPLE)
     po, pn, mm, m1, v1 = (_f64(b, step) for b in (p_old, p_new, m, m_old, v_old))
@@ -116,11 +126,53 @@ def fit_param(
         u = mm / (np.sqrt(adam_w(moments, mm, m1, v1)) + e)
         ok = np.isfinite(po) & np.isfinite(pn) & np.isfinite(u)
         if ok.sum() < 16:
-            return None
+            return None, np.inf
         x = np.stack([po[ok], -u[ok]], axis=1)
         sol, *_ = np.linalg.lstsq(x, pn[ok], rcond=None)
+        miss = _miss(x @ sol, pn[ok]) if score else 0.0
     coefs = (*moments, float(sol[0]), float(sol[1]), e)
-    return coefs if valid_coefs(coefs) and coefs[5] != 0.0 else None
+    return (coefs, miss) if valid_coefs(coefs) and coefs[5] != 0.0 else (None, np.inf)
+
+
+def _miss(guess: np.ndarray, actual: np.ndarray) -> float:
+    """Median relative error of ``guess`` (a sample of a prediction) against ``actual``."""
+    with np.errstate(all="ignore"):
+        rel = np.abs(guess - actual) / np.maximum(np.abs(actual), np.finfo(np.float32).tiny)
+    rel = rel[np.isfinite(rel)]
+    return float(np.median(rel)) if len(rel) else np.inf
+
+
+def choose_coefs(
+    role: Role, base: Any, new: Any, inputs: list[Any]
+) -> tuple[float, ...] | None:
+    """The coefficients of one chunk's predicted frame: from the betas of the role's optimizer state and, when
+    the checkpoint before held others (:attr:`Role.before`), those too, keeping whichever predicts a sample of
+    the chunk better. A schedule that changes the betas (OneCycleLR cycles β1) has, by the time of the save,
+    already set the next step's: the update the checkpoint holds used the ones saved before it.
+    ``base`` is the parent's chunk, ``new`` this one, ``inputs`` the referenced chunks (m, m'[, v']).
+    None when nothing predicts it."""
+    options = [(role.beta1, role.beta2, role.eps)]
+    if role.before is not None and role.before != options[0]:
+        options.append(role.before)
+    best: tuple[tuple[float, ...] | None, float] = (None, np.inf)
+    for beta1, beta2, eps in options:
+        moments = second_moment_coefs(beta1, beta2)
+        if moments is None:
+            continue
+        if role.predictor == SECOND_MOMENT:
+            if len(options) == 1:
+                return moments
+            n = len(memoryview(new).cast("B")) // 4
+            step = max(1, n // FIT_SAMPLE)
+            mm, m1, v1, vn = (_f64(b, step) for b in (inputs[0], inputs[1], base, new))
+            with np.errstate(all="ignore"):
+                got: tuple[tuple[float, ...] | None, float] = (moments, _miss(adam_w(moments, mm, m1, v1), vn))
+        else:
+            e = param_eps(dataclasses.replace(role, beta1=beta1, beta2=beta2, eps=eps))
+            got = _fit_param(base, new, inputs[0], inputs[1], inputs[2], moments, e, score=len(options) > 1)
+        if got[0] is not None and (best[0] is None or got[1] < best[1]):
+            best = got
+    return best[0]
 
 
 def second_moment_coefs(beta1: float, beta2: float) -> tuple[float, float, float, float] | None:
@@ -141,6 +193,9 @@ class Role:
     beta2: float
     eps: float
     step: float  # the optimizer step count after the update the checkpoint holds
+    #: (β1, β2, eps) of this tensor's role in the checkpoint before, when the store knows them (see
+    #: :func:`choose_coefs`; :func:`with_betas_before`)
+    before: tuple[float, float, float] | None = None
 
 
 def plan(state: Any, leaves: Iterable[Any]) -> dict[str, Role]:
@@ -201,6 +256,21 @@ def plan(state: Any, leaves: Iterable[Any]) -> dict[str, Role]:
         for ppath, (mp, vp, role) in zip(cands, group_states):
             roles[ppath] = Role(PARAM, mp, vp, role.beta1, role.beta2, role.eps, role.step)
     return roles
+
+
+def betas(roles: Mapping[str, Role]) -> dict[str, tuple[float, float, float]]:
+    """(β1, β2, eps) of each role, to hand to :func:`with_betas_before` at the next save."""
+    return {path: (r.beta1, r.beta2, r.eps) for path, r in roles.items()}
+
+
+def with_betas_before(roles: Mapping[str, Role], before: Mapping[str, tuple[float, float, float]]) -> dict[str, Role]:
+    """``roles`` with the betas the parent checkpoint's roles had (:func:`betas`) where they differ."""
+    out = dict(roles)
+    for path, r in roles.items():
+        b = before.get(path)
+        if b is not None and b != (r.beta1, r.beta2, r.eps):
+            out[path] = dataclasses.replace(r, before=b)
+    return out
 
 
 def param_eps(role: Role) -> float:

@@ -315,6 +315,8 @@ class Store:
         self._local = threading.local()
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
         self._last_manifest: manifest.Manifest | None = None
+        #: (checkpoint id, betas of its predictor roles by key path) of this handle's last save
+        self._betas: tuple[str | None, dict[str, tuple[float, float, float]]] = (None, {})
         self._pinned = _Pinned()
         self._delta_stats: dict[str, tuple[int, int]] = {}
         self._predict_stats: dict[str, tuple[int, int]] = {}  # the same for predicted frames
@@ -377,6 +379,7 @@ class Store:
         self.index.close()
         self._base_cache.clear()
         self._last_manifest = None
+        self._betas = (None, {})
 
     def __enter__(self) -> Store:
         return self
@@ -585,7 +588,11 @@ class Store:
             # a rewrite takes the place of a checkpoint under a new id: it names the ids it replaces, so that a
             # later checkpoint's parent (and load(id=...) of the old id) still finds it
             replaces = {"replaces": [_replace.id, *_replace.extra.get("replaces", [])]} if _replace else {}
-            roles = predict.plan(state, leaves) if pm is not None and self.predict else {}
+            # (planned without a parent too: its betas are the next save's)
+            planned = predict.plan(state, leaves) if self.predict and _replace is None else {}
+            roles = planned if pm is not None else {}
+            if roles and pm is not None and self._betas[0] == pm.id:
+                roles = predict.with_betas_before(roles, self._betas[1])
             mark = self._writer.mark()
             try:
                 entries, digests, flags, new_locs, written, state_keys = self._write_leaves(
@@ -632,6 +639,7 @@ class Store:
             if _replace is None:
                 self._head = ckpt_id
                 self._last_manifest = m
+                self._betas = (ckpt_id, predict.betas(planned))  # this save's betas, for the next one's predictions
                 # the next save's delta bases are this state's chunks: the cache keeps those, no older ones
                 self._base_cache.retain(state_keys)
                 # a pack this writer still appends to is one gc cannot delete: move on once it holds more than
@@ -953,20 +961,14 @@ class Store:
         chunks the prediction references (:meth:`_prediction_inputs`), ``m`` the bytes of the first of them,
         this save's first moment."""
         n = len(view)
-        moments = predict.second_moment_coefs(role.beta1, role.beta2)
         try:
             base = self._raw_of(base_key)
             inputs = [m] + [self._raw_of(r) for r in refs[1:]]
         except CorruptChunkError:
             return self._encode(view, key, width, None)  # a damaged input must not spread: store a keyframe
-        if moments is None:
+        coefs = predict.choose_coefs(role, base, view, inputs)
+        if coefs is None:
             return self._encode(view, key, width, base_key)
-        if role.predictor == predict.SECOND_MOMENT:
-            coefs: tuple[float, ...] | None = moments
-        else:
-            coefs = predict.fit_param(base, view, m, inputs[1], inputs[2], moments, predict.param_eps(role))
-            if coefs is None:
-                return self._encode(view, key, width, base_key)
         record = predict.Prediction(role.predictor, tuple(r[:16] for r in refs), coefs)
         guess = np.empty(n, dtype=np.uint8)
         predict.predict(record, base, inputs, guess)

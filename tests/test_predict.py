@@ -29,8 +29,9 @@ CHUNK = 1 << 14
 
 
 def _train(steps: int, *, seed: int = 0, lr: float = 1e-3, wd: float = 0.1, optimizer: str = "adamw",
-           store: deltackpt.Store | None = None, every: int = 1) -> dict[int, Any]:
-    """Train a small MLP on random data; save (and return a deep copy of) the state every ``every`` steps."""
+           store: deltackpt.Store | None = None, every: int = 1, one_cycle: bool = False) -> dict[int, Any]:
+    """Train a small MLP on random data; save (and return a deep copy of) the state every ``every`` steps.
+    ``one_cycle``: OneCycleLR, which also cycles AdamW's β1 at every step, instead of a decaying LambdaLR."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
     if optimizer == "adamw":
@@ -39,7 +40,9 @@ def _train(steps: int, *, seed: int = 0, lr: float = 1e-3, wd: float = 0.1, opti
         opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.8, 0.99), eps=1e-6)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
+    sched: torch.optim.lr_scheduler.LRScheduler = (
+        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2 * lr, total_steps=steps + 1) if one_cycle
+        else torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s)))
     history: dict[int, Any] = {}
     for step in range(1, steps + 1):
         x = torch.randn(32, 64)
@@ -236,6 +239,23 @@ def test_predicted_frames_write_fewer_bytes(tmp_path: Path) -> None:
             written[on] = sum(i.written_bytes for i in s.list()[1:])
             assert (codec.PREDICTED in _codecs(s)) == on
     assert written[True] < 0.85 * written[False], written
+
+
+def test_betas_scheduled_every_step_are_taken_from_the_checkpoint_before(tmp_path: Path) -> None:
+    """OneCycleLR cycles β1 at every step, and by the time of the save the optimizer's param_groups hold the next
+    step's: the update a checkpoint holds used the betas saved with the checkpoint before. Predictions made with
+    those keep their gain (they used to lose it: 0.94 of the bytes without predictions, against 0.57 now on the
+    auditor's MLP); a handle that saw no earlier save (a restart) still restores exactly."""
+    written = {}
+    for on in (True, False):
+        with deltackpt.Store(tmp_path / str(on), chunk_size=CHUNK, predict=on) as s:
+            history = _train(10, store=s, one_cycle=True)
+            written[on] = sum(i.written_bytes for i in s.list()[1:])
+            assert s.verify().ok
+    assert written[True] < 0.75 * written[False], written
+    with deltackpt.Store(tmp_path / "True") as s:
+        for step, state in history.items():
+            assert_same_state(state, s.load(step))
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "sgd"])
