@@ -25,7 +25,7 @@ import signal
 import threading
 import warnings
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -35,7 +35,7 @@ import torch
 from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
 from deltackpt.retention import THINNED_KEY, Retention
 from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_step
-from deltackpt.tree import alias_key
+from deltackpt.tree import alias_key, child_path
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -65,6 +65,43 @@ def _group_state(g: Any) -> Any:
     if isinstance(g, list):
         return [v.state_dict() for v in g]
     return g.state_dict()
+
+
+def _members(g: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """(key path of its state dict, object) of each member of a group (see :func:`_group`)."""
+    if isinstance(g, dict):
+        for k, v in g.items():
+            yield child_path(path, k), v
+    elif isinstance(g, list):
+        for i, v in enumerate(g):
+            yield child_path(path, i), v
+    elif g is not None:
+        yield path, g
+
+
+def _param_pairs(model: Any, optimizer: Any) -> dict[str, str]:
+    """Which parameter each optimizer state belongs to, as key paths of :meth:`Checkpointer.capture`'s state:
+    ``optimizer.state[3]`` -> ``model.blocks.0.attn.weight``. The store pairs them for predicted frames
+    (:func:`deltackpt.predict.plan`), exactly, where guessing from shapes and order fails: frozen parameters,
+    an EMA copy of the weights, parameter groups in another order than the model's."""
+    names: dict[int, str] = {}
+    for mpath, module in _members(model, "model"):
+        named = getattr(module, "named_parameters", None)
+        if callable(named):
+            for name, param in named():
+                names.setdefault(id(param), child_path(mpath, name))
+    pairs: dict[str, str] = {}
+    for opath, opt in _members(optimizer, "optimizer"):
+        groups = getattr(opt, "param_groups", None)
+        if not isinstance(groups, list):
+            continue
+        # torch numbers the states of an optimizer's state_dict by position over all its groups' params
+        params = [p for group in groups for p in group.get("params", ())]
+        for i, param in enumerate(params):
+            name = names.get(id(param))
+            if name is not None:
+                pairs[child_path(child_path(opath, "state"), i)] = name
+    return pairs
 
 
 def _group_load(g: Any, state: Any, what: str) -> None:
@@ -393,18 +430,20 @@ class Checkpointer:
         self.wait()  # at most one save in flight: the staging buffers are about to be rewritten
         state = self.capture(step)
         meta = dict(metadata) if metadata else None
+        pairs = _param_pairs(self.model, self.optimizer)
         if self._executor is None:
-            self._run_save(state, step, meta, keyframe)
+            self._run_save(state, step, meta, keyframe, pairs)
         else:
             snap = self._staging.snapshot(state)
-            self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe)
+            self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs)
             self._inflight_step = step
             if wait:
                 self.wait()
         self.last_saved_step = step
 
-    def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None, keyframe: bool = False) -> CheckpointInfo:
-        info = self.store.save(state, step=step, metadata=meta, keyframe=keyframe)
+    def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None, keyframe: bool = False,
+                  pairs: dict[str, str] | None = None) -> CheckpointInfo:
+        info = self.store.save(state, step=step, metadata=meta, keyframe=keyframe, _pairs=pairs)
         self.last_info = info
         if self.retention is not None:
             self._apply_retention()

@@ -198,14 +198,18 @@ class Role:
     before: tuple[float, float, float] | None = None
 
 
-def plan(state: Any, leaves: Iterable[Any]) -> dict[str, Role]:
+def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = None) -> dict[str, Role]:
     """Find AdamW-style optimizer states (``torch.optim`` state dicts with ``exp_avg`` and ``exp_avg_sq``) in
     ``state`` and return, by key path, the role of each predictable float32 tensor: every ``exp_avg_sq``, and
-    each model parameter the optimizer state can be paired with. A parameter is paired with the i-th optimizer
-    state of its shape when it is the i-th of exactly as many float32 tensors of that shape outside optimizer
-    states (model state dicts list parameters in the optimizer's order); shapes with another count are left
-    unpaired. Only performance depends on this guess: a wrong pair gives a large residual, and the encoder then
-    keeps another encoding."""
+    each model parameter the optimizer state can be paired with.
+
+    ``pairs`` maps the key path of an optimizer state entry (``optimizer.state.3``) to its parameter's (what
+    a :class:`~deltackpt.Checkpointer` knows from the objects); those are paired as given when the parameter is
+    a float32 tensor of the state's shape. Otherwise a parameter is paired with the i-th remaining optimizer
+    state of its shape when it is the i-th of exactly as many remaining float32 tensors of that shape outside
+    optimizer states (model state dicts list parameters in the optimizer's order); shapes with another count are
+    left unpaired. Only performance depends on this guess: a wrong pair gives a large residual, and the encoder
+    then keeps another encoding."""
     by_path = {leaf.path: leaf for leaf in leaves}
     roles: dict[str, Role] = {}
     optimizer_prefixes: list[str] = []
@@ -239,12 +243,16 @@ def plan(state: Any, leaves: Iterable[Any]) -> dict[str, Role]:
                     step = 0.0
                 role = Role(SECOND_MOMENT, mp, None, beta1, beta2, eps, step)
                 roles[vp] = role
-                states.append((mp, vp, tuple(vl.shape), role))
+                named = by_path.get((pairs or {}).get(base, ""))
+                if named is not None and _is_f32(named) and named.shape == vl.shape and named.path not in roles:
+                    roles[named.path] = Role(PARAM, mp, vp, beta1, beta2, eps, step)
+                else:
+                    states.append((mp, vp, tuple(vl.shape), role))
     if not states:
         return roles
     params: dict[tuple[int, ...], list[str]] = {}
     for leaf in leaves:
-        if _is_f32(leaf) and not any(_inside(leaf.path, p) for p in optimizer_prefixes):
+        if _is_f32(leaf) and leaf.path not in roles and not any(_inside(leaf.path, p) for p in optimizer_prefixes):
             params.setdefault(tuple(leaf.shape), []).append(leaf.path)
     per_shape: dict[tuple[int, ...], list[tuple[str, str, Role]]] = {}
     for mp, vp, shape, role in states:

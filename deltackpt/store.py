@@ -552,6 +552,7 @@ class Store:
         allow_pickle: bool = False,
         keyframe: bool = False,
         _replace: Record | None = None,
+        _pairs: Mapping[str, str] | None = None,
     ) -> CheckpointInfo:
         """Durably store ``state`` as a checkpoint at ``step`` and return its info.
 
@@ -589,7 +590,7 @@ class Store:
             # later checkpoint's parent (and load(id=...) of the old id) still finds it
             replaces = {"replaces": [_replace.id, *_replace.extra.get("replaces", [])]} if _replace else {}
             # (planned without a parent too: its betas are the next save's)
-            planned = predict.plan(state, leaves) if self.predict and _replace is None else {}
+            planned = predict.plan(state, leaves, _pairs) if self.predict and _replace is None else {}
             roles = planned if pm is not None else {}
             if roles and pm is not None and self._betas[0] == pm.id:
                 roles = predict.with_betas_before(roles, self._betas[1])
