@@ -142,9 +142,7 @@ def _miss(guess: np.ndarray, actual: np.ndarray) -> float:
     return float(np.median(rel)) if len(rel) else np.inf
 
 
-def choose_coefs(
-    role: Role, base: Any, new: Any, inputs: list[Any]
-) -> tuple[float, ...] | None:
+def choose_coefs(role: Role, base: Any, new: Any, inputs: list[Any]) -> tuple[float, ...] | None:
     """The coefficients of one chunk's predicted frame: from the betas of the role's optimizer state and, when
     the checkpoint before held others (:attr:`Role.before`), those too, keeping whichever predicts a sample of
     the chunk better. A schedule that changes the betas (OneCycleLR cycles β1) has, by the time of the save,
@@ -203,7 +201,7 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     ``state`` and return, by key path, the role of each predictable float32 tensor: every ``exp_avg_sq``, and
     each model parameter the optimizer state can be paired with.
 
-    ``pairs`` maps the key path of an optimizer state entry (``optimizer.state.3``) to its parameter's (what
+    ``pairs`` maps the key path of an optimizer state entry (``optimizer.state[3]``) to its parameter's (what
     a :class:`~deltackpt.Checkpointer` knows from the objects); those are paired as given when the parameter is
     a float32 tensor of the state's shape. Otherwise a parameter is paired with the i-th remaining optimizer
     state of its shape when it is the i-th of exactly as many remaining float32 tensors of that shape outside
