@@ -329,13 +329,22 @@ class Index:
                     sh.env.close()
 
     @contextmanager
-    def _write(self) -> Iterator[lmdb.Transaction]:
+    def _writing(self) -> Iterator[lmdb.Environment]:
+        """The environment, counted in :data:`_WRITERS` while the caller holds a write transaction on it."""
         key = (os.getpid(), self._real)
         env = self.env
         with _REGISTRY_LOCK:
             _WRITERS[key] = _WRITERS.get(key, 0) + 1
         try:
-            with env.begin(write=True) as txn:
+            yield env
+        finally:
+            with _REGISTRY_LOCK:
+                _WRITERS[key] -= 1
+
+    @contextmanager
+    def _write(self) -> Iterator[lmdb.Transaction]:
+        try:
+            with self._writing() as env, env.begin(write=True) as txn:
                 yield txn
         except lmdb.Error as exc:  # a write or the commit failed: LMDB aborted the transaction
             full = isinstance(exc, (lmdb.DiskError, lmdb.MapFullError))
@@ -343,9 +352,6 @@ class Index:
                 errno.ENOSPC if full else errno.EIO,
                 f"could not write the index of {self.path.parent} ({exc}); the operation did not commit",
             ) from exc
-        finally:
-            with _REGISTRY_LOCK:
-                _WRITERS[key] -= 1
 
     def refresh(self) -> None:
         """Make this process's next reads see every commit that survived, including one whose writer died.
@@ -361,16 +367,11 @@ class Index:
         """
         if self.readonly:
             return
-        key = (os.getpid(), self._real)
-        with _REGISTRY_LOCK:
-            _WRITERS[key] = _WRITERS.get(key, 0) + 1
         try:
-            self.env.begin(write=True).abort()
+            with self._writing() as env:
+                env.begin(write=True).abort()
         except lmdb.Error:
             pass  # the operation's own writes report an index that cannot be written
-        finally:
-            with _REGISTRY_LOCK:
-                _WRITERS[key] -= 1
 
     # -- chunks ---------------------------------------------------------------------------------------
     def lookup_chunks(self, keys: Iterable[bytes]) -> dict[bytes, ChunkLoc]:

@@ -110,18 +110,23 @@ def fit_param(
     """Coefficients of the parameter predictor for one chunk: ``moments`` (c0..c3, see
     :func:`second_moment_coefs`), then A and B of ``p = A·p' - B·m / (√w + E)`` fitted by least squares on an
     evenly spaced sample, then ``e`` (E). None when the chunk gives nothing to fit (no update, non-finite)."""
-    return _fit_param(p_old, p_new, m, m_old, v_old, moments, e, score=False)[0]
+    return _fit_param(*_sample(p_old, p_new, m, m_old, v_old), moments, e, score=False)[0]
+
+
+def _sample(*bufs: Any) -> list[np.ndarray]:
+    """The same evenly spaced sample (at most about :data:`FIT_SAMPLE` elements) of each float32 chunk, in
+    float64."""
+    n = len(memoryview(bufs[0]).cast("B")) // 4
+    step = max(1, n // FIT_SAMPLE)
+    return [_f64(b, step) for b in bufs]
 
 
 def _fit_param(
-    p_old: Any, p_new: Any, m: Any, m_old: Any, v_old: Any, moments: tuple[float, float, float, float], e: float,
-    *, score: bool = True,
+    po: np.ndarray, pn: np.ndarray, mm: np.ndarray, m1: np.ndarray, v1: np.ndarray,
+    moments: tuple[float, float, float, float], e: float, *, score: bool = True,
 ) -> tuple[tuple[float, ...] | None, float]:
-    """:func:`fit_param`, and (``score``) how far the fitted prediction misses the sample (median relative
-    error; else 0)."""
-    n = len(memoryview(p_new).cast("B")) // 4
-    step = max(1, n // FIT_SAMPLE)
-    po, pn, mm, m1, v1 = (_f64(b, step) for b in (p_old, p_new, m, m_old, v_old))
+    """:func:`fit_param` on samples (:func:`_sample` of p', p, m, m', v'), and (``score``) how far the fitted
+    prediction misses the sample (median relative error; else 0)."""
     with np.errstate(all="ignore"):
         u = mm / (np.sqrt(adam_w(moments, mm, m1, v1)) + e)
         ok = np.isfinite(po) & np.isfinite(pn) & np.isfinite(u)
@@ -152,22 +157,22 @@ def choose_coefs(role: Role, base: Any, new: Any, inputs: list[Any]) -> tuple[fl
     options = [(role.beta1, role.beta2, role.eps)]
     if role.before is not None and role.before != options[0]:
         options.append(role.before)
+    if role.predictor == SECOND_MOMENT and len(options) == 1:
+        return second_moment_coefs(role.beta1, role.beta2)
+    # one sample of each chunk for every option: p' (or v'), p (or v), m, m'[, v']
+    sample = _sample(base, new, *inputs)
     best: tuple[tuple[float, ...] | None, float] = (None, np.inf)
     for beta1, beta2, eps in options:
         moments = second_moment_coefs(beta1, beta2)
         if moments is None:
             continue
         if role.predictor == SECOND_MOMENT:
-            if len(options) == 1:
-                return moments
-            n = len(memoryview(new).cast("B")) // 4
-            step = max(1, n // FIT_SAMPLE)
-            mm, m1, v1, vn = (_f64(b, step) for b in (inputs[0], inputs[1], base, new))
+            v1, vn, mm, m1 = sample
             with np.errstate(all="ignore"):
                 got: tuple[tuple[float, ...] | None, float] = (moments, _miss(adam_w(moments, mm, m1, v1), vn))
         else:
             e = param_eps(dataclasses.replace(role, beta1=beta1, beta2=beta2, eps=eps))
-            got = _fit_param(base, new, inputs[0], inputs[1], inputs[2], moments, e, score=len(options) > 1)
+            got = _fit_param(*sample, moments, e, score=len(options) > 1)
         if got[0] is not None and (best[0] is None or got[1] < best[1]):
             best = got
     return best[0]

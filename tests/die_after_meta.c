@@ -31,20 +31,23 @@ static void after_write(int fd) {
         kill(getpid(), SIGKILL);
 }
 
-ssize_t pwrite(int fd, const void *buf, size_t n, off_t off) {
-    static ssize_t (*real)(int, const void *, size_t, off_t);
-    if (!real)
-        real = (ssize_t(*)(int, const void *, size_t, off_t))dlsym(RTLD_NEXT, "pwrite");
-    ssize_t r = real(fd, buf, n, off);
+typedef ssize_t (*pwrite_fn)(int, const void *, size_t, off_t);
+
+/* Call libc's `name` (looked up once into *real), then count the write. */
+static ssize_t forward(pwrite_fn *real, const char *name, int fd, const void *buf, size_t n, off_t off) {
+    if (!*real)
+        *real = (pwrite_fn)dlsym(RTLD_NEXT, name);
+    ssize_t r = (*real)(fd, buf, n, off);
     after_write(fd);
     return r;
 }
 
+ssize_t pwrite(int fd, const void *buf, size_t n, off_t off) {
+    static pwrite_fn real;
+    return forward(&real, "pwrite", fd, buf, n, off);
+}
+
 ssize_t pwrite64(int fd, const void *buf, size_t n, off_t off) {
-    static ssize_t (*real)(int, const void *, size_t, off_t);
-    if (!real)
-        real = (ssize_t(*)(int, const void *, size_t, off_t))dlsym(RTLD_NEXT, "pwrite64");
-    ssize_t r = real(fd, buf, n, off);
-    after_write(fd);
-    return r;
+    static pwrite_fn real;
+    return forward(&real, "pwrite64", fd, buf, n, off);
 }
