@@ -31,10 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from deltackpt import kernel
+from deltackpt import kernel, tree
 from deltackpt._pykernel import adam_w
 from deltackpt.errors import CorruptChunkError
-from deltackpt.tree import child_path
+from deltackpt.tree import _DICT_TAGS, _dict_parts, child_path
+
+_DICT_NODES = [[tag] for tag in _DICT_TAGS]
 
 #: predictor ids (prefix byte 0)
 SECOND_MOMENT = 1  # refs: m, m' (base v'); coefs c0..c3: g = (m - c0*m') * c1 ; v = c2*v' + c3*(g*g)
@@ -208,30 +210,39 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
 
     ``pairs`` maps the key path of an optimizer state entry (``optimizer.state[3]``) to its parameter's (what
     a :class:`~deltackpt.Checkpointer` knows from the objects); those are paired as given when the parameter is
-    a float32 tensor of the state's shape. Otherwise a parameter is paired with the i-th remaining optimizer
-    state of its shape when it is the i-th of exactly as many remaining float32 tensors of that shape outside
-    optimizer states (model state dicts list parameters in the optimizer's order); shapes with another count are
-    left unpaired. Only performance depends on this guess: a wrong pair gives a large residual, and the encoder
-    then keeps another encoding."""
+    a float32 tensor of the state's shape. Next, an optimizer built from ``named_parameters()`` lists each
+    parameter's name in its groups' ``param_names``: a state entry is paired with every float32 tensor of its
+    shape outside optimizer states whose key path is that name or ends in ``.`` + name (``model.0.weight`` for
+    ``0.weight``; an EMA copy saved as ``ema.0.weight`` is paired too, and its predictions stop being tried once
+    they keep losing). Otherwise a parameter is paired with the i-th remaining optimizer state of its shape when
+    it is the i-th of exactly as many remaining float32 tensors of that shape outside optimizer states (model
+    state dicts list parameters in the optimizer's order); shapes with another count are left unpaired. Only
+    performance depends on these guesses: a wrong pair gives a large residual, and the encoder then keeps
+    another encoding."""
     by_path = {leaf.path: leaf for leaf in leaves}
     roles: dict[str, Role] = {}
-    optimizer_prefixes: list[str] = []
+    optimizers = list(_optimizer_dicts(state, ""))
+    optimizer_prefixes = [path for path, _ in optimizers]
+    outside = [leaf for leaf in leaves if _is_f32(leaf) and not any(_inside(leaf.path, p) for p in optimizer_prefixes)]
+    by_name: dict[str, list[Any]] | None = None  # float32 leaves outside optimizer states, by each name they end in
     states: list[tuple[str, str, tuple[int, ...], Role]] = []  # (m path, v path, shape, role of v)
-    for path, opt in _optimizer_dicts(state, ""):
-        optimizer_prefixes.append(path)
+    for path, opt in optimizers:
         spath = child_path(path, "state")
         for group in opt["param_groups"]:
             if not isinstance(group, Mapping):
                 continue
-            betas = group.get("betas", (0.9, 0.999))
-            try:
-                beta1, beta2 = float(betas[0]), float(betas[1])
-                eps = float(group.get("eps", 1e-8))
-            except (TypeError, ValueError, IndexError):
+            betas = _group_betas(group)
+            if betas is None:
                 continue
-            if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-                continue
-            for idx in group.get("params", ()):
+            beta1, beta2, eps = betas
+            idxs = list(group.get("params", ()))
+            names = group.get("param_names")
+            if not (isinstance(names, (list, tuple)) and len(names) == len(idxs)
+                    and all(isinstance(n, str) and n for n in names)):
+                names = [None] * len(idxs)
+            elif by_name is None:
+                by_name = _by_name_suffix(outside)
+            for idx, name in zip(idxs, names):
                 st = opt["state"].get(idx)
                 if not isinstance(st, Mapping) or "exp_avg" not in st or "exp_avg_sq" not in st:
                     continue
@@ -249,13 +260,18 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
                 named = by_path.get((pairs or {}).get(base, ""))
                 if named is not None and _is_f32(named) and named.shape == vl.shape and named.path not in roles:
                     roles[named.path] = Role(PARAM, mp, vp, beta1, beta2, eps, step)
-                else:
+                    continue
+                found = [leaf for leaf in (by_name or {}).get(name or "", ())
+                         if leaf.shape == vl.shape and leaf.path not in roles]
+                for leaf in found:
+                    roles[leaf.path] = Role(PARAM, mp, vp, beta1, beta2, eps, step)
+                if not found:
                     states.append((mp, vp, tuple(vl.shape), role))
     if not states:
         return roles
     params: dict[tuple[int, ...], list[str]] = {}
-    for leaf in leaves:
-        if _is_f32(leaf) and leaf.path not in roles and not any(_inside(leaf.path, p) for p in optimizer_prefixes):
+    for leaf in outside:
+        if leaf.path not in roles:
             params.setdefault(tuple(leaf.shape), []).append(leaf.path)
     per_shape: dict[tuple[int, ...], list[tuple[str, str, Role]]] = {}
     for mp, vp, shape, role in states:
@@ -269,16 +285,86 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     return roles
 
 
-def betas(roles: Mapping[str, Role]) -> dict[str, tuple[float, float, float]]:
-    """(β1, β2, eps) of each role, to hand to :func:`with_betas_before` at the next save."""
-    return {path: (r.beta1, r.beta2, r.eps) for path, r in roles.items()}
+def _group_betas(group: Mapping[str, Any]) -> tuple[float, float, float] | None:
+    """(β1, β2, eps) of an Adam-style parameter group (torch's defaults where it names none); None when they
+    are not usable numbers."""
+    betas = group.get("betas", (0.9, 0.999))
+    try:
+        beta1, beta2 = float(betas[0]), float(betas[1])
+        eps = float(group.get("eps", 1e-8))
+    except (TypeError, ValueError, IndexError, RuntimeError):
+        return None
+    return (beta1, beta2, eps) if 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 else None
+
+
+def _by_name_suffix(leaves: Iterable[Any]) -> dict[str, list[Any]]:
+    """Leaves by every name their key path ends in at a ``.``: ``model.0.weight`` under ``model.0.weight``,
+    ``0.weight`` and ``weight``."""
+    out: dict[str, list[Any]] = {}
+    for leaf in leaves:
+        path = leaf.path
+        out.setdefault(path, []).append(leaf)
+        at = path.find(".")
+        while at >= 0:
+            out.setdefault(path[at + 1 :], []).append(leaf)
+            at = path.find(".", at + 1)
+    return out
+
+
+def betas_in_skeleton(skeleton: Any) -> dict[str, tuple[float, float, float]]:
+    """(β1, β2, eps) of each optimizer state's parameter group in a checkpoint's skeleton (its manifest's
+    tree, tensors left as references), by the key path of the state's ``exp_avg``: what a save hands to
+    :func:`with_betas_before` for its parent. Nothing is built but the parameter groups (plain values); a
+    group that holds anything else is skipped."""
+    out: dict[str, tuple[float, float, float]] = {}
+    for path, groups_node in _skeleton_optimizers(skeleton, ""):
+        try:
+            groups = tree.decode_plain(groups_node)
+        except Exception:  # a tensor lr, a registered type: no betas from this optimizer
+            continue
+        if not isinstance(groups, (list, tuple)):
+            continue
+        spath = child_path(path, "state")
+        for group in groups:
+            betas = _group_betas(group) if isinstance(group, Mapping) else None
+            if betas is None:
+                continue
+            for idx in group.get("params", ()):
+                if type(idx) is int:
+                    out[child_path(child_path(spath, idx), "exp_avg")] = betas
+    return out
+
+
+def _skeleton_optimizers(n: Any, path: str) -> Iterable[tuple[str, Any]]:
+    """(key path, ``param_groups`` node) of each optimizer state dict in a skeleton, found as
+    :func:`_optimizer_dicts` finds them in a state."""
+    if type(n) is not list or not n:
+        return
+    if n[0] in _DICT_TAGS:
+        try:
+            knodes, vnodes = _dict_parts(n)
+            keys = [tree.decode_plain(k) for k in knodes]
+        except Exception:
+            return
+        nodes = dict(zip(keys, vnodes))
+        groups, st = nodes.get("param_groups"), nodes.get("state")
+        if type(groups) is list and groups[:1] in (["l"], ["t"]) and type(st) is list and st[:1] in _DICT_NODES:
+            yield path, groups
+            return
+        for k, v in zip(keys, vnodes):
+            if isinstance(k, (str, int)):
+                yield from _skeleton_optimizers(v, child_path(path, k))
+    elif n[0] in ("l", "t"):
+        for i, v in enumerate(n[1]):
+            yield from _skeleton_optimizers(v, child_path(path, i))
 
 
 def with_betas_before(roles: Mapping[str, Role], before: Mapping[str, tuple[float, float, float]]) -> dict[str, Role]:
-    """``roles`` with the betas the parent checkpoint's roles had (:func:`betas`) where they differ."""
+    """``roles`` with the betas the parent checkpoint held for each role's first moment
+    (:func:`betas_in_skeleton`) where they differ."""
     out = dict(roles)
     for path, r in roles.items():
-        b = before.get(path)
+        b = before.get(r.m)
         if b is not None and b != (r.beta1, r.beta2, r.eps):
             out[path] = dataclasses.replace(r, before=b)
     return out

@@ -316,7 +316,6 @@ class Store:
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
         self._last_manifest: manifest.Manifest | None = None
         #: (checkpoint id, betas of its predictor roles by key path) of this handle's last save
-        self._betas: tuple[str | None, dict[str, tuple[float, float, float]]] = (None, {})
         self._pinned = _Pinned()
         self._delta_stats: dict[str, tuple[int, int]] = {}
         self._predict_stats: dict[str, tuple[int, int]] = {}  # the same for predicted frames
@@ -379,7 +378,6 @@ class Store:
         self.index.close()
         self._base_cache.clear()
         self._last_manifest = None
-        self._betas = (None, {})
 
     def __enter__(self) -> Store:
         return self
@@ -589,11 +587,9 @@ class Store:
             # a rewrite takes the place of a checkpoint under a new id: it names the ids it replaces, so that a
             # later checkpoint's parent (and load(id=...) of the old id) still finds it
             replaces = {"replaces": [_replace.id, *_replace.extra.get("replaces", [])]} if _replace else {}
-            # (planned without a parent too: its betas are the next save's)
-            planned = predict.plan(state, leaves, _pairs) if self.predict and _replace is None else {}
-            roles = planned if pm is not None else {}
-            if roles and pm is not None and self._betas[0] == pm.id:
-                roles = predict.with_betas_before(roles, self._betas[1])
+            roles = predict.plan(state, leaves, _pairs) if self.predict and pm is not None else {}
+            if roles and pm is not None:  # the betas the parent's update used: see predict.choose_coefs
+                roles = predict.with_betas_before(roles, predict.betas_in_skeleton(pm.tree))
             mark = self._writer.mark()
             try:
                 entries, digests, flags, new_locs, written, state_keys = self._write_leaves(
@@ -640,7 +636,6 @@ class Store:
             if _replace is None:
                 self._head = ckpt_id
                 self._last_manifest = m
-                self._betas = (ckpt_id, predict.betas(planned))  # this save's betas, for the next one's predictions
                 # the next save's delta bases are this state's chunks: the cache keeps those, no older ones
                 self._base_cache.retain(state_keys)
                 # a pack this writer still appends to is one gc cannot delete: move on once it holds more than
