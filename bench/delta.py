@@ -1,26 +1,28 @@
-"""Where the bytes of dense AdamW training go: dedup, byte planes and deltas, saved every step and every 10.
+"""Where the bytes of dense AdamW (or SGD) training go: dedup, byte planes and deltas, saved every step and every 10.
 
-``python -m bench.delta [--saves 20] [--small] [--every 1,10] [--max-chain K] [--cores 1,2,4]`` trains the
-suite's GPT (52.6M fp32 parameters; ``--small``: 1.7M) with AdamW (lr 1e-4, weight decay 0.1) on random token
-ids and saves the full training state into three stores after every step (``Store(max_chain=0)``: dedup + byte
-planes + zstd; ``Store(max_chain=K, predict=False)``: XOR deltas too; ``Store(max_chain=K)``, by default the
-store's default: predicted frames too), then does the same saving every 10 steps. For each save it reports bytes
-relative to ``torch.save`` of the same state for
+``python -m bench.delta [--saves 20] [--small] [--every 1,10] [--max-chain K] [--cores 1,2,4] [--optimizer sgd]``
+trains the suite's GPT (52.6M fp32 parameters; ``--small``: 1.7M) with AdamW (lr 1e-4, weight decay 0.1; or
+``--optimizer sgd``: SGD with momentum 0.9, lr 1e-2, weight decay 1e-4) on random token ids and saves the full
+training state into three stores after every step (``Store(max_chain=0)``: dedup + byte planes + zstd;
+``Store(max_chain=K, predict=False)``: XOR deltas too; ``Store(max_chain=K)``, by default the store's default:
+predicted frames too), then does the same saving every 10 steps. For each save it reports bytes relative to
+``torch.save`` of the same state for
 
 - dedup: the raw bytes of chunks no earlier checkpoint holds (what an uncompressed dedup store writes),
 - planes: what ``Store(max_chain=0)`` writes (dedup, then byte planes + zstd),
 - xor: what ``Store(predict=False)`` writes (XOR against the parent's chunk when smaller),
-- predicted: what ``Store()`` writes (AdamW second moments and weights as residuals of a prediction),
+- predicted: what ``Store()`` writes (AdamW second moments and weights, or SGD weights, as residuals of a
+  prediction),
 
-split by where the bytes go (weights, exp_avg, exp_avg_sq), and the restore time of the newest and the
-oldest checkpoint against ``torch.load`` of a ``.pt`` file, each load in a fresh process as a restarted job does
-it (like a restarted job, without ``gc.freeze()``: each loader pays the collection the imports left due,
-``torch.load`` during the load and deltackpt when its load returns; ``bench.restart`` measures it), with the
-page cache dropped before the load (a restart on another machine; on a VM the disk's speed swings from run to
-run) and with the files in the page cache (a restart in place: the CPU cost of decoding against
-torch.load's), and the CPU time of the warm restores (user + system over all threads: the work that more cores
-would share). ``--cores`` repeats the warm restores of ``torch.load`` and the newest checkpoint pinned to the
-first n CPUs for each n given: how restores scale with cores on the machine at hand.
+split by where the bytes go (weights, exp_avg, exp_avg_sq; with SGD weights and momentum_buffer), and the restore
+time of the newest and the oldest checkpoint against ``torch.load`` of a ``.pt`` file, each load in a fresh process
+as a restarted job does it (like a restarted job, without ``gc.freeze()``: each loader pays the collection the
+imports left due, ``torch.load`` during the load and deltackpt when its load returns; ``bench.restart`` measures
+it), with the page cache dropped before the load (a restart on another machine; on a VM the disk's speed swings from
+run to run) and with the files in the page cache (a restart in place: the CPU cost of decoding against
+torch.load's), and the CPU time of the warm restores (user + system over all threads: the work that more cores would
+share). ``--cores`` repeats the warm restores of ``torch.load`` and the newest checkpoint pinned to the first n CPUs
+for each n given: how restores scale with cores on the machine at hand.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def _category(key: str) -> str:
     return "weights" if key.startswith("model") else "other"
 
 
-def adamw_step(model: GPT, opt: torch.optim.Optimizer, cfg: GPTConfig) -> None:
-    """One real AdamW step of this benchmark's training: a batch of 2 random token sequences, reproduced."""
+def train_step(model: GPT, opt: torch.optim.Optimizer, cfg: GPTConfig) -> None:
+    """One real optimizer step of this benchmark's training: a batch of 2 random token sequences, reproduced."""
     x = torch.randint(0, cfg.vocab, (2, cfg.ctx))
     loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, cfg.vocab), x.reshape(-1))
     opt.zero_grad()
@@ -58,11 +60,17 @@ def adamw_step(model: GPT, opt: torch.optim.Optimizer, cfg: GPTConfig) -> None:
     opt.step()
 
 
+def _optimizer(name: str, model: GPT) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4)
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+
+
 def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | None,
-         cores: list[int]) -> dict:
+         cores: list[int], optimizer: str = "adamw") -> dict:
     torch.manual_seed(0)
     model = GPT(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+    opt = _optimizer(optimizer, model)
     planes = deltackpt.Store(root / "planes", max_chain=0)
     xor = deltackpt.Store(root / "xor", max_chain=max_chain, predict=False)
     delta = deltackpt.Store(root / "delta", max_chain=max_chain, predict=True)
@@ -71,7 +79,7 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
     torch_sizes = []
     for n in range(saves):
         for _ in range(every):
-            adamw_step(model, opt, cfg)
+            train_step(model, opt, cfg)
         state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
         pt = root / "state.pt"
         torch.save(state, pt)
@@ -187,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--every", default="1,10", help="save intervals to run, comma-separated (default 1,10)")
     ap.add_argument("--max-chain", type=int, default=None, help="the delta store's max_chain (default: the store's)")
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     ap.add_argument("--cores", default="", help="also time warm restores pinned to this many CPUs, comma-separated "
                     "(e.g. 1,2,4; at most the CPUs this process may use)")
     args = ap.parse_args(argv)
@@ -196,13 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--cores: each count must be between 1 and {available} (the CPUs this process may use)")
     cfg = GPTConfig(d_model=128, n_layers=4, vocab=2048) if args.small else GPTConfig()
     chain = config.DEFAULT_MAX_CHAIN if args.max_chain is None else args.max_chain
-    print(f"GPT {cfg.n_params() / 1e6:.1f}M parameters, AdamW lr 1e-4; deltackpt backend "
+    how = "SGD momentum 0.9 lr 1e-2" if args.optimizer == "sgd" else "AdamW lr 1e-4"
+    print(f"GPT {cfg.n_params() / 1e6:.1f}M parameters, {how}; deltackpt backend "
           f"{deltackpt.backend}; delta store max_chain={chain}")
     for every in (int(e) for e in args.every.split(",")):
         root = Path(tempfile.mkdtemp(prefix="deltackpt-delta-"))
         try:
             print(f"\nsaving every {every} step(s), {args.saves} saves")
-            res = _run(cfg, args.saves, every, root, chain, cores)
+            res = _run(cfg, args.saves, every, root, chain, cores, args.optimizer)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         steady = res["rows"][1:]  # the first save has no parent
@@ -210,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n| every {every} | dedup | byte planes | xor delta | predicted |\n|---|---:|---:|---:|---:|")
         print(f"| all state, saves 2-{args.saves} | " + " | ".join(
             f"{sum(r[k] for r in steady) / tb:.3f}" for k in ("dedup", "planes", "xor", "predicted")) + " |")
-        for cat in ("weights", "exp_avg", "exp_avg_sq"):
+        for cat in ("weights", "exp_avg", "exp_avg_sq", "momentum_buffer"):
             logical = sum(r["by"][cat][0] for r in steady if cat in r["by"])
             if logical:
                 print(f"| {cat} | " + " | ".join(

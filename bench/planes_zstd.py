@@ -28,7 +28,7 @@ import torch
 import zstandard
 
 import deltackpt
-from bench.delta import _load_in_child, adamw_step
+from bench.delta import _load_in_child, train_step
 from bench.models import GPT, GPTConfig
 from deltackpt import codec
 from deltackpt.index import chunk_key
@@ -46,7 +46,7 @@ def _train_and_save(root: Path, saves: int, small: bool, baseline: bool) -> None
     handles = {name: deltackpt.Store(root / name) for name in stores}
     try:
         for n in range(saves):
-            adamw_step(model, opt, cfg)
+            train_step(model, opt, cfg)
             state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
             for name, levels in stores.items():
                 codec.PLANES_TUNED_LEVELS = levels  # read when a worker thread makes its encoder

@@ -202,12 +202,17 @@ def predict(predictor: int, coefs: object, base: object, refs: list[object], out
     o = _as_u8(out, writable=True)
     n = len(o)
     c = [float(x) for x in coefs]  # type: ignore[attr-defined]
-    ok = (predictor, len(c), len(refs)) in ((1, 4, 2), (2, 7, 3))
+    ok = (predictor, len(c), len(refs)) in ((1, 4, 2), (2, 7, 3), (3, 3, 2))
     if n % 4 or not ok or len(_as_u8(base)) != n or any(len(_as_u8(r)) != n for r in refs):
         raise ValueError("deltackpt kernel: invalid argument")
     with np.errstate(all="ignore"):
         m = _f32_in(refs[0])
-        if predictor == 1:
+        if predictor == 3:  # q = c0*p1 - c1*b + c2*b1
+            u = c[1] * m
+            q = c[0] * _f32_in(base)
+            q -= u
+            q += c[2] * _f32_in(refs[1])
+        elif predictor == 1:
             q = adam_w(c, m, _f32_in(refs[1]), _f32_in(base))
         else:
             d = np.sqrt(adam_w(c, m, _f32_in(refs[1]), _f32_in(refs[2])))

@@ -9,7 +9,8 @@ the same for one frame whose base the caller already holds.
 Frame layout (little-endian, 64-byte header, then the payload; see ``docs/format.md``)::
 
     0   4   magic b"DCKF"
-    4   1   format version (1; 2 for codec 4, which version-1 readers cannot decode)
+    4   1   format version (1; 2 for codec 4, which version-1 readers cannot decode; 3 for codec 4 with
+            predictor 3, which version-2 readers cannot decode)
     5   1   codec id (0 raw, 1 zstd, 2 planes+zstd, 3 xor-delta+planes+zstd, 4 predicted)
     6   1   element width (1, 2, 4, 8)
     7   1   flags (0; readers reject other values)
@@ -43,6 +44,9 @@ MAGIC = b"DCKF"
 FRAME_VERSION = 1
 #: the version byte of predicted frames (codec 4): a version-1 reader refuses them as a newer format
 PREDICTED_VERSION = 2
+#: the version byte of predicted frames whose predictor version-2 readers do not know (momentum-param, §8a)
+PREDICTED_V3 = 3
+_VERSIONS = (FRAME_VERSION, PREDICTED_VERSION, PREDICTED_V3)
 HEADER = struct.Struct("<4sBBBBQQ16s16sQ")
 HEADER_SIZE = HEADER.size  # 64
 CHECKED = 56  # header bytes covered by the checksum (everything before it)
@@ -77,6 +81,7 @@ class FrameHeader:
     digest: bytes
     base: bytes
     checksum: int
+    version: int = FRAME_VERSION
 
     @property
     def frame_len(self) -> int:
@@ -103,8 +108,8 @@ def frame_checksum(header56: bytes | memoryview, payload: bytes | memoryview) ->
     return h.intdigest()
 
 
-def _frame(codec: int, width: int, raw_len: int, digest: bytes, base: bytes, payload: bytes) -> bytes:
-    version = PREDICTED_VERSION if codec == PREDICTED else FRAME_VERSION
+def _frame(codec: int, width: int, raw_len: int, digest: bytes, base: bytes, payload: bytes,
+           version: int = FRAME_VERSION) -> bytes:
     head = HEADER.pack(MAGIC, version, codec, width, 0, raw_len, len(payload), digest, base, 0)
     head56 = head[:CHECKED]
     return head56 + struct.pack("<Q", frame_checksum(head56, payload)) + payload
@@ -202,7 +207,8 @@ class Encoder:
             raise ValueError(f"chunk of {len(raw)} bytes exceeds the frame limit of {MAX_RAW}")
         residual = self._pctx.compress(self._planes(raw, width, memoryview(prediction).cast("B")))
         payload = struct.pack("<I", len(record)) + record + residual
-        return _frame(PREDICTED, width, len(raw), digest, base_digest, payload)
+        version = PREDICTED_V3 if record[0] >= predict.FIRST_V3_PREDICTOR else PREDICTED_VERSION
+        return _frame(PREDICTED, width, len(raw), digest, base_digest, payload, version)
 
 
 def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameHeader:
@@ -212,9 +218,9 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
     magic, version, codec, width, flags, raw_len, stored_len, digest, base, checksum = HEADER.unpack_from(buf)
     if magic != MAGIC:
         raise CorruptChunkError(f"bad frame magic {bytes(magic)!r}{_at(where)}")
-    if version not in (FRAME_VERSION, PREDICTED_VERSION):
-        raise FormatVersionError(f"frame format version {version} is not supported (this reader: 1, 2){_at(where)}")
-    if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0 or (version == 2) != (codec == PREDICTED):
+    if version not in _VERSIONS:
+        raise FormatVersionError(f"frame format version {version} is not supported (this reader: 1-3){_at(where)}")
+    if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0 or (version >= 2) != (codec == PREDICTED):
         raise CorruptChunkError(f"bad frame header (codec {codec}, width {width}, flags {flags}){_at(where)}")
     if raw_len > MAX_RAW or stored_len > MAX_RAW + 1024:
         raise CorruptChunkError(f"frame declares {raw_len} raw / {stored_len} stored bytes{_at(where)}")
@@ -222,7 +228,7 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
         raise CorruptChunkError(f"raw frame stores {stored_len} bytes for {raw_len}{_at(where)}")
     if (codec in BASED) != (base != NO_BASE):
         raise CorruptChunkError(f"frame base digest does not match its codec{_at(where)}")
-    return FrameHeader(codec, width, raw_len, stored_len, bytes(digest), bytes(base), checksum)
+    return FrameHeader(codec, width, raw_len, stored_len, bytes(digest), bytes(base), checksum, version)
 
 
 def _at(where: str | None) -> str:
@@ -356,15 +362,20 @@ def decode_chain(
     return memoryview(dest)
 
 
-def prediction_record(payload: bytes | memoryview, where: str | None = None) -> predict.Prediction:
-    """The prediction record at the start of a predicted frame's (checked) payload."""
+def prediction_record(payload: bytes | memoryview, where: str | None = None,
+                      version: int = PREDICTED_VERSION) -> predict.Prediction:
+    """The prediction record at the start of a predicted frame's (checked) payload; ``version`` is the frame's,
+    which must be the one its predictor takes."""
     n = int.from_bytes(payload[:4], "little") if len(payload) >= 4 else -1
     if n < 0 or n > len(payload) - 4:
         raise CorruptChunkError(f"predicted frame's record overruns its payload{_at(where)}")
     try:
-        return predict.Prediction.unpack(payload[4 : 4 + n])
+        rec = predict.Prediction.unpack(payload[4 : 4 + n])
     except CorruptChunkError as exc:
         raise CorruptChunkError(f"{exc.reason}{_at(where)}") from None
+    if (rec.predictor >= predict.FIRST_V3_PREDICTOR) != (version == PREDICTED_V3):
+        raise CorruptChunkError(f"predictor {rec.predictor} in a frame of version {version}{_at(where)}")
+    return rec
 
 
 def _predict_into(frame: bytes | memoryview, h: FrameHeader, where: str | None, dest: np.ndarray,
@@ -374,7 +385,7 @@ def _predict_into(frame: bytes | memoryview, h: FrameHeader, where: str | None, 
     own = chunk_hex(h.digest, h.raw_len)
     try:
         _, payload = check_frame(frame, expect_digest=h.digest, expect_len=h.raw_len, where=where)
-        rec = prediction_record(payload, where)
+        rec = prediction_record(payload, where, h.version)
     except CorruptChunkError as exc:
         if top:
             raise CorruptChunkError(exc.reason, chunk_id=cid) from None

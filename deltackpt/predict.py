@@ -13,6 +13,9 @@ parent's, the gradient follows from the two first moments, ``g = (m - β1·m') /
 few low bits. ``m`` itself carries the step's new information and is stored as before. The parameter's
 predictor recomputes ``v`` from ``v'`` rather than referencing this checkpoint's ``v``: both predicted tensors
 then depend only on the parent's chunks and ``m``, so their chains stay as short as a second moment's.
+Optimizers that keep a momentum buffer ``b`` (SGD, Nesterov SGD, RMSprop with momentum) step
+``p = p' - lr·b`` (Nesterov: ``p' - lr·(1+μ)·b + lr·μ·b'``), so their parameters are predicted from ``b`` and
+``b'`` the same way (the momentum-param predictor).
 
 Exactness is what makes this lossless: the prediction is a pure function of the stored coefficients and the
 referenced chunks' bytes, computed with IEEE-754 float64 operations that are correctly rounded everywhere (numpy
@@ -41,8 +44,12 @@ _DICT_NODES = [[tag] for tag in _DICT_TAGS]
 #: predictor ids (prefix byte 0)
 SECOND_MOMENT = 1  # refs: m, m' (base v'); coefs c0..c3: g = (m - c0*m') * c1 ; v = c2*v' + c3*(g*g)
 PARAM = 2  # refs: m, m', v'; base p'; coefs c0..c6: g and w as v above, p = c4*p' - c5*(m / (sqrt(w) + c6))
-NAMES = {SECOND_MOMENT: "adam-v", PARAM: "adam-param"}
-_SHAPE = {SECOND_MOMENT: (2, 4), PARAM: (3, 7)}  # (references, coefficients)
+MOMENTUM_PARAM = 3  # refs: b, b' (momentum buffers); base p'; coefs c0..c2: p = c0*p' - c1*b + c2*b'
+NAMES = {SECOND_MOMENT: "adam-v", PARAM: "adam-param", MOMENTUM_PARAM: "momentum-param"}
+_SHAPE = {SECOND_MOMENT: (2, 4), PARAM: (3, 7), MOMENTUM_PARAM: (2, 3)}  # (references, coefficients)
+#: the first predictor that frames of version 2 (codec.PREDICTED_VERSION) cannot name: frames of it and later
+#: ones are version 3, which readers that do not know them refuse as a newer format
+FIRST_V3_PREDICTOR = MOMENTUM_PARAM
 _PREFIX_HEAD = struct.Struct("<BBHI")  # predictor, refs, coefficients, reserved (0)
 #: elements the encoder fits the parameter coefficients on (an evenly spaced sample of the chunk)
 FIT_SAMPLE = 1 << 15
@@ -141,6 +148,29 @@ def _fit_param(
     return (coefs, miss) if valid_coefs(coefs) and coefs[5] != 0.0 else (None, np.inf)
 
 
+def fit_momentum(po: np.ndarray, pn: np.ndarray, b: np.ndarray, b1: np.ndarray) -> tuple[float, ...] | None:
+    """Coefficients of the momentum-param predictor from samples (:func:`_sample` of p', p, b, b'): c0..c2 of
+    ``p = c0·p' - c1·b + c2·b'`` fitted by least squares, with c2 = 0 (SGD, RMSprop: ``p = p' - lr·b``) or free
+    (Nesterov: ``p = p' - lr·(1+μ)·b + lr·μ·b'``), whichever misses the sample less. None when the chunk gives
+    nothing to fit."""
+    with np.errstate(all="ignore"):
+        ok = np.isfinite(po) & np.isfinite(pn) & np.isfinite(b) & np.isfinite(b1)
+        if ok.sum() < 16:
+            return None
+        cols = [po[ok], -b[ok], b1[ok]]
+        best: tuple[tuple[float, ...] | None, float] = (None, np.inf)
+        for k in (2, 3):
+            x = np.stack(cols[:k], axis=1)
+            sol, *_ = np.linalg.lstsq(x, pn[ok], rcond=None)
+            coefs = (float(sol[0]), float(sol[1]), float(sol[2]) if k == 3 else 0.0)
+            if not valid_coefs(coefs) or coefs[1] == 0.0:
+                continue
+            miss = _miss(x @ sol, pn[ok])
+            if miss < best[1]:
+                best = (coefs, miss)
+    return best[0]
+
+
 def _miss(guess: np.ndarray, actual: np.ndarray) -> float:
     """Median relative error of ``guess`` (a sample of a prediction) against ``actual``."""
     with np.errstate(all="ignore"):
@@ -156,6 +186,8 @@ def choose_coefs(role: Role, base: Any, new: Any, inputs: list[Any]) -> tuple[fl
     already set the next step's: the update the checkpoint holds used the ones saved before it.
     ``base`` is the parent's chunk, ``new`` this one, ``inputs`` the referenced chunks (m, m'[, v']).
     None when nothing predicts it."""
+    if role.predictor == MOMENTUM_PARAM:
+        return fit_momentum(*_sample(base, new, *inputs))
     options = [(role.beta1, role.beta2, role.eps)]
     if role.before is not None and role.before != options[0]:
         options.append(role.before)
@@ -189,7 +221,8 @@ def second_moment_coefs(beta1: float, beta2: float) -> tuple[float, float, float
 @dataclass(frozen=True)
 class Role:
     """How one tensor of a state can be predicted: from its first moment ``m`` (this checkpoint's and the
-    parent's) and, for a parameter, the parent's second moment ``v`` (key paths of the state)."""
+    parent's; for momentum-param, the momentum buffer) and, for an AdamW parameter, the parent's second moment
+    ``v`` (key paths of the state). The betas, eps and step are AdamW's (unused by momentum-param)."""
 
     predictor: int
     m: str
@@ -225,16 +258,12 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     optimizer_prefixes = [path for path, _ in optimizers]
     outside = [leaf for leaf in leaves if _is_f32(leaf) and not any(_inside(leaf.path, p) for p in optimizer_prefixes)]
     by_name: dict[str, list[Any]] | None = None  # float32 leaves outside optimizer states, by each name they end in
-    states: list[tuple[str, str, tuple[int, ...], Role]] = []  # (m path, v path, shape, role of v)
+    states: list[tuple[tuple[int, ...], Role]] = []  # (shape, role its parameter would take) still unpaired
     for path, opt in optimizers:
         spath = child_path(path, "state")
         for group in opt["param_groups"]:
             if not isinstance(group, Mapping):
                 continue
-            betas = _group_betas(group)
-            if betas is None:
-                continue
-            beta1, beta2, eps = betas
             idxs = list(group.get("params", ()))
             names = group.get("param_names")
             if not (isinstance(names, (list, tuple)) and len(names) == len(idxs)
@@ -243,46 +272,68 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
             elif by_name is None:
                 by_name = _by_name_suffix(outside)
             for idx, name in zip(idxs, names):
-                st = opt["state"].get(idx)
-                if not isinstance(st, Mapping) or "exp_avg" not in st or "exp_avg_sq" not in st:
-                    continue
                 base = child_path(spath, idx)
-                mp, vp = child_path(base, "exp_avg"), child_path(base, "exp_avg_sq")
-                ml, vl = by_path.get(mp), by_path.get(vp)
-                if ml is None or vl is None or not (_is_f32(ml) and _is_f32(vl)) or ml.shape != vl.shape:
+                found = _param_role(opt["state"].get(idx), group, base, by_path)
+                if found is None:
                     continue
-                try:
-                    step = float(st.get("step", 0))
-                except (TypeError, ValueError, RuntimeError):
-                    step = 0.0
-                role = Role(SECOND_MOMENT, mp, None, beta1, beta2, eps, step)
-                roles[vp] = role
+                shape, prole, others = found
+                roles.update(others)
                 named = by_path.get((pairs or {}).get(base, ""))
-                if named is not None and _is_f32(named) and named.shape == vl.shape and named.path not in roles:
-                    roles[named.path] = Role(PARAM, mp, vp, beta1, beta2, eps, step)
+                if named is not None and _is_f32(named) and named.shape == shape and named.path not in roles:
+                    roles[named.path] = prole
                     continue
-                found = [leaf for leaf in (by_name or {}).get(name or "", ())
-                         if leaf.shape == vl.shape and leaf.path not in roles]
-                for leaf in found:
-                    roles[leaf.path] = Role(PARAM, mp, vp, beta1, beta2, eps, step)
-                if not found:
-                    states.append((mp, vp, tuple(vl.shape), role))
+                matches = [leaf for leaf in (by_name or {}).get(name or "", ())
+                           if leaf.shape == shape and leaf.path not in roles]
+                for leaf in matches:
+                    roles[leaf.path] = prole
+                if not matches:
+                    states.append((shape, prole))
     if not states:
         return roles
     params: dict[tuple[int, ...], list[str]] = {}
     for leaf in outside:
         if leaf.path not in roles:
             params.setdefault(tuple(leaf.shape), []).append(leaf.path)
-    per_shape: dict[tuple[int, ...], list[tuple[str, str, Role]]] = {}
-    for mp, vp, shape, role in states:
-        per_shape.setdefault(shape, []).append((mp, vp, role))
-    for shape, group_states in per_shape.items():
+    per_shape: dict[tuple[int, ...], list[Role]] = {}
+    for shape, prole in states:
+        per_shape.setdefault(shape, []).append(prole)
+    for shape, proles in per_shape.items():
         cands = params.get(shape, [])
-        if len(cands) != len(group_states):
-            continue
-        for ppath, (mp, vp, role) in zip(cands, group_states):
-            roles[ppath] = Role(PARAM, mp, vp, role.beta1, role.beta2, role.eps, role.step)
+        if len(cands) == len(proles):
+            roles.update(zip(cands, proles))
     return roles
+
+
+def _param_role(st: Any, group: Mapping[str, Any], base: str, by_path: Mapping[str, Any]
+                ) -> tuple[tuple[int, ...], Role, dict[str, Role]] | None:
+    """For one optimizer state entry ``st`` (at key path ``base``, in parameter group ``group``): the shape
+    its parameter has, the role that parameter takes, and the roles of the entry's own tensors (an AdamW
+    second moment); None when the entry predicts nothing.
+
+    AdamW-style entries (``exp_avg`` and ``exp_avg_sq``) give the parameter an adam-param role and the second
+    moment an adam-v role. Entries with a ``momentum_buffer`` (SGD with momentum, RMSprop with momentum) give
+    the parameter a momentum-param role: their step is ``p = p' - lr·b`` (Nesterov: also a ``b'`` term)."""
+    if not isinstance(st, Mapping):
+        return None
+    if "exp_avg" in st and "exp_avg_sq" in st:
+        betas = _group_betas(group)
+        mp, vp = child_path(base, "exp_avg"), child_path(base, "exp_avg_sq")
+        ml, vl = by_path.get(mp), by_path.get(vp)
+        if betas is None or ml is None or vl is None or not (_is_f32(ml) and _is_f32(vl)) or ml.shape != vl.shape:
+            return None
+        try:
+            step = float(st.get("step", 0))
+        except (TypeError, ValueError, RuntimeError):
+            step = 0.0
+        v = Role(SECOND_MOMENT, mp, None, *betas, step)
+        return tuple(vl.shape), Role(PARAM, mp, vp, *betas, step), {vp: v}
+    if "momentum_buffer" in st:
+        bp = child_path(base, "momentum_buffer")
+        bl = by_path.get(bp)
+        if bl is None or not _is_f32(bl):
+            return None
+        return tuple(bl.shape), Role(MOMENTUM_PARAM, bp, None, 0.0, 0.0, 0.0, 0.0), {}
+    return None
 
 
 def _group_betas(group: Mapping[str, Any]) -> tuple[float, float, float] | None:

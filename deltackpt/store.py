@@ -1354,7 +1354,7 @@ class Store:
         try:
             h, payload = codec.check_frame(memoryview(buf), expect_digest=key[:16],
                                            expect_len=int.from_bytes(key[16:], "big"), where=where)
-            return [r + key[16:] for r in (h.base, *codec.prediction_record(payload, where).refs)]
+            return [r + key[16:] for r in (h.base, *codec.prediction_record(payload, where, h.version).refs)]
         finally:
             if scratch is not None:
                 scratch.give(buf)

@@ -263,7 +263,7 @@ def predict(predictor, coefs, base, refs, out):
     views = [_as_u8(r) for r in refs]
     cdef int nrefs = len(views)
     cdef int nc = len(coefs)
-    if n % 4 or b.shape[0] != n or any(len(v) != n for v in views) or not 2 <= nrefs <= 3 or not 4 <= nc <= 7:
+    if n % 4 or b.shape[0] != n or any(len(v) != n for v in views) or not 2 <= nrefs <= 3 or not 3 <= nc <= 7:
         raise ValueError("deltackpt kernel: invalid argument")
     cdef double c[7]
     cdef const uint8_t *pr[3]

@@ -937,7 +937,7 @@ static void dck_predict_portable(int predictor, const double *c, const uint8_t *
 {
     float m[DCK_PREDICT_BLOCK], m1[DCK_PREDICT_BLOCK], v1[DCK_PREDICT_BLOCK], b1[DCK_PREDICT_BLOCK];
     double q[DCK_PREDICT_BLOCK];
-    const double c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];
+    const double c0 = c[0], c1 = c[1], c2 = c[2], c3 = predictor == DCK_PREDICT_MOMENTUM_PARAM ? 0.0 : c[3];
     size_t end = at + n;
 
     for (; at < end; at += DCK_PREDICT_BLOCK) {
@@ -946,7 +946,15 @@ static void dck_predict_portable(int predictor, const double *c, const uint8_t *
         dck_f32_load(m, refs[0] + 4 * at, k);
         dck_f32_load(m1, refs[1] + 4 * at, k);
         dck_f32_load(b1, base + 4 * at, k);
-        if (predictor == DCK_PREDICT_ADAM_V) {
+        if (predictor == DCK_PREDICT_MOMENTUM_PARAM) {
+            for (i = 0; i < k; i++) { /* q = c0*p1 - c1*b + c2*b1 (m holds b, m1 holds b1, b1 holds p1) */
+                double u = c1 * (double)m[i];
+                double r = c0 * (double)b1[i];
+                r = r - u;
+                u = c2 * (double)m1[i];
+                q[i] = r + u;
+            }
+        } else if (predictor == DCK_PREDICT_ADAM_V) {
             for (i = 0; i < k; i++) { /* w = c2*v1 + c3*(g*g), g = (m - c0*m1)*c1, one rounding per step */
                 double g = (double)m[i] - c0 * (double)m1[i];
                 g = g * c1;
@@ -1004,10 +1012,16 @@ DCK_TARGET_AVX2 static void dck_predict_avx2(int predictor, const double *c, con
                                              const uint8_t *const *refs, uint8_t *out, size_t n)
 {
     const __m256d c0 = _mm256_set1_pd(c[0]), c1 = _mm256_set1_pd(c[1]), c2 = _mm256_set1_pd(c[2]),
-                  c3 = _mm256_set1_pd(c[3]);
+                  c3 = _mm256_set1_pd(predictor == DCK_PREDICT_MOMENTUM_PARAM ? 0.0 : c[3]);
     size_t i;
 
-    if (predictor == DCK_PREDICT_ADAM_V) {
+    if (predictor == DCK_PREDICT_MOMENTUM_PARAM) {
+        for (i = 0; i < n; i += 4) {
+            __m256d q = _mm256_sub_pd(_mm256_mul_pd(c0, dck_load4(base + 4 * i)),
+                                      _mm256_mul_pd(c1, dck_load4(refs[0] + 4 * i)));
+            dck_store4(out + 4 * i, _mm256_add_pd(q, _mm256_mul_pd(c2, dck_load4(refs[1] + 4 * i))));
+        }
+    } else if (predictor == DCK_PREDICT_ADAM_V) {
         for (i = 0; i < n; i += 4) {
             __m256d g = _mm256_sub_pd(dck_load4(refs[0] + 4 * i), _mm256_mul_pd(c0, dck_load4(refs[1] + 4 * i)));
             g = _mm256_mul_pd(g, c1);
@@ -1042,7 +1056,8 @@ int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, con
     if (len % 4 != 0 || c == NULL || refs == NULL)
         return DCK_EINVAL;
     if (!((predictor == DCK_PREDICT_ADAM_V && nc == 4 && nrefs == 2) ||
-          (predictor == DCK_PREDICT_ADAM_PARAM && nc == 7 && nrefs == 3)))
+          (predictor == DCK_PREDICT_ADAM_PARAM && nc == 7 && nrefs == 3) ||
+          (predictor == DCK_PREDICT_MOMENTUM_PARAM && nc == 3 && nrefs == 2)))
         return DCK_EINVAL;
     if (len > 0 && (base == NULL || out == NULL || refs[0] == NULL || refs[1] == NULL ||
                     (nrefs == 3 && refs[2] == NULL)))

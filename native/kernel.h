@@ -151,17 +151,19 @@ int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, co
 
 #define DCK_PREDICT_ADAM_V 1     /* refs m, m1; base v1; coefficients c0..c3 */
 #define DCK_PREDICT_ADAM_PARAM 2 /* refs m, m1, v1; base p1; coefficients c0..c6 */
+#define DCK_PREDICT_MOMENTUM_PARAM 3 /* refs b, b1; base p1; coefficients c0..c2 */
 
 /*
  * Compute a prediction of len bytes (len % 4 == 0, len / 4 little-endian float32 values) into out.
  *
- * Inputs:  predictor (DCK_PREDICT_*), its nc coefficients c (4 or 7; each 0 or of magnitude in [2^-60, 2^60],
- *          which the caller checked), base and refs[0..nrefs) (2 or 3), each len bytes of float32.
+ * Inputs:  predictor (DCK_PREDICT_*), its nc coefficients c (4, 7 or 3; each 0 or of magnitude in [2^-60, 2^60],
+ *          which the caller checked), base and refs[0..nrefs) (2, 3 or 2), each len bytes of float32.
  * Effect:  for every element i, with every input x read as float32 and widened exactly to double after a
  *          subnormal x is replaced by a zero of the same sign:
  *            adam-v:     g = m - c0*m1; g = g*c1; g = g*g; g = g*c3; w = c2*v1; w = w + g; q = w
  *            adam-param: w as above from (m, m1, v1); d = sqrt(w); d = d + c6; u = m / d; u = u*c5;
  *                        q = c4*p1; q = q - u
+ *            momentum-param: q = c0*p1; u = c1*b; q = q - u; u = c2*b1; q = q + u
  *          each step one correctly rounded double operation in this order (the build passes
  *          -ffp-contract=off: no fused multiply-add). out[i] = 0x7FC00000 if q is NaN; a zero with q's sign if
  *          |q| < 2^-126; else (float)q, rounded to nearest. Within the coefficient bounds no double

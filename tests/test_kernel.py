@@ -711,7 +711,7 @@ _SPECIAL_F32 = [0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFF
 @needs_native
 @pytest.mark.parametrize("simd", [True, False], ids=["vector", "portable"])
 @FAST
-@given(predictor=st.sampled_from([1, 2]), n=st.integers(0, 700), coefs=st.lists(_coef, min_size=7, max_size=7),
+@given(predictor=st.sampled_from([1, 2, 3]), n=st.integers(0, 700), coefs=st.lists(_coef, min_size=7, max_size=7),
        seed=st.integers(0, 2**32 - 1), specials=st.lists(st.sampled_from(_SPECIAL_F32), max_size=8))
 def test_predict_backends_agree_bit_for_bit(simd: bool, predictor: int, n: int, coefs: list[float], seed: int,
                                             specials: list[int]) -> None:
@@ -725,7 +725,7 @@ def test_predict_backends_agree_bit_for_bit(simd: bool, predictor: int, n: int, 
         a[: len(specials)] = specials[: len(a)]
         rng.shuffle(a)
         arrays.append(a.view(np.uint8))
-    nrefs, nc = (2, 4) if predictor == 1 else (3, 7)
+    nrefs, nc = {1: (2, 4), 2: (3, 7), 3: (2, 3)}[predictor]
     outs = []
     for mod in (ref, native):
         out = np.empty(4 * n, np.uint8)
@@ -740,8 +740,10 @@ def test_predict_rejects_bad_arguments(mod: types.ModuleType) -> None:
     a = np.zeros(64, np.uint8)
     out = np.empty(64, np.uint8)
     bad = [
-        (3, [0.0] * 4, a, [a, a]),  # unknown predictor
-        (1, [0.0] * 7, a, [a, a]),  # coefficients of the other predictor
+        (4, [0.0] * 4, a, [a, a]),  # unknown predictor
+        (1, [0.0] * 7, a, [a, a]),  # coefficients of another predictor
+        (3, [0.0] * 4, a, [a, a]),  # coefficients of another predictor
+        (3, [0.0] * 3, a, [a, a, a]),  # too many references
         (2, [0.0] * 7, a, [a, a]),  # too few references
         (1, [0.0] * 4, a[:60], [a, a]),  # lengths differ
         (1, [0.0] * 4, a[:62], [a[:62], a[:62]]),  # not whole float32 elements

@@ -38,6 +38,10 @@ def _train(steps: int, *, seed: int = 0, lr: float = 1e-3, wd: float = 0.1, opti
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
     elif optimizer == "adam":
         opt = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.8, 0.99), eps=1e-6)
+    elif optimizer == "nesterov":
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=wd / 100)
+    elif optimizer == "rmsprop":
+        opt = torch.optim.RMSprop(model.parameters(), lr=lr, momentum=0.9)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     sched: torch.optim.lr_scheduler.LRScheduler = (
@@ -78,20 +82,24 @@ def _inputs(n: int, seed: int) -> list[np.ndarray]:
 GOLDEN = {
     predict.SECOND_MOMENT: "6c1e68b9e6e74897554f81c8641258ee",
     predict.PARAM: "91cb7735bd0e3c2826b20cad7ad9475f",
+    predict.MOMENTUM_PARAM: "99ce493c2b738ae975ced3f413d0b4a8",
 }
 
 
-@pytest.mark.parametrize("predictor", [predict.SECOND_MOMENT, predict.PARAM])
+@pytest.mark.parametrize("predictor", [predict.SECOND_MOMENT, predict.PARAM, predict.MOMENTUM_PARAM])
 def test_prediction_golden_digest(predictor: int) -> None:
     p, m, m1, v = _inputs(4099, 7)
     v = np.abs(v) * 1e-6
     if predictor == predict.SECOND_MOMENT:
         rec = predict.Prediction(predictor, (bytes(16), bytes(16)), predict.second_moment_coefs(0.9, 0.999))
         base, refs = v, [m, m1]
-    else:
+    elif predictor == predict.PARAM:
         coefs = (*predict.second_moment_coefs(0.9, 0.999), 0.99999, 1.5e-5, 7.7e-10)
         rec = predict.Prediction(predictor, (bytes(16),) * 3, coefs)
         base, refs = p, [m, m1, v]
+    else:
+        rec = predict.Prediction(predictor, (bytes(16),) * 2, (0.99999, 1.9e-3, 0.9e-3))
+        base, refs = p, [m, m1]
     out = np.empty(base.nbytes, dtype=np.uint8)
     predict.predict(rec, base, refs, out)
     assert kernel.digest(out).hex() == GOLDEN[predictor]
@@ -117,6 +125,11 @@ def test_prediction_follows_its_definition_element_by_element() -> None:
         g = (float(m[i]) - k[0] * float(m1[i])) * k[1]
         w = k[2] * float(v[i]) + k[3] * (g * g)
         want = np.float32(k[4] * float(p[i]) - k[5] * (float(m[i]) / (math.sqrt(w) + k[6])))
+        assert out.view(np.float32)[i].tobytes() == want.tobytes()
+    k = (0.99999, 1.9e-3, 0.9e-3)
+    predict.predict(predict.Prediction(predict.MOMENTUM_PARAM, (bytes(16),) * 2, k), p, [m, m1], out)
+    for i in range(64):
+        want = np.float32((k[0] * float(p[i]) - k[1] * float(m[i])) + k[2] * float(m1[i]))
         assert out.view(np.float32)[i].tobytes() == want.tobytes()
 
 
@@ -168,15 +181,21 @@ def test_kernel_applies_predicted_frame_on_both_backends(impl: str) -> None:
 
 def test_frame_version_and_codec_must_agree() -> None:
     frame, _, _ = _predicted_frame()
-    for version, codec_id in ((codec.FRAME_VERSION, codec.PREDICTED), (codec.PREDICTED_VERSION, codec.DELTA)):
+    for version, codec_id in ((codec.FRAME_VERSION, codec.PREDICTED), (codec.PREDICTED_VERSION, codec.DELTA),
+                              (codec.PREDICTED_V3, codec.DELTA)):
         b = bytearray(frame)
         b[4], b[5] = version, codec_id
         with pytest.raises(CorruptChunkError):
             codec.parse_header(bytes(b))
     b = bytearray(frame)
-    b[4] = 3
+    b[4] = 4
     with pytest.raises(FormatVersionError):
         codec.parse_header(bytes(b))
+    # the version is the one the record's predictor takes: 2 for adam-v and adam-param, 3 for momentum-param
+    h, payload = codec.check_frame(frame)
+    assert h.version == codec.PREDICTED_VERSION and codec.prediction_record(payload, None, h.version)
+    with pytest.raises(CorruptChunkError, match="predictor 1 in a frame of version 3"):
+        codec.prediction_record(payload, None, codec.PREDICTED_V3)
 
 
 # -- pairing ----------------------------------------------------------------------------------------------
@@ -200,10 +219,21 @@ def test_plan_pairs_parameters_with_their_optimizer_state() -> None:
     assert "model.0.weight" in roles and "model.2.bias" not in roles and "model.extra" not in roles
 
 
-def test_plan_ignores_other_optimizers_and_dtypes() -> None:
+def test_plan_pairs_momentum_buffers_and_ignores_other_optimizers_and_dtypes() -> None:
     sgd = _train(1, optimizer="sgd")[1]
     _, leaves = deltackpt.tree.flatten(sgd)
-    assert predict.plan(sgd, leaves) == {}
+    roles = predict.plan(sgd, leaves)
+    assert {k: (r.predictor, r.m) for k, r in roles.items()} == {
+        f"model.{name}": (predict.MOMENTUM_PARAM, f"optimizer.state[{i}].momentum_buffer")
+        for i, name in enumerate(sgd["model"])
+    }
+    model = torch.nn.Linear(8, 8)
+    plain = torch.optim.SGD(model.parameters(), lr=0.1)  # no momentum: nothing to predict from
+    model(torch.randn(2, 8)).sum().backward()
+    plain.step()
+    state = {"model": model.state_dict(), "optimizer": plain.state_dict()}
+    _, leaves = deltackpt.tree.flatten(state)
+    assert predict.plan(state, leaves) == {}
     adam = _train(1)[1]
     adam = {"model": {k: v.double() for k, v in adam["model"].items()}, "optimizer": adam["optimizer"]}
     _, leaves = deltackpt.tree.flatten(adam)
@@ -397,14 +427,34 @@ def test_checkpointer_pairs_parameters_the_shapes_cannot(tmp_path: Path) -> None
                 assert_same_state(history[step][part], got[part])
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adam", "sgd", "nesterov", "rmsprop"])
 def test_other_optimizers_restore_exactly(tmp_path: Path, optimizer: str) -> None:
+    """Adam with other betas and eps and no weight decay, and the optimizers whose parameters the momentum
+    buffer predicts (SGD, Nesterov SGD with weight decay, RMSprop with momentum): predicted, and exact."""
     with deltackpt.Store(tmp_path / "s", chunk_size=CHUNK) as s:
         history = _train(6, optimizer=optimizer, store=s)
-        if optimizer == "adam":  # other betas and eps, no weight decay: still predicted
-            assert codec.PREDICTED in _codecs(s)
+        assert codec.PREDICTED in _codecs(s)
         for step, state in history.items():
             assert_same_state(state, s.load(step))
+        assert s.verify().ok
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "nesterov", "rmsprop"])
+def test_momentum_buffers_predict_their_parameters(tmp_path: Path, optimizer: str) -> None:
+    """``p = p' - lr·b`` (Nesterov: ``- lr·(1+μ)·b + lr·μ·b'``): the parameters of a run saved every step are
+    mostly predicted frames, and the run writes far fewer bytes (0.59 against 0.81 of the raw state for SGD,
+    0.69 against 0.92 for RMSprop, whose square averages are not predicted, on this MLP)."""
+    written = {}
+    for on in (True, False):
+        with deltackpt.Store(tmp_path / str(on), chunk_size=CHUNK, predict=on) as s:
+            _train(10, optimizer=optimizer, lr=1e-2, store=s)
+            written[on] = sum(i.written_bytes for i in s.list()[1:])
+            predicted, tried = _predicted_share(s, ("model.",))
+            assert (predicted >= 0.5 * tried) if on else predicted == 0, (predicted, tried)
+            frames = [s._read_frame(loc, None)[0] for _, loc in s.index.iter_chunks() if loc.codec == codec.PREDICTED]
+            # frames of this predictor are version 3, which readers that do not know it refuse as a newer format
+            assert bool(frames) == on and all(f[4] == codec.PREDICTED_V3 for f in frames)
+    assert written[True] < 0.85 * written[False], written
 
 
 def test_saving_every_few_steps_falls_back_without_loss(tmp_path: Path) -> None:
@@ -553,6 +603,7 @@ _specials = st.sampled_from([0.0, -0.0, 1e-45, -3e38, float("inf"), float("-inf"
 
 
 @given(
+    kind=st.sampled_from(["adamw", "momentum", "nesterov"]),
     beta1=st.floats(0.0, 0.99),
     beta2=st.floats(0.5, 0.9999),
     lr=st.floats(1e-6, 1e-1),
@@ -562,17 +613,18 @@ _specials = st.sampled_from([0.0, -0.0, 1e-45, -3e38, float("inf"), float("-inf"
     shuffle=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_any_adam_like_history_restores_exactly(
-    tmp_path_factory: pytest.TempPathFactory, beta1: float, beta2: float, lr: float, steps: int, n: int,
+def test_any_optimizer_like_history_restores_exactly(
+    tmp_path_factory: pytest.TempPathFactory, kind: str, beta1: float, beta2: float, lr: float, steps: int, n: int,
     specials: list[tuple[int, float]], shuffle: bool, seed: int,
 ) -> None:
-    """Whatever the hyperparameters, special values or pairing, predicted or not, every step loads bit-exactly:
-    the prediction only changes the residual's size."""
+    """Whatever the hyperparameters, special values or pairing, predicted or not, every step of an AdamW-shaped
+    or momentum-shaped (SGD, Nesterov; ``beta1`` is the momentum) evolution loads bit-exactly: the prediction
+    only changes the residual's size."""
     rng = np.random.default_rng(seed)
     p = rng.standard_normal(n).astype(np.float32)
     m = np.zeros(n, np.float32)
     v = np.zeros(n, np.float32)
-    path = tmp_path_factory.mktemp("adam") / "s"
+    path = tmp_path_factory.mktemp(kind) / "s"
     history = {}
     with deltackpt.Store(path, chunk_size=4096, max_chain=2) as s:
         for t in range(1, steps + 1):
@@ -581,16 +633,22 @@ def test_any_adam_like_history_restores_exactly(
                 if i < n and rng.random() < 0.5:
                     g[i] = x
             with np.errstate(all="ignore"):  # special values overflow and turn into NaN on purpose
-                m = (beta1 * m + (1 - beta1) * g).astype(np.float32)
-                v = (beta2 * v + (1 - beta2) * g * g).astype(np.float32)
-                p = (p - lr * m / (np.sqrt(v) + 1e-8)).astype(np.float32)
+                if kind == "adamw":
+                    m = (beta1 * m + (1 - beta1) * g).astype(np.float32)
+                    v = (beta2 * v + (1 - beta2) * g * g).astype(np.float32)
+                    p = (p - lr * m / (np.sqrt(v) + 1e-8)).astype(np.float32)
+                else:
+                    m = (beta1 * m + g).astype(np.float32)
+                    p = (p - lr * ((g + beta1 * m) if kind == "nesterov" else m)).astype(np.float32)
             pp = rng.permutation(p) if shuffle else p  # a wrong pairing
-            state = {
-                "model": {"w": torch.from_numpy(pp.copy())},
-                "opt": {"state": {0: {"step": torch.tensor(float(t)), "exp_avg": torch.from_numpy(m.copy()),
-                                      "exp_avg_sq": torch.from_numpy(v.copy())}},
-                        "param_groups": [{"params": [0], "betas": (beta1, beta2), "eps": 1e-8, "lr": lr}]},
-            }
+            if kind == "adamw":
+                entry = {"step": torch.tensor(float(t)), "exp_avg": torch.from_numpy(m.copy()),
+                         "exp_avg_sq": torch.from_numpy(v.copy())}
+                group = {"params": [0], "betas": (beta1, beta2), "eps": 1e-8, "lr": lr}
+            else:
+                entry = {"momentum_buffer": torch.from_numpy(m.copy())}
+                group = {"params": [0], "momentum": beta1, "lr": lr, "nesterov": kind == "nesterov"}
+            state = {"model": {"w": torch.from_numpy(pp.copy())}, "opt": {"state": {0: entry}, "param_groups": [group]}}
             history[t] = copy.deepcopy(state)
             s.save(state, step=t)
         assert all(loc.depth <= 2 for _, loc in s.index.iter_chunks())
