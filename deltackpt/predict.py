@@ -237,9 +237,9 @@ class Role:
 
 
 def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = None) -> dict[str, Role]:
-    """Find AdamW-style optimizer states (``torch.optim`` state dicts with ``exp_avg`` and ``exp_avg_sq``) in
-    ``state`` and return, by key path, the role of each predictable float32 tensor: every ``exp_avg_sq``, and
-    each model parameter the optimizer state can be paired with.
+    """Find optimizer states that predict (``torch.optim`` state dicts whose entries hold ``exp_avg`` and
+    ``exp_avg_sq``, or a ``momentum_buffer``) in ``state`` and return, by key path, the role of each predictable
+    float32 tensor: every ``exp_avg_sq``, and each model parameter an optimizer state can be paired with.
 
     ``pairs`` maps the key path of an optimizer state entry (``optimizer.state[3]``) to its parameter's (what
     a :class:`~deltackpt.Checkpointer` knows from the objects); those are paired as given when the parameter is
@@ -247,11 +247,12 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     parameter's name in its groups' ``param_names``: a state entry is paired with every float32 tensor of its
     shape outside optimizer states whose key path is that name or ends in ``.`` + name (``model.0.weight`` for
     ``0.weight``; an EMA copy saved as ``ema.0.weight`` is paired too, and its predictions stop being tried once
-    they keep losing). Otherwise a parameter is paired with the i-th remaining optimizer state of its shape when
-    it is the i-th of exactly as many remaining float32 tensors of that shape outside optimizer states (model
-    state dicts list parameters in the optimizer's order); shapes with another count are left unpaired. Only
-    performance depends on these guesses: a wrong pair gives a large residual, and the encoder then keeps
-    another encoding."""
+    they keep losing), both compared without the ``module.`` and ``_orig_mod.`` components that
+    DistributedDataParallel, torch.compile and FSDP wrappers add. Otherwise a parameter is paired with the i-th
+    remaining optimizer state of its shape when it is the i-th of exactly as many remaining float32 tensors of
+    that shape outside optimizer states (model state dicts list parameters in the optimizer's order); shapes
+    with another count are left unpaired. Only performance depends on these guesses: a wrong pair gives a large
+    residual, and the encoder then keeps another encoding."""
     by_path = {leaf.path: leaf for leaf in leaves}
     roles: dict[str, Role] = {}
     optimizers = list(_optimizer_dicts(state, ""))
@@ -282,7 +283,7 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
                 if named is not None and _is_f32(named) and named.shape == shape and named.path not in roles:
                     roles[named.path] = prole
                     continue
-                matches = [leaf for leaf in (by_name or {}).get(name or "", ())
+                matches = [leaf for leaf in (by_name or {}).get(_unwrapped(name or ""), ())
                            if leaf.shape == shape and leaf.path not in roles]
                 for leaf in matches:
                     roles[leaf.path] = prole
@@ -348,12 +349,24 @@ def _group_betas(group: Mapping[str, Any]) -> tuple[float, float, float] | None:
     return (beta1, beta2, eps) if 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 else None
 
 
+#: module names that wrappers put into parameter names and state dict keys (DistributedDataParallel,
+#: torch.compile, FSDP, activation checkpointing): names are compared without them
+_WRAPPERS = frozenset({"module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def _unwrapped(name: str) -> str:
+    """``name`` without the components that wrappers add: ``module._orig_mod.0.weight`` -> ``0.weight``."""
+    parts = name.split(".")
+    return ".".join(p for p in parts if p not in _WRAPPERS) if _WRAPPERS.intersection(parts) else name
+
+
 def _by_name_suffix(leaves: Iterable[Any]) -> dict[str, list[Any]]:
-    """Leaves by every name their key path ends in at a ``.``: ``model.0.weight`` under ``model.0.weight``,
-    ``0.weight`` and ``weight``."""
+    """Leaves by every name their key path, without wrapper components (:func:`_unwrapped`), ends in at a
+    ``.``: ``model.module.0.weight`` under ``model.0.weight``, ``0.weight`` and ``weight``. Look names up
+    unwrapped too."""
     out: dict[str, list[Any]] = {}
     for leaf in leaves:
-        path = leaf.path
+        path = _unwrapped(leaf.path)
         out.setdefault(path, []).append(leaf)
         at = path.find(".")
         while at >= 0:

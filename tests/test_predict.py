@@ -386,6 +386,15 @@ def test_plan_pairs_parameters_by_their_names() -> None:
             r = roles[f"{prefix}.{name}"]
             assert (r.predictor, r.m) == (predict.PARAM, f"optimizer.state[{i}].exp_avg")
     assert not any(k.startswith(("model.0.", "ema.0.")) for k in roles)
+    # names of a wrapped model (DistributedDataParallel, torch.compile) match the unwrapped state dict's keys,
+    # and the other way round
+    wrapped = copy.deepcopy(state)
+    for group in wrapped["optimizer"]["param_groups"]:
+        group["param_names"] = [f"module._orig_mod.{n}" for n in group["param_names"]]
+    wrapped["model"] = {f"module.{k}": v for k, v in wrapped["model"].items()}
+    _, leaves = deltackpt.tree.flatten(wrapped)
+    got = predict.plan(wrapped, leaves)
+    assert got["model.module.1.weight"].m == "optimizer.state[2].exp_avg" and "model.module.0.weight" not in got
     # without names, the same state leaves these shapes unpaired (the Checkpointer's pairs cover that case)
     for group in state["optimizer"]["param_groups"]:
         del group["param_names"]
