@@ -37,9 +37,7 @@ import numpy as np
 from deltackpt import kernel, tree
 from deltackpt._pykernel import adam_w
 from deltackpt.errors import CorruptChunkError
-from deltackpt.tree import _DICT_TAGS, _dict_parts, child_path
-
-_DICT_NODES = [[tag] for tag in _DICT_TAGS]
+from deltackpt.tree import child_path
 
 #: predictor ids (prefix byte 0)
 SECOND_MOMENT = 1  # refs: m, m' (base v'); coefs c0..c3: g = (m - c0*m') * c1 ; v = c2*v' + c3*(g*g)
@@ -402,25 +400,15 @@ def betas_in_skeleton(skeleton: Any) -> dict[str, tuple[float, float, float]]:
 def _skeleton_optimizers(n: Any, path: str) -> Iterable[tuple[str, Any]]:
     """(key path, ``param_groups`` node) of each optimizer state dict in a skeleton, found as
     :func:`_optimizer_dicts` finds them in a state."""
-    if type(n) is not list or not n:
-        return
-    if n[0] in _DICT_TAGS:
-        try:
-            knodes, vnodes = _dict_parts(n)
-            keys = [tree.decode_plain(k) for k in knodes]
-        except Exception:
+    kids = tree.node_children(n)
+    if tree.is_dict_node(n):
+        nodes = dict(kids)
+        if tree.is_sequence_node(nodes.get("param_groups")) and tree.is_dict_node(nodes.get("state")):
+            yield path, nodes["param_groups"]
             return
-        nodes = dict(zip(keys, vnodes))
-        groups, st = nodes.get("param_groups"), nodes.get("state")
-        if type(groups) is list and groups[:1] in (["l"], ["t"]) and type(st) is list and st[:1] in _DICT_NODES:
-            yield path, groups
-            return
-        for k, v in zip(keys, vnodes):
-            if isinstance(k, (str, int)):
-                yield from _skeleton_optimizers(v, child_path(path, k))
-    elif n[0] in ("l", "t"):
-        for i, v in enumerate(n[1]):
-            yield from _skeleton_optimizers(v, child_path(path, i))
+    for k, v in kids:
+        if isinstance(k, (str, int)):
+            yield from _skeleton_optimizers(v, child_path(path, k))
 
 
 def with_betas_before(roles: Mapping[str, Role], before: Mapping[str, tuple[float, float, float]]) -> dict[str, Role]:

@@ -487,6 +487,30 @@ def _dict_parts(n: list[Any]) -> tuple[Any, Any]:
     return (n[2], n[3]) if n[0] == "D" else (n[1], n[2])
 
 
+def is_dict_node(n: Any) -> bool:
+    """Whether skeleton node ``n`` is a dict-like container (dict, OrderedDict, Counter, defaultdict)."""
+    return type(n) is list and bool(n) and n[0] in _DICT_TAGS
+
+
+def is_sequence_node(n: Any) -> bool:
+    """Whether skeleton node ``n`` is a list or a tuple."""
+    return type(n) is list and bool(n) and n[0] in ("l", "t")
+
+
+def node_children(n: Any) -> list[tuple[Any, Any]]:
+    """(key, child node) of a dict-like node (keys decoded) or of a list or tuple (indices); nothing for other
+    nodes or a dict whose keys do not decode. Nothing is built but the keys: for walking a skeleton."""
+    if is_sequence_node(n):
+        return list(enumerate(n[1]))
+    if not is_dict_node(n):
+        return []
+    try:
+        knodes, vnodes = _dict_parts(n)
+        return list(zip((_plain_build(k) for k in knodes), vnodes))
+    except (IndexError, KeyError, TypeError, ValueError, struct.error):
+        return []
+
+
 def _plain_build(n: Any) -> Any:
     """A dict key or set element: a hashable plain value (no arrays, registered types or pickles)."""
     if type(n) is not list or not n or n[0] not in ("N", "b", "i", "f", "s", "y", "c", "ns", "dt", "dv", "t", "F"):
