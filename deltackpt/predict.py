@@ -258,12 +258,14 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     outside = [leaf for leaf in leaves if _is_f32(leaf) and not any(_inside(leaf.path, p) for p in optimizer_prefixes)]
     by_name: dict[str, list[Any]] | None = None  # float32 leaves outside optimizer states, by each name they end in
     states: list[tuple[tuple[int, ...], Role]] = []  # (shape, role its parameter would take) still unpaired
-    for path, opt in optimizers:
+    # state entries with a name: (optimizer number, shape, role, the leaves the name matches)
+    named_states: list[tuple[int, tuple[int, ...], Role, list[tuple[str, Any]]]] = []
+    for o, (path, opt) in enumerate(optimizers):
         spath = child_path(path, "state")
         for group in opt["param_groups"]:
-            if not isinstance(group, Mapping):
+            idxs = group.get("params") if isinstance(group, Mapping) else None
+            if not isinstance(idxs, (list, tuple)):
                 continue
-            idxs = list(group.get("params", ()))
             names = group.get("param_names")
             if not (isinstance(names, (list, tuple)) and len(names) == len(idxs)
                     and all(isinstance(n, str) and n for n in names)):
@@ -271,22 +273,26 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
             elif by_name is None:
                 by_name = _by_name_suffix(outside)
             for idx, name in zip(idxs, names):
+                if not isinstance(idx, (int, str)):
+                    continue
                 base = child_path(spath, idx)
                 found = _param_role(opt["state"].get(idx), group, base, by_path)
                 if found is None:
                     continue
                 shape, prole, others = found
                 roles.update(others)
-                named = by_path.get((pairs or {}).get(base, ""))
-                if named is not None and _is_f32(named) and named.shape == shape and named.path not in roles:
-                    roles[named.path] = prole
+                given = by_path.get((pairs or {}).get(base, ""))
+                if given is not None and _is_f32(given) and given.shape == shape and given.path not in roles:
+                    roles[given.path] = prole
                     continue
-                matches = [leaf for leaf in (by_name or {}).get(_unwrapped(name or ""), ())
-                           if leaf.shape == shape and leaf.path not in roles]
-                for leaf in matches:
-                    roles[leaf.path] = prole
-                if not matches:
+                if name is None or by_name is None:
                     states.append((shape, prole))
+                    continue
+                plain = _unwrapped(name)
+                matches = [(_unwrapped(leaf.path)[: -len(plain)], leaf) for leaf in by_name.get(plain, ())
+                           if leaf.shape == shape]
+                named_states.append((o, shape, prole, matches))
+    states += _pair_by_name(named_states, roles)
     if not states:
         return roles
     params: dict[tuple[int, ...], list[str]] = {}
@@ -322,7 +328,7 @@ def _param_role(st: Any, group: Mapping[str, Any], base: str, by_path: Mapping[s
             return None
         try:
             step = float(st.get("step", 0))
-        except (TypeError, ValueError, RuntimeError):
+        except (TypeError, ValueError, RuntimeError, OverflowError):
             step = 0.0
         v = Role(SECOND_MOMENT, mp, None, *betas, step)
         return tuple(vl.shape), Role(PARAM, mp, vp, *betas, step), {vp: v}
@@ -335,6 +341,37 @@ def _param_role(st: Any, group: Mapping[str, Any], base: str, by_path: Mapping[s
     return None
 
 
+def _pair_by_name(named_states: list[tuple[int, tuple[int, ...], Role, list[tuple[str, Any]]]],
+                  roles: dict[str, Role]) -> list[tuple[tuple[int, ...], Role]]:
+    """Pair the state entries whose parameters an optimizer names (``(optimizer number, shape, role,
+    [(prefix, leaf)])``: every float32 leaf of the shape whose unwrapped key path is ``prefix`` + the name) and
+    return those left for the shape guess.
+
+    A name can match more leaves than its parameter: ``0.weight`` matches ``model.0.weight`` and
+    ``model.1.0.weight``; two models trained by two optimizers have the same names. So each optimizer keeps only
+    the prefixes that match the most of its names (``model.``; several when they tie: the model and an EMA copy
+    of it), and a leaf that two optimizers' names both claim is paired by neither: their entries go to the
+    shape guess, as without names."""
+    votes: dict[int, dict[str, int]] = {}
+    for o, _, _, matches in named_states:
+        for prefix in {prefix for prefix, _ in matches}:
+            votes.setdefault(o, {})[prefix] = votes.get(o, {}).get(prefix, 0) + 1
+    best = {o: {p for p, n in v.items() if n == max(v.values())} for o, v in votes.items()}
+    chosen = [[leaf for prefix, leaf in matches if prefix in best.get(o, ())] for o, _, _, matches in named_states]
+    claims: dict[str, set[int]] = {}
+    for (o, *_), leaves in zip(named_states, chosen):
+        for leaf in leaves:
+            claims.setdefault(leaf.path, set()).add(o)
+    left = []
+    for (_, shape, prole, _), leaves in zip(named_states, chosen):
+        mine = [leaf for leaf in leaves if len(claims[leaf.path]) == 1 and leaf.path not in roles]
+        for leaf in mine:
+            roles[leaf.path] = prole
+        if not mine:
+            left.append((shape, prole))
+    return left
+
+
 def _group_betas(group: Mapping[str, Any]) -> tuple[float, float, float] | None:
     """(β1, β2, eps) of an Adam-style parameter group (torch's defaults where it names none); None when they
     are not usable numbers."""
@@ -342,7 +379,7 @@ def _group_betas(group: Mapping[str, Any]) -> tuple[float, float, float] | None:
     try:
         beta1, beta2 = float(betas[0]), float(betas[1])
         eps = float(group.get("eps", 1e-8))
-    except (TypeError, ValueError, IndexError, RuntimeError):
+    except (TypeError, ValueError, IndexError, RuntimeError, OverflowError):
         return None
     return (beta1, beta2, eps) if 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 else None
 
@@ -376,22 +413,24 @@ def _by_name_suffix(leaves: Iterable[Any]) -> dict[str, list[Any]]:
 def betas_in_skeleton(skeleton: Any) -> dict[str, tuple[float, float, float]]:
     """(β1, β2, eps) of each optimizer state's parameter group in a checkpoint's skeleton (its manifest's
     tree, tensors left as references), by the key path of the state's ``exp_avg``: what a save hands to
-    :func:`with_betas_before` for its parent. Nothing is built but the parameter groups (plain values); a
-    group that holds anything else is skipped."""
+    :func:`with_betas_before` for its parent. Only each group's ``betas``, ``eps`` and ``params`` nodes are
+    decoded (a tensor ``lr`` beside them does not matter); a group whose three cannot be read is skipped."""
     out: dict[str, tuple[float, float, float]] = {}
     for path, groups_node in _skeleton_optimizers(skeleton, ""):
-        try:
-            groups = tree.decode_plain(groups_node)
-        except Exception:  # a tensor lr, a registered type: no betas from this optimizer
-            continue
-        if not isinstance(groups, (list, tuple)):
-            continue
         spath = child_path(path, "state")
-        for group in groups:
-            betas = _group_betas(group) if isinstance(group, Mapping) else None
-            if betas is None:
+        for _, group_node in tree.node_children(groups_node):
+            nodes = {k: v for k, v in tree.node_children(group_node) if k in ("betas", "eps", "params")}
+            if "betas" not in nodes or "params" not in nodes:
                 continue
-            for idx in group.get("params", ()):
+            try:
+                group = {k: tree.decode_plain(v) for k, v in nodes.items()}
+            except Exception:  # a tensor, a registered type: not this group
+                continue
+            betas = _group_betas(group)
+            idxs = group["params"]
+            if betas is None or not isinstance(idxs, (list, tuple)):
+                continue
+            for idx in idxs:
                 if type(idx) is int:
                     out[child_path(child_path(spath, idx), "exp_avg")] = betas
     return out

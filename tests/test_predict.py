@@ -322,7 +322,11 @@ def test_betas_in_skeleton_name_each_first_moment() -> None:
     got = predict.betas_in_skeleton(skeleton)
     n = len(state["optimizer"]["state"])
     assert got == {f"run[0].optimizer.state[{i}].exp_avg": (0.85, 0.99, 1e-8) for i in range(n)}
-    state["optimizer"]["param_groups"][0]["lr"] = torch.tensor(1e-3)  # not plain: that optimizer is skipped
+    # a tensor lr (capturable or compiled optimizers) does not hide the betas; tensor betas are skipped
+    state["optimizer"]["param_groups"][0]["lr"] = torch.tensor(1e-3)
+    skeleton, _ = deltackpt.tree.flatten(state)
+    assert set(predict.betas_in_skeleton(skeleton).values()) == {(0.85, 0.99, 1e-8)}
+    state["optimizer"]["param_groups"][0]["betas"] = (torch.tensor(0.85), 0.99)
     skeleton, _ = deltackpt.tree.flatten(state)
     assert predict.betas_in_skeleton(skeleton) == {}
 
@@ -400,6 +404,57 @@ def test_plan_pairs_parameters_by_their_names() -> None:
         del group["param_names"]
     _, leaves = deltackpt.tree.flatten(state)
     assert not any(r.predictor == predict.PARAM for r in predict.plan(state, leaves).values())
+
+
+def _stepped(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, model[0].in_features)).pow(2).mean().backward()
+    opt.step()
+
+
+def test_plan_pairs_names_through_the_prefix_that_explains_them() -> None:
+    """A name can match more than its parameter: ``0.weight`` also ends ``1.0.weight`` (nested modules), and
+    two models trained by two optimizers share their names (actor and critic). Each state is still paired with
+    its own parameter, by the prefix that explains most of an optimizer's names or, when two optimizers claim
+    the same tensors, by the shape guess."""
+    torch.manual_seed(0)
+    nested = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Sequential(torch.nn.Linear(8, 8)))
+    opt = torch.optim.SGD(nested.named_parameters(), lr=0.1, momentum=0.9)
+    _stepped(nested, opt)
+    state = {"model": nested.state_dict(), "optimizer": opt.state_dict()}
+    _, leaves = deltackpt.tree.flatten(state)
+    roles = predict.plan(state, leaves)
+    assert {k: r.m for k, r in roles.items()} == {
+        f"model.{n}": f"optimizer.state[{i}].momentum_buffer" for i, n in enumerate(nested.state_dict())
+    }
+    actor, critic = (torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)) for _ in range(2))
+    oa, oc = (torch.optim.AdamW(m.named_parameters(), lr=1e-3) for m in (actor, critic))
+    _stepped(actor, oa)
+    _stepped(critic, oc)
+    state = {"actor": actor.state_dict(), "critic": critic.state_dict(), "actor_opt": oa.state_dict(),
+             "critic_opt": oc.state_dict()}
+    _, leaves = deltackpt.tree.flatten(state)
+    roles = predict.plan(state, leaves)
+    for part in ("actor", "critic"):
+        for i, n in enumerate(actor.state_dict()):
+            assert roles[f"{part}.{n}"].m == f"{part}_opt.state[{i}].exp_avg"
+
+
+def test_plan_skips_what_it_cannot_read() -> None:
+    """Legal but odd optimizer states are left unplanned (saved as they are), never an error."""
+    base = _train(1)[1]
+    odd = [  # (change, whether the state entries are still planned)
+        (lambda g, st: g.__setitem__("params", None), False),
+        (lambda g, st: g.__setitem__("params", 0), False),
+        (lambda g, st: g.__setitem__("params", [[0]]), False),
+        (lambda g, st: g.__setitem__("eps", 10**400), False),
+        (lambda g, st: st[0].__setitem__("step", 10**400), True),  # planned with step 0
+    ]
+    for change, planned in odd:
+        state = copy.deepcopy(base)
+        change(state["optimizer"]["param_groups"][0], state["optimizer"]["state"])
+        skeleton, leaves = deltackpt.tree.flatten(state)
+        assert bool(predict.plan(state, leaves)) == planned
+        assert bool(predict.betas_in_skeleton(skeleton)) == planned
 
 
 def test_store_predicts_parameters_named_by_the_optimizer(tmp_path: Path) -> None:
