@@ -241,10 +241,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
           f"freed {human(r.freed_bytes)}")
     if r.skipped_active_packs:
         print(f"{r.skipped_active_packs} pack(s) still being written by another process were left alone")
+    for damage in r.damaged_packs:
+        print(f"deltackpt: not repacked, a live frame is damaged: {damage}; run 'deltackpt verify'",
+              file=sys.stderr)
     if r.repack_stopped:
         print(f"deltackpt: repacking stopped: {r.repack_stopped}", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if r.repack_stopped or r.damaged_packs else 0
 
 
 def cmd_dcp(args: argparse.Namespace) -> int:

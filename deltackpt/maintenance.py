@@ -75,6 +75,9 @@ class GcReport:
     skipped_active_packs: int = 0
     #: why repacking stopped early (no space left for the copies), with what is left to do; None when it did not
     repack_stopped: str | None = None
+    #: sparse packs left in place because a live frame in them is damaged (copying would spread the damage;
+    #: ``verify`` names the checkpoints that need it, ``repair`` rebuilds around it), each with the damage
+    damaged_packs: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -247,7 +250,9 @@ def gc(
 
     What frees space without writing comes first, then the sparse packs one at a time, so gc helps on a full
     disk: when a copy finds no space (``ENOSPC``, ``EDQUOT``, ``EFBIG``) the copies of that pack are removed,
-    repacking stops and ``repack_stopped`` in the report says so; everything freed until then stays freed.
+    repacking stops and ``repack_stopped`` in the report says so; everything freed until then stays freed. A
+    sparse pack holding a damaged live frame is not copied (the damage would spread into the new pack) but left
+    as it is, named in ``damaged_packs``; the other packs are still repacked.
     """
     report = GcReport()
     with store._save_lock:
@@ -316,6 +321,9 @@ def gc(
                     except BaseException as exc:
                         if not _repointed(store, moved):
                             writer.rollback(mark)  # nothing references the copies: give their space back
+                        if isinstance(exc, CorruptChunkError):  # leave the pack as it is; go on with the others
+                            report.damaged_packs.append(f"pack {pack_id}: {exc}")
+                            continue
                         if not isinstance(exc, OSError) or exc.errno not in _NO_SPACE:
                             raise
                         report.repack_stopped = (f"{exc.strerror or exc}: {len(to_repack) - n + 1} pack(s) left to "

@@ -427,7 +427,8 @@ def test_lost_index_is_refused_until_repaired(store_path: Path, how: str) -> Non
     for readonly in (None, False, True):
         with pytest.raises(CorruptIndexError, match="lost or emptied.*deltackpt repair"):
             deltackpt.Store(store_path, readonly=readonly)
-    cli = subprocess.run([sys.executable, "-m", "deltackpt", "gc", str(store_path)], capture_output=True, text=True)
+    cli = subprocess.run([sys.executable, "-m", "deltackpt", "gc", "--repack-below", "0.99", str(store_path)],
+                         capture_output=True, text=True)
     assert cli.returncode == 1 and "deltackpt repair" in cli.stderr and "Traceback" not in cli.stderr
     assert dir_snapshot(store_path) == before
     with maintenance.open_for_repair(store_path) as s:
@@ -820,3 +821,30 @@ def test_damaged_parent_does_not_spread_into_new_saves(store_path: Path) -> None
         assert s.verify(step=3).ok
         with pytest.raises(CorruptChunkError):
             s.load(2)
+
+
+def test_gc_leaves_a_sparse_pack_with_a_damaged_live_frame_and_goes_on(store_path: Path) -> None:
+    """Repacking copies live frames; a damaged one is not copied (the damage would spread into the new pack)
+    and does not fail gc either: that pack stays as it is, named in the report, while everything else gc does
+    (dropping dead chunks) is done. The checkpoint that needs the frame still reports the damage; the others
+    still load."""
+    a, b, c = (_rand(3 * CS, seed) for seed in range(3))
+    with _open(store_path) as s:
+        s.save({"a": a}, step=1)
+        s.save({"a": a, "b": b}, step=2)
+        s.save({"c": c}, step=3)
+        s.delete(step=2)  # b's chunks die: the pack is sparse
+        (_, loc), *_ = _chunks_of(s, 1)["a"]
+    _flip(_pack_path(store_path, loc), loc.offset + loc.frame_len - 1)
+    with _open(store_path) as s:
+        report = s.gc(repack_below=0.99)
+        assert report.dead_chunks == 3 and report.repacked_packs == 0
+        assert len(report.damaged_packs) == 1 and loc.pack_id in report.damaged_packs[0]
+        assert _pack_path(store_path, loc).exists()
+        assert_same_state({"c": c}, s.load(3))
+        with pytest.raises(CorruptChunkError):
+            s.load(1)
+        assert not s.verify().ok
+    cli = subprocess.run([sys.executable, "-m", "deltackpt", "gc", "--repack-below", "0.99", str(store_path)],
+                         capture_output=True, text=True)
+    assert cli.returncode == 1 and "a live frame is damaged" in cli.stderr, cli.stderr
