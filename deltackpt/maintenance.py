@@ -26,7 +26,13 @@ import lmdb
 import numpy as np
 
 from deltackpt import codec, config, kernel, manifest, packs
-from deltackpt.errors import CheckpointNotFoundError, CorruptChunkError, CorruptionError, DeltackptError
+from deltackpt.errors import (
+    CheckpointNotFoundError,
+    CorruptChunkError,
+    CorruptionError,
+    DeltackptError,
+    FormatVersionError,
+)
 from deltackpt.index import ChunkLoc, Record, chunk_key, chunk_keys
 from deltackpt.scratch import Scratch
 
@@ -147,8 +153,10 @@ def _related(store: Store, keys: list[bytes], locs: dict[bytes, ChunkLoc]) -> li
     """``keys`` (in order) split into groups of chunks that predicted frames tie together, each chunk with the
     chunks its decode reads directly (a predicted frame's base and the chunks its record names)."""
     predicted = [k for k in keys if k in locs and locs[k].codec == codec.PREDICTED]
-    # a damaged record names nothing here: the chunk's own check reports the damage
-    direct = dict(zip(predicted, store.read_pool.map(lambda k: _references(store, k, locs[k]), predicted)))
+    # a damaged record (or a header damaged into an unknown version) names nothing here: the chunk's own check
+    # reports it
+    direct = dict(zip(predicted, store.read_pool.map(
+        lambda k: _references(store, k, locs[k], unknown_format=True), predicted)))
     root: dict[bytes, bytes] = {}
 
     def find(k: bytes) -> bytes:
@@ -205,13 +213,19 @@ def _check_group(store: Store, group: list[tuple[bytes, list[bytes]]],
     return out
 
 
-def _references(store: Store, k: bytes, loc: ChunkLoc) -> list[bytes]:
+def _references(store: Store, k: bytes, loc: ChunkLoc, *, unknown_format: bool = False) -> list[bytes]:
     """:meth:`Store.references`, but none for a predicted frame whose record is damaged: it cannot be decoded,
-    so it needs nothing (any other read error propagates)."""
+    so it needs nothing. With ``unknown_format`` (verify, which frees nothing) none either for a frame of a
+    format version this reader does not know; gc lets that error propagate, as a newer writer's frame may need
+    chunks this reader cannot see it names. Any other read error propagates."""
     try:
         return store.references(k, loc)
     except CorruptChunkError:
         return []
+    except FormatVersionError:
+        if unknown_format:
+            return []
+        raise
 
 
 def _live_keys(store: Store, records: list[Record]) -> set[bytes]:
@@ -321,8 +335,11 @@ def gc(
                     except BaseException as exc:
                         if not _repointed(store, moved):
                             writer.rollback(mark)  # nothing references the copies: give their space back
-                        if isinstance(exc, CorruptChunkError):  # leave the pack as it is; go on with the others
+                        # damage (or a header damaged into an unknown version): leave the pack as it is, go on
+                        if isinstance(exc, (CorruptChunkError, FormatVersionError)):
                             report.damaged_packs.append(f"pack {pack_id}: {exc}")
+                            if progress is not None:
+                                progress(n, len(to_repack))
                             continue
                         if not isinstance(exc, OSError) or exc.errno not in _NO_SPACE:
                             raise

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -267,6 +268,8 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
             if not isinstance(idxs, (list, tuple)):
                 continue
             names = group.get("param_names")
+            if names is None and all(isinstance(i, str) for i in idxs):
+                names = idxs  # state keyed by parameter name (torch.distributed.checkpoint's optimizer state dict)
             if not (isinstance(names, (list, tuple)) and len(names) == len(idxs)
                     and all(isinstance(n, str) and n for n in names)):
                 names = [None] * len(idxs)
@@ -350,21 +353,18 @@ def _pair_by_name(named_states: list[tuple[int, tuple[int, ...], Role, list[tupl
     A name can match more leaves than its parameter: ``0.weight`` matches ``model.0.weight`` and
     ``model.1.0.weight``; two models trained by two optimizers have the same names. So each optimizer keeps only
     the prefixes that match the most of its names (``model.``; several when they tie: the model and an EMA copy
-    of it), and a leaf that two optimizers' names both claim is paired by neither: their entries go to the
-    shape guess, as without names."""
+    of it), and a leaf that two entries' names both claim (two models trained by one or two optimizers, named
+    by their own modules) is paired by neither: their entries go to the shape guess, as without names."""
     votes: dict[int, dict[str, int]] = {}
     for o, _, _, matches in named_states:
         for prefix in {prefix for prefix, _ in matches}:
             votes.setdefault(o, {})[prefix] = votes.get(o, {}).get(prefix, 0) + 1
     best = {o: {p for p, n in v.items() if n == max(v.values())} for o, v in votes.items()}
     chosen = [[leaf for prefix, leaf in matches if prefix in best.get(o, ())] for o, _, _, matches in named_states]
-    claims: dict[str, set[int]] = {}
-    for (o, *_), leaves in zip(named_states, chosen):
-        for leaf in leaves:
-            claims.setdefault(leaf.path, set()).add(o)
+    claims: Counter[str] = Counter(leaf.path for leaves in chosen for leaf in leaves)
     left = []
     for (_, shape, prole, _), leaves in zip(named_states, chosen):
-        mine = [leaf for leaf in leaves if len(claims[leaf.path]) == 1 and leaf.path not in roles]
+        mine = [leaf for leaf in leaves if claims[leaf.path] == 1 and leaf.path not in roles]
         for leaf in mine:
             roles[leaf.path] = prole
         if not mine:
@@ -379,7 +379,7 @@ def _group_betas(group: Mapping[str, Any]) -> tuple[float, float, float] | None:
     try:
         beta1, beta2 = float(betas[0]), float(betas[1])
         eps = float(group.get("eps", 1e-8))
-    except (TypeError, ValueError, IndexError, RuntimeError, OverflowError):
+    except (TypeError, ValueError, IndexError, KeyError, RuntimeError, OverflowError):
         return None
     return (beta1, beta2, eps) if 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0 else None
 
@@ -410,30 +410,45 @@ def _by_name_suffix(leaves: Iterable[Any]) -> dict[str, list[Any]]:
     return out
 
 
-def betas_in_skeleton(skeleton: Any) -> dict[str, tuple[float, float, float]]:
+#: (β1, β2, eps) as a parent checkpoint's skeleton holds them; None for one that is not a plain number there
+#: (a tensor: the current value stands in for it)
+Betas = tuple[float | None, float | None, float | None]
+
+
+def betas_in_skeleton(skeleton: Any) -> dict[str, Betas]:
     """(β1, β2, eps) of each optimizer state's parameter group in a checkpoint's skeleton (its manifest's
     tree, tensors left as references), by the key path of the state's ``exp_avg``: what a save hands to
     :func:`with_betas_before` for its parent. Only each group's ``betas``, ``eps`` and ``params`` nodes are
-    decoded (a tensor ``lr`` beside them does not matter); a group whose three cannot be read is skipped."""
-    out: dict[str, tuple[float, float, float]] = {}
+    read, element by element: a tensor ``lr`` beside them does not matter, and a tensor β2 or eps reads as None
+    (β1 is what schedulers change). A group whose values cannot be read is skipped."""
+    out: dict[str, Betas] = {}
     for path, groups_node in _skeleton_optimizers(skeleton, ""):
         spath = child_path(path, "state")
         for _, group_node in tree.node_children(groups_node):
-            nodes = {k: v for k, v in tree.node_children(group_node) if k in ("betas", "eps", "params")}
-            if "betas" not in nodes or "params" not in nodes:
+            nodes = dict(tree.node_children(group_node))
+            values = [_plain_float(n) for _, n in tree.node_children(nodes.get("betas"))][:2]
+            if len(values) != 2 or values[0] is None:
                 continue
+            betas: Betas = (values[0], values[1], _plain_float(nodes["eps"]) if "eps" in nodes else 1e-8)
             try:
-                group = {k: tree.decode_plain(v) for k, v in nodes.items()}
-            except Exception:  # a tensor, a registered type: not this group
+                idxs = tree.decode_plain(nodes["params"])
+            except Exception:  # missing, or not plain
                 continue
-            betas = _group_betas(group)
-            idxs = group["params"]
-            if betas is None or not isinstance(idxs, (list, tuple)):
+            if not isinstance(idxs, (list, tuple)):
                 continue
             for idx in idxs:
-                if type(idx) is int:
+                if isinstance(idx, (int, str)) and not isinstance(idx, bool):
                     out[child_path(child_path(spath, idx), "exp_avg")] = betas
     return out
+
+
+def _plain_float(node: Any) -> float | None:
+    """The number a skeleton node holds, or None when it holds something else (a tensor, a string)."""
+    try:
+        value = tree.decode_plain(node)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    except Exception:
+        return None
 
 
 def _skeleton_optimizers(n: Any, path: str) -> Iterable[tuple[str, Any]]:
@@ -450,14 +465,18 @@ def _skeleton_optimizers(n: Any, path: str) -> Iterable[tuple[str, Any]]:
             yield from _skeleton_optimizers(v, child_path(path, k))
 
 
-def with_betas_before(roles: Mapping[str, Role], before: Mapping[str, tuple[float, float, float]]) -> dict[str, Role]:
+def with_betas_before(roles: Mapping[str, Role], before: Mapping[str, Betas]) -> dict[str, Role]:
     """``roles`` with the betas the parent checkpoint held for each role's first moment
-    (:func:`betas_in_skeleton`) where they differ."""
+    (:func:`betas_in_skeleton`; the current value where it held none it could read) where they differ."""
     out = dict(roles)
     for path, r in roles.items():
-        b = before.get(r.m)
-        if b is not None and b != (r.beta1, r.beta2, r.eps):
-            out[path] = dataclasses.replace(r, before=b)
+        got = before.get(r.m)
+        if got is None:
+            continue
+        now = (r.beta1, r.beta2, r.eps)
+        b = tuple(x if x is not None else y for x, y in zip(got, now))
+        if b != now and 0.0 <= b[0] < 1.0 and 0.0 <= b[1] < 1.0:
+            out[path] = dataclasses.replace(r, before=b)  # type: ignore[arg-type]
     return out
 
 

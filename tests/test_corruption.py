@@ -823,7 +823,8 @@ def test_damaged_parent_does_not_spread_into_new_saves(store_path: Path) -> None
             s.load(2)
 
 
-def test_gc_leaves_a_sparse_pack_with_a_damaged_live_frame_and_goes_on(store_path: Path) -> None:
+@pytest.mark.parametrize("header", [False, True], ids=["payload", "header"])
+def test_gc_leaves_a_sparse_pack_with_a_damaged_live_frame_and_goes_on(store_path: Path, header: bool) -> None:
     """Repacking copies live frames; a damaged one is not copied (the damage would spread into the new pack)
     and does not fail gc either: that pack stays as it is, named in the report, while everything else gc does
     (dropping dead chunks) is done. The checkpoint that needs the frame still reports the damage; the others
@@ -836,13 +837,17 @@ def test_gc_leaves_a_sparse_pack_with_a_damaged_live_frame_and_goes_on(store_pat
         s.delete(step=2)  # b's chunks die: the pack is sparse
         (_, loc), *_ = _chunks_of(s, 1)["a"]
     _flip(_pack_path(store_path, loc), loc.offset + loc.frame_len - 1)
+    if header:  # garbage over the header that reads as an unknown version (the length is out of range too)
+        with open(_pack_path(store_path, loc), "r+b") as f:
+            f.seek(loc.offset + 4)
+            f.write(b"\xff" * 20)
     with _open(store_path) as s:
         report = s.gc(repack_below=0.99)
         assert report.dead_chunks == 3 and report.repacked_packs == 0
         assert len(report.damaged_packs) == 1 and loc.pack_id in report.damaged_packs[0]
         assert _pack_path(store_path, loc).exists()
         assert_same_state({"c": c}, s.load(3))
-        with pytest.raises(CorruptChunkError):
+        with pytest.raises(CorruptChunkError if not header else deltackpt.FormatVersionError):
             s.load(1)
         assert not s.verify().ok
     cli = subprocess.run([sys.executable, "-m", "deltackpt", "gc", "--repack-below", "0.99", str(store_path)],

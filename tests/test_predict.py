@@ -326,9 +326,16 @@ def test_betas_in_skeleton_name_each_first_moment() -> None:
     state["optimizer"]["param_groups"][0]["lr"] = torch.tensor(1e-3)
     skeleton, _ = deltackpt.tree.flatten(state)
     assert set(predict.betas_in_skeleton(skeleton).values()) == {(0.85, 0.99, 1e-8)}
-    state["optimizer"]["param_groups"][0]["betas"] = (torch.tensor(0.85), 0.99)
+    state["optimizer"]["param_groups"][0]["betas"] = (0.85, torch.tensor(0.99))  # a tensor β2 reads as None
+    skeleton, _ = deltackpt.tree.flatten(state)
+    assert set(predict.betas_in_skeleton(skeleton).values()) == {(0.85, None, 1e-8)}
+    state["optimizer"]["param_groups"][0]["betas"] = (torch.tensor(0.85), 0.99)  # β1 is the one that matters
     skeleton, _ = deltackpt.tree.flatten(state)
     assert predict.betas_in_skeleton(skeleton) == {}
+    # state keyed by parameter name, as torch.distributed.checkpoint's optimizer state dicts are
+    named = {"state": {"0.weight": {}}, "param_groups": [{"params": ["0.weight"], "betas": (0.8, 0.9), "eps": 1e-6}]}
+    skeleton, _ = deltackpt.tree.flatten({"optim": named})
+    assert predict.betas_in_skeleton(skeleton) == {"optim.state.0.weight.exp_avg": (0.8, 0.9, 1e-6)}
 
 
 def _mixed_setup(*, named: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
@@ -437,24 +444,36 @@ def test_plan_pairs_names_through_the_prefix_that_explains_them() -> None:
     for part in ("actor", "critic"):
         for i, n in enumerate(actor.state_dict()):
             assert roles[f"{part}.{n}"].m == f"{part}_opt.state[{i}].exp_avg"
+    # one optimizer, one group per model, each named by its own module: the names repeat within the optimizer
+    both = torch.optim.AdamW([{"params": list(actor.named_parameters())},
+                              {"params": list(critic.named_parameters())}], lr=1e-3)
+    _stepped(actor, both)
+    _stepped(critic, both)
+    state = {"actor": actor.state_dict(), "critic": critic.state_dict(), "opt": both.state_dict()}
+    _, leaves = deltackpt.tree.flatten(state)
+    roles = predict.plan(state, leaves)
+    for k, part in enumerate(("actor", "critic")):
+        for i, n in enumerate(actor.state_dict()):
+            assert roles[f"{part}.{n}"].m == f"opt.state[{k * len(actor.state_dict()) + i}].exp_avg"
 
 
 def test_plan_skips_what_it_cannot_read() -> None:
     """Legal but odd optimizer states are left unplanned (saved as they are), never an error."""
     base = _train(1)[1]
-    odd = [  # (change, whether the state entries are still planned)
-        (lambda g, st: g.__setitem__("params", None), False),
-        (lambda g, st: g.__setitem__("params", 0), False),
-        (lambda g, st: g.__setitem__("params", [[0]]), False),
-        (lambda g, st: g.__setitem__("eps", 10**400), False),
-        (lambda g, st: st[0].__setitem__("step", 10**400), True),  # planned with step 0
+    odd = [  # (change, whether the state entries are still planned, whether a parent's betas are read)
+        (lambda g, st: g.__setitem__("params", None), False, False),
+        (lambda g, st: g.__setitem__("params", 0), False, False),
+        (lambda g, st: g.__setitem__("params", [[0]]), False, False),
+        (lambda g, st: g.__setitem__("eps", 10**400), False, True),  # eps unreadable: the current one stands in
+        (lambda g, st: g.__setitem__("betas", {"a": 0.9}), False, False),
+        (lambda g, st: st[0].__setitem__("step", 10**400), True, True),  # planned with step 0
     ]
-    for change, planned in odd:
+    for change, planned, read in odd:
         state = copy.deepcopy(base)
         change(state["optimizer"]["param_groups"][0], state["optimizer"]["state"])
         skeleton, leaves = deltackpt.tree.flatten(state)
         assert bool(predict.plan(state, leaves)) == planned
-        assert bool(predict.betas_in_skeleton(skeleton)) == planned
+        assert bool(predict.betas_in_skeleton(skeleton)) == read
 
 
 def test_store_predicts_parameters_named_by_the_optimizer(tmp_path: Path) -> None:
@@ -588,6 +607,27 @@ def test_damaged_prediction_input_is_reported_for_dependents(tmp_path: Path) -> 
                 with pytest.raises(CorruptionError) as exc:
                     s.load(id=info.id)
                 assert (info.id, exc.value.key, exc.value.chunk_id) in broken  # the chunk verify names
+
+
+def test_predicted_frame_damaged_into_an_unknown_version(tmp_path: Path) -> None:
+    """Garbage over a predicted frame's header (magic intact, an out-of-range length, so the checksum cannot be
+    checked first) reads as a newer frame version. verify reports it as a problem of that chunk and does not
+    raise; gc refuses to run rather than free chunks such a frame might name, and changes nothing."""
+    store_path = tmp_path / "s"
+    with deltackpt.Store(store_path, chunk_size=CHUNK) as s:
+        _train(4, store=s)
+        key, _ = _predicted_chunk(s)
+        loc = s.index.lookup_chunks([key])[key]
+    with open(store_path / "packs" / f"{loc.pack_id}.pack", "r+b") as f:
+        f.seek(loc.offset + 4)
+        f.write(b"\xff" * 20)
+    with deltackpt.Store(store_path) as s:
+        report = s.verify()
+        assert any(p.chunk_id == codec.chunk_hex(key[:16], int.from_bytes(key[16:], "big")) for p in report.problems)
+        before = sorted(p.name for p in (store_path / "packs").iterdir())
+        with pytest.raises(FormatVersionError):
+            s.gc()
+        assert sorted(p.name for p in (store_path / "packs").iterdir()) == before
 
 
 def test_verify_decodes_each_chunk_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
