@@ -240,18 +240,19 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     ``exp_avg_sq``, or a ``momentum_buffer``) in ``state`` and return, by key path, the role of each predictable
     float32 tensor: every ``exp_avg_sq``, and each model parameter an optimizer state can be paired with.
 
-    ``pairs`` maps the key path of an optimizer state entry (``optimizer.state[3]``) to its parameter's (what
-    a :class:`~deltackpt.Checkpointer` knows from the objects); those are paired as given when the parameter is
-    a float32 tensor of the state's shape. Next, an optimizer built from ``named_parameters()`` lists each
-    parameter's name in its groups' ``param_names``: a state entry is paired with every float32 tensor of its
-    shape outside optimizer states whose key path is that name or ends in ``.`` + name (``model.0.weight`` for
-    ``0.weight``; an EMA copy saved as ``ema.0.weight`` is paired too, and its predictions stop being tried once
-    they keep losing), both compared without the ``module.`` and ``_orig_mod.`` components that
-    DistributedDataParallel, torch.compile and FSDP wrappers add. Otherwise a parameter is paired with the i-th
-    remaining optimizer state of its shape when it is the i-th of exactly as many remaining float32 tensors of
-    that shape outside optimizer states (model state dicts list parameters in the optimizer's order); shapes
-    with another count are left unpaired. Only performance depends on these guesses: a wrong pair gives a large
-    residual, and the encoder then keeps another encoding."""
+    ``pairs`` maps the key path of an optimizer state entry (``optimizer.state[3]``) to its parameter's (what a
+    :class:`~deltackpt.Checkpointer` knows from the objects); those are paired as given when the parameter is a
+    float32 tensor of the state's shape. Next, an optimizer built from ``named_parameters()`` lists each parameter's
+    name in its groups' ``param_names``: a state entry is paired with every float32 tensor of its shape outside
+    optimizer states whose key path is that name or ends in ``.`` + name (``model.0.weight`` for ``0.weight``; an
+    EMA copy saved as ``ema.0.weight`` is paired too, and its predictions stop being tried once they keep losing),
+    both compared without the ``module.`` and ``_orig_mod.`` components that DistributedDataParallel, torch.compile
+    and FSDP wrappers add; state keyed by name names itself. Where a name matches too much, :func:`_pair_by_name`
+    keeps the likely tensors or leaves the entry to the guess. Otherwise a parameter is paired with the i-th
+    remaining optimizer state of its shape when it is the i-th of exactly as many remaining float32 tensors of that
+    shape outside optimizer states (model state dicts list parameters in the optimizer's order); shapes with another
+    count are left unpaired. Only performance depends on these guesses: a wrong pair gives a large residual, and the
+    encoder then keeps another encoding."""
     by_path = {leaf.path: leaf for leaf in leaves}
     roles: dict[str, Role] = {}
     optimizers = list(_optimizer_dicts(state, ""))
@@ -259,7 +260,7 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     outside = [leaf for leaf in leaves if _is_f32(leaf) and not any(_inside(leaf.path, p) for p in optimizer_prefixes)]
     by_name: dict[str, list[Any]] | None = None  # float32 leaves outside optimizer states, by each name they end in
     states: list[tuple[tuple[int, ...], Role]] = []  # (shape, role its parameter would take) still unpaired
-    # state entries with a name: (optimizer number, shape, role, the leaves the name matches)
+    # state entries with a name: (optimizer number, shape, role, (prefix, leaf) of each leaf the name matches)
     named_states: list[tuple[int, tuple[int, ...], Role, list[tuple[str, Any]]]] = []
     for o, (path, opt) in enumerate(optimizers):
         spath = child_path(path, "state")
