@@ -102,6 +102,11 @@ def _root(reason: str) -> str:
     return reason
 
 
+def predicted_version(predictor: int) -> int:
+    """The version byte of a predicted frame whose record names ``predictor`` (docs/format.md §3)."""
+    return PREDICTED_V3 if predictor >= predict.FIRST_V3_PREDICTOR else PREDICTED_VERSION
+
+
 def frame_checksum(header56: bytes | memoryview, payload: bytes | memoryview) -> int:
     h = xxhash.xxh3_64(header56)
     h.update(payload)
@@ -207,8 +212,7 @@ class Encoder:
             raise ValueError(f"chunk of {len(raw)} bytes exceeds the frame limit of {MAX_RAW}")
         residual = self._pctx.compress(self._planes(raw, width, memoryview(prediction).cast("B")))
         payload = struct.pack("<I", len(record)) + record + residual
-        version = PREDICTED_V3 if record[0] >= predict.FIRST_V3_PREDICTOR else PREDICTED_VERSION
-        return _frame(PREDICTED, width, len(raw), digest, base_digest, payload, version)
+        return _frame(PREDICTED, width, len(raw), digest, base_digest, payload, predicted_version(record[0]))
 
 
 def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameHeader:
@@ -373,7 +377,7 @@ def prediction_record(payload: bytes | memoryview, where: str | None = None,
         rec = predict.Prediction.unpack(payload[4 : 4 + n])
     except CorruptChunkError as exc:
         raise CorruptChunkError(f"{exc.reason}{_at(where)}") from None
-    if (rec.predictor >= predict.FIRST_V3_PREDICTOR) != (version == PREDICTED_V3):
+    if predicted_version(rec.predictor) != version:
         raise CorruptChunkError(f"predictor {rec.predictor} in a frame of version {version}{_at(where)}")
     return rec
 

@@ -475,9 +475,9 @@ def with_betas_before(roles: Mapping[str, Role], before: Mapping[str, Betas]) ->
         if got is None:
             continue
         now = (r.beta1, r.beta2, r.eps)
-        b = tuple(x if x is not None else y for x, y in zip(got, now))
-        if b != now and 0.0 <= b[0] < 1.0 and 0.0 <= b[1] < 1.0:
-            out[path] = dataclasses.replace(r, before=b)  # type: ignore[arg-type]
+        beta1, beta2, eps = (x if x is not None else y for x, y in zip(got, now))
+        if (beta1, beta2, eps) != now and 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0:
+            out[path] = dataclasses.replace(r, before=(beta1, beta2, eps))
     return out
 
 

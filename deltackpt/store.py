@@ -315,7 +315,6 @@ class Store:
         self._local = threading.local()
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
         self._last_manifest: manifest.Manifest | None = None
-        #: (checkpoint id, betas of its predictor roles by key path) of this handle's last save
         self._pinned = _Pinned()
         self._delta_stats: dict[str, tuple[int, int]] = {}
         self._predict_stats: dict[str, tuple[int, int]] = {}  # the same for predicted frames
@@ -588,7 +587,7 @@ class Store:
             # later checkpoint's parent (and load(id=...) of the old id) still finds it
             replaces = {"replaces": [_replace.id, *_replace.extra.get("replaces", [])]} if _replace else {}
             roles = predict.plan(state, leaves, _pairs) if self.predict and pm is not None else {}
-            if roles and pm is not None:  # the betas the parent's update used: see predict.choose_coefs
+            if roles:  # the betas the parent's update used: see predict.choose_coefs
                 roles = predict.with_betas_before(roles, predict.betas_in_skeleton(pm.tree))
             mark = self._writer.mark()
             try:
