@@ -34,23 +34,33 @@ class ChunkCache:
             self.hits += 1
             return v
 
-    def put(self, key: bytes, raw: memoryview | np.ndarray) -> None:
-        """Keep a private copy of ``raw`` under ``key`` (the copy is made outside the lock)."""
+    def put(self, key: bytes, raw: memoryview | np.ndarray) -> np.ndarray | None:
+        """Keep a private copy of ``raw`` under ``key`` (the copy is made outside the lock) and return it (the
+        copy already kept, when there is one), or None when chunks that large are not kept."""
         n = len(raw)
         if n > self.capacity:
-            return
+            return None
         with self._lock:
-            if key in self._data:
+            kept = self._data.get(key)
+            if kept is not None:
                 self._data.move_to_end(key)
-                return
+                return kept
         copy = np.array(raw, dtype=np.uint8, copy=True)
         with self._lock:
-            if key in self._data:
-                return
+            kept = self._data.get(key)
+            if kept is not None:
+                return kept
             self._data[key] = copy
             self._size += n
             while self._size > self.capacity:
                 _, old = self._data.popitem(last=False)
+                self._size -= len(old)
+        return copy
+
+    def discard(self, key: bytes) -> None:
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
                 self._size -= len(old)
 
     def retain(self, keys: set[bytes]) -> None:

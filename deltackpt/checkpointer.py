@@ -35,7 +35,7 @@ import torch
 from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
 from deltackpt.retention import THINNED_KEY, Retention
 from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_step
-from deltackpt.tree import alias_key, child_path
+from deltackpt.tree import Encoded, alias_key, child_path, encode_registered
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -230,6 +230,9 @@ class _Staging:
                 return items if t is list else tuple(items) if t is tuple else deque(items, maxlen=obj.maxlen)
             if t is set:
                 return set(obj)  # elements are plain values; a copy keeps the save from seeing later changes
+            encoded = encode_registered(obj)  # a registered type: encoded now, its tensors copied like any other
+            if encoded is not None:
+                return Encoded(encoded.name, copy(encoded.value, path))
             return obj
 
         snap = copy(state, ())

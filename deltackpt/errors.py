@@ -88,6 +88,11 @@ class ReadOnlyStoreError(DeltackptError, PermissionError):
     read-only filesystem). Nothing was changed."""
 
 
+class StateChangedError(DeltackptError, RuntimeError):
+    """A tensor changed while a save was reading it (another thread wrote to it after the save hashed it). The
+    save raises before its commit: nothing is stored under the changed bytes, and the store is as it was."""
+
+
 class ShapeMismatchError(DeltackptError, ValueError):
     """``load_into`` found a target tensor whose dtype or shape differs from the stored one."""
 

@@ -113,6 +113,18 @@ class Record:
             raise CorruptIndexError(f"unreadable checkpoint record: {exc}") from None
 
 
+REPAIR_HINT = "'deltackpt repair STORE' rebuilds the index"
+
+
+def _record_at(sk: bytes, raw: bytes) -> Record:
+    """The record stored under key ``sk`` of the checkpoints table, checked to be the one of that seq."""
+    rec = Record.loads(raw)
+    if len(sk) != 8 or rec.seq != _U64.unpack(sk)[0]:
+        raise CorruptIndexError(f"index record of checkpoint {rec.id} (seq {rec.seq}) is stored under seq "
+                                f"{int.from_bytes(sk, 'big')}; {REPAIR_HINT}")
+    return rec
+
+
 def filesystem_type(path: Path) -> str:
     """The type of the filesystem holding ``path`` as /proc/self/mounts names it ('' when unknown)."""
     try:
@@ -465,14 +477,50 @@ class Index:
             if sk is None:
                 return None
             raw = txn.get(sk, db=self.db_ckpts)
+            seq = _U64.unpack(sk)[0] if len(sk) == 8 else -1
             if raw is None:
-                raise CorruptIndexError(f"index names checkpoint seq {_U64.unpack(sk)[0]} but holds no record")
-            return Record.loads(raw)
+                raise CorruptIndexError(f"index names checkpoint seq {seq} but holds no record; {REPAIR_HINT}")
+            rec = _record_at(sk, raw)
+            asked = f"id {id}" if id is not None else f"step {step}" if step is not None else None
+            if asked is not None and (rec.id != id if id is not None else rec.step != step):
+                # one damaged byte of an id's or a step's entry must not hand out another checkpoint
+                raise CorruptIndexError(f"index entry for {asked} leads to checkpoint {rec.id} of step {rec.step} "
+                                        f"(seq {seq}); {REPAIR_HINT}")
+            return rec
 
     def records(self) -> list[Record]:
         """All checkpoint records in commit order."""
         with self.env.begin(db=self.db_ckpts) as txn:
-            return [Record.loads(v) for _, v in txn.cursor()]
+            return [_record_at(k, v) for k, v in txn.cursor()]
+
+    def problems(self) -> list[tuple[Record | None, str]]:
+        """What does not agree between the index's tables: each checkpoint record must be reached from its
+        id and from its step, and every id and step entry must reach a record of that id and step. A problem
+        of a record comes with it; one of an id or step entry with None. For ``verify``."""
+        out: list[tuple[Record | None, str]] = []
+        with self.env.begin() as txn:
+            recs: dict[bytes, Record] = {}
+            for k, v in txn.cursor(db=self.db_ckpts):
+                try:
+                    recs[k] = _record_at(k, v)
+                except CorruptIndexError as exc:
+                    out.append((None, str(exc)))
+            for k, v in txn.cursor(db=self.db_ids):
+                rec = recs.get(v)
+                if rec is None or rec.id.encode() != k:
+                    out.append((None, f"index entry for id {k.decode(errors='replace')} leads to "
+                                     f"{'no checkpoint' if rec is None else f'checkpoint {rec.id}'}"))
+            for k, _ in txn.cursor(db=self.db_steps):
+                rec = recs.get(k[8:])
+                if len(k) != 16 or rec is None or _U64.pack(rec.step) != k[:8]:
+                    out.append((None, f"index entry for step {int.from_bytes(k[:8], 'big')} leads to "
+                                     f"{'no checkpoint' if rec is None else f'checkpoint {rec.id} of step {rec.step}'}"))
+            for sk, rec in recs.items():
+                if txn.get(rec.id.encode(), db=self.db_ids) != sk:
+                    out.append((rec, f"checkpoint {rec.id} is not reached from its id"))
+                if txn.get(_U64.pack(rec.step) + sk, db=self.db_steps) is None:
+                    out.append((rec, f"checkpoint {rec.id} is not reached from its step {rec.step}"))
+        return out
 
     def count(self) -> int:
         with self.env.begin() as txn:

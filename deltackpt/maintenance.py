@@ -29,6 +29,7 @@ from deltackpt import codec, config, kernel, manifest, packs
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
+    CorruptIndexError,
     CorruptionError,
     DeltackptError,
     FormatVersionError,
@@ -44,14 +45,17 @@ Progress = Callable[[int, int], None]  # (done, total)
 
 @dataclass
 class Problem:
-    checkpoint: str
-    step: int
+    """One thing ``verify`` found wrong: in a checkpoint (its tensor and chunk when known), or in the index
+    (``checkpoint`` None when no checkpoint record is concerned)."""
+
+    checkpoint: str | None
+    step: int | None
     key: str | None
     chunk_id: str | None
     message: str
 
     def __str__(self) -> str:
-        where = f"checkpoint {self.checkpoint} (step {self.step})"
+        where = "index" if self.checkpoint is None else f"checkpoint {self.checkpoint} (step {self.step})"
         if self.key is not None:
             where += f", tensor {self.key!r}"
         if self.chunk_id is not None:
@@ -118,7 +122,16 @@ def verify(
     report = VerifyReport()
     results: dict[bytes, str | None] = {}
     with store._gc_lock():
-        records = store.index.records() if step is None and id is None else [store._record(step, id)]
+        if step is None and id is None:
+            try:
+                records = store.index.records()
+            except CorruptIndexError as exc:
+                report.problems.append(Problem(None, None, None, None, str(exc)))
+                return report
+            for rec, why in store.index.problems():  # ids or steps that lead elsewhere
+                report.problems.append(Problem(rec.id if rec else None, rec.step if rec else None, None, None, why))
+        else:
+            records = [store._record(step, id)]
         plans: list[tuple[Record, list[tuple[str, bytes]]]] = []
         for rec in records:
             report.checkpoints += 1

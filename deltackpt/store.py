@@ -45,15 +45,17 @@ from deltackpt.cache import ChunkCache
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
+    CorruptIndexError,
     CorruptManifestError,
     DeltackptError,
     FormatVersionError,
     InvalidNameError,
     ReadOnlyStoreError,
     ShapeMismatchError,
+    StateChangedError,
     StoreLockedError,
 )
-from deltackpt.index import ChunkLoc, Index, Record, check_local, chunk_key
+from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key
 from deltackpt.packs import PackReader, PackWriter, fsync_dir, make_dirs
 from deltackpt.scratch import Scratch
 
@@ -479,7 +481,7 @@ class Store:
 
     def _manifest(self, rec: Record) -> manifest.Manifest:
         try:
-            return manifest.read(self._manifests_dir, rec.id, expect_checksum=rec.manifest_checksum)
+            m = manifest.read(self._manifests_dir, rec.id, expect_checksum=rec.manifest_checksum)
         except CorruptManifestError:
             # a delete (here or in another process) removes the record, then the file: not corruption
             if self.index.get(id=rec.id) is None:
@@ -487,6 +489,10 @@ class Store:
                     f"checkpoint {rec.id} (step {rec.step}) was deleted meanwhile"
                 ) from None
             raise
+        if m.id != rec.id or m.step != rec.step:
+            raise CorruptIndexError(f"the index record of checkpoint {rec.id} (step {rec.step}) does not match "
+                                    f"its manifest (checkpoint {m.id}, step {m.step}); {REPAIR_HINT}")
+        return m
 
     def _current_id(self, cid: str | None) -> str | None:
         """``cid``, or the id of the checkpoint a rewrite put in its place; None when it is gone."""
@@ -717,7 +723,10 @@ class Store:
             nonlocal written
             while len(inflight) > keep:
                 fut, key, entry, delta_depth, pred_depth = inflight.popleft()
-                frame = fut.result()
+                try:
+                    frame = fut.result()
+                except StateChangedError as exc:
+                    raise StateChangedError(f"{entry.key!r}: {exc}") from None
                 pack_id, offset = self._writer.append(frame)
                 h = codec.parse_header(frame)
                 depth = {codec.DELTA: delta_depth, codec.PREDICTED: pred_depth}.get(h.codec, 0)
@@ -924,7 +933,12 @@ class Store:
         won, tried = self._predict_stats.get(_role(path), (0, 0))
         return tried < 8 or won > 0.05 * tried
 
-    def _encode(self, view: memoryview, key: bytes, width: int, base_key: bytes | None, mode: str = "both") -> bytes:
+    def _encode(self, view: memoryview, key: bytes, width: int, base_key: bytes | None, mode: str = "both", *,
+                checked: np.ndarray | None = None) -> bytes:
+        """The frame of a new chunk: standalone, or a delta against ``base_key`` (``mode`` as for
+        :meth:`_delta_mode`). ``checked``: the chunk's bytes as :meth:`_checked` returned them, when the caller
+        has them already."""
+        raw = checked if checked is not None else self._checked(view, key)
         base = None
         if base_key is not None and mode == "alone":
             base_key = None
@@ -936,10 +950,31 @@ class Store:
                 except CorruptChunkError:
                     base, base_key = None, None  # a damaged base must not spread: store a keyframe
         frame = self._encoder().encode(
-            view, key[:16], width, base, None if base_key is None else base_key[:16], try_alone=mode != "delta"
+            raw if raw is not None else view, key[:16], width, base, None if base_key is None else base_key[:16],
+            try_alone=mode != "delta",
         )
-        self._base_cache.put(key, view)
+        if raw is None:  # not kept: check the bytes that were encoded, now that they are
+            self._check_unchanged(view, key)
         return frame
+
+    def _checked(self, view: memoryview, key: bytes) -> np.ndarray | None:
+        """A new chunk's bytes to encode: a private copy, kept as the next save's delta base, whose digest is
+        that of the bytes the save hashed (``key``); None when the cache does not keep chunks that large (the
+        caller then checks ``view`` itself once encoded). Raises :class:`StateChangedError` when the tensor
+        changed since it was hashed: its frame would not decode to its id, and later saves of the same bytes
+        would dedup onto that frame."""
+        raw = self._base_cache.put(key, view)
+        if raw is not None and kernel.digest(raw) != key[:16]:
+            self._base_cache.discard(key)
+            raise StateChangedError("a tensor changed while this save was reading it (another thread wrote to "
+                                    f"it); nothing was committed: chunk {_kid(key)}")
+        return raw
+
+    @staticmethod
+    def _check_unchanged(view: memoryview | np.ndarray, key: bytes) -> None:
+        if kernel.digest(view) != key[:16]:
+            raise StateChangedError("a tensor changed while this save was reading it (another thread wrote to "
+                                    f"it); nothing was committed: chunk {_kid(key)}")
 
     def _raw_of(self, key: bytes) -> np.ndarray | memoryview:
         """The raw bytes of a stored chunk: from the cache of the last save's chunks, else decoded."""
@@ -956,24 +991,28 @@ class Store:
         chunks the prediction references (:meth:`_prediction_inputs`), ``m`` the bytes of the first of them,
         this save's first moment."""
         n = len(view)
+        raw = self._checked(view, key)
         try:
             base = self._raw_of(base_key)
             inputs = [m] + [self._raw_of(r) for r in refs[1:]]
         except CorruptChunkError:
-            return self._encode(view, key, width, None)  # a damaged input must not spread: store a keyframe
-        coefs = predict.choose_coefs(role, base, view, inputs)
+            return self._encode(view, key, width, None, checked=raw)  # a damaged input must not spread: a keyframe
+        src = raw if raw is not None else view
+        coefs = predict.choose_coefs(role, base, src, inputs)
         if coefs is None:
-            return self._encode(view, key, width, base_key)
+            return self._encode(view, key, width, base_key, checked=raw)
         record = predict.Prediction(role.predictor, tuple(r[:16] for r in refs), coefs)
         guess = np.empty(n, dtype=np.uint8)
         predict.predict(record, base, inputs, guess)
-        frame = self._encoder().encode_predicted(view, key[:16], width, guess, base_key[:16], record.pack())
+        self._check_unchanged(m, refs[0])  # the first moment is read where it lives, as the prediction used it
+        frame = self._encoder().encode_predicted(src, key[:16], width, guess, base_key[:16], record.pack())
         if len(frame) > n * codec.DELTA_GOOD_ENOUGH:  # a poor prediction (saves steps apart, another optimizer)
-            other = self._encode(view, key, width, base_key)
+            other = self._encode(view, key, width, base_key, checked=raw)
             # as for deltas, a margin: every later load of a predicted chunk also decodes its inputs
             if len(frame) > len(other) * codec.DELTA_MIN_GAIN:
                 return other
-        self._base_cache.put(key, view)
+        if raw is None:
+            self._check_unchanged(view, key)
         return frame
 
     # -- load ---------------------------------------------------------------------------------------------

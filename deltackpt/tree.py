@@ -98,6 +98,22 @@ def unregister_type(cls: type) -> None:
         _HOOKS_BY_NAME.pop(hook.name, None)
 
 
+@dataclass(frozen=True)
+class Encoded:
+    """An object of a registered type, already encoded: saved as the object would be (``["x", name, value]``).
+    An async save's snapshot holds one in place of the live object, with copies of its tensors, so that the
+    background save never encodes an object the training loop goes on changing."""
+
+    name: str
+    value: Any
+
+
+def encode_registered(obj: Any) -> Encoded | None:
+    """``obj`` encoded by the hook registered for its type (:func:`register_type`), or None if there is none."""
+    hook = _HOOKS_BY_TYPE.get(type(obj))
+    return None if hook is None else Encoded(hook.name, hook.encode(obj))
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """torch dtype from its name, without evaluating anything."""
     dt = getattr(torch, name, None) if name.isidentifier() else None
@@ -246,6 +262,8 @@ class _Flattener:
         hook = _HOOKS_BY_TYPE.get(t)
         if hook is not None:
             return ["x", hook.name, self.node(hook.encode(obj), path)]
+        if t is Encoded:
+            return ["x", obj.name, self.node(obj.value, path)]
         if self.allow_pickle:
             try:
                 data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

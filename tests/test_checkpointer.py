@@ -965,3 +965,40 @@ def test_signal_save_is_a_keyframe(fast_dir: Path, monkeypatch: pytest.MonkeyPat
 
         assert delta_frames(2) > 0, "an ordinary save of changed weights takes deltas (or predicted frames)"
         assert delta_frames(3) == 0
+
+
+class _RunningStats:
+    """A user type (running normalisation statistics) holding a tensor, saved through ``register_type``."""
+
+    def __init__(self, n: int = 1 << 18) -> None:
+        self.mean = torch.zeros(n)
+
+
+def test_async_save_stages_the_tensors_of_a_registered_type(fast_dir: Path) -> None:
+    """The snapshot encodes a registered type in step() and copies its tensors: the loop changing them right
+    after step() returns does not reach the checkpoint (before, the background save encoded the live object and
+    committed a frame that did not decode to its id)."""
+    deltackpt.register_type(_RunningStats, "test.RunningStats", lambda o: {"mean": o.mean},
+                            lambda d: _stats_from(d["mean"]))
+    try:
+        stats = _RunningStats()
+        model = torch.nn.Linear(4, 4)
+        with Checkpointer(fast_dir / "store", model=model, extra={"stats": stats}, async_save=True,
+                          handle_signals=False) as ckpt:
+            for step in (1, 2, 3):
+                stats.mean.fill_(float(step))
+                ckpt.step(step)
+                stats.mean.fill_(-1.0)  # the loop goes on changing it while the save runs
+            ckpt.wait()
+            for step in (1, 2, 3):
+                got = ckpt.store.load(step)["extra"]["stats"]
+                assert type(got) is _RunningStats and torch.equal(got.mean, torch.full_like(stats.mean, step))
+            assert not ckpt.store.verify().problems
+    finally:
+        deltackpt.unregister_type(_RunningStats)
+
+
+def _stats_from(mean: torch.Tensor) -> _RunningStats:
+    out = _RunningStats(len(mean))
+    out.mean.copy_(mean)
+    return out

@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +21,9 @@ from typing import Any
 
 import crashworker as cw  # tests/ is on sys.path, as for conftest
 import pytest
+import torch
 
-from deltackpt import Store
+from deltackpt import StateChangedError, Store
 
 HERE = Path(__file__).resolve().parent
 
@@ -387,3 +389,38 @@ def test_rewrite_unlinks_the_replaced_manifest_under_the_gc_lock(tmp_path: Path)
         st.rewrite({"w": torch.zeros(4)}, id=old)
         assert exclusive_was_free == [False]
         assert not (d / "manifests" / f"{old}.manifest").exists()
+
+
+@pytest.mark.parametrize("delta_cache_bytes", [1 << 30, 0])  # new chunks checked as copied, or once encoded
+def test_a_tensor_changed_during_a_save_raises_and_stores_nothing_wrong(tmp_path: Path,
+                                                                       delta_cache_bytes: int) -> None:
+    """Another thread writing to a tensor while a save encodes it (a sync save racing the training loop): the
+    save raises StateChangedError naming the tensor and commits nothing. Before, it committed a frame that did
+    not decode to the chunk id it was stored under, and later saves of those bytes deduplicated onto it."""
+    store = Store(tmp_path / "store", chunk_size=CS, delta_cache_bytes=delta_cache_bytes)
+    w = torch.randn(64 * CS // 4)
+    stop = threading.Event()
+
+    def hammer() -> None:
+        while not stop.is_set():
+            w.add_(1.0)  # torch releases the GIL while it writes
+
+    t = threading.Thread(target=hammer, daemon=True)
+    t.start()
+    raised: list[str] = []
+    try:
+        for step in range(4):
+            try:
+                store.save({"opt": {"w": w}, "b": torch.ones(8)}, step=step)
+            except StateChangedError as exc:
+                raised.append(str(exc))
+    finally:
+        stop.set()
+        t.join()
+    assert raised and all(msg.startswith("'opt.w': a tensor changed") for msg in raised), raised
+    assert len(store.list()) == 4 - len(raised)
+    assert not store.verify().problems
+    still = w.clone()
+    store.save({"opt": {"w": still}, "b": torch.ones(8)}, step=9)
+    assert torch.equal(store.load(9)["opt"]["w"], still)
+    store.close()

@@ -543,6 +543,69 @@ def test_index_garbled_and_repaired(store_path: Path) -> None:
         _check_repaired(s, filled)
 
 
+def _damage_index_entry(store_path: Path, table: str, key: bytes, new_key: bytes, value: bytes) -> None:
+    """Replace the ``key`` entry of one index table by ``new_key`` -> ``value``, as one damaged byte would (a
+    flipped bit in an id's seq or a step's key keeps the page valid for LMDB)."""
+    import lmdb
+
+    env = lmdb.open(str(store_path / "index"), max_dbs=8, subdir=True)
+    try:
+        db = env.open_db(table.encode(), create=False)
+        with env.begin(write=True, db=db) as txn:
+            assert txn.delete(key)
+            txn.put(new_key, value)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("damage", ["id_seq", "step_key", "record_step"])
+def test_a_damaged_index_entry_never_hands_out_another_checkpoint(store_path: Path, damage: str) -> None:
+    """An id entry leading to another checkpoint's record, a step entry moved to another step, or a record
+    whose step changed: loads, info and delete raise CorruptIndexError naming what was asked for, rather than
+    return (or delete) another checkpoint; verify reports it, and a repair rebuilds the index. Before, load(id=)
+    and load(step=) returned the other checkpoint and verify found nothing."""
+    filled = _fill(store_path)
+    ids = {k: filled["infos"][k].id for k in (1, 3, 4)}
+    seq = {i.id: i.seq for i in filled["infos"].values()}
+    u64 = struct.Struct(">Q").pack
+    if damage == "id_seq":  # checkpoint 3's id leads to checkpoint 1's record
+        _damage_index_entry(store_path, "ids", ids[3].encode(), ids[3].encode(), u64(seq[ids[1]]))
+        asks: list[dict[str, Any]] = [{"id": ids[3]}]
+    elif damage == "step_key":  # checkpoint 4's step entry says step 3
+        sk = u64(seq[ids[4]])
+        _damage_index_entry(store_path, "steps", u64(4) + sk, u64(3) + sk, b"")
+        asks = [{"step": 3}]
+    else:  # checkpoint 3's record says step 2: its manifest says 3
+        import lmdb
+
+        env = lmdb.open(str(store_path / "index"), max_dbs=8, subdir=True)
+        db = env.open_db(b"ckpts", create=False)
+        with env.begin(write=True, db=db) as txn:
+            raw = txn.get(u64(seq[ids[3]]))
+            txn.put(u64(seq[ids[3]]), raw.replace(b'"step":3', b'"step":2'))
+        env.close()
+        asks = [{"id": ids[3]}]
+    before = dir_snapshot(store_path)
+    with _open(store_path) as s:
+        for ask in asks:
+            with pytest.raises(CorruptIndexError, match=f"{list(ask.values())[0]}.*deltackpt repair"):
+                s.load(**ask)
+            if damage != "record_step":  # (info and delete read the record alone: its id is right)
+                with pytest.raises(CorruptIndexError):
+                    s.info(**ask)
+                with pytest.raises(CorruptIndexError):
+                    s.delete(**ask)
+        report = s.verify()
+        assert not report.ok and any(ids[3 if damage != "step_key" else 4] in str(p) for p in report.problems)
+    assert dir_snapshot(store_path) == before
+    cli = subprocess.run([sys.executable, "-m", "deltackpt", "verify", str(store_path)], capture_output=True,
+                         text=True)
+    assert cli.returncode == 1 and "Traceback" not in cli.stderr
+    with _open(store_path) as s:
+        s.repair()
+        _check_repaired(s, filled)
+
+
 def test_repair_reports_checkpoints_whose_chunks_are_gone(store_path: Path) -> None:
     a, d = _rand(2 * CS, 0), _rand(2 * CS, 1)
     with _open(store_path) as s:
