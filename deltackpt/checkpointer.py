@@ -19,6 +19,7 @@ Typical use::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -453,7 +454,9 @@ class Checkpointer:
         return info
 
     def _apply_retention(self) -> None:
-        """Runs after a commit: thinning first (new weights-only checkpoints), deletes last."""
+        """Runs after a commit: thinning first (new weights-only checkpoints), deletes last. A checkpoint that
+        another process deletes or thins meanwhile (its retention, an operator's ``deltackpt rm``) is passed
+        over: what the policy wanted for it is done, or no longer ours to do."""
         assert self.retention is not None
         infos = self.store.list()
         plan = self.retention.plan(infos)
@@ -464,16 +467,20 @@ class Checkpointer:
         finally:
             self.store._head = head
         for cid in plan.delete:
-            self.store.delete(id=cid)
+            with contextlib.suppress(CheckpointNotFoundError):
+                self.store.delete(id=cid)
 
     def _thin(self, ids: list[str], by_id: dict[str, CheckpointInfo]) -> None:
         for cid in ids:
             info = by_id[cid]
-            full = self.store.load(id=cid, map_location="cpu")
-            meta = dict(info.metadata or {})
-            meta[THINNED_KEY] = True
-            thinned = {"step": full.get("step"), "model": full.get("model"), "thinned": True}
-            self.store.rewrite(thinned, id=cid, metadata=meta)  # keeps its place: "latest" stays the newest
+            try:
+                full = self.store.load(id=cid, map_location="cpu")
+                meta = dict(info.metadata or {})
+                meta[THINNED_KEY] = True
+                thinned = {"step": full.get("step"), "model": full.get("model"), "thinned": True}
+                self.store.rewrite(thinned, id=cid, metadata=meta)  # keeps its place: "latest" stays the newest
+            except CheckpointNotFoundError:
+                continue
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the save in flight (if any) is committed; raise its error."""

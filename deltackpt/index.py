@@ -33,6 +33,7 @@ import lmdb
 import numpy as np
 
 from deltackpt.errors import (
+    CheckpointNotFoundError,
     CorruptIndexError,
     DeltackptError,
     FormatVersionError,
@@ -110,7 +111,7 @@ class Record:
             d = json.loads(raw)
             return cls(**d)
         except (ValueError, TypeError) as exc:
-            raise CorruptIndexError(f"unreadable checkpoint record: {exc}") from None
+            raise CorruptIndexError(f"unreadable checkpoint record: {exc}; {REPAIR_HINT}") from None
 
 
 REPAIR_HINT = "'deltackpt repair STORE' rebuilds the index"
@@ -175,6 +176,10 @@ class _Shared:
                 lost = True
             if lost:
                 raise CorruptIndexError(_lost(path, f"{data} is missing or empty"))
+        short = _truncated(path / "data.mdb")
+        if short is not None:  # (a repair too: it moves the index aside and starts a new one)
+            raise CorruptIndexError(f"the index of store {path.parent} is damaged: {short}; 'deltackpt repair "
+                                    "STORE' rebuilds it from packs and manifests")
         try:
             self._open(path, readonly, create, rebuilding)
         except lmdb.Error as exc:  # LMDB's own errors name no store and are no DeltackptError
@@ -217,6 +222,43 @@ class _Shared:
             raise
 
 
+#: LMDB's meta pages (pages 0 and 1), x86-64 and other 64-bit little-endian builds: after the 16-byte page
+#: header, MDB_meta holds magic and version (u32 each) at 16, the page size in the free DB's ``md_pad`` (u32)
+#: at 40, and the last used page and the transaction id (u64 each) at 136.
+_META = struct.Struct("<II16xI92xQQ")
+_LMDB_MAGIC = 0xBEEFC0DE
+
+
+def _truncated(data: Path) -> str | None:
+    """Why ``data`` (an LMDB ``data.mdb``) is shorter than its newest meta page says, or None. LMDB maps the
+    file and reads the pages its meta page names: past the end of a truncated file (a torn copy, a full disk
+    during a copy) that is SIGBUS, which kills the process (and a repair with it) instead of raising. The meta
+    pages are read before the size: a writer elsewhere writes a commit's pages before the meta page that names
+    them, and LMDB never shortens the file, so a commit landing meanwhile cannot look like a truncation."""
+    try:
+        with open(data, "rb") as f:
+            first = f.read(16 + _META.size)
+            if not first:
+                return None  # a new environment (LMDB writes its meta pages) or a lost one (refused as such)
+            if len(first) < 16 + _META.size:
+                return f"{data} holds {len(first)} bytes, less than one meta page (it was truncated)"
+            magic, _, psize, _, _ = _META.unpack_from(first, 16)
+            if magic != _LMDB_MAGIC or psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+                return None  # not a layout this check knows: LMDB reports what it finds
+            f.seek(psize)
+            second = f.read(16 + _META.size)
+            size = os.fstat(f.fileno()).st_size
+    except OSError:
+        return None  # opening reports it
+    metas = [_META.unpack_from(first, 16)]
+    if len(second) == 16 + _META.size:
+        metas.append(_META.unpack_from(second, 16))
+    need = max(2, max((txnid, last) for magic, _, _, last, txnid in metas if magic == _LMDB_MAGIC)[1] + 1) * psize
+    if size < need:
+        return f"{data} holds {size} bytes, but its meta page names {need} (it was truncated)"
+    return None
+
+
 def _lost(path: Path, why: str) -> str:
     return (f"the index of store {path.parent} was lost or emptied ({why}); 'deltackpt repair STORE' rebuilds it "
             "from packs and manifests (in Python: deltackpt.maintenance.open_for_repair(path).repair())")
@@ -224,6 +266,9 @@ def _lost(path: Path, why: str) -> str:
 
 _REGISTRY: dict[tuple[int, str], _Shared] = {}
 _REGISTRY_LOCK = threading.Lock()
+#: Environments of index directories a repair replaced (:meth:`Index._follow_repair`), left open: a thread may
+#: still be inside a read transaction of one. Few (one per repair the process lived through).
+_RETIRED: list[_Shared] = []
 #: Write transactions in progress per environment. A child forked while one was open cannot take over the
 #: environment: closing the inherited handle would wait forever for the parent thread that holds it.
 _WRITERS: dict[tuple[int, str], int] = {}
@@ -377,6 +422,7 @@ class Index:
         (an empty write transaction, aborted) does the publishing. A read-only handle cannot; its reads may lag
         until a writer comes along, which loses nothing.
         """
+        self._follow_repair()
         if self.readonly:
             return
         try:
@@ -384,6 +430,29 @@ class Index:
                 env.begin(write=True).abort()
         except lmdb.Error:
             pass  # the operation's own writes report an index that cannot be written
+
+    def _follow_repair(self) -> None:
+        """Switch to the store's current index directory when a repair (in any process) has replaced the one
+        this handle opened: a damaged index is moved aside and rebuilt in a new ``index/``. Without this, a
+        process that had the store open would go on reading the old one and commit its next saves there, where
+        no other process looks (and the next gc would take their manifests for orphans). The old environment is
+        not closed (another thread may still be reading it) but kept until :meth:`close`."""
+        real = _identity(self.path)
+        if real == self._real or self._closed:
+            return
+        with _REGISTRY_LOCK:
+            key = self._held
+            if key is not None and key[0] == os.getpid():
+                sh = _REGISTRY.get(key)
+                if sh is not None:
+                    sh.refs -= 1
+                    if sh.refs <= 0:
+                        del _REGISTRY[key]
+                        _RETIRED.append(sh)
+            self._held = None
+            self._real = real
+            self._create = False  # never give a replaced index a format record: only the repair's rebuild does
+        self._shared()  # a repair still rebuilding it raises CorruptIndexError here ("lost"), as any open would
 
     # -- chunks ---------------------------------------------------------------------------------------
     def lookup_chunks(self, keys: Iterable[bytes]) -> dict[bytes, ChunkLoc]:
@@ -418,7 +487,8 @@ class Index:
         A chunk another writer recorded meanwhile keeps its first location (both frames are valid); with
         ``repoint`` (a rewrite, whose chunks are all standalone frames) every entry points to the new frame.
         With ``replace``, that checkpoint's records are removed in the same transaction and the new one takes
-        its place in commit order (its seq); it raises CorruptIndexError if ``replace`` is gone.
+        its place in commit order (its seq, read again here); it raises CheckpointNotFoundError if ``replace``
+        is gone.
         Returns the record with its commit sequence number set.
         """
         with self._write() as txn:
@@ -429,10 +499,18 @@ class Index:
                 seq = (_U64.unpack(last)[0] if last else 0) + 1
                 txn.put(b"seq", _U64.pack(seq), db=self.db_meta)
             else:
-                seq = replace.seq
-                if txn.get(replace.id.encode(), db=self.db_ids) != _U64.pack(seq):
-                    raise CorruptIndexError(f"checkpoint {replace.id} to replace is not in the index")
-                self._remove(txn, replace)
+                # read again in this transaction: a repair elsewhere may have renumbered it since the caller read
+                # it (the order stays), a delete or another rewrite removed it
+                sk = txn.get(replace.id.encode(), db=self.db_ids)
+                raw = txn.get(sk, db=self.db_ckpts) if sk is not None else None
+                if raw is None:
+                    raise CheckpointNotFoundError(f"checkpoint {replace.id} was deleted or replaced meanwhile")
+                current = _record_at(sk, raw)
+                if current.id != replace.id:
+                    raise CorruptIndexError(f"index entry for id {replace.id} leads to checkpoint {current.id}; "
+                                            f"{REPAIR_HINT}")
+                seq = current.seq
+                self._remove(txn, current)
             record.seq = seq
             sk = _U64.pack(seq)
             txn.put(sk, record.dumps(), db=self.db_ckpts)
@@ -513,8 +591,8 @@ class Index:
             for k, _ in txn.cursor(db=self.db_steps):
                 rec = recs.get(k[8:])
                 if len(k) != 16 or rec is None or _U64.pack(rec.step) != k[:8]:
-                    out.append((None, f"index entry for step {int.from_bytes(k[:8], 'big')} leads to "
-                                     f"{'no checkpoint' if rec is None else f'checkpoint {rec.id} of step {rec.step}'}"))
+                    to = "no checkpoint" if rec is None else f"checkpoint {rec.id} of step {rec.step}"
+                    out.append((None, f"index entry for step {int.from_bytes(k[:8], 'big')} leads to {to}"))
             for sk, rec in recs.items():
                 if txn.get(rec.id.encode(), db=self.db_ids) != sk:
                     out.append((rec, f"checkpoint {rec.id} is not reached from its id"))

@@ -13,11 +13,13 @@ crash after it leaves unreferenced old packs; the next gc removes either.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -511,7 +513,8 @@ def rebuild_index_dir(path: Path) -> Path | None:
 
 
 def _restore_store_file(root: Path) -> None:
-    """Write the ``STORE`` file of a store that lost it, with the chunk size its manifests name."""
+    """Write the ``STORE`` file of a store that lost it (or whose file is damaged: it is moved aside to
+    ``STORE.broken-<time>``), with the chunk size its manifests name."""
     from deltackpt.store import write_store_file
 
     sizes = set()
@@ -522,27 +525,66 @@ def _restore_store_file(root: Path) -> None:
             continue
     if len(sizes) != 1:
         raise DeltackptError(
-            f"{root} is not a deltackpt store (no STORE file)" if not sizes else
+            f"{root} is not a deltackpt store (no readable STORE file)" if not sizes else
             f"{root} lost its STORE file and its manifests name several chunk sizes {sorted(sizes)}")
+    if (root / "STORE").exists():
+        os.replace(root / "STORE", root / f"STORE.broken-{int(time.time())}")
     write_store_file(root, config.check_chunk_size(sizes.pop()))
 
 
+def _store_file_damaged(root: Path) -> bool:
+    """Whether ``root/STORE`` exists but does not describe a store this version can read and write (a newer
+    format version is no damage: opening the store reports it)."""
+    from deltackpt.store import read_store_file
+
+    if not (root / "STORE").exists():
+        return False
+    try:
+        read_store_file(root)
+    except FormatVersionError:
+        return False
+    except DeltackptError:
+        return True
+    return False
+
+
+@contextmanager
+def _store_alone(root: Path) -> Iterator[None]:
+    """Hold the store's gc lock exclusively (as gc and repair do): no save or load of any process is running."""
+    fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _move_index_aside(root: Path) -> None:
+    """Move an unusable index aside, for a repair to rebuild, while no other process uses it. Their open
+    handles switch to the new ``index/`` at their next operation (:meth:`Index.refresh`) and refuse it as lost
+    until the repair has rebuilt it."""
+    with _store_alone(root):
+        rebuild_index_dir(root)
+
+
 def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
-    """Open a store whose index may be unreadable: a damaged index is moved aside and an empty one created."""
+    """Open a store whose index may be unreadable: a damaged index is moved aside and an empty one created; a
+    lost or damaged ``STORE`` file is written again from the manifests."""
     from deltackpt.store import Store
 
     root = Path(path)
-    if not (root / "STORE").exists():
+    if not (root / "STORE").exists() or _store_file_damaged(root):
         _restore_store_file(root)
     try:
         store = Store(path, _repair=True, **kwargs)
     except (lmdb.Error, CorruptionError, ValueError):  # the index is unusable: start a new one
-        rebuild_index_dir(Path(path))
+        _move_index_aside(root)
         return Store(path, _repair=True, **kwargs)
     try:
         store.index.records()
     except (lmdb.Error, CorruptionError, ValueError):
         store.close()
-        rebuild_index_dir(Path(path))
+        _move_index_aside(root)
         return Store(path, _repair=True, **kwargs)
     return store

@@ -345,20 +345,12 @@ class Store:
             # record lost its index, and is refused until a repair rebuilds it
             self.index = Index(self.path / "index", allow_network_fs=allow_network_fs, create=True)
             write_store_file(self.path, cs)
-        try:
-            cfg = json.loads(cfg_path.read_text())
-            fmt, version, cs = cfg["format"], int(cfg["version"]), int(cfg["chunk_size"])
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise DeltackptError(f"{cfg_path} is not a deltackpt store description: {exc}") from None
-        if fmt != STORE_FORMAT:
-            raise DeltackptError(f"{self.path} is not a deltackpt store")
-        if version > STORE_VERSION:
-            raise FormatVersionError(f"store {self.path} has format version {version}; this deltackpt reads 1")
+        cs = read_store_file(self.path)
         if chunk_size is not None and chunk_size != cs:
             raise ValueError(f"store {self.path} was created with chunk_size={cs}, not {chunk_size}")
         if not self.readonly:  # e.g. an empty tmp/ does not survive a copy through git
             make_dirs(self.path, ("packs", "manifests", "tmp"))
-        return config.check_chunk_size(cs)
+        return cs
 
     def _writable(self, what: str) -> None:
         """Raise :class:`ReadOnlyStoreError` (before anything is done) when this handle may not write."""
@@ -1466,6 +1458,28 @@ class Store:
 _SEAL_BYTES = 64 << 20
 
 _INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
+
+
+def read_store_file(path: Path) -> int:
+    """The chunk size that ``path/STORE`` names. Raises :class:`FormatVersionError` for a newer store format,
+    :class:`DeltackptError` for a file that is not a store description or names an impossible chunk size (a
+    damaged file: ``deltackpt repair`` writes it again from the manifests)."""
+    cfg_path = path / "STORE"
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        fmt, version, cs = cfg["format"], int(cfg["version"]), int(cfg["chunk_size"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DeltackptError(f"{cfg_path} is not a deltackpt store description ({exc}); if it is damaged, "
+                             "'deltackpt repair STORE' writes it again from the manifests") from None
+    if fmt != STORE_FORMAT:
+        raise DeltackptError(f"{path} is not a deltackpt store ({cfg_path} names format {fmt!r})")
+    if version > STORE_VERSION:
+        raise FormatVersionError(f"store {path} has format version {version}; this deltackpt reads {STORE_VERSION}")
+    try:
+        return config.check_chunk_size(cs)
+    except ValueError as exc:
+        raise DeltackptError(f"{cfg_path} names an impossible chunk size ({exc}); if it is damaged, "
+                             "'deltackpt repair STORE' writes it again from the manifests") from None
 
 
 def write_store_file(path: Path, chunk_size: int) -> None:

@@ -424,3 +424,36 @@ def test_a_tensor_changed_during_a_save_raises_and_stores_nothing_wrong(tmp_path
     store.save({"opt": {"w": still}, "b": torch.ones(8)}, step=9)
     assert torch.equal(store.load(9)["opt"]["w"], still)
     store.close()
+
+
+def test_rewrite_racing_a_repair_elsewhere_commits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention thins a checkpoint (a rewrite) while a repair in another process renumbers the checkpoints
+    (an earlier one was deleted, so the seqs close up): the rewrite takes the checkpoint's current place. Before,
+    its commit raised CorruptIndexError ("to replace is not in the index") on a healthy store, and a Checkpointer
+    with full_last= died with it. The repair runs, as a real process, right after the rewrite read the record."""
+    path = tmp_path / "store"
+    store = Store(path, chunk_size=CS)
+    ids = [store.save({"model": {"w": torch.full((100,), float(k))}, "opt": torch.randn(100)}, step=k).id
+           for k in range(1, 5)]
+    store.delete(id=ids[0])
+    record = Store._record
+    raced: list[bool] = []
+
+    def record_then_repair(self: Store, step: int | None = None, id: str | None = None) -> Any:
+        rec = record(self, step, id)
+        if id == ids[2] and not raced:
+            raced.append(True)
+            subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(path)], check=True, capture_output=True,
+                           env=cw.worker_env())
+        return rec
+
+    monkeypatch.setattr(Store, "_record", record_then_repair)
+    before = [i.seq for i in store.list()]
+    info = store.rewrite({"model": {"w": torch.full((100,), 3.0)}, "thinned": True}, id=ids[2])
+    monkeypatch.undo()
+    assert raced and before == [2, 3, 4]
+    assert [(i.step, i.seq) for i in store.list()] == [(2, 1), (3, 2), (4, 3)]
+    thinned = store.load(3)
+    assert set(thinned) == {"model", "thinned"} and torch.equal(thinned["model"]["w"], torch.full((100,), 3.0))
+    assert store.info(step=3).id == info.id and store.verify().ok
+    store.close()

@@ -470,6 +470,80 @@ def test_lost_store_file_is_refused_and_written_again_by_repair(store_path: Path
         _check_repaired(s, filled)
 
 
+@pytest.mark.parametrize("damage", ["garbage", "chunk_size"])
+def test_damaged_store_file_is_a_typed_error_and_written_again_by_repair(store_path: Path, damage: str) -> None:
+    """A STORE file that no longer parses, or that names an impossible chunk size (one flipped digit): opening
+    raises DeltackptError naming the file and the repair (before: a plain ValueError), and a repair moves it
+    aside and writes it again from the manifests (before: it failed the same way)."""
+    filled = _fill(store_path)
+    text = (store_path / "STORE").read_text()
+    if damage == "garbage":
+        (store_path / "STORE").write_text(text.replace('"format"', '"form\x00t'))
+    else:
+        (store_path / "STORE").write_text(text.replace(f'"chunk_size": {CS}', f'"chunk_size": {CS + 40}'))
+    before = dir_snapshot(store_path)
+    for readonly in (False, True):
+        with pytest.raises(deltackpt.DeltackptError, match="STORE.*deltackpt repair"):
+            deltackpt.Store(store_path, readonly=readonly)
+    assert dir_snapshot(store_path) == before
+    cli = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(store_path)], capture_output=True,
+                         text=True)
+    assert cli.returncode == 0, cli.stderr
+    assert len(list(store_path.glob("STORE.broken-*"))) == 1
+    with _open(store_path) as s:
+        _check_repaired(s, filled)
+
+
+@pytest.mark.parametrize("keep", [0.5, 4096 + 100])  # half the file; only the meta pages and a few bytes
+def test_truncated_index_is_a_typed_error_and_repaired(store_path: Path, keep: float) -> None:
+    """A data.mdb shorter than its meta page says (a torn copy) made LMDB read past the end of its map: SIGBUS
+    killed every process that opened the store, the repair included. Opening now raises CorruptIndexError naming
+    the truncation, and the repair (a real `deltackpt repair` process) rebuilds the index."""
+    filled = _fill(store_path)
+    data = store_path / "index" / "data.mdb"
+    size = data.stat().st_size
+    os.truncate(data, int(size * keep) if keep < 1 else int(keep))
+    probe = subprocess.run([sys.executable, "-c", f"import deltackpt; deltackpt.Store({str(store_path)!r}).list()"],
+                           capture_output=True, text=True)
+    assert probe.returncode == 1 and "CorruptIndexError" in probe.stderr and "truncated" in probe.stderr, probe
+    cli = subprocess.run([sys.executable, "-m", "deltackpt", "ls", str(store_path)], capture_output=True, text=True)
+    assert cli.returncode == 1 and "deltackpt repair" in cli.stderr
+    cli = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(store_path)], capture_output=True,
+                         text=True)
+    assert cli.returncode == 0, cli
+    with _open(store_path) as s:
+        _check_repaired(s, filled)
+
+
+def test_repair_elsewhere_while_a_handle_is_open_loses_no_later_save(store_path: Path) -> None:
+    """A repair (another process) moves a damaged index aside while this process has the store open. The open
+    handle follows it to the rebuilt index: its next save is seen by other processes and survives their gc.
+    Before, it committed into the moved-aside index, and the next gc removed its manifest as an orphan."""
+    filled = _fill(store_path)
+    s = _open(store_path)
+    s.list()
+    data = store_path / "index" / "data.mdb"
+    raw = data.read_bytes()
+    first = filled["infos"][1].id
+    with open(data, "r+b") as f:  # every copy of checkpoint 1's record is garbled: the index is damaged
+        pos = raw.find(f'{{"id":"{first}"'.encode())
+        while pos >= 0:
+            f.seek(pos)
+            f.write(b"[")
+            pos = raw.find(f'{{"id":"{first}"'.encode(), pos + 1)
+    run = [sys.executable, "-m", "deltackpt"]
+    assert subprocess.run([*run, "repair", str(store_path)], capture_output=True).returncode == 0
+    later = s.save({"w": torch.full((3000,), 5.0)}, step=5)
+    listed = subprocess.run([*run, "ls", str(store_path)], capture_output=True, text=True)
+    assert later.id in listed.stdout, listed
+    assert subprocess.run([*run, "gc", str(store_path)], capture_output=True).returncode == 0
+    s.close()
+    with _open(store_path) as again:
+        assert torch.equal(again.load(id=later.id)["w"], torch.full((3000,), 5.0))
+        assert_same_state(filled["states"][4], again.load(4))
+        assert again.verify().ok
+
+
 def _killed_at_commit(path: Path, state: dict[str, torch.Tensor], step: int, parent: str) -> None:
     """A save in a child process that dies at the commit point (its frames and manifest are durable), after a
     committed save of other data into the same pack, so that pack stays live."""

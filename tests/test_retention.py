@@ -9,6 +9,8 @@ times) and check each rule on its own against an independent oracle.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -399,3 +401,37 @@ def test_rewritten_checkpoint_keeps_its_place_in_the_lineage(tmp_path: Path) -> 
         assert [(i.id, i.step) for i in s.list()] == [(second.id, 1), (ids[1], 2), (ids[2], 3)]
         assert s.list()[1].parent == second.id and s.latest().id == ids[2]
         assert s.info(id=ids[0]).id == second.id
+
+
+class _OperatorMeanwhile(Retention):
+    """A policy whose plan is made from the listing retention read, after which another process (another job's
+    retention, an operator's ``deltackpt rm``) deletes the checkpoints the plan would delete or thin."""
+
+    store_path: Path
+
+    def plan(self, infos: Any, now: float | None = None) -> Any:
+        plan = super().plan(infos, now)
+        steps = {i.id: i.step for i in infos}
+        for cid in (*plan.delete, *plan.thin):
+            subprocess.run([sys.executable, "-m", "deltackpt", "rm", str(self.store_path), str(steps[cid])],
+                           check=True, capture_output=True)
+        return plan
+
+
+@pytest.mark.parametrize("full_last", [None, 1])
+def test_retention_passes_over_checkpoints_another_process_deleted(store_path: Path, full_last: int | None) -> None:
+    """Between retention's listing and its deletes (and thinning), another process deletes checkpoints the plan
+    names: the training step goes on (before, delete and the thinning load raised CheckpointNotFoundError at
+    the next step()), and the policy's outcome holds."""
+    model, opt = _setup()
+    policy = _OperatorMeanwhile(keep_last=2, full_last=full_last)
+    policy.store_path = store_path
+    with Checkpointer(store_path, model=model, optimizer=opt, retention=policy, handle_signals=False) as ckpt:
+        for step in range(1, 7):
+            _train(model, opt)
+            ckpt.step(step)
+        weights = _weights(model)
+    with Store(store_path) as store:
+        assert [i.step for i in store.list()] == ([5, 6] if full_last is None else [6])
+        _assert_weights(weights, store.load(step=6)["model"], "step 6")
+        assert store.verify().ok
