@@ -307,6 +307,7 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save") if async_save else None
         self._inflight: Future[CheckpointInfo] | None = None
         self._inflight_step = -1
+        self._inflight_after: int | None = None  # last_saved_step before the save in flight
         self._signal: int | None = None
         self._previous: dict[int, Any] = {}
         self._closed = False
@@ -440,7 +441,8 @@ class Checkpointer:
         else:
             snap = self._staging.snapshot(state)
             self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs)
-            self._inflight_step = step
+            self._inflight_step, self._inflight_after = step, self.last_saved_step
+            self.last_saved_step = step
             if wait:
                 self.wait()
         self.last_saved_step = step
@@ -490,6 +492,8 @@ class Checkpointer:
         try:
             return fut.result()
         except BaseException as exc:  # the save's own error, type and all (as Future.result raises it) ...
+            if self.last_saved_step == self._inflight_step:  # not saved: step() of that step saves again
+                self.last_saved_step = self._inflight_after
             if hasattr(exc, "add_note"):  # ... which says where it came from (Python 3.11+)
                 exc.add_note(f"deltackpt: raised by the background save of step {self._inflight_step}")
             raise

@@ -54,6 +54,7 @@ from deltackpt.errors import (
     ShapeMismatchError,
     StateChangedError,
     StoreLockedError,
+    UnsupportedTypeError,
 )
 from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key
 from deltackpt.packs import PackReader, PackWriter, fsync_dir, make_dirs
@@ -753,7 +754,11 @@ class Store:
                 on_device = isinstance(leaf.obj, torch.Tensor) and leaf.obj.device.type != "cpu"
                 if on_device:
                     drain(0)  # the pinned staging buffer is about to be overwritten
-                buf = _host_bytes(leaf.obj, self._pinned if on_device else None)
+                try:
+                    buf = _host_bytes(leaf.obj, self._pinned if on_device else None)
+                except NotImplementedError as exc:  # a dtype torch cannot copy this way (tree refuses those it knows)
+                    raise UnsupportedTypeError(f"cannot store {leaf.path}: torch cannot read its bytes: {exc}") \
+                        from None
                 digests, zero = kernel.chunk_digests(buf, cs, self.threads)
                 n = len(zero)
                 entry = manifest.TensorEntry(

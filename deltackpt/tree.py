@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import base64
 import pickle
+import re
 import struct
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator, Mapping
@@ -177,7 +178,7 @@ class _Flattener:
             self._seen[key] = idx
         return ["T" if is_torch else "A", idx]
 
-    def plain(self, value: Any, path: str, what: str) -> list[Any]:
+    def plain(self, value: Any, path: str, what: str, depth: int = 0) -> list[Any]:
         """The node of a dict key or set element: a hashable plain value (str, int, None, bool, float,
         complex, bytes, a numpy scalar, a torch dtype or device, or a tuple or frozenset of those)."""
         t = type(value)
@@ -186,7 +187,10 @@ class _Flattener:
         ):
             return self.node(value, path)
         if t is tuple or t is frozenset:
-            inner = [self.plain(v, path, what) for v in value]
+            if depth >= MAX_DEPTH:
+                raise UnsupportedTypeError(
+                    f"cannot store {path or '<root>'}: a {what} nested more than {MAX_DEPTH} levels deep")
+            inner = [self.plain(v, path, what, depth + 1) for v in value]
             return ["t", inner] if t is tuple else ["F", inner]
         raise UnsupportedTypeError(
             f"cannot store {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__} as a {what} "
@@ -362,6 +366,10 @@ def _leaf_refs(n: Any, path: str, place: Place) -> Iterator[tuple[Place, str, in
         raise CorruptManifestError(f"malformed state skeleton at {path or '<root>'}: {exc!r}") from None
 
 
+#: sub-byte integer dtypes (torch.uint1 ... torch.int7): torch has no copy of a non-contiguous one
+_SUB_BYTE = re.compile(r"u?int[1-7]")
+
+
 def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:
     where = path or "<root>"
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
@@ -372,6 +380,9 @@ def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:
         raise UnsupportedTypeError(f"cannot store {where}: quantized, meta and nested tensors are not supported")
     if t.dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4):
         raise UnsupportedTypeError(f"cannot store {where}: dtype {t.dtype} is not supported")
+    if _SUB_BYTE.fullmatch(_dtype_name(t.dtype)) and not t.is_contiguous():
+        raise UnsupportedTypeError(f"cannot store {where}: torch cannot copy a non-contiguous {t.dtype} tensor "
+                                   "(to read its bytes); store a contiguous one")
     return Leaf(
         path=path,
         obj=t,

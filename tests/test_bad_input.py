@@ -76,6 +76,11 @@ UNSUPPORTED = {
     "numpy_datetime": np.datetime64("2020-01-01"),
     "reference_cycle": (lambda c: (c.append({"again": c}), c)[1])([]),
     "nested_too_deep": functools.reduce(lambda inner, _: [inner], range(deltackpt.tree.MAX_DEPTH), 0),
+    # a key nested past Python's recursion limit raised RecursionError
+    "key_nested_too_deep": {functools.reduce(lambda inner, _: (inner,), range(2000), ()): 1},
+    # torch has no copy of a non-contiguous sub-byte tensor: it raised torch's NotImplementedError mid-save
+    **({"noncontiguous_uint4": torch.zeros(640, dtype=torch.uint8).view(torch.uint4).reshape(64, 10).t()}
+       if hasattr(torch, "uint4") else {}),
 }
 
 

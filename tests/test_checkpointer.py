@@ -1002,3 +1002,24 @@ def _stats_from(mean: torch.Tensor) -> _RunningStats:
     out = _RunningStats(len(mean))
     out.mean.copy_(mean)
     return out
+
+
+def test_a_failed_async_save_is_saved_again_by_the_next_step_of_that_step(fast_dir: Path) -> None:
+    """A background save that fails (an unsupported value) does not count as saved: after the caller fixes the
+    value, step() of the same step saves it, as in sync mode. Before, async mode skipped it for good."""
+    for async_save in (False, True):
+        extra: dict[str, Any] = {"phase": "ok"}
+        with Checkpointer(fast_dir / f"store-{async_save}", model=torch.nn.Linear(2, 2), extra=extra,
+                          async_save=async_save, handle_signals=False) as ckpt:
+            ckpt.step(1)
+            ckpt.wait()
+            extra["phase"] = object()
+            with pytest.raises(UnsupportedTypeError, match="extra.phase"):
+                ckpt.step(2)
+                ckpt.wait()
+            assert ckpt.last_saved_step == 1
+            extra["phase"] = "fixed"
+            assert ckpt.step(2)
+            ckpt.wait()
+            assert [i.step for i in ckpt.store.list()] == [1, 2]
+            assert ckpt.store.load(2)["extra"]["phase"] == "fixed"
