@@ -436,7 +436,8 @@ class Index:
         this handle opened: a damaged index is moved aside and rebuilt in a new ``index/``. Without this, a
         process that had the store open would go on reading the old one and commit its next saves there, where
         no other process looks (and the next gc would take their manifests for orphans). The old environment is
-        not closed (another thread may still be reading it) but kept until :meth:`close`."""
+        not closed (another thread may still be reading it): it stays open, in ``_RETIRED``, while the process
+        lives."""
         real = _identity(self.path)
         if real == self._real or self._closed:
             return

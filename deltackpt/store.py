@@ -961,14 +961,17 @@ class Store:
         changed since it was hashed: its frame would not decode to its id, and later saves of the same bytes
         would dedup onto that frame."""
         raw = self._base_cache.put(key, view)
-        if raw is not None and kernel.digest(raw) != key[:16]:
-            self._base_cache.discard(key)
-            raise StateChangedError("a tensor changed while this save was reading it (another thread wrote to "
-                                    f"it); nothing was committed: chunk {_kid(key)}")
+        if raw is not None:
+            try:
+                self._check_unchanged(raw, key)
+            except StateChangedError:
+                self._base_cache.discard(key)
+                raise
         return raw
 
     @staticmethod
     def _check_unchanged(view: memoryview | np.ndarray, key: bytes) -> None:
+        """Raise :class:`StateChangedError` unless ``view`` holds the bytes of chunk ``key``."""
         if kernel.digest(view) != key[:16]:
             raise StateChangedError("a tensor changed while this save was reading it (another thread wrote to "
                                     f"it); nothing was committed: chunk {_kid(key)}")
