@@ -408,21 +408,23 @@ def test_a_tensor_changed_during_a_save_raises_and_stores_nothing_wrong(tmp_path
     t = threading.Thread(target=hammer, daemon=True)
     t.start()
     raised: list[str] = []
-    try:
-        for step in range(4):
+    saves = 0
+    try:  # until two saves met a change (nearly every save does; a loaded machine may run the thread less)
+        while len(raised) < 2 and saves < 60:
+            saves += 1
             try:
-                store.save({"opt": {"w": w}, "b": torch.ones(8)}, step=step)
+                store.save({"opt": {"w": w}, "b": torch.ones(8)}, step=saves)
             except StateChangedError as exc:
                 raised.append(str(exc))
     finally:
         stop.set()
         t.join()
     assert raised and all(msg.startswith("'opt.w': a tensor changed") for msg in raised), raised
-    assert len(store.list()) == 4 - len(raised)
-    assert not store.verify().problems
+    assert len(store.list()) == saves - len(raised)
+    assert not store.verify().problems  # what did commit decodes to its ids
     still = w.clone()
-    store.save({"opt": {"w": still}, "b": torch.ones(8)}, step=9)
-    assert torch.equal(store.load(9)["opt"]["w"], still)
+    store.save({"opt": {"w": still}, "b": torch.ones(8)}, step=99)
+    assert torch.equal(store.load(99)["opt"]["w"], still)
     store.close()
 
 
