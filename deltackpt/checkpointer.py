@@ -307,7 +307,8 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save") if async_save else None
         self._inflight: Future[CheckpointInfo] | None = None
         self._inflight_step = -1
-        self._inflight_after: int | None = None  # last_saved_step before the save in flight
+        self._inflight_after: int | None = None  # last_saved_step and last_info before the save in flight
+        self._inflight_info: CheckpointInfo | None = None
         self._signal: int | None = None
         self._previous: dict[int, Any] = {}
         self._closed = False
@@ -441,7 +442,7 @@ class Checkpointer:
         else:
             snap = self._staging.snapshot(state)
             self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs)
-            self._inflight_step, self._inflight_after = step, self.last_saved_step
+            self._inflight_step, self._inflight_after, self._inflight_info = step, self.last_saved_step, self.last_info
             self.last_saved_step = step
             if wait:
                 self.wait()
@@ -450,7 +451,9 @@ class Checkpointer:
     def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None, keyframe: bool = False,
                   pairs: dict[str, str] | None = None) -> CheckpointInfo:
         info = self.store.save(state, step=step, metadata=meta, keyframe=keyframe, _pairs=pairs)
-        self.last_info = info
+        # committed: an error of the retention below does not make it unsaved (async: set at submit already,
+        # and no later save starts before this one is waited for)
+        self.last_info, self.last_saved_step = info, step
         if self.retention is not None:
             self._apply_retention()
         return info
@@ -492,7 +495,8 @@ class Checkpointer:
         try:
             return fut.result()
         except BaseException as exc:  # the save's own error, type and all (as Future.result raises it) ...
-            if self.last_saved_step == self._inflight_step:  # not saved: step() of that step saves again
+            committed = self.last_info is not self._inflight_info  # _run_save set it: only retention failed
+            if self.last_saved_step == self._inflight_step and not committed:  # step() of it saves again
                 self.last_saved_step = self._inflight_after
             if hasattr(exc, "add_note"):  # ... which says where it came from (Python 3.11+)
                 exc.add_note(f"deltackpt: raised by the background save of step {self._inflight_step}")

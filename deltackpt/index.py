@@ -21,7 +21,10 @@ from __future__ import annotations
 import errno
 import json
 import os
+import signal
 import struct
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -224,17 +227,39 @@ class _Shared:
 
 #: LMDB's meta pages (pages 0 and 1), x86-64 and other 64-bit little-endian builds: after the 16-byte page
 #: header, MDB_meta holds magic and version (u32 each) at 16, the page size in the free DB's ``md_pad`` (u32)
-#: at 40, and the last used page and the transaction id (u64 each) at 136.
-_META = struct.Struct("<II16xI92xQQ")
+#: at 40, the root pages of the free DB and the main DB (u64 each) at 80 and 128, and the last used page and
+#: the transaction id (u64 each) at 136.
+_META = struct.Struct("<II16xI36xQ40xQQQ")
 _LMDB_MAGIC = 0xBEEFC0DE
+_NO_PAGE = (1 << 64) - 1
+#: A child process reads every page the index's trees reach: SIGBUS kills it, not the caller, when one lies
+#: past the end of the file.
+_PROBE = """
+import sys, lmdb
+path = sys.argv[1]
+try:
+    env = lmdb.open(path, readonly=False, lock=True, create=False, max_dbs=8, subdir=True)
+except lmdb.Error:  # nothing can write there: reading without LMDB's lock is safe
+    env = lmdb.open(path, readonly=True, lock=False, create=False, max_dbs=8, subdir=True)
+with env.begin(buffers=True) as txn:
+    names = [bytes(k) for k, _ in txn.cursor()]
+    for name in names:
+        for _ in txn.cursor(db=env.open_db(name, txn=txn, create=False)):
+            pass
+"""
 
 
 def _truncated(data: Path) -> str | None:
-    """Why ``data`` (an LMDB ``data.mdb``) is shorter than its newest meta page says, or None. LMDB maps the
-    file and reads the pages its meta page names: past the end of a truncated file (a torn copy, a full disk
-    during a copy) that is SIGBUS, which kills the process (and a repair with it) instead of raising. The meta
-    pages are read before the size: a writer elsewhere writes a commit's pages before the meta page that names
-    them, and LMDB never shortens the file, so a commit landing meanwhile cannot look like a truncation."""
+    """Why ``data`` (an LMDB ``data.mdb``) is shorter than the pages it uses, or None. LMDB maps the file and
+    reads the pages its trees reach: past the end of a truncated file (a torn copy, a full disk during a copy)
+    that is SIGBUS, which kills the process (and a repair with it) instead of raising.
+
+    The newest meta page names the last page used; a file at least that long is whole. A shorter one may still
+    be whole: LMDB does not write pages a transaction dirtied and freed again, and the last of those can lie
+    past the end. Then the root pages must lie inside the file, and a child process reads every page the trees
+    reach. The meta pages are read before the length: a writer elsewhere writes a commit's pages before the
+    meta page that names them, and LMDB never shortens the file, so a commit landing meanwhile cannot look like
+    a truncation."""
     try:
         with open(data, "rb") as f:
             first = f.read(16 + _META.size)
@@ -242,7 +267,7 @@ def _truncated(data: Path) -> str | None:
                 return None  # a new environment (LMDB writes its meta pages) or a lost one (refused as such)
             if len(first) < 16 + _META.size:
                 return f"{data} holds {len(first)} bytes, less than one meta page (it was truncated)"
-            magic, _, psize, _, _ = _META.unpack_from(first, 16)
+            magic, _, psize, *_ = _META.unpack_from(first, 16)
             if magic != _LMDB_MAGIC or psize < 512 or psize > 1 << 16 or psize & (psize - 1):
                 return None  # not a layout this check knows: LMDB reports what it finds
             f.seek(psize)
@@ -253,9 +278,18 @@ def _truncated(data: Path) -> str | None:
     metas = [_META.unpack_from(first, 16)]
     if len(second) == 16 + _META.size:
         metas.append(_META.unpack_from(second, 16))
-    need = max(2, max((txnid, last) for magic, _, _, last, txnid in metas if magic == _LMDB_MAGIC)[1] + 1) * psize
-    if size < need:
-        return f"{data} holds {size} bytes, but its meta page names {need} (it was truncated)"
+    _, _, _, free_root, main_root, last, _ = max((m for m in metas if m[0] == _LMDB_MAGIC), key=lambda m: m[6])
+    pages = size // psize
+    if pages >= max(2, last + 1):
+        return None
+    if pages < 2 or any(root != _NO_PAGE and root >= pages for root in (free_root, main_root)):
+        return f"{data} holds {size} bytes, less than the pages its meta page names (it was truncated)"
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE, str(data.parent)], capture_output=True, timeout=600)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if probe.returncode == -signal.SIGBUS:
+        return f"{data} holds {size} bytes, less than the pages its trees reach (it was truncated)"
     return None
 
 
@@ -442,6 +476,8 @@ class Index:
         if real == self._real or self._closed:
             return
         with _REGISTRY_LOCK:
+            if real == self._real:
+                return  # another thread of this process followed it meanwhile
             key = self._held
             if key is not None and key[0] == os.getpid():
                 sh = _REGISTRY.get(key)

@@ -18,8 +18,7 @@ import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -466,6 +465,7 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
         store.index.rebuild(chunks, records)
         report.chunks = len(chunks)
         report.checkpoints = len(records)
+    store._release_alone()  # (a handle of open_for_repair: the rebuilt index is the store's again)
     return report
 
 
@@ -548,43 +548,47 @@ def _store_file_damaged(root: Path) -> bool:
     return False
 
 
-@contextmanager
-def _store_alone(root: Path) -> Iterator[None]:
-    """Hold the store's gc lock exclusively (as gc and repair do): no save or load of any process is running."""
+def _lock_alone(root: Path) -> int:
+    """Take the store's gc lock exclusively (as gc and repair do: no save or load of any process runs while it
+    is held) and return its file descriptor."""
     fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
+    except BaseException:
         os.close(fd)
-
-
-def _move_index_aside(root: Path) -> None:
-    """Move an unusable index aside, for a repair to rebuild, while no other process uses it. Their open
-    handles switch to the new ``index/`` at their next operation (:meth:`Index.refresh`) and refuse it as lost
-    until the repair has rebuilt it."""
-    with _store_alone(root):
-        rebuild_index_dir(root)
+        raise
+    return fd
 
 
 def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
-    """Open a store whose index may be unreadable: a damaged index is moved aside and an empty one created; a
-    lost or damaged ``STORE`` file is written again from the manifests."""
+    """Open a store whose index may be unreadable, for :func:`repair`: a damaged index is moved aside and an
+    empty one created; a lost or damaged ``STORE`` file is written again from the manifests.
+
+    The returned handle holds the store's gc lock exclusively until its repair commits (or it is closed): saves
+    and loads of other processes wait for the rebuilt index rather than meet the empty one. Their open handles
+    then switch to it (:meth:`Index.refresh`)."""
     from deltackpt.store import Store
 
     root = Path(path)
-    if not (root / "STORE").exists() or _store_file_damaged(root):
+    if not (root / "STORE").exists() or _store_file_damaged(root):  # (no store opens meanwhile: no lock needed)
         _restore_store_file(root)
+    fd = _lock_alone(root)
     try:
-        store = Store(path, _repair=True, **kwargs)
-    except (lmdb.Error, CorruptionError, ValueError):  # the index is unusable: start a new one
-        _move_index_aside(root)
-        return Store(path, _repair=True, **kwargs)
-    try:
-        store.index.records()
-    except (lmdb.Error, CorruptionError, ValueError):
-        store.close()
-        _move_index_aside(root)
-        return Store(path, _repair=True, **kwargs)
+        try:
+            store = Store(path, _repair=True, **kwargs)
+        except (lmdb.Error, CorruptionError, ValueError):  # the index is unusable: start a new one
+            rebuild_index_dir(root)
+            store = Store(path, _repair=True, **kwargs)
+        else:
+            try:
+                store.index.records()
+            except (lmdb.Error, CorruptionError, ValueError):
+                store.close()
+                rebuild_index_dir(root)
+                store = Store(path, _repair=True, **kwargs)
+    except BaseException:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        raise
+    store._alone_fd = fd
     return store

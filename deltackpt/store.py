@@ -328,6 +328,9 @@ class Store:
         self._base_cache = ChunkCache(cache if self.max_chain else 0)
         self.predict = config.predict() if predict is None else bool(predict)
         self._closed = False
+        #: the gc lock file, held exclusively from :func:`~deltackpt.maintenance.open_for_repair` until the
+        #: repair commits (or the store closes); this handle's own operations then take no lock
+        self._alone_fd: int | None = None
 
     # -- layout -----------------------------------------------------------------------------------------
     def _init_layout(self, chunk_size: int | None, allow_network_fs: bool) -> int:
@@ -370,6 +373,7 @@ class Store:
                 pool.shutdown(wait=True)
         self.reader.close()
         self.index.close()
+        self._release_alone()
         self._base_cache.clear()
         self._last_manifest = None
 
@@ -412,6 +416,10 @@ class Store:
         filesystem can change the store under it)."""
         if self._closed:
             raise DeltackptError(f"store {self.path} is closed")
+        if self._alone_fd is not None:  # a repair's handle: the store is this handle's alone already
+            self.index.refresh()
+            yield
+            return
         fd = self._open_gc_lock()
         if fd is None:
             yield
@@ -436,6 +444,14 @@ class Store:
         finally:
             # Unlock, then close: a process forked meanwhile (a DataLoader starting its workers while an async
             # save runs) shares this open file, and closing alone would leave the lock held for the child's life.
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def _release_alone(self) -> None:
+        """Let go of the gc lock a repair's handle holds (see ``_alone_fd``)."""
+        fd, self._alone_fd = self._alone_fd, None
+        if fd is not None:
             with contextlib.suppress(OSError):
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
@@ -946,35 +962,26 @@ class Store:
                     base = self.read_chunk(base_key)
                 except CorruptChunkError:
                     base, base_key = None, None  # a damaged base must not spread: store a keyframe
-        frame = self._encoder().encode(
-            raw if raw is not None else view, key[:16], width, base, None if base_key is None else base_key[:16],
-            try_alone=mode != "delta",
+        return self._encoder().encode(
+            raw, key[:16], width, base, None if base_key is None else base_key[:16], try_alone=mode != "delta"
         )
-        if raw is None:  # not kept: check the bytes that were encoded, now that they are
-            self._check_unchanged(view, key)
-        return frame
 
-    def _checked(self, view: memoryview, key: bytes) -> np.ndarray | None:
-        """A new chunk's bytes to encode: a private copy, kept as the next save's delta base, whose digest is
-        that of the bytes the save hashed (``key``); None when the cache does not keep chunks that large (the
-        caller then checks ``view`` itself once encoded). Raises :class:`StateChangedError` when the tensor
-        changed since it was hashed: its frame would not decode to its id, and later saves of the same bytes
+    def _checked(self, view: memoryview | np.ndarray, key: bytes) -> np.ndarray:
+        """A new chunk's bytes to encode: a private copy whose digest is that of the bytes the save hashed
+        (``key``), kept as the next save's delta base when the cache takes chunks that large. Raises
+        :class:`StateChangedError` when the tensor changed since it was hashed (another thread wrote to it):
+        encoded from the live bytes, its frame would not decode to its id, and later saves of the same bytes
         would dedup onto that frame."""
         raw = self._base_cache.put(key, view)
-        if raw is not None:
-            try:
-                self._check_unchanged(raw, key)
-            except StateChangedError:
+        kept = raw is not None
+        if raw is None:
+            raw = np.array(view, dtype=np.uint8, copy=True)
+        if kernel.digest(raw) != key[:16]:
+            if kept:
                 self._base_cache.discard(key)
-                raise
-        return raw
-
-    @staticmethod
-    def _check_unchanged(view: memoryview | np.ndarray, key: bytes) -> None:
-        """Raise :class:`StateChangedError` unless ``view`` holds the bytes of chunk ``key``."""
-        if kernel.digest(view) != key[:16]:
             raise StateChangedError("a tensor changed while this save was reading it (another thread wrote to "
                                     f"it); nothing was committed: chunk {_kid(key)}")
+        return raw
 
     def _raw_of(self, key: bytes) -> np.ndarray | memoryview:
         """The raw bytes of a stored chunk: from the cache of the last save's chunks, else decoded."""
@@ -994,25 +1001,24 @@ class Store:
         raw = self._checked(view, key)
         try:
             base = self._raw_of(base_key)
-            inputs = [m] + [self._raw_of(r) for r in refs[1:]]
+            # the first moment as this save hashed it: its chunk was encoded (and kept) before, else a checked copy
+            first = self._base_cache.get(refs[0])
+            inputs = [first if first is not None else self._checked(m, refs[0])]
+            inputs += [self._raw_of(r) for r in refs[1:]]
         except CorruptChunkError:
             return self._encode(view, key, width, None, checked=raw)  # a damaged input must not spread: a keyframe
-        src = raw if raw is not None else view
-        coefs = predict.choose_coefs(role, base, src, inputs)
+        coefs = predict.choose_coefs(role, base, raw, inputs)
         if coefs is None:
             return self._encode(view, key, width, base_key, checked=raw)
         record = predict.Prediction(role.predictor, tuple(r[:16] for r in refs), coefs)
         guess = np.empty(n, dtype=np.uint8)
         predict.predict(record, base, inputs, guess)
-        self._check_unchanged(m, refs[0])  # the first moment is read where it lives, as the prediction used it
-        frame = self._encoder().encode_predicted(src, key[:16], width, guess, base_key[:16], record.pack())
+        frame = self._encoder().encode_predicted(raw, key[:16], width, guess, base_key[:16], record.pack())
         if len(frame) > n * codec.DELTA_GOOD_ENOUGH:  # a poor prediction (saves steps apart, another optimizer)
             other = self._encode(view, key, width, base_key, checked=raw)
             # as for deltas, a margin: every later load of a predicted chunk also decodes its inputs
             if len(frame) > len(other) * codec.DELTA_MIN_GAIN:
                 return other
-        if raw is None:
-            self._check_unchanged(view, key)
         return frame
 
     # -- load ---------------------------------------------------------------------------------------------

@@ -1023,3 +1023,22 @@ def test_a_failed_async_save_is_saved_again_by_the_next_step_of_that_step(fast_d
             ckpt.wait()
             assert [i.step for i in ckpt.store.list()] == [1, 2]
             assert ckpt.store.load(2)["extra"]["phase"] == "fixed"
+
+
+class _FailingRetention(Retention):
+    def plan(self, infos: Any, now: float | None = None) -> Any:
+        raise RuntimeError("retention failed")
+
+
+def test_a_save_whose_retention_failed_after_the_commit_counts_as_saved(fast_dir: Path) -> None:
+    """The save committed, then its retention raised: the error reaches the loop, and the step stays saved
+    (saving it again would commit a second checkpoint of that step)."""
+    for async_save in (False, True):
+        with Checkpointer(fast_dir / f"store-{async_save}", model=torch.nn.Linear(2, 2), async_save=async_save,
+                          retention=_FailingRetention(keep_last=1), handle_signals=False) as ckpt:
+            with pytest.raises(RuntimeError, match="retention failed"):
+                ckpt.step(1)
+                ckpt.wait()
+            assert ckpt.last_saved_step == 1
+            assert not ckpt.step(1)
+            assert [i.step for i in ckpt.store.list()] == [1]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import struct
 import subprocess
 import sys
 import threading
@@ -399,11 +400,13 @@ def test_a_tensor_changed_during_a_save_raises_and_stores_nothing_wrong(tmp_path
     not decode to the chunk id it was stored under, and later saves of those bytes deduplicated onto it."""
     store = Store(tmp_path / "store", chunk_size=CS, delta_cache_bytes=delta_cache_bytes)
     w = torch.randn(64 * CS // 4)
+    a, b = w.clone(), torch.randn(64 * CS // 4)
     stop = threading.Event()
 
     def hammer() -> None:
-        while not stop.is_set():
-            w.add_(1.0)  # torch releases the GIL while it writes
+        while not stop.is_set():  # A, B, A, ...: a check of the live bytes after encoding can meet A again
+            w.copy_(b)  # torch releases the GIL while it writes
+            w.copy_(a)
 
     t = threading.Thread(target=hammer, daemon=True)
     t.start()
@@ -459,3 +462,50 @@ def test_rewrite_racing_a_repair_elsewhere_commits(tmp_path: Path, monkeypatch: 
     assert set(thinned) == {"model", "thinned"} and torch.equal(thinned["model"]["w"], torch.full((100,), 3.0))
     assert store.info(step=3).id == info.id and store.verify().ok
     store.close()
+
+
+def test_saves_elsewhere_wait_for_a_repair_of_a_damaged_index(tmp_path: Path) -> None:
+    """`deltackpt repair` of a damaged index, three times, while another process saves every few milliseconds:
+    the saves wait for each rebuilt index rather than fail on the empty one (before, the repair let go of the
+    gc lock between moving the damaged index aside and rebuilding it, and saves in between failed with
+    CorruptIndexError "lost or emptied"), and every acknowledged save is in the store afterwards."""
+    import lmdb
+
+    path = tmp_path / "store"
+    with Store(path, chunk_size=CS) as s:
+        for i in range(5):
+            s.save({"x": torch.randn(1000)}, step=i)
+    saver = subprocess.Popen([sys.executable, "-c", _SAVER, str(path), "6"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=cw.worker_env())
+    try:
+        time.sleep(1.5)
+        for n in range(3):
+            env = lmdb.open(str(path / "index"), max_dbs=8)
+            ckpts = env.open_db(b"ckpts")  # (before the write transaction: opening one takes the write lock)
+            with env.begin(write=True) as txn:  # a record that does not parse: the index is damaged
+                txn.put(struct.pack(">Q", 10**9 + n), b"{garbage", db=ckpts)
+            env.close()
+            r = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(path)], capture_output=True,
+                               text=True, env=cw.worker_env())
+            assert r.returncode == 0, r.stderr
+            time.sleep(0.5)
+        out, err = saver.communicate(timeout=TIMEOUT)
+    finally:
+        if saver.poll() is None:
+            saver.kill()
+    assert saver.returncode == 0, err
+    acked = json.loads(out)
+    assert len(acked) > 20
+    with Store(path) as s:
+        listed = {i.id for i in s.list()}
+        assert set(acked) <= listed and s.verify().ok
+
+
+_SAVER = """
+import json, sys, time, torch, deltackpt
+s = deltackpt.Store(sys.argv[1]); acked = []; end = time.time() + float(sys.argv[2])
+while time.time() < end:
+    acked.append(s.save({"x": torch.randn(1000)}, step=len(acked) + 10).id)
+    time.sleep(0.002)
+print(json.dumps(acked))
+"""
