@@ -307,8 +307,8 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save") if async_save else None
         self._inflight: Future[CheckpointInfo] | None = None
         self._inflight_step = -1
-        self._inflight_after: int | None = None  # last_saved_step and last_info before the save in flight
-        self._inflight_info: CheckpointInfo | None = None
+        #: last_saved_step and last_info before the save in flight
+        self._inflight_prev: tuple[int | None, CheckpointInfo | None] = (None, None)
         self._signal: int | None = None
         self._previous: dict[int, Any] = {}
         self._closed = False
@@ -442,11 +442,10 @@ class Checkpointer:
         else:
             snap = self._staging.snapshot(state)
             self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs)
-            self._inflight_step, self._inflight_after, self._inflight_info = step, self.last_saved_step, self.last_info
-            self.last_saved_step = step
+            self._inflight_step, self._inflight_prev = step, (self.last_saved_step, self.last_info)
+            self.last_saved_step = step  # (step() of it again must not start a second save)
             if wait:
                 self.wait()
-        self.last_saved_step = step
 
     def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None, keyframe: bool = False,
                   pairs: dict[str, str] | None = None) -> CheckpointInfo:
@@ -495,9 +494,9 @@ class Checkpointer:
         try:
             return fut.result()
         except BaseException as exc:  # the save's own error, type and all (as Future.result raises it) ...
-            committed = self.last_info is not self._inflight_info  # _run_save set it: only retention failed
-            if self.last_saved_step == self._inflight_step and not committed:  # step() of it saves again
-                self.last_saved_step = self._inflight_after
+            prev_step, prev_info = self._inflight_prev
+            if self.last_info is prev_info:  # not committed (else only its retention failed): step() saves it again
+                self.last_saved_step = prev_step
             if hasattr(exc, "add_note"):  # ... which says where it came from (Python 3.11+)
                 exc.add_note(f"deltackpt: raised by the background save of step {self._inflight_step}")
             raise

@@ -408,16 +408,26 @@ class Index:
         if self._closed:
             return
         self._closed = True
-        key = self._held
-        if key is None or key[0] != os.getpid():
-            return  # never close an environment inherited across fork
         with _REGISTRY_LOCK:
-            sh = _REGISTRY.get(key)
-            if sh is not None:
-                sh.refs -= 1
-                if sh.refs <= 0:
-                    del _REGISTRY[key]
-                    sh.env.close()
+            last = self._let_go()
+        if last is not None:
+            last.env.close()
+
+    def _let_go(self) -> _Shared | None:
+        """Drop this object's reference to its environment; return the environment when that was its last
+        reference in this process (it is then out of the registry). One inherited across fork is never
+        returned. Caller holds _REGISTRY_LOCK."""
+        key, self._held = self._held, None
+        if key is None or key[0] != os.getpid():
+            return None
+        sh = _REGISTRY.get(key)
+        if sh is None:
+            return None
+        sh.refs -= 1
+        if sh.refs > 0:
+            return None
+        del _REGISTRY[key]
+        return sh
 
     @contextmanager
     def _writing(self) -> Iterator[lmdb.Environment]:
@@ -478,15 +488,9 @@ class Index:
         with _REGISTRY_LOCK:
             if real == self._real:
                 return  # another thread of this process followed it meanwhile
-            key = self._held
-            if key is not None and key[0] == os.getpid():
-                sh = _REGISTRY.get(key)
-                if sh is not None:
-                    sh.refs -= 1
-                    if sh.refs <= 0:
-                        del _REGISTRY[key]
-                        _RETIRED.append(sh)
-            self._held = None
+            last = self._let_go()
+            if last is not None:
+                _RETIRED.append(last)
             self._real = real
             self._create = False  # never give a replaced index a format record: only the repair's rebuild does
         self._shared()  # a repair still rebuilding it raises CorruptIndexError here ("lost"), as any open would

@@ -526,7 +526,8 @@ def _restore_store_file(root: Path) -> None:
     if len(sizes) != 1:
         raise DeltackptError(
             f"{root} is not a deltackpt store (no readable STORE file)" if not sizes else
-            f"{root} lost its STORE file and its manifests name several chunk sizes {sorted(sizes)}")
+            f"{root} lost its STORE file (or it is damaged) and its manifests name several chunk sizes "
+            f"{sorted(sizes)}")
     if (root / "STORE").exists():
         os.replace(root / "STORE", root / f"STORE.broken-{int(time.time())}")
     write_store_file(root, config.check_chunk_size(sizes.pop()))
@@ -560,6 +561,22 @@ def _lock_alone(root: Path) -> int:
     return fd
 
 
+def _open_if_readable(path: str | os.PathLike[str], kwargs: dict[str, Any]) -> Store | None:
+    """The store at ``path`` opened for repair, or None when its index cannot be opened or its records read."""
+    from deltackpt.store import Store
+
+    try:
+        store = Store(path, _repair=True, **kwargs)
+    except (lmdb.Error, CorruptionError, ValueError):
+        return None
+    try:
+        store.index.records()
+    except (lmdb.Error, CorruptionError, ValueError):
+        store.close()
+        return None
+    return store
+
+
 def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
     """Open a store whose index may be unreadable, for :func:`repair`: a damaged index is moved aside and an
     empty one created; a lost or damaged ``STORE`` file is written again from the manifests.
@@ -574,18 +591,10 @@ def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
         _restore_store_file(root)
     fd = _lock_alone(root)
     try:
-        try:
-            store = Store(path, _repair=True, **kwargs)
-        except (lmdb.Error, CorruptionError, ValueError):  # the index is unusable: start a new one
+        store = _open_if_readable(path, kwargs)
+        if store is None:  # the index is unusable: start a new one
             rebuild_index_dir(root)
             store = Store(path, _repair=True, **kwargs)
-        else:
-            try:
-                store.index.records()
-            except (lmdb.Error, CorruptionError, ValueError):
-                store.close()
-                rebuild_index_dir(root)
-                store = Store(path, _repair=True, **kwargs)
     except BaseException:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)

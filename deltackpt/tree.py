@@ -263,11 +263,9 @@ class _Flattener:
             return ["dv", str(obj)]
         if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
             return ["ns", obj.dtype.str, obj.tobytes().hex()]
-        hook = _HOOKS_BY_TYPE.get(t)
-        if hook is not None:
-            return ["x", hook.name, self.node(hook.encode(obj), path)]
-        if t is Encoded:
-            return ["x", obj.name, self.node(obj.value, path)]
+        encoded = obj if t is Encoded else encode_registered(obj)
+        if encoded is not None:
+            return ["x", encoded.name, self.node(encoded.value, path)]
         if self.allow_pickle:
             try:
                 data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)

@@ -412,8 +412,11 @@ def test_a_tensor_changed_during_a_save_raises_and_stores_nothing_wrong(tmp_path
     t.start()
     raised: list[str] = []
     saves = 0
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # the writer thread gets the GIL back often, whatever the save is doing
+    deadline = time.monotonic() + 30
     try:  # until two saves met a change (nearly every save does; a loaded machine may run the thread less)
-        while len(raised) < 2 and saves < 60:
+        while len(raised) < 2 and time.monotonic() < deadline:
             saves += 1
             try:
                 store.save({"opt": {"w": w}, "b": torch.ones(8)}, step=saves)
@@ -422,6 +425,7 @@ def test_a_tensor_changed_during_a_save_raises_and_stores_nothing_wrong(tmp_path
     finally:
         stop.set()
         t.join()
+        sys.setswitchinterval(interval)
     assert raised and all(msg.startswith("'opt.w': a tensor changed") for msg in raised), raised
     assert len(store.list()) == saves - len(raised)
     assert not store.verify().problems  # what did commit decodes to its ids
