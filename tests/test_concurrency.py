@@ -486,8 +486,11 @@ def test_saves_elsewhere_wait_for_a_repair_of_a_damaged_index(tmp_path: Path) ->
         for n in range(3):
             env = lmdb.open(str(path / "index"), max_dbs=8)
             ckpts = env.open_db(b"ckpts")  # (before the write transaction: opening one takes the write lock)
-            with env.begin(write=True) as txn:  # a record that does not parse: the index is damaged
-                txn.put(struct.pack(">Q", 10**9 + n), b"{garbage", db=ckpts)
+            # a record that does not parse: the index is damaged. Its key is below every seq (they start at 1), so
+            # the saver's reads of the newest record do not meet it before the repair starts (they would fail,
+            # rightly, with CorruptIndexError); the repair's scan of all records does
+            with env.begin(write=True) as txn:
+                txn.put(struct.pack(">Q", 0), b"{garbage%d" % n, db=ckpts)
             env.close()
             r = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(path)], capture_output=True,
                                text=True, env=cw.worker_env())
