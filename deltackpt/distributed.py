@@ -74,6 +74,13 @@ class _Slot:
 
 
 @dataclass(frozen=True)
+class _Chosen:
+    """A load plan's storage data: the meta checkpoint whose DCP metadata the rank planned its reads from."""
+
+    checkpoint: str | None
+
+
+@dataclass(frozen=True)
 class _Stored:
     """Where one DCP item lies: its key in checkpoint ``checkpoint`` of rank ``rank``'s store, how (``kind``:
     tensor, object, pickled) and its size in bytes."""
@@ -161,6 +168,12 @@ class DeltaStorageWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.root is not None and self.step is not None
+        fut: Future[list[WriteResult]] = Future()
+        if not plan.items:
+            # Nothing planned for this rank (a replicated state saved by the lowest rank only, say): no checkpoint,
+            # as one that no DCP checkpoint names would never be deleted with its step
+            fut.set_result([])
+            return fut
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _Slot) else 0
         tensors: dict[str, torch.Tensor] = {}
         pickled: dict[str, np.ndarray] = {}
@@ -186,7 +199,6 @@ class DeltaStorageWriter(StorageWriter):
         info = store.save({_TENSORS: tensors, _PICKLED: pickled}, step=self.step, metadata={_OBJECTS: objects})
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
                    for index, key, kind, n in kinds]
-        fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
@@ -288,18 +300,22 @@ class DeltaStorageReader(StorageReader):
         self.allow_pickle = allow_pickle
         self.verify = verify
         self._where: dict[MetadataIndex, _Stored] = {}
+        self._chosen: str | None = None  # id of the meta checkpoint read_metadata read
+
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             self.root = Path(checkpoint_id)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    # (no ``**kwargs``: DCP would take that for per-rank metadata and, when this raises, call it again per rank)
+    def read_metadata(self) -> Metadata:
         if self.root is None:
             raise ValueError("DeltaStorageReader needs a root directory (or a checkpoint_id to dcp.load)")
         with _existing(self.root / "meta", "DCP checkpoints", readonly=True) as meta:
             info = meta.info(self.step) if self.step is not None else meta.latest()
             if info is None:
                 raise CheckpointNotFoundError(f"no DCP checkpoint in {self.root}")
+        self._chosen = info.id
         where = f"DCP checkpoint of step {info.step} in {self.root}"
         doc = info.metadata
         if not isinstance(doc, dict) or not isinstance(doc.get("format"), int):
@@ -326,9 +342,16 @@ class DeltaStorageReader(StorageReader):
                         if isinstance(md, TensorStorageMetadata)}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        return replace(plan, storage_data=_Chosen(self._chosen))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        # Every rank read the metadata of a step on its own: without a fixed step, one that committed between
+        # two ranks' reads would have them load different steps, a state mixed of both
+        chosen = {p.storage_data.checkpoint for p in plans if isinstance(p.storage_data, _Chosen)}
+        if len(chosen) > 1:
+            raise DeltackptError(
+                f"the loading ranks read the metadata of different DCP checkpoints in {self.root} (a save "
+                "committed while they started loading the newest); load again, or pass step= to DeltaStorageReader")
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -488,6 +511,8 @@ def prune(root: str | os.PathLike[str]) -> int:
         with _existing(path, f"rank {rank}'s shards") as store:
             ids = [c.id for c in store.list()]  # commit order
         last_named = max((i for i, c in enumerate(ids) if (rank, c) in named), default=-1)
+        if last_named < 0:  # nothing after which an unnamed checkpoint is known stale (all may be saves in progress)
+            continue
         stale |= {(rank, c) for c in ids[:last_named] if (rank, c) not in named}
     _delete_rank_checkpoints(root, stale)
     return len(stale)

@@ -6,7 +6,11 @@ step, which tests/test_distributed.py checks loads against.
 - ``save``: the state of STEP, its matrix sharded by rows over the ranks (``Shard(0)``), saved as STEP;
 - ``load``: the newest checkpoint loaded into the matrix sharded by columns (``Shard(1)``): resharding;
   each rank checks its shard and the plain values and exits 0 only if they match;
-- ``die``: saves STEP but is killed (SIGKILL, by itself) at the coordinator's commit.
+- ``die``: saves STEP but is killed (SIGKILL, by itself) at the coordinator's commit;
+- ``replicated``: saves STEP of a state of plain (not sharded) tensors and values, which DCP's planner, told to
+  save replicated items on the lowest rank, plans for the coordinator alone: the other ranks write nothing;
+- ``load-race``: ``load``, with rank 0 creating ROOT.read once it has read the newest step's metadata and rank 1
+  waiting for ROOT.go before reading it (a test commits a step in between).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import datetime
 import os
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -62,11 +67,32 @@ def main() -> int:
             dcp.save(state, storage_writer=writer)
             writer.close()
             return 0
-        if mode == "load":
+        if mode == "replicated":
+            step = int(sys.argv[6])
+            writer = DeltaStorageWriter(root, step=step)
+            dcp.save({"x": torch.full((1000,), float(step)), "y": torch.ones(10), "step": step}, storage_writer=writer,
+                     planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
+            writer.close()
+            return 0
+        if mode in ("load", "load-race"):
+            reader = DeltaStorageReader(root)
+            if mode == "load-race":
+
+                class Racing(DeltaStorageReader):
+                    def read_metadata(self) -> Any:
+                        if rank == 1:
+                            while not os.path.exists(root + ".go"):
+                                time.sleep(0.02)
+                        md = super().read_metadata()
+                        if rank == 0:
+                            Path(root + ".read").touch()
+                        return md
+
+                reader = Racing(root)
             state = {"w": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
                      "b": distribute_tensor(torch.zeros(COLS, dtype=torch.float64), mesh, [Replicate()]),
                      "step": 0, "tag": "", "sched": {"lr": [0.0, 0.0], "warmup": False}}
-            dcp.load(state, storage_reader=DeltaStorageReader(root))
+            dcp.load(state, storage_reader=reader)
             want = expected(state["step"])
             cols = COLS // world
             ok = (torch.equal(state["w"].to_local(), want["w"][:, rank * cols:(rank + 1) * cols])

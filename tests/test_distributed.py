@@ -9,6 +9,7 @@ import fractions
 import os
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,119 @@ def test_a_crash_at_the_commit_leaves_the_previous_step_newest(tmp_path: Path) -
             assert [c.step for c in s.list()] == [1, 2]
     assert_state(load_full(root, step=1), expected(1))
     assert_state(load_full(root), expected(2))
+
+
+def test_ranks_that_load_the_newest_while_a_step_commits_do_not_mix_steps(tmp_path: Path) -> None:
+    """Two ranks load the newest DCP checkpoint; step 2 commits after rank 0 read step 1's metadata and before
+    rank 1 reads. Before, each rank loaded its own newest and dcp.load returned a state mixed of steps 1 and 2;
+    now the load fails on every rank, naming the cause, and loads again fine."""
+    root = tmp_path / "ckpt"
+    for r in ranks("save", root, tmp_path, 2, 1):
+        assert r.returncode == 0, r.stderr[-3000:]
+    init = tmp_path / "pg-race"
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "load-race", str(r), "2", str(root), str(init)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while not Path(f"{root}.read").exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "rank 0 never read"
+            time.sleep(0.02)
+        for r in ranks("save", root, tmp_path, 2, 2):
+            assert r.returncode == 0, r.stderr[-3000:]
+        Path(f"{root}.go").touch()
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode != 0 and "loaded step" not in out, out + err[-3000:]
+        assert "different DCP checkpoints" in err, err[-3000:]
+    for r in ranks("load", root, tmp_path, 2):
+        assert r.returncode == 0 and "loaded step 2: ok" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+def test_ranks_with_nothing_to_save_commit_no_checkpoint(tmp_path: Path) -> None:
+    """Plain tensors and values, saved by two ranks: DCP plans every item for the coordinator, so rank 1 has
+    nothing to write and commits nothing (before, it committed an empty checkpoint per step that no step named,
+    which deleting the steps never removed). Deleting every step then leaves no checkpoint in any store."""
+    from deltackpt import distributed
+
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        for r in ranks("replicated", root, tmp_path, 2, step):
+            assert r.returncode == 0, r.stderr[-3000:]
+    assert not (root / "rank-00001").exists()
+    assert [i.ranks for i in distributed.summary(root)] == [1, 1, 1]
+    target = {"x": torch.zeros(1000), "step": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=DeltaStorageReader(root, step=2))
+    assert torch.equal(target["x"], torch.full((1000,), 2.0)) and target["step"] == 2
+    for step in (1, 2, 3):
+        distributed.delete(root, step)
+    for store in root.glob("rank-*"):
+        with deltackpt.Store(store) as s:
+            assert s.list() == [], store
+
+
+def test_prune_keeps_unnamed_checkpoints_of_a_rank_that_no_step_names(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank store none of whose checkpoints a DCP checkpoint names (every step deleted by retention, say):
+    its checkpoints may all be saves in progress, and prune keeps them. Before, it deleted all but the newest,
+    and with a step committing meanwhile that deleted the shards of that committed step."""
+    from deltackpt import distributed
+
+    root = tmp_path / "ckpt"
+
+    class Unfinished(DeltaStorageWriter):  # the rank's shards commit; the step's commit never comes
+        def finish(self, metadata: Any, results: Any) -> None:
+            raise RuntimeError("stopped before the commit")
+
+    def save(step: int, writer: type[DeltaStorageWriter] = DeltaStorageWriter) -> None:
+        w = writer(root, step=step)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.save({"x": torch.full((1000,), float(step))}, storage_writer=w)
+        except CheckpointException:
+            assert writer is Unfinished
+        finally:
+            w.close()
+
+    save(0)
+    save(1)
+    distributed.delete(root, 0)
+    distributed.delete(root, 1)
+    save(2, Unfinished)
+    save(3, Unfinished)
+    assert distributed.prune(root) == 0
+    with deltackpt.Store(root / "rank-00000") as s:
+        assert [c.step for c in s.list()] == [2, 3]
+    # a step commits, and the next one's shards, between prune's read of the steps and its look at the rank store
+    real = distributed._existing
+    done: list[bool] = []
+
+    def late(path: Path, what: str, **kwargs: Any) -> deltackpt.Store:
+        if path.name == "rank-00000" and not done:
+            done.append(True)
+            save(5)
+            save(6, Unfinished)
+        return real(path, what, **kwargs)
+
+    for step in (2, 3):
+        with deltackpt.Store(root / "rank-00000") as s:
+            s.delete(step)
+    monkeypatch.setattr(distributed, "_existing", late)
+    assert distributed.prune(root) == 0
+    monkeypatch.setattr(distributed, "_existing", real)
+    assert distributed.steps(root) == [5]
+    target = {"x": torch.zeros(1000)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=DeltaStorageReader(root, step=5))
+    assert torch.equal(target["x"], torch.full((1000,), 5.0))
+    assert distributed.prune(root) == 0  # step 6's shards are the newest: maybe in progress
 
 
 def test_incremental_steps_write_only_what_changed(tmp_path: Path) -> None:
