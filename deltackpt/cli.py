@@ -22,8 +22,9 @@ import lmdb
 import torch
 
 from deltackpt import codec, maintenance, manifest, packs, tree
-from deltackpt.errors import DeltackptError
-from deltackpt.store import Store
+from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
+from deltackpt.retention import THINNED_KEY
+from deltackpt.store import Store, _check_step
 
 
 def human(n: float) -> str:
@@ -76,7 +77,7 @@ def progress(desc: str) -> Iterator[Callable[[int, int], None] | None]:
 def _which(arg: str) -> dict[str, Any]:
     if arg == "latest":
         return {}
-    if arg.isdigit():
+    if arg.isascii() and arg.isdigit():
         return {"step": int(arg)}
     return {"id": manifest.check_id(arg)}
 
@@ -176,7 +177,10 @@ def cmd_du(args: argparse.Namespace) -> int:
         deltas = [0, 0, 0]  # delta frames: count, raw bytes, frame bytes
         predicted = [0, 0, 0]  # predicted frames: the same
         deepest = 0
-        for k, loc in s.index.iter_chunks():
+        live = maintenance._live_keys(s, s.index.records())  # what gc would keep: chunks of deleted checkpoints
+        for k, loc in s.index.iter_chunks():                 # are not counted, and gc reclaims their frames
+            if k not in live:
+                continue
             raw = int.from_bytes(k[16:], "big")
             unique_raw += raw
             frames += loc.frame_len
@@ -193,8 +197,8 @@ def cmd_du(args: argparse.Namespace) -> int:
         rows = [
             ("checkpoints", len(infos)),
             ("logical bytes (all checkpoints)", human(logical)),
-            ("unique chunk bytes", f"{human(unique_raw)} in {n_chunks} chunks"),
-            ("stored frame bytes", human(frames)),
+            ("unique chunk bytes (retained checkpoints)", f"{human(unique_raw)} in {n_chunks} chunks"),
+            ("stored frame bytes (retained checkpoints)", human(frames)),
             ("packs + manifests on disk", f"{human(packs_bytes)} + {human(man_bytes)}"),
             ("dedup ratio (logical / unique)", f"{logical / unique_raw:.2f}x" if unique_raw else "-"),
             ("compression ratio (unique / stored)", f"{unique_raw / frames:.2f}x" if frames else "-"),
@@ -226,9 +230,12 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     with _open(args.store) as s:
-        for c in args.checkpoint:
-            info = s.delete(**(_which(c) or {"id": s.info().id}))
-            print(f"deleted checkpoint {info.id} (step {info.step})")
+        # every argument resolved before anything is deleted: a bad or missing one fails the call, which then
+        # deleted nothing (one named twice is deleted once)
+        ids = list(dict.fromkeys(s.info(**_which(c)).id for c in args.checkpoint))
+        deleted = [s.delete(id=i) for i in ids]
+    for info in deleted:
+        print(f"deleted checkpoint {info.id} (step {info.step})")
     print("run 'deltackpt gc' to reclaim space")
     return 0
 
@@ -253,7 +260,11 @@ def cmd_dcp(args: argparse.Namespace) -> int:
     from deltackpt import distributed  # imports torch.distributed.checkpoint: only for this command
 
     root = Path(args.store)
-    for step in args.rm:
+    if args.rm:
+        missing = sorted(set(args.rm) - set(distributed.steps(root)))
+        if missing:  # refused before any step is deleted
+            raise DeltackptError(f"{root} has no DCP checkpoint of step {', '.join(map(str, missing))}")
+    for step in dict.fromkeys(args.rm):
         distributed.delete(root, step)
         print(f"deleted DCP checkpoint of step {step}")
     if args.prune:
@@ -400,7 +411,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     dest = Path(args.store)
     if not (dest / "STORE").exists() and (dest / "meta" / "STORE").exists():
         _open(args.store)  # a DCP root: refused, with the same message as every other command
-    tree.flatten(state)  # a state the store cannot hold is refused before a new store is created for it
+    # a step or state the store cannot hold is refused before a new store is created for it
+    _check_step(args.step)
+    tree.flatten(state)
     with Store(dest) as s:
         info = s.save(state, step=args.step, metadata={"imported_from": src.name})
     print(f"imported {src} as checkpoint {info.id} (step {info.step}); wrote {human(info.written_bytes)}")
@@ -438,16 +451,43 @@ def _settings(value: dict[Any, Any], limit: int = 80) -> str:
     return out
 
 
+def _resume_point(s: Store) -> Any:
+    """The checkpoint ``Checkpointer.restore()`` would restore, found as it does: the newest whose chunks all
+    decode and verify, passing over damaged ones (printed) but never back to a thinned one; None for an empty
+    store. Raises :class:`DeltackptError` when no checkpoint would restore."""
+    damaged = 0
+    for info in reversed(s.list()):
+        if damaged and isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY):
+            break
+        try:
+            report = s.verify(id=info.id)
+            problem = None if report.ok else str(report.problems[0])
+        except CheckpointNotFoundError:
+            continue  # deleted meanwhile
+        except CorruptionError as exc:  # (a damaged manifest)
+            problem = _first_line(exc)
+        if problem is None:
+            return info
+        damaged += 1
+        print(f"checkpoint {info.id} (step {info.step}) is damaged, a restore passes over it: {problem}")
+    if damaged:
+        raise DeltackptError(f"no checkpoint of {s.path} would restore: the {damaged} newest are damaged and no "
+                             "full checkpoint before them is intact ('deltackpt verify' lists the damage)")
+    return None
+
+
 def cmd_resume_info(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
-        latest = s.latest()
+        latest = _resume_point(s) if args.verify else s.latest()
         if latest is None:
             print(f"{args.store} holds no checkpoint: a run would start from step 0")
             return 0
         m = s.manifest(id=latest.id)
         # the skeleton with tensor descriptions in place of tensors: plain values without loading any bytes
         state = tree.unflatten(m.tree, list(m.tensors), allow_pickle=False) if not _has_pickle(m.tree) else None
-        print(f"a run would resume from step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)})")
+        print(f"a run would resume from step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)})"
+              + ("" if args.verify else "; its chunks were not read ('--verify' decodes them and passes over "
+                 "damaged checkpoints, as a restore does)"))
         if not isinstance(state, dict) or "model" not in state:
             print("this checkpoint was not written by a Checkpointer: Store.load it directly")
             return 0
@@ -521,7 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     im = add("import", cmd_import, "store a .pt (weights_only) or .safetensors file as a checkpoint")
     im.add_argument("file", help="source file")
     im.add_argument("--step", type=int, required=True, help="step to record")
-    add("resume-info", cmd_resume_info, "which step a training run would resume from, and what it holds")
+    ri = add("resume-info", cmd_resume_info, "which step a training run would resume from, and what it holds")
+    ri.add_argument("--verify", action="store_true",
+                    help="decode the checkpoints as a restore does, passing over damaged ones (reads their chunks)")
     dc = add("dcp", cmd_dcp, "list (and delete, prune, gc) the steps of a sharded torch.distributed.checkpoint root")
     dc.add_argument("--rm", type=int, nargs="+", default=[], metavar="STEP", help="delete these steps first")
     dc.add_argument("--prune", action="store_true", help="delete shards of saves that never committed")
@@ -533,7 +575,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        rc = _run(args)
+        sys.stdout.flush()
+        return rc
+    except BrokenPipeError:
+        # the reader of the output went away (``deltackpt ls STORE | head -1``): no error message, and no second
+        # failure when the interpreter flushes stdout at exit; 141 as for a process killed by SIGPIPE
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # (a stdout without a file descriptor: tests)
+            pass
+        return 141
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         return int(args.fn(args))
+    except BrokenPipeError:
+        raise
     except KeyboardInterrupt:
         print("deltackpt: interrupted", file=sys.stderr)
         return 130
@@ -544,8 +603,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DeltackptError, OSError, ValueError, TypeError, RuntimeError) as exc:
         print(f"deltackpt: error: {_first_line(exc)}", file=sys.stderr)
         return 1
-    finally:
-        sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -81,6 +81,7 @@ class GcReport:
     deleted_packs: int = 0
     repacked_packs: int = 0
     moved_chunks: int = 0
+    #: bytes of packs and orphan manifests deleted, less what repacking copied into new packs
     freed_bytes: int = 0
     orphan_manifests: int = 0
     skipped_active_packs: int = 0
@@ -362,6 +363,7 @@ def gc(
                         break
                     report.moved_chunks += len(moved)
                     report.repacked_packs += 1
+                    report.freed_bytes -= sum(loc.frame_len for loc in moved.values())  # their copies: freed is net
                     _unlink_packs(store, [all_packs[pack_id]], report)
                     if progress is not None:
                         progress(n, len(to_repack))

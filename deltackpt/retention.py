@@ -10,6 +10,7 @@ kept. A policy with no rules keeps everything.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,17 +56,22 @@ class Retention:
     full_last: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("keep_last", "keep_every", "full_last"):
+        # checked here, at construction: a policy is applied after each save's commit, where a bad value would
+        # fail every save (or, as a NaN keep_within did, keep nothing)
+        for name in ("keep_last", "keep_every", "full_last", "best_k"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            if (v is not None or name == "best_k") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"Retention.{name} must be a positive int, got {v!r}")
         if self.keep_best is not None:
-            if len(self.keep_best) != 2 or self.keep_best[1] not in ("min", "max"):
-                raise ValueError("Retention.keep_best must be (metric, 'min' or 'max')")
-        if self.best_k < 1:
-            raise ValueError("Retention.best_k must be >= 1")
-        if self.keep_within is not None and self.keep_within < 0:
-            raise ValueError("Retention.keep_within must be >= 0 seconds")
+            if (not isinstance(self.keep_best, (tuple, list)) or len(self.keep_best) != 2
+                    or not isinstance(self.keep_best[0], str) or self.keep_best[1] not in ("min", "max")):
+                raise ValueError(f"Retention.keep_best must be (metric, 'min' or 'max'), got {self.keep_best!r}")
+        if not isinstance(self.keep_tagged, bool):
+            raise ValueError(f"Retention.keep_tagged must be a bool, got {self.keep_tagged!r}")
+        if self.keep_within is not None and (
+                isinstance(self.keep_within, bool) or not isinstance(self.keep_within, (int, float))
+                or not math.isfinite(self.keep_within) or self.keep_within < 0):
+            raise ValueError(f"Retention.keep_within must be a finite number of seconds >= 0, got {self.keep_within!r}")
 
     @property
     def deletes_anything(self) -> bool:

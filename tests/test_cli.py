@@ -242,11 +242,11 @@ def test_du_counts_and_ratios(capsys: pytest.CaptureFixture[str], store_path: Pa
     du = _du(out)
     assert du["checkpoints"] == "3"
     assert size_of(du["logical bytes (all checkpoints)"]) == pytest.approx(9 * CS, rel=0.01)
-    assert du["unique chunk bytes"] == "12.0 KiB in 3 chunks"
+    assert du["unique chunk bytes (retained checkpoints)"] == "12.0 KiB in 3 chunks"
     assert du["dedup ratio (logical / unique)"] == "3.00x"
     compression = float(du["compression ratio (unique / stored)"].removesuffix("x"))
     assert compression > 1.5
-    assert size_of(du["stored frame bytes"]) == pytest.approx(3 * CS / compression, rel=0.02)
+    assert size_of(du["stored frame bytes (retained checkpoints)"]) == pytest.approx(3 * CS / compression, rel=0.02)
     on_disk = sum(p.stat().st_size for p in pack_files(store_path))
     on_disk += sum(p.stat().st_size for p in (store_path / "manifests").glob("*.manifest"))
     assert du["overall (logical / on disk)"] == f"{9 * CS / on_disk:.2f}x"
@@ -381,6 +381,51 @@ def test_rm_several_and_latest(capsys: pytest.CaptureFixture[str], store_path: P
     assert ls_pairs(capsys, store_path) == [(2, ids[2])]
 
 
+def test_rm_resolves_every_argument_before_deleting_any(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                        three: dict[str, Any]) -> None:
+    """A failed rm deletes nothing: before, `rm S 1 notanid` deleted step 1, then failed on the bad id."""
+    ids = three["ids"]
+    for bad in (["1", "notanid"], ["2", "99"], ["latest", "\u00b9"]):
+        rc, out, err = cli(capsys, "rm", store_path, *bad)
+        assert rc == 1 and out == ""
+        assert_one_line_error(err)
+        assert ls_pairs(capsys, store_path) == sorted(ids.items())
+    rc, out, err = cli(capsys, "rm", store_path, 3, 3, ids[3])  # one checkpoint named three times: deleted once
+    assert rc == 0 and err == ""
+    assert out.splitlines() == [f"deleted checkpoint {ids[3]} (step 3)", "run 'deltackpt gc' to reclaim space"]
+    assert ls_pairs(capsys, store_path) == [(1, ids[1]), (2, ids[2])]
+
+
+def test_du_counts_what_retained_checkpoints_reach(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """After deleting checkpoints, du's unique and stored bytes are those of the retained ones, and "reclaimable
+    by gc" is what gc then frees (before, chunks of deleted checkpoints counted as live: 16 B reclaimable)."""
+    with open_store(store_path) as s:
+        for step in range(1, 6):
+            s.save({f"t{step}": rand(3 * CS, step)}, step=step)
+        for step in range(1, 5):
+            s.delete(step)
+    rc, out, err = cli(capsys, "du", store_path)
+    assert rc == 0 and err == ""
+    du = _du(out)
+    assert du["unique chunk bytes (retained checkpoints)"].endswith(" in 3 chunks")
+    reclaimable = size_of(du["reclaimable by gc (packs - live frames)"])
+    with open_store(store_path) as s:
+        freed = s.gc().freed_bytes
+    assert freed > 8 * CS and reclaimable == pytest.approx(freed, rel=0.05)
+
+
+def test_output_to_a_closed_pipe_is_not_an_error(store_path: Path, three: dict[str, Any]) -> None:
+    """`deltackpt ls STORE | head -1`: the reader goes away; deltackpt exits 141 (as on SIGPIPE) with nothing
+    on stderr, where it printed "error: [Errno 32] Broken pipe" and exited 1."""
+    for cmd in (["ls"], ["log"], ["du"], ["verify"], ["resume-info"]):
+        p = subprocess.Popen([sys.executable, "-m", "deltackpt", *cmd, str(store_path)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert p.stdout is not None and p.stderr is not None
+        p.stdout.close()  # before anything is written: the first write meets a closed pipe
+        err = p.stderr.read().decode()
+        assert p.wait(timeout=120) == 141 and err == "", (cmd, err)
+
+
 def test_repair_restores_checkpoints_after_index_loss(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                       three: dict[str, Any]) -> None:
     shutil.rmtree(store_path / "index")
@@ -513,6 +558,16 @@ def test_import_pt(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_pat
         assert info.id == m[1] and info.metadata == {"imported_from": "weights.pt"}
         assert_same_state(torch.load(src, weights_only=True), s.load(7))
         assert_same_state(state, s.load(7))
+
+
+def test_import_with_a_bad_step_creates_no_store(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    src = tmp_path / "weights.pt"
+    torch.save({"w": torch.ones(3)}, src)
+    dest = tmp_path / "new"
+    rc, out, err = cli(capsys, "import", dest, src, "--step", -1)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "step must be between 0 and 2**63-1, got -1")
+    assert not dest.exists()
 
 
 def test_import_safetensors(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path) -> None:
@@ -658,6 +713,43 @@ def test_resume_info_checkpointer_store(capsys: pytest.CaptureFixture[str], stor
     # it is the step a Checkpointer would resume from
     with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(4, 3), handle_signals=False) as ck2:
         assert ck2.restore() == 5
+
+
+def test_resume_info_verify_passes_over_damage_as_restore_does(capsys: pytest.CaptureFixture[str],
+                                                               store_path: Path) -> None:
+    """With the newest checkpoint damaged, `resume-info` names it (it reads no chunk, and says so) while
+    `resume-info --verify` decodes as `Checkpointer.restore()` does and names the step restore resumes from."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with deltackpt.Checkpointer(store_path, model=model, async_save=False, handle_signals=False) as ck:
+        ck.save(3)
+        ids = {3: ck.last_info.id}
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ck.save(5, metadata={"loss": 1.5})
+        ids[5] = ck.last_info.id
+    newest = max(pack_files(store_path), key=lambda p: p.stat().st_mtime_ns)
+    data = bytearray(newest.read_bytes())
+    data[-8] ^= 0xFF  # the payload of the last frame written: step 5's new weight chunk
+    newest.write_bytes(bytes(data))
+    rc, out, err = cli(capsys, "resume-info", store_path)
+    assert rc == 0 and err == ""
+    assert out.startswith(f"a run would resume from step 5 (checkpoint {ids[5]}") and "'--verify'" in out
+    rc, out, err = cli(capsys, "resume-info", store_path, "--verify")
+    assert rc == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith(f"checkpoint {ids[5]} (step 5) is damaged, a restore passes over it: ")
+    assert lines[1].startswith(f"a run would resume from step 3 (checkpoint {ids[3]}, saved ")
+    with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(4, 3), handle_signals=False) as ck2:
+        with pytest.warns(RuntimeWarning):
+            assert ck2.restore() == 3
+    m3 = store_path / "manifests" / f"{ids[3]}.manifest"
+    data = bytearray(m3.read_bytes())
+    data[40] ^= 0xFF
+    m3.write_bytes(bytes(data))
+    rc, out, err = cli(capsys, "resume-info", store_path, "--verify")  # nothing would restore: an error
+    assert rc == 1 and out.count("is damaged, a restore passes over it") == 2
+    assert_one_line_error(err, "no checkpoint of", "would restore")
 
 
 def test_resume_info_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:

@@ -378,6 +378,9 @@ def test_the_dcp_command_lists_deletes_prunes_and_collects(tmp_path: Path,
     info = distributed.summary(root)
     assert [i.ranks for i in info] == [1, 1, 1] and info[0].logical_bytes == x.numel() * 4
     assert info[1].written_bytes < info[0].written_bytes / 5
+    assert main(["dcp", str(root), "--rm", "10", "99"]) == 1  # refused whole: step 10 is not deleted either
+    assert "no DCP checkpoint of step 99" in capsys.readouterr().err
+    assert distributed.steps(root) == [10, 20, 30]
     assert main(["dcp", str(root), "--rm", "10", "20", "--prune", "--gc"]) == 0
     out = capsys.readouterr().out
     assert "deleted DCP checkpoint of step 10" in out and "pruned 0" in out and "gc rank-00000" in out

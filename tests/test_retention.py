@@ -362,7 +362,9 @@ def test_tagged_and_best_survive_in_a_real_store(store_path: Path) -> None:
 
 def test_retention_validation() -> None:
     for kw in ({"keep_last": 0}, {"keep_every": -1}, {"full_last": 0}, {"best_k": 0}, {"keep_within": -1.0},
-               {"keep_best": ("loss", "median")}):
+               {"keep_best": ("loss", "median")}, {"keep_within": float("nan")}, {"keep_within": float("inf")},
+               {"keep_within": "60"}, {"keep_last": True}, {"best_k": 1.5}, {"best_k": True}, {"best_k": None},
+               {"keep_every": 2.0}, {"keep_tagged": "yes"}, {"keep_best": "loss"}):
         with pytest.raises(ValueError):
             Retention(**kw)
     assert deltackpt.Retention().plan([]).keep == []
