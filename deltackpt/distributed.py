@@ -61,9 +61,12 @@ from deltackpt.errors import (
 )
 from deltackpt.store import Store
 
-#: version of the plain-value layout of DCP metadata in ``root/meta`` checkpoints
-META_FORMAT = 1
-_TENSORS, _PICKLED, _OBJECTS = "tensors", "pickled", "dcp_objects"
+#: version of the plain-value layout of DCP metadata in ``root/meta`` checkpoints (2: plain values and blobs in
+#: the rank checkpoints' state; format 1 kept plain values in their metadata, which readers still accept)
+META_FORMAT = 2
+_TENSORS, _PICKLED, _OBJECTS, _BLOBS = "tensors", "pickled", "dcp_objects", "blobs"
+#: ``bytes`` values at least this long are stored as uint8 arrays (chunked, deduplicated, counted as written)
+BLOB_MIN = 4096
 
 
 @dataclass(frozen=True)
@@ -177,13 +180,17 @@ class DeltaStorageWriter(StorageWriter):
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _Slot) else 0
         tensors: dict[str, torch.Tensor] = {}
         pickled: dict[str, np.ndarray] = {}
+        blobs: dict[str, np.ndarray] = {}
         objects: dict[str, Any] = {}
         kinds: list[tuple[Any, str, str, int]] = []
         for item in plan.items:
             key = _item_key(item.index)
             if item.type == WriteItemType.BYTE_IO:
                 obj, plain = _plain_object(planner, item.index)
-                if plain:
+                if plain and type(obj) is bytes and len(obj) >= BLOB_MIN:
+                    blobs[key] = np.frombuffer(obj, np.uint8)
+                    kinds.append((item.index, key, "blob", len(obj)))
+                elif plain:
                     objects[key] = obj
                     kinds.append((item.index, key, "object", 0))
                 else:
@@ -196,7 +203,8 @@ class DeltaStorageWriter(StorageWriter):
                 tensors[key] = t if t.is_contiguous() else t.contiguous()
                 kinds.append((item.index, key, "tensor", t.numel() * t.element_size()))
         store = self._store(_rank_path(self.root, rank))
-        info = store.save({_TENSORS: tensors, _PICKLED: pickled}, step=self.step, metadata={_OBJECTS: objects})
+        # Plain values go into the state's skeleton (the manifest), once; large bytes values are chunked like tensors
+        info = store.save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step)
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
                    for index, key, kind, n in kinds]
         fut.set_result(results)
@@ -320,7 +328,7 @@ class DeltaStorageReader(StorageReader):
         doc = info.metadata
         if not isinstance(doc, dict) or not isinstance(doc.get("format"), int):
             raise CorruptManifestError(f"{where}: not DCP metadata")
-        if doc["format"] > META_FORMAT:
+        if doc["format"] > META_FORMAT:  # (format 1 differs only in where rank checkpoints keep plain values)
             raise FormatVersionError(f"{where}: DCP metadata format {doc['format']} is newer than this reader's")
         try:
             sdm = {fqn: _decode_md(fqn, d, where) for fqn, d in doc["state_dict_metadata"].items()}
@@ -376,6 +384,7 @@ class DeltaStorageReader(StorageReader):
         bufs: dict[str, torch.Tensor] = {}
         spans: dict[str, tuple[int, int]] = {}
         pickled: dict[str, np.ndarray] = {}
+        blobs: dict[str, np.ndarray] = {}
         for req, s in reqs:
             if s.kind == "tensor":
                 if s.key not in bufs:
@@ -394,12 +403,14 @@ class DeltaStorageReader(StorageReader):
                         f"DCP item {req.storage_index.fqn!r} was saved pickled (a value deltackpt cannot store as "
                         "plain data); pass allow_pickle=True to DeltaStorageReader to unpickle it")
                 pickled[s.key] = np.empty(s.nbytes, np.uint8)
+            elif s.kind == "blob":
+                blobs[s.key] = np.empty(s.nbytes, np.uint8)
         objects: Mapping[str, Any] = {}
         if any(s.kind == "object" for _, s in reqs):
-            objects = (store.info(id=ckpt).metadata or {}).get(_OBJECTS, {})
-        if bufs or pickled:
-            missing = store.load_into({_TENSORS: bufs, _PICKLED: pickled}, id=ckpt, verify=self.verify,
-                                      strict=False, spans=spans)
+            objects = _stored_objects(store, ckpt)
+        if bufs or pickled or blobs:
+            missing = store.load_into({_TENSORS: bufs, _PICKLED: pickled, _BLOBS: blobs}, id=ckpt,
+                                      verify=self.verify, strict=False, spans=spans)
             if missing:
                 raise CorruptManifestError(f"checkpoint {ckpt} of {store.path} lacks DCP items {missing[:5]}")
         for req, s in reqs:
@@ -409,6 +420,9 @@ class DeltaStorageReader(StorageReader):
                         raise CorruptManifestError(f"checkpoint {ckpt} of {store.path} lacks DCP item {s.key!r}")
                     value = io.BytesIO()
                     torch.save(objects[s.key], value)  # plain values this reader decoded: nothing of the store runs
+                elif s.kind == "blob":
+                    value = io.BytesIO()
+                    torch.save(blobs[s.key].tobytes(), value)
                 else:
                     value = io.BytesIO(pickled[s.key].tobytes())
                 value.seek(0)
@@ -430,6 +444,17 @@ class DeltaStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _is_root(checkpoint_id)
+
+
+def _stored_objects(store: Store, ckpt: str) -> Mapping[str, Any]:
+    """The plain DCP values of rank checkpoint ``ckpt``: from its state's skeleton (read without decoding any
+    chunk), or from its metadata where a version-1 writer kept them."""
+    m = store.manifest(id=ckpt)
+    skeleton = tree.unflatten(m.tree, list(m.tensors), allow_pickle=False)
+    if isinstance(skeleton, dict) and isinstance(skeleton.get(_OBJECTS), dict):
+        return skeleton[_OBJECTS]
+    meta = store.info(id=ckpt).metadata
+    return meta.get(_OBJECTS, {}) if isinstance(meta, dict) else {}
 
 
 def _byte_span(shard: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
