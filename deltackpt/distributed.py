@@ -112,12 +112,13 @@ def _is_root(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / "meta" / "STORE").exists()
 
 
-def _existing(path: Path, what: str, *, readonly: bool = False) -> Store:
+def _existing(path: Path, what: str, *, readonly: bool = False, allow_network_fs: bool | None = None) -> Store:
     """The existing store at ``path`` (``what`` names it in the error when there is none); ``readonly`` for
     readers, which then change nothing and work on a read-only mount."""
     if not (path / "STORE").exists():
         raise CheckpointNotFoundError(f"{what}: no deltackpt store at {path}")
-    return Store(path, threads=_threads_per_rank(), readonly=True if readonly else None)
+    return Store(path, threads=_threads_per_rank(), readonly=True if readonly else None,
+                 allow_network_fs=allow_network_fs)
 
 
 class DeltaStorageWriter(StorageWriter):
@@ -298,15 +299,17 @@ def _decode_md(fqn: str, d: Any, where: str) -> Any:
 class DeltaStorageReader(StorageReader):
     """DCP storage reader of the deltackpt stores under ``root``: the DCP checkpoint of ``step`` (the newest
     when None). ``allow_pickle=True`` loads non-tensor values the writer could only keep pickled; ``verify``
-    is :meth:`Store.load`'s."""
+    is :meth:`Store.load`'s; ``allow_network_fs`` is :class:`Store`'s (loading ranks on several hosts read the
+    stores from a shared filesystem: safe while no process writes them)."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
-                 allow_pickle: bool = False, verify: bool = True) -> None:
+                 allow_pickle: bool = False, verify: bool = True, allow_network_fs: bool | None = None) -> None:
         super().__init__()
         self.root = None if root is None else Path(root)
         self.step = step
         self.allow_pickle = allow_pickle
         self.verify = verify
+        self.allow_network_fs = allow_network_fs
         self._where: dict[MetadataIndex, _Stored] = {}
         self._chosen: str | None = None  # id of the meta checkpoint read_metadata read
 
@@ -319,7 +322,8 @@ class DeltaStorageReader(StorageReader):
     def read_metadata(self) -> Metadata:
         if self.root is None:
             raise ValueError("DeltaStorageReader needs a root directory (or a checkpoint_id to dcp.load)")
-        with _existing(self.root / "meta", "DCP checkpoints", readonly=True) as meta:
+        with _existing(self.root / "meta", "DCP checkpoints", readonly=True,
+                       allow_network_fs=self.allow_network_fs) as meta:
             info = meta.info(self.step) if self.step is not None else meta.latest()
             if info is None:
                 raise CheckpointNotFoundError(f"no DCP checkpoint in {self.root}")
@@ -371,7 +375,8 @@ class DeltaStorageReader(StorageReader):
                 raise CorruptManifestError(f"DCP metadata in {self.root} does not say where {req.storage_index} lies")
             by_checkpoint.setdefault((s.rank, s.checkpoint), []).append((req, s))
         for (rank, ckpt), reqs in sorted(by_checkpoint.items()):
-            with _existing(_rank_path(self.root, rank), f"rank {rank}'s shards", readonly=True) as store:
+            with _existing(_rank_path(self.root, rank), f"rank {rank}'s shards", readonly=True,
+                           allow_network_fs=self.allow_network_fs) as store:
                 self._read_checkpoint(store, ckpt, reqs, planner)
         fut: Future[None] = Future()
         fut.set_result(None)

@@ -38,3 +38,25 @@ def test_local_filesystems_pass(tmp_path: Path) -> None:
 def test_filesystem_type_reads_the_mount_table(tmp_path: Path) -> None:
     assert index.filesystem_type(Path("/proc")) == "proc"
     assert index.filesystem_type(tmp_path) != ""
+
+
+def test_a_dcp_reader_on_a_shared_filesystem(tmp_path: Path, monkeypatch) -> None:
+    """Ranks loading on several hosts read the stores from a shared filesystem: refused by default, as every
+    store is, and allowed by DeltaStorageReader(allow_network_fs=True)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from deltackpt.distributed import DeltaStorageReader, DeltaStorageWriter
+
+    root = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": torch.arange(5.0)}, storage_writer=DeltaStorageWriter(root, step=1))
+        monkeypatch.setattr(index, "filesystem_type", lambda p: "nfs4")
+        target = {"x": torch.zeros(5)}
+        with pytest.raises(CheckpointException, match="nfs4"):
+            dcp.load(target, storage_reader=DeltaStorageReader(root))
+        dcp.load(target, storage_reader=DeltaStorageReader(root, allow_network_fs=True))
+    assert torch.equal(target["x"], torch.arange(5.0))
