@@ -555,6 +555,8 @@ def _named(info: Any) -> set[tuple[int, str]]:
 
 def _delete_rank_checkpoints(root: Path, which: set[tuple[int, str]]) -> None:
     for rank in sorted({r for r, _ in which}):
+        if not (_rank_path(root, rank) / "STORE").exists():
+            continue  # the rank's store is gone (removed by hand): so are its checkpoints
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards") as store:
             for r, ckpt in which:
                 if r == rank:

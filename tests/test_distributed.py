@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fractions
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -359,6 +360,9 @@ def test_steps_and_delete(tmp_path: Path) -> None:
     assert torch.equal(target["x"], torch.full((100,), 3.0))
     with pytest.raises(deltackpt.CheckpointNotFoundError):
         distributed.delete(root, 4)
+    shutil.rmtree(root / "rank-00000")  # a rank's store removed by hand: deleting a step still succeeds
+    distributed.delete(root, 5)
+    assert distributed.steps(root) == [3]
 
 
 def test_async_save(tmp_path: Path) -> None:
