@@ -177,9 +177,15 @@ def cmd_du(args: argparse.Namespace) -> int:
         deltas = [0, 0, 0]  # delta frames: count, raw bytes, frame bytes
         predicted = [0, 0, 0]  # predicted frames: the same
         deepest = 0
-        live = maintenance._live_keys(s, s.index.records())  # what gc would keep: chunks of deleted checkpoints
-        for k, loc in s.index.iter_chunks():                 # are not counted, and gc reclaims their frames
-            if k not in live:
+        try:  # what gc would keep: chunks of deleted checkpoints are not counted, and gc reclaims their frames
+            live: set[bytes] | None = maintenance._live_keys(s, s.index.records())
+            scope = "retained checkpoints"
+        except (DeltackptError, OSError) as exc:  # a damaged manifest: what it names is unknown, count all
+            live, scope = None, "every indexed chunk"
+            print(f"deltackpt: counting every indexed chunk, as gc could not tell which are live: {_first_line(exc)}",
+                  file=sys.stderr)
+        for k, loc in s.index.iter_chunks():
+            if live is not None and k not in live:
                 continue
             raw = int.from_bytes(k[16:], "big")
             unique_raw += raw
@@ -197,8 +203,8 @@ def cmd_du(args: argparse.Namespace) -> int:
         rows = [
             ("checkpoints", len(infos)),
             ("logical bytes (all checkpoints)", human(logical)),
-            ("unique chunk bytes (retained checkpoints)", f"{human(unique_raw)} in {n_chunks} chunks"),
-            ("stored frame bytes (retained checkpoints)", human(frames)),
+            (f"unique chunk bytes ({scope})", f"{human(unique_raw)} in {n_chunks} chunks"),
+            (f"stored frame bytes ({scope})", human(frames)),
             ("packs + manifests on disk", f"{human(packs_bytes)} + {human(man_bytes)}"),
             ("dedup ratio (logical / unique)", f"{logical / unique_raw:.2f}x" if unique_raw else "-"),
             ("compression ratio (unique / stored)", f"{unique_raw / frames:.2f}x" if frames else "-"),

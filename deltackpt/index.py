@@ -646,6 +646,11 @@ class Index:
             return int(txn.stat(self.db_ckpts)["entries"])
 
     # -- maintenance ----------------------------------------------------------------------------------
+    def has_format_record(self) -> bool:
+        """Whether the index holds its ``format`` record (an index a repair opened may not: emptied, or lost)."""
+        with self.env.begin() as txn:
+            return txn.get(b"format", db=self.db_meta) is not None
+
     def apply_chunk_changes(self, delete: Iterable[bytes], move: dict[bytes, ChunkLoc]) -> None:
         """One transaction that drops dead chunk entries and points moved ones at their new frames."""
         with self._write() as txn:

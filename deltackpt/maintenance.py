@@ -567,12 +567,20 @@ def _open_if_readable(path: str | os.PathLike[str], kwargs: dict[str, Any]) -> S
     """The store at ``path`` opened for repair, or None when its index cannot be opened or its records read."""
     from deltackpt.store import Store
 
+    data = Path(path) / "index" / "data.mdb"
+    if not data.is_file() or data.stat().st_size == 0:
+        # Lost: not opened here, as LMDB would create a new data file beside the lock file that processes still
+        # reading the old (unlinked) one share, and their reads would follow this file's commits. Moved aside
+        # instead, so they follow the new index directory (Index.refresh).
+        return None
     try:
         store = Store(path, _repair=True, **kwargs)
     except (lmdb.Error, CorruptionError, ValueError):
         return None
     try:
         store.index.records()
+        if not store.index.has_format_record():  # emptied: as lost
+            raise CorruptIndexError(f"the index of store {path} holds no format record")
     except (lmdb.Error, CorruptionError, ValueError):
         store.close()
         return None

@@ -448,6 +448,18 @@ class Store:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    def _refresh(self) -> None:
+        """:meth:`Index.refresh` for what users ask about the store (``list``, ``info``, ...), which takes no lock.
+        A repair in another process rebuilding the index makes it read as lost until the rebuild commits: then
+        wait for the repair (it holds the gc lock exclusively) and look again, as saves and loads do."""
+        try:
+            self.index.refresh()
+        except CorruptIndexError:
+            if self._alone_fd is not None:
+                raise
+            with self._gc_lock():  # (which refreshes once it has the lock: still lost, it raises)
+                pass
+
     def _release_alone(self) -> None:
         """Let go of the gc lock a repair's handle holds (see ``_alone_fd``)."""
         fd, self._alone_fd = self._alone_fd, None
@@ -525,7 +537,7 @@ class Store:
 
     def list(self) -> list[CheckpointInfo]:
         """Every retained checkpoint, oldest commit first."""
-        self.index.refresh()  # (as everything users ask about the store: see Index.refresh)
+        self._refresh()
         records = self.index.records()
         ids = {r.id for r in records}
         moved = {old: r.id for r in records for old in r.extra.get("replaces", ())}
@@ -535,21 +547,21 @@ class Store:
     def info(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:
         """The checkpoint at ``step`` (the newest one with that step), or with ``id`` (also an id it replaced in
         a :meth:`rewrite`); latest when neither."""
-        self.index.refresh()
+        self._refresh()
         return self._info(self._record(step, id))
 
     def latest(self) -> CheckpointInfo | None:
-        self.index.refresh()
+        self._refresh()
         rec = self.index.get()
         return None if rec is None else self._info(rec)
 
     def manifest(self, step: int | None = None, *, id: str | None = None) -> manifest.Manifest:
         """The parsed, verified manifest of a checkpoint (for inspection tools)."""
-        self.index.refresh()
+        self._refresh()
         return self._manifest(self._record(step, id))
 
     def __len__(self) -> int:
-        self.index.refresh()
+        self._refresh()
         return self.index.count()
 
     # -- save ---------------------------------------------------------------------------------------------

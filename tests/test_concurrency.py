@@ -508,6 +508,47 @@ def test_saves_elsewhere_wait_for_a_repair_of_a_damaged_index(tmp_path: Path) ->
         assert set(acked) <= listed and s.verify().ok
 
 
+def test_listings_elsewhere_wait_for_a_repair_of_a_lost_index(tmp_path: Path) -> None:
+    """`deltackpt repair` of a store whose index file was lost, three times, while another process lists the
+    store in a loop (list, latest, info, len: calls that take no lock): each call made while the repair
+    rebuilds the index waits for it (before, it raised CorruptIndexError "lost or emptied"), and none ever
+    sees part of the checkpoints."""
+    path = tmp_path / "store"
+    with Store(path, chunk_size=CS) as s:
+        for i in range(5):
+            s.save({"x": torch.randn(1000)}, step=i)
+    lister = subprocess.Popen([sys.executable, "-c", _LISTER, str(path), "6"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=cw.worker_env())
+    try:
+        time.sleep(1.5)
+        for _ in range(3):
+            (path / "index" / "data.mdb").unlink()  # (the lister keeps reading the file it has open)
+            r = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(path)], capture_output=True,
+                               text=True, env=cw.worker_env())
+            assert r.returncode == 0, r.stderr
+            time.sleep(0.5)
+        out, err = lister.communicate(timeout=TIMEOUT)
+    finally:
+        if lister.poll() is None:
+            lister.kill()
+    assert lister.returncode == 0, err
+    calls, fewest = json.loads(out)
+    assert calls > 20 and fewest == 5
+
+
+_LISTER = """
+import json, sys, time, deltackpt
+s = deltackpt.Store(sys.argv[1]); calls = 0; fewest = None; end = time.time() + float(sys.argv[2])
+while time.time() < end:
+    n = len(s.list())
+    got = (s.latest().step, s.info(2).step, len(s))
+    assert got == (4, 2, n), (got, n)
+    fewest = n if fewest is None else min(fewest, n)
+    calls += 1
+print(json.dumps([calls, fewest]))
+"""
+
+
 _SAVER = """
 import json, sys, time, torch, deltackpt
 s = deltackpt.Store(sys.argv[1]); acked = []; end = time.time() + float(sys.argv[2])
