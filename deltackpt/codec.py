@@ -390,6 +390,9 @@ def _predict_into(frame: bytes | memoryview, h: FrameHeader, where: str | None, 
     try:
         _, payload = check_frame(frame, expect_digest=h.digest, expect_len=h.raw_len, where=where)
         rec = prediction_record(payload, where, h.version)
+        if h.raw_len % 4:  # predictions are of float32 values
+            raise CorruptChunkError(f"predicted frame of {h.raw_len} bytes, not a whole number of float32 values"
+                                    f"{_at(where)}")
     except CorruptChunkError as exc:
         if top:
             raise CorruptChunkError(exc.reason, chunk_id=cid) from None

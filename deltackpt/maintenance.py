@@ -422,6 +422,9 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
             report.packs += 1
             damaged: list[int] = []
             try:
+                # Durable before the index names its frames: a save killed before its fsync left them in the page
+                # cache only, and a later save that deduplicates onto them writes and syncs nothing of its own.
+                packs.fsync_file(path)
                 for offset, h in packs.scan(path, damaged=damaged):
                     k = chunk_key(h.digest, h.raw_len)
                     loc = ChunkLoc(path.stem, offset, h.frame_len, h.codec, 0, h.base)
@@ -429,6 +432,8 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
                         based.setdefault(k, []).append(loc)
                     elif k not in chunks:
                         chunks[k] = loc
+            except FormatVersionError as exc:
+                raise _newer(exc) from None
             except (DeltackptError, OSError):
                 damaged.append(-1)
             if damaged:
@@ -441,6 +446,9 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
             try:
                 data = p.read_bytes()
                 m = manifest.parse(data, where=p.name)
+                packs.fsync_file(p)  # (as the packs: one a killed save left unsynced becomes a checkpoint)
+            except FormatVersionError as exc:
+                raise _newer(exc) from None
             except (DeltackptError, OSError):
                 report.lost_checkpoints.append(p.stem)
                 continue
@@ -464,11 +472,20 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
         records = [r for r in records if r.id not in replaced]
         report.incomplete_checkpoints = [i for i in report.incomplete_checkpoints if i not in replaced]
         records.sort(key=lambda r: (r.created, r.id))  # (a rewrite keeps the creation time of what it replaced)
+        packs.fsync_dir(store.path / "packs")
+        packs.fsync_dir(store.path / "manifests")
         store.index.rebuild(chunks, records)
         report.chunks = len(chunks)
         report.checkpoints = len(records)
     store._release_alone()  # (a handle of open_for_repair: the rebuilt index is the store's again)
     return report
+
+
+def _newer(exc: FormatVersionError) -> FormatVersionError:
+    """Why a repair stops at an intact frame or manifest of a format it does not know (a newer deltackpt's):
+    rebuilding without it would drop that checkpoint, and the next gc would free its chunks."""
+    return FormatVersionError(f"{exc}; a newer deltackpt wrote this store: repair it with that version (this one "
+                              "would drop what it cannot read)")
 
 
 def _choose_frames(store: Store, chunks: dict[bytes, ChunkLoc], based: dict[bytes, list[ChunkLoc]]) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from deltackpt import codec
-from deltackpt.errors import CorruptChunkError, CorruptionError, DeltackptError
+from deltackpt.errors import CorruptChunkError, CorruptionError, DeltackptError, FormatVersionError
 
 PACK_MAGIC = b"DCKPACK1"
 PACK_VERSION = 1
@@ -45,6 +45,15 @@ def valid_pack_id(pack_id: str) -> bool:
 def fsync_dir(path: Path) -> None:
     """Make a directory entry (a created, renamed or removed file in ``path``) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Make a file's data durable (whoever wrote it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -446,13 +455,17 @@ def scan(path: Path, damaged: list[int] | None = None) -> Iterator[tuple[int, co
         if os.fstat(f.fileno()).st_size < PACK_HEADER.size:
             return
         data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # packs can be large: do not read them whole
+    newer: list[str] = []
     try:
-        yield from _scan(path, data, damaged)
+        yield from _scan(path, data, damaged, newer)
     finally:
-        data.close()
+        data.close()  # (no view of it may outlive _scan: an exception raised through it would keep one)
+    if newer:
+        raise FormatVersionError(f"{newer[0]} in pack {path.stem}")
 
 
-def _scan(path: Path, data: mmap.mmap, damaged: list[int] | None) -> Iterator[tuple[int, codec.FrameHeader]]:
+def _scan(path: Path, data: mmap.mmap, damaged: list[int] | None,
+          newer: list[str]) -> Iterator[tuple[int, codec.FrameHeader]]:
     magic, version, _ = PACK_HEADER.unpack_from(data)
     if (magic, version) != (PACK_MAGIC, PACK_VERSION) and damaged is not None:
         # a damaged header is damage like any other: every frame after it verifies on its own (frame checksums
@@ -463,14 +476,18 @@ def _scan(path: Path, data: mmap.mmap, damaged: list[int] | None) -> Iterator[tu
     view = memoryview(data)
     try:
         while offset + codec.HEADER_SIZE <= end:
-            h = _intact(view, offset)
+            h = _intact(view, offset, newer)
+            if newer:
+                return
             if h is not None:
                 yield offset, h
                 offset += h.frame_len
                 continue
             # damage: resynchronise on the next frame that verifies
             nxt = data.find(codec.MAGIC, offset + 1)
-            while nxt != -1 and _intact(view, nxt) is None:
+            while nxt != -1 and _intact(view, nxt, newer) is None:
+                if newer:
+                    return
                 nxt = data.find(codec.MAGIC, nxt + 1)
             if nxt == -1:
                 if damaged is not None and not _torn_tail(view, offset):
@@ -483,9 +500,20 @@ def _scan(path: Path, data: mmap.mmap, damaged: list[int] | None) -> Iterator[tu
         view.release()
 
 
-def _intact(view: memoryview, offset: int) -> codec.FrameHeader | None:
+def _intact(view: memoryview, offset: int, newer: list[str]) -> codec.FrameHeader | None:
+    """The header of the frame at ``offset`` when it is intact, else None. An intact frame (its checksum holds)
+    of a version this reader does not know, a newer writer's, is no damage: its error goes into ``newer`` (a
+    scan stops there: a repair would drop it, and gc then free what it references)."""
     try:
         h = codec.parse_header(view[offset : offset + codec.HEADER_SIZE])
+    except FormatVersionError as exc:
+        fields = codec.HEADER.unpack_from(view, offset)
+        stored_len, checksum = fields[6], fields[9]
+        payload = view[offset + codec.HEADER_SIZE : offset + codec.HEADER_SIZE + stored_len]
+        if len(payload) == stored_len and codec.frame_checksum(view[offset : offset + codec.CHECKED],
+                                                               payload) == checksum:
+            newer.append(f"{exc} at offset {offset}")  # (a damaged version byte fails the checksum: damage)
+        return None
     except DeltackptError:
         return None
     payload = view[offset + codec.HEADER_SIZE : offset + h.frame_len]

@@ -453,6 +453,78 @@ def test_repair_reads_the_frames_of_a_pack_whose_header_is_damaged(store_path: P
         _check_repaired(s, filled)
 
 
+@pytest.mark.parametrize("what", ["manifest", "frame"])
+def test_repair_refuses_what_a_newer_format_wrote(store_path: Path, what: str) -> None:
+    """An intact manifest or frame of a version this reader does not know (a newer deltackpt's) stops a repair
+    with FormatVersionError naming it; before, the manifest was dropped as lost (and the next gc deleted it
+    and freed its chunks) and the frame skipped as damage. A damaged version byte is still damage."""
+    import xxhash
+
+    with _open(store_path) as s:
+        s.save({"a": torch.randn(1000)}, step=1)
+        info = s.save({"b": torch.randn(1000)}, step=2)
+    if what == "manifest":
+        path = store_path / "manifests" / f"{info.id}.manifest"
+        data = bytearray(path.read_bytes())
+        struct.pack_into("<I", data, 8, 9)  # version 9, checksum recomputed: as a newer writer wrote it
+        data[-16:] = xxhash.xxh3_128_digest(bytes(data[:-16]))
+    else:
+        (path,) = (store_path / "packs").glob("*.pack")
+        data = bytearray(path.read_bytes())
+        at = 16  # the first frame, after the pack header
+        stored = struct.unpack_from("<Q", data, at + 16)[0]
+        data[at + 4] = 9  # its version byte
+        checked = bytes(data[at : at + 56] + data[at + 64 : at + 64 + stored])
+        struct.pack_into("<Q", data, at + 56, xxhash.xxh3_64(checked).intdigest())
+    path.write_bytes(bytes(data))
+    shutil.rmtree(store_path / "index")
+    with pytest.raises(deltackpt.FormatVersionError, match="version 9.*a newer deltackpt wrote this store"):
+        with maintenance.open_for_repair(store_path) as s:
+            s.repair()
+    assert path.read_bytes() == bytes(data)  # nothing it could not read was dropped or changed
+    if what == "frame":
+        data[at + 5] ^= 0xFF  # the codec byte too: the checksum fails, so it is damage, skipped
+        path.write_bytes(bytes(data))
+        with maintenance.open_for_repair(store_path) as s:
+            report = s.repair()
+        assert report.damaged_packs == [path.stem] and report.incomplete_checkpoints
+
+
+def test_a_predicted_frame_whose_length_is_no_whole_number_of_floats_is_damage(store_path: Path) -> None:
+    """A predicted frame (its checksum intact) of 6 raw bytes: load and verify name it as damage of that chunk
+    (before, the kernel's bare ValueError escaped both)."""
+    import uuid
+
+    import lmdb
+    import xxhash
+
+    with deltackpt.Store(store_path, chunk_size=4096, threads=1) as s:
+        t, a, b, c = (np.frombuffer(bytes([i + 1] * 3 + [i + 7] * 3), dtype=np.uint8).copy() for i in range(4))
+        s.save({"t": t, "a": a, "b": b, "c": c}, step=1)
+    raw = 6
+    digest = [xxhash.xxh3_128_digest(x.tobytes()) for x in (t, a, b, c)]
+    record = struct.pack("<BBHI", 1, 2, 4, 0) + digest[2] + digest[3] + struct.pack("<4d", 0.5, 1.0, 0.5, 1.0)
+    payload = (struct.pack("<I", len(record)) + record
+               + zstandard.ZstdCompressor(write_content_size=True).compress(bytes(raw)))
+    head = struct.pack("<4sBBBBQQ16s16s", b"DCKF", 2, codec.PREDICTED, 1, 0, raw, len(payload), digest[0], digest[1])
+    frame = head + struct.pack("<Q", xxhash.xxh3_64(head + payload).intdigest()) + payload
+    pack = uuid.uuid4()
+    (store_path / "packs" / f"{pack.hex}.pack").write_bytes(struct.pack("<8sII", b"DCKPACK1", 1, 0) + frame)
+    env = lmdb.open(str(store_path / "index"), max_dbs=8)
+    chunks = env.open_db(b"chunks")
+    with env.begin(write=True) as txn:  # t's chunk now lies in that frame
+        txn.put(digest[0] + struct.pack(">I", raw),
+                struct.pack("<16sQIBB16s", pack.bytes, 16, len(frame), codec.PREDICTED, 1, digest[1]), db=chunks)
+    env.close()
+    cid = f"{digest[0].hex()}-{raw}"
+    with deltackpt.Store(store_path, threads=1) as s:
+        with pytest.raises(CorruptChunkError, match="not a whole number of float32 values") as exc:
+            s.load(step=1)
+        assert exc.value.chunk_id == cid
+        problems = s.verify().problems
+        assert [p.chunk_id for p in problems] == [cid] and "float32" in problems[0].message
+
+
 def test_lost_store_file_is_refused_and_written_again_by_repair(store_path: Path) -> None:
     """A store that lost its STORE file is not taken for a new, empty directory (which would get the default
     chunk size): opening it raises; a repair writes STORE again with the chunk size its manifests name."""

@@ -149,6 +149,37 @@ def test_repair_of_a_damaged_index_makes_the_new_index_durable(tmp_path: Path, t
         assert torch.equal(st.load(step=1)["w"], torch.ones(1000))
 
 
+def test_repair_makes_what_it_indexes_durable_first(tmp_path: Path, trace: Trace,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save killed before its fsync leaves frames (and a manifest) in the page cache only. A repair indexes
+    them, and a later save deduplicating onto such a frame writes nothing of its own to sync: so the repair
+    fsyncs every pack and manifest it indexes (and their directories) before the rebuilt index commits."""
+    from deltackpt.index import Index
+
+    root = tmp_path / "store"
+    with Store(root, chunk_size=4096) as st:
+        st.save({"w": torch.ones(1000)}, step=1)
+        st.save({"v": torch.arange(1000.0)}, step=2)
+    rebuild = Index.rebuild
+
+    def traced(self: Index, *args: object) -> None:
+        trace.events.append(("rebuild",))  # (LMDB's own fsync of the commit is not made through os)
+        rebuild(self, *args)
+
+    monkeypatch.setattr(Index, "rebuild", traced)
+    trace.events.clear()
+    st = open_for_repair(root)
+    try:
+        assert st.repair().checkpoints == 2
+    finally:
+        st.close()
+    commit = trace.index("rebuild")
+    synced = {e[1] for e in trace.events[:commit] if e[0] == "fsync"}
+    files = [*(root / "packs").rglob("*.pack"), *(root / "manifests").glob("*.manifest")]
+    assert len(files) >= 3 and {str(f) for f in files} <= synced, sorted({str(f) for f in files} - synced)
+    assert {str(root / "packs"), str(root / "manifests")} <= synced
+
+
 def test_export_is_durable_before_it_replaces_an_earlier_one(tmp_path: Path, trace: Trace) -> None:
     """``deltackpt export`` writes a temp file and renames it over the destination: the temp file is fsynced
     before the rename (else a power loss could leave an empty file where a good export was) and the directory
