@@ -24,7 +24,7 @@ import torch
 from deltackpt import codec, maintenance, manifest, packs, tree
 from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
 from deltackpt.retention import THINNED_KEY
-from deltackpt.store import Store, _check_step
+from deltackpt.store import CheckpointInfo, Store, _check_step
 
 
 def human(n: float) -> str:
@@ -457,7 +457,7 @@ def _settings(value: dict[Any, Any], limit: int = 80) -> str:
     return out
 
 
-def _resume_point(s: Store) -> Any:
+def _resume_point(s: Store) -> CheckpointInfo | None:
     """The checkpoint ``Checkpointer.restore()`` would restore, found as it does: the newest whose chunks all
     decode and verify, passing over damaged ones (printed) but never back to a thinned one; None for an empty
     store. Raises :class:`DeltackptError` when no checkpoint would restore."""

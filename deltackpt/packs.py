@@ -44,16 +44,16 @@ def valid_pack_id(pack_id: str) -> bool:
 
 def fsync_dir(path: Path) -> None:
     """Make a directory entry (a created, renamed or removed file in ``path``) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync(path, os.O_DIRECTORY)
 
 
 def fsync_file(path: Path) -> None:
     """Make a file's data durable (whoever wrote it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    _fsync(path, os.O_CLOEXEC)
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -468,6 +468,31 @@ def test_rewrite_racing_a_repair_elsewhere_commits(tmp_path: Path, monkeypatch: 
     store.close()
 
 
+def _repaired_while_running(tmp_path: Path, script: str, damage: Callable[[Path, int], None]) -> str:
+    """A store of 5 checkpoints; ``script`` runs in another process on it for 6 seconds while it is damaged
+    (``damage(path, n)``) and repaired by `deltackpt repair`, three times. Returns the script's output."""
+    path = tmp_path / "store"
+    with Store(path, chunk_size=CS) as s:
+        for i in range(5):
+            s.save({"x": torch.randn(1000)}, step=i)
+    other = subprocess.Popen([sys.executable, "-c", script, str(path), "6"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=cw.worker_env())
+    try:
+        time.sleep(1.5)
+        for n in range(3):
+            damage(path, n)
+            r = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(path)], capture_output=True,
+                               text=True, env=cw.worker_env())
+            assert r.returncode == 0, r.stderr
+            time.sleep(0.5)
+        out, err = other.communicate(timeout=TIMEOUT)
+    finally:
+        if other.poll() is None:
+            other.kill()
+    assert other.returncode == 0, err
+    return out
+
+
 def test_saves_elsewhere_wait_for_a_repair_of_a_damaged_index(tmp_path: Path) -> None:
     """`deltackpt repair` of a damaged index, three times, while another process saves every few milliseconds:
     the saves wait for each rebuilt index rather than fail on the empty one (before, the repair let go of the
@@ -475,35 +500,19 @@ def test_saves_elsewhere_wait_for_a_repair_of_a_damaged_index(tmp_path: Path) ->
     CorruptIndexError "lost or emptied"), and every acknowledged save is in the store afterwards."""
     import lmdb
 
-    path = tmp_path / "store"
-    with Store(path, chunk_size=CS) as s:
-        for i in range(5):
-            s.save({"x": torch.randn(1000)}, step=i)
-    saver = subprocess.Popen([sys.executable, "-c", _SAVER, str(path), "6"], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=cw.worker_env())
-    try:
-        time.sleep(1.5)
-        for n in range(3):
-            env = lmdb.open(str(path / "index"), max_dbs=8)
-            ckpts = env.open_db(b"ckpts")  # (before the write transaction: opening one takes the write lock)
-            # a record that does not parse: the index is damaged. Its key is below every seq (they start at 1), so
-            # the saver's reads of the newest record do not meet it before the repair starts (they would fail,
-            # rightly, with CorruptIndexError); the repair's scan of all records does
-            with env.begin(write=True) as txn:
-                txn.put(struct.pack(">Q", 0), b"{garbage%d" % n, db=ckpts)
-            env.close()
-            r = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(path)], capture_output=True,
-                               text=True, env=cw.worker_env())
-            assert r.returncode == 0, r.stderr
-            time.sleep(0.5)
-        out, err = saver.communicate(timeout=TIMEOUT)
-    finally:
-        if saver.poll() is None:
-            saver.kill()
-    assert saver.returncode == 0, err
-    acked = json.loads(out)
+    def damage(path: Path, n: int) -> None:
+        env = lmdb.open(str(path / "index"), max_dbs=8)
+        ckpts = env.open_db(b"ckpts")  # (before the write transaction: opening one takes the write lock)
+        # a record that does not parse: the index is damaged. Its key is below every seq (they start at 1), so
+        # the saver's reads of the newest record do not meet it before the repair starts (they would fail,
+        # rightly, with CorruptIndexError); the repair's scan of all records does
+        with env.begin(write=True) as txn:
+            txn.put(struct.pack(">Q", 0), b"{garbage%d" % n, db=ckpts)
+        env.close()
+
+    acked = json.loads(_repaired_while_running(tmp_path, _SAVER, damage))
     assert len(acked) > 20
-    with Store(path) as s:
+    with Store(tmp_path / "store") as s:
         listed = {i.id for i in s.list()}
         assert set(acked) <= listed and s.verify().ok
 
@@ -513,26 +522,11 @@ def test_listings_elsewhere_wait_for_a_repair_of_a_lost_index(tmp_path: Path) ->
     store in a loop (list, latest, info, len: calls that take no lock): each call made while the repair
     rebuilds the index waits for it (before, it raised CorruptIndexError "lost or emptied"), and none ever
     sees part of the checkpoints."""
-    path = tmp_path / "store"
-    with Store(path, chunk_size=CS) as s:
-        for i in range(5):
-            s.save({"x": torch.randn(1000)}, step=i)
-    lister = subprocess.Popen([sys.executable, "-c", _LISTER, str(path), "6"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=cw.worker_env())
-    try:
-        time.sleep(1.5)
-        for _ in range(3):
-            (path / "index" / "data.mdb").unlink()  # (the lister keeps reading the file it has open)
-            r = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(path)], capture_output=True,
-                               text=True, env=cw.worker_env())
-            assert r.returncode == 0, r.stderr
-            time.sleep(0.5)
-        out, err = lister.communicate(timeout=TIMEOUT)
-    finally:
-        if lister.poll() is None:
-            lister.kill()
-    assert lister.returncode == 0, err
-    calls, fewest = json.loads(out)
+
+    def damage(path: Path, n: int) -> None:
+        (path / "index" / "data.mdb").unlink()  # (the lister keeps reading the file it has open)
+
+    calls, fewest = json.loads(_repaired_while_running(tmp_path, _LISTER, damage))
     assert calls > 20 and fewest == 5
 
 
