@@ -36,7 +36,7 @@ import torch
 from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
 from deltackpt.retention import THINNED_KEY, Retention
 from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_step
-from deltackpt.tree import Encoded, alias_key, child_path, encode_registered
+from deltackpt.tree import Encoded, alias_key, child_path, encode_registered, unflatten
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -105,17 +105,28 @@ def _param_pairs(model: Any, optimizer: Any) -> dict[str, str]:
     return pairs
 
 
-def _group_load(g: Any, state: Any, what: str) -> None:
+def _group_check(g: Any, state: Any, what: str) -> None:
+    """Raise unless ``state`` holds a state for every member of group ``g`` (loading nothing)."""
     if g is None:
         return
     if state is None:
         raise DeltackptError(f"the checkpoint holds no {what} state")
     if isinstance(g, dict):
+        missing = [k for k in g if not isinstance(state, Mapping) or k not in state]
+        if missing:
+            raise DeltackptError(f"the checkpoint holds no {what} state for {', '.join(map(repr, missing))}")
+    elif isinstance(g, list) and (not isinstance(state, (list, tuple)) or len(state) != len(g)):
+        n = len(state) if isinstance(state, (list, tuple)) else 1
+        raise DeltackptError(f"the checkpoint holds {n} {what} states, this run has {len(g)}")
+
+
+def _group_load(g: Any, state: Any) -> None:
+    if g is None:
+        return
+    if isinstance(g, dict):
         for k, v in g.items():
             v.load_state_dict(state[k])
     elif isinstance(g, list):
-        if len(state) != len(g):
-            raise DeltackptError(f"the checkpoint holds {len(state)} {what} states, this run has {len(g)}")
         for v, s in zip(g, state):
             v.load_state_dict(s)
     else:
@@ -332,8 +343,9 @@ class Checkpointer:
             "rng": rng_state(),
         }
 
-    def apply(self, state: Mapping[str, Any]) -> int:
-        """Put a captured state back into the model, optimizers, ... and RNGs; return its step."""
+    def _check(self, state: Any) -> None:
+        """Raise unless ``state`` (a captured state, or its skeleton with tensor entries in place of tensors)
+        holds everything :meth:`apply` puts back into this run's components; changes nothing."""
         if not isinstance(state, Mapping) or "step" not in state or "model" not in state:
             raise DeltackptError("this checkpoint was not written by a Checkpointer (no 'step'/'model' entry)")
         if state.get("thinned"):
@@ -341,18 +353,25 @@ class Checkpointer:
                 f"checkpoint at step {state['step']} was thinned to model weights only and cannot resume training; "
                 "load its weights with Store.load"
             )
-        _group_load(self.model, state["model"], "model")
-        _group_load(self.optimizer, state["optimizer"], "optimizer")
-        _group_load(self.scheduler, state["scheduler"], "scheduler")
-        _group_load(self.scaler, state["scaler"], "scaler")
+        for what in ("model", "optimizer", "scheduler", "scaler"):
+            _group_check(getattr(self, what), state.get(what), what)
+        if self.data is not None and state.get("data") is None:
+            raise DeltackptError("the checkpoint holds no data position")
+        saved_extra = state.get("extra") or {}
+        for k in self.extra:
+            if k not in saved_extra:
+                raise DeltackptError(f"the checkpoint holds no extra[{k!r}]")
+
+    def apply(self, state: Mapping[str, Any]) -> int:
+        """Put a captured state back into the model, optimizers, ... and RNGs; return its step. A state that
+        lacks a part this run has is refused before anything is put back."""
+        self._check(state)
+        for what in ("model", "optimizer", "scheduler", "scaler"):
+            _group_load(getattr(self, what), state.get(what))
         if self.data is not None:
-            if state.get("data") is None:
-                raise DeltackptError("the checkpoint holds no data position")
             self.data.load_state_dict(state["data"])
         saved_extra = state.get("extra") or {}
         for k, v in self.extra.items():
-            if k not in saved_extra:
-                raise DeltackptError(f"the checkpoint holds no extra[{k!r}]")
             if _stateful(v):
                 v.load_state_dict(saved_extra[k])
             else:
@@ -396,6 +415,16 @@ class Checkpointer:
         raise CheckpointNotFoundError(f"the checkpoints of {self.store.path} kept being deleted while restoring")
 
     def _restore(self, info: CheckpointInfo) -> int:
+        # The checkpoint's skeleton (tensor entries in place of tensors, no chunk read) is checked first: the load
+        # below decodes into the model's own tensors, and a checkpoint refused after that would leave the live
+        # model holding its weights.
+        m = self.store.manifest(id=info.id)
+        try:
+            skeleton = unflatten(m.tree, list(m.tensors), allow_pickle=False)
+        except Exception:  # (a registered type not built from tensor entries, a pickle: the load decides)
+            skeleton = None
+        if skeleton is not None:
+            self._check(skeleton)
         # the model's own tensors are offered: they are decoded in place, and load_state_dict then copies nothing
         state = self.store.load(id=info.id, map_location=self.map_location,
                                 into={"model": _group_state(self.model)})
@@ -587,8 +616,9 @@ class Checkpointer:
             self._signal = None
             self._install_signals()
             return
-        if prev == signal.SIG_IGN:
+        if prev == signal.SIG_IGN:  # ignored before: carry on, and keep watching (SIGINT too)
             self._signal = None
+            self._install_signals()
             return
         raise SystemExit(128 + signum)
 

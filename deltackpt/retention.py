@@ -11,10 +11,13 @@ kept. A policy with no rules keeps everything.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 if TYPE_CHECKING:
     from deltackpt.store import CheckpointInfo
@@ -94,12 +97,8 @@ class Retention:
             keep.update(i.id for i in infos if isinstance(i.metadata, dict) and i.metadata.get(TAG_KEY))
         if self.keep_best is not None:
             metric, mode = self.keep_best
-            scored = [
-                (float(i.metadata[metric]), i.seq, i.id)
-                for i in infos
-                if isinstance(i.metadata, dict) and isinstance(i.metadata.get(metric), (int, float))
-                and i.metadata[metric] == i.metadata[metric]  # not NaN
-            ]
+            scored = [(score, i.seq, i.id) for i in infos if isinstance(i.metadata, dict)
+                      and (score := _score(i.metadata.get(metric))) is not None]
             scored.sort(key=lambda t: (t[0] if mode == "min" else -t[0], -t[1]))
             keep.update(i for _, _, i in scored[: self.best_k])
         if self.keep_within is not None:
@@ -117,3 +116,15 @@ class Retention:
             thin=thin,
             delete=[i for i in ids if i not in keep],
         )
+
+
+def _score(value: object) -> float | None:
+    """A ``keep_best`` metric as a float: any real number (numpy scalars too, as ``np.mean`` returns them), not a
+    bool, NaN or a value out of float's range; None for anything else (that checkpoint is not ranked)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        v = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return None if math.isnan(v) else v

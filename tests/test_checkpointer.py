@@ -777,6 +777,64 @@ print("still running after close", flush=True)
         assert [i.step for i in store.list()] == [1]  # the save in flight was committed first
 
 
+def test_an_ignored_sigterm_keeps_the_handlers_watching(fast_dir: Path) -> None:
+    """SIGTERM was ignored before the Checkpointer (SIG_IGN): at the step boundary it saves and carries on, and
+    still watches for the next signal: a SIGINT after it is saved at the next step and passed on (before, the
+    handlers stayed uninstalled and Ctrl-C raised KeyboardInterrupt at once, saving nothing)."""
+    old_term = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        model, opt = _small()
+        ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=False, every_n_steps=100)
+        ckpt.step(1)  # (not a step to save at: only signals save here)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not ckpt.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.001)
+        ckpt.step(2)  # saves (the signal's save), then passes SIGTERM on to SIG_IGN: carries on
+        assert not ckpt.stop_requested and signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + 5
+        while not ckpt.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert ckpt.stop_requested
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.step(3)  # saved first, then SIGINT's default handler
+        ckpt.close()
+        with Store(fast_dir / "store") as store:
+            assert [i.step for i in store.list()] == [2, 3]
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+
+
+def test_a_refused_restore_leaves_the_live_objects_untouched(fast_dir: Path) -> None:
+    """A checkpoint restore() refuses (thinned to weights only; holding no scheduler state this run has) leaves
+    the model and optimizer as they were: before, the weights had been decoded into the model (and, for the
+    missing scheduler, the optimizer loaded too) when the refusal came."""
+    model, opt = _small()
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=False,
+                      handle_signals=False) as ckpt:
+        for step in (1, 2):
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            ckpt.save(step)
+        ids = {i.step: i.id for i in ckpt.store.list()}
+        ckpt._thin([ids[1]], {i.id: i for i in ckpt.store.list()})  # what Retention(full_last=) does to it
+    fresh, fresh_opt = _small()
+    sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=3)
+    before = ({k: v.clone() for k, v in fresh.state_dict().items()}, repr(fresh_opt.state_dict()))
+    with Checkpointer(fast_dir / "store", model=fresh, optimizer=fresh_opt, handle_signals=False) as ckpt:
+        with pytest.raises(deltackpt.DeltackptError, match="thinned"):
+            ckpt.restore(step=1)
+        assert_bitwise(before[0], fresh.state_dict())
+        assert repr(fresh_opt.state_dict()) == before[1]
+    with Checkpointer(fast_dir / "store", model=fresh, optimizer=fresh_opt, scheduler=sched,
+                      handle_signals=False) as ckpt:
+        with pytest.raises(deltackpt.DeltackptError, match="no scheduler state"):
+            ckpt.restore()
+        assert_bitwise(before[0], fresh.state_dict())
+        assert repr(fresh_opt.state_dict()) == before[1]
+
+
 def test_handlers_restored_on_close(fast_dir: Path) -> None:
     def mine(signum: int, frame: Any) -> None:
         pass

@@ -228,6 +228,21 @@ def test_examples() -> None:
     assert sorted(int(c, 16) for c in plan.keep) == [5] and plan.thin == [] and len(plan.delete) == 4
 
 
+def test_keep_best_ranks_numpy_scalars() -> None:
+    """A metric saved as a numpy scalar (``np.mean`` of a float32 array is one) ranks like a float; before, such
+    checkpoints were left out of ``keep_best`` and the best one was deleted. Bools, NaN and strings are not
+    ranked."""
+    import numpy as np
+
+    metas = [{"loss": np.float32(0.1)}, {"loss": np.float64(0.9)}, {"loss": np.int64(5)}, {"loss": True},
+             {"loss": float("nan")}, {"loss": "0.0"}, {"loss": 0.7}]
+    infos = [CheckpointInfo(f"{s:016x}", s, NOW, None, 0, 0, m, s) for s, m in enumerate(metas, 1)]
+    plan = Retention(keep_best=("loss", "min"), best_k=2, keep_last=1).plan(infos, now=NOW)
+    assert sorted(int(c, 16) for c in plan.keep) == [1, 7]
+    plan = Retention(keep_best=("loss", "max"), keep_last=1).plan(infos, now=NOW)
+    assert sorted(int(c, 16) for c in plan.keep) == [3, 7]
+
+
 # -- with a real Checkpointer --------------------------------------------------------------------------------
 
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
