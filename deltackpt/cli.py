@@ -120,6 +120,8 @@ def _short(value: Any, limit: int = 80) -> str:
         text = tree.int_text(value) if type(value) is int else str(value)
     except ValueError:  # a container holding an int of more digits than Python converts at once
         text = f"<{type(value).__name__}>"
+    # control characters (a newline, a terminal escape) would break the table or reach the terminal: escaped
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -34,6 +34,7 @@ from deltackpt.errors import (
     CorruptionError,
     DeltackptError,
     FormatVersionError,
+    ReadOnlyStoreError,
 )
 from deltackpt.index import ChunkLoc, Record, chunk_key, chunk_keys
 from deltackpt.scratch import Scratch
@@ -283,6 +284,8 @@ def gc(
     sparse pack holding a damaged live frame is not copied (the damage would spread into the new pack) but left
     as it is, named in ``damaged_packs``; the other packs are still repacked.
     """
+    if isinstance(repack_below, bool) or not isinstance(repack_below, (int, float)) or not 0 <= repack_below <= 1:
+        raise ValueError(f"repack_below must be a fraction between 0 and 1, got {repack_below!r}")
     report = GcReport()
     with store._save_lock:
         store._writer.close()  # our own pack is sealed: gc may treat it like any other
@@ -571,7 +574,12 @@ def _store_file_damaged(root: Path) -> bool:
 def _lock_alone(root: Path) -> int:
     """Take the store's gc lock exclusively (as gc and repair do: no save or load of any process runs while it
     is held) and return its file descriptor."""
-    fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise ReadOnlyStoreError(f"cannot repair: store {root} cannot be written ({exc.strerror})") from None
+        raise
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except BaseException:

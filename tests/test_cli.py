@@ -123,6 +123,27 @@ def test_listings_abbreviate_long_metadata(capsys: pytest.CaptureFixture[str], s
         assert "n=" + "1" + "0" * 78 + "…" in out and "t=<tuple>" in out and "s=ok" in out
 
 
+def test_listings_escape_control_characters_in_metadata(capsys: pytest.CaptureFixture[str],
+                                                         store_path: Path) -> None:
+    """A newline or a terminal escape in metadata is shown escaped: it neither breaks the table nor reaches
+    the terminal."""
+    with open_store(store_path) as s:
+        s.save({"x": torch.ones(3)}, step=1, metadata={"note": "two\nlines \x1b[31mred"})
+    rc, out, err = cli(capsys, "ls", store_path)
+    assert rc == 0 and err == "" and "\x1b" not in out
+    assert len(table_rows(out)) == 1 and "two\\nlines \\x1b[31mred" in out
+
+
+def test_gc_refuses_a_repack_fraction_outside_0_to_1(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                     three: dict[str, Any]) -> None:
+    before = dir_snapshot(store_path)
+    for bad in ("1.5", "-0.1", "nan"):
+        rc, out, err = cli(capsys, "gc", store_path, "--repack-below", bad)
+        assert rc == 1 and out == ""
+        assert_one_line_error(err, "repack_below must be a fraction between 0 and 1")
+    assert dir_snapshot(store_path) == before
+
+
 def test_show_names_every_path_of_a_tied_tensor(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     emb = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)

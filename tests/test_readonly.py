@@ -126,6 +126,9 @@ def test_store_on_a_readonly_filesystem(readonly_mount: tuple[Path, list[dict]],
     assert cli(["ls", str(mnt)]) == 0
     assert cli(["gc", str(mnt)]) == 1
     assert "read-only filesystem" in capsys.readouterr().err
+    assert cli(["repair", str(mnt)]) == 1  # refused as such, not a raw "[Errno 30] ... gc.lock"
+    err = capsys.readouterr().err
+    assert "cannot repair" in err and "Errno" not in err
 
 
 def test_a_sharded_checkpoint_on_a_readonly_filesystem(tmp_path: Path) -> None:
