@@ -163,6 +163,9 @@ class DeltaStorageWriter(StorageWriter):
             raise ValueError("DeltaStorageWriter needs a root directory (or a checkpoint_id to dcp.save)")
         if self.step is None:
             raise ValueError("DeltaStorageWriter needs the step to save as (DeltaStorageWriter(root, step=n))")
+        if (self.root / "STORE").exists():
+            raise ValueError(f"{self.root} is a deltackpt store, not a sharded checkpoint root: give DCP saves a "
+                             "directory of their own")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan

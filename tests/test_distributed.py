@@ -360,6 +360,10 @@ def test_steps_and_delete(tmp_path: Path) -> None:
     assert torch.equal(target["x"], torch.full((100,), 3.0))
     with pytest.raises(deltackpt.CheckpointNotFoundError):
         distributed.delete(root, 4)
+    with pytest.raises(CheckpointException, match="not a sharded checkpoint root"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an ordinary store is no DCP root: refused, nothing created in it
+        dcp.save({"x": torch.ones(3)}, storage_writer=DeltaStorageWriter(root / "rank-00000", step=9))
+    assert not (root / "rank-00000" / "meta").exists()
     shutil.rmtree(root / "rank-00000")  # a rank's store removed by hand: deleting a step still succeeds
     distributed.delete(root, 5)
     assert distributed.steps(root) == [3]
