@@ -319,10 +319,11 @@ def gc(
             live_bytes = sum(loc.frame_len for _, loc in live_entries)
             if size > 0 and live_bytes / size < repack_below:
                 to_repack.append(pack_id)
-        # First what frees space without writing any (a full disk is when gc matters most): the dead entries go
-        # in one transaction, then the packs no live frame is in.
-        store.index.apply_chunk_changes(dead, {})
-        _unlink_packs(store, to_delete, report)
+        # First what frees space without writing any (a full disk is when gc matters most). Orphan manifests
+        # (of saves killed before their commit, of deletes killed before their unlink) go first, durably: a gc
+        # killed after freeing their chunks would otherwise leave manifests naming chunks that are gone, which a
+        # repair restores as damaged checkpoints. Then the dead entries, in one transaction, and the packs no
+        # live frame is in.
         known = {r.id for r in records}
         mdir = store.path / "manifests"
         for p in mdir.glob("*.manifest"):
@@ -331,6 +332,8 @@ def gc(
                 p.unlink()
                 report.orphan_manifests += 1
         packs.fsync_dir(mdir)
+        store.index.apply_chunk_changes(dead, {})
+        _unlink_packs(store, to_delete, report)
         for p in (store.path / "tmp").iterdir():
             p.unlink()
         # Then each sparse pack in turn: its live frames are copied and made durable, one transaction re-points

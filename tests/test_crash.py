@@ -16,6 +16,8 @@ from __future__ import annotations
 import collections
 import os
 import random
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -355,6 +357,49 @@ def test_restore_after_a_delete_died_at_its_commit(tmp_path: Path, die_after_met
         assert torch.equal(model.weight, weights[2])
     finally:
         ck.close()
+
+
+_KILL_AFTER = """
+import os, signal
+def kill_after(obj, name):
+    real = getattr(obj, name)
+    def call(*args, **kwargs):
+        out = real(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return out
+    setattr(obj, name, call)
+"""
+
+
+def _killed_after(code: str) -> None:
+    """Run ``code`` in a child process that SIGKILLs itself right after the call ``kill_after`` names."""
+    r = subprocess.run([sys.executable, "-c", _KILL_AFTER + code], env=cw.worker_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+
+
+def test_repair_after_two_kills_does_not_bring_back_an_unacknowledged_save(tmp_path: Path) -> None:
+    """A save killed after writing its manifest, before its commit, leaves an orphan manifest; a gc killed right
+    after unlinking the packs that save wrote (and dropping their entries) used to leave that manifest behind too,
+    naming chunks that are gone. A repair then restored it as the newest checkpoint, damaged: load() of the
+    latest failed and verify() reported damage. gc now removes orphan manifests first."""
+    d = tmp_path / "store"
+    state = {"w": eval(_W, {"torch": torch})}
+    with Store(d, chunk_size=CS) as st:
+        acked = st.save(state, step=1).id
+    _killed_after("import torch, deltackpt.manifest as m\nfrom deltackpt import Store\n"
+                  "kill_after(m, 'write')\n"
+                  f"Store({str(d)!r}).save({{'w': torch.randn(12288)}}, step=2)\n")
+    _killed_after("import deltackpt.maintenance as mt\nfrom deltackpt import Store\n"
+                  "kill_after(mt, '_unlink_packs')\n"
+                  f"Store({str(d)!r}).gc()\n")
+    r = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(d)], env=cw.worker_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    with Store(d) as st:
+        assert [i.id for i in st.list()] == [acked]
+        cw.assert_same(state, st.load(), "the acknowledged checkpoint")
+        _verify_ok(st, "after the repair")
 
 
 def test_repair_after_a_rewrite_died_at_its_commit_keeps_the_replacement(tmp_path: Path, die_after_meta: Path) -> None:
