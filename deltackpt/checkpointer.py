@@ -488,8 +488,9 @@ class Checkpointer:
 
     def _apply_retention(self) -> None:
         """Runs after a commit: thinning first (new weights-only checkpoints), deletes last. A checkpoint that
-        another process deletes or thins meanwhile (its retention, an operator's ``deltackpt rm``) is passed
-        over: what the policy wanted for it is done, or no longer ours to do."""
+        another process deletes meanwhile (its retention, an operator's ``deltackpt rm``) is passed over. One
+        that another process thinned meanwhile is thinned or deleted as this policy says: ``delete(id=)``
+        follows a rewrite to its replacement."""
         assert self.retention is not None
         infos = self.store.list()
         plan = self.retention.plan(infos)
