@@ -36,7 +36,7 @@ import torch
 from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
 from deltackpt.retention import THINNED_KEY, Retention
 from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_step
-from deltackpt.tree import Encoded, alias_key, child_path, encode_registered, unflatten
+from deltackpt.tree import Encoded, alias_key, child_path, encode_registered
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -420,7 +420,7 @@ class Checkpointer:
         # model holding its weights.
         m = self.store.manifest(id=info.id)
         try:
-            skeleton = unflatten(m.tree, list(m.tensors), allow_pickle=False)
+            skeleton = m.skeleton()
         except Exception:  # (a registered type not built from tensor entries, a pickle: the load decides)
             skeleton = None
         if skeleton is not None:

@@ -492,7 +492,7 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
             return 0
         m = s.manifest(id=latest.id)
         # the skeleton with tensor descriptions in place of tensors: plain values without loading any bytes
-        state = tree.unflatten(m.tree, list(m.tensors), allow_pickle=False) if not _has_pickle(m.tree) else None
+        state = m.skeleton() if not _has_pickle(m.tree) else None
         print(f"a run would resume from step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)})"
               + ("" if args.verify else "; its chunks were not read ('--verify' decodes them and passes over "
                  "damaged checkpoints, as a restore does)"))

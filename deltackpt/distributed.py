@@ -458,7 +458,7 @@ def _stored_objects(store: Store, ckpt: str) -> Mapping[str, Any]:
     """The plain DCP values of rank checkpoint ``ckpt``: from its state's skeleton (read without decoding any
     chunk), or from its metadata where a version-1 writer kept them."""
     m = store.manifest(id=ckpt)
-    skeleton = tree.unflatten(m.tree, list(m.tensors), allow_pickle=False)
+    skeleton = m.skeleton()
     if isinstance(skeleton, dict) and isinstance(skeleton.get(_OBJECTS), dict):
         return skeleton[_OBJECTS]
     meta = store.info(id=ckpt).metadata

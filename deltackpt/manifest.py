@@ -97,6 +97,11 @@ class Manifest:
                 out.append((i, self.digests[j].tobytes(), t.chunk_len(i, self.chunk_size)))
         return out
 
+    def skeleton(self) -> Any:
+        """The state with each tensor's :class:`TensorEntry` in its place: its plain values and structure, read
+        without decoding a chunk. Raises ``UnsafeLoadError`` for a pickled value."""
+        return tree.unflatten(self.tree, list(self.tensors), allow_pickle=False)
+
     def stored_chunks(self) -> tuple[np.ndarray, np.ndarray]:
         """Digests (K, 16) and lengths (K,) of every stored (non-zero) chunk, tensor after tensor: what
         :meth:`chunk_keys` names, for the whole checkpoint at once."""
