@@ -26,9 +26,9 @@ import signal
 import threading
 import warnings
 from collections import Counter, OrderedDict, defaultdict, deque
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_step
 from deltackpt.tree import Encoded, alias_key, child_path, encode_registered
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+T = TypeVar("T")
 
 
 def _stateful(obj: Any) -> bool:
@@ -255,6 +256,34 @@ class _Staging:
         return snap
 
 
+def newest_restorable(
+    store: Store, attempt: Callable[[CheckpointInfo], T], damaged: Callable[[CheckpointInfo, CorruptionError], None]
+) -> T | None:
+    """``attempt(info)`` on the newest checkpoint, then on older ones while it raises :class:`CorruptionError`
+    (each reported to ``damaged``); its result, or None for an empty store. This is the order in which
+    ``Checkpointer.restore()`` looks for the checkpoint to resume from (and ``deltackpt resume-info --verify``
+    finds it the same way): a checkpoint deleted meanwhile is passed over, a thinned one (weights only) is never
+    fallen back to, and when no checkpoint restores the first error is raised."""
+    first: CorruptionError | None = None
+    for _ in range(8):  # listed again only if every checkpoint listed was deleted before it could be tried
+        infos = store.list()
+        if not infos:
+            return None
+        for info in reversed(infos):
+            if first is not None and isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY):
+                break  # weights only: resuming from it would silently drop the optimizer's state
+            try:
+                return attempt(info)
+            except CheckpointNotFoundError:
+                continue  # deleted since the list (retention in another process): the one before it
+            except CorruptionError as exc:
+                first = first or exc
+                damaged(info, exc)
+        if first is not None:
+            raise first
+    raise CheckpointNotFoundError(f"the checkpoints of {store.path} kept being deleted while restoring")
+
+
 class Checkpointer:
     """Checkpoint a training loop into a deltackpt store; resume it exactly.
 
@@ -394,25 +423,13 @@ class Checkpointer:
         self.wait()
         if step is not None or id is not None:
             return self._restore(self.store.info(step, id=id))
-        first: CorruptionError | None = None
-        for _ in range(8):  # listed again only if every checkpoint listed was deleted before it could be loaded
-            infos = self.store.list()
-            if not infos:
-                return 0
-            for info in reversed(infos):
-                if first is not None and isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY):
-                    break  # weights only: resuming from it would silently drop the optimizer's state
-                try:
-                    return self._restore(info)
-                except CheckpointNotFoundError:
-                    continue  # deleted since the list (retention in another process): the one before it
-                except CorruptionError as exc:
-                    first = first or exc
-                    warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, restoring the "
-                                  f"one before it: {exc}", RuntimeWarning, stacklevel=2)
-            if first is not None:
-                raise first
-        raise CheckpointNotFoundError(f"the checkpoints of {self.store.path} kept being deleted while restoring")
+
+        def damaged(info: CheckpointInfo, exc: CorruptionError) -> None:
+            warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, restoring the one "
+                          f"before it: {exc}", RuntimeWarning, stacklevel=4)
+
+        restored = newest_restorable(self.store, self._restore, damaged)
+        return 0 if restored is None else restored
 
     def _restore(self, info: CheckpointInfo) -> int:
         # The checkpoint's skeleton (tensor entries in place of tensors, no chunk read) is checked first: the load

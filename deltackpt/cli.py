@@ -22,8 +22,8 @@ import lmdb
 import torch
 
 from deltackpt import codec, maintenance, manifest, packs, tree
-from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
-from deltackpt.retention import THINNED_KEY
+from deltackpt.checkpointer import newest_restorable
+from deltackpt.errors import CorruptionError, DeltackptError
 from deltackpt.store import CheckpointInfo, Store, _check_step
 
 
@@ -460,28 +460,28 @@ def _settings(value: dict[Any, Any], limit: int = 80) -> str:
 
 
 def _resume_point(s: Store) -> CheckpointInfo | None:
-    """The checkpoint ``Checkpointer.restore()`` would restore, found as it does: the newest whose chunks all
-    decode and verify, passing over damaged ones (printed) but never back to a thinned one; None for an empty
-    store. Raises :class:`DeltackptError` when no checkpoint would restore."""
-    damaged = 0
-    for info in reversed(s.list()):
-        if damaged and isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY):
-            break
-        try:
-            report = s.verify(id=info.id)
-            problem = None if report.ok else str(report.problems[0])
-        except CheckpointNotFoundError:
-            continue  # deleted meanwhile
-        except CorruptionError as exc:  # (a damaged manifest)
-            problem = _first_line(exc)
-        if problem is None:
-            return info
-        damaged += 1
-        print(f"checkpoint {info.id} (step {info.step}) is damaged, a restore passes over it: {problem}")
-    if damaged:
-        raise DeltackptError(f"no checkpoint of {s.path} would restore: the {damaged} newest are damaged and no "
-                             "full checkpoint before them is intact ('deltackpt verify' lists the damage)")
-    return None
+    """The checkpoint ``Checkpointer.restore()`` would restore, found as it does (``newest_restorable``): the
+    newest whose chunks all decode and verify, passing over damaged ones (printed); None for an empty store.
+    Raises :class:`DeltackptError` when no checkpoint would restore."""
+
+    def verified(info: CheckpointInfo) -> CheckpointInfo:
+        report = s.verify(id=info.id)  # (a damaged manifest raises CorruptionError itself)
+        if not report.ok:
+            raise CorruptionError(str(report.problems[0]))
+        return info
+
+    passed_over: list[CheckpointInfo] = []
+
+    def damaged(info: CheckpointInfo, exc: CorruptionError) -> None:
+        passed_over.append(info)
+        print(f"checkpoint {info.id} (step {info.step}) is damaged, a restore passes over it: {_first_line(exc)}")
+
+    try:
+        return newest_restorable(s, verified, damaged)
+    except CorruptionError as exc:
+        raise DeltackptError(f"no checkpoint of {s.path} would restore: the {len(passed_over)} newest are damaged "
+                             "and no full checkpoint before them is intact ('deltackpt verify' lists the damage)"
+                             ) from exc
 
 
 def cmd_resume_info(args: argparse.Namespace) -> int:

@@ -948,8 +948,9 @@ def test_restore_of_the_latest_skips_damaged_checkpoints(fast_dir: Path) -> None
     manifest_3.write_bytes(bytes(data))
     fresh, fresh_opt = _small()
     with Checkpointer(fast_dir / "store", model=fresh, optimizer=fresh_opt, handle_signals=False) as ckpt:
-        with pytest.warns(RuntimeWarning, match=f"checkpoint {ids[3]} \\(step 3\\) is damaged"):
+        with pytest.warns(RuntimeWarning, match=f"checkpoint {ids[3]} \\(step 3\\) is damaged") as warned:
             assert ckpt.restore() == 2
+        assert warned[0].filename == __file__  # the warning points at the caller of restore()
         assert_bitwise(states[2], fresh.state_dict())
         with pytest.raises(deltackpt.CorruptManifestError):
             ckpt.restore(step=3)
