@@ -180,7 +180,7 @@ def cmd_du(args: argparse.Namespace) -> int:
         predicted = [0, 0, 0]  # predicted frames: the same
         deepest = 0
         try:  # what gc would keep: chunks of deleted checkpoints are not counted, and gc reclaims their frames
-            live: set[bytes] | None = maintenance._live_keys(s, s.index.records())
+            live: set[bytes] | None = maintenance._live_keys(s, s.index.records(), read_headers=False)[0]
             scope = "retained checkpoints"
         except (DeltackptError, OSError) as exc:  # a damaged manifest: what it names is unknown, count all
             live, scope = None, "every indexed chunk"

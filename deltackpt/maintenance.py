@@ -36,7 +36,7 @@ from deltackpt.errors import (
     FormatVersionError,
     ReadOnlyStoreError,
 )
-from deltackpt.index import ChunkLoc, Record, chunk_key, chunk_keys
+from deltackpt.index import REPAIR_HINT, ChunkLoc, Record, chunk_key, chunk_keys
 from deltackpt.scratch import Scratch
 
 if TYPE_CHECKING:
@@ -155,6 +155,10 @@ def verify(
             results.update(group)
             if progress is not None:
                 progress(len(results), len(unique))
+        if step is None and id is None:
+            for problem in store.read_pool.map(lambda item: _entry_problem(store, *item), locs.items()):
+                if problem is not None:
+                    report.problems.append(problem)
         for rec, chunks in plans:
             for key, k in chunks:
                 report.chunks += 1
@@ -163,6 +167,21 @@ def verify(
                     cid = codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big"))
                     report.problems.append(Problem(rec.id, rec.step, key, cid, err))
     return report
+
+
+def _entry_problem(store: Store, k: bytes, loc: ChunkLoc) -> Problem | None:
+    """An index entry whose codec or base is not its frame's: loads follow the frame, but gc keeps what both name
+    alive, and a repair makes them agree again. (A frame that cannot be read is the chunk's own problem.)"""
+    try:
+        h = codec.parse_header(store.reader.read(loc.pack_id, loc.offset, codec.HEADER_SIZE))
+    except (DeltackptError, OSError, OverflowError):
+        return None
+    if h.digest != k[:16] or (h.codec, h.base) == (loc.codec, loc.base):
+        return None
+    cid = codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big"))
+    return Problem(None, None, None, cid, f"index entry says codec {loc.codec}, base {loc.base.hex()}; its frame in "
+                                          f"pack {loc.pack_id} at offset {loc.offset} has codec {h.codec}, base "
+                                          f"{h.base.hex()}; {REPAIR_HINT}")
 
 
 def _related(store: Store, keys: list[bytes], locs: dict[bytes, ChunkLoc]) -> list[list[tuple[bytes, list[bytes]]]]:
@@ -244,7 +263,10 @@ def _references(store: Store, k: bytes, loc: ChunkLoc, *, unknown_format: bool =
         raise
 
 
-def _live_keys(store: Store, records: list[Record]) -> set[bytes]:
+def _live_keys(store: Store, records: list[Record], *, read_headers: bool = True) -> tuple[set[bytes], set[bytes]]:
+    """The chunks the checkpoints of ``records`` reach (transitively), and those of them the index holds no
+    entry for (lost with a damaged frame, or with a damaged index). ``read_headers`` (gc) also follows what
+    each frame's header names (:func:`_gc_references`); without it, what the index entries say."""
     live: set[bytes] = set()
     for rec in records:
         try:
@@ -256,16 +278,53 @@ def _live_keys(store: Store, records: list[Record]) -> set[bytes]:
     # what live chunks reference is live too (transitively): delta bases, and the bases and inputs of predicted
     # frames. A predicted frame whose record is damaged cannot be decoded, so what it names is no longer needed
     # by it; a read error aborts gc.
+    missing: set[bytes] = set()
     frontier = list(live)
     while frontier:
         locs = store.index.lookup_chunks(frontier)
+        missing.update(k for k in frontier if k not in locs)
         frontier = []
         for k, loc in locs.items():
-            for b in _references(store, k, loc):
+            for b in _gc_references(store, k, loc) if read_headers else _references(store, k, loc):
                 if b not in live:
                     live.add(b)
                     frontier.append(b)
-    return live
+    return live, missing
+
+
+def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
+    """What gc keeps alive for chunk ``k``: the references its index entry names and those its frame's header
+    names. Loads follow the frame; the index entry has no checksum, so a damaged one (another base, another
+    codec) must not make gc free the base the frame needs."""
+    refs = set(_references(store, k, loc))
+    if loc.codec == codec.PREDICTED:
+        return refs  # (its whole frame was read and checked)
+    try:
+        h = codec.parse_header(store.reader.read(loc.pack_id, loc.offset, codec.HEADER_SIZE))
+    except (CorruptChunkError, FormatVersionError, OverflowError):
+        return refs  # no readable frame there: nothing more it could need
+    if h.digest != k[:16] or h.raw_len != int.from_bytes(k[16:], "big"):
+        return refs  # another chunk's frame: the entry is damaged, and what that frame needs is its own affair
+    if h.codec == codec.DELTA:
+        refs.add(h.base + k[16:])
+    elif h.codec == codec.PREDICTED:
+        refs.update(_references(store, k, ChunkLoc(loc.pack_id, loc.offset, h.frame_len, h.codec, 0, h.base)))
+    return refs
+
+
+def _unindexed_live_frames(store: Store, missing: set[bytes], paths: list[Path]) -> list[str]:
+    """Where the packs ``paths`` (those gc would delete or repack) hold a frame of a live chunk the index
+    has no entry for: only a damaged index loses such an entry, and freeing the pack would lose the chunk."""
+    found: list[str] = []
+    for path in paths:
+        try:
+            for offset, h in packs.scan(path):
+                if chunk_key(h.digest, h.raw_len) in missing:
+                    found.append(f"chunk {codec.chunk_hex(h.digest, h.raw_len)} in pack {path.stem} at offset "
+                                 f"{offset}")
+        except FileNotFoundError:
+            continue
+    return found
 
 
 def gc(
@@ -290,8 +349,15 @@ def gc(
     with store._save_lock:
         store._writer.close()  # our own pack is sealed: gc may treat it like any other
     with store._gc_lock(exclusive=True, timeout=timeout):
+        problems = store.index.problems()
+        if problems:
+            # a lost record (its id still in the index) would leave its manifest looking like an orphan, its chunks
+            # dead: only a repair, which rebuilds the index from what is on disk, can tell
+            raise CorruptIndexError(f"gc refuses to run on an inconsistent index ({problems[0][1]}"
+                                    f"{f', and {len(problems) - 1} more problem(s)' if len(problems) > 1 else ''}"
+                                    f"); {REPAIR_HINT}, then run gc again")
         records = store.index.records()
-        live = _live_keys(store, records)
+        live, missing = _live_keys(store, records)
         dead: list[bytes] = []
         by_pack: dict[str, list[tuple[bytes, ChunkLoc]]] = {}
         for k, loc in store.index.iter_chunks():
@@ -319,6 +385,15 @@ def gc(
             live_bytes = sum(loc.frame_len for _, loc in live_entries)
             if size > 0 and live_bytes / size < repack_below:
                 to_repack.append(pack_id)
+        if missing:
+            # Live chunks without an index entry: lost (a damaged frame: repair left its checkpoint incomplete),
+            # or their entries are (a damaged index). Then the packs gc would free must not hold them.
+            held = _unindexed_live_frames(store, missing, [*to_delete, *(all_packs[p] for p in to_repack)])
+            if held:
+                raise CorruptIndexError(
+                    f"the index has no entry for {len(missing)} chunk(s) retained checkpoints need, and gc would "
+                    f"free {held[0]}{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}: the index is "
+                    f"damaged; {REPAIR_HINT}, then run gc again")
         # First what frees space without writing any (a full disk is when gc matters most). Orphan manifests
         # (of saves killed before their commit, of deletes killed before their unlink) go first, durably: a gc
         # killed after freeing their chunks would otherwise leave manifests naming chunks that are gone, which a

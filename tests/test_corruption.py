@@ -1062,3 +1062,86 @@ def test_gc_leaves_a_sparse_pack_with_a_damaged_live_frame_and_goes_on(store_pat
     cli = subprocess.run([sys.executable, "-m", "deltackpt", "gc", "--repack-below", "0.99", str(store_path)],
                          capture_output=True, text=True)
     assert cli.returncode == 1 and "a live frame is damaged" in cli.stderr, cli.stderr
+
+
+def _evolving_store(store_path: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """Steps 1-4 of a slowly changing tensor saved by one handle (delta frames), step 5 by another (its own
+    pack); step 1 deleted, so its chunks live on only as the bases of step 2's deltas."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(4 * CS // 4, generator=g)
+    states = {}
+    with _open(store_path) as s:
+        for step in range(1, 5):
+            w = w + 1e-4 * torch.randn(w.shape, generator=g)
+            states[step] = {"w": w.clone()}
+            s.save(states[step], step=step)
+    with _open(store_path) as s:
+        states[5] = {"w": torch.randn(3 * CS // 4, generator=g)}
+        s.save(states[5], step=5)
+        s.delete(1)
+    del states[1]
+    return states
+
+
+def _edit_index(store_path: Path, table: str, edit: Any) -> None:
+    """Apply ``edit(txn, db)`` to one table of the index, as damage the index cannot notice (LMDB keeps no
+    checksum of values)."""
+    import lmdb
+
+    env = lmdb.open(str(store_path / "index"), max_dbs=8, subdir=True)
+    try:
+        db = env.open_db(table.encode(), create=False)
+        with env.begin(write=True, db=db) as txn:
+            edit(txn, db)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("damage", ["entries_lost", "base_field", "codec_field", "record_lost"])
+def test_gc_on_a_damaged_index_frees_nothing_a_checkpoint_needs(store_path: Path, damage: str) -> None:
+    """gc trusts the index to say what is live; where the index is damaged it must not free a chunk a retained
+    checkpoint needs. Live chunks whose entries were lost while their pack is still there, or a checkpoint
+    record lost while its id still names it, make gc refuse (CorruptIndexError, naming the repair) before it
+    changes anything; an entry naming another delta base (or no base) than its frame does makes gc keep both.
+    Afterwards every checkpoint loads (after a repair where gc refused). Before, gc deleted the pack of the
+    unindexed chunks, the manifest of the lost record, and the base the frame really needs."""
+    states = _evolving_store(store_path)
+    with _open(store_path) as s:
+        entries = list(s.index.iter_chunks())
+        seq3 = s.info(step=3).seq
+    newest_pack = max({loc.pack_id for _, loc in entries},
+                      key=lambda p: (store_path / "packs" / f"{p}.pack").stat().st_mtime_ns)
+    deltas = [(k, loc) for k, loc in entries if loc.codec == codec.DELTA]
+    assert deltas, "the store has no delta frame to damage"
+
+    def edit(txn: Any, db: Any) -> None:
+        if damage == "entries_lost":
+            for k, loc in entries:
+                if loc.pack_id == newest_pack:
+                    assert txn.delete(k)
+        elif damage == "record_lost":
+            assert txn.delete(struct.pack(">Q", seq3))
+        else:
+            for k, loc in deltas:
+                base = bytes([loc.base[0] ^ 1]) + loc.base[1:] if damage == "base_field" else bytes(16)
+                kind = loc.codec if damage == "base_field" else codec.PLANES_ZSTD
+                txn.put(k, ChunkLoc(loc.pack_id, loc.offset, loc.frame_len, kind, 0, base).pack())
+
+    _edit_index(store_path, "ckpts" if damage == "record_lost" else "chunks", edit)
+    before = dir_snapshot(store_path)
+    with _open(store_path) as s:
+        if damage in ("entries_lost", "record_lost"):
+            with pytest.raises(CorruptIndexError, match="deltackpt repair"):
+                s.gc(repack_below=1.0)
+            assert dir_snapshot(store_path) == before
+            s.repair()
+        else:
+            report = s.verify()
+            assert {p.chunk_id for p in report.problems} == {
+                codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big")) for k, _ in deltas}
+            assert all(p.checkpoint is None and "deltackpt repair" in p.message for p in report.problems)
+            s.gc(repack_below=1.0)  # repacks everything: only what gc kept survives
+        for step, state in states.items():
+            assert_same_state(state, s.load(step))
+        s.repair()
+        assert s.verify().ok
