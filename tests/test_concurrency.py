@@ -469,16 +469,18 @@ def test_rewrite_racing_a_repair_elsewhere_commits(tmp_path: Path, monkeypatch: 
 
 
 def _repaired_while_running(tmp_path: Path, script: str, damage: Callable[[Path, int], None]) -> str:
-    """A store of 5 checkpoints; ``script`` runs in another process on it for 6 seconds while it is damaged
+    """A store of 5 checkpoints; ``script`` runs in another process on it for 10 seconds while it is damaged
     (``damage(path, n)``) and repaired by `deltackpt repair`, three times. Returns the script's output."""
     path = tmp_path / "store"
     with Store(path, chunk_size=CS) as s:
         for i in range(5):
             s.save({"x": torch.randn(1000)}, step=i)
-    other = subprocess.Popen([sys.executable, "-c", script, str(path), "6"], stdout=subprocess.PIPE,
+    other = subprocess.Popen([sys.executable, "-c", script, str(path), "10"], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=cw.worker_env())
     try:
-        time.sleep(1.5)
+        # the script says when it has the store open (importing torch alone can take seconds on a loaded machine)
+        assert other.stdout is not None and other.stdout.readline() == "ready\n", other.stderr
+        time.sleep(0.5)
         for n in range(3):
             damage(path, n)
             r = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(path)], capture_output=True,
@@ -533,6 +535,7 @@ def test_listings_elsewhere_wait_for_a_repair_of_a_lost_index(tmp_path: Path) ->
 _LISTER = """
 import json, sys, time, deltackpt
 s = deltackpt.Store(sys.argv[1]); calls = 0; fewest = None; end = time.time() + float(sys.argv[2])
+print("ready", flush=True)
 while time.time() < end:
     n = len(s.list())
     got = (s.latest().step, s.info(2).step, len(s))
@@ -546,6 +549,7 @@ print(json.dumps([calls, fewest]))
 _SAVER = """
 import json, sys, time, torch, deltackpt
 s = deltackpt.Store(sys.argv[1]); acked = []; end = time.time() + float(sys.argv[2])
+print("ready", flush=True)
 while time.time() < end:
     acked.append(s.save({"x": torch.randn(1000)}, step=len(acked) + 10).id)
     time.sleep(0.002)
