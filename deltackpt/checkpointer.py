@@ -20,6 +20,7 @@ Typical use::
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import random
 import signal
@@ -33,10 +34,16 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError
+from deltackpt.errors import (
+    CheckpointNotFoundError,
+    CorruptionError,
+    DeltackptError,
+    ShapeMismatchError,
+    UnsupportedTypeError,
+)
 from deltackpt.retention import THINNED_KEY, Retention
 from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_step
-from deltackpt.tree import Encoded, alias_key, child_path, encode_registered
+from deltackpt.tree import Encoded, alias_key, child_path, encode_registered, flatten, registered_types
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 T = TypeVar("T")
@@ -121,6 +128,60 @@ def _group_check(g: Any, state: Any, what: str) -> None:
         raise DeltackptError(f"the checkpoint holds {n} {what} states, this run has {len(g)}")
 
 
+def _with_states(g: Any, state: Any) -> list[tuple[str, Any, Any]]:
+    """(name, member, its saved state) of a group as :func:`_group_load` pairs them (after :func:`_group_check`)."""
+    if isinstance(g, dict):
+        return [(f"[{k!r}]", v, state[k]) for k, v in g.items()]
+    if isinstance(g, list):
+        return [(f"[{i}]", v, s) for i, (v, s) in enumerate(zip(g, state))]
+    return [("", g, state)]
+
+
+def _plain_loading(module: torch.nn.Module) -> bool:
+    """Whether ``module.load_state_dict`` takes keys as they are: no submodule renames or converts them (a load
+    pre-hook, an overridden ``_load_from_state_dict``, as BatchNorm's for old checkpoints)."""
+    base = torch.nn.Module
+    return type(module).load_state_dict is base.load_state_dict and all(
+        not m._load_state_dict_pre_hooks and type(m)._load_from_state_dict is base._load_from_state_dict
+        for m in module.modules())
+
+
+def _fit_check(g: Any, state: Any, what: str) -> None:
+    """Raise what ``load_state_dict`` would raise for a saved state that does not fit this run's model (a key
+    missing or unexpected, another shape) or optimizer (another number of parameter groups or of parameters in
+    one), before anything is loaded: a restore decodes into the model's own tensors, and a refusal after that
+    would leave the model holding part of the checkpoint. ``state`` may hold tensor entries (a skeleton)."""
+    if g is None:
+        return
+    for name, member, saved in _with_states(g, state):
+        where = f"{what}{name}"
+        if isinstance(member, torch.nn.Module) and isinstance(saved, Mapping):
+            live = member.state_dict()
+            for k, v in live.items():
+                shape = getattr(saved.get(k), "shape", None)
+                if type(v) in (torch.Tensor, torch.nn.Parameter) and shape is not None and list(shape) != list(v.shape):
+                    raise ShapeMismatchError(f"{where}: {k!r} has shape {tuple(shape)} in the checkpoint, "
+                                             f"{tuple(v.shape)} in this run")
+            if _plain_loading(member):
+                missing = [k for k in live if k not in saved]
+                unexpected = [k for k in saved if k not in live]
+                if missing or unexpected:
+                    raise ShapeMismatchError(f"{where} does not match the checkpoint: missing in the checkpoint "
+                                             f"{missing[:5]}, not in this run {unexpected[:5]}")
+        elif isinstance(member, torch.optim.Optimizer) and isinstance(saved, Mapping):
+            groups = saved.get("param_groups")
+            if not isinstance(groups, (list, tuple)):
+                continue
+            if len(groups) != len(member.param_groups):
+                raise ShapeMismatchError(f"{where}: the checkpoint has {len(groups)} parameter groups, this run "
+                                         f"{len(member.param_groups)}")
+            for n, (sg, lg) in enumerate(zip(groups, member.param_groups)):
+                params = sg.get("params") if isinstance(sg, Mapping) else None
+                if isinstance(params, (list, tuple)) and len(params) != len(lg["params"]):
+                    raise ShapeMismatchError(f"{where}: parameter group {n} has {len(params)} parameters in the "
+                                             f"checkpoint, {len(lg['params'])} in this run")
+
+
 def _group_load(g: Any, state: Any) -> None:
     if g is None:
         return
@@ -196,6 +257,9 @@ class _Staging:
 
         def copy(obj: Any, path: tuple[Any, ...]) -> Any:  # path: the keys down to obj (no string collisions)
             nonlocal cuda
+            if type(obj) in registered:  # (before tensors: a registered tensor subclass is encoded)
+                encoded = encode_registered(obj)  # encoded now, its tensors copied like any other
+                return Encoded(encoded.name, copy(encoded.value, path))
             if isinstance(obj, torch.Tensor):
                 if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided:
                     return obj  # Store.save raises the proper error for it
@@ -203,15 +267,19 @@ class _Staging:
                 if key in seen:
                     return seen[key]
                 src = obj.detach()
-                buf = self._buffer_for(path, src)
+                try:
+                    buf = self._buffer_for(path, src)
+                    src_bytes = _byte_view(src) if src.device.type == "cpu" else None
+                    if src_bytes is not None and src.dtype == buf.dtype:
+                        # one plain memcpy: torch's multi-threaded copy_ competes with the training loop's threads
+                        np.copyto(_byte_view(buf).numpy(), src_bytes.numpy())  # type: ignore[union-attr]
+                    else:
+                        with torch.no_grad():
+                            buf.copy_(src, non_blocking=src.device.type == "cuda")
+                except (RuntimeError, NotImplementedError) as exc:  # (a sub-byte dtype torch cannot copy)
+                    where = functools.reduce(child_path, path, "") or "<root>"
+                    raise UnsupportedTypeError(f"cannot store {where}: torch cannot read its bytes: {exc}") from exc
                 cuda = cuda or src.device.type == "cuda"
-                src_bytes = _byte_view(src) if src.device.type == "cpu" else None
-                if src_bytes is not None and src.dtype == buf.dtype:
-                    # one plain memcpy: torch's multi-threaded copy_ competes with the training loop's threads
-                    np.copyto(_byte_view(buf).numpy(), src_bytes.numpy())  # type: ignore[union-attr]
-                else:
-                    with torch.no_grad():
-                        buf.copy_(src, non_blocking=src.device.type == "cuda")
                 self._used.add(path)
                 out: Any = buf
                 if isinstance(obj, torch.nn.Parameter):
@@ -243,12 +311,16 @@ class _Staging:
                 return items if t is list else tuple(items) if t is tuple else deque(items, maxlen=obj.maxlen)
             if t is set:
                 return set(obj)  # elements are plain values; a copy keeps the save from seeing later changes
-            encoded = encode_registered(obj)  # a registered type: encoded now, its tensors copied like any other
-            if encoded is not None:
-                return Encoded(encoded.name, copy(encoded.value, path))
             return obj
 
-        snap = copy(state, ())
+        registered = registered_types()
+        try:
+            snap = copy(state, ())
+        except Exception:
+            # a state a save refuses (a reference cycle, nesting past any limit, a meta or nested tensor): the
+            # UnsupportedTypeError naming the key path that a synchronous save raises, not the copy's own error
+            flatten(state)
+            raise
         if cuda:
             torch.cuda.synchronize()
         for path in set(self._buffers) - self._used:  # tensors that left the state: free their buffers
@@ -384,6 +456,8 @@ class Checkpointer:
             )
         for what in ("model", "optimizer", "scheduler", "scaler"):
             _group_check(getattr(self, what), state.get(what), what)
+        for what in ("model", "optimizer"):
+            _fit_check(getattr(self, what), state.get(what), what)
         if self.data is not None and state.get("data") is None:
             raise DeltackptError("the checkpoint holds no data position")
         saved_extra = state.get("extra") or {}

@@ -9,6 +9,7 @@ On failure it prints one line ``deltackpt: error: ...`` to stderr and exits 1 (2
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import os
 import re
@@ -325,12 +326,13 @@ def _tensor_dict(state: Any) -> dict[str, torch.Tensor]:
 
     def walk(node: Any, path: str) -> None:
         tag = node[0]
-        if tag in ("d", "o"):
-            for k, v in zip(node[1], node[2]):
-                walk(v, f"{path}.{k[1]}" if path else str(k[1]))
-        elif tag in ("l", "t"):
-            for i, v in enumerate(node[1]):
-                walk(v, f"{path}.{i}" if path else str(i))
+        if tree.is_dict_node(node) or tree.is_sequence_node(node):
+            for k, v in tree.node_children(node):
+                if type(k) not in (str, int):  # (safetensors names tensors by text: no faithful name for it)
+                    where = tree.child_path(path, k)
+                    raise DeltackptError(f"safetensors names tensors by text keys; {where} has a "
+                                         f"{type(k).__name__} key: export .pt instead")
+                walk(v, f"{path}.{k}" if path else str(k))
         elif tag == "T":
             found.append((path, node[1]))
         else:
@@ -582,6 +584,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        # names a store holds need not be printable text (a key with a lone surrogate): escape what is not
+        with contextlib.suppress(AttributeError, ValueError):  # (a stream without reconfigure: tests)
+            stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
         rc = _run(args)
         sys.stdout.flush()

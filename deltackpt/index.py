@@ -19,25 +19,31 @@ LMDB has no page checksums; the manifests carry their own, and records hold the 
 from __future__ import annotations
 
 import errno
+import functools
+import inspect
 import json
 import os
+import re
 import signal
 import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import numpy as np
 
+from deltackpt import manifest
+from deltackpt.codec import HEADER_SIZE as _FRAME_HEADER
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptIndexError,
+    CorruptManifestError,
     DeltackptError,
     FormatVersionError,
     IndexWriteError,
@@ -83,11 +89,32 @@ class ChunkLoc:
         return LOC.pack(bytes.fromhex(self.pack_id), self.offset, self.frame_len, self.codec, self.depth, self.base)
 
     @classmethod
-    def unpack(cls, raw: bytes) -> ChunkLoc:
+    def unpack(cls, raw: bytes, key: bytes | None = None) -> ChunkLoc:
+        """The location stored for chunk ``key``, its offset and frame length checked to be ones a frame of
+        that chunk can have: a damaged entry must not have a read seek past what a file offset holds or reserve
+        gigabytes (format.md §6)."""
         if len(raw) != LOC.size:
             raise CorruptIndexError(f"chunk location record has {len(raw)} bytes, expected {LOC.size}")
         pack_id, offset, frame_len, codec, depth, base = LOC.unpack(raw)
+        if key is not None:
+            raw_len = int.from_bytes(key[16:], "big")
+            if len(key) != 16 + _CHUNK_LEN.size or offset >= MAX_OFFSET or not (
+                    _FRAME_HEADER <= frame_len <= max_frame_len(raw_len)):
+                raise CorruptIndexError(
+                    f"index entry of chunk {key[:16].hex()}-{raw_len} is damaged (offset {offset}, frame length "
+                    f"{frame_len}); {REPAIR_HINT}")
         return cls(pack_id.hex(), offset, frame_len, codec, depth, base)
+
+
+#: the largest pack offset an index entry may hold (a file offset is a signed 64-bit number)
+MAX_OFFSET = 1 << 62
+
+
+def max_frame_len(raw_len: int) -> int:
+    """The longest frame a chunk of ``raw_len`` bytes may have: a raw frame is header + raw bytes, and a writer
+    keeps another encoding only when it is smaller (a predicted frame's record adds at most a few hundred
+    bytes); the slack is generous."""
+    return _FRAME_HEADER + raw_len + raw_len // 64 + 4096
 
 
 @dataclass
@@ -110,11 +137,23 @@ class Record:
 
     @classmethod
     def loads(cls, raw: bytes) -> Record:
+        """The record from its JSON, each field checked for its type and range (format.md §6)."""
         try:
             d = json.loads(raw)
-            return cls(**d)
-        except (ValueError, TypeError) as exc:
+            if type(d) is not dict or not d.keys() <= _RECORD_FIELDS:
+                raise ValueError(f"unknown fields {sorted(d.keys() - _RECORD_FIELDS) if type(d) is dict else d!r:.80}")
+            manifest.check_fields(d)
+            if type(d.get("manifest_checksum")) is not str or not _CHECKSUM.fullmatch(d["manifest_checksum"]):
+                raise ValueError(f"manifest_checksum is {d.get('manifest_checksum')!r:.60}")
+            if type(d.get("seq", 0)) is not int or not 0 <= d.get("seq", 0) < 1 << 64:
+                raise ValueError(f"seq is {d['seq']!r:.60}")
+            return cls(**d)  # (its metadata is decoded where it is used: CheckpointInfo.from_record)
+        except (ValueError, TypeError, RecursionError, CorruptManifestError) as exc:
             raise CorruptIndexError(f"unreadable checkpoint record: {exc}; {REPAIR_HINT}") from None
+
+
+_RECORD_FIELDS = frozenset(f.name for f in fields(Record))
+_CHECKSUM = re.compile(r"[0-9a-f]{32}")
 
 
 REPAIR_HINT = "'deltackpt repair STORE' rebuilds the index"
@@ -339,6 +378,35 @@ def _drop_inherited(real: str) -> None:
         sh.env.close()
 
 
+#: what py-lmdb raises on a damaged page (or a file that is not an LMDB environment any more)
+LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError,
+                lmdb.IncompatibleError)
+
+
+def _damage_is_corruption(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Make LMDB's errors for damaged pages, raised while ``method`` reads, a :class:`CorruptIndexError` naming
+    the repair (a generator's too, while it is iterated)."""
+    def typed(self: Index, exc: lmdb.Error) -> CorruptIndexError:
+        return CorruptIndexError(f"the index of {self.path.parent} is damaged ({exc}); {REPAIR_HINT}")
+
+    if inspect.isgeneratorfunction(method):
+        @functools.wraps(method)
+        def gen(self: Index, *args: Any, **kwargs: Any) -> Any:
+            try:
+                yield from method(self, *args, **kwargs)
+            except LMDB_DAMAGE as exc:
+                raise typed(self, exc) from exc
+        return gen
+
+    @functools.wraps(method)
+    def call(self: Index, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except LMDB_DAMAGE as exc:
+            raise typed(self, exc) from exc
+    return call
+
+
 class Index:
     """The LMDB environment of one store. Safe to use from several threads and from several ``Index``
     objects of one process (they share the environment); a child process after ``fork`` opens its own."""
@@ -495,25 +563,49 @@ class Index:
             self._create = False  # never give a replaced index a format record: only the repair's rebuild does
         self._shared()  # a repair still rebuilding it raises CorruptIndexError here ("lost"), as any open would
 
+    def start_over(self) -> None:
+        """Go on with the new, empty index directory a repair put in place of this one (damaged beyond what a
+        rebuild in place can overwrite: LMDB meets damaged pages while freeing the old tables). The repair's
+        rebuild then fills it. The old environment stays open, as when another process's repair replaced it."""
+        with _REGISTRY_LOCK:
+            last = self._let_go()
+            if last is not None:
+                _RETIRED.append(last)
+            self._real = _identity(self.path)
+            self._create = False
+            self._rebuilding = True
+        self._shared()
+
     # -- chunks ---------------------------------------------------------------------------------------
-    def lookup_chunks(self, keys: Iterable[bytes]) -> dict[bytes, ChunkLoc]:
+    @_damage_is_corruption
+    def lookup_chunks(self, keys: Iterable[bytes], damaged: dict[bytes, str] | None = None) -> dict[bytes, ChunkLoc]:
+        """The locations of those of ``keys`` the index holds. A damaged entry raises
+        :class:`CorruptIndexError`, or with ``damaged`` (verify) goes there, key -> what is wrong."""
         out: dict[bytes, ChunkLoc] = {}
         with self.env.begin(db=self.db_chunks, buffers=True) as txn:
             for k in keys:
                 v = txn.get(k)
                 if v is not None:
-                    out[k] = ChunkLoc.unpack(bytes(v))
+                    try:
+                        out[k] = ChunkLoc.unpack(bytes(v), k)
+                    except CorruptIndexError as exc:
+                        if damaged is None:
+                            raise
+                        damaged[k] = str(exc)
         return out
 
+    @_damage_is_corruption
     def has_chunks(self, keys: Iterable[bytes]) -> set[bytes]:
         with self.env.begin(db=self.db_chunks, buffers=True) as txn:
             return {k for k in keys if txn.get(k) is not None}
 
+    @_damage_is_corruption
     def iter_chunks(self) -> Iterator[tuple[bytes, ChunkLoc]]:
         with self.env.begin(db=self.db_chunks) as txn:
             for k, v in txn.cursor():
-                yield k, ChunkLoc.unpack(v)
+                yield k, ChunkLoc.unpack(v, k)
 
+    @_damage_is_corruption
     def count_chunks(self) -> int:
         with self.env.begin() as txn:
             return int(txn.stat(self.db_chunks)["entries"])
@@ -576,6 +668,7 @@ class Index:
             self._remove(txn, Record.loads(raw) if raw is not None else record)
         return True
 
+    @_damage_is_corruption
     def get(self, *, step: int | None = None, id: str | None = None) -> Record | None:
         """The newest record with this step (or this id); the newest of all when both are None."""
         with self.env.begin() as txn:
@@ -607,11 +700,13 @@ class Index:
                                         f"(seq {seq}); {REPAIR_HINT}")
             return rec
 
+    @_damage_is_corruption
     def records(self) -> list[Record]:
         """All checkpoint records in commit order."""
         with self.env.begin(db=self.db_ckpts) as txn:
             return [_record_at(k, v) for k, v in txn.cursor()]
 
+    @_damage_is_corruption
     def problems(self) -> list[tuple[Record | None, str]]:
         """What does not agree between the index's tables: each checkpoint record must be reached from its
         id and from its step, and every id and step entry must reach a record of that id and step. A problem
@@ -641,11 +736,13 @@ class Index:
                     out.append((rec, f"checkpoint {rec.id} is not reached from its step {rec.step}"))
         return out
 
+    @_damage_is_corruption
     def count(self) -> int:
         with self.env.begin() as txn:
             return int(txn.stat(self.db_ckpts)["entries"])
 
     # -- maintenance ----------------------------------------------------------------------------------
+    @_damage_is_corruption
     def has_format_record(self) -> bool:
         """Whether the index holds its ``format`` record (an index a repair opened may not: emptied, or lost)."""
         with self.env.begin() as txn:

@@ -34,9 +34,10 @@ from deltackpt.errors import (
     CorruptionError,
     DeltackptError,
     FormatVersionError,
+    IndexWriteError,
     ReadOnlyStoreError,
 )
-from deltackpt.index import REPAIR_HINT, ChunkLoc, Record, chunk_key, chunk_keys
+from deltackpt.index import LMDB_DAMAGE, REPAIR_HINT, ChunkLoc, Record, chunk_key, chunk_keys
 from deltackpt.scratch import Scratch
 
 if TYPE_CHECKING:
@@ -146,13 +147,20 @@ def verify(
             except DeltackptError as exc:
                 report.problems.append(Problem(rec.id, rec.step, None, None, str(exc)))
                 continue
+            differ = _record_differs(rec, m)
+            if differ:
+                report.problems.append(Problem(rec.id, rec.step, None, None, (
+                    f"its index record does not match its manifest in {', '.join(differ)} (list and info show "
+                    f"the record; loads read the manifest); {REPAIR_HINT}")))
             plans.append((rec, _stored_chunks(m)))
         unique = list(dict.fromkeys(k for _, chunks in plans for _, k in chunks))
-        locs = store.index.lookup_chunks(unique)
+        damaged: dict[bytes, str] = {}
+        locs = store.index.lookup_chunks(unique, damaged)
         scratch = Scratch.for_frames(store.chunk_size, (loc.frame_len for loc in locs.values()))
         for group in store.read_pool.map(lambda g: _check_group(store, g, locs, scratch),
                                          _related(store, unique, locs)):
             results.update(group)
+            results.update((k, why) for k, why in damaged.items() if k in results)
             if progress is not None:
                 progress(len(results), len(unique))
         if step is None and id is None:
@@ -167,6 +175,17 @@ def verify(
                     cid = codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big"))
                     report.problems.append(Problem(rec.id, rec.step, key, cid, err))
     return report
+
+
+def _record_differs(rec: Record, m: manifest.Manifest) -> list[str]:
+    """The fields an index record copies from its manifest that no longer agree with it (the index keeps no
+    checksum: a damaged record could show another parent, time or metadata)."""
+    pairs = {
+        "created": (rec.created, m.created), "parent": (rec.parent, m.parent), "metadata": (rec.metadata, m.metadata),
+        "logical_bytes": (rec.logical_bytes, m.logical_bytes), "written_bytes": (rec.written_bytes, m.written_bytes),
+        "replaces": (rec.extra.get("replaces", []), m.extra.get("replaces", [])),
+    }
+    return [name for name, (a, b) in pairs.items() if a != b]
 
 
 def _entry_problem(store: Store, k: bytes, loc: ChunkLoc) -> Problem | None:
@@ -555,7 +574,16 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
         records.sort(key=lambda r: (r.created, r.id))  # (a rewrite keeps the creation time of what it replaced)
         packs.fsync_dir(store.path / "packs")
         packs.fsync_dir(store.path / "manifests")
-        store.index.rebuild(chunks, records)
+        try:
+            store.index.rebuild(chunks, records)
+        except IndexWriteError as exc:
+            if not isinstance(exc.__cause__, LMDB_DAMAGE):
+                raise
+            # pages LMDB meets while freeing the old tables are damaged: start a new index instead (still under
+            # the exclusive gc lock, as format.md §7 requires of a repair that moves the index aside)
+            rebuild_index_dir(store.path)
+            store.index.start_over()
+            store.index.rebuild(chunks, records)
         report.chunks = len(chunks)
         report.checkpoints = len(records)
     store._release_alone()  # (a handle of open_for_repair: the rebuilt index is the store's again)
@@ -607,6 +635,9 @@ def rebuild_index_dir(path: Path) -> Path | None:
     if not idx.exists():
         return None
     dest = path / f"index.broken-{int(time.time())}"
+    n = 1
+    while dest.exists():  # (two repairs in one second)
+        dest, n = path / f"index.broken-{int(time.time())}-{n}", n + 1
     shutil.move(str(idx), str(dest))
     packs.make_dirs(idx)  # (fsyncs ``path``: the move's entries too)
     return dest

@@ -23,6 +23,7 @@ i*chunk_size)`` bytes. Its chunk id is (digest, length).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -51,6 +52,95 @@ def check_id(checkpoint_id: str) -> str:
     if not isinstance(checkpoint_id, str) or not _ID.fullmatch(checkpoint_id):
         raise InvalidNameError(f"invalid checkpoint id {checkpoint_id!r}: expected 16 lowercase hex digits")
     return checkpoint_id
+
+
+#: the largest ``created`` a manifest or index record may hold (9999-12-31, the last day ``datetime`` shows)
+MAX_CREATED = 253402300799.0
+#: the header fields a manifest holds (format.md §5): any other is damage
+HEADER_FIELDS = frozenset({"id", "step", "created", "parent", "chunk_size", "metadata", "logical_bytes",
+                           "written_bytes", "extra", "tree", "tensors"})
+
+
+def _count(v: Any, what: str, limit: int = 1 << 63) -> int:
+    """``v`` when it is an int in [0, limit), else ValueError naming ``what``."""
+    if type(v) is not int or not 0 <= v < limit:
+        raise ValueError(f"{what} is {v!r:.60}")
+    return v
+
+
+def check_fields(d: dict[str, Any]) -> None:
+    """Check the fields a manifest header and an index record share (whichever ``d`` holds) to be of their
+    type and range (format.md §5, §6); ValueError naming the first that is not. Damage that keeps the JSON
+    (and a checksum made to match) must be refused here, not fail later as an untyped error."""
+    if "id" in d:
+        check_id(d["id"])
+    if "step" in d:
+        _count(d["step"], "step")
+    if "created" in d:
+        c = d["created"]
+        if type(c) not in (int, float) or not -MAX_CREATED <= c <= MAX_CREATED:  # (NaN fails too)
+            raise ValueError(f"created is {c!r:.60}")
+    if d.get("parent") is not None:
+        check_id(d["parent"])
+    for name in ("logical_bytes", "written_bytes"):
+        if name in d:
+            _count(d[name], name)
+    if "extra" in d:
+        extra = d["extra"]
+        if type(extra) is not dict:
+            raise ValueError(f"extra is {extra!r:.60}")
+        if "generation" in extra:
+            _count(extra["generation"], "extra.generation")
+        if "replaces" in extra:
+            if type(extra["replaces"]) is not list:
+                raise ValueError(f"extra.replaces is {extra['replaces']!r:.60}")
+            for old in extra["replaces"]:
+                check_id(old)
+
+
+#: the fields of a tensor entry, with the types they must have
+_ENTRY_TYPES = {"key": str, "kind": str, "dtype": str, "shape": list, "nbytes": int, "width": int, "first": int,
+                "count": int, "written": int, "requires_grad": bool, "parameter": bool, "device": str}
+
+
+def _entry(t: Any) -> TensorEntry:
+    """A tensor entry from its JSON object, checked field by field (ValueError naming the first bad one)."""
+    if type(t) is not dict:
+        raise ValueError(f"tensor entry {t!r:.60}")
+    for name, value in t.items():
+        want = _ENTRY_TYPES.get(name)
+        if want is None or type(value) is not want:
+            raise ValueError(f"tensor entry {t.get('key')!r:.60}: field {name!r} is {value!r:.60}")
+    e = TensorEntry(**t)
+    where = f"tensor {e.key!r:.60}"
+    for name in ("nbytes", "first", "count", "written"):
+        _count(getattr(e, name), f"{where}: {name}")
+    if any(type(n) is not int or not 0 <= n < 1 << 63 for n in e.shape):
+        raise ValueError(f"{where}: shape {e.shape!r:.60}")
+    if e.width not in (1, 2, 4, 8):
+        raise ValueError(f"{where}: width {e.width}")
+    elements = 1
+    for n in e.shape:
+        elements *= n
+    if e.nbytes != _itemsize(e.kind, e.dtype) * elements:
+        raise ValueError(f"{where}: {e.nbytes} bytes for shape {e.shape} of {e.dtype}")
+    _device(e.device)
+    return e
+
+
+@functools.lru_cache(maxsize=256)
+def _itemsize(kind: str, dtype: str) -> int:
+    """The element size of a tensor entry's dtype (a manifest names few: looked up once each)."""
+    if kind == "torch":
+        return tree.torch_dtype(dtype).itemsize
+    if kind == "numpy":
+        return tree.numpy_dtype(dtype).itemsize
+    raise ValueError(f"kind {kind!r:.60}")
+
+
+@functools.lru_cache(maxsize=256)
+def _device(name: str) -> None:
+    tree.check_device(name)
 
 
 @dataclass
@@ -166,27 +256,33 @@ def parse(data: bytes, *, where: str) -> Manifest:
     off = _HEAD.size
     try:
         h = json.loads(data[off : off + hlen])
-        tensors = [TensorEntry(**t) for t in h["tensors"]]
+        if type(h) is not dict or not h.keys() <= HEADER_FIELDS:
+            unknown = sorted(h.keys() - HEADER_FIELDS) if type(h) is dict else h
+            raise ValueError(f"unknown header fields {unknown!r:.80}")
+        check_fields(h)
+        if type(h["tensors"]) is not list:
+            raise ValueError("tensors is not a list")
+        tensors = [_entry(t) for t in h["tensors"]]
         off += hlen
         digests = np.frombuffer(data, dtype=np.uint8, count=16 * n, offset=off).reshape(n, 16)
         flags_arr = np.frombuffer(data, dtype=np.uint8, count=n, offset=off + 16 * n)
         m = Manifest(
-            id=check_id(h["id"]),
-            step=int(h["step"]),
+            id=h["id"],
+            step=h["step"],
             created=float(h["created"]),
             parent=h["parent"],
-            chunk_size=int(h["chunk_size"]),
+            chunk_size=_count(h["chunk_size"], "chunk_size", 1 << 32),
             tree=h["tree"],
             tensors=tensors,
             digests=digests,
             flags=flags_arr,
             metadata=h.get("metadata"),
-            logical_bytes=int(h.get("logical_bytes", 0)),
-            written_bytes=int(h.get("written_bytes", 0)),
+            logical_bytes=h.get("logical_bytes", 0),
+            written_bytes=h.get("written_bytes", 0),
             extra=dict(h.get("extra") or {}),
         )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CorruptManifestError(f"manifest {where} has an unreadable header: {exc!r}") from None
+    except (ValueError, KeyError, TypeError, CorruptManifestError, InvalidNameError, RecursionError) as exc:
+        raise CorruptManifestError(f"manifest {where} has an unreadable header: {exc}") from None
     if m.chunk_size <= 0:
         raise CorruptManifestError(f"manifest {where} declares chunk size {m.chunk_size}")
     for t in tensors:

@@ -49,11 +49,11 @@ from deltackpt.errors import (
     CorruptManifestError,
     DeltackptError,
     FormatVersionError,
-    InvalidNameError,
     ReadOnlyStoreError,
     ShapeMismatchError,
     StateChangedError,
     StoreLockedError,
+    UnsafeLoadError,
     UnsupportedTypeError,
 )
 from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key
@@ -88,7 +88,11 @@ class CheckpointInfo:
 
     @classmethod
     def from_record(cls, rec: Record) -> CheckpointInfo:
-        meta = tree.decode_plain(rec.metadata) if rec.metadata is not None else None
+        try:
+            meta = tree.decode_plain(rec.metadata) if rec.metadata is not None else None
+        except (CorruptManifestError, UnsafeLoadError) as exc:  # (a registered type: its decoder is needed)
+            raise CorruptIndexError(f"index record of checkpoint {rec.id} (step {rec.step}) holds unreadable "
+                                    f"metadata: {exc}; {REPAIR_HINT}") from None
         return cls(rec.id, rec.step, rec.created, rec.parent, rec.logical_bytes, rec.written_bytes, meta, rec.seq)
 
 
@@ -184,6 +188,55 @@ def _unfillable(obj: torch.Tensor | np.ndarray) -> str | None:
             return "elements of it share memory (an expanded or broadcast view)"
         extent += (n - 1) * st
     return None
+
+
+def _memory_span(obj: torch.Tensor | np.ndarray) -> tuple[str, int, int] | None:
+    """(device, first byte, one past the last byte) of the memory ``obj``'s elements lie in; None when empty."""
+    if isinstance(obj, np.ndarray):
+        if obj.size == 0:
+            return None
+        device, base, item = "cpu", obj.__array_interface__["data"][0], obj.itemsize
+        strides = obj.strides  # (in bytes)
+    else:
+        if obj.numel() == 0:
+            return None
+        device, base, item = str(obj.device), obj.data_ptr(), obj.element_size()
+        strides = tuple(st * item for st in obj.stride())
+    lo = hi = 0
+    for n, st in zip(obj.shape, strides):
+        if st >= 0:
+            hi += (n - 1) * st
+        else:
+            lo += (n - 1) * st
+    return device, base + lo, base + hi + item
+
+
+def _share_memory(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> bool:
+    """Whether two arrays whose spans overlap share an element's bytes (interleaved views do not): exact for
+    what numpy can view, else assumed."""
+    try:
+        x = a if isinstance(a, np.ndarray) else a.detach().numpy()
+        y = b if isinstance(b, np.ndarray) else b.detach().numpy()
+    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), or not on the CPU
+        return True
+    try:
+        return bool(np.shares_memory(x, y, max_work=1 << 20))
+    except getattr(np, "exceptions", np).TooHardError:  # (numpy < 1.25 has it at the top level)
+        return True
+
+
+def _overlapping(objs: Sequence[torch.Tensor | np.ndarray]) -> list[tuple[int, int]]:
+    """Pairs (i, j), i < j, of ``objs`` whose memory overlaps; each j at most once (the sweep compares it with
+    the earlier-starting array reaching furthest)."""
+    spans = sorted((span, n) for n, o in enumerate(objs) if (span := _memory_span(o)) is not None)
+    out: list[tuple[int, int]] = []
+    reach: tuple[str, int, int] | None = None  # (device, end, index) of the span reaching furthest so far
+    for (dev, lo, hi), n in spans:
+        if reach is not None and reach[0] == dev and lo < reach[1] and _share_memory(objs[reach[2]], objs[n]):
+            out.append((min(reach[2], n), max(reach[2], n)))
+        if reach is None or reach[0] != dev or hi > reach[1]:
+            reach = (dev, hi, n)
+    return out
 
 
 def _decode_target(obj: torch.Tensor | np.ndarray) -> tuple[np.ndarray, Any]:
@@ -1086,7 +1139,7 @@ class Store:
                         finals.append((len(objs), out, dev))
                     objs.append(out)
                 else:
-                    arr = np.empty(t.shape, dtype=_numpy_dtype(t.dtype, rec.id))
+                    arr = np.empty(t.shape, dtype=tree.numpy_dtype(t.dtype))
                     jobs.append((t, arr.reshape(-1).view(np.uint8)))
                     objs.append(arr)
             self._read_into(m, jobs, verify=verify)
@@ -1155,6 +1208,7 @@ class Store:
             job_spans: list[tuple[int, int] | None] = []
             copies: list[tuple[Any, np.ndarray]] = []
             filled: set[int] = set()
+            filled_order: list[int] = []
             for place, key, i in wanted:
                 t = stored.get(place)
                 if t is None:
@@ -1171,6 +1225,7 @@ class Store:
                 if why is not None:
                     raise ShapeMismatchError(f"{key!r}: the target cannot hold the checkpoint's values: {why}")
                 filled.add(i)
+                filled_order.append(i)
                 out, staging = _decode_target(leaf.obj)
                 span = span_at.get(place)
                 if span is not None and staging is not None:
@@ -1179,6 +1234,11 @@ class Store:
                 jobs.append((t, out))
                 if staging is not None:
                     copies.append((leaf.obj, staging))
+            clash = _overlapping([leaves[i].obj for i in filled_order])
+            if clash:
+                a, b = (leaves[filled_order[k]].path for k in clash[0])
+                raise ShapeMismatchError(f"target tensors {a!r} and {b!r} share memory: the target cannot hold "
+                                         "two stored tensors there")
             self._read_into(m, jobs, verify=verify, spans=job_spans)
             _copy_back(copies)
         self._head = rec.id
@@ -1589,6 +1649,11 @@ def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor]:
             continue
         taken.add(key)
         out[i] = target
+    # Targets that overlap without being one tensor (``buf[0:6]`` and ``buf[3:9]``) would each be overwritten in
+    # part by the other's values: the later one offered gets memory of its own instead.
+    items = list(out.items())
+    for _, j in _overlapping([t for _, t in items]):
+        out.pop(items[j][0], None)
     return out
 
 
@@ -1601,13 +1666,3 @@ def _role(path: str) -> str:
 
 def _kid(key: bytes) -> str:
     return codec.chunk_hex(key[:16], int.from_bytes(key[16:], "big"))
-
-
-def _numpy_dtype(s: str, where: str) -> np.dtype:
-    try:
-        dt = np.dtype(s)
-    except TypeError:
-        raise InvalidNameError(f"checkpoint {where} names an unknown numpy dtype {s!r}") from None
-    if dt.kind not in "biufc":
-        raise InvalidNameError(f"checkpoint {where} names an unsupported numpy dtype {s!r}")
-    return dt

@@ -109,6 +109,11 @@ class Encoded:
     value: Any
 
 
+def registered_types() -> frozenset[type]:
+    """The types :func:`register_type` taught deltackpt, as of now."""
+    return frozenset(_HOOKS_BY_TYPE)
+
+
 def encode_registered(obj: Any) -> Encoded | None:
     """``obj`` encoded by the hook registered for its type (:func:`register_type`), or None if there is none."""
     hook = _HOOKS_BY_TYPE.get(type(obj))
@@ -117,10 +122,31 @@ def encode_registered(obj: Any) -> Encoded | None:
 
 def torch_dtype(name: str) -> torch.dtype:
     """torch dtype from its name, without evaluating anything."""
-    dt = getattr(torch, name, None) if name.isidentifier() else None
+    dt = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
     if not isinstance(dt, torch.dtype):
-        raise CorruptManifestError(f"unknown torch dtype {name!r}")
+        raise CorruptManifestError(f"unknown torch dtype {name!r:.60}")
     return dt
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    """numpy dtype from its string, of a kind deltackpt stores (bool, integers, floats, complex)."""
+    try:
+        dt = np.dtype(name) if isinstance(name, str) else None
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in _NUMPY_KINDS:
+        raise CorruptManifestError(f"unknown or unsupported numpy dtype {name!r:.60}")
+    return dt
+
+
+def check_device(name: str) -> torch.device:
+    """torch device from its string (``cpu``, ``cuda:0``), refusing anything torch does not parse."""
+    try:
+        if isinstance(name, str):
+            return torch.device(name)
+    except (RuntimeError, ValueError):
+        pass
+    raise CorruptManifestError(f"invalid device {name!r:.60}")
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -213,6 +239,30 @@ class _Flattener:
                 self._open.discard(id(obj))
         return self._node(obj, path, t)
 
+    def registered(self, obj: Any, path: str, t: type) -> list[Any]:
+        """The ``x`` node of an object of a registered type: what its encoder returns, flattened. The encoder
+        may return another registered object (or the object itself): such objects count as containers for the
+        cycle and depth checks."""
+        if id(obj) in self._open:
+            raise UnsupportedTypeError(f"cannot store {path or '<root>'}: it contains itself (a reference cycle "
+                                       "through a registered type's encoder)")
+        if len(self._open) >= MAX_DEPTH:
+            raise UnsupportedTypeError(
+                f"cannot store {path or '<root>'}: containers nested more than {MAX_DEPTH} levels deep")
+        if t is Encoded:
+            encoded = obj
+        else:
+            try:
+                encoded = encode_registered(obj)
+            except Exception as exc:
+                raise UnsupportedTypeError(f"cannot store {path or '<root>'}: the encoder registered for "
+                                           f"{t.__qualname__} failed: {exc!r:.200}") from exc
+        self._open.add(id(obj))
+        try:
+            return ["x", encoded.name, self.node(encoded.value, path)]
+        finally:
+            self._open.discard(id(obj))
+
     def _node(self, obj: Any, path: str, t: type) -> list[Any]:
         if obj is None:
             return ["N"]
@@ -253,6 +303,8 @@ class _Flattener:
             return ["c", struct.pack(">d", obj.real).hex(), struct.pack(">d", obj.imag).hex()]
         if t is torch.Size:
             return ["sz", [int(x) for x in obj]]
+        if t is Encoded or t in _HOOKS_BY_TYPE:  # (before tensors: a registered tensor subclass is encoded)
+            return self.registered(obj, path, t)
         if isinstance(obj, torch.Tensor):
             return self.leaf(obj, path)
         if t is np.ndarray:
@@ -263,9 +315,6 @@ class _Flattener:
             return ["dv", str(obj)]
         if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
             return ["ns", obj.dtype.str, obj.tobytes().hex()]
-        encoded = obj if t is Encoded else encode_registered(obj)
-        if encoded is not None:
-            return ["x", encoded.name, self.node(encoded.value, path)]
         if self.allow_pickle:
             try:
                 data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -483,6 +532,11 @@ def encode_plain(value: Any) -> list[Any]:
     skeleton, leaves = flatten(value)
     if leaves:
         raise UnsupportedTypeError(f"metadata may not hold tensors or arrays (found one at {leaves[0].path!r})")
+    registered = _first_registered(skeleton, "")
+    if registered is not None:
+        raise UnsupportedTypeError(
+            f"metadata may not hold values of registered types (found {registered[1]!r} at "
+            f"{registered[0] or '<root>'}): every process that lists the store would need its decoder")
     if format_version(skeleton) > 1:
         raise UnsupportedTypeError(
             "metadata may hold None, bool, int, float, str, bytes, lists, tuples, and dicts with str or int keys "
@@ -492,14 +546,27 @@ def encode_plain(value: Any) -> list[Any]:
     return skeleton
 
 
+def _first_registered(n: Any, path: str) -> tuple[str, str] | None:
+    """(key path, type name) of the first ``x`` node in skeleton ``n`` (one :func:`flatten` made), or None."""
+    stack = [(n, path)]
+    while stack:
+        n, path = stack.pop()
+        if n[0] == "x":
+            return path, n[1]
+        stack.extend((c, child_path(path, k)) for k, c in reversed(node_children(n)))
+        if n[0] in ("q", "S", "F"):
+            stack.extend((c, path) for c in n[1])
+    return None
+
+
 def unflatten(skeleton: Any, leaves: list[Any], *, allow_pickle: bool = False) -> Any:
     """Rebuild a state from its skeleton; ``leaves[i]`` is the loaded object of leaf i."""
     try:
         return _build(skeleton, leaves, allow_pickle)
     except (UnsafeLoadError, UnsupportedTypeError, CorruptManifestError):
         raise
-    except (IndexError, KeyError, TypeError, ValueError, struct.error) as exc:
-        raise CorruptManifestError(f"malformed state skeleton: {exc!r}") from None
+    except (IndexError, KeyError, TypeError, ValueError, struct.error, RecursionError) as exc:
+        raise CorruptManifestError(f"malformed state skeleton: {exc!r:.200}") from None
 
 
 def decode_plain(skeleton: Any) -> Any:
@@ -585,7 +652,7 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
     if tag == "t":
         return tuple(_build(v, leaves, allow_pickle) for v in n[1])
     if tag == "q":
-        if n[2] is not None and (type(n[2]) is not int or n[2] < 0):
+        if n[2] is not None and (type(n[2]) is not int or not 0 <= n[2] < 1 << 63):
             raise ValueError("deque maxlen")
         return deque((_build(v, leaves, allow_pickle) for v in n[1]), maxlen=n[2])
     if tag == "S":
@@ -602,13 +669,15 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
     if tag == "dt":
         return torch_dtype(n[1])
     if tag == "dv":
-        return torch.device(n[1])
+        return check_device(n[1])
     if tag == "sz":
-        return torch.Size([int(x) for x in n[1]])
+        if type(n[1]) is not list or any(type(x) is not int or not 0 <= x < 1 << 63 for x in n[1]):
+            raise ValueError(f"torch.Size node {n[1]!r:.60}")
+        return torch.Size(n[1])
     if tag == "ns":
-        dt = np.dtype(n[1])
-        if dt.kind not in _NUMPY_KINDS:
-            raise ValueError(f"numpy scalar dtype {dt}")
+        dt = numpy_dtype(n[1])
+        if type(n[2]) is not str or len(n[2]) != 2 * dt.itemsize:
+            raise ValueError(f"numpy scalar node {n!r:.60}")
         return np.frombuffer(bytes.fromhex(n[2]), dtype=dt)[0]
     if tag == "x":
         hook = _HOOKS_BY_NAME.get(n[1])
@@ -617,7 +686,11 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
                 f"the checkpoint holds a value of registered type {n[1]!r}; register its decoder with "
                 "deltackpt.register_type before loading"
             )
-        return hook.decode(_build(n[2], leaves, allow_pickle))
+        value = _build(n[2], leaves, allow_pickle)
+        try:
+            return hook.decode(value)
+        except Exception as exc:  # the user's decoder failed: no damage of the store (restore must not pass it by)
+            raise UnsupportedTypeError(f"the decoder registered for type {n[1]!r} failed: {exc!r}") from exc
     if tag == "p":
         if not allow_pickle:
             raise UnsafeLoadError(

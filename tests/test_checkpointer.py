@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -1101,3 +1102,87 @@ def test_a_save_whose_retention_failed_after_the_commit_counts_as_saved(fast_dir
             assert ckpt.last_saved_step == 1
             assert not ckpt.step(1)
             assert [i.step for i in ckpt.store.list()] == [1]
+
+
+@pytest.mark.parametrize("change", ["shape", "key", "param_groups"])
+def test_restore_refused_for_another_architecture_changes_nothing(fast_dir: Path, change: str) -> None:
+    """A restore into a model whose layer has another shape or whose keys differ, or an optimizer with another
+    number of parameter groups, raises ShapeMismatchError before anything is loaded. Before, the checkpoint was
+    decoded into the model's own tensors first, so the refused restore left layer 0 holding its weights."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with deltackpt.Checkpointer(fast_dir / "s", model=model, optimizer=opt, async_save=False,
+                                handle_signals=False) as ckpt:
+        ckpt.save(1)
+    torch.manual_seed(1)
+    if change == "shape":
+        model2: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 5))
+    elif change == "key":
+        model2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3), torch.nn.Linear(3, 3))
+    else:
+        model2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    groups = ([{"params": model2[0].parameters()}, {"params": model2[1].parameters()}] if change == "param_groups"
+              else model2.parameters())
+    opt2 = torch.optim.AdamW(groups)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with deltackpt.Checkpointer(fast_dir / "s", model=model2, optimizer=opt2, handle_signals=False) as ckpt:
+        with pytest.raises(deltackpt.ShapeMismatchError, match={"shape": r"'1.weight' has shape \(3, 4\)",
+                                                                 "key": r"not in this run \[\]|missing",
+                                                                 "param_groups": "1 parameter groups"}[change]):
+            ckpt.restore()
+    assert_bitwise(before, model2.state_dict(), "model")
+    assert not opt2.state
+
+
+def test_async_snapshot_refuses_what_a_save_refuses(fast_dir: Path) -> None:
+    """The async snapshot of a state a save refuses (a container that contains itself, nesting past the limit, a
+    meta tensor, a sub-byte dtype torch cannot copy) raises the same UnsupportedTypeError naming the key path as
+    a synchronous save, not the staging copy's RecursionError or NotImplementedError."""
+    cycle: dict[str, Any] = {"name": "run"}
+    cycle["self"] = cycle
+    deep: Any = 0
+    for _ in range(2000):
+        deep = [deep]
+    odd = torch.arange(10, dtype=torch.uint8).reshape(5, 2).view(torch.uint4)[1:2, 0]
+    for n, value in enumerate([cycle, deep, torch.empty(3, device="meta"), odd]):
+        errors = []
+        for async_save in (False, True):
+            with deltackpt.Checkpointer(fast_dir / f"s{n}{async_save}", model=torch.nn.Linear(2, 2),
+                                        extra={"cfg": value}, async_save=async_save, handle_signals=False) as ck:
+                with pytest.raises(deltackpt.UnsupportedTypeError, match=r"cannot store extra\.cfg") as exc:
+                    ck.save(1, wait=True)
+                errors.append(str(exc.value))
+        assert errors[0] == errors[1]
+
+
+def test_restore_does_not_pass_over_a_failing_registered_decoder(fast_dir: Path) -> None:
+    """A registered type's decoder that raises is the user's error, not damage: restore() raises it (as an
+    UnsupportedTypeError) rather than fall back to an older checkpoint."""
+    class Cfg:
+        def __init__(self, v: int) -> None:
+            self.v = v
+
+    def decode(d: Any) -> Cfg:
+        if d >= 2:
+            raise ValueError("my decoder rejects v >= 2")
+        return Cfg(d)
+
+    deltackpt.register_type(Cfg, "tests.Cfg", lambda c: c.v, decode)
+    try:
+        extra = {"cfg": Cfg(1)}
+        with deltackpt.Checkpointer(fast_dir / "s", model=torch.nn.Linear(2, 2), extra=extra, async_save=False,
+                                    handle_signals=False) as ck:
+            ck.save(1)
+            extra["cfg"] = Cfg(2)
+            ck.save(2)
+        with deltackpt.Checkpointer(fast_dir / "s", model=torch.nn.Linear(2, 2), extra={"cfg": Cfg(0)},
+                                    handle_signals=False) as ck:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no "damaged, restoring the one before it"
+                with pytest.raises(deltackpt.UnsupportedTypeError, match="my decoder rejects"):
+                    ck.restore()
+    finally:
+        deltackpt.unregister_type(Cfg)

@@ -6,6 +6,7 @@ points (``python -m deltackpt`` and the installed console script) in a subproces
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import struct
@@ -889,3 +890,29 @@ def test_console_script_help() -> None:
     assert p.stdout.startswith("usage: deltackpt")
     for command in ("ls", "show", "log", "du", "verify", "rm", "gc", "repair", "export", "import", "resume-info"):
         assert re.search(rf"^\s+{re.escape(command)}\s", p.stdout, re.M), command
+
+
+def test_export_safetensors_refuses_keys_that_are_not_text(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                           tmp_path: Path) -> None:
+    """safetensors names tensors by text: a None, float, tuple or bytes dict key has no faithful name there, so
+    export refuses it naming the key path (before, a None key raised IndexError and the others were named by
+    their skeleton encoding, '3ff8000000000000')."""
+    with open_store(store_path) as s:
+        for step, key in enumerate([None, 1.5, (1, "a"), b"k"], 1):
+            s.save({"ok": torch.ones(2), "d": {key: torch.zeros(1)}}, step=step)
+    for step, shown in enumerate(["d[None]", "d[1.5]", "d[(1, 'a')]", "d[b'k']"], 1):
+        dest = tmp_path / f"out{step}.safetensors"
+        rc, out, err = cli(capsys, "export", store_path, step, dest)
+        assert rc == 1 and out == "" and not dest.exists()
+        assert_one_line_error(err, "safetensors", shown, ".pt")
+
+
+def test_show_escapes_keys_that_are_not_printable_text(store_path: Path) -> None:
+    """A str key holding a lone surrogate round-trips, and `show` prints it escaped instead of failing half-way
+    through its table with a UnicodeEncodeError."""
+    with open_store(store_path) as s:
+        s.save({"w\ud800": torch.ones(2), "ok": torch.zeros(1)}, step=1)
+    r = subprocess.run([sys.executable, "-m", "deltackpt", "show", str(store_path), "1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert r.returncode == 0, r.stderr
+    assert "w\\ud800" in r.stdout and "\nok " in r.stdout

@@ -1145,3 +1145,196 @@ def test_gc_on_a_damaged_index_frees_nothing_a_checkpoint_needs(store_path: Path
             assert_same_state(state, s.load(step))
         s.repair()
         assert s.verify().ok
+
+
+# -- damage that keeps every checksum: fields of the wrong type or range ---------------------------------------
+# LMDB keeps no checksum of values, and a manifest's checksum only proves that its writer wrote it. Whatever a
+# field holds, every operation either works or raises a DeltackptError naming the damage: no AttributeError,
+# OverflowError, struct.error or RecursionError out of the store, and nothing freed on the strength of it.
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70) | st.floats() | st.text(max_size=6),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@pytest.fixture(scope="module")
+def varied_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two checkpoints of a state with tensors of two kinds and plain values of many skeleton node kinds."""
+    from collections import deque
+
+    path = tmp_path_factory.mktemp("varied") / "store"
+    g = torch.Generator().manual_seed(3)
+    with _open(path) as s:
+        for step in (1, 2):
+            s.save({"w": torch.randn(3000, generator=g), "n": np.arange(10, dtype=">i4"), "dt": torch.float16,
+                    "dv": torch.device("cpu"), "sz": torch.Size([2, 3]), "q": deque([1, 2], maxlen=5),
+                    "ns": np.float32(1.5), "b": b"xy", "t": (1, "a", None), "f": 0.25},
+                   step=step, metadata={"loss": 1.5, "tags": ["a"]})
+    return path
+
+
+def _exercise(path: Path, step: int = 2) -> None:
+    """Every read and gc on the store at ``path``: each works or raises a DeltackptError."""
+    for op in ("list", "info", "manifest", "skeleton", "load", "verify", "gc"):
+        try:
+            with deltackpt.Store(path, threads=1) as s:
+                if op == "list":
+                    s.list()
+                elif op == "info":
+                    s.info(step)
+                elif op == "manifest":
+                    s.manifest(step)
+                elif op == "skeleton":
+                    s.manifest(step).skeleton()
+                elif op == "load":
+                    s.load(step)
+                elif op == "verify":
+                    s.verify()
+                else:
+                    s.gc()
+        except deltackpt.DeltackptError:
+            pass
+
+
+def _set_record(path: Path, step: int, edit: Any) -> None:
+    """``edit(record dict)`` on the index record of the checkpoint at ``step``."""
+    import json
+
+    def apply(txn: Any, db: Any) -> None:
+        for k, v in list(txn.cursor()):
+            r = json.loads(v)
+            if r["step"] == step:
+                edit(r)
+                txn.put(k, json.dumps(r).encode())
+
+    _edit_index(path, "ckpts", apply)
+
+
+def _pick(data: st.DataObject, node: Any) -> tuple[Any, Any]:
+    """A (container, key) of some place inside the JSON value ``node``."""
+    places: list[tuple[Any, Any]] = []
+
+    def walk(n: Any) -> None:
+        for k in range(len(n)) if isinstance(n, list) else list(n) if isinstance(n, dict) else []:
+            places.append((n, k))
+            walk(n[k])
+    walk(node)
+    return data.draw(st.sampled_from(places))
+
+
+@given(data=st.data())
+def test_manifest_fields_of_any_value_are_typed_errors(varied_store: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                      data: st.DataObject) -> None:
+    """A manifest header field, tensor entry field or skeleton node replaced by any JSON value (or a field
+    added), with the manifest's checksum and the index's record of it made to match."""
+    import json
+
+    import xxhash
+
+    from deltackpt import manifest
+
+    path = tmp_path_factory.mktemp("m") / "store"
+    shutil.copytree(varied_store, path)
+    with deltackpt.Store(path) as s:
+        info = s.info(2)
+    mpath = path / "manifests" / f"{info.id}.manifest"
+    raw = mpath.read_bytes()
+    head_len, n = struct.unpack_from("<QQ", raw, 16)
+    header = json.loads(raw[32 : 32 + head_len])
+    value = data.draw(_JSON)
+    where = data.draw(st.sampled_from(["field", "new field", "tensor", "tree"]))
+    if where == "field":
+        header[data.draw(st.sampled_from(sorted(header)))] = value
+    elif where == "new field":
+        header[data.draw(st.text(min_size=1, max_size=5))] = value
+    elif where == "tensor":
+        entry = data.draw(st.sampled_from(header["tensors"]))
+        entry[data.draw(st.sampled_from(sorted(entry)))] = value
+    else:
+        container, key = _pick(data, header["tree"])
+        container[key] = value
+    head = json.dumps(header).encode()
+    body = raw[:16] + struct.pack("<QQ", len(head), n) + head + raw[32 + head_len : -16]
+    damaged = body + xxhash.xxh3_128_digest(body)
+    mpath.write_bytes(damaged)
+    _set_record(path, 2, lambda r: r.update(manifest_checksum=manifest.checksum_of(damaged)))
+    _exercise(path)
+
+
+@given(data=st.data())
+def test_index_record_fields_of_any_value_are_typed_errors(varied_store: Path,
+                                                          tmp_path_factory: pytest.TempPathFactory,
+                                                          data: st.DataObject) -> None:
+    """An index record's field (or a part of its metadata) replaced by any JSON value, or a field added."""
+    path = tmp_path_factory.mktemp("r") / "store"
+    shutil.copytree(varied_store, path)
+    value = data.draw(_JSON)
+    where = data.draw(st.sampled_from(["field", "new field", "metadata"]))
+
+    def edit(r: dict[str, Any]) -> None:
+        if where == "field":
+            r[data.draw(st.sampled_from(sorted(r)))] = value
+        elif where == "new field":
+            r[data.draw(st.text(min_size=1, max_size=5))] = value
+        else:
+            container, key = _pick(data, r["metadata"])
+            container[key] = value
+
+    _set_record(path, 2, edit)
+    _exercise(path)
+
+
+@given(data=st.data())
+def test_index_chunk_entries_of_any_value_are_typed_errors(varied_store: Path,
+                                                          tmp_path_factory: pytest.TempPathFactory,
+                                                          data: st.DataObject) -> None:
+    """A chunk's index entry with any field changed to any value of its width (offsets past what a file
+    offset holds, frame lengths of gigabytes: a read must neither overflow nor reserve them), or any bytes."""
+    path = tmp_path_factory.mktemp("c") / "store"
+    shutil.copytree(varied_store, path)
+    widths = {"pack": 16, "offset": 8, "frame_len": 4, "codec": 1, "depth": 1, "base": 16}
+
+    def edit(txn: Any, db: Any) -> None:
+        k, v = data.draw(st.sampled_from(list(txn.cursor())))
+        field = data.draw(st.sampled_from([*widths, "bytes"]))
+        if field == "bytes":
+            new = data.draw(st.binary(max_size=80))
+        else:
+            at = sum(list(widths.values())[: list(widths).index(field)])
+            new = v[:at] + data.draw(st.binary(min_size=widths[field], max_size=widths[field])) + v[at + widths[field]:]
+        txn.put(k, new)
+
+    _edit_index(path, "chunks", edit)
+    _exercise(path)
+
+
+def test_damaged_index_pages_are_typed_errors(varied_store: Path, tmp_path: Path) -> None:
+    """Each page of the index's data file zeroed in turn (LMDB then meets pages of the wrong type): reads,
+    verify and gc raise CorruptIndexError naming the repair, never lmdb's own errors; a repair afterwards
+    restores every checkpoint."""
+    size = (varied_store / "index" / "data.mdb").stat().st_size
+    seen: set[str] = set()
+    for page in range(2, size // 4096):  # (pages 0 and 1 are LMDB's meta pages: it checks those itself)
+        path = tmp_path / f"p{page}"
+        shutil.copytree(varied_store, path)
+        with open(path / "index" / "data.mdb", "r+b") as f:
+            f.seek(page * 4096)
+            f.write(bytes(4096))
+        for op in ("list", "load", "verify", "gc"):
+            try:
+                with deltackpt.Store(path, threads=1) as s:
+                    getattr(s, op)()
+            except deltackpt.DeltackptError as exc:
+                seen.add(type(exc).__name__)
+        try:  # a handle open on the damaged index repairs it, else the one open_for_repair gives (the CLI's)
+            with deltackpt.Store(path, threads=1) as s:
+                s.repair()
+        except CorruptIndexError:
+            with maintenance.open_for_repair(path) as s:
+                s.repair()
+        with deltackpt.Store(path, threads=1) as s:
+            assert [i.step for i in s.list()] == [1, 2] and s.verify().ok
+        shutil.rmtree(path)
+    assert "CorruptIndexError" in seen

@@ -1105,3 +1105,90 @@ def test_a_child_forked_during_a_save_has_the_cyclic_gc_on(store: deltackpt.Stor
     (pid,) = children
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+class _Node:
+    def __init__(self, child: Any = None) -> None:
+        self.child = child
+
+
+class _Scaled(torch.Tensor):
+    pass
+
+
+def test_registered_types_fail_with_typed_errors(store: deltackpt.Store) -> None:
+    """A registered encoder that returns the object itself (or chains of registered objects past the depth
+    limit) is refused like a container that contains itself, naming the key path (before: RecursionError); an
+    encoder or decoder that raises is an UnsupportedTypeError naming the type (a decoder's error was reported as
+    a corrupt manifest, and a Checkpointer's restore then fell back to an older checkpoint); metadata may not
+    hold registered types (every process listing the store would need the decoder)."""
+    def decode(v: Any) -> _Node:
+        if v == "bad":
+            raise ValueError("my decoder refuses this")
+        return _Node(v)
+
+    deltackpt.register_type(_Node, "tests.Node", lambda n: n.child, decode)
+    try:
+        loop = _Node()
+        loop.child = loop
+        with pytest.raises(UnsupportedTypeError, match=r"model\.graph: it contains itself"):
+            store.save({"model": {"graph": loop}}, step=1)
+        chain = None
+        for _ in range(1000):
+            chain = _Node(chain)
+        with pytest.raises(UnsupportedTypeError, match="nested more than"):
+            store.save({"model": {"graph": chain}}, step=1)
+        with pytest.raises(UnsupportedTypeError, match=r"registered types \(found 'tests.Node' at note\)"):
+            store.save({"w": torch.ones(1)}, step=1, metadata={"note": _Node(1)})
+        assert store.list() == []
+        store.save({"n": _Node("bad")}, step=1)
+        with pytest.raises(UnsupportedTypeError, match="decoder registered for type 'tests.Node' failed") as exc:
+            store.load(1)
+        assert not isinstance(exc.value, deltackpt.CorruptionError)
+    finally:
+        deltackpt.unregister_type(_Node)
+    deltackpt.register_type(_Node, "tests.Node", lambda n: 1 / 0, decode)
+    try:
+        with pytest.raises(UnsupportedTypeError, match=r"cannot store a\[0\]: the encoder registered for _Node"):
+            store.save({"a": [_Node(1)]}, step=2)
+    finally:
+        deltackpt.unregister_type(_Node)
+
+
+def test_register_type_for_a_tensor_subclass(store: deltackpt.Store) -> None:
+    """A registered torch.Tensor subclass is saved through its hook (before, the tensor check came first and
+    refused it as an unsupported subclass)."""
+    deltackpt.register_type(_Scaled, "tests.Scaled", lambda t: t.as_subclass(torch.Tensor).clone(),
+                            lambda t: t.as_subclass(_Scaled))
+    try:
+        w = torch.arange(6.0).as_subclass(_Scaled)
+        store.save({"w": w}, step=1)
+        out = store.load(1)["w"]
+        assert type(out) is _Scaled and torch.equal(out.as_subclass(torch.Tensor), torch.arange(6.0))
+    finally:
+        deltackpt.unregister_type(_Scaled)
+
+
+@pytest.mark.parametrize("how", ["load_into", "into"])
+def test_overlapping_targets_are_never_filled_from_two_tensors(store: deltackpt.Store, how: str) -> None:
+    """Two target tensors that overlap without being one tensor (``buf[0:6]`` and ``buf[3:9]``): load_into
+    refuses before a byte is copied; load(into=) gives the later one memory of its own. Before, both were
+    filled and one overwrote part of the other. Interleaved views share no element and are both filled."""
+    a, b = torch.arange(6.0), torch.arange(6.0, 12.0)
+    store.save({"a": a, "b": b}, step=1)
+    buf = torch.zeros(9)
+    if how == "load_into":
+        with pytest.raises(ShapeMismatchError, match="'a' and 'b' share memory"):
+            store.load_into({"a": buf[0:6], "b": buf[3:9]}, step=1)
+        assert not buf.any()
+    else:
+        out = store.load(1, into={"a": buf[0:6], "b": buf[3:9]})
+        assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
+        assert out["a"].data_ptr() == buf.data_ptr() and torch.equal(buf[:6], a)
+    inter = torch.zeros(12)
+    target = {"a": inter[0::2], "b": inter[1::2]}
+    if how == "load_into":
+        assert store.load_into(target, step=1) == []
+    else:
+        store.load(1, into=target)
+    assert torch.equal(inter[0::2], a) and torch.equal(inter[1::2], b)
