@@ -1184,7 +1184,7 @@ class Store:
         chunks around it); for reading a slice of a large tensor, such as the rows one rank of a resharded job
         needs. Contiguous CPU targets only.
         """
-        skeleton, leaves = tree.flatten(target, allow_pickle=True)
+        skeleton, leaves = tree.flatten(target, opaque=True)  # (its plain values are only looked at)
         wanted = tree.leaf_refs(skeleton)  # every place of every target leaf (a tied weight has two)
         span_at = _span_places(wanted, spans or {})
         with self._gc_lock():

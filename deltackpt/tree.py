@@ -187,8 +187,9 @@ def child_path(path: str, key: Any) -> str:
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, opaque: bool = False) -> None:
         self.allow_pickle = allow_pickle
+        self.opaque = opaque
         self.leaves: list[Leaf] = []
         self._seen: dict[Hashable, int] = {}
         self._open: set[int] = set()  # ids of the containers around the node being flattened
@@ -315,6 +316,8 @@ class _Flattener:
             return ["dv", str(obj)]
         if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
             return ["ns", obj.dtype.str, obj.tobytes().hex()]
+        if self.opaque:
+            return ["?"]  # (a target's value nothing is decoded into: never stored, never pickled)
         if self.allow_pickle:
             try:
                 data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -497,9 +500,10 @@ def int_value(text: Any) -> int:
     return -x if text[:1] == "-" else x
 
 
-def flatten(state: Any, *, allow_pickle: bool = False) -> tuple[list[Any], list[Leaf]]:
-    """Return (skeleton, leaves). Raises UnsupportedTypeError naming the key path; touches nothing."""
-    f = _Flattener(allow_pickle)
+def flatten(state: Any, *, allow_pickle: bool = False, opaque: bool = False) -> tuple[list[Any], list[Leaf]]:
+    """Return (skeleton, leaves). Raises UnsupportedTypeError naming the key path; touches nothing. With
+    ``opaque`` (a target to load into, never stored) a value of a type it cannot store is an ``["?"]`` node."""
+    f = _Flattener(allow_pickle, opaque)
     skeleton = f.node(state, "")
     return skeleton, f.leaves
 

@@ -1192,3 +1192,15 @@ def test_overlapping_targets_are_never_filled_from_two_tensors(store: deltackpt.
     else:
         store.load(1, into=target)
     assert torch.equal(inter[0::2], a) and torch.equal(inter[1::2], b)
+
+
+def test_load_into_a_target_holding_values_that_cannot_be_stored(store: deltackpt.Store) -> None:
+    """load_into only looks at a target's plain values: a lambda or a lock beside the tensors (a scheduler's
+    lr_lambda, a module's state) is fine. Before, the target was flattened with pickling on, so such a value
+    raised UnsupportedTypeError ("cannot pickle") and every other one was pickled for nothing."""
+    import threading
+
+    store.save({"w": torch.arange(3.0), "f": 1}, step=1)
+    target = {"w": torch.zeros(3), "f": lambda x: x, "lock": threading.Lock()}
+    assert store.load_into(target, step=1) == []
+    assert torch.equal(target["w"], torch.arange(3.0)) and callable(target["f"])
