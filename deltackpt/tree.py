@@ -174,6 +174,15 @@ V2_TAGS = frozenset({"c", "S", "F", "C", "q", "D"})
 _HASHABLE = (type(None), bool, int, float, complex, str, bytes)
 
 
+def _short_repr(value: Any) -> str:
+    """``repr(value)`` cut to 60 characters, for messages; never raises (an int of more digits than Python
+    converts at once, a ``__repr__`` that fails)."""
+    try:
+        return f"{value!r:.60}"
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
 def child_path(path: str, key: Any) -> str:
     """The key path of ``key`` under ``path``, as errors and manifests name it: ``a.b``, ``a[0]``, ``a[(1, 2)]``."""
     if type(key) is int:
@@ -221,7 +230,7 @@ class _Flattener:
             return ["t", inner] if t is tuple else ["F", inner]
         raise UnsupportedTypeError(
             f"cannot store {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__} as a {what} "
-            f"({value!r:.60}); dict keys and set elements must be str, int, None, bool, float, complex, bytes, "
+            f"({_short_repr(value)}); dict keys and set elements must be str, int, None, bool, float, complex, bytes, "
             "numpy scalars, torch dtypes or devices, or tuples or frozensets of those"
         )
 

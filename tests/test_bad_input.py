@@ -428,3 +428,13 @@ def test_env_garbage_does_not_crash_open(tmp_path: Path, monkeypatch: pytest.Mon
     with deltackpt.Store(tmp_path / "s") as s:
         assert s.chunk_size == 8192
     assert os.path.exists(tmp_path / "s" / "STORE")
+
+
+def test_refusal_of_a_value_whose_repr_fails_is_still_typed(store: deltackpt.Store) -> None:
+    """The message naming a refused dict key shows its repr; one whose repr raises (a namedtuple holding an int
+    of more digits than Python converts at once) is named by its type. Before, the ValueError of the formatting
+    escaped instead of UnsupportedTypeError."""
+    key = namedtuple("K", "n")(10**5000)
+    with pytest.raises(UnsupportedTypeError, match=r"cannot store x: unsupported type .*K as a dict key \(<K>\)"):
+        store.save({"x": {key: 1}}, step=1)
+    assert store.list() == []
