@@ -1338,3 +1338,35 @@ def test_damaged_index_pages_are_typed_errors(varied_store: Path, tmp_path: Path
             assert [i.step for i in s.list()] == [1, 2] and s.verify().ok
         shutil.rmtree(path)
     assert "CorruptIndexError" in seen
+
+
+@pytest.mark.parametrize("intact", [True, False])
+def test_gc_stops_at_a_live_frame_of_a_newer_format(store_path: Path, intact: bool) -> None:
+    """A live chunk whose frame is of a format version this reader does not know (a newer writer's; its index
+    entry says nothing of it) may need chunks this reader cannot see it names: gc raises FormatVersionError
+    before it frees anything. A version byte damaged into an unknown one fails the frame's checksum: that is
+    damage, and gc runs. Before, gc followed the index entry only and never looked at the frame."""
+    import xxhash
+
+    with _open(store_path) as s:
+        s.save({"a": torch.randn(1000)}, step=1)
+        s.save({"b": torch.randn(1000)}, step=2)
+        s.delete(1)  # something for gc to free
+    (path,) = (store_path / "packs").glob("*.pack")
+    data = bytearray(path.read_bytes())
+    at = 16  # the first frame (checkpoint 1's, now dead); the live one follows it
+    at += 64 + struct.unpack_from("<Q", data, at + 16)[0]
+    stored = struct.unpack_from("<Q", data, at + 16)[0]
+    data[at + 4] = 9  # its version byte
+    if intact:  # as a newer writer wrote it
+        checked = bytes(data[at : at + 56] + data[at + 64 : at + 64 + stored])
+        struct.pack_into("<Q", data, at + 56, xxhash.xxh3_64(checked).intdigest())
+    path.write_bytes(bytes(data))
+    before = dir_snapshot(store_path)
+    with _open(store_path) as s:
+        if intact:
+            with pytest.raises(deltackpt.FormatVersionError, match="version 9"):
+                s.gc()
+            assert dir_snapshot(store_path) == before
+        else:
+            assert s.gc().dead_chunks > 0
