@@ -1553,7 +1553,9 @@ def read_store_file(path: Path) -> int:
     cfg_path = path / "STORE"
     try:
         cfg = json.loads(cfg_path.read_text())
-        fmt, version, cs = cfg["format"], int(cfg["version"]), int(cfg["chunk_size"])
+        fmt, version, cs = cfg["format"], cfg["version"], cfg["chunk_size"]
+        if type(version) is not int or version < 1 or type(cs) is not int:  # ("1", 1.9, true: damage)
+            raise ValueError(f"version {version!r:.40}, chunk_size {cs!r:.40}")
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise DeltackptError(f"{cfg_path} is not a deltackpt store description ({exc}); if it is damaged, "
                              "'deltackpt repair STORE' writes it again from the manifests") from None

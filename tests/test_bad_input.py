@@ -316,13 +316,17 @@ def test_chunk_size_wrong_type(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "content",
     ["", "not json", json.dumps({"format": "other", "version": 1, "chunk_size": 4096}),
-     json.dumps({"format": "deltackpt-store"})],
+     json.dumps({"format": "deltackpt-store"}),
+     # a version or chunk size of another type (before, "1" and 1.9 were read as version 1, "4096" as a size)
+     *(json.dumps({"format": "deltackpt-store", "version": v, "chunk_size": c})
+       for v, c in [("1", 4096), (1.9, 4096), (True, 4096), (0, 4096), (1, "4096"), (1, 4096.0)])],
 )
 def test_damaged_store_file(store_path: Path, content: str) -> None:
     deltackpt.Store(store_path, chunk_size=SMALL_CHUNK).close()
     (store_path / "STORE").write_text(content)
-    with pytest.raises(deltackpt.DeltackptError):
+    with pytest.raises(deltackpt.DeltackptError) as exc:
         deltackpt.Store(store_path)
+    assert not isinstance(exc.value, deltackpt.FormatVersionError)
 
 
 def test_newer_store_version(store_path: Path) -> None:
