@@ -137,48 +137,62 @@ def _with_states(g: Any, state: Any) -> list[tuple[str, Any, Any]]:
     return [("", g, state)]
 
 
-def _plain_loading(module: torch.nn.Module) -> bool:
-    """Whether ``module.load_state_dict`` takes keys as they are: no submodule renames or converts them (a load
-    pre-hook, an overridden ``_load_from_state_dict``, as BatchNorm's for old checkpoints)."""
+def _loads_as_saved(module: torch.nn.Module, *, keys: bool) -> bool:
+    """Whether ``module.load_state_dict`` takes the saved tensors' shapes (``keys``: and keys) as they are: no
+    load hook (a pre-hook may rename or convert; a post-hook may forgive a missing key) and no
+    ``_load_from_state_dict`` of its own (for shapes, torch's own modules' are fine: BatchNorm's only adds a
+    key that old checkpoints lack)."""
     base = torch.nn.Module
-    return type(module).load_state_dict is base.load_state_dict and all(
-        not m._load_state_dict_pre_hooks and type(m)._load_from_state_dict is base._load_from_state_dict
-        for m in module.modules())
+    if type(module).load_state_dict is not base.load_state_dict:
+        return False
+    for m in module.modules():
+        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
+            return False
+        own = type(m)._load_from_state_dict
+        if own is not base._load_from_state_dict and (keys or not own.__module__.startswith("torch.nn.")):
+            return False
+    return True
 
 
-def _fit_check(g: Any, state: Any, what: str) -> None:
+def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
     """Raise what ``load_state_dict`` would raise for a saved state that does not fit this run's model (a key
     missing or unexpected, another shape) or optimizer (another number of parameter groups or of parameters in
     one), before anything is loaded: a restore decodes into the model's own tensors, and a refusal after that
-    would leave the model holding part of the checkpoint. ``state`` may hold tensor entries (a skeleton)."""
+    would leave the model holding part of the checkpoint. ``state`` may hold tensor entries (a skeleton); ``live``
+    is the group's state dicts when the caller has them (:func:`_group_state`). Where hooks or a member's own
+    loading code may accept what looks like a mismatch, it is left to ``load_state_dict``."""
     if g is None:
         return
-    for name, member, saved in _with_states(g, state):
+    for n, (name, member, saved) in enumerate(_with_states(g, state)):
         where = f"{what}{name}"
         if isinstance(member, torch.nn.Module) and isinstance(saved, Mapping):
-            live = member.state_dict()
-            for k, v in live.items():
+            if not _loads_as_saved(member, keys=False):
+                continue
+            mine = member.state_dict() if live is None else _with_states(g, live)[n][2]
+            for k, v in mine.items():
                 shape = getattr(saved.get(k), "shape", None)
-                if type(v) in (torch.Tensor, torch.nn.Parameter) and shape is not None and list(shape) != list(v.shape):
+                if (type(v) in (torch.Tensor, torch.nn.Parameter) and shape is not None
+                        and list(shape) != list(v.shape) and not (v.dim() == 0 and list(shape) == [1])):
                     raise ShapeMismatchError(f"{where}: {k!r} has shape {tuple(shape)} in the checkpoint, "
                                              f"{tuple(v.shape)} in this run")
-            if _plain_loading(member):
-                missing = [k for k in live if k not in saved]
-                unexpected = [k for k in saved if k not in live]
+            if _loads_as_saved(member, keys=True):
+                missing = [k for k in mine if k not in saved]
+                unexpected = [k for k in saved if k not in mine]
                 if missing or unexpected:
                     raise ShapeMismatchError(f"{where} does not match the checkpoint: missing in the checkpoint "
                                              f"{missing[:5]}, not in this run {unexpected[:5]}")
         elif isinstance(member, torch.optim.Optimizer) and isinstance(saved, Mapping):
             groups = saved.get("param_groups")
-            if not isinstance(groups, (list, tuple)):
+            if (not isinstance(groups, (list, tuple)) or getattr(member, "_optimizer_load_state_dict_pre_hooks", None)
+                    or type(member).load_state_dict is not torch.optim.Optimizer.load_state_dict):
                 continue
             if len(groups) != len(member.param_groups):
                 raise ShapeMismatchError(f"{where}: the checkpoint has {len(groups)} parameter groups, this run "
                                          f"{len(member.param_groups)}")
-            for n, (sg, lg) in enumerate(zip(groups, member.param_groups)):
+            for i, (sg, lg) in enumerate(zip(groups, member.param_groups)):
                 params = sg.get("params") if isinstance(sg, Mapping) else None
                 if isinstance(params, (list, tuple)) and len(params) != len(lg["params"]):
-                    raise ShapeMismatchError(f"{where}: parameter group {n} has {len(params)} parameters in the "
+                    raise ShapeMismatchError(f"{where}: parameter group {i} has {len(params)} parameters in the "
                                              f"checkpoint, {len(lg['params'])} in this run")
 
 
@@ -276,7 +290,7 @@ class _Staging:
                     else:
                         with torch.no_grad():
                             buf.copy_(src, non_blocking=src.device.type == "cuda")
-                except (RuntimeError, NotImplementedError) as exc:  # (a sub-byte dtype torch cannot copy)
+                except NotImplementedError as exc:  # (a sub-byte dtype torch cannot copy; not an out-of-memory)
                     where = functools.reduce(child_path, path, "") or "<root>"
                     raise UnsupportedTypeError(f"cannot store {where}: torch cannot read its bytes: {exc}") from exc
                 cuda = cuda or src.device.type == "cuda"
@@ -444,9 +458,10 @@ class Checkpointer:
             "rng": rng_state(),
         }
 
-    def _check(self, state: Any) -> None:
+    def _check(self, state: Any, live_model: Any = None) -> None:
         """Raise unless ``state`` (a captured state, or its skeleton with tensor entries in place of tensors)
-        holds everything :meth:`apply` puts back into this run's components; changes nothing."""
+        holds everything :meth:`apply` puts back into this run's components, and fits them; changes nothing.
+        ``live_model``: the model's state dicts when the caller has them (else they are taken)."""
         if not isinstance(state, Mapping) or "step" not in state or "model" not in state:
             raise DeltackptError("this checkpoint was not written by a Checkpointer (no 'step'/'model' entry)")
         if state.get("thinned"):
@@ -456,8 +471,8 @@ class Checkpointer:
             )
         for what in ("model", "optimizer", "scheduler", "scaler"):
             _group_check(getattr(self, what), state.get(what), what)
-        for what in ("model", "optimizer"):
-            _fit_check(getattr(self, what), state.get(what), what)
+        _fit_check(self.model, state.get("model"), "model", live_model)
+        _fit_check(self.optimizer, state.get("optimizer"), "optimizer")
         if self.data is not None and state.get("data") is None:
             raise DeltackptError("the checkpoint holds no data position")
         saved_extra = state.get("extra") or {}
@@ -469,6 +484,10 @@ class Checkpointer:
         """Put a captured state back into the model, optimizers, ... and RNGs; return its step. A state that
         lacks a part this run has is refused before anything is put back."""
         self._check(state)
+        return self._apply(state)
+
+    def _apply(self, state: Mapping[str, Any]) -> int:
+        """:meth:`apply` of a state already checked."""
         for what in ("model", "optimizer", "scheduler", "scaler"):
             _group_load(getattr(self, what), state.get(what))
         if self.data is not None:
@@ -514,12 +533,14 @@ class Checkpointer:
             skeleton = m.skeleton()
         except Exception:  # (a registered type not built from tensor entries, a pickle: the load decides)
             skeleton = None
+        live = _group_state(self.model)  # (once: for FSDP a state dict is a gather)
         if skeleton is not None:
-            self._check(skeleton)
+            self._check(skeleton, live)
         # the model's own tensors are offered: they are decoded in place, and load_state_dict then copies nothing
-        state = self.store.load(id=info.id, map_location=self.map_location,
-                                into={"model": _group_state(self.model)})
-        restored = self.apply(state)
+        state = self.store.load(id=info.id, map_location=self.map_location, into={"model": live})
+        if skeleton is None:
+            self._check(state, live)
+        restored = self._apply(state)
         self.last_saved_step = restored
         return restored
 

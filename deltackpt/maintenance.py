@@ -325,11 +325,12 @@ def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
     except FormatVersionError:
         # An intact frame of a newer format may need chunks this reader cannot see it names: gc stops (as for a
         # predicted frame's record, _references). A version byte damaged into an unknown one fails the checksum.
-        frame = store.reader.read(loc.pack_id, loc.offset, loc.frame_len)
-        try:
-            codec.check_frame(frame, where=f"pack {loc.pack_id} offset {loc.offset}")
-        except CorruptChunkError:
-            return refs
+        frame = memoryview(store.reader.read(loc.pack_id, loc.offset, loc.frame_len))
+        fields = codec.HEADER.unpack_from(frame)
+        stored_len, checksum = fields[6], fields[9]
+        end = codec.HEADER_SIZE + stored_len
+        if len(frame) < end or codec.frame_checksum(frame[: codec.CHECKED], frame[codec.HEADER_SIZE : end]) != checksum:
+            return refs  # garbage that reads as an unknown version: damage, not a newer writer's frame
         raise
     if h.digest != k[:16] or h.raw_len != int.from_bytes(k[16:], "big"):
         return refs  # another chunk's frame: the entry is damaged, and what that frame needs is its own affair
@@ -341,18 +342,41 @@ def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
 
 
 def _unindexed_live_frames(store: Store, missing: set[bytes], paths: list[Path]) -> list[str]:
-    """Where the packs ``paths`` (those gc would delete or repack) hold a frame of a live chunk the index
-    has no entry for: only a damaged index loses such an entry, and freeing the pack would lose the chunk."""
-    found: list[str] = []
+    """Where the packs ``paths`` (those gc would delete or repack) hold a frame that decodes to a live chunk the
+    index has no entry for: only a damaged index loses the entry of such a frame, and freeing the pack would
+    lose the chunk. A delta or predicted frame whose references the index does not hold either (and no such
+    frame provides) does not decode: a repair leaves it out too (its checkpoint incomplete), so it is no reason
+    to keep a pack."""
+    found: dict[bytes, list[tuple[str, list[bytes]]]] = {}  # chunk -> (where, the chunks its decode needs)
     for path in paths:
         try:
             for offset, h in packs.scan(path):
-                if chunk_key(h.digest, h.raw_len) in missing:
-                    found.append(f"chunk {codec.chunk_hex(h.digest, h.raw_len)} in pack {path.stem} at offset "
-                                 f"{offset}")
+                k = chunk_key(h.digest, h.raw_len)
+                if k not in missing:
+                    continue
+                where = f"chunk {codec.chunk_hex(h.digest, h.raw_len)} in pack {path.stem} at offset {offset}"
+                try:
+                    refs = store.references(k, ChunkLoc(path.stem, offset, h.frame_len, h.codec, 0, h.base))
+                except CorruptChunkError:
+                    continue
+                found.setdefault(k, []).append((where, refs))
         except FileNotFoundError:
             continue
-    return found
+    # which of them decode: their references are indexed, or are among them and decode (a fixed point)
+    indexed = set(store.index.lookup_chunks({r for frames in found.values() for _, refs in frames for r in refs}))
+    decodes: dict[bytes, str] = {}
+    grew = True
+    while grew:
+        grew = False
+        for k, frames in found.items():
+            if k in decodes:
+                continue
+            for where, refs in frames:
+                if all(r in indexed or r in decodes for r in refs):
+                    decodes[k] = where
+                    grew = True
+                    break
+    return list(decodes.values())
 
 
 def gc(

@@ -1,5 +1,9 @@
 """Manifests: the immutable, checksummed description of one checkpoint.
 
+What :func:`parse` refuses, a repair drops and gc then frees: it refuses only what no writer makes (fields of
+the wrong type or range, inconsistent chunk ranges), never what this process merely cannot load (a dtype of a
+newer torch, a device backend it lacks), which load reports when it gets there.
+
 Where it sits: after ``save`` has made every chunk durable it writes the manifest (the state skeleton, the tensor
 table and the chunk-id table) with :func:`write` (temp file, fsync, rename, fsync the directory); the LMDB
 commit that follows registers it. ``load`` reads it back with :func:`read`, which verifies the checksum before
@@ -119,28 +123,27 @@ def _entry(t: Any) -> TensorEntry:
         raise ValueError(f"{where}: shape {e.shape!r:.60}")
     if e.width not in (1, 2, 4, 8):
         raise ValueError(f"{where}: width {e.width}")
+    if e.kind not in ("torch", "numpy"):
+        raise ValueError(f"{where}: kind {e.kind!r:.60}")
+    itemsize = _itemsize(e.kind, e.dtype)
     elements = 1
     for n in e.shape:
         elements *= n
-    if e.nbytes != _itemsize(e.kind, e.dtype) * elements:
+    if itemsize is not None and e.nbytes != itemsize * elements:
         raise ValueError(f"{where}: {e.nbytes} bytes for shape {e.shape} of {e.dtype}")
-    _device(e.device)
+    # (the device string is not parsed here: a backend this torch lacks, "npu:0", is for load to resolve)
     return e
 
 
 @functools.lru_cache(maxsize=256)
-def _itemsize(kind: str, dtype: str) -> int:
-    """The element size of a tensor entry's dtype (a manifest names few: looked up once each)."""
-    if kind == "torch":
-        return tree.torch_dtype(dtype).itemsize
-    if kind == "numpy":
-        return tree.numpy_dtype(dtype).itemsize
-    raise ValueError(f"kind {kind!r:.60}")
-
-
-@functools.lru_cache(maxsize=256)
-def _device(name: str) -> None:
-    tree.check_device(name)
+def _itemsize(kind: str, dtype: str) -> int | None:
+    """The element size of a tensor entry's dtype (a manifest names few: looked up once each); None for one
+    this torch or numpy does not know. A newer library's dtype is no damage: the manifest stays readable (a
+    repair must keep the checkpoint), and only loading that tensor fails."""
+    try:
+        return (tree.torch_dtype(dtype) if kind == "torch" else tree.numpy_dtype(dtype)).itemsize
+    except CorruptManifestError:
+        return None
 
 
 @dataclass

@@ -215,14 +215,25 @@ def _share_memory(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) ->
     """Whether two arrays whose spans overlap share an element's bytes (interleaved views do not): exact for
     what numpy can view, else assumed."""
     try:
-        x = a if isinstance(a, np.ndarray) else a.detach().numpy()
-        y = b if isinstance(b, np.ndarray) else b.detach().numpy()
-    except (TypeError, RuntimeError):  # a dtype numpy lacks (bfloat16), or not on the CPU
+        x, y = (o if isinstance(o, np.ndarray) else _int_view(o.detach()).numpy() for o in (a, b))
+    except (TypeError, RuntimeError):  # not on the CPU (or a layout numpy cannot view)
         return True
     try:
         return bool(np.shares_memory(x, y, max_work=1 << 20))
     except getattr(np, "exceptions", np).TooHardError:  # (numpy < 1.25 has it at the top level)
         return True
+
+
+def _strides(obj: torch.Tensor | np.ndarray) -> tuple[int, ...]:
+    """Strides in bytes."""
+    if isinstance(obj, np.ndarray):
+        return tuple(obj.strides)
+    return tuple(st * obj.element_size() for st in obj.stride())
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size (numpy has no bfloat16 or float8), same layout."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), t.dtype))
 
 
 def _overlapping(objs: Sequence[torch.Tensor | np.ndarray]) -> list[tuple[int, int]]:
@@ -284,10 +295,13 @@ class _Pinned:
 
 
 def _resolve_device(stored: str, map_location: Any) -> torch.device:
-    if map_location is None:
-        dev = torch.device(stored)
-    elif isinstance(map_location, Mapping):
-        dev = torch.device(map_location.get(stored, stored))
+    if map_location is None or isinstance(map_location, Mapping):
+        target = stored if map_location is None else map_location.get(stored, stored)
+        try:
+            dev = torch.device(target)
+        except (RuntimeError, ValueError, TypeError):  # a backend this torch lacks ("npu:0")
+            raise UnsupportedTypeError(f"the checkpoint holds a tensor on device {target!r:.60}, which this torch "
+                                       "does not know: pass map_location='cpu' (or a dict {stored: target})") from None
     elif isinstance(map_location, (str, torch.device)):
         dev = torch.device(map_location)
     else:
@@ -1209,6 +1223,7 @@ class Store:
             copies: list[tuple[Any, np.ndarray]] = []
             filled: set[int] = set()
             filled_order: list[int] = []
+            filled_from: list[manifest.TensorEntry] = []
             for place, key, i in wanted:
                 t = stored.get(place)
                 if t is None:
@@ -1226,6 +1241,7 @@ class Store:
                     raise ShapeMismatchError(f"{key!r}: the target cannot hold the checkpoint's values: {why}")
                 filled.add(i)
                 filled_order.append(i)
+                filled_from.append(t)
                 out, staging = _decode_target(leaf.obj)
                 span = span_at.get(place)
                 if span is not None and staging is not None:
@@ -1234,11 +1250,14 @@ class Store:
                 jobs.append((t, out))
                 if staging is not None:
                     copies.append((leaf.obj, staging))
-            clash = _overlapping([leaves[i].obj for i in filled_order])
-            if clash:
-                a, b = (leaves[filled_order[k]].path for k in clash[0])
-                raise ShapeMismatchError(f"target tensors {a!r} and {b!r} share memory: the target cannot hold "
-                                         "two stored tensors there")
+            for x, y in _overlapping([leaves[i].obj for i in filled_order]):
+                (a, ta), (b, tb) = ((leaves[filled_order[k]], filled_from[k]) for k in (x, y))
+                same = ta is tb or (ta.nbytes == tb.nbytes and ta.count == tb.count and np.array_equal(
+                    m.digests[ta.first : ta.first + ta.count], m.digests[tb.first : tb.first + tb.count]))
+                if same and _memory_span(a.obj) == _memory_span(b.obj) and _strides(a.obj) == _strides(b.obj):
+                    continue  # the same bytes written twice to the same memory (a tensor and its numpy view)
+                raise ShapeMismatchError(f"target tensors {a.path!r} and {b.path!r} share memory: the target cannot "
+                                         "hold two stored tensors there")
             self._read_into(m, jobs, verify=verify, spans=job_spans)
             _copy_back(copies)
         self._head = rec.id

@@ -132,21 +132,11 @@ def numpy_dtype(name: str) -> np.dtype:
     """numpy dtype from its string, of a kind deltackpt stores (bool, integers, floats, complex)."""
     try:
         dt = np.dtype(name) if isinstance(name, str) else None
-    except TypeError:
+    except Exception:  # (TypeError mostly; a string numpy evaluates as a tuple spec can raise SyntaxError)
         dt = None
     if dt is None or dt.kind not in _NUMPY_KINDS:
         raise CorruptManifestError(f"unknown or unsupported numpy dtype {name!r:.60}")
     return dt
-
-
-def check_device(name: str) -> torch.device:
-    """torch device from its string (``cpu``, ``cuda:0``), refusing anything torch does not parse."""
-    try:
-        if isinstance(name, str):
-            return torch.device(name)
-    except (RuntimeError, ValueError):
-        pass
-    raise CorruptManifestError(f"invalid device {name!r:.60}")
 
 
 def _dtype_name(dt: torch.dtype) -> str:
@@ -682,7 +672,13 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
     if tag == "dt":
         return torch_dtype(n[1])
     if tag == "dv":
-        return check_device(n[1])
+        if type(n[1]) is not str:
+            raise ValueError(f"device node {n[1]!r:.60}")
+        try:
+            return torch.device(n[1])
+        except (RuntimeError, ValueError):  # a backend this torch lacks ("npu:0"): not damage of the store
+            raise UnsupportedTypeError(f"the checkpoint holds torch.device {n[1]!r:.60}, which this torch does "
+                                       "not know") from None
     if tag == "sz":
         if type(n[1]) is not list or any(type(x) is not int or not 0 <= x < 1 << 63 for x in n[1]):
             raise ValueError(f"torch.Size node {n[1]!r:.60}")

@@ -1186,3 +1186,77 @@ def test_restore_does_not_pass_over_a_failing_registered_decoder(fast_dir: Path)
                     ck.restore()
     finally:
         deltackpt.unregister_type(Cfg)
+
+
+class _Reshaping(torch.nn.Module):
+    """Loads an old checkpoint's flat ``w`` into its 2-D one (its own ``_load_from_state_dict``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(2, 3))
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        if state_dict[prefix + "w"].dim() == 1:
+            state_dict[prefix + "w"] = state_dict[prefix + "w"].reshape(2, 3)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+@pytest.mark.parametrize("case", ["post_hook", "zero_dim", "own_loading", "optimizer_pre_hook"])
+def test_restore_accepts_what_load_state_dict_accepts(fast_dir: Path, case: str) -> None:
+    """The fit check before a restore refuses only what ``load_state_dict`` would: a load post-hook that
+    forgives a new key, a 0-d parameter saved with shape (1,) (torch accepts it), a module whose own loading
+    code converts an old layout, and an optimizer pre-hook that merges parameter groups all restore."""
+    def build(old: bool) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        if case == "post_hook":
+            model: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(2, 2))
+            if not old:
+                model.register_buffer("new_stat", torch.zeros(1))
+
+                def forgive(module: Any, keys: Any) -> None:
+                    if "new_stat" in keys.missing_keys:
+                        keys.missing_keys.remove("new_stat")
+                model.register_load_state_dict_post_hook(forgive)
+        elif case == "zero_dim":
+            model = torch.nn.Module()
+            model.scale = torch.nn.Parameter(torch.ones(1) if old else torch.tensor(0.0))
+        elif case == "own_loading":
+            model = _Reshaping() if not old else torch.nn.Module()
+            if old:
+                model.w = torch.nn.Parameter(torch.arange(6.0))
+        else:
+            model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        if case == "optimizer_pre_hook" and old:
+            opt = torch.optim.SGD([{"params": model[0].parameters()}, {"params": model[1].parameters()}], lr=0.1)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if case == "optimizer_pre_hook" and not old:
+            def merge(optimizer: Any, state: dict[str, Any]) -> dict[str, Any]:
+                groups = state["param_groups"]
+                merged = {**groups[0], "params": [p for g in groups for p in g["params"]]}
+                return {**state, "param_groups": [merged]}
+            opt.register_load_state_dict_pre_hook(merge)
+        return model, opt
+
+    model, opt = build(old=True)
+    with deltackpt.Checkpointer(fast_dir / "s", model=model, optimizer=opt, async_save=False,
+                                handle_signals=False) as ck:
+        ck.save(1)
+    model2, opt2 = build(old=False)
+    with deltackpt.Checkpointer(fast_dir / "s", model=model2, optimizer=opt2, handle_signals=False) as ck:
+        assert ck.restore() == 1
+
+
+def test_async_snapshot_passes_on_an_allocation_failure(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Running out of memory while staging an async save is not a state the save refuses: the RuntimeError
+    propagates as it is, not as UnsupportedTypeError."""
+    from deltackpt import checkpointer
+
+    def no_memory(*args: Any) -> Any:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(checkpointer._Staging, "_buffer_for", no_memory)
+    with deltackpt.Checkpointer(fast_dir / "s", model=torch.nn.Linear(2, 2), handle_signals=False) as ck:
+        with pytest.raises(RuntimeError, match="can't allocate") as exc:
+            ck.save(1)
+        assert not isinstance(exc.value, deltackpt.DeltackptError)

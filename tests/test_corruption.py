@@ -1370,3 +1370,70 @@ def test_gc_stops_at_a_live_frame_of_a_newer_format(store_path: Path, intact: bo
             assert dir_snapshot(store_path) == before
         else:
             assert s.gc().dead_chunks > 0
+
+
+def test_gc_runs_after_a_repair_that_left_checkpoints_incomplete(store_path: Path) -> None:
+    """A damaged base frame: a repair cannot index the intact delta frame that decodes from it and reports its
+    checkpoints incomplete. That frame decodes to nothing, so gc must not take it for a chunk the index lost
+    (it refused, asked for a repair, and refused again after it), and the rest of the store stays loadable."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(CS // 4, generator=g)
+    keep = torch.arange(CS // 4, dtype=torch.float32)
+    with deltackpt.Store(store_path, chunk_size=CS, predict=False) as s:
+        s.save({"a": a, "keep": keep}, step=1)
+    b = a.clone()
+    b[:10] += 1
+    with deltackpt.Store(store_path, chunk_size=CS, predict=False) as s:
+        s.save({"a": b, "keep": keep}, step=2)
+        s.save({"keep": keep}, step=3)
+    with _open(store_path) as s:
+        (_, loc), = _chunks_of(s, 1)["a"]
+        assert {loc.codec for _, loc in _chunks_of(s, 2)["a"]} == {codec.DELTA}
+    _flip(_pack_path(store_path, loc), loc.offset + loc.frame_len - 5)
+    with _open(store_path) as s:
+        assert len(s.repair().incomplete_checkpoints) == 2
+        s.gc(repack_below=1.0)
+        assert_same_state({"keep": keep}, s.load(3))
+        s.repair()
+        s.gc()
+        assert_same_state({"keep": keep}, s.load(3))
+
+
+@pytest.mark.parametrize("what", ["device", "dtype"])
+def test_a_tensor_this_torch_cannot_load_keeps_its_checkpoint(store_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              what: str) -> None:
+    """A tensor saved on a device backend this process lacks (torch_npu records "npu:0") or of a dtype of a
+    newer torch is not damage: the manifest parses, load raises a typed error (a device is loadable with
+    map_location), and repair and gc keep the checkpoint. Before, manifest parsing refused the device, so a
+    repair dropped the checkpoint as lost and the next gc freed it."""
+    import dataclasses
+
+    from deltackpt import tree
+
+    real = tree._torch_leaf
+    monkeypatch.setattr(tree, "_torch_leaf", lambda t, p: dataclasses.replace(
+        real(t, p), **({"device": "npu:0"} if what == "device" else {"dtype": "float4_e9m9_future"})))
+    with _open(store_path) as s:
+        s.save({"w": torch.ones(1000)}, step=1)
+    monkeypatch.undo()
+    with _open(store_path) as s:
+        with pytest.raises(deltackpt.DeltackptError, match="npu:0" if what == "device" else "float4_e9m9_future"):
+            s.load(1)
+        if what == "device":
+            assert s.load(1, map_location="cpu")["w"].sum().item() == 1000
+        report = s.repair()
+        assert report.checkpoints == 1 and not report.lost_checkpoints
+        s.gc()
+        assert [i.step for i in s.list()] == [1] and s.manifest(1).tensors[0].nbytes == 4000
+
+
+def test_a_numpy_dtype_string_numpy_cannot_parse_is_a_typed_error() -> None:
+    """numpy parses some dtype strings as tuple specs and raises SyntaxError for them ("5)m"): a skeleton's
+    numpy scalar node naming one is a CorruptManifestError (before, the SyntaxError escaped, and a repair that
+    met such a manifest aborted)."""
+    from deltackpt import tree
+
+    with pytest.raises(CorruptManifestError, match="numpy dtype"):
+        tree.numpy_dtype("5)m")
+    with pytest.raises(CorruptManifestError):
+        tree.decode_plain(["ns", "5)m", "00"])

@@ -1185,13 +1185,24 @@ def test_overlapping_targets_are_never_filled_from_two_tensors(store: deltackpt.
         out = store.load(1, into={"a": buf[0:6], "b": buf[3:9]})
         assert torch.equal(out["a"], a) and torch.equal(out["b"], b)
         assert out["a"].data_ptr() == buf.data_ptr() and torch.equal(buf[:6], a)
-    inter = torch.zeros(12)
-    target = {"a": inter[0::2], "b": inter[1::2]}
+    for dtype in (torch.float32, torch.bfloat16):  # (bfloat16: numpy cannot view it as it is)
+        store.save({"a": a.to(dtype), "b": b.to(dtype)}, step=2)
+        inter = torch.zeros(12, dtype=dtype)
+        target = {"a": inter[0::2], "b": inter[1::2]}
+        if how == "load_into":
+            assert store.load_into(target, step=2) == []
+        else:
+            store.load(2, into=target)
+        assert torch.equal(inter[0::2], a.to(dtype)) and torch.equal(inter[1::2], b.to(dtype))
+    # a tensor and its numpy view, saved so: the same bytes go to the same memory twice, which is fine
+    t = torch.arange(8.0)
+    store.save({"t": t, "n": t.numpy()}, step=3)
+    fresh = torch.zeros(8)
     if how == "load_into":
-        assert store.load_into(target, step=1) == []
+        assert store.load_into({"t": fresh, "n": fresh.numpy()}, step=3) == []
     else:
-        store.load(1, into=target)
-    assert torch.equal(inter[0::2], a) and torch.equal(inter[1::2], b)
+        store.load(3, into={"t": fresh, "n": fresh.numpy()})
+    assert torch.equal(fresh, t)
 
 
 def test_load_into_a_target_holding_values_that_cannot_be_stored(store: deltackpt.Store) -> None:
