@@ -108,31 +108,50 @@ _ENTRY_TYPES = {"key": str, "kind": str, "dtype": str, "shape": list, "nbytes": 
 
 
 def _entry(t: Any) -> TensorEntry:
-    """A tensor entry from its JSON object, checked field by field (ValueError naming the first bad one)."""
+    """A tensor entry from its JSON object, checked field by field (ValueError naming the first bad one). On
+    every load, once per tensor: the common case takes one pass of cheap checks, and only a failure looks for
+    which field is wrong."""
     if type(t) is not dict:
         raise ValueError(f"tensor entry {t!r:.60}")
-    for name, value in t.items():
-        want = _ENTRY_TYPES.get(name)
-        if want is None or type(value) is not want:
-            raise ValueError(f"tensor entry {t.get('key')!r:.60}: field {name!r} is {value!r:.60}")
-    e = TensorEntry(**t)
-    where = f"tensor {e.key!r:.60}"
-    for name in ("nbytes", "first", "count", "written"):
-        _count(getattr(e, name), f"{where}: {name}")
-    if any(type(n) is not int or not 0 <= n < 1 << 63 for n in e.shape):
-        raise ValueError(f"{where}: shape {e.shape!r:.60}")
-    if e.width not in (1, 2, 4, 8):
-        raise ValueError(f"{where}: width {e.width}")
-    if e.kind not in ("torch", "numpy"):
-        raise ValueError(f"{where}: kind {e.kind!r:.60}")
+    try:
+        ok = all(type(v) is _ENTRY_TYPES[k] for k, v in t.items())
+    except KeyError:
+        ok = False
+    if ok:
+        e = TensorEntry(**t)
+        ok = (0 <= e.nbytes < _LIMIT and 0 <= e.first < _LIMIT and 0 <= e.count < _LIMIT and 0 <= e.written < _LIMIT
+              and e.width in (1, 2, 4, 8) and e.kind in ("torch", "numpy")
+              and all(type(n) is int and 0 <= n < _LIMIT for n in e.shape))
+    if not ok:
+        raise ValueError(_entry_problem(t))
     itemsize = _itemsize(e.kind, e.dtype)
     elements = 1
     for n in e.shape:
         elements *= n
     if itemsize is not None and e.nbytes != itemsize * elements:
-        raise ValueError(f"{where}: {e.nbytes} bytes for shape {e.shape} of {e.dtype}")
+        raise ValueError(f"tensor {e.key!r:.60}: {e.nbytes} bytes for shape {e.shape} of {e.dtype}")
     # (the device string is not parsed here: a backend this torch lacks, "npu:0", is for load to resolve)
     return e
+
+
+_LIMIT = 1 << 63
+
+
+def _entry_problem(t: dict[str, Any]) -> str:
+    """What is wrong with a tensor entry :func:`_entry` refused."""
+    for name, value in t.items():
+        want = _ENTRY_TYPES.get(name)
+        if want is None or type(value) is not want:
+            return f"tensor entry {t.get('key')!r:.60}: field {name!r} is {value!r:.60}"
+    where = f"tensor {t.get('key')!r:.60}"
+    for name in ("nbytes", "first", "count", "written"):
+        if name in t and not 0 <= t[name] < _LIMIT:
+            return f"{where}: {name} is {t[name]!r:.60}"
+    if "width" in t and t["width"] not in (1, 2, 4, 8):
+        return f"{where}: width {t['width']}"
+    if t.get("kind") not in ("torch", "numpy"):
+        return f"{where}: kind {t.get('kind')!r:.60}"
+    return f"{where}: shape {t.get('shape')!r:.60}"
 
 
 @functools.lru_cache(maxsize=256)

@@ -198,9 +198,12 @@ def _memory_span(obj: torch.Tensor | np.ndarray) -> tuple[str, int, int] | None:
         device, base, item = "cpu", obj.__array_interface__["data"][0], obj.itemsize
         strides = obj.strides  # (in bytes)
     else:
-        if obj.numel() == 0:
+        n = obj.numel()
+        if n == 0:
             return None
         device, base, item = str(obj.device), obj.data_ptr(), obj.element_size()
+        if obj.is_contiguous():
+            return device, base, base + n * item
         strides = tuple(st * item for st in obj.stride())
     lo = hi = 0
     for n, st in zip(obj.shape, strides):
