@@ -129,7 +129,7 @@ def _group_check(g: Any, state: Any, what: str) -> None:
 
 
 def _with_states(g: Any, state: Any) -> list[tuple[str, Any, Any]]:
-    """(name, member, its saved state) of a group as :func:`_group_load` pairs them (after :func:`_group_check`)."""
+    """(name, member, its saved state) of each member of a group (after :func:`_group_check`)."""
     if isinstance(g, dict):
         return [(f"[{k!r}]", v, state[k]) for k, v in g.items()]
     if isinstance(g, list):
@@ -163,12 +163,13 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
     loading code may accept what looks like a mismatch, it is left to ``load_state_dict``."""
     if g is None:
         return
+    lives = None if live is None else _with_states(g, live)
     for n, (name, member, saved) in enumerate(_with_states(g, state)):
         where = f"{what}{name}"
         if isinstance(member, torch.nn.Module) and isinstance(saved, Mapping):
             if not _loads_as_saved(member, keys=False):
                 continue
-            mine = member.state_dict() if live is None else _with_states(g, live)[n][2]
+            mine = member.state_dict() if lives is None else lives[n][2]
             for k, v in mine.items():
                 shape = getattr(saved.get(k), "shape", None)
                 if (type(v) in (torch.Tensor, torch.nn.Parameter) and shape is not None
@@ -199,14 +200,8 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
 def _group_load(g: Any, state: Any) -> None:
     if g is None:
         return
-    if isinstance(g, dict):
-        for k, v in g.items():
-            v.load_state_dict(state[k])
-    elif isinstance(g, list):
-        for v, s in zip(g, state):
-            v.load_state_dict(s)
-    else:
-        g.load_state_dict(state)
+    for _, member, saved in _with_states(g, state):
+        member.load_state_dict(saved)
 
 
 def rng_state() -> dict[str, Any]:

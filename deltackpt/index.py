@@ -567,14 +567,8 @@ class Index:
         """Go on with the new, empty index directory a repair put in place of this one (damaged beyond what a
         rebuild in place can overwrite: LMDB meets damaged pages while freeing the old tables). The repair's
         rebuild then fills it. The old environment stays open, as when another process's repair replaced it."""
-        with _REGISTRY_LOCK:
-            last = self._let_go()
-            if last is not None:
-                _RETIRED.append(last)
-            self._real = _identity(self.path)
-            self._create = False
-            self._rebuilding = True
-        self._shared()
+        self._rebuilding = True  # (the new directory has no format record yet: opened as a repair's)
+        self._follow_repair()
 
     # -- chunks ---------------------------------------------------------------------------------------
     @_damage_is_corruption

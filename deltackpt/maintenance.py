@@ -325,13 +325,11 @@ def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
     except FormatVersionError:
         # An intact frame of a newer format may need chunks this reader cannot see it names: gc stops (as for a
         # predicted frame's record, _references). A version byte damaged into an unknown one fails the checksum.
-        frame = memoryview(store.reader.read(loc.pack_id, loc.offset, loc.frame_len))
-        fields = codec.HEADER.unpack_from(frame)
-        stored_len, checksum = fields[6], fields[9]
-        end = codec.HEADER_SIZE + stored_len
-        if len(frame) < end or codec.frame_checksum(frame[: codec.CHECKED], frame[codec.HEADER_SIZE : end]) != checksum:
-            return refs  # garbage that reads as an unknown version: damage, not a newer writer's frame
-        raise
+        newer: list[str] = []
+        packs.intact_frame(memoryview(store.reader.read(loc.pack_id, loc.offset, loc.frame_len)), 0, newer)
+        if newer:
+            raise FormatVersionError(f"{newer[0]} in pack {loc.pack_id}") from None
+        return refs  # garbage that reads as an unknown version (its checksum fails): damage, not a newer frame
     if h.digest != k[:16] or h.raw_len != int.from_bytes(k[16:], "big"):
         return refs  # another chunk's frame: the entry is damaged, and what that frame needs is its own affair
     if h.codec == codec.DELTA:

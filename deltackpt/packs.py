@@ -476,7 +476,7 @@ def _scan(path: Path, data: mmap.mmap, damaged: list[int] | None,
     view = memoryview(data)
     try:
         while offset + codec.HEADER_SIZE <= end:
-            h = _intact(view, offset, newer)
+            h = intact_frame(view, offset, newer)
             if newer:
                 return
             if h is not None:
@@ -485,7 +485,7 @@ def _scan(path: Path, data: mmap.mmap, damaged: list[int] | None,
                 continue
             # damage: resynchronise on the next frame that verifies
             nxt = data.find(codec.MAGIC, offset + 1)
-            while nxt != -1 and _intact(view, nxt, newer) is None:
+            while nxt != -1 and intact_frame(view, nxt, newer) is None:
                 if newer:
                     return
                 nxt = data.find(codec.MAGIC, nxt + 1)
@@ -500,7 +500,7 @@ def _scan(path: Path, data: mmap.mmap, damaged: list[int] | None,
         view.release()
 
 
-def _intact(view: memoryview, offset: int, newer: list[str]) -> codec.FrameHeader | None:
+def intact_frame(view: memoryview, offset: int, newer: list[str]) -> codec.FrameHeader | None:
     """The header of the frame at ``offset`` when it is intact, else None. An intact frame (its checksum holds)
     of a version this reader does not know, a newer writer's, is no damage: its error goes into ``newer`` (a
     scan stops there: a repair would drop it, and gc then free what it references)."""

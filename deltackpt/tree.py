@@ -226,7 +226,8 @@ class _Flattener:
 
     def node(self, obj: Any, path: str) -> list[Any]:
         t = type(obj)
-        if t in _CONTAINERS:
+        # (an object of a registered type counts as a container: its encoder may return it again, or another one)
+        if t in _CONTAINERS or t is Encoded or t in _HOOKS_BY_TYPE:
             if id(obj) in self._open:
                 raise UnsupportedTypeError(f"cannot store {path or '<root>'}: it contains itself (a reference cycle)")
             if len(self._open) >= MAX_DEPTH:
@@ -240,15 +241,8 @@ class _Flattener:
         return self._node(obj, path, t)
 
     def registered(self, obj: Any, path: str, t: type) -> list[Any]:
-        """The ``x`` node of an object of a registered type: what its encoder returns, flattened. The encoder
-        may return another registered object (or the object itself): such objects count as containers for the
-        cycle and depth checks."""
-        if id(obj) in self._open:
-            raise UnsupportedTypeError(f"cannot store {path or '<root>'}: it contains itself (a reference cycle "
-                                       "through a registered type's encoder)")
-        if len(self._open) >= MAX_DEPTH:
-            raise UnsupportedTypeError(
-                f"cannot store {path or '<root>'}: containers nested more than {MAX_DEPTH} levels deep")
+        """The ``x`` node of an object of a registered type: what its encoder returns, flattened (:meth:`node`
+        checks it for cycles and depth as a container)."""
         if t is Encoded:
             encoded = obj
         else:
@@ -257,11 +251,7 @@ class _Flattener:
             except Exception as exc:
                 raise UnsupportedTypeError(f"cannot store {path or '<root>'}: the encoder registered for "
                                            f"{t.__qualname__} failed: {exc!r:.200}") from exc
-        self._open.add(id(obj))
-        try:
-            return ["x", encoded.name, self.node(encoded.value, path)]
-        finally:
-            self._open.discard(id(obj))
+        return ["x", encoded.name, self.node(encoded.value, path)]
 
     def _node(self, obj: Any, path: str, t: type) -> list[Any]:
         if obj is None:
