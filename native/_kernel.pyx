@@ -31,7 +31,7 @@ cdef extern from "kernel.h" nogil:
                           const int *widths, int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad)
     int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs,
                     int nrefs, uint8_t *out, size_t len)
-    int dck_use_simd(int on)
+    int dck_use_simd(int level)
 
 # Both are set by setup.py: the package's API version and the hash of the kernel sources this was built from;
 # deltackpt.kernel compares them with its own to reject a stale build.
@@ -286,8 +286,17 @@ def predict(predictor, coefs, base, refs, out):
     _check(rc)
 
 
-def use_simd(on):
-    """Allow (``True``, the default) or forbid the kernel's run-time-chosen vector loops; returns the previous
-    setting. The results are identical either way: tests use this to check the portable loops on machines
-    whose CPU would otherwise always take the vector ones. Native backend only."""
-    return bool(dck_use_simd(1 if on else 0))
+#: levels of :func:`use_simd`: portable loops only; those and AVX2; any (AVX-512 where the CPU has it, the default)
+SIMD_NONE, SIMD_AVX2, SIMD_ALL = 0, 1, 2
+
+
+def use_simd(level):
+    """Limit the kernel's run-time-chosen vector loops to ``level`` (``SIMD_NONE``, ``SIMD_AVX2`` or ``SIMD_ALL``,
+    the default; ``True`` means ``SIMD_ALL`` and ``False`` ``SIMD_NONE``); returns the previous level. The
+    results are identical at every level: tests use this to check the narrower loops on machines whose CPU would
+    otherwise always take the widest. Native backend only."""
+    if level is True or level is False:
+        level = SIMD_ALL if level else SIMD_NONE
+    if level not in (SIMD_NONE, SIMD_AVX2, SIMD_ALL):
+        raise ValueError(f"use_simd: level must be 0, 1 or 2, got {level!r}")
+    return dck_use_simd(level)

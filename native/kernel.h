@@ -176,12 +176,16 @@ int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, con
                 uint8_t *out, size_t len);
 
 /*
- * Vector loops chosen at run time (x86-64: AVX2 for XXH3's long-input loop and for dck_predict, when the CPU has
- * it). on == 0 limits every later call to the portable loops, on != 0 restores the default; results are the same
- * bits either way (tests compare the two). Returns the previous setting. Not to be called while other threads
- * are inside kernel calls.
+ * Vector loops chosen at run time (x86-64: AVX2 for XXH3's long-input loop, AVX-512 or AVX2 for dck_predict, as
+ * the CPU has them). level limits every later call: DCK_SIMD_NONE to the portable loops, DCK_SIMD_AVX2 to those
+ * and AVX2, DCK_SIMD_ALL (the default) to any; other values are clamped to that range. Results are the same bits
+ * at every level (tests compare them). Returns the previous level. Not to be called while other threads are
+ * inside kernel calls.
  */
-int dck_use_simd(int on);
+#define DCK_SIMD_NONE 0
+#define DCK_SIMD_AVX2 1
+#define DCK_SIMD_ALL 2
+int dck_use_simd(int level);
 
 #ifdef __cplusplus
 }

@@ -129,20 +129,25 @@ def test_kernel_api_is_the_backend_api() -> None:
 
 
 @contextlib.contextmanager
-def simd_loops(on: bool) -> Iterator[None]:
-    """Run the native kernel with its run-time-chosen vector loops allowed (``on``) or forbidden."""
-    was = native.use_simd(on)
+def simd_loops(level: int) -> Iterator[None]:
+    """Run the native kernel with its run-time-chosen vector loops limited to ``level`` (``use_simd``)."""
+    was = native.use_simd(level)
     try:
         yield
     finally:
         native.use_simd(was)
 
 
+#: the kernel's vector-loop levels (native.use_simd): the widest the CPU has (AVX-512 for predictions), AVX2 at
+#: most, and the portable loops; on a CPU without one, a level runs the next narrower loops
+SIMD_LEVELS = pytest.mark.parametrize("simd", [2, 1, 0], ids=["widest", "avx2", "portable"])
+
+
 @needs_native
-@pytest.mark.parametrize("simd", [True, False], ids=["vector", "portable"])
+@SIMD_LEVELS
 @FAST
 @given(data=buffers(), chunk_size=chunk_sizes, threads=thread_counts)
-def test_chunk_digests_native_equals_python(simd: bool, data: np.ndarray, chunk_size: int, threads: int) -> None:
+def test_chunk_digests_native_equals_python(simd: int, data: np.ndarray, chunk_size: int, threads: int) -> None:
     """Digests agree with the reference, through XXH3's vector long-input loop (AVX2 where the CPU has it) and
     through its portable one."""
     with simd_loops(simd):
@@ -709,15 +714,15 @@ _SPECIAL_F32 = [0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFF
 
 
 @needs_native
-@pytest.mark.parametrize("simd", [True, False], ids=["vector", "portable"])
+@SIMD_LEVELS
 @FAST
 @given(predictor=st.sampled_from([1, 2, 3]), n=st.integers(0, 700), coefs=st.lists(_coef, min_size=7, max_size=7),
        seed=st.integers(0, 2**32 - 1), specials=st.lists(st.sampled_from(_SPECIAL_F32), max_size=8))
-def test_predict_backends_agree_bit_for_bit(simd: bool, predictor: int, n: int, coefs: list[float], seed: int,
+def test_predict_backends_agree_bit_for_bit(simd: int, predictor: int, n: int, coefs: list[float], seed: int,
                                             specials: list[int]) -> None:
     """Arbitrary float32 bit patterns (subnormals, infinities, NaN payloads), any length (blocks of 512, groups
-    of four and a tail), any coefficients in range: the native kernel, with its run-time-chosen vector loops
-    (AVX2 on x86-64) and with the portable ones, and the numpy reference produce the same bytes."""
+    of four and a tail), any coefficients in range: the native kernel, with each level of its run-time-chosen
+    vector loops (AVX-512, AVX2, portable on x86-64) and the numpy reference produce the same bytes."""
     rng = np.random.default_rng(seed)
     arrays = []
     for _ in range(4):
