@@ -297,6 +297,6 @@ def use_simd(level):
     otherwise always take the widest. Native backend only."""
     if level is True or level is False:
         level = SIMD_ALL if level else SIMD_NONE
-    if level not in (SIMD_NONE, SIMD_AVX2, SIMD_ALL):
+    if type(level) is not int or level not in (SIMD_NONE, SIMD_AVX2, SIMD_ALL):
         raise ValueError(f"use_simd: level must be 0, 1 or 2, got {level!r}")
     return dck_use_simd(level)

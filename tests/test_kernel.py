@@ -525,6 +525,22 @@ def test_setup_py_hashes_sources_like_kernel() -> None:
 
 
 @needs_native
+def test_use_simd_levels_round_trip_and_bad_levels_are_refused() -> None:
+    """use_simd takes the three levels (and True/False for the widest/portable), returns the previous one, and
+    refuses anything else without changing the level."""
+    was = native.use_simd(native.SIMD_AVX2)
+    try:
+        assert native.use_simd(True) == native.SIMD_AVX2
+        assert native.use_simd(False) == native.SIMD_ALL
+        for bad in (3, -1, "2", None, 1.0):
+            with pytest.raises(ValueError):
+                native.use_simd(bad)
+        assert native.use_simd(native.SIMD_ALL) == native.SIMD_NONE
+    finally:
+        native.use_simd(was)
+
+
+@needs_native
 def test_built_extension_matches_sources() -> None:
     assert native.API_VERSION == kernel.API_VERSION
     assert native.SOURCE_HASH == kernel.source_hash(NATIVE_DIR), "stale build: run make build"
