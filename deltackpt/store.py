@@ -668,12 +668,14 @@ class Store:
         ckpt_id = secrets.token_hex(8)
         with self._save_lock, self._gc_lock():
             self.reader.drop_unlinked()
-            if parent is None:
+            if _replace is not None:
+                pass  # a rewrite keeps the replaced checkpoint's parent, None (a root) included
+            elif parent is None:
                 parent = self._current_id(self._head)  # (None when deleted meanwhile)
                 if parent is None:
                     latest = self.index.get()
                     parent = latest.id if latest is not None else None
-            elif _replace is None:
+            else:
                 named, parent = parent, self._current_id(parent)
                 if parent is None:
                     raise CheckpointNotFoundError(f"parent checkpoint {named} is not in {self.path}")

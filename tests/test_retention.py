@@ -401,6 +401,8 @@ def test_rewritten_checkpoint_keeps_its_place_in_the_lineage(tmp_path: Path) -> 
         created = s.info(1).created
         first = s.rewrite({"w": torch.zeros(8)}, id=ids[0])
         second = s.rewrite({"w": torch.ones(8)}, id=first.id)
+        # the root stays a root: a rewrite takes no parent (it once took the handle's head, the newest)
+        assert first.parent is None and second.parent is None and s.info(1).parent is None
         assert [i.id for i in s.list()] == [second.id, ids[1], ids[2]]
         assert s.list()[1].parent == second.id and s.info(2).parent == second.id
         for old in (ids[0], first.id):
@@ -418,6 +420,31 @@ def test_rewritten_checkpoint_keeps_its_place_in_the_lineage(tmp_path: Path) -> 
         assert [(i.id, i.step) for i in s.list()] == [(second.id, 1), (ids[1], 2), (ids[2], 3)]
         assert s.list()[1].parent == second.id and s.latest().id == ids[2]
         assert s.info(id=ids[0]).id == second.id
+
+
+def test_thinning_the_first_checkpoint_keeps_the_lineage_a_tree(store_path: Path) -> None:
+    """Retention thins the run's first checkpoint (loaded just before, so the handle's head): it stays a root,
+    no checkpoint becomes its own ancestor, and log marks no branch."""
+    model, opt = _setup()
+    ckpt = Checkpointer(store_path, model=model, optimizer=opt, retention=Retention(keep_last=3, full_last=1),
+                        handle_signals=False)
+    for step in (1, 2, 3):
+        _train(model, opt)
+        ckpt.step(step)
+    ckpt.close()
+    with Store(store_path) as s:
+        infos = s.list()
+        assert [i.step for i in infos] == [1, 2, 3] and infos[0].parent is None
+        parent = {i.id: i.parent for i in infos}
+        for i in infos:  # walking parents reaches the root without meeting a checkpoint twice
+            seen, at = set(), i.id
+            while at is not None:
+                assert at not in seen, f"step {i.step}'s ancestry loops"
+                seen.add(at)
+                at = parent.get(at)
+    log = subprocess.run([sys.executable, "-m", "deltackpt", "log", str(store_path)], capture_output=True, text=True,
+                         check=True).stdout
+    assert "branch" not in log, log
 
 
 class _OperatorMeanwhile(Retention):
