@@ -64,7 +64,8 @@ class CheckpointNotFoundError(DeltackptError, KeyError):
 
 
 class InvalidNameError(DeltackptError, ValueError):
-    """An id, tag or file name is not of the allowed form (e.g. it holds ``/`` or ``..``)."""
+    """An id, tag or file name is not of the allowed form (e.g. it holds ``/`` or ``..``), or a type name
+    (:func:`~deltackpt.register_type`) is taken by another class."""
 
 
 class UnsupportedTypeError(DeltackptError, TypeError):

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from deltackpt.errors import CorruptManifestError, UnsafeLoadError, UnsupportedTypeError
+from deltackpt.errors import CorruptManifestError, InvalidNameError, UnsafeLoadError, UnsupportedTypeError
 
 
 @dataclass
@@ -85,18 +85,29 @@ def register_type(
     ``encode(obj)`` returns a storable value (any state tree: dicts, lists, tensors, plain values);
     ``decode(value)`` rebuilds the object from it. ``name`` is what the manifest records: keep it stable.
     The decoder must be registered in the loading process too, else load raises UnsupportedTypeError.
+    Registering ``cls`` again replaces its hooks (and its name). A name already registered for another class
+    raises :class:`~deltackpt.errors.InvalidNameError`: loads would build the wrong class from what either saved.
     """
     if not name or not isinstance(name, str):
         raise ValueError("a registered type needs a non-empty name")
+    taken = _HOOKS_BY_NAME.get(name)
+    if taken is not None and taken.cls is not cls:
+        raise InvalidNameError(
+            f"type name {name!r} is already registered for {taken.cls.__module__}.{taken.cls.__qualname__}: give "
+            f"{cls.__module__}.{cls.__qualname__} a name of its own (or unregister_type the other first)")
+    old = _HOOKS_BY_TYPE.get(cls)
+    if old is not None and old.name != name:
+        del _HOOKS_BY_NAME[old.name]
     hook = _TypeHook(cls, name, encode, decode)
     _HOOKS_BY_TYPE[cls] = hook
     _HOOKS_BY_NAME[name] = hook
 
 
 def unregister_type(cls: type) -> None:
+    """Forget what :func:`register_type` taught for ``cls`` (nothing happens if it was not registered)."""
     hook = _HOOKS_BY_TYPE.pop(cls, None)
-    if hook is not None:
-        _HOOKS_BY_NAME.pop(hook.name, None)
+    if hook is not None and _HOOKS_BY_NAME.get(hook.name) is hook:
+        del _HOOKS_BY_NAME[hook.name]
 
 
 @dataclass(frozen=True)

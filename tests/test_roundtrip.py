@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import deltackpt
-from deltackpt import ShapeMismatchError, UnsafeLoadError, UnsupportedTypeError
+from deltackpt import InvalidNameError, ShapeMismatchError, UnsafeLoadError, UnsupportedTypeError
 from deltackpt.tree import DEFAULT_FACTORIES
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -971,6 +971,36 @@ def test_register_type_round_trip(store: deltackpt.Store) -> None:
         store.load(1)  # no decoder registered any more
     with pytest.raises(UnsupportedTypeError):
         store.save({"a": Adapter("x", torch.ones(1), 1.0)}, step=2)
+
+
+class _Celsius(float):
+    pass
+
+
+class _Fahrenheit(float):
+    pass
+
+
+def test_a_type_name_belongs_to_one_class(store: deltackpt.Store) -> None:
+    """A name taken by another class is refused (loads would build the wrong class from what either saved), and
+    unregistering one class never takes a name another holds; registering a class again replaces its name."""
+    deltackpt.register_type(_Celsius, "tests.temp", float, _Celsius)
+    try:
+        with pytest.raises(InvalidNameError, match="tests.temp.*_Celsius"):
+            deltackpt.register_type(_Fahrenheit, "tests.temp", float, _Fahrenheit)
+        deltackpt.unregister_type(_Fahrenheit)  # was never registered: the name stays _Celsius's
+        store.save({"t": _Celsius(21.5)}, step=1)
+        assert type(store.load(1)["t"]) is _Celsius
+        deltackpt.register_type(_Celsius, "tests.celsius", float, _Celsius)  # renamed: the old name is free
+        deltackpt.register_type(_Fahrenheit, "tests.temp", float, _Fahrenheit)
+        deltackpt.unregister_type(_Celsius)  # takes its own name only
+        store.save({"t": _Fahrenheit(70.7)}, step=2)
+        assert type(store.load(2)["t"]) is _Fahrenheit
+        with pytest.raises(UnsupportedTypeError, match="_Celsius"):
+            store.save({"t": _Celsius(1.0)}, step=3)
+    finally:
+        deltackpt.unregister_type(_Celsius)
+        deltackpt.unregister_type(_Fahrenheit)
 
 
 def test_allow_pickle_opt_in(store: deltackpt.Store, store_path: Path) -> None:
