@@ -42,7 +42,7 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.retention import THINNED_KEY, Retention
-from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_step
+from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_metadata, _check_step
 from deltackpt.tree import Encoded, alias_key, child_path, encode_registered, flatten, registered_types
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -571,7 +571,7 @@ class Checkpointer:
         self._raise_background_error()
         self.wait()  # at most one save in flight: the staging buffers are about to be rewritten
         state = self.capture(step)
-        meta = dict(metadata) if metadata else None
+        meta = _check_metadata(metadata) or None
         pairs = _param_pairs(self.model, self.optimizer)
         if self._executor is None:
             self._run_save(state, step, meta, keyframe, pairs)

@@ -20,7 +20,10 @@ allow the index on network FS     ``DELTACKPT_ALLOW_NETWORK_FS``  0
 
 from __future__ import annotations
 
+import numbers
 import os
+from collections.abc import Callable
+from typing import Any
 
 DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 1
@@ -29,6 +32,9 @@ DEFAULT_MAX_CHAIN = 3
 DEFAULT_DELTA_CACHE = 1 << 30
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 1 << 30
+#: zstd's own range of levels (ZSTD_minCLevel() .. ZSTD_maxCLevel())
+MIN_ZSTD_LEVEL = -(1 << 17)
+MAX_ZSTD_LEVEL = 22
 
 
 def _env_int(name: str, default: int) -> int:
@@ -95,3 +101,27 @@ def check_chunk_size(value: int) -> int:
             f"chunk_size must be a power of two between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, got {value}"
         )
     return value
+
+
+def setting(name: str, given: Any, from_env: Callable[[], int], var: str, lo: int, hi: int) -> int:
+    """The int value of :class:`~deltackpt.Store`'s argument ``name``: ``given`` when not None, else what
+    ``from_env()`` reads (the variable ``var``, or the default). Raises TypeError (not an int) or ValueError
+    (outside ``lo..hi``) naming the argument or the variable, so a bad setting is refused when the store opens,
+    before anything is created, not at the first save."""
+    value, what = (from_env(), var) if given is None else (given, name)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    value = int(value)
+    if not lo <= value <= hi:
+        raise ValueError(f"{what} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def flag(name: str, given: Any, from_env: Callable[[], bool]) -> bool:
+    """The bool value of :class:`~deltackpt.Store`'s argument ``name`` (``given`` when not None, else
+    ``from_env()``); TypeError for anything but a bool (``predict="no"`` would otherwise mean True)."""
+    if given is None:
+        return from_env()
+    if not isinstance(given, bool):
+        raise TypeError(f"{name} must be True or False, got {type(given).__name__}")
+    return given

@@ -105,6 +105,16 @@ def _check_step(step: Any) -> int:
     return step
 
 
+def _check_metadata(metadata: Any) -> dict[str, Any] | None:
+    """A save's ``metadata`` as a dict (None stays None); TypeError naming the argument for anything that is not
+    a mapping (a list of pairs included: ``dict()`` would take it, or fail with a message about sequences)."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping of names to plain values, got {type(metadata).__name__}")
+    return dict(metadata)
+
+
 def _host_bytes(obj: torch.Tensor | np.ndarray, staging: _Pinned | None = None) -> np.ndarray:
     """The leaf's bytes as a flat uint8 array on the host (a view when already contiguous on the CPU).
 
@@ -356,11 +366,20 @@ class Store:
         """``_repair`` is for :func:`deltackpt.maintenance.open_for_repair` only: it opens a store whose index
         was lost, which a repair then rebuilds."""
         self.path = Path(path)
-        allow = config.allow_network_fs() if allow_network_fs is None else allow_network_fs
+        # every setting checked before anything is created
+        self.zstd_level = config.setting("zstd_level", zstd_level, config.zstd_level, "DELTACKPT_ZSTD_LEVEL",
+                                         config.MIN_ZSTD_LEVEL, config.MAX_ZSTD_LEVEL)
+        self.threads = config.setting("threads", threads, config.threads, "DELTACKPT_THREADS", 1, 4096)
+        self.read_threads = config.setting("read_threads", read_threads, lambda: config.read_threads(self.threads),
+                                           "DELTACKPT_READ_THREADS", 1, 4096)
+        pack_size = config.setting("pack_size", pack_size, config.pack_size, "DELTACKPT_PACK_SIZE", 1, 1 << 40)
+        self.max_chain = config.setting("max_chain", max_chain, config.max_chain, "DELTACKPT_MAX_CHAIN", 0, 64)
+        cache = config.setting("delta_cache_bytes", delta_cache_bytes, config.delta_cache_bytes,
+                               "DELTACKPT_DELTA_CACHE", 0, 1 << 50)
+        self.predict = config.flag("predict", predict, config.predict)
+        allow = config.flag("allow_network_fs", allow_network_fs, config.allow_network_fs)
         if not allow:
             check_local(self.path)  # before anything is created
-        self.zstd_level = config.zstd_level() if zstd_level is None else int(zstd_level)
-        self.threads = max(1, config.threads() if threads is None else int(threads))
         why = _why_readonly(self.path)
         if why is not None and readonly is False:
             raise ReadOnlyStoreError(f"store {self.path} is {why}: open it with readonly=True")
@@ -379,24 +398,18 @@ class Store:
         self._packs_dir = self.path / "packs"
         self._manifests_dir = self.path / "manifests"
         self._tmp_dir = self.path / "tmp"
-        self._writer = PackWriter(self._packs_dir, max_size=pack_size or config.pack_size())
+        self._writer = PackWriter(self._packs_dir, max_size=pack_size)
         self.reader = PackReader(self._packs_dir)
         self._save_lock = threading.Lock()
         self._pool_lock = threading.Lock()
         self._pools_of: tuple[int, ThreadPoolExecutor, ThreadPoolExecutor] | None = None
-        self.read_threads = max(1, config.read_threads(self.threads) if read_threads is None else int(read_threads))
         self._local = threading.local()
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
         self._last_manifest: manifest.Manifest | None = None
         self._pinned = _Pinned()
         self._delta_stats: dict[str, tuple[int, int]] = {}
         self._predict_stats: dict[str, tuple[int, int]] = {}  # the same for predicted frames
-        self.max_chain = config.max_chain() if max_chain is None else int(max_chain)
-        if not 0 <= self.max_chain <= 64:
-            raise ValueError(f"max_chain must be between 0 (no deltas) and 64, got {self.max_chain}")
-        cache = config.delta_cache_bytes() if delta_cache_bytes is None else int(delta_cache_bytes)
         self._base_cache = ChunkCache(cache if self.max_chain else 0)
-        self.predict = config.predict() if predict is None else bool(predict)
         self._closed = False
         #: the gc lock file, held exclusively from :func:`~deltackpt.maintenance.open_for_repair` until the
         #: repair commits (or the store closes); this handle's own operations then take no lock
@@ -662,7 +675,8 @@ class Store:
         self._writable("save")
         step = _check_step(step)
         skeleton, leaves = tree.flatten(state, allow_pickle=allow_pickle)
-        meta_node = tree.encode_plain(dict(metadata)) if metadata is not None else None
+        metadata = _check_metadata(metadata)
+        meta_node = tree.encode_plain(metadata) if metadata is not None else None
         if parent is not None:
             manifest.check_id(parent)
         ckpt_id = secrets.token_hex(8)

@@ -167,6 +167,9 @@ def test_metadata_is_checked_before_writing(store: deltackpt.Store, store_path: 
     for meta in ({"t": torch.ones(2)}, {"s": {1}}, {"o": object()}, {(1, 2): 3}, {"c": Counter()}, {"z": 1j}):
         with pytest.raises(UnsupportedTypeError):
             store.save({"w": torch.randn(5000)}, step=1, metadata=meta)
+    for meta in ([("a", 1)], [1, 2], "ab", 5):  # not a mapping: named as metadata (dict() took pairs)
+        with pytest.raises(TypeError, match="metadata must be a mapping"):
+            store.save({"w": torch.randn(5000)}, step=1, metadata=meta)  # type: ignore[arg-type]
     assert store.list() == [] and _snapshot(store_path) == snap
 
 
@@ -311,6 +314,38 @@ def test_chunk_size_wrong_type(tmp_path: Path) -> None:
     with pytest.raises(TypeError):
         deltackpt.Store(tmp_path / "s", chunk_size=4096.0)  # type: ignore[arg-type]
     assert not (tmp_path / "s" / "STORE").exists()
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"max_chain": -1}, ValueError), ({"max_chain": 65}, ValueError), ({"max_chain": 2.5}, TypeError),
+    ({"zstd_level": 100}, ValueError), ({"zstd_level": "3"}, TypeError), ({"threads": -1}, ValueError),
+    ({"threads": 0}, ValueError), ({"read_threads": 0}, ValueError), ({"pack_size": 0}, ValueError),
+    ({"delta_cache_bytes": -1}, ValueError), ({"predict": "no"}, TypeError), ({"predict": 0}, TypeError),
+    ({"allow_network_fs": "yes"}, TypeError), ({"max_chain": True}, TypeError),
+])
+def test_bad_settings_are_refused_when_the_store_opens_and_create_nothing(tmp_path: Path, kwargs: dict[str, Any],
+                                                                          error: type) -> None:
+    """A setting of the wrong type or range is refused by Store() naming the argument, before a new store's
+    directory exists (before, max_chain=-1 first created a whole store, zstd_level=100 failed every save with
+    zstd's own message, and predict="no" meant True)."""
+    path = tmp_path / "s"
+    with pytest.raises(error, match=next(iter(kwargs))):
+        deltackpt.Store(path, **kwargs)
+    assert not path.exists()
+
+
+def test_bad_settings_from_the_environment_name_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DELTACKPT_ZSTD_LEVEL", "30")
+    with pytest.raises(ValueError, match="DELTACKPT_ZSTD_LEVEL"):
+        deltackpt.Store(tmp_path / "s")
+    monkeypatch.setenv("DELTACKPT_ZSTD_LEVEL", "-5")  # zstd's fast levels are fine
+    monkeypatch.setenv("DELTACKPT_MAX_CHAIN", "99")
+    with pytest.raises(ValueError, match="DELTACKPT_MAX_CHAIN"):
+        deltackpt.Store(tmp_path / "s")
+    monkeypatch.delenv("DELTACKPT_MAX_CHAIN")
+    with deltackpt.Store(tmp_path / "s") as s:
+        s.save({"w": torch.arange(3000.0)}, step=1)
+        assert s.zstd_level == -5 and torch.equal(s.load(1)["w"], torch.arange(3000.0))
 
 
 @pytest.mark.parametrize(
