@@ -37,7 +37,7 @@ import numpy as np
 import xxhash
 import zstandard
 
-from deltackpt import kernel, predict
+from deltackpt import config, kernel, predict
 from deltackpt.errors import CorruptChunkError, FormatVersionError
 
 MAGIC = b"DCKF"
@@ -306,9 +306,9 @@ def decode(
     return memoryview(dest)
 
 
-#: Frames one chunk's decoding may read (its own and its bases'): far above any chain bound a store uses, so
-#: only a damaged index (a cycle of bases) reaches it.
-MAX_CHAIN_FRAMES = 64
+#: Frames one chunk's decoding may read (its own and its bases'): the longest chain the largest max_chain allows
+#: (a delta of depth 64 is 65 frames), so only a damaged index (a cycle of bases) goes past it.
+MAX_CHAIN_FRAMES = config.MAX_MAX_CHAIN + 1
 
 
 def decode_chain(

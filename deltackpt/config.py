@@ -29,6 +29,8 @@ DEFAULT_CHUNK_SIZE = 1 << 20
 DEFAULT_ZSTD_LEVEL = 1
 DEFAULT_PACK_SIZE = 1 << 30
 DEFAULT_MAX_CHAIN = 3
+#: the largest max_chain a store accepts; readers decode chains of up to MAX_MAX_CHAIN + 1 frames
+MAX_MAX_CHAIN = 64
 DEFAULT_DELTA_CACHE = 1 << 30
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 1 << 30

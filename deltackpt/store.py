@@ -373,7 +373,8 @@ class Store:
         self.read_threads = config.setting("read_threads", read_threads, lambda: config.read_threads(self.threads),
                                            "DELTACKPT_READ_THREADS", 1, 4096)
         pack_size = config.setting("pack_size", pack_size, config.pack_size, "DELTACKPT_PACK_SIZE", 1, 1 << 40)
-        self.max_chain = config.setting("max_chain", max_chain, config.max_chain, "DELTACKPT_MAX_CHAIN", 0, 64)
+        self.max_chain = config.setting("max_chain", max_chain, config.max_chain, "DELTACKPT_MAX_CHAIN", 0,
+                                        config.MAX_MAX_CHAIN)
         cache = config.setting("delta_cache_bytes", delta_cache_bytes, config.delta_cache_bytes,
                                "DELTACKPT_DELTA_CACHE", 0, 1 << 50)
         self.predict = config.flag("predict", predict, config.predict)

@@ -292,6 +292,24 @@ def test_no_deltas_when_max_chain_is_zero(store_path: Path) -> None:
             assert_same_state(state, s.load(step))
 
 
+def test_the_largest_max_chain_writes_chains_readers_decode(store_path: Path) -> None:
+    """At max_chain=64, the largest a store takes, a tensor whose deltas keep winning reaches depth 64: a chain
+    of 65 frames, which loads and verify must decode (readers refused chains over 64 frames, so the 64th save
+    was written and could never be read)."""
+    with deltackpt.Store(store_path, chunk_size=SMALL_CHUNK, max_chain=deltackpt.config.MAX_MAX_CHAIN) as s:
+        t = torch.arange(SMALL_CHUNK // 4, dtype=torch.int32)
+        saved = {}
+        for step in range(deltackpt.config.MAX_MAX_CHAIN + 2):
+            t[step] += 1
+            s.save({"t": t}, step=step)
+            saved[step] = t.clone()
+        assert max(loc.depth for _, loc in s.index.iter_chunks()) == deltackpt.config.MAX_MAX_CHAIN
+    with deltackpt.Store(store_path) as s:
+        for step, want in saved.items():
+            assert torch.equal(s.load(step)["t"], want), step
+        assert s.verify().ok
+
+
 def test_delta_kept_only_when_clearly_smaller() -> None:
     """The encoder keeps a delta frame only when it is at most DELTA_MIN_GAIN of the standalone frame: a delta
     that gains a few percent would cost every later load a base decode."""
