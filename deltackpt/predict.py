@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,8 +256,8 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     by_path = {leaf.path: leaf for leaf in leaves}
     roles: dict[str, Role] = {}
     optimizers = list(_optimizer_dicts(state, ""))
-    optimizer_prefixes = [path for path, _ in optimizers]
-    outside = [leaf for leaf in leaves if _is_f32(leaf) and not any(_inside(leaf.path, p) for p in optimizer_prefixes)]
+    optimizer_prefixes = {path for path, _ in optimizers}
+    outside = [leaf for leaf in leaves if _is_f32(leaf) and not _inside_any(leaf.path, optimizer_prefixes)]
     by_name: dict[str, list[Any]] | None = None  # float32 leaves outside optimizer states, by each name they end in
     states: list[tuple[tuple[int, ...], Role]] = []  # (shape, role its parameter would take) still unpaired
     # state entries with a name: (optimizer number, shape, role, (prefix, leaf) of each leaf the name matches)
@@ -501,8 +501,12 @@ def _optimizer_dicts(obj: Any, path: str) -> Iterable[tuple[str, Mapping[str, An
             yield from _optimizer_dicts(v, child_path(path, i))
 
 
-def _inside(path: str, prefix: str) -> bool:
-    return prefix == "" or path == prefix or path.startswith(prefix + ".") or path.startswith(prefix + "[")
+def _inside_any(path: str, prefixes: Set[str]) -> bool:
+    """Whether ``path`` is one of ``prefixes`` or lies under one (``prefix.`` or ``prefix[`` follows), in time
+    linear in the path, not in the number of prefixes (a state may hold one optimizer per parameter)."""
+    if "" in prefixes or path in prefixes:
+        return True
+    return any(c in ".[" and path[:i] in prefixes for i, c in enumerate(path))
 
 
 def _is_f32(leaf: Any) -> bool:

@@ -806,3 +806,24 @@ def test_loads_reuse_and_return_scratch_buffers(tmp_path: Path, monkeypatch: pyt
                 s.load(step)
         assert not s.verify().ok
         assert not any(c._lent for c in _Counted.made)
+
+
+_path_part = st.sampled_from(["model", "optimizer", "opt", "state", "0", "12", "w", "a.b"])
+
+
+@given(path=st.lists(_path_part, min_size=1, max_size=5), prefixes=st.lists(st.lists(_path_part, max_size=4),
+       max_size=6), brackets=st.lists(st.booleans(), min_size=5, max_size=5))
+def test_inside_any_is_the_prefix_rule(path: list[str], prefixes: list[list[str]], brackets: list[bool]) -> None:
+    """plan() finds the leaves under optimizer states with one set lookup per separator of a leaf's path (it
+    compared every leaf with every optimizer, quadratic for a state of one optimizer per parameter); the
+    answer is the prefix rule: the path is a prefix, or the prefix is followed by ``.`` or ``[``."""
+
+    def join(parts: list[str]) -> str:
+        out = ""
+        for i, part in enumerate(parts):
+            out += (f"[{part}]" if brackets[i] and out else f".{part}" if out else part)
+        return out
+
+    p, pres = join(path), {join(q) for q in prefixes}
+    rule = any(q == "" or p == q or p.startswith(q + ".") or p.startswith(q + "[") for q in pres)
+    assert predict._inside_any(p, pres) == rule
