@@ -65,6 +65,12 @@ MAX_RAW = 1 << 31
 _MAX_WINDOW = 1 << 27
 #: A delta frame at most this fraction of the raw size is kept without also trying the standalone encoding.
 DELTA_GOOD_ENOUGH = 0.5
+#: A predicted frame at most this fraction of the raw size is kept without also trying the delta and standalone
+#: encodings. When the prediction holds, a predicted frame is far smaller (AdamW about 0.06, SGD momentum about
+#: 0.01 of raw); a larger one may lose to them: weights rounded to a grid after each step (quantization-aware
+#: training) predicted at 0.25 of raw while their XOR deltas took 0.04. At this threshold a predicted frame
+#: kept untried wastes at most an eighth of its chunk.
+PREDICTED_GOOD_ENOUGH = 0.125
 #: A delta frame is kept over the standalone one only when at most this fraction of its size. Every load of the
 #: chunk then also decodes the base's chain (about one more frame read and decompressed), which a saving of a
 #: few percent does not pay for: AdamW's first moment, for one, changes too much per step for deltas to gain more

@@ -1091,8 +1091,9 @@ class Store:
         self, view: memoryview, key: bytes, width: int, base_key: bytes, role: predict.Role, refs: list[bytes],
         m: np.ndarray,
     ) -> bytes:
-        """Encode a chunk of a tensor with a predictor role: the predicted frame when it is at most half the raw
-        size or at most :data:`~deltackpt.codec.DELTA_MIN_GAIN` of the better of the delta and standalone frames
+        """Encode a chunk of a tensor with a predictor role: the predicted frame when it is at most
+        :data:`~deltackpt.codec.PREDICTED_GOOD_ENOUGH` of the raw size or at most
+        :data:`~deltackpt.codec.DELTA_MIN_GAIN` of the better of the delta and standalone frames
         (:meth:`_encode`), else that frame. ``refs`` are the keys of the
         chunks the prediction references (:meth:`_prediction_inputs`), ``m`` the bytes of the first of them,
         this save's first moment."""
@@ -1113,7 +1114,7 @@ class Store:
         guess = np.empty(n, dtype=np.uint8)
         predict.predict(record, base, inputs, guess)
         frame = self._encoder().encode_predicted(raw, key[:16], width, guess, base_key[:16], record.pack())
-        if len(frame) > n * codec.DELTA_GOOD_ENOUGH:  # a poor prediction (saves steps apart, another optimizer)
+        if len(frame) > n * codec.PREDICTED_GOOD_ENOUGH:  # a poor prediction (saves apart, other optimizer, grid)
             other = self._encode(view, key, width, base_key, checked=raw)
             # as for deltas, a margin: every later load of a predicted chunk also decodes its inputs
             if len(frame) > len(other) * codec.DELTA_MIN_GAIN:
