@@ -121,9 +121,14 @@ def _short(value: Any, limit: int = 80) -> str:
         text = tree.int_text(value) if type(value) is int else str(value)
     except ValueError:  # a container holding an int of more digits than Python converts at once
         text = f"<{type(value).__name__}>"
-    # control characters (a newline, a terminal escape) would break the table or reach the terminal: escaped
-    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    text = _escaped(text)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _escaped(text: str) -> str:
+    """``text`` with its control characters (a newline, a terminal escape), which would break a table or reach
+    the terminal, written as Python escapes."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -141,8 +146,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             if 0 <= i < len(m.tensors) and path != m.tensors[i].key:
                 also.setdefault(i, []).append(path)
         rows = [
-            (t.key or "<root>", t.dtype, "x".join(map(str, t.shape)) or "()", human(t.nbytes), human(t.written))
-            + ((", ".join(also.get(i, [])),) if also else ())
+            (_escaped(t.key) or "<root>", t.dtype, "x".join(map(str, t.shape)) or "()", human(t.nbytes),
+             human(t.written)) + ((", ".join(map(_escaped, also.get(i, []))),) if also else ())
             for i, t in enumerate(m.tensors)
         ]
         print(table(rows, ["key", "dtype", "shape", "logical", "written"] + (["also at"] if also else []),

@@ -916,3 +916,15 @@ def test_show_escapes_keys_that_are_not_printable_text(store_path: Path) -> None
                        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
     assert r.returncode == 0, r.stderr
     assert "w\\ud800" in r.stdout and "\nok " in r.stdout
+
+
+def test_show_escapes_control_characters_in_keys(store_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A key holding a newline or a terminal escape is shown escaped: one table row per tensor, and no escape
+    sequence reaches the terminal (tied paths too)."""
+    w = torch.ones(2)
+    with open_store(store_path) as s:
+        s.save({"a\nb": w, "red\x1b[31m": torch.zeros(1), "tied\t": w}, step=1)
+    rc, out, _ = cli(capsys, "show", store_path, "1")
+    assert rc == 0
+    assert "\x1b" not in out and "\t" not in out
+    assert "a\\nb" in out and "red\\x1b[31m" in out and "tied\\t" in out
