@@ -302,6 +302,11 @@ def cmd_dcp(args: argparse.Namespace) -> int:
             print(f"verify {path.name}: {report.checkpoints} checkpoint(s), "
                   f"{'OK' if report.ok else f'{len(report.problems)} problem(s)'}")
             rc = rc if report.ok else 1
+        names = distributed.verify_names(root)
+        for problem in names:
+            print(problem)
+        print(f"verify steps: {'OK' if not names else f'{len(names)} problem(s)'}")
+        rc = rc if not names else 1
     rows = [(i.step, when(i.created), i.ranks, human(i.logical_bytes), human(i.written_bytes))
             for i in distributed.summary(root)]
     print(table(rows, ["step", "committed", "ranks", "logical", "written"], right={0, 2, 3, 4}))

@@ -18,6 +18,7 @@ strings, lists, dicts, ...) and keeps the pickle only for the others; loading a 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -330,9 +331,9 @@ class DeltaStorageReader(StorageReader):
             info = meta.info(self.step) if self.step is not None else meta.latest()
             if info is None:
                 raise CheckpointNotFoundError(f"no DCP checkpoint in {self.root}")
+            doc = _doc(meta, info.id)
         self._chosen = info.id
         where = f"DCP checkpoint of step {info.step} in {self.root}"
-        doc = info.metadata
         if not isinstance(doc, dict) or not isinstance(doc.get("format"), int):
             raise CorruptManifestError(f"{where}: not DCP metadata")
         if doc["format"] > META_FORMAT:  # (format 1 differs only in where rank checkpoints keep plain values)
@@ -461,7 +462,7 @@ def _stored_objects(store: Store, ckpt: str) -> Mapping[str, Any]:
     skeleton = m.skeleton()
     if isinstance(skeleton, dict) and isinstance(skeleton.get(_OBJECTS), dict):
         return skeleton[_OBJECTS]
-    meta = store.info(id=ckpt).metadata
+    meta = _doc(store, m.id)
     return meta.get(_OBJECTS, {}) if isinstance(meta, dict) else {}
 
 
@@ -498,18 +499,47 @@ def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
     """Every DCP checkpoint under ``root``, oldest commit first."""
     root = Path(root)
     with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
-        infos = meta.list()
+        steps = [(i, _named(meta, i.id)) for i in meta.list()]
     sizes: dict[tuple[int, str], tuple[int, int]] = {}
-    for rank in sorted({r for i in infos for r, _ in _named(i)}):
+    for rank in sorted({r for _, named in steps for r, _ in named}):
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards", readonly=True) as store:
-            for c in store.list():
-                sizes[rank, c.id] = (c.logical_bytes, c.written_bytes)
-    out = []
-    for i in infos:
-        named = _named(i)
-        out.append(StepInfo(i.step, i.created, len({r for r, _ in named}),
-                            sum(sizes.get(n, (0, 0))[0] for n in named), sum(sizes.get(n, (0, 0))[1] for n in named)))
-    return out
+            for r, ckpt in {n for _, named in steps for n in named if n[0] == rank}:
+                with contextlib.suppress(CheckpointNotFoundError):  # (verify_names reports it)
+                    c = store.info(id=ckpt)  # (an id a rewrite replaced finds the new checkpoint)
+                    sizes[r, ckpt] = (c.logical_bytes, c.written_bytes)
+    return [StepInfo(i.step, i.created, len({r for r, _ in named}), sum(sizes.get(n, (0, 0))[0] for n in named),
+                     sum(sizes.get(n, (0, 0))[1] for n in named)) for i, named in steps]
+
+
+def verify_names(root: str | os.PathLike[str]) -> list[str]:
+    """What is wrong with how the DCP checkpoints under ``root`` name their rank checkpoints: each step that names
+    one its rank's store does not hold (removed with ``deltackpt rm`` on the rank store, or the store itself
+    gone), so the step cannot load. Empty when every step is whole. Each store's own damage is ``verify``'s."""
+    root = Path(root)
+    with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
+        steps = [(i, _named(meta, i.id)) for i in meta.list()]
+    problems = []
+    for rank in sorted({r for _, named in steps for r, _ in named}):
+        path = _rank_path(root, rank)
+        held = None
+        if (path / "STORE").exists():
+            with _existing(path, f"rank {rank}'s shards", readonly=True) as store:
+                held = {ckpt for _, named in steps for r, ckpt in named if r == rank and _holds(store, ckpt)}
+        for i, named in steps:
+            for r, ckpt in sorted(named):
+                if r == rank and (held is None or ckpt not in held):
+                    where = "its store is gone" if held is None else "its store does not hold it"
+                    problems.append(f"step {i.step} (DCP checkpoint {i.id}) names rank {rank}'s checkpoint {ckpt}, "
+                                    f"but {where}: the step cannot load")
+    return problems
+
+
+def _holds(store: Store, ckpt: str) -> bool:
+    try:
+        store.info(id=ckpt)
+    except CheckpointNotFoundError:
+        return False
+    return True
 
 
 def delete(root: str | os.PathLike[str], step: int) -> None:
@@ -521,7 +551,7 @@ def delete(root: str | os.PathLike[str], step: int) -> None:
     with _existing(root / "meta", "DCP checkpoints") as meta:
         meta.info(step)  # CheckpointNotFoundError naming the step when there is none
         for info in [c for c in meta.list() if c.step == step]:
-            named |= _named(info)
+            named |= _named(meta, info.id)
             meta.delete(id=info.id)
     _delete_rank_checkpoints(root, named)
 
@@ -534,7 +564,7 @@ def prune(root: str | os.PathLike[str]) -> int:
     were deleted; space returns with ``gc``."""
     root = Path(root)
     with _existing(root / "meta", "DCP checkpoints") as meta:
-        named = set().union(set(), *(_named(i) for i in meta.list()))
+        named = set().union(set(), *(_named(meta, i.id) for i in meta.list()))
     stale: set[tuple[int, str]] = set()
     for path in sorted(root.iterdir()):
         m = _RANK_DIR.fullmatch(path.name)
@@ -543,6 +573,8 @@ def prune(root: str | os.PathLike[str]) -> int:
         rank = int(m.group(1))
         with _existing(path, f"rank {rank}'s shards") as store:
             ids = [c.id for c in store.list()]  # commit order
+            # a rank checkpoint that a rewrite replaced is named by its old id: the new one is named too
+            named |= {(rank, store.info(id=c).id) for r, c in named if r == rank and _holds(store, c)}
         last_named = max((i for i, c in enumerate(ids) if (rank, c) in named), default=-1)
         if last_named < 0:  # nothing after which an unnamed checkpoint is known stale (all may be saves in progress)
             continue
@@ -551,9 +583,21 @@ def prune(root: str | os.PathLike[str]) -> int:
     return len(stale)
 
 
-def _named(info: Any) -> set[tuple[int, str]]:
-    """(rank, checkpoint id) of every rank checkpoint a meta checkpoint names."""
-    return {(int(it[3]), str(it[5])) for it in (info.metadata or {}).get("items", [])}
+def _doc(store: Store, ckpt: str) -> Any:
+    """The metadata of checkpoint ``ckpt`` as its checksummed manifest holds it: what loads, prune and delete go
+    by. (The index record holds a copy, which LMDB keeps no checksum of: a damaged copy made a load report a
+    wrong shape, and could make prune delete shards a step needs.)"""
+    node = store.manifest(id=ckpt).metadata
+    return tree.decode_plain(node) if node is not None else None
+
+
+def _named(meta: Store, ckpt: str) -> set[tuple[int, str]]:
+    """(rank, checkpoint id) of every rank checkpoint that meta checkpoint ``ckpt`` names."""
+    doc = _doc(meta, ckpt)
+    try:
+        return {(int(it[3]), str(it[5])) for it in (doc or {}).get("items", [])}
+    except (TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise CorruptManifestError(f"DCP checkpoint {ckpt} in {meta.path}: malformed DCP metadata ({exc!r})") from None
 
 
 def _delete_rank_checkpoints(root: Path, which: set[tuple[int, str]]) -> None:

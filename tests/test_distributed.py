@@ -555,3 +555,72 @@ def test_a_rank_that_needs_some_rows_of_a_shard_decodes_only_their_chunks(tmp_pa
     assert torch.equal(read_rows(100, 92), big[100:192])  # chunks 6-11: up to the damaged one
     with pytest.raises(deltackpt.CorruptChunkError, match="checksum"):
         read_rows(180, 20)  # reaches chunk 12
+
+
+def _save_steps(root: Path, steps: Any) -> None:
+    """Single-process DCP saves of dcp_worker's expected state, one per step."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = DeltaStorageWriter(root)
+        for step in steps:
+            w.step = step
+            dcp.save(expected(step), storage_writer=w)
+        w.close()
+
+
+def test_prune_keeps_a_rank_checkpoint_a_rewrite_replaced(tmp_path: Path) -> None:
+    """A rewritten rank checkpoint has a new id; the step still names the old one, which finds it. Prune counted
+    only current ids as named and deleted it, so the step could no longer load."""
+    from deltackpt import distributed
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, [1])
+    with deltackpt.Store(root / "rank-00000") as s:
+        old = s.info(1)
+        assert s.rewrite(s.load(id=old.id), id=old.id).id != old.id
+    _save_steps(root, [2])
+    assert distributed.prune(root) == 0
+    for step in (1, 2):
+        assert_state(load_full(root, step), expected(step))
+    assert distributed.verify_names(root) == []
+
+
+def test_dcp_verify_reports_a_step_whose_rank_checkpoint_is_gone(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """A step naming a rank checkpoint that its store no longer holds (removed by hand on the rank store) cannot
+    load: `deltackpt dcp --verify` says so and exits 1 (each store on its own was fine, so it said OK)."""
+    from deltackpt import cli, distributed
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, [1, 2])
+    assert cli.main(["rm", str(root / "rank-00000"), "2"]) == 0
+    problems = distributed.verify_names(root)
+    assert len(problems) == 1 and "step 2" in problems[0] and "cannot load" in problems[0]
+    capsys.readouterr()
+    assert cli.main(["dcp", str(root), "--verify"]) == 1
+    assert "step 2 (DCP checkpoint" in capsys.readouterr().out
+    assert_state(load_full(root, 1), expected(1))
+
+
+def test_dcp_metadata_is_read_from_the_checksummed_manifest(tmp_path: Path) -> None:
+    """The index record's copy of a step's DCP metadata has no checksum: loads, prune and delete go by the
+    manifest's, so a damaged copy changes nothing they do (it made a load report a wrong shape)."""
+    import dataclasses
+    import struct
+
+    from deltackpt import distributed, tree
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, [1])
+    with deltackpt.Store(root / "meta") as meta:
+        rec = meta.index.get(step=1)
+        doc = tree.decode_plain(rec.metadata)
+        doc["items"] = []  # names no rank checkpoint: prune would take every shard for stale
+        doc["state_dict_metadata"] = {}
+        with meta.index.env.begin(write=True) as txn:
+            txn.put(struct.pack(">Q", rec.seq), dataclasses.replace(rec, metadata=tree.encode_plain(doc)).dumps(),
+                    db=meta.index.db_ckpts)
+        assert meta.info(1).metadata["items"] == []
+    _save_steps(root, [2])
+    assert distributed.prune(root) == 0
+    assert_state(load_full(root, 1), expected(1))
