@@ -60,7 +60,7 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
-from deltackpt.store import Store
+from deltackpt.store import Store, _check_step
 
 #: version of the plain-value layout of DCP metadata in ``root/meta`` checkpoints (2: plain values and blobs in
 #: the rank checkpoints' state; format 1 kept plain values in their metadata, which readers still accept)
@@ -164,6 +164,9 @@ class DeltaStorageWriter(StorageWriter):
             raise ValueError("DeltaStorageWriter needs a root directory (or a checkpoint_id to dcp.save)")
         if self.step is None:
             raise ValueError("DeltaStorageWriter needs the step to save as (DeltaStorageWriter(root, step=n))")
+        self.step = _check_step(self.step)  # on every rank, before any writes (a TypeError/ValueError naming it)
+        if self.root.exists() and not self.root.is_dir():
+            raise NotADirectoryError(f"{self.root} is not a directory: give DCP saves a directory of their own")
         if (self.root / "STORE").exists():
             raise ValueError(f"{self.root} is a deltackpt store, not a sharded checkpoint root: give DCP saves a "
                              "directory of their own")

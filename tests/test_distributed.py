@@ -330,6 +330,12 @@ def test_missing_checkpoints_are_named(tmp_path: Path) -> None:
         DeltaStorageReader(root, step=5).read_metadata()
     with pytest.raises(ValueError, match="step"):
         DeltaStorageWriter(root).set_up_storage_writer(True)
+    for bad, error in ((-1, ValueError), ("3", TypeError), (1.5, TypeError), (True, TypeError), (2**64, ValueError)):
+        with pytest.raises(error, match="step"):  # refused when the save is set up, before any rank writes
+            DeltaStorageWriter(root, step=bad).set_up_storage_writer(True)  # type: ignore[arg-type]
+    (tmp_path / "file").write_bytes(b"")
+    with pytest.raises(NotADirectoryError, match="file"):
+        DeltaStorageWriter(tmp_path / "file", step=1).set_up_storage_writer(True)
     assert DeltaStorageReader.validate_checkpoint_id(root) and not DeltaStorageReader.validate_checkpoint_id(tmp_path)
     assert os.path.isdir(root / "rank-00000")
 
