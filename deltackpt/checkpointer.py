@@ -625,18 +625,26 @@ class Checkpointer:
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the save in flight (if any) is committed; raise its error."""
-        fut, self._inflight = self._inflight, None
+        fut = self._inflight
         if fut is None:
             return None
         try:
-            return fut.result()
+            info = fut.result()
         except BaseException as exc:  # the save's own error, type and all (as Future.result raises it) ...
+            if not fut.done() or fut.exception() is not exc:
+                # ... or not: the wait was interrupted (a KeyboardInterrupt, an exception from a signal handler
+                # such as the DataLoader's for a worker that died). The save goes on reading the staging
+                # buffers, so it stays in flight: the next save waits for it before it snapshots into them.
+                raise
+            self._inflight = None
             prev_step, prev_info = self._inflight_prev
             if self.last_info is prev_info:  # not committed (else only its retention failed): step() saves it again
                 self.last_saved_step = prev_step
             if hasattr(exc, "add_note"):  # ... which says where it came from (Python 3.11+)
                 exc.add_note(f"deltackpt: raised by the background save of step {self._inflight_step}")
             raise
+        self._inflight = None
+        return info
 
     def _raise_background_error(self) -> None:
         fut = self._inflight

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -1260,3 +1261,48 @@ def test_async_snapshot_passes_on_an_allocation_failure(fast_dir: Path, monkeypa
         with pytest.raises(RuntimeError, match="can't allocate") as exc:
             ck.save(1)
         assert not isinstance(exc.value, deltackpt.DeltackptError)
+
+
+def test_an_interrupted_wait_keeps_the_save_in_flight(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception raised in the main thread while wait() blocks on an async save (a KeyboardInterrupt, the
+    DataLoader's SIGCHLD handler for a worker that died) is not the save's: it carries no note blaming the save,
+    and the save stays in flight, so the next save waits for it before snapshotting into the staging buffers the
+    running save still reads. (The save was dropped: checkpoint 1 was committed holding step 2's weights.)"""
+    model = torch.nn.Linear(64, 64)
+    ckpt = Checkpointer(fast_dir, model=model, async_save=True, handle_signals=False)
+    release = threading.Event()
+    save = ckpt.store.save
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        release.wait(30)  # the background save reads the staging buffers only once released
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.store, "save", held_save)
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_: Any) -> None:
+        raise Interrupted("a signal handler raised while wait() blocked")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        ckpt.save(1)
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(Interrupted) as caught:
+            ckpt.wait()
+        assert not getattr(caught.value, "__notes__", None)
+        with torch.no_grad():
+            model.weight.fill_(2.0)
+        threading.Timer(0.2, release.set).start()
+        ckpt.save(2)  # waits for save 1 (released meanwhile), then snapshots
+        ckpt.close()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        release.set()
+    with Store(fast_dir) as s:
+        for step in (1, 2):
+            assert torch.equal(s.load(step)["model"]["weight"], torch.full((64, 64), float(step))), step
