@@ -631,6 +631,9 @@ class Checkpointer:
         try:
             info = fut.result()
         except BaseException as exc:  # the save's own error, type and all (as Future.result raises it) ...
+            if fut.cancelled():  # never ran: nothing reads the staging buffers
+                self._inflight = None
+                raise
             if not fut.done() or fut.exception() is not exc:
                 # ... or not: the wait was interrupted (a KeyboardInterrupt, an exception from a signal handler
                 # such as the DataLoader's for a worker that died). The save goes on reading the staging
