@@ -18,7 +18,6 @@ strings, lists, dicts, ...) and keeps the pickle only for the others; loading a 
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import re
@@ -501,14 +500,13 @@ class StepInfo:
 def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
     """Every DCP checkpoint under ``root``, oldest commit first."""
     root = Path(root)
-    with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
-        steps = [(i, _named(meta, i.id)) for i in meta.list()]
+    steps = _named_steps(root)
     sizes: dict[tuple[int, str], tuple[int, int]] = {}
     for rank in sorted({r for _, named in steps for r, _ in named}):
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards", readonly=True) as store:
             for r, ckpt in {n for _, named in steps for n in named if n[0] == rank}:
-                with contextlib.suppress(CheckpointNotFoundError):  # (verify_names reports it)
-                    c = store.info(id=ckpt)  # (an id a rewrite replaced finds the new checkpoint)
+                c = _resolved(store, ckpt)  # (missing: verify_names reports it)
+                if c is not None:
                     sizes[r, ckpt] = (c.logical_bytes, c.written_bytes)
     return [StepInfo(i.step, i.created, len({r for r, _ in named}), sum(sizes.get(n, (0, 0))[0] for n in named),
                      sum(sizes.get(n, (0, 0))[1] for n in named)) for i, named in steps]
@@ -519,15 +517,14 @@ def verify_names(root: str | os.PathLike[str]) -> list[str]:
     one its rank's store does not hold (removed with ``deltackpt rm`` on the rank store, or the store itself
     gone), so the step cannot load. Empty when every step is whole. Each store's own damage is ``verify``'s."""
     root = Path(root)
-    with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
-        steps = [(i, _named(meta, i.id)) for i in meta.list()]
+    steps = _named_steps(root)
     problems = []
     for rank in sorted({r for _, named in steps for r, _ in named}):
         path = _rank_path(root, rank)
         held = None
         if (path / "STORE").exists():
             with _existing(path, f"rank {rank}'s shards", readonly=True) as store:
-                held = {ckpt for _, named in steps for r, ckpt in named if r == rank and _holds(store, ckpt)}
+                held = {ckpt for _, named in steps for r, ckpt in named if r == rank and _resolved(store, ckpt)}
         for i, named in steps:
             for r, ckpt in sorted(named):
                 if r == rank and (held is None or ckpt not in held):
@@ -537,12 +534,19 @@ def verify_names(root: str | os.PathLike[str]) -> list[str]:
     return problems
 
 
-def _holds(store: Store, ckpt: str) -> bool:
+def _named_steps(root: Path) -> list[tuple[Any, set[tuple[int, str]]]]:
+    """Every DCP checkpoint under ``root`` (oldest commit first) with the rank checkpoints it names."""
+    with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
+        return [(i, _named(meta, i.id)) for i in meta.list()]
+
+
+def _resolved(store: Store, ckpt: str) -> Any:
+    """The info of rank checkpoint ``ckpt`` (of the checkpoint that replaced it, after a rewrite), or None when
+    the store does not hold it."""
     try:
-        store.info(id=ckpt)
+        return store.info(id=ckpt)
     except CheckpointNotFoundError:
-        return False
-    return True
+        return None
 
 
 def delete(root: str | os.PathLike[str], step: int) -> None:
@@ -577,7 +581,7 @@ def prune(root: str | os.PathLike[str]) -> int:
         with _existing(path, f"rank {rank}'s shards") as store:
             ids = [c.id for c in store.list()]  # commit order
             # a rank checkpoint that a rewrite replaced is named by its old id: the new one is named too
-            named |= {(rank, store.info(id=c).id) for r, c in named if r == rank and _holds(store, c)}
+            named |= {(rank, c.id) for c in (_resolved(store, k) for r, k in named if r == rank) if c is not None}
         last_named = max((i for i, c in enumerate(ids) if (rank, c) in named), default=-1)
         if last_named < 0:  # nothing after which an unnamed checkpoint is known stale (all may be saves in progress)
             continue
