@@ -484,15 +484,18 @@ def int_text(x: int) -> str:
     return ("-" if x < 0 else "") + "".join(reversed(parts))
 
 
+_INT_TEXT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_HEX_TEXT = re.compile(r"(?:[0-9a-f]{2})*")
+
+
 def int_value(text: Any) -> int:
-    """The int :func:`int_text` wrote (any number of digits)."""
-    if type(text) is not str:
+    """The int :func:`int_text` wrote (any number of digits): its one canonical form (an optional ``-``, then
+    ASCII digits without leading zeros; no ``-0``, ``+``, spaces or ``_``, which Python's ``int`` would accept)."""
+    if type(text) is not str or not _INT_TEXT.fullmatch(text) or text == "-0":
         raise ValueError(f"int node {text!r:.40}")
     digits = text[1:] if text[:1] == "-" else text
     if len(digits) <= _DIGITS:
         return int(text)
-    if not (digits.isascii() and digits.isdigit()):
-        raise ValueError(f"int node {text:.40}...")
     x = 0
     for i in range(0, len(digits), _DIGITS):
         part = digits[i : i + _DIGITS]
@@ -618,6 +621,18 @@ def _plain_build(n: Any) -> Any:
     return _build(n, [], False)
 
 
+def _hex_bytes(text: Any, size: int, what: str) -> bytes:
+    """The ``size`` bytes a node's hex text holds: exactly ``2 * size`` lowercase hex digits, as writers write
+    them (``bytes.fromhex`` alone would also take spaces and upper case)."""
+    if type(text) is not str or len(text) != 2 * size or not _HEX_TEXT.fullmatch(text):
+        raise ValueError(f"{what} node {text!r:.40}")
+    return bytes.fromhex(text)
+
+
+def _float_value(text: Any) -> float:
+    return struct.unpack(">d", _hex_bytes(text, 8, "float"))[0]
+
+
 def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
     tag = n[0]
     if tag == "N":
@@ -629,7 +644,7 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
     if tag == "i":
         return int_value(n[1])
     if tag == "f":
-        return struct.unpack(">d", bytes.fromhex(n[1]))[0]
+        return _float_value(n[1])
     if tag == "s":
         if type(n[1]) is not str:
             raise ValueError("str node")
@@ -664,12 +679,16 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
     if tag == "F":
         return frozenset(_plain_build(v) for v in n[1])
     if tag == "c":
-        return complex(struct.unpack(">d", bytes.fromhex(n[1]))[0], struct.unpack(">d", bytes.fromhex(n[2]))[0])
+        return complex(_float_value(n[1]), _float_value(n[2]))
     if tag in ("T", "A"):
         i = n[1]
         if type(i) is not int or not 0 <= i < len(leaves):
             raise ValueError(f"leaf index {i!r}")
-        return leaves[i]
+        leaf = leaves[i]
+        kind = getattr(leaf, "kind", None) or ("torch" if isinstance(leaf, torch.Tensor) else "numpy")
+        if (tag == "T") != (kind == "torch"):
+            raise ValueError(f"a {tag!r} node names tensor entry {i}, whose kind is {kind}")
+        return leaf
     if tag == "dt":
         return torch_dtype(n[1])
     if tag == "dv":
@@ -686,9 +705,7 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
         return torch.Size(n[1])
     if tag == "ns":
         dt = numpy_dtype(n[1])
-        if type(n[2]) is not str or len(n[2]) != 2 * dt.itemsize:
-            raise ValueError(f"numpy scalar node {n!r:.60}")
-        return np.frombuffer(bytes.fromhex(n[2]), dtype=dt)[0]
+        return np.frombuffer(_hex_bytes(n[2], dt.itemsize, "numpy scalar"), dtype=dt)[0]
     if tag == "x":
         hook = _HOOKS_BY_NAME.get(n[1])
         if hook is None:

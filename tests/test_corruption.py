@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -18,7 +19,7 @@ import pytest
 import torch
 import zstandard
 from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import deltackpt
@@ -1437,3 +1438,50 @@ def test_a_numpy_dtype_string_numpy_cannot_parse_is_a_typed_error() -> None:
         tree.numpy_dtype("5)m")
     with pytest.raises(CorruptManifestError):
         tree.decode_plain(["ns", "5)m", "00"])
+
+
+@pytest.mark.parametrize("node", [
+    ["i", "+5"], ["i", " 5"], ["i", "1_000"], ["i", "007"], ["i", "-0"], ["i", "\u0663"], ["i", ""], ["i", 5],
+    ["f", "3FF0000000000000"], ["f", "3ff0 00000000000"], ["f", "3ff00000000000"], ["c", "0" * 16, "0" * 15 + "G"],
+    ["ns", "<f4", "0000 803f"[:8]], ["ns", "<f4", "0000803F"],
+])
+def test_skeleton_scalars_have_one_lexical_form(node: list) -> None:
+    """Int, float, complex and numpy scalar nodes are read in the one form writers write (format.md §5):
+    Python's ``int`` and ``bytes.fromhex`` would also take signs, spaces, underscores, other digits and upper
+    case, so a damaged node could read as some value instead of as damage."""
+    from deltackpt import tree
+
+    with pytest.raises(CorruptManifestError):
+        tree.decode_plain(node)
+
+
+@given(st.integers() | st.integers(min_value=-(10**9000), max_value=10**9000))
+@settings(max_examples=60, deadline=None)
+def test_ints_round_trip_through_their_canonical_text(x: int) -> None:
+    from deltackpt import tree
+
+    text = tree.int_text(x)
+    assert text == str(x) if abs(x) < 10**4000 else text.lstrip("-").isdigit()
+    assert tree.int_value(text) == x and tree.decode_plain(["i", text]) == x
+
+
+def test_a_tensor_node_must_name_an_entry_of_its_kind(store_path: Path) -> None:
+    """``T`` nodes name torch entries and ``A`` nodes numpy ones (format.md §5): a skeleton that says otherwise
+    is damage, not a numpy array handed out where a tensor was saved (or the other way round)."""
+    import dataclasses
+
+    from deltackpt import manifest, tree
+
+    with _open(store_path) as s:
+        s.save({"t": torch.ones(3), "a": np.ones(3)}, step=1)
+        m = s.manifest(1)
+    swapped = json.loads(json.dumps(m.tree).replace('["T", 0]', '["A", 0]').replace('["A", 1]', '["T", 1]'))
+    assert swapped != m.tree
+    forged = manifest.parse(dataclasses.replace(m, tree=swapped).to_bytes(), where="test")
+    with pytest.raises(CorruptManifestError, match="kind"):
+        forged.skeleton()
+    with pytest.raises(CorruptManifestError, match="kind"):
+        tree.unflatten(["A", 0], [torch.ones(1)])
+    with pytest.raises(CorruptManifestError, match="kind"):
+        tree.unflatten(["T", 0], [np.ones(1)])
+    assert tree.unflatten(["l", [["T", 0], ["A", 1]]], [torch.ones(1), np.ones(1)])[1].dtype == np.float64
