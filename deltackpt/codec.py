@@ -325,6 +325,7 @@ def decode_chain(
     out: memoryview | np.ndarray | None = None,
     verify: bool = True,
     resolve: Callable[[bytes], memoryview | np.ndarray] | None = None,
+    have: Callable[[bytes], memoryview | np.ndarray | None] | None = None,
 ) -> memoryview:
     """Decode the chunk ``(digest, raw_len)`` with its chain of delta bases; return its raw bytes.
 
@@ -337,13 +338,16 @@ def decode_chain(
     computed (:func:`deltackpt.predict.predict`) from chunks that ``resolve(digest)`` decodes in full: its base
     and its references. Damage to a base frame is reported for this chunk, naming the base: ``its delta base
     <id> is damaged``; damage to a predicted frame's base or reference likewise, as ``its prediction input <id>
-    is damaged``.
+    is damaged``. ``have(digest)``, when given, returns the raw bytes of a chunk the caller decoded already (or
+    None): the chain stops at such a base, whose bytes the deltas above it are applied to, instead of decoding
+    its frames (and a predicted base's inputs) again.
     """
     cid = chunk_hex(digest, raw_len)
     frames: list[bytes | memoryview] = []
     headers: list[FrameHeader] = []
     wheres: list[str | None] = []
     want = digest
+    held: memoryview | np.ndarray | None = None
     while True:
         if len(frames) >= MAX_CHAIN_FRAMES:
             raise CorruptChunkError(f"delta chain is longer than {MAX_CHAIN_FRAMES} frames (a cycle?)", chunk_id=cid)
@@ -362,11 +366,16 @@ def decode_chain(
         if h.codec != DELTA:
             break
         want = h.base
+        held = have(want) if have is not None else None
+        if held is not None:
+            break
     dest = _dest(out, raw_len, cid)
     frames.reverse()
     headers.reverse()
     wheres.reverse()
-    if headers[0].codec == PREDICTED:
+    if held is not None:
+        dest[:] = np.frombuffer(memoryview(held).cast("B"), dtype=np.uint8)  # the base, decoded: deltas XOR onto it
+    elif headers[0].codec == PREDICTED:
         _predict_into(frames[0], headers[0], wheres[0], dest, resolve, top=len(frames) == 1, cid=cid)
     _run(frames, headers, wheres, dest, verify)
     return memoryview(dest)

@@ -204,13 +204,15 @@ def _entry_problem(store: Store, k: bytes, loc: ChunkLoc) -> Problem | None:
 
 
 def _related(store: Store, keys: list[bytes], locs: dict[bytes, ChunkLoc]) -> list[list[tuple[bytes, list[bytes]]]]:
-    """``keys`` (in order) split into groups of chunks that predicted frames tie together, each chunk with the
-    chunks its decode reads directly (a predicted frame's base and the chunks its record names)."""
+    """``keys`` (in order) split into groups of chunks that delta and predicted frames tie together, each chunk
+    with the chunks its decode reads directly (a frame's base and the chunks a predicted frame's record names).
+    In one group a base is decoded once: a delta chunk's chain stops at a base the group's memo holds."""
     predicted = [k for k in keys if k in locs and locs[k].codec == codec.PREDICTED]
     # a damaged record (or a header damaged into an unknown version) names nothing here: the chunk's own check
     # reports it
     direct = dict(zip(predicted, store.read_pool.map(
         lambda k: _references(store, k, locs[k], unknown_format=True), predicted)))
+    direct.update((k, [locs[k].base + k[16:]]) for k in keys if k in locs and locs[k].codec == codec.DELTA)
     root: dict[bytes, bytes] = {}
 
     def find(k: bytes) -> bytes:

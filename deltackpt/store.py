@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -113,6 +113,17 @@ def _check_metadata(metadata: Any) -> dict[str, Any] | None:
     if not isinstance(metadata, Mapping):
         raise TypeError(f"metadata must be a mapping of names to plain values, got {type(metadata).__name__}")
     return dict(metadata)
+
+
+def _same_entry(m: manifest.Manifest, a: manifest.TensorEntry, b: manifest.TensorEntry) -> bool:
+    """Whether two tensor entries of ``m`` hold the same bytes (the same entry, or equal chunk ids)."""
+    return a is b or (a.nbytes == b.nbytes and a.count == b.count and np.array_equal(
+        m.digests[a.first : a.first + a.count], m.digests[b.first : b.first + b.count]))
+
+
+def _shared_paths(paths: Iterable[str]) -> set[str]:
+    """The key paths that name more than one tensor."""
+    return {p for p, n in collections.Counter(paths).items() if n > 1}
 
 
 def _host_bytes(obj: torch.Tensor | np.ndarray, staging: _Pinned | None = None) -> np.ndarray:
@@ -808,9 +819,16 @@ class Store:
         """
         cs = self.chunk_size
         k_max = self.max_chain
-        roles = roles or {}
+        # Key paths are names, not addresses: {"a.b": x} and {"a": {"b": y}} share one. A path two tensors share
+        # (here or in the parent) takes no part in predictions and has no delta parent, which are found by path:
+        # the two tensors' bytes would be mixed up (decodes stay lossless, but a save failed its digest check).
+        shared = _shared_paths(leaf.path for leaf in leaves)
+        parents: dict[str, manifest.TensorEntry] = {}
+        if pm is not None and pm.chunk_size == cs:
+            shared |= _shared_paths(t.key for t in pm.tensors)
+            parents = {t.key: t for t in pm.tensors if t.key not in shared}
+        roles = {p: r for p, r in (roles or {}).items() if not {p, r.m, r.v} & shared}
         first_moments = {r.m for r in roles.values()}
-        parents = {t.key: t for t in pm.tensors} if pm is not None and pm.chunk_size == cs else {}
         entries: list[manifest.TensorEntry] = []
         all_digests: list[np.ndarray] = []
         all_flags: list[np.ndarray] = []
@@ -905,7 +923,7 @@ class Store:
                 bases = {}
                 # a first moment that predictions reference stays standalone: its deltas gain 2-3%, and their
                 # depth would add to every prediction's, which then reaches the chain bound sooner
-                if k_max and leaf.path not in first_moments:
+                if k_max and leaf.path not in first_moments and leaf.path not in shared:
                     bases = self._bases(leaf, parents.get(leaf.path), pm, todo, phase)
                 for i, k in todo:
                     if k in pending:
@@ -1211,7 +1229,8 @@ class Store:
         not touched. A stored tensor fills the target tensor at the same place: the same dict keys and sequence
         positions from the root (``{"a.b": x}`` and ``{"a": {"b": x}}`` are different places, although errors
         name both ``a.b``). Every place of a tensor counts: a tensor tied at two places in the checkpoint fills
-        both targets, and a target tied at two places is filled once. Returns the key paths of the target's
+        both targets, and a target tied at two places is filled once (where the checkpoint holds two different
+        tensors there, ``ShapeMismatchError``, in any mode). Returns the key paths of the target's
         tensors that were not filled; with ``strict`` (default) any missing or unexpected tensor, and any dtype
         or shape difference, raises before a byte is copied. ``spans`` maps key paths to byte ranges
         ``(start, end)`` of their tensors (C order): only the chunks overlapping that range are read and
@@ -1219,7 +1238,11 @@ class Store:
         chunks around it); for reading a slice of a large tensor, such as the rows one rank of a resharded job
         needs. Contiguous CPU targets only.
         """
-        skeleton, leaves = tree.flatten(target, opaque=True)  # (its plain values are only looked at)
+        try:
+            skeleton, leaves = tree.flatten(target, opaque=True)  # (its plain values are only looked at)
+        except UnsupportedTypeError as exc:  # a meta, sparse, quantized, ... target tensor
+            why = str(exc).removeprefix("cannot store ")
+            raise ShapeMismatchError(f"the target cannot hold the checkpoint's values: {why}") from None
         wanted = tree.leaf_refs(skeleton)  # every place of every target leaf (a tied weight has two)
         span_at = _span_places(wanted, spans or {})
         with self._gc_lock():
@@ -1242,7 +1265,7 @@ class Store:
             jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []
             job_spans: list[tuple[int, int] | None] = []
             copies: list[tuple[Any, np.ndarray]] = []
-            filled: set[int] = set()
+            filled: dict[int, tuple[str, manifest.TensorEntry]] = {}
             filled_order: list[int] = []
             filled_from: list[manifest.TensorEntry] = []
             for place, key, i in wanted:
@@ -1255,12 +1278,17 @@ class Store:
                         f"{key!r}: checkpoint has {t.kind} {t.dtype}{tuple(t.shape)}, target has "
                         f"{leaf.kind} {leaf.dtype}{tuple(leaf.shape)}"
                     )
-                if i in filled:  # a target leaf at two places (tied) is filled from the first
+                if i in filled:  # a target leaf at two places (tied) is filled once, when both hold the same
+                    first_key, first = filled[i]
+                    if not _same_entry(m, first, t):
+                        raise ShapeMismatchError(
+                            f"target tensor {key!r} is the tensor at {first_key!r}, and the checkpoint holds two "
+                            "different tensors there: the target cannot hold both")
                     continue
                 why = _unfillable(leaf.obj)
                 if why is not None:
                     raise ShapeMismatchError(f"{key!r}: the target cannot hold the checkpoint's values: {why}")
-                filled.add(i)
+                filled[i] = (key, t)
                 filled_order.append(i)
                 filled_from.append(t)
                 out, staging = _decode_target(leaf.obj)
@@ -1273,9 +1301,8 @@ class Store:
                     copies.append((leaf.obj, staging))
             for x, y in _overlapping([leaves[i].obj for i in filled_order]):
                 (a, ta), (b, tb) = ((leaves[filled_order[k]], filled_from[k]) for k in (x, y))
-                same = ta is tb or (ta.nbytes == tb.nbytes and ta.count == tb.count and np.array_equal(
-                    m.digests[ta.first : ta.first + ta.count], m.digests[tb.first : tb.first + tb.count]))
-                if same and _memory_span(a.obj) == _memory_span(b.obj) and _strides(a.obj) == _strides(b.obj):
+                if (_same_entry(m, ta, tb) and _memory_span(a.obj) == _memory_span(b.obj)
+                        and _strides(a.obj) == _strides(b.obj)):
                     continue  # the same bytes written twice to the same memory (a tensor and its numpy view)
                 raise ShapeMismatchError(f"target tensors {a.path!r} and {b.path!r} share memory: the target cannot "
                                          "hold two stored tensors there")
@@ -1467,6 +1494,10 @@ class Store:
             held.append(buf)
             return memoryview(buf), where
 
+        def have(digest: bytes) -> np.ndarray | memoryview | None:
+            k = digest + key[16:]
+            return known[k] if known is not None and k in known else memo.get(k)
+
         def resolve(digest: bytes) -> np.ndarray | memoryview:
             k = digest + key[16:]
             if known is not None and k in known:
@@ -1490,7 +1521,7 @@ class Store:
             return raw
 
         try:
-            return codec.decode_chain(key[:16], raw_len, fetch, out=out, verify=verify, resolve=resolve)
+            return codec.decode_chain(key[:16], raw_len, fetch, out=out, verify=verify, resolve=resolve, have=have)
         finally:
             for buf in held:
                 scratch.give(buf)

@@ -88,6 +88,10 @@ def register_type(
     Registering ``cls`` again replaces its hooks (and its name). A name already registered for another class
     raises :class:`~deltackpt.errors.InvalidNameError`: loads would build the wrong class from what either saved.
     """
+    if not isinstance(cls, type):
+        raise TypeError(f"register_type needs a class, got {cls!r:.60}")
+    if cls in _BUILTIN_TYPES or cls is type(None):
+        raise TypeError(f"{cls.__qualname__} is a type deltackpt stores itself: a hook for it would never be called")
     if not name or not isinstance(name, str):
         raise ValueError("a registered type needs a non-empty name")
     taken = _HOOKS_BY_NAME.get(name)
@@ -170,6 +174,8 @@ DEFAULT_FACTORIES: dict[str, type] = {
     for cls in (int, float, complex, bool, str, bytes, list, tuple, dict, set, frozenset, OrderedDict, Counter, deque)
 }
 _CONTAINERS = frozenset({dict, OrderedDict, Counter, defaultdict, list, tuple, deque})
+#: the exact types :meth:`_Flattener._node` stores before it looks for a registered hook
+_BUILTIN_TYPES = frozenset({bool, int, float, str, bytes, complex, set, frozenset, torch.Size, *_CONTAINERS})
 #: tags of manifest format version 2 (:func:`format_version`)
 V2_TAGS = frozenset({"c", "S", "F", "C", "q", "D"})
 _HASHABLE = (type(None), bool, int, float, complex, str, bytes)

@@ -402,3 +402,27 @@ def test_planes_use_their_own_match_finder_and_plain_bytes_the_levels() -> None:
             compression_level=1, write_content_size=True, **deltackpt.codec.PLANES_PARAMS)).compress(planes))
     for f, raw in ((frame, text), (fframe, floats)):
         assert bytes(deltackpt.codec.decode(f)) == raw.tobytes()
+
+
+def test_verify_decodes_a_delta_chain_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify checks chunks that delta frames tie together in one group, oldest first, and a delta chunk's chain
+    stops at the base the group decoded already: one kernel decode per distinct chunk. (Checked one by one, a
+    chain of depth d decoded d + 1 frames again for every chunk on it; and a delta on a predicted base decoded
+    that base's prediction inputs again.)"""
+    from deltackpt import codec, kernel
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(8 * SMALL_CHUNK // 4).astype(np.float32)
+    with deltackpt.Store(tmp_path / "s", chunk_size=SMALL_CHUNK, max_chain=3, predict=False) as s:
+        for step in range(8):
+            x[rng.integers(0, len(x), 64)] += 1.0  # a few elements change: XOR deltas win
+            s.save({"x": torch.from_numpy(x.copy())}, step=step)
+        locs = dict(s.index.iter_chunks())
+        assert max(loc.depth for loc in locs.values()) == 3
+        assert sum(loc.codec == codec.DELTA for loc in locs.values()) > len(locs) // 2
+        calls: list[int] = []
+        real = kernel.decode_frames
+        monkeypatch.setattr(kernel, "decode_frames", lambda *a: calls.append(len(a[0])) or real(*a))
+        report = s.verify()
+        assert report.ok and report.checkpoints == 8
+        assert len(calls) == len(locs) and sum(calls) == len(locs), (len(calls), sum(calls), len(locs))

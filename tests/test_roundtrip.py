@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import deltackpt
-from deltackpt import InvalidNameError, ShapeMismatchError, UnsafeLoadError, UnsupportedTypeError
+from deltackpt import InvalidNameError, ShapeMismatchError, UnsafeLoadError, UnsupportedTypeError, tree
 from deltackpt.tree import DEFAULT_FACTORIES
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
@@ -1245,3 +1245,33 @@ def test_load_into_a_target_holding_values_that_cannot_be_stored(store: deltackp
     target = {"w": torch.zeros(3), "f": lambda x: x, "lock": threading.Lock()}
     assert store.load_into(target, step=1) == []
     assert torch.equal(target["w"], torch.arange(3.0)) and callable(target["f"])
+
+
+def test_a_target_tied_at_two_places_takes_one_stored_tensor(store: deltackpt.Store) -> None:
+    """A target tensor at two places is filled once: fine when the checkpoint holds the same bytes there (a tied
+    weight), refused before a byte is written when it holds two different tensors. Before, the second place's
+    tensor was silently dropped (``strict`` or not) and the call returned ``[]``."""
+    store.save({"a": torch.zeros(4), "b": torch.ones(4), "c": torch.ones(4)}, step=1)
+    w = torch.full((4,), 7.0)
+    for strict in (True, False):
+        with pytest.raises(ShapeMismatchError, match="'b' is the tensor at 'a'"):
+            store.load_into({"a": w, "b": w, "c": torch.zeros(4)}, step=1, strict=strict)
+        assert torch.equal(w, torch.full((4,), 7.0))
+    t = torch.zeros(4)
+    assert store.load_into({"a": torch.zeros(4), "b": t, "c": t}, step=1) == []
+    assert torch.equal(t, torch.ones(4))
+
+
+@pytest.mark.parametrize("make", [lambda: torch.empty(3, device="meta"), lambda: torch.zeros(3).to_sparse()])
+def test_load_into_a_target_that_cannot_hold_values_is_a_shape_mismatch(store: deltackpt.Store, make: Any) -> None:
+    store.save({"a": torch.ones(3)}, step=1)
+    with pytest.raises(ShapeMismatchError, match="the target cannot hold the checkpoint's values: a: "):
+        store.load_into({"a": make()}, step=1)
+
+
+@pytest.mark.parametrize("cls", [list, dict, int, float, str, bytes, tuple, set, type(None), bool, torch.Size, "x"])
+def test_register_type_refuses_types_deltackpt_stores_itself(cls: Any) -> None:
+    """Their hooks would never be called (the state loaded as the plain value, silently)."""
+    with pytest.raises(TypeError):
+        deltackpt.register_type(cls, "tests.builtin", lambda x: x, lambda x: x)
+    assert "tests.builtin" not in tree._HOOKS_BY_NAME
