@@ -1,8 +1,9 @@
 """Maintenance of a store: garbage collection, verification and index repair.
 
 Where it sits: beside the save/load pipeline, never on it. These are the only operations that scan the whole
-history. ``gc`` and ``repair`` hold the store's gc lock exclusively, so no save or load runs meanwhile (they
-wait); ``verify`` holds it shared, like a load.
+history. ``repair`` holds the store's gc lock exclusively, so no save or load runs meanwhile (they wait); ``gc``
+too while it finds the garbage and while it repacks each pack, letting saves and loads run between two packs.
+One gc or repair runs at a time (``maint.lock``). ``verify`` holds the gc lock shared, like a load.
 
 Crash safety of gc: new packs (repacked live frames) are fsynced first; then one LMDB transaction drops dead
 chunk entries and points moved ones at their new frames (gc's commit point); only after that are old packs,
@@ -12,13 +13,15 @@ crash after it leaves unreferenced old packs; the next gc removes either.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +39,7 @@ from deltackpt.errors import (
     FormatVersionError,
     IndexWriteError,
     ReadOnlyStoreError,
+    StoreLockedError,
 )
 from deltackpt.index import LMDB_DAMAGE, REPAIR_HINT, ChunkLoc, Record, chunk_key, chunk_keys
 from deltackpt.scratch import Scratch
@@ -394,115 +398,204 @@ def gc(
     repacking stops and ``repack_stopped`` in the report says so; everything freed until then stays freed. A
     sparse pack holding a damaged live frame is not copied (the damage would spread into the new pack) but left
     as it is, named in ``damaged_packs``; the other packs are still repacked.
+
+    Saves and loads wait while gc finds the garbage and frees what needs no writing, and while it copies each
+    sparse pack, but run between two packs: a training job that saves every step stalls for one pack's copy at
+    a time, not for the whole repack. One gc or repair runs at a time (``maint.lock``). ``timeout`` bounds each
+    wait for the store: one that runs out before anything was freed raises ``StoreLockedError``; later, it stops
+    the repack (``repack_stopped``).
     """
     if isinstance(repack_below, bool) or not isinstance(repack_below, (int, float)) or not 0 <= repack_below <= 1:
         raise ValueError(f"repack_below must be a fraction between 0 and 1, got {repack_below!r}")
     report = GcReport()
     with store._save_lock:
         store._writer.close()  # our own pack is sealed: gc may treat it like any other
-    with store._gc_lock(exclusive=True, timeout=timeout):
-        problems = store.index.problems()
-        if problems:
-            # a lost record (its id still in the index) would leave its manifest looking like an orphan, its chunks
-            # dead: only a repair, which rebuilds the index from what is on disk, can tell
-            raise CorruptIndexError(f"gc refuses to run on an inconsistent index ({problems[0][1]}"
-                                    f"{f', and {len(problems) - 1} more problem(s)' if len(problems) > 1 else ''}"
-                                    f"); {REPAIR_HINT}, then run gc again")
-        records = store.index.records()
-        live, missing = _live_keys(store, records)
-        dead: list[bytes] = []
-        by_pack: dict[str, list[tuple[bytes, ChunkLoc]]] = {}
-        for k, loc in store.index.iter_chunks():
-            if k in live:
-                by_pack.setdefault(loc.pack_id, []).append((k, loc))
-            else:
-                dead.append(k)
-        report.dead_chunks = len(dead)
-        packs_dir = store.path / "packs"
-        all_packs = packs.pack_files(packs_dir)
-        to_delete: list[Path] = []
-        to_repack: list[str] = []
-        for pack_id, path in all_packs.items():
-            if packs.is_active(path):
-                report.skipped_active_packs += 1
-                continue
-            live_entries = by_pack.get(pack_id, [])
-            if not live_entries:
-                to_delete.append(path)
-                continue
-            try:
-                size = path.stat().st_size
-            except OSError:  # gone meanwhile: nothing to repack
-                continue
-            live_bytes = sum(loc.frame_len for _, loc in live_entries)
-            if size > 0 and live_bytes / size < repack_below:
-                to_repack.append(pack_id)
-        if missing:
-            # Live chunks without an index entry: lost (a damaged frame: repair left its checkpoint incomplete),
-            # or their entries are (a damaged index). Then the packs gc would free must not hold them.
-            held = _unindexed_live_frames(store, missing, [*to_delete, *(all_packs[p] for p in to_repack)])
-            if held:
-                raise CorruptIndexError(
-                    f"the index has no entry for {len(missing)} chunk(s) retained checkpoints need, and gc would "
-                    f"free {held[0]}{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}: the index is "
-                    f"damaged; {REPAIR_HINT}, then run gc again")
-        # First what frees space without writing any (a full disk is when gc matters most). Orphan manifests
-        # (of saves killed before their commit, of deletes killed before their unlink) go first, durably: a gc
-        # killed after freeing their chunks would otherwise leave manifests naming chunks that are gone, which a
-        # repair restores as damaged checkpoints. Then the dead entries, in one transaction, and the packs no
-        # live frame is in.
-        known = {r.id for r in records}
-        mdir = store.path / "manifests"
-        for p in mdir.glob("*.manifest"):
-            if p.stem not in known and p.is_file():
-                report.freed_bytes += p.stat().st_size
-                p.unlink()
-                report.orphan_manifests += 1
-        packs.fsync_dir(mdir)
-        store.index.apply_chunk_changes(dead, {})
-        _unlink_packs(store, to_delete, report)
-        for p in (store.path / "tmp").iterdir():
-            p.unlink()
-        # Then each sparse pack in turn: its live frames are copied and made durable, one transaction re-points
-        # them, and only then is the pack unlinked, so each step needs at most one pack's live bytes of space.
-        if to_repack:
-            writer = packs.PackWriter(packs_dir)
-            try:
-                for n, pack_id in enumerate(to_repack, 1):
-                    mark = writer.mark()
-                    moved: dict[bytes, ChunkLoc] = {}
-                    try:
-                        for k, loc in by_pack[pack_id]:
-                            frame = store.reader.read(loc.pack_id, loc.offset, loc.frame_len)
-                            codec.check_frame(frame, expect_digest=k[:16], expect_len=int.from_bytes(k[16:], "big"),
-                                              where=f"pack {pack_id} offset {loc.offset}")
-                            new_pack, off = writer.append(frame)
-                            moved[k] = ChunkLoc(new_pack, off, loc.frame_len, loc.codec, loc.depth, loc.base)
-                        writer.sync()
-                        store.index.apply_chunk_changes([], moved)  # this pack's commit point
-                    except BaseException as exc:
-                        if not _repointed(store, moved):
-                            writer.rollback(mark)  # nothing references the copies: give their space back
-                        # damage (or a header damaged into an unknown version): leave the pack as it is, go on
-                        if isinstance(exc, (CorruptChunkError, FormatVersionError)):
-                            report.damaged_packs.append(f"pack {pack_id}: {exc}")
-                            if progress is not None:
-                                progress(n, len(to_repack))
-                            continue
-                        if not isinstance(exc, OSError) or exc.errno not in _NO_SPACE:
-                            raise
-                        report.repack_stopped = (f"{exc.strerror or exc}: {len(to_repack) - n + 1} pack(s) left to "
-                                                 "repack; free some space and run gc again")
-                        break
-                    report.moved_chunks += len(moved)
-                    report.repacked_packs += 1
-                    report.freed_bytes -= sum(loc.frame_len for loc in moved.values())  # their copies: freed is net
-                    _unlink_packs(store, [all_packs[pack_id]], report)
-                    if progress is not None:
-                        progress(n, len(to_repack))
-            finally:
-                writer.close()
+    with _maintenance_lock(store, timeout):
+        with store._gc_lock(exclusive=True, timeout=timeout):
+            plan = _collect(store, repack_below, report)
+        if plan:
+            _repack(store, plan, report, timeout, progress)
     return report
+
+
+#: gc's repack plan: each sparse pack (id, path) with the entries that were live in it
+_Plan = list[tuple[str, Path, list[tuple[bytes, ChunkLoc]]]]
+
+
+def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
+    """gc's first part, under the gc lock held exclusively: find the garbage, free what needs no writing, and
+    return the sparse packs to repack, each with its live entries."""
+    problems = store.index.problems()
+    if problems:
+        # a lost record (its id still in the index) would leave its manifest looking like an orphan, its chunks
+        # dead: only a repair, which rebuilds the index from what is on disk, can tell
+        raise CorruptIndexError(f"gc refuses to run on an inconsistent index ({problems[0][1]}"
+                                f"{f', and {len(problems) - 1} more problem(s)' if len(problems) > 1 else ''}"
+                                f"); {REPAIR_HINT}, then run gc again")
+    records = store.index.records()
+    live, missing = _live_keys(store, records)
+    dead: list[bytes] = []
+    by_pack: dict[str, list[tuple[bytes, ChunkLoc]]] = {}
+    for k, loc in store.index.iter_chunks():
+        if k in live:
+            by_pack.setdefault(loc.pack_id, []).append((k, loc))
+        else:
+            dead.append(k)
+    report.dead_chunks = len(dead)
+    all_packs = packs.pack_files(store.path / "packs")
+    to_delete: list[Path] = []
+    to_repack: list[str] = []
+    for pack_id, path in all_packs.items():
+        if packs.is_active(path):
+            report.skipped_active_packs += 1
+            continue
+        live_entries = by_pack.get(pack_id, [])
+        if not live_entries:
+            to_delete.append(path)
+            continue
+        try:
+            size = path.stat().st_size
+        except OSError:  # gone meanwhile: nothing to repack
+            continue
+        live_bytes = sum(loc.frame_len for _, loc in live_entries)
+        if size > 0 and live_bytes / size < repack_below:
+            to_repack.append(pack_id)
+    if missing:
+        # Live chunks without an index entry: lost (a damaged frame: repair left its checkpoint incomplete),
+        # or their entries are (a damaged index). Then the packs gc would free must not hold them.
+        held = _unindexed_live_frames(store, missing, [*to_delete, *(all_packs[p] for p in to_repack)])
+        if held:
+            raise CorruptIndexError(
+                f"the index has no entry for {len(missing)} chunk(s) retained checkpoints need, and gc would "
+                f"free {held[0]}{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}: the index is "
+                f"damaged; {REPAIR_HINT}, then run gc again")
+    # First what frees space without writing any (a full disk is when gc matters most). Orphan manifests
+    # (of saves killed before their commit, of deletes killed before their unlink) go first, durably: a gc
+    # killed after freeing their chunks would otherwise leave manifests naming chunks that are gone, which a
+    # repair restores as damaged checkpoints. Then the dead entries, in one transaction, and the packs no
+    # live frame is in.
+    known = {r.id for r in records}
+    mdir = store.path / "manifests"
+    for p in mdir.glob("*.manifest"):
+        if p.stem not in known and p.is_file():
+            report.freed_bytes += p.stat().st_size
+            p.unlink()
+            report.orphan_manifests += 1
+    packs.fsync_dir(mdir)
+    store.index.apply_chunk_changes(dead, {})
+    _unlink_packs(store, to_delete, report)
+    for p in (store.path / "tmp").iterdir():
+        p.unlink()
+    return [(pack_id, all_packs[pack_id], by_pack[pack_id]) for pack_id in to_repack]
+
+
+def _repack(store: Store, plan: _Plan, report: GcReport,
+            timeout: float | None, progress: Progress | None) -> None:
+    """gc's second part: each sparse pack in turn, under the gc lock held exclusively for that pack only. Its
+    live frames are copied and made durable, one transaction re-points them, and only then is the pack unlinked,
+    so each step needs at most one pack's live bytes of space.
+
+    Between two packs saves and loads run. A save may then deduplicate onto a frame of a pack still to come:
+    that frame's entry was live, so it is in the plan. An entry pointing into such a pack cannot appear
+    meanwhile (writers append to packs of their own, rewrites re-point entries to new frames, and the repair
+    that indexes the frames of every pack waits for ``maint.lock``), so copying what the plan names that still
+    points there moves every entry the pack holds. An entry that a delete left dead meanwhile is copied all
+    the same; the next gc frees it."""
+    writer = packs.PackWriter(store.path / "packs")
+    try:
+        for n, (pack_id, path, planned) in enumerate(plan, 1):
+            try:
+                lock = store._gc_lock(exclusive=True, timeout=timeout)
+                lock.__enter__()
+            except StoreLockedError as exc:
+                report.repack_stopped = f"{exc}: {len(plan) - n + 1} pack(s) left to repack; run gc again"
+                break
+            try:
+                full = _repack_one(store, writer, pack_id, path, planned, report)
+            finally:
+                lock.__exit__(None, None, None)
+            if full is not None:
+                report.repack_stopped = (f"{full}: {len(plan) - n + 1} pack(s) left to repack; free some space and "
+                                         "run gc again")
+                break
+            if progress is not None:
+                progress(n, len(plan))
+    finally:
+        writer.close()
+
+
+def _repack_one(store: Store, writer: packs.PackWriter, pack_id: str, path: Path,
+                planned: list[tuple[bytes, ChunkLoc]], report: GcReport) -> str | None:
+    """Copy the live frames of one sparse pack, re-point their entries, unlink it. Returns None, or why gc must
+    stop repacking (no space left: the copies are removed)."""
+    now = store.index.lookup_chunks([k for k, _ in planned])
+    entries = [(k, now[k]) for k, loc in planned
+               if k in now and now[k].pack_id == pack_id and now[k].offset == loc.offset]
+    mark = writer.mark()
+    moved: dict[bytes, ChunkLoc] = {}
+    try:
+        for k, loc in entries:
+            frame = store.reader.read(loc.pack_id, loc.offset, loc.frame_len)
+            codec.check_frame(frame, expect_digest=k[:16], expect_len=int.from_bytes(k[16:], "big"),
+                              where=f"pack {pack_id} offset {loc.offset}")
+            new_pack, off = writer.append(frame)
+            moved[k] = ChunkLoc(new_pack, off, loc.frame_len, loc.codec, loc.depth, loc.base)
+        writer.sync()
+        store.index.apply_chunk_changes([], moved)  # this pack's commit point
+    except BaseException as exc:
+        if not _repointed(store, moved):
+            writer.rollback(mark)  # nothing references the copies: give their space back
+        # damage (or a header damaged into an unknown version): leave the pack as it is, go on
+        if isinstance(exc, (CorruptChunkError, FormatVersionError)):
+            report.damaged_packs.append(f"pack {pack_id}: {exc}")
+            return None
+        if not isinstance(exc, OSError) or exc.errno not in _NO_SPACE:
+            raise
+        return str(exc.strerror or exc)
+    report.moved_chunks += len(moved)
+    report.repacked_packs += 1
+    report.freed_bytes -= sum(loc.frame_len for loc in moved.values())  # their copies: freed is net
+    _unlink_packs(store, [path], report)
+    return None
+
+
+@contextmanager
+def _maintenance_lock(store: Store, timeout: float | None = None) -> Iterator[None]:
+    """``maint.lock`` held exclusively: one gc or repair at a time. Taken before the gc lock, never while
+    holding it (a gc between two packs holds this one and waits for the gc lock)."""
+    if store._maint_fd is not None:  # a repair's handle holds it already (open_for_repair)
+        yield
+        return
+    fd = _take_maintenance_lock(store.path, timeout)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _take_maintenance_lock(root: Path, timeout: float | None = None) -> int:
+    """Open ``root/maint.lock`` and flock it exclusively (within ``timeout`` seconds); return its descriptor."""
+    try:
+        fd = os.open(root / "maint.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise ReadOnlyStoreError(f"store {root} cannot be written ({exc.strerror})") from None
+        raise
+    try:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline is not None else 0))
+                return fd
+            except BlockingIOError:
+                if time.monotonic() > deadline:  # type: ignore[operator]
+                    raise StoreLockedError(f"store {root} is busy (another gc or repair is running)") from None
+                time.sleep(0.05)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 #: errnos of a write that failed for want of space: gc stops repacking and keeps what it freed
@@ -547,7 +640,7 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
     it again.
     """
     report = RepairReport()
-    with store._gc_lock(exclusive=True):
+    with _maintenance_lock(store), store._gc_lock(exclusive=True):
         chunks: dict[bytes, ChunkLoc] = {}  # chunks with a standalone frame
         based: dict[bytes, list[ChunkLoc]] = {}  # the other chunks' delta and predicted frames
         pack_paths = sorted(packs.pack_files(store.path / "packs").values())
@@ -766,15 +859,21 @@ def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
     root = Path(path)
     if not (root / "STORE").exists() or _store_file_damaged(root):  # (no store opens meanwhile: no lock needed)
         _restore_store_file(root)
-    fd = _lock_alone(root)
+    mfd = _take_maintenance_lock(root)  # (before the gc lock, as gc takes them: see _maintenance_lock)
+    try:
+        fd = _lock_alone(root)
+    except BaseException:
+        os.close(mfd)
+        raise
     try:
         store = _open_if_readable(path, kwargs)
         if store is None:  # the index is unusable: start a new one
             rebuild_index_dir(root)
             store = Store(path, _repair=True, **kwargs)
     except BaseException:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        for f in (fd, mfd):
+            fcntl.flock(f, fcntl.LOCK_UN)
+            os.close(f)
         raise
-    store._alone_fd = fd
+    store._alone_fd, store._maint_fd = fd, mfd
     return store

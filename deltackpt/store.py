@@ -14,6 +14,7 @@ On-disk layout of a store (see ``docs/format.md``)::
     manifests/*.manifest   one immutable file per checkpoint
     tmp/               temporary files of saves in progress
     gc.lock            shared by saves and loads, exclusive for gc and repair
+    maint.lock         exclusive for gc and repair (one at a time; gc lets saves run between repacked packs)
 """
 
 from __future__ import annotations
@@ -426,6 +427,8 @@ class Store:
         #: the gc lock file, held exclusively from :func:`~deltackpt.maintenance.open_for_repair` until the
         #: repair commits (or the store closes); this handle's own operations then take no lock
         self._alone_fd: int | None = None
+        #: ``maint.lock``, held exclusively with ``_alone_fd`` (one gc or repair at a time)
+        self._maint_fd: int | None = None
 
     # -- layout -----------------------------------------------------------------------------------------
     def _init_layout(self, chunk_size: int | None, allow_network_fs: bool) -> int:
@@ -440,6 +443,7 @@ class Store:
             cs = config.check_chunk_size(config.chunk_size() if chunk_size is None else chunk_size)
             make_dirs(self.path, ("packs", "manifests", "tmp", "index"))
             (self.path / "gc.lock").touch()
+            (self.path / "maint.lock").touch()
             # the index (with its format record) before STORE: a store that has STORE and an index without that
             # record lost its index, and is refused until a repair rebuilds it
             self.index = Index(self.path / "index", allow_network_fs=allow_network_fs, create=True)
@@ -557,11 +561,12 @@ class Store:
 
     def _release_alone(self) -> None:
         """Let go of the gc lock a repair's handle holds (see ``_alone_fd``)."""
-        fd, self._alone_fd = self._alone_fd, None
-        if fd is not None:
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        for fd in (self._alone_fd, self._maint_fd):  # (the gc lock first: taken last)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
+        self._alone_fd = self._maint_fd = None
 
     def _open_gc_lock(self) -> int | None:
         """The lock file, opened for flock(); None for a read-only handle that cannot open it."""

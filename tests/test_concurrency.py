@@ -555,3 +555,72 @@ while time.time() < end:
     time.sleep(0.002)
 print(json.dumps(acked))
 """
+
+
+def _sparse_packs(path: Path) -> dict[int, dict[str, torch.Tensor]]:
+    """A store whose packs each hold the frames of two or three checkpoints, with every other step deleted: gc
+    has several sparse packs to repack. Returns the retained states by step."""
+    gen = torch.Generator().manual_seed(0)
+    states = {step: {"w": torch.randn(3 * CS // 4, generator=gen)} for step in range(10)}
+    with Store(path, chunk_size=CS, pack_size=6 * CS) as s:
+        for step, state in states.items():
+            s.save(state, step=step)
+        for step in range(0, 10, 2):
+            s.delete(step)
+    return {step: state for step, state in states.items() if step % 2}
+
+
+def test_saves_and_loads_run_between_the_packs_gc_repacks(tmp_path: Path) -> None:
+    """gc holds the store alone while it finds the garbage and while it copies each sparse pack, not across the
+    whole repack: a training job saving every step waits for one pack at a time. Before, a save (or load) that
+    started during the repack waited until gc returned."""
+    path = tmp_path / "s"
+    kept = _sparse_packs(path)
+    done: list[str] = []
+    with Store(path) as s, Store(path) as other:
+
+        def between_packs(n: int, total: int) -> None:
+            if n == 1:
+                t = threading.Thread(target=lambda: done.append(other.save({"w": torch.ones(9)}, step=100).id))
+                t.start()
+                t.join(20)
+                assert done, "the save waited for the whole gc"
+                assert torch.equal(other.load(1)["w"], kept[1]["w"])
+
+        report = s.gc(repack_below=0.75, progress=between_packs)
+        assert report.repacked_packs >= 2 and done and report.repack_stopped is None
+        for step, state in kept.items():
+            assert torch.equal(s.load(step)["w"], state["w"])
+        assert torch.equal(s.load(100)["w"], torch.ones(9))
+        assert s.verify().ok
+
+
+@pytest.mark.parametrize("second", ["repair", "gc"])
+def test_one_gc_or_repair_runs_at_a_time(tmp_path: Path, second: str) -> None:
+    """Between two of its packs a gc lets saves in, but not a repair (which indexes the frames of every pack,
+    also the dead ones of a pack gc is about to unlink, that a save could then deduplicate onto) nor another gc
+    (whose plan would overlap): they wait for ``maint.lock`` until the gc returns."""
+    path = tmp_path / "s"
+    kept = _sparse_packs(path)
+    finished: list[str] = []
+    threads: list[threading.Thread] = []
+    with Store(path) as s:
+
+        def between_packs(n: int, total: int) -> None:
+            if n == 1:
+                def run() -> None:
+                    with Store(path) as other:
+                        getattr(other, second)()
+                    finished.append(second)
+                threads.append(threading.Thread(target=run))
+                threads[0].start()
+                threads[0].join(1.0)
+                assert not finished, f"a {second} ran between two packs of a gc"
+
+        report = s.gc(repack_below=0.75, progress=between_packs)
+        assert report.repacked_packs >= 2
+        threads[0].join(TIMEOUT)
+        assert finished == [second]
+        for step, state in kept.items():
+            assert torch.equal(s.load(step)["w"], state["w"])
+        assert s.verify().ok
