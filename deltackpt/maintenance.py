@@ -577,11 +577,17 @@ def _maintenance_lock(store: Store, timeout: float | None = None) -> Iterator[No
 
 def _take_maintenance_lock(root: Path, timeout: float | None = None) -> int:
     """Open ``root/maint.lock`` and flock it exclusively (within ``timeout`` seconds); return its descriptor."""
+    return _flock_file(root, "maint.lock", timeout, busy="another gc or repair is running")
+
+
+def _flock_file(root: Path, name: str, timeout: float | None = None, *, busy: str, what: str = "") -> int:
+    """Open the lock file ``root/name`` and flock it exclusively, within ``timeout`` seconds when given (else
+    raise ``StoreLockedError`` saying the store is ``busy``); return its file descriptor."""
     try:
-        fd = os.open(root / "maint.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise ReadOnlyStoreError(f"store {root} cannot be written ({exc.strerror})") from None
+            raise ReadOnlyStoreError(f"{what}store {root} cannot be written ({exc.strerror})") from None
         raise
     try:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -591,7 +597,7 @@ def _take_maintenance_lock(root: Path, timeout: float | None = None) -> int:
                 return fd
             except BlockingIOError:
                 if time.monotonic() > deadline:  # type: ignore[operator]
-                    raise StoreLockedError(f"store {root} is busy (another gc or repair is running)") from None
+                    raise StoreLockedError(f"store {root} is busy ({busy})") from None
                 time.sleep(0.05)
     except BaseException:
         os.close(fd)
@@ -809,18 +815,7 @@ def _store_file_damaged(root: Path) -> bool:
 def _lock_alone(root: Path) -> int:
     """Take the store's gc lock exclusively (as gc and repair do: no save or load of any process runs while it
     is held) and return its file descriptor."""
-    try:
-        fd = os.open(root / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as exc:
-        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise ReadOnlyStoreError(f"cannot repair: store {root} cannot be written ({exc.strerror})") from None
-        raise
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return _flock_file(root, "gc.lock", busy="saves or loads in progress", what="cannot repair: ")
 
 
 def _open_if_readable(path: str | os.PathLike[str], kwargs: dict[str, Any]) -> Store | None:
