@@ -575,9 +575,9 @@ def _maintenance_lock(store: Store, timeout: float | None = None) -> Iterator[No
         os.close(fd)
 
 
-def _take_maintenance_lock(root: Path, timeout: float | None = None) -> int:
+def _take_maintenance_lock(root: Path, timeout: float | None = None, what: str = "") -> int:
     """Open ``root/maint.lock`` and flock it exclusively (within ``timeout`` seconds); return its descriptor."""
-    return _flock_file(root, "maint.lock", timeout, busy="another gc or repair is running")
+    return _flock_file(root, "maint.lock", timeout, busy="another gc or repair is running", what=what)
 
 
 def _flock_file(root: Path, name: str, timeout: float | None = None, *, busy: str, what: str = "") -> int:
@@ -854,7 +854,7 @@ def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
     root = Path(path)
     if not (root / "STORE").exists() or _store_file_damaged(root):  # (no store opens meanwhile: no lock needed)
         _restore_store_file(root)
-    mfd = _take_maintenance_lock(root)  # (before the gc lock, as gc takes them: see _maintenance_lock)
+    mfd = _take_maintenance_lock(root, what="cannot repair: ")  # (before the gc lock: see _maintenance_lock)
     try:
         fd = _lock_alone(root)
     except BaseException:
