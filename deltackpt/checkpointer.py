@@ -128,6 +128,18 @@ def _group_check(g: Any, state: Any, what: str) -> None:
         raise DeltackptError(f"the checkpoint holds {n} {what} states, this run has {len(g)}")
 
 
+def _present(g: Any, state: Any, what: str) -> tuple[Any, list[str]]:
+    """The members of group ``g`` that the saved ``state`` holds a state for (a group like ``g``, or None), and
+    the names of those it lacks: a whole component, or members of a dict of them."""
+    if g is None:
+        return None, []
+    if state is None:
+        return None, [what]
+    if isinstance(g, dict) and isinstance(state, Mapping):
+        return {k: v for k, v in g.items() if k in state}, [f"{what}[{k!r}]" for k in g if k not in state]
+    return g, []
+
+
 def _with_states(g: Any, state: Any) -> list[tuple[str, Any, Any]]:
     """(name, member, its saved state) of each member of a group (after :func:`_group_check`)."""
     if isinstance(g, dict):
@@ -453,10 +465,12 @@ class Checkpointer:
             "rng": rng_state(),
         }
 
-    def _check(self, state: Any, live_model: Any = None) -> None:
+    def _check(self, state: Any, live_model: Any = None, *, strict: bool = True) -> list[str]:
         """Raise unless ``state`` (a captured state, or its skeleton with tensor entries in place of tensors)
         holds everything :meth:`apply` puts back into this run's components, and fits them; changes nothing.
-        ``live_model``: the model's state dicts when the caller has them (else they are taken)."""
+        ``live_model``: the model's state dicts when the caller has them (else they are taken). Without
+        ``strict`` a component other than the model that the checkpoint lacks is no error: the names of those
+        are returned (what :meth:`_apply` then leaves as it is)."""
         if not isinstance(state, Mapping) or "step" not in state or "model" not in state:
             raise DeltackptError("this checkpoint was not written by a Checkpointer (no 'step'/'model' entry)")
         if state.get("thinned"):
@@ -464,16 +478,27 @@ class Checkpointer:
                 f"checkpoint at step {state['step']} was thinned to model weights only and cannot resume training; "
                 "load its weights with Store.load"
             )
+        lacking: list[str] = []
+        groups: dict[str, Any] = {}
         for what in ("model", "optimizer", "scheduler", "scaler"):
-            _group_check(getattr(self, what), state.get(what), what)
+            groups[what] = getattr(self, what)
+            if not strict and what != "model":
+                groups[what], absent = _present(groups[what], state.get(what), what)
+                lacking += absent
+            _group_check(groups[what], state.get(what), what)
         _fit_check(self.model, state.get("model"), "model", live_model)
-        _fit_check(self.optimizer, state.get("optimizer"), "optimizer")
+        _fit_check(groups["optimizer"], state.get("optimizer"), "optimizer")
         if self.data is not None and state.get("data") is None:
-            raise DeltackptError("the checkpoint holds no data position")
+            if strict:
+                raise DeltackptError("the checkpoint holds no data position")
+            lacking.append("data")
         saved_extra = state.get("extra") or {}
         for k in self.extra:
             if k not in saved_extra:
-                raise DeltackptError(f"the checkpoint holds no extra[{k!r}]")
+                if strict:
+                    raise DeltackptError(f"the checkpoint holds no extra[{k!r}]")
+                lacking.append(f"extra[{k!r}]")
+        return lacking
 
     def apply(self, state: Mapping[str, Any]) -> int:
         """Put a captured state back into the model, optimizers, ... and RNGs; return its step. A state that
@@ -481,14 +506,19 @@ class Checkpointer:
         self._check(state)
         return self._apply(state)
 
-    def _apply(self, state: Mapping[str, Any]) -> int:
-        """:meth:`apply` of a state already checked."""
+    def _apply(self, state: Mapping[str, Any], *, strict: bool = True) -> int:
+        """:meth:`apply` of a state already checked (without ``strict``: what it lacks stays as it is)."""
         for what in ("model", "optimizer", "scheduler", "scaler"):
-            _group_load(getattr(self, what), state.get(what))
-        if self.data is not None:
+            g = getattr(self, what)
+            if not strict and what != "model":
+                g, _ = _present(g, state.get(what), what)
+            _group_load(g, state.get(what))
+        if self.data is not None and (strict or state.get("data") is not None):
             self.data.load_state_dict(state["data"])
         saved_extra = state.get("extra") or {}
         for k, v in self.extra.items():
+            if not strict and k not in saved_extra:
+                continue
             if _stateful(v):
                 v.load_state_dict(saved_extra[k])
             else:
@@ -496,8 +526,12 @@ class Checkpointer:
         set_rng_state(state["rng"])
         return int(state["step"])
 
-    def restore(self, step: int | None = None, *, id: str | None = None) -> int:
+    def restore(self, step: int | None = None, *, id: str | None = None, strict: bool = True) -> int:
         """Load the latest checkpoint (or ``step``/``id``) into every component; return its step, 0 if none.
+
+        A checkpoint that lacks a component this run has (a scheduler, a data position, an ``extra`` entry
+        added since it was saved) is refused, unless ``strict=False``: then those components stay as they are,
+        named in a ``RuntimeWarning``. The model always has to match.
 
         Saves after this descend from the restored checkpoint: after rolling back to an older step the run
         continues on a branch, and saving a step number that exists on another branch is allowed.
@@ -510,16 +544,16 @@ class Checkpointer:
         """
         self.wait()
         if step is not None or id is not None:
-            return self._restore(self.store.info(step, id=id))
+            return self._restore(self.store.info(step, id=id), strict=strict)
 
         def damaged(info: CheckpointInfo, exc: CorruptionError) -> None:
             warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, restoring the one "
                           f"before it: {exc}", RuntimeWarning, stacklevel=4)
 
-        restored = newest_restorable(self.store, self._restore, damaged)
+        restored = newest_restorable(self.store, lambda info: self._restore(info, strict=strict), damaged)
         return 0 if restored is None else restored
 
-    def _restore(self, info: CheckpointInfo) -> int:
+    def _restore(self, info: CheckpointInfo, *, strict: bool = True) -> int:
         # The checkpoint's skeleton (tensor entries in place of tensors, no chunk read) is checked first: the load
         # below decodes into the model's own tensors, and a checkpoint refused after that would leave the live
         # model holding its weights.
@@ -530,34 +564,39 @@ class Checkpointer:
             skeleton = None
         live = _group_state(self.model)  # (once: for FSDP a state dict is a gather)
         if skeleton is not None:
-            self._check(skeleton, live)
+            lacking = self._check(skeleton, live, strict=strict)
         # the model's own tensors are offered: they are decoded in place, and load_state_dict then copies nothing
         state = self.store.load(id=info.id, map_location=self.map_location, into={"model": live})
         if skeleton is None:
-            self._check(state, live)
-        restored = self._apply(state)
+            lacking = self._check(state, live, strict=strict)
+        restored = self._apply(state, strict=strict)
+        if lacking:
+            warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) holds no {', '.join(lacking)}: "
+                          "left as they are", RuntimeWarning, stacklevel=3)
         self.last_saved_step = restored
         return restored
 
     # -- saving ----------------------------------------------------------------------------------------------
-    def step(self, step: int) -> bool:
+    def step(self, step: int, *, metadata: Mapping[str, Any] | None = None) -> bool:
         """Tell the checkpointer that ``step`` steps are complete; save if due. Returns True if a save started.
 
-        Raises the error of a failed background save. After a SIGTERM/SIGINT it saves (whatever the interval;
-        a keyframe save, so that the restart restores from one frame per chunk), waits for the save, then
-        passes the signal on.
+        ``metadata`` goes with this step's save, when there is one (a metric for ``Retention(keep_best=)``,
+        a tag), and is dropped otherwise. Raises the error of a failed background save. After a SIGTERM/SIGINT
+        it saves (whatever the interval; a keyframe save, so that the restart restores from one frame per
+        chunk), waits for the save, then passes the signal on.
         """
         step = _check_step(step)
+        _check_metadata(metadata)  # (at every step, not only at those that save)
         self._raise_background_error()
         if self._signal is not None:
             if step == self.last_saved_step:
                 self.wait()  # this step's save is already under way
             else:
-                self.save(step, wait=True, keyframe=True)
+                self.save(step, wait=True, keyframe=True, metadata=metadata)
             self._pass_signal_on()
             return True
         if step % self.every_n_steps == 0 and step != self.last_saved_step:
-            self.save(step)
+            self.save(step, metadata=metadata)
             return True
         return False
 

@@ -782,7 +782,9 @@ class Store:
             return True
 
     def rewrite(self, state: Any, *, id: str, metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
-        """Replace checkpoint ``id`` by ``state`` (same step and parent, same place in commit order).
+        """Replace checkpoint ``id`` by ``state`` (same step and parent, same place in commit order). The new
+        checkpoint keeps the old one's metadata unless ``metadata`` is given (``{}`` clears it), and takes a new
+        id; the old id still resolves to it (:meth:`load`, :meth:`info` with ``id=``).
 
         One index transaction swaps the old checkpoint for the new one, so a crash leaves one or the other.
         Retention uses it to thin old checkpoints to model weights; the handle's parent for later saves is
@@ -793,6 +795,8 @@ class Store:
         """
         old = self._record(id=id)
         head, last = self._head, self._last_manifest
+        if metadata is None:
+            metadata = CheckpointInfo.from_record(old).metadata
         info = self.save(state, old.step, metadata, parent=old.parent, _replace=old)
         self._head = head if head != id else info.id
         self._last_manifest = last
@@ -1239,9 +1243,8 @@ class Store:
         tensors that were not filled; with ``strict`` (default) any missing or unexpected tensor, and any dtype
         or shape difference, raises before a byte is copied. ``spans`` maps key paths to byte ranges
         ``(start, end)`` of their tensors (C order): only the chunks overlapping that range are read and
-        decoded, and only the target bytes they cover are written (at least ``start .. end``, at most whole
-        chunks around it); for reading a slice of a large tensor, such as the rows one rank of a resharded job
-        needs. Contiguous CPU targets only.
+        decoded, and only the target bytes ``start .. end`` are written; for reading a slice of a large tensor,
+        such as the rows one rank of a resharded job needs. Contiguous CPU targets only.
         """
         try:
             skeleton, leaves = tree.flatten(target, opaque=True)  # (its plain values are only looked at)
@@ -1319,25 +1322,34 @@ class Store:
     def _read_into(self, m: manifest.Manifest, jobs: list[tuple[manifest.TensorEntry, np.ndarray]], *,
                    verify: bool, spans: Sequence[tuple[int, int] | None] | None = None) -> None:
         """Decode the tensors of ``jobs`` (entry, output bytes); ``spans[n]``, when given and not None, limits
-        job n to the chunks that overlap that byte range of the tensor (the rest of its output is not written)."""
+        job n to the chunks that overlap that byte range of the tensor, and its output to the range: a chunk the
+        range covers in part is decoded aside and only the part in range copied out (the rest of the output is
+        not written)."""
         self.reader.drop_unlinked()  # packs a gc elsewhere deleted: their space returns once closed
         cs = m.chunk_size
         work: list[tuple[manifest.TensorEntry, bytes, np.ndarray]] = []
+        parts: list[tuple[np.ndarray, np.ndarray]] = []  # (in-range part of a chunk decoded aside, its output)
         for n, (t, out) in enumerate(jobs):
             if len(out) != t.nbytes:
                 raise ShapeMismatchError(f"{t.key!r}: buffer of {len(out)} bytes for {t.nbytes}")
             chunks = range(t.count)
             span = spans[n] if spans is not None else None
+            lo, hi = 0, t.nbytes
             if span is not None:
                 lo, hi = max(0, span[0]), min(t.nbytes, span[1])
                 chunks = range(lo // cs, -(-hi // cs)) if lo < hi else range(0)
             for i in chunks:
                 j = t.first + i
-                view = out[i * cs : i * cs + t.chunk_len(i, cs)]
+                c0, c1 = i * cs, i * cs + t.chunk_len(i, cs)
+                a, b = max(lo, c0), min(hi, c1)
                 if m.flags[j] & manifest.FLAG_ZERO:
-                    view[:] = 0
-                else:
-                    work.append((t, chunk_key(m.digests[j].tobytes(), len(view)), view))
+                    out[a:b] = 0
+                    continue
+                view = out[c0:c1]
+                if (a, b) != (c0, c1):  # the range covers this chunk in part: the rest of the output stays
+                    view = np.empty(c1 - c0, dtype=np.uint8)
+                    parts.append((view[a - c0 : b - c0], out[a:b]))
+                work.append((t, chunk_key(m.digests[j].tobytes(), len(view)), view))
         locs = self.index.lookup_chunks(k for _, k, _ in work)
         for t, k, _ in work:
             if k not in locs:
@@ -1364,6 +1376,8 @@ class Store:
         self.read_each(lambda item: self.read_chunk(item[1], locs[item[1]], out=item[2], verify=verify, bases=chains,
                                                      scratch=scratch), first, named)
         if not later:
+            for part, dest in parts:
+                dest[:] = part
             return
         decoded = {k: view for _, k, view in first}
         refs = self.read_each(lambda item: self.references(item[1], locs[item[1]], scratch), later, named)
@@ -1372,6 +1386,8 @@ class Store:
             groups.setdefault(r[1] if len(r) > 1 else item[1], []).append(item)
         self.read_each(lambda group: self._read_group(group, locs, chains, decoded, verify, scratch),
                        list(groups.values()), lambda group, exc: named(group[0], exc))
+        for part, dest in parts:
+            dest[:] = part
 
     def read_each(self, fn: Callable[[_T], _R], items: Sequence[_T],
                   named: Callable[[_T, BaseException], BaseException] | None = None) -> list[_R]:

@@ -1306,3 +1306,49 @@ def test_an_interrupted_wait_keeps_the_save_in_flight(fast_dir: Path, monkeypatc
     with Store(fast_dir) as s:
         for step in (1, 2):
             assert torch.equal(s.load(step)["model"]["weight"], torch.full((64, 64), float(step))), step
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_step_metadata_goes_with_the_save_it_makes(tmp_path: Path, async_save: bool) -> None:
+    """``step(n, metadata=...)`` puts the metadata on the save that step makes (the metric keep_best ranks
+    periodic saves by) and drops it at steps that do not save; bad metadata is refused at any step."""
+    model, opt = _small()
+    losses = {n: abs(n - 8) + 0.5 for n in range(1, 13)}  # the best save is step 8's
+    with Checkpointer(tmp_path / "s", model=model, optimizer=opt, every_n_steps=4, async_save=async_save,
+                      retention=Retention(keep_last=1, keep_best=("loss", "min"), best_k=1)) as ckpt:
+        with pytest.raises(TypeError, match="metadata must be a mapping"):
+            ckpt.step(1, metadata=[("loss", 1.0)])  # type: ignore[arg-type]
+        for n, loss in losses.items():
+            ckpt.step(n, metadata={"loss": loss})
+        ckpt.wait()
+        infos = ckpt.store.list()
+    assert [(i.step, i.metadata) for i in infos] == [(8, {"loss": 0.5}), (12, {"loss": 4.5})]
+
+
+def test_restore_not_strict_leaves_what_the_checkpoint_lacks(tmp_path: Path) -> None:
+    """A run that gained a scheduler, a second optimizer in a dict or an ``extra`` entry since its last
+    checkpoint cannot restore it strictly; with ``strict=False`` the model and what the checkpoint holds are
+    restored, the rest stays as it is, named in a RuntimeWarning. The model must match either way."""
+    model, opt = _small()
+    with Checkpointer(tmp_path / "s", model=model, optimizer={"main": opt}) as ckpt:
+        model(torch.ones(8)).sum().backward()
+        opt.step()
+        ckpt.save(3, wait=True)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    model2, opt2 = _small()
+    aux = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt2, step_size=1)
+    extra = {"cfg": {"lr": 1.0}}
+    with Checkpointer(tmp_path / "s", model=model2, optimizer={"main": opt2, "aux": aux}, scheduler=sched,
+                      extra=extra) as ckpt:
+        with pytest.raises(deltackpt.DeltackptError, match="holds no optimizer state for 'aux'"):
+            ckpt.restore()
+        with pytest.warns(RuntimeWarning, match=r"holds no optimizer\['aux'\], scheduler, extra\['cfg'\]"):
+            assert ckpt.restore(strict=False) == 3
+        assert all(torch.equal(model2.state_dict()[k], v) for k, v in saved.items())
+        assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+        assert extra == {"cfg": {"lr": 1.0}} and sched.last_epoch == 0 and not aux.state
+        ckpt.save(4, wait=True)
+    with Checkpointer(tmp_path / "s", model=torch.nn.Linear(8, 5)) as ckpt:
+        with pytest.raises(deltackpt.ShapeMismatchError):
+            ckpt.restore(strict=False)

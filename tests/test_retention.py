@@ -479,3 +479,17 @@ def test_retention_passes_over_checkpoints_another_process_deleted(store_path: P
         assert [i.step for i in store.list()] == ([5, 6] if full_last is None else [6])
         _assert_weights(weights, store.load(step=6)["model"], "step 6")
         assert store.verify().ok
+
+
+def test_a_rewrite_keeps_the_metadata_unless_given(store_path: Path) -> None:
+    """``rewrite`` replaces a checkpoint "in place": its metadata (a tag, the metric keep_best ranks by) stays
+    unless the call gives other metadata. Before, a rewrite without ``metadata=`` dropped it, and retention's
+    keep_tagged and keep_best stopped protecting the checkpoint."""
+    with Store(store_path) as s:
+        cid = s.save({"w": torch.ones(4)}, step=1, metadata={"tag": "release", "loss": 0.5}).id
+        kept = s.rewrite({"w": torch.zeros(4)}, id=cid)
+        assert kept.metadata == {"tag": "release", "loss": 0.5} == s.info(1).metadata
+        assert s.manifest(1).metadata is not None
+        assert s.rewrite({"w": torch.zeros(4)}, id=kept.id, metadata={"loss": 0.4}).metadata == {"loss": 0.4}
+        assert s.rewrite({"w": torch.zeros(4)}, id=s.info(1).id, metadata={}).metadata == {}
+        assert s.verify().ok
