@@ -159,9 +159,10 @@ def cmd_log(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         infos = s.list()
         by_id = {i.id: i for i in infos}
-        children: dict[str | None, int] = {}
+        first_child: dict[str, str] = {}  # each parent's first child in commit order continues its line
         for i in infos:
-            children[i.parent] = children.get(i.parent, 0) + 1
+            if i.parent is not None:
+                first_child.setdefault(i.parent, i.id)
         rows = []
         for i in infos:
             if i.parent is None:
@@ -170,9 +171,9 @@ def cmd_log(args: argparse.Namespace) -> int:
                 parent = f"{by_id[i.parent].step} ({i.parent[:8]})"
             else:
                 parent = f"deleted ({i.parent[:8]})"
-            mark = "branch" if children.get(i.parent, 0) > 1 and i.parent is not None else ""
+            mark = "branch" if i.parent is not None and first_child[i.parent] != i.id else ""
             rows.append((i.step, i.id, parent, when(i.created), human(i.written_bytes), mark))
-        print(table(rows, ["step", "id", "parent", "created", "written", ""], right={0, 4}))
+        print(table(rows, ["step", "id", "parent", "created", "written", "lineage"], right={0, 4}))
     return 0
 
 
@@ -518,7 +519,7 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
             value = state.get(part)
             if value is None or value == {}:
                 continue
-            entries = _entries(value)
+            entries = list({id(e): e for e in _entries(value)}.values())  # a tied weight is one tensor
             size = sum(e.nbytes for e in entries)
             detail = f"{len(entries)} tensors, {human(size)}" if entries else ""
             if part == "data" and isinstance(value, dict):

@@ -206,6 +206,8 @@ def test_show_prints_each_tensor(capsys: pytest.CaptureFixture[str], store_path:
 
 
 def test_log_marks_branch_after_rollback(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """A checkpoint saved after a rollback is marked as a branch; its parent's first child, which continues
+    the line, is not (both were marked once)."""
     with open_store(store_path) as s:
         ids = {step: s.save({"w": rand(CS, step)}, step=step).id for step in (1, 2, 3)}
     with open_store(store_path) as s:
@@ -220,7 +222,7 @@ def test_log_marks_branch_after_rollback(capsys: pytest.CaptureFixture[str], sto
         rc, out, err = cli(capsys, "log", store_path)
         assert rc == 0 and err == ""
         lines = out.splitlines()
-        assert lines[0].split() == ["step", "id", "parent", "created", "written"]
+        assert lines[0].split() == ["step", "id", "parent", "created", "written", "lineage"]
         rows = {}
         for line in lines[2:]:
             m = row_re.match(line)
@@ -231,14 +233,14 @@ def test_log_marks_branch_after_rollback(capsys: pytest.CaptureFixture[str], sto
     short = {k: v[:8] for k, v in ids.items()}
     assert log() == {
         1: (ids[1], "-", False),
-        2: (ids[2], f"1 ({short[1]})", True),
+        2: (ids[2], f"1 ({short[1]})", False),
         3: (ids[3], f"2 ({short[2]})", False),
         4: (ids[4], f"1 ({short[1]})", True),
     }
     rc, _, _ = cli(capsys, "rm", store_path, 1)
     assert rc == 0
     assert log() == {
-        2: (ids[2], f"deleted ({short[1]})", True),
+        2: (ids[2], f"deleted ({short[1]})", False),
         3: (ids[3], f"2 ({short[2]})", False),
         4: (ids[4], f"deleted ({short[1]})", True),
     }
@@ -928,3 +930,15 @@ def test_show_escapes_control_characters_in_keys(store_path: Path, capsys: pytes
     assert rc == 0
     assert "\x1b" not in out and "\t" not in out
     assert "a\\nb" in out and "red\\x1b[31m" in out and "tied\\t" in out
+
+
+def test_resume_info_counts_a_tied_weight_once(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """A tied weight (one tensor at two places of the state dict) is stored once; resume-info counts it once, as
+    show does (it counted it at both places: 3 tensors where the checkpoint holds 2)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))
+    model[1].weight = model[0].weight
+    with deltackpt.Checkpointer(store_path, model=model, async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    rc, out, _ = cli(capsys, "resume-info", store_path)
+    model_line = next(line for line in out.splitlines() if line.startswith("model"))
+    assert rc == 0 and model_line.split(None, 1)[1].startswith("1 tensors, 128 B"), model_line
