@@ -288,6 +288,10 @@ def _references(store: Store, k: bytes, loc: ChunkLoc, *, unknown_format: bool =
         raise
 
 
+#: live chunks whose references one read worker follows at a time
+_FOLLOW_BATCH = 256
+
+
 def _live_keys(store: Store, records: list[Record], *, read_headers: bool = True) -> tuple[set[bytes], set[bytes]]:
     """The chunks the checkpoints of ``records`` reach (transitively), and those of them the index holds no
     entry for (lost with a damaged frame, or with a damaged index). ``read_headers`` (gc) also follows what
@@ -304,13 +308,18 @@ def _live_keys(store: Store, records: list[Record], *, read_headers: bool = True
     # frames. A predicted frame whose record is damaged cannot be decoded, so what it names is no longer needed
     # by it; a read error aborts gc.
     missing: set[bytes] = set()
+    follow = _gc_references if read_headers else _references
     frontier = list(live)
     while frontier:
         locs = store.index.lookup_chunks(frontier)
         missing.update(k for k in frontier if k not in locs)
         frontier = []
-        for k, loc in locs.items():
-            for b in _gc_references(store, k, loc) if read_headers else _references(store, k, loc):
+        # (on the read workers, in batches: from a cold disk each is a small random read, and several overlap)
+        items = list(locs.items())
+        batches = [items[i : i + _FOLLOW_BATCH] for i in range(0, len(items), _FOLLOW_BATCH)]
+        for refs in store.read_pool.map(lambda batch: [b for k, loc in batch for b in follow(store, k, loc)],
+                                        batches):
+            for b in refs:
                 if b not in live:
                     live.add(b)
                     frontier.append(b)
