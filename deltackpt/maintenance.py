@@ -446,13 +446,13 @@ def gc(
     return report
 
 
-#: gc's repack plan: each sparse pack (id, path) with the entries that were live in it
-_Plan = list[tuple[str, Path, list[tuple[bytes, ChunkLoc]]]]
+#: gc's repack plan: each sparse pack's id and path
+_Plan = list[tuple[str, Path]]
 
 
 def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
     """gc's first part, under the gc lock held exclusively: find the garbage, free what needs no writing, and
-    return the sparse packs to repack, each with its live entries."""
+    return the sparse packs to repack."""
     problems = store.index.problems()
     if problems:
         # a lost record (its id still in the index) would leave its manifest looking like an orphan, its chunks
@@ -486,7 +486,8 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
         except OSError:  # gone meanwhile: nothing to repack
             continue
         live_bytes = sum(loc.frame_len for _, loc in live_entries)
-        if size > 0 and live_bytes / size < repack_below:
+        frames = size - packs.PACK_HEADER.size  # (a pack whose frames are all live is not sparse, at 1.0 too)
+        if frames > 0 and live_bytes / frames < repack_below:
             to_repack.append(pack_id)
     if missing:
         # Live chunks without an index entry: lost (a damaged frame: repair left its checkpoint incomplete),
@@ -514,7 +515,7 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
     _unlink_packs(store, to_delete, report)
     for p in (store.path / "tmp").iterdir():
         p.unlink()
-    return [(pack_id, all_packs[pack_id], by_pack[pack_id]) for pack_id in to_repack]
+    return [(pack_id, all_packs[pack_id]) for pack_id in to_repack]
 
 
 def _repack(store: Store, plan: _Plan, report: GcReport,
@@ -523,15 +524,14 @@ def _repack(store: Store, plan: _Plan, report: GcReport,
     live frames are copied and made durable, one transaction re-points them, and only then is the pack unlinked,
     so each step needs at most one pack's live bytes of space.
 
-    Between two packs saves and loads run. A save may then deduplicate onto a frame of a pack still to come:
-    that frame's entry was live, so it is in the plan. An entry pointing into such a pack cannot appear
-    meanwhile (writers append to packs of their own, rewrites re-point entries to new frames, and the repair
-    that indexes the frames of every pack waits for ``maint.lock``), so copying what the plan names that still
-    points there moves every entry the pack holds. An entry that a delete left dead meanwhile is copied all
-    the same; the next gc frees it."""
+    Between two packs saves and loads run: a save may deduplicate onto a frame of a pack still to come, a
+    rewrite re-point entries away from it. So each pack's turn copies what the index says lies in the pack
+    then (a scan of the chunks table), not what gc found live before: also an entry a repair of an older
+    deltackpt (which does not wait for ``maint.lock``) pointed at a frame there meanwhile. An entry that a
+    delete left dead meanwhile is copied all the same; the next gc frees it."""
     writer = packs.PackWriter(store.path / "packs")
     try:
-        for n, (pack_id, path, planned) in enumerate(plan, 1):
+        for n, (pack_id, path) in enumerate(plan, 1):
             try:
                 lock = store._gc_lock(exclusive=True, timeout=timeout)
                 lock.__enter__()
@@ -539,7 +539,7 @@ def _repack(store: Store, plan: _Plan, report: GcReport,
                 report.repack_stopped = f"{exc}: {len(plan) - n + 1} pack(s) left to repack; run gc again"
                 break
             try:
-                full = _repack_one(store, writer, pack_id, path, planned, report)
+                full = _repack_one(store, writer, pack_id, path, report)
             finally:
                 lock.__exit__(None, None, None)
             if full is not None:
@@ -552,13 +552,10 @@ def _repack(store: Store, plan: _Plan, report: GcReport,
         writer.close()
 
 
-def _repack_one(store: Store, writer: packs.PackWriter, pack_id: str, path: Path,
-                planned: list[tuple[bytes, ChunkLoc]], report: GcReport) -> str | None:
+def _repack_one(store: Store, writer: packs.PackWriter, pack_id: str, path: Path, report: GcReport) -> str | None:
     """Copy the live frames of one sparse pack, re-point their entries, unlink it. Returns None, or why gc must
     stop repacking (no space left: the copies are removed)."""
-    now = store.index.lookup_chunks([k for k, _ in planned])
-    entries = [(k, now[k]) for k, loc in planned
-               if k in now and now[k].pack_id == pack_id and now[k].offset == loc.offset]
+    entries = store.index.chunks_in_pack(pack_id)
     mark = writer.mark()
     moved: dict[bytes, ChunkLoc] = {}
     try:

@@ -1616,6 +1616,10 @@ class Store:
         from deltackpt import maintenance
 
         self._writable("gc")
+        if self._alone_fd is not None:
+            # a handle of open_for_repair before its repair: its index may be the empty one a lost index was
+            # replaced with, in which gc would find every pack and manifest garbage
+            raise DeltackptError(f"store {self.path} is open for repair: run repair() before gc")
         return maintenance.gc(self, **kwargs)
 
     def verify(self, step: int | None = None, *, id: str | None = None, **kwargs: Any) -> Any:

@@ -8,6 +8,7 @@ any checkpoint bit for bit.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import random
@@ -624,3 +625,76 @@ def test_one_gc_or_repair_runs_at_a_time(tmp_path: Path, second: str) -> None:
         for step, state in kept.items():
             assert torch.equal(s.load(step)["w"], state["w"])
         assert s.verify().ok
+
+
+def test_a_pack_gc_repacks_later_keeps_what_the_index_points_into_it_then(tmp_path: Path) -> None:
+    """Between two packs of a gc the index may come to point a live chunk at another frame of it, in a pack gc
+    is still to repack (a repair of an older deltackpt, which does not wait for maint.lock, indexes a killed
+    save's duplicate frames). Each pack's turn copies what the index points into the pack then; before, only
+    the entries gc had found in it, so the pack was unlinked under the re-pointed chunk: a checkpoint lost."""
+    from deltackpt import codec, packs
+    from deltackpt.index import ChunkLoc
+
+    path = tmp_path / "s"
+    kept = _sparse_packs(path)
+    moved: list[bytes] = []
+    with Store(path) as s:
+
+        def between_packs(n: int, total: int) -> None:
+            if n != 1:
+                return
+            live = collections.Counter()  # live bytes per pack
+            for _, loc in s.index.iter_chunks():
+                live[loc.pack_id] += loc.frame_len
+            pending = [p.stem for p in (path / "packs").glob("*.pack")  # sparse, not gc's own: still to repack
+                       if not packs.is_active(p) and 0 < live[p.stem] < 0.75 * p.stat().st_size]
+            assert pending
+            target = pending[0]
+            k, loc = next((k, loc) for k, loc in s.index.iter_chunks() if loc.pack_id != target)
+            frame = s.reader.read(loc.pack_id, loc.offset, loc.frame_len)
+            codec.check_frame(frame)
+            pack = path / "packs" / f"{target}.pack"
+            offset = pack.stat().st_size
+            with open(pack, "ab") as f:  # a duplicate frame of chunk k, as a killed save leaves one
+                f.write(frame)
+            with s.index._write() as txn:
+                txn.put(k, ChunkLoc(target, offset, loc.frame_len, loc.codec, loc.depth, loc.base).pack(),
+                        db=s.index.db_chunks)
+            moved.append(k)
+
+        report = s.gc(repack_below=0.75, progress=between_packs)
+        assert moved and report.repacked_packs >= 2
+        for step, state in kept.items():
+            assert torch.equal(s.load(step)["w"], state["w"])
+        assert s.verify().ok
+
+
+def test_gc_at_one_repacks_only_packs_with_dead_frames(tmp_path: Path) -> None:
+    """``repack_below=1.0`` repacks every pack that holds a dead frame, and no other: a pack whose frames are
+    all live counts as 1.0 (its 16-byte header made it 0.99..., so every gc copied the whole store again)."""
+    path = tmp_path / "s"
+    _sparse_packs(path)
+    with Store(path) as s:
+        first = s.gc(repack_below=1.0)
+        assert first.repacked_packs > 0
+        again = s.gc(repack_below=1.0)
+        assert again.repacked_packs == 0 and again.moved_chunks == 0 and again.dead_chunks == 0
+
+
+def test_gc_refuses_a_handle_open_for_repair_until_it_repaired(tmp_path: Path) -> None:
+    """A lost index is replaced by an empty one that only the repair fills: gc on that handle before repair()
+    took every pack and manifest for garbage and deleted them, and the repair then found nothing to restore."""
+    import shutil
+
+    from deltackpt import DeltackptError, maintenance
+
+    path = tmp_path / "s"
+    kept = _sparse_packs(path)
+    shutil.rmtree(path / "index")
+    with maintenance.open_for_repair(path) as s:
+        with pytest.raises(DeltackptError, match="run repair"):
+            s.gc()
+        assert s.repair().checkpoints == len(kept)
+        s.gc()
+        for step, state in kept.items():
+            assert torch.equal(s.load(step)["w"], state["w"])
