@@ -328,6 +328,8 @@ def _live_keys(store: Store, records: list[Record], *, read_headers: bool = True
 
 #: the longest prediction record (adam-param: 3 references, 7 coefficients), after its u32 length
 _RECORD_MAX = 8 + 16 * 3 + 8 * 7
+#: what gc reads of a frame to follow its references: the header, then a predicted frame's record
+_REFS_PREFIX = codec.HEADER_SIZE + 4 + _RECORD_MAX
 
 
 def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
@@ -341,8 +343,8 @@ def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
     it names, so keeping what a damaged record names (and not what it named before the damage) loses nothing."""
     refs = {loc.base + k[16:]} if loc.codec in codec.BASED else set()
     try:
-        buf = memoryview(store.reader.read(loc.pack_id, loc.offset, max(codec.HEADER_SIZE, min(
-            loc.frame_len, codec.HEADER_SIZE + 4 + _RECORD_MAX))))
+        buf = memoryview(store.reader.read(loc.pack_id, loc.offset,
+                                           max(codec.HEADER_SIZE, min(loc.frame_len, _REFS_PREFIX))))
         h = codec.parse_header(buf)
     except CorruptChunkError:
         return refs  # no readable frame there: nothing more it could need
@@ -362,9 +364,8 @@ def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
     if h.codec in codec.BASED:
         refs.add(h.base + k[16:])
     if h.codec == codec.PREDICTED:
-        if len(buf) < min(h.frame_len, codec.HEADER_SIZE + 4 + _RECORD_MAX):  # the entry's length was short
-            buf = memoryview(store.reader.read(loc.pack_id, loc.offset, min(
-                h.frame_len, codec.HEADER_SIZE + 4 + _RECORD_MAX)))
+        if len(buf) < min(h.frame_len, _REFS_PREFIX):  # the entry's length was short
+            buf = memoryview(store.reader.read(loc.pack_id, loc.offset, min(h.frame_len, _REFS_PREFIX)))
         try:
             rec = codec.prediction_record(buf[codec.HEADER_SIZE : h.frame_len], version=h.version)
         except CorruptChunkError:
@@ -533,15 +534,11 @@ def _repack(store: Store, plan: _Plan, report: GcReport,
     try:
         for n, (pack_id, path) in enumerate(plan, 1):
             try:
-                lock = store._gc_lock(exclusive=True, timeout=timeout)
-                lock.__enter__()
+                with store._gc_lock(exclusive=True, timeout=timeout):  # (_repack_one takes no lock of its own)
+                    full = _repack_one(store, writer, pack_id, path, report)
             except StoreLockedError as exc:
                 report.repack_stopped = f"{exc}: {len(plan) - n + 1} pack(s) left to repack; run gc again"
                 break
-            try:
-                full = _repack_one(store, writer, pack_id, path, report)
-            finally:
-                lock.__exit__(None, None, None)
             if full is not None:
                 report.repack_stopped = (f"{full}: {len(plan) - n + 1} pack(s) left to repack; free some space and "
                                          "run gc again")
@@ -615,18 +612,11 @@ def _flock_file(root: Path, name: str, timeout: float | None = None, *, busy: st
             raise ReadOnlyStoreError(f"{what}store {root} cannot be written ({exc.strerror})") from None
         raise
     try:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if deadline is not None else 0))
-                return fd
-            except BlockingIOError:
-                if time.monotonic() > deadline:  # type: ignore[operator]
-                    raise StoreLockedError(f"store {root} is busy ({busy})") from None
-                time.sleep(0.05)
+        packs.flock_within(fd, fcntl.LOCK_EX, timeout, f"store {root} is busy ({busy})")
     except BaseException:
         os.close(fd)
         raise
+    return fd
 
 
 #: errnos of a write that failed for want of space: gc stops repacking and keeps what it freed

@@ -23,6 +23,7 @@ import re
 import stat
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from deltackpt import codec
-from deltackpt.errors import CorruptChunkError, CorruptionError, DeltackptError, FormatVersionError
+from deltackpt.errors import CorruptChunkError, CorruptionError, DeltackptError, FormatVersionError, StoreLockedError
 
 PACK_MAGIC = b"DCKPACK1"
 PACK_VERSION = 1
@@ -40,6 +41,23 @@ _PACK_NAME = re.compile(r"^[0-9a-f]{32}$")
 
 def valid_pack_id(pack_id: str) -> bool:
     return bool(_PACK_NAME.match(pack_id))
+
+
+def flock_within(fd: int, mode: int, timeout: float | None, busy: str) -> None:
+    """``flock(fd, mode)``, waiting at most ``timeout`` seconds when given (else as long as it takes); raise
+    ``StoreLockedError(busy)`` when the time runs out."""
+    if timeout is None:
+        fcntl.flock(fd, mode)
+        return
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise StoreLockedError(busy) from None
+            time.sleep(0.05)
 
 
 def fsync_dir(path: Path) -> None:

@@ -53,12 +53,11 @@ from deltackpt.errors import (
     ReadOnlyStoreError,
     ShapeMismatchError,
     StateChangedError,
-    StoreLockedError,
     UnsafeLoadError,
     UnsupportedTypeError,
 )
 from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key
-from deltackpt.packs import PackReader, PackWriter, fsync_dir, make_dirs
+from deltackpt.packs import PackReader, PackWriter, flock_within, fsync_dir, make_dirs
 from deltackpt.scratch import Scratch
 
 STORE_FORMAT = "deltackpt-store"
@@ -524,19 +523,8 @@ class Store:
             yield
             return
         try:
-            mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
-            if timeout is None:
-                fcntl.flock(fd, mode)
-            else:
-                deadline = time.monotonic() + timeout
-                while True:
-                    try:
-                        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                        break
-                    except BlockingIOError:
-                        if time.monotonic() > deadline:
-                            raise StoreLockedError(f"store {self.path} is busy (saves or loads in progress)") from None
-                        time.sleep(0.05)
+            flock_within(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, timeout,
+                         f"store {self.path} is busy (saves or loads in progress)")
             # what is decided under the lock (a gc's garbage, a save's dedup) must see every surviving commit
             self.index.refresh()
             yield

@@ -490,14 +490,14 @@ def int_text(x: int) -> str:
     return ("-" if x < 0 else "") + "".join(reversed(parts))
 
 
-_INT_TEXT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+_INT_TEXT = re.compile(r"0|-?[1-9][0-9]*")
 _HEX_TEXT = re.compile(r"(?:[0-9a-f]{2})*")
 
 
 def int_value(text: Any) -> int:
     """The int :func:`int_text` wrote (any number of digits): its one canonical form (an optional ``-``, then
     ASCII digits without leading zeros; no ``-0``, ``+``, spaces or ``_``, which Python's ``int`` would accept)."""
-    if type(text) is not str or not _INT_TEXT.fullmatch(text) or text == "-0":
+    if type(text) is not str or not _INT_TEXT.fullmatch(text):
         raise ValueError(f"int node {text!r:.40}")
     digits = text[1:] if text[:1] == "-" else text
     if len(digits) <= _DIGITS:
