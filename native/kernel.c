@@ -786,9 +786,36 @@ static void dck_decoder_trim(struct dck_decoder *dec)
     }
 }
 
+/* A streaming XXH3-64 update: the header's XXH3_64bits_update, or the same with the AVX2 stripe loop. */
+typedef void (*dck_xxh3_64_update_f)(XXH3_state_t *st, const void *p, size_t n);
+
+static void dck_xxh3_64_update_default(XXH3_state_t *st, const void *p, size_t n)
+{
+    (void)XXH3_64bits_update(st, p, n);
+}
+
+#if DCK_XXH_DISPATCH
+/* Contract: XXH3_64bits_update(st, p, n) with the AVX2 accumulate and scramble loops: the same state afterwards
+ * (the loops compute the same values). Only called when the CPU has AVX2. */
+XXH_TARGET_AVX2 static void dck_xxh3_64_update_avx2(XXH3_state_t *st, const void *p, size_t n)
+{
+    (void)XXH3_update(st, (const xxh_u8 *)p, n, DCK_XXH_ACC_AVX2, XXH3_scrambleAcc_avx2);
+}
+#endif
+
+/* Contract: the fastest streaming XXH3-64 update this CPU runs (chosen once per decode call). */
+static dck_xxh3_64_update_f dck_pick_update64(void)
+{
+#if DCK_XXH_DISPATCH
+    if (dck_have_avx2())
+        return dck_xxh3_64_update_avx2;
+#endif
+    return dck_xxh3_64_update_default;
+}
+
 /* Contract: 1 when the checksum stored in frame[56..64) (little-endian) matches XXH3-64 over frame[0..56) followed
- * by frame[64..len); len >= DCK_FRAME_HEADER. */
-static int dck_frame_checksum_ok(const uint8_t *frame, size_t len)
+ * by frame[64..len); len >= DCK_FRAME_HEADER; update is from dck_pick_update64. */
+static int dck_frame_checksum_ok(const uint8_t *frame, size_t len, dck_xxh3_64_update_f update)
 {
     XXH3_state_t st;
     uint64_t want = 0;
@@ -797,8 +824,8 @@ static int dck_frame_checksum_ok(const uint8_t *frame, size_t len)
     for (i = 7; i >= 0; i--)
         want = (want << 8) | frame[DCK_FRAME_CHECKED + i];
     XXH3_64bits_reset(&st);
-    XXH3_64bits_update(&st, frame, DCK_FRAME_CHECKED);
-    XXH3_64bits_update(&st, frame + DCK_FRAME_HEADER, len - DCK_FRAME_HEADER);
+    update(&st, frame, DCK_FRAME_CHECKED);
+    update(&st, frame + DCK_FRAME_HEADER, len - DCK_FRAME_HEADER);
     return XXH3_64bits_digest(&st) == want;
 }
 
@@ -823,6 +850,7 @@ static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_le
                             const int *widths, int n, uint8_t *dst, size_t raw_len, int *bad,
                             struct dck_decoder **decp)
 {
+    dck_xxh3_64_update_f update = dck_pick_update64();
     int k, rc;
 
     for (k = 0; k < n; k++) {
@@ -831,7 +859,7 @@ static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_le
         int codec = codecs[k];
 
         *bad = k;
-        if (!dck_frame_checksum_ok(frames[k], frame_lens[k]))
+        if (!dck_frame_checksum_ok(frames[k], frame_lens[k], update))
             return DCK_ECHECKSUM;
         if (codec == DCK_CODEC_RAW) {
             if (plen != raw_len)
