@@ -59,6 +59,10 @@ PREDICTED = 4  # XOR with a prediction from the base and referenced chunks, byte
 CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", PLANES_ZSTD: "planes+zstd", DELTA: "delta", PREDICTED: "predicted"}
 #: codecs whose frame names a base chunk
 BASED = (DELTA, PREDICTED)
+#: the longest prediction record (adam-param: 3 references, 7 coefficients), after its u32 length
+RECORD_MAX = 8 + 16 * 3 + 8 * 7
+#: how much of a frame names everything its decode needs: the header, then a predicted frame's record
+REFS_PREFIX = HEADER.size + 4 + RECORD_MAX
 NO_BASE = bytes(16)
 #: Largest raw chunk a frame may declare; bounds any allocation a damaged frame could ask for.
 MAX_RAW = 1 << 31

@@ -326,12 +326,6 @@ def _live_keys(store: Store, records: list[Record], *, read_headers: bool = True
     return live, missing
 
 
-#: the longest prediction record (adam-param: 3 references, 7 coefficients), after its u32 length
-_RECORD_MAX = 8 + 16 * 3 + 8 * 7
-#: what gc reads of a frame to follow its references: the header, then a predicted frame's record
-_REFS_PREFIX = codec.HEADER_SIZE + 4 + _RECORD_MAX
-
-
 def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
     """What gc keeps alive for chunk ``k``: the references its index entry names and those its frame names. Loads
     follow the frame; the index entry has no checksum, so a damaged one (another base, another codec) must not
@@ -344,7 +338,7 @@ def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
     refs = {loc.base + k[16:]} if loc.codec in codec.BASED else set()
     try:
         buf = memoryview(store.reader.read(loc.pack_id, loc.offset,
-                                           max(codec.HEADER_SIZE, min(loc.frame_len, _REFS_PREFIX))))
+                                           max(codec.HEADER_SIZE, min(loc.frame_len, codec.REFS_PREFIX))))
         h = codec.parse_header(buf)
     except CorruptChunkError:
         return refs  # no readable frame there: nothing more it could need
@@ -364,8 +358,8 @@ def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
     if h.codec in codec.BASED:
         refs.add(h.base + k[16:])
     if h.codec == codec.PREDICTED:
-        if len(buf) < min(h.frame_len, _REFS_PREFIX):  # the entry's length was short
-            buf = memoryview(store.reader.read(loc.pack_id, loc.offset, min(h.frame_len, _REFS_PREFIX)))
+        if len(buf) < min(h.frame_len, codec.REFS_PREFIX):  # the entry's length was short
+            buf = memoryview(store.reader.read(loc.pack_id, loc.offset, min(h.frame_len, codec.REFS_PREFIX)))
         try:
             rec = codec.prediction_record(buf[codec.HEADER_SIZE : h.frame_len], version=h.version)
         except CorruptChunkError:

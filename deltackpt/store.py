@@ -1368,10 +1368,10 @@ class Store:
                 dest[:] = part
             return
         decoded = {k: view for _, k, view in first}
-        refs = self.read_each(lambda item: self.references(item[1], locs[item[1]], scratch), later, named)
+        refs = self.read_each(lambda item: self._named_inputs(item[1], locs[item[1]]), later, named)
         groups: dict[bytes, list[tuple[manifest.TensorEntry, bytes, np.ndarray]]] = {}
         for item, r in zip(later, refs):
-            groups.setdefault(r[1] if len(r) > 1 else item[1], []).append(item)
+            groups.setdefault(r[0] if r else item[1], []).append(item)
         self.read_each(lambda group: self._read_group(group, locs, chains, decoded, verify, scratch),
                        list(groups.values()), lambda group, exc: named(group[0], exc))
         for part, dest in parts:
@@ -1554,6 +1554,20 @@ class Store:
         finally:
             if scratch is not None:
                 scratch.give(buf)
+
+    def _named_inputs(self, key: bytes, loc: ChunkLoc) -> list[bytes]:
+        """The chunks the record of the predicted frame at ``loc`` names, first moment first, read from the
+        frame's header and record alone (no checksum): a load groups its predicted chunks by them. A record that
+        cannot be read names nothing; decoding the chunk then reports the damage."""
+        buf = np.empty(min(loc.frame_len, codec.REFS_PREFIX), dtype=np.uint8)
+        try:
+            self.reader.read(loc.pack_id, loc.offset, len(buf), into=buf,
+                             before_blocking=getattr(_worker, "before_blocking", None))
+            h = codec.parse_header(memoryview(buf))
+            rec = codec.prediction_record(memoryview(buf)[codec.HEADER_SIZE :], version=h.version)
+        except (CorruptChunkError, FormatVersionError):
+            return []
+        return [r + key[16:] for r in rec.refs]
 
     def _read_frame(self, loc: ChunkLoc, scratch: Scratch | None) -> tuple[bytes | np.ndarray, str]:
         """The frame at ``loc`` and where it lies: read into a buffer of ``scratch`` when given (the caller gives

@@ -8,6 +8,7 @@ every input a retained checkpoint needs.
 
 from __future__ import annotations
 
+import collections
 import copy
 import shutil
 import struct
@@ -24,6 +25,7 @@ from hypothesis import strategies as st
 import deltackpt
 from deltackpt import _pykernel, codec, kernel, maintenance, predict, scratch
 from deltackpt.errors import CorruptChunkError, CorruptionError, FormatVersionError
+from deltackpt.index import chunk_key
 
 CHUNK = 1 << 14
 
@@ -884,6 +886,31 @@ def test_a_key_path_two_tensors_share_saves_and_restores_exactly(tmp_path: Path)
         assert maintenance.verify(s).ok
 
 
+def test_a_load_reads_each_predicted_frame_in_full_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load groups its predicted chunks by the first moment their records name before it decodes them: it
+    reads the header and record for that, and the whole frame once, to decode it (it read every predicted frame
+    in full twice, checksum and all)."""
+    with deltackpt.Store(tmp_path / "s", chunk_size=CHUNK) as s:
+        history = _train(5, store=s)
+        newest = s.manifest()
+        keys = {chunk_key(newest.digests[j].tobytes(), t.chunk_len(j - t.first, newest.chunk_size))
+                for t in newest.tensors for j in range(t.first, t.first + t.count)}
+        locs = s.index.lookup_chunks(keys)
+        own = {(loc.pack_id, loc.offset): loc.frame_len for loc in locs.values() if loc.codec == codec.PREDICTED}
+        assert own
+        reads: collections.Counter[tuple[str, int, int]] = collections.Counter()
+        real = s.reader.read
+        monkeypatch.setattr(s.reader, "read",
+                            lambda pack, off, n, **kw: reads.update([(pack, off, n)]) or real(pack, off, n, **kw))
+        assert_same_state(history[5], s.load())
+        monkeypatch.undo()
+        for (pack, off), n in own.items():
+            if n > codec.REFS_PREFIX:
+                assert (reads[(pack, off, n)], reads[(pack, off, codec.REFS_PREFIX)]) == (1, 1)
+            else:  # the record reaches the frame's end: both reads are of the whole frame
+                assert reads[(pack, off, n)] == 2
+
+
 def test_gc_reads_only_the_header_and_record_of_predicted_frames(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """gc follows every live chunk's references under the exclusive lock: of a predicted frame it reads the
@@ -899,7 +926,7 @@ def test_gc_reads_only_the_header_and_record_of_predicted_frames(tmp_path: Path,
         real = s.reader.read
         monkeypatch.setattr(s.reader, "read", lambda pack, off, n, **kw: reads.append(n) or real(pack, off, n, **kw))
         s.gc(repack_below=0.0)
-        assert len(reads) >= predicted and max(reads) <= codec.HEADER_SIZE + 4 + maintenance._RECORD_MAX
+        assert len(reads) >= predicted and max(reads) <= codec.REFS_PREFIX
         monkeypatch.undo()
         for step in (2, 4, 5, 6):
             assert_same_state(history[step], s.load(step))
