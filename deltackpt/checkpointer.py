@@ -24,8 +24,10 @@ import functools
 import os
 import random
 import signal
+import sys
 import threading
 import warnings
+import weakref
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,6 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from deltackpt import manifest
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
@@ -46,6 +49,41 @@ from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_metadata, 
 from deltackpt.tree import Encoded, alias_key, child_path, encode_registered, flatten, registered_types
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+#: checkpointers with async saves, for :func:`_finish_saves_at_exit`
+_async: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+_exit_hook = threading.Lock()
+_exit_hooked = False
+
+
+def _finish_saves_at_exit() -> None:
+    """Wait for every async save still in flight when the main thread ends (no ``close()``: an exception, a
+    ``sys.exit``, a loop that returned), and report a failed one on stderr, as nothing else will raise it.
+
+    It runs when the main thread has ended and before concurrent.futures stops taking work, so the save still
+    uses every worker (once that has stopped, the save goes on on its own thread). Registered with
+    ``threading._register_atexit``, as concurrent.futures registers its own; where Python lacks it, the
+    interpreter still waits for the save's thread at exit, and only the report is lost."""
+    for ckpt in list(_async):
+        fut = ckpt._inflight
+        if fut is None:
+            continue
+        try:
+            fut.result()
+        except BaseException as exc:  # reported here: nobody is left to raise it to
+            sys.stderr.write(f"deltackpt: the background save of step {ckpt._inflight_step} to {ckpt.store.path} "
+                             f"failed as the interpreter exited: {type(exc).__name__}: {exc}\n")
+
+
+def _hook_exit() -> None:
+    global _exit_hooked
+    with _exit_hook:
+        if not _exit_hooked:
+            register = getattr(threading, "_register_atexit", None)
+            if register is not None:
+                with contextlib.suppress(RuntimeError):  # (the interpreter is exiting already)
+                    register(_finish_saves_at_exit)
+            _exit_hooked = True
 T = TypeVar("T")
 
 
@@ -214,6 +252,17 @@ def _group_load(g: Any, state: Any) -> None:
         return
     for _, member, saved in _with_states(g, state):
         member.load_state_dict(saved)
+
+
+def _checkpointer_layout(state: Any) -> bool:
+    """Whether a stored state (or its skeleton) is laid out as :meth:`Checkpointer.capture` lays it out."""
+    return isinstance(state, Mapping) and "step" in state and "model" in state
+
+
+def _has_rng(state: Mapping[str, Any]) -> bool:
+    """Whether a captured state (or its skeleton) holds the RNG states :func:`set_rng_state` puts back."""
+    rng = state.get("rng")
+    return isinstance(rng, Mapping) and all(k in rng for k in ("python", "numpy", "torch"))
 
 
 def rng_state() -> dict[str, Any]:
@@ -417,6 +466,9 @@ class Checkpointer:
     ) -> None:
         if not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
+        if retention is not None and not isinstance(retention, Retention):
+            raise TypeError(f"retention must be a deltackpt.Retention or None, got {type(retention).__name__} "
+                            f"{retention!r} (Retention(keep_last=3), say)")
         self._owns_store = not isinstance(path_or_store, Store)
         self.store = Store(path_or_store) if self._owns_store else path_or_store  # type: ignore[arg-type]
         self.model = _group(model)
@@ -438,6 +490,9 @@ class Checkpointer:
         self.last_info: CheckpointInfo | None = None
         self._staging = _Staging()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save") if async_save else None
+        if async_save:
+            _async.add(self)
+            _hook_exit()
         self._inflight: Future[CheckpointInfo] | None = None
         self._inflight_step = -1
         #: last_saved_step and last_info before the save in flight
@@ -471,7 +526,7 @@ class Checkpointer:
         ``live_model``: the model's state dicts when the caller has them (else they are taken). Without
         ``strict`` a component other than the model that the checkpoint lacks is no error: the names of those
         are returned (what :meth:`_apply` then leaves as it is)."""
-        if not isinstance(state, Mapping) or "step" not in state or "model" not in state:
+        if not _checkpointer_layout(state):
             raise DeltackptError("this checkpoint was not written by a Checkpointer (no 'step'/'model' entry)")
         if state.get("thinned"):
             raise DeltackptError(
@@ -498,6 +553,10 @@ class Checkpointer:
                 if strict:
                     raise DeltackptError(f"the checkpoint holds no extra[{k!r}]")
                 lacking.append(f"extra[{k!r}]")
+        if not _has_rng(state):
+            if strict:
+                raise DeltackptError("the checkpoint holds no RNG states ('rng' with 'python', 'numpy' and 'torch')")
+            lacking.append("rng")
         return lacking
 
     def apply(self, state: Mapping[str, Any]) -> int:
@@ -523,7 +582,8 @@ class Checkpointer:
                 v.load_state_dict(saved_extra[k])
             else:
                 self.extra[k] = saved_extra[k]
-        set_rng_state(state["rng"])
+        if strict or _has_rng(state):
+            set_rng_state(state["rng"])
         return int(state["step"])
 
     def restore(self, step: int | None = None, *, id: str | None = None, strict: bool = True) -> int:
@@ -538,7 +598,8 @@ class Checkpointer:
 
         Restoring the latest, a checkpoint found damaged (:class:`~deltackpt.errors.CorruptionError`) is skipped
         with a ``RuntimeWarning`` for the newest one before it that restores, so a job restarted onto a damaged
-        store resumes instead of failing at every restart. Thinned checkpoints (weights only) are never fallen
+        store resumes instead of failing at every restart. Its chunks are verified, and the saves that follow
+        write the ones found damaged again (see :meth:`Store.save`). Thinned checkpoints (weights only) are never fallen
         back to: if no full checkpoint restores, the first error is raised. A given ``step`` or ``id`` is
         restored or raises.
         """
@@ -549,6 +610,11 @@ class Checkpointer:
         def damaged(info: CheckpointInfo, exc: CorruptionError) -> None:
             warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, restoring the one "
                           f"before it: {exc}", RuntimeWarning, stacklevel=4)
+            # The rerun of its steps saves the same bytes again. The load stopped at the first chunk it could not
+            # decode; verify finds them all, and the store's saves then write those again instead of
+            # deduplicating onto the damaged frames (which would leave the new checkpoints damaged too).
+            with contextlib.suppress(DeltackptError):
+                self.store.verify(id=info.id)
 
         restored = newest_restorable(self.store, lambda info: self._restore(info, strict=strict), damaged)
         return 0 if restored is None else restored
@@ -651,16 +717,30 @@ class Checkpointer:
                 self.store.delete(id=cid)
 
     def _thin(self, ids: list[str], by_id: dict[str, CheckpointInfo]) -> None:
+        """Rewrite the checkpoints ``ids`` with their step and model weights only. Only checkpoints a Checkpointer
+        wrote (a dict with ``step`` and ``model`` entries) are thinned: any other (a ``Store.save``, an import)
+        has no weights this could tell apart, and is kept whole. A damaged one is kept as it is, with a
+        warning: the deletes after this still run, and the next save tries it again."""
         for cid in ids:
             info = by_id[cid]
             try:
+                layout = self.store.manifest(id=cid)
+                with contextlib.suppress(Exception):  # (a registered type not built from tensor entries: load it)
+                    layout = layout.skeleton()
+                if not isinstance(layout, manifest.Manifest) and not _checkpointer_layout(layout):
+                    continue
                 full = self.store.load(id=cid, map_location="cpu")
+                if not _checkpointer_layout(full):
+                    continue
                 meta = dict(info.metadata or {})
                 meta[THINNED_KEY] = True
                 thinned = {"step": full.get("step"), "model": full.get("model"), "thinned": True}
                 self.store.rewrite(thinned, id=cid, metadata=meta)  # keeps its place: "latest" stays the newest
             except CheckpointNotFoundError:
                 continue
+            except CorruptionError as exc:
+                warnings.warn(f"deltackpt: retention cannot thin checkpoint {cid} (step {info.step}), which is "
+                              f"damaged; it stays as it is: {exc}", RuntimeWarning, stacklevel=2)
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the save in flight (if any) is committed; raise its error."""

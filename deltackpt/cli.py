@@ -24,7 +24,7 @@ import torch
 
 from deltackpt import codec, maintenance, manifest, packs, tree
 from deltackpt.checkpointer import newest_restorable
-from deltackpt.errors import CorruptionError, DeltackptError
+from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError, InvalidNameError
 from deltackpt.store import CheckpointInfo, Store, _check_step
 
 
@@ -75,12 +75,22 @@ def progress(desc: str) -> Iterator[Callable[[int, int], None] | None]:
         bar.close()
 
 
-def _which(arg: str) -> dict[str, Any]:
+def _which(arg: str, s: Store) -> dict[str, Any]:
+    """The checkpoint a command-line argument names: ``latest``, a step, or a 16-hex-digit id. Sixteen decimal
+    digits are the id of a checkpoint of ``s`` when it has one by that id (deltackpt no longer makes such
+    ids, but older stores can hold one), else a step."""
     if arg == "latest":
         return {}
     if arg.isascii() and arg.isdigit():
+        if len(arg) == 16:
+            with contextlib.suppress(CheckpointNotFoundError):
+                return {"id": s.info(id=arg).id}
         return {"step": int(arg)}
-    return {"id": manifest.check_id(arg)}
+    try:
+        return {"id": manifest.check_id(arg)}
+    except InvalidNameError:
+        raise InvalidNameError(f"invalid checkpoint {arg!r}: expected a step (a non-negative integer), 'latest' "
+                               "or an id (16 lowercase hex digits)") from None
 
 
 def _open(path: str, *, readonly: bool = False) -> Store:
@@ -133,7 +143,7 @@ def _escaped(text: str) -> str:
 
 def cmd_show(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
-        info = s.info(**_which(args.checkpoint))
+        info = s.info(**_which(args.checkpoint, s))
         m = s.manifest(id=info.id)
         print(f"checkpoint {info.id}  step {info.step}  created {when(info.created)}  parent {info.parent or '-'}")
         if info.metadata:
@@ -232,7 +242,7 @@ def cmd_du(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s, progress("verify") as bar:
-        which = _which(args.checkpoint) if args.checkpoint else {}
+        which = _which(args.checkpoint, s) if args.checkpoint else {}
         if args.checkpoint == "latest":
             which = {"id": s.info().id}
         report = s.verify(progress=bar, **which)
@@ -247,7 +257,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
     with _open(args.store) as s:
         # every argument resolved before anything is deleted: a bad or missing one fails the call, which then
         # deleted nothing (one named twice is deleted once)
-        ids = list(dict.fromkeys(s.info(**_which(c)).id for c in args.checkpoint))
+        ids = list(dict.fromkeys(s.info(**_which(c, s)).id for c in args.checkpoint))
         deleted = [s.delete(id=i) for i in ids]
     for info in deleted:
         print(f"deleted checkpoint {info.id} (step {info.step})")
@@ -291,8 +301,15 @@ def cmd_dcp(args: argparse.Namespace) -> int:
             with Store(path) as s:
                 r = s.gc()
             print(f"gc {path.name}: freed {human(r.freed_bytes)}")
+            if r.skipped_active_packs:
+                print(f"{path.name}: {r.skipped_active_packs} pack(s) still being written by another process were "
+                      "left alone")
+            for damage in r.damaged_packs:  # as 'deltackpt gc' reports them, with its exit status
+                print(f"deltackpt: {path.name}: not repacked, a live frame is damaged: {damage}; run 'deltackpt dcp "
+                      f"{root} --verify'", file=sys.stderr)
             if r.repack_stopped:
                 print(f"deltackpt: {path.name}: repacking stopped: {r.repack_stopped}", file=sys.stderr)
+            if r.repack_stopped or r.damaged_packs:
                 rc = 1
     if args.verify:
         for path in stores:
@@ -373,7 +390,7 @@ def _tensor_dict(state: Any) -> dict[str, torch.Tensor]:
 def cmd_export(args: argparse.Namespace) -> int:
     dest = Path(args.file)
     with _open(args.store, readonly=True) as s:
-        state = s.load(**_which(args.checkpoint), map_location="cpu")
+        state = s.load(**_which(args.checkpoint, s), map_location="cpu")
     if dest.suffix == ".safetensors":
         try:
             from safetensors.torch import save_file
@@ -403,7 +420,8 @@ def cmd_export(args: argparse.Namespace) -> int:
             packs.fsync_dir(real.parent)
     except Exception as exc:  # safetensors raises its own SafetensorError, torch a RuntimeError
         if tmp is not None:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (best effort: the write's own error is what is reported)
+                tmp.unlink(missing_ok=True)
         raise DeltackptError(f"cannot write {dest}: {_first_line(exc)}") from None
     size = f" ({human(real.stat().st_size)})" if real.is_file() else ""
     print(f"exported checkpoint {args.checkpoint} to {dest}{size}")
@@ -513,6 +531,9 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
             print("this checkpoint was not written by a Checkpointer: Store.load it directly")
             return 0
         if state.get("thinned"):
+            if args.verify:  # restore() refuses it: no checkpoint would restore
+                raise DeltackptError(f"no checkpoint of {args.store} would restore: the newest one left, step "
+                                     f"{latest.step} ({latest.id}), was thinned to model weights only")
             print("warning: it was thinned to model weights only and cannot resume training")
         rows = []
         for part in ("model", "optimizer", "scheduler", "scaler", "data", "extra", "rng"):

@@ -29,7 +29,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Set
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -616,20 +616,23 @@ class Index:
     # -- checkpoints ----------------------------------------------------------------------------------
     def commit_checkpoint(
         self, record: Record, chunks: dict[bytes, ChunkLoc], *, replace: Record | None = None,
-        repoint: bool = False,
+        repoint: bool | Set[bytes] = False,
     ) -> Record:
         """THE commit point: record the new chunks and the checkpoint in one durable transaction.
 
         A chunk another writer recorded meanwhile keeps its first location (both frames are valid); with
-        ``repoint`` (a rewrite, whose chunks are all standalone frames) every entry points to the new frame.
+        ``repoint`` True (a rewrite, whose chunks are all standalone frames) every entry points to the new frame,
+        and so do the entries of the chunks ``repoint`` holds when it is a set (frames written again for
+        damaged ones).
         With ``replace``, that checkpoint's records are removed in the same transaction and the new one takes
         its place in commit order (its seq, read again here); it raises CheckpointNotFoundError if ``replace``
         is gone.
         Returns the record with its commit sequence number set.
         """
+        again = repoint if not isinstance(repoint, bool) else frozenset()
         with self._write() as txn:
             for k, loc in chunks.items():
-                txn.put(k, loc.pack(), db=self.db_chunks, overwrite=repoint)
+                txn.put(k, loc.pack(), db=self.db_chunks, overwrite=repoint is True or k in again)
             if replace is None:
                 last = txn.get(b"seq", db=self.db_meta)
                 seq = (_U64.unpack(last)[0] if last else 0) + 1

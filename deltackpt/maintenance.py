@@ -176,6 +176,7 @@ def verify(
                 report.chunks += 1
                 err = results[k]
                 if err is not None:
+                    store._damaged.add(k)  # a save of this handle that holds it writes it again
                     cid = codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big"))
                     report.problems.append(Problem(rec.id, rec.step, key, cid, err))
     return report
@@ -508,7 +509,8 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
     packs.fsync_dir(mdir)
     store.index.apply_chunk_changes(dead, {})
     _unlink_packs(store, to_delete, report)
-    for p in (store.path / "tmp").iterdir():
+    tmp = store.path / "tmp"
+    for p in tmp.iterdir() if tmp.is_dir() else ():  # (an empty tmp/ lost, say by a cleaner: saves make it again)
         p.unlink()
     return [(pack_id, all_packs[pack_id]) for pack_id in to_repack]
 

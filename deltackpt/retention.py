@@ -22,7 +22,8 @@ import numpy as np
 if TYPE_CHECKING:
     from deltackpt.store import CheckpointInfo
 
-#: Metadata key of a tag; a checkpoint saved with ``metadata={"tag": "..."}`` is kept by ``keep_tagged``.
+#: Metadata key of a tag; a checkpoint saved with ``metadata={"tag": ...}`` (any value but None or False) is kept by
+#: ``keep_tagged``.
 TAG_KEY = "tag"
 #: Metadata key set on checkpoints rewritten to hold model weights only.
 THINNED_KEY = "thinned"
@@ -41,7 +42,8 @@ class Retention:
 
     keep_last     keep the N most recent checkpoints (always at least the newest one)
     keep_every    keep checkpoints whose step is a multiple of this (e.g. 1000)
-    keep_tagged   keep checkpoints saved with ``metadata={"tag": ...}`` (default True)
+    keep_tagged   keep checkpoints saved with ``metadata={"tag": ...}``, any value but None or False (default
+                  True)
     keep_best     (metric, "min" | "max"): keep the ``best_k`` checkpoints with the best
                   ``metadata[metric]``
     best_k        how many "best" checkpoints to keep (default 1)
@@ -94,7 +96,7 @@ class Retention:
         if self.keep_every is not None:
             keep.update(i.id for i in infos if i.step % self.keep_every == 0)
         if self.keep_tagged:
-            keep.update(i.id for i in infos if isinstance(i.metadata, dict) and i.metadata.get(TAG_KEY))
+            keep.update(i.id for i in infos if isinstance(i.metadata, dict) and _tagged(i.metadata.get(TAG_KEY)))
         if self.keep_best is not None:
             metric, mode = self.keep_best
             scored = [(score, i.seq, i.id) for i in infos if isinstance(i.metadata, dict)
@@ -116,6 +118,14 @@ class Retention:
             thin=thin,
             delete=[i for i in ids if i not in keep],
         )
+
+
+def _tagged(tag: object) -> bool:
+    """Whether a ``tag`` metadata value tags its checkpoint: any value but None and False (a tag of 0 or "" is
+    one; ``{"tag": is_milestone}`` with False is not)."""
+    if isinstance(tag, (bool, np.bool_)):
+        return bool(tag)
+    return tag is not None
 
 
 def _score(value: object) -> float | None:

@@ -422,6 +422,9 @@ class Store:
         self._delta_stats: dict[str, tuple[int, int]] = {}
         self._predict_stats: dict[str, tuple[int, int]] = {}  # the same for predicted frames
         self._base_cache = ChunkCache(cache if self.max_chain else 0)
+        #: chunks a load or verify of this handle found it cannot decode (a damaged frame, base or input): a save
+        #: holding one writes it again, standalone, instead of deduplicating onto the stored frame
+        self._damaged: set[bytes] = set()
         self._closed = False
         #: the gc lock file, held exclusively from :func:`~deltackpt.maintenance.open_for_repair` until the
         #: repair commits (or the store closes); this handle's own operations then take no lock
@@ -498,6 +501,14 @@ class Store:
                         ThreadPoolExecutor(self.read_threads, thread_name_prefix="deltackpt-read"),
                     )
         return pools[1], pools[2]
+
+    def _submit(self, fn: Callable[..., _R], *args: Any) -> Future[_R] | _Done:
+        """``pool.submit(fn, *args)``; run here once the interpreter is exiting, when concurrent.futures takes no
+        new work (an async save still running as the main thread ended, a save from an ``atexit`` handler)."""
+        try:
+            return self.pool.submit(fn, *args)
+        except RuntimeError:
+            return _Done.run(fn, *args)
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -685,6 +696,8 @@ class Store:
         if parent is not None:
             manifest.check_id(parent)
         ckpt_id = secrets.token_hex(8)
+        while ckpt_id.isdigit():  # (1 in 1850) the command line would read it as a step
+            ckpt_id = secrets.token_hex(8)
         with self._save_lock, self._gc_lock():
             self.reader.drop_unlinked()
             if _replace is not None:
@@ -728,6 +741,7 @@ class Store:
                     written_bytes=written,
                     extra={"generation": generation, **replaces},
                 )
+                self._tmp_dir.mkdir(exist_ok=True)  # (an empty tmp/ can be lost: a cleaner of empty directories)
                 _, checksum = manifest.write(self._manifests_dir, self._tmp_dir, m)  # 2. manifest durable
                 rec = Record(
                     id=ckpt_id,
@@ -741,7 +755,7 @@ class Store:
                     extra=replaces,
                 )
                 rec = self.index.commit_checkpoint(rec, new_locs, replace=_replace,  # 3. THE COMMIT POINT
-                                                   repoint=_replace is not None)
+                                                   repoint=True if _replace is not None else self._damaged)
             except BaseException:
                 # Nothing of a save that did not commit is referenced: on a full disk, say, its frames and its
                 # manifest give their space back (else gc reclaims them).
@@ -750,6 +764,7 @@ class Store:
                     with contextlib.suppress(OSError):  # best effort: the save's own error is what propagates
                         self._unlink_manifest(ckpt_id)
                 raise
+            self._damaged.difference_update(new_locs)
             if _replace is None:
                 self._head = ckpt_id
                 self._last_manifest = m
@@ -864,7 +879,7 @@ class Store:
         def submit(leaf: tree.Leaf, entry: manifest.TensorEntry, i: int, k: bytes, base: tuple[bytes, int] | None,
                    buf: np.ndarray, prediction: tuple[predict.Role, list[bytes], int] | None = None) -> None:
             view = memoryview(buf)[i * cs : i * cs + min(cs, leaf.nbytes - i * cs)]
-            run = self.pool.submit if len(view) >= _INLINE_BELOW else _Done.run
+            run = self._submit if len(view) >= _INLINE_BELOW else _Done.run
             if prediction is not None:
                 assert base is not None
                 role, refs, pred_depth = prediction
@@ -914,7 +929,7 @@ class Store:
                     stored = {k for k, loc in found.items() if loc.codec not in codec.BASED}
                 else:
                     stored = self.index.has_chunks(k for _, k in todo)
-                todo = [(i, k) for i, k in todo if k not in stored]
+                todo = [(i, k) for i, k in todo if k not in stored or k in self._damaged]
                 role = roles.get(leaf.path) if not on_device else None
                 phase = generation + (zlib.crc32(role.m.encode()) if role is not None else entry.first)
                 bases = {}
@@ -926,7 +941,8 @@ class Store:
                     if k in pending:
                         continue  # the same bytes twice in this tensor
                     pending.add(k)
-                    base = bases.get(i)
+                    # a chunk written again for a damaged frame is a keyframe: chains through it keep their depth
+                    base = bases.get(i) if k not in self._damaged else None
                     if role is not None and base is not None:
                         deferred.append((leaf, entry, i, k, base))
                     else:
@@ -976,6 +992,8 @@ class Store:
             if pm.flags[j] & manifest.FLAG_ZERO or pt.chunk_len(i, pm.chunk_size) != n:
                 return None
             refs.append(pm.digests[j].tobytes() + k[16:])
+        if any(r in self._damaged for r in refs):
+            return None
         depths = [new_locs[r].depth if r in new_locs else None for r in refs]
         missing = [r for r, d in zip(refs, depths) if d is None]
         found = self.index.lookup_chunks(missing) if missing else {}
@@ -1021,6 +1039,8 @@ class Store:
             if pm.flags[j] & manifest.FLAG_ZERO:
                 continue
             cand[i] = pm.digests[j].tobytes() + k[16:]
+            if cand[i] in self._damaged:
+                del cand[i]
         locs = self.index.lookup_chunks(cand.values())
         out: dict[int, tuple[bytes, int]] = {}
         for i, bk in cand.items():
@@ -1361,8 +1381,14 @@ class Store:
                 exc = CorruptChunkError(exc.reason, chunk_id=_kid(item[1]), key=item[0].key)
             return CorruptChunkError(exc.reason, chunk_id=exc.chunk_id, checkpoint=m.id, key=exc.key)
 
-        self.read_each(lambda item: self.read_chunk(item[1], locs[item[1]], out=item[2], verify=verify, bases=chains,
-                                                     scratch=scratch), first, named)
+        def decode(item: tuple[manifest.TensorEntry, bytes, np.ndarray]) -> None:
+            try:
+                self.read_chunk(item[1], locs[item[1]], out=item[2], verify=verify, bases=chains, scratch=scratch)
+            except CorruptChunkError:
+                self._damaged.add(item[1])
+                raise
+
+        self.read_each(decode, first, named)
         if not later:
             for part, dest in parts:
                 dest[:] = part
@@ -1424,7 +1450,10 @@ class Store:
                 _worker.before_blocking = None
 
         with lock:
-            workers.extend(self.read_pool.submit(work) for _ in range(min(self.threads, most)))
+            with contextlib.suppress(RuntimeError):  # the interpreter is exiting (a load from an atexit handler)
+                workers.extend(self.read_pool.submit(work) for _ in range(min(self.threads, most)))
+        if not workers:  # ... then this thread does the work (outside the lock, which more() takes)
+            workers.append(_Done.run(work))  # type: ignore[arg-type]
         done = 0
         while done < len(workers):  # workers can be added until the last one ends
             workers[done].result()
@@ -1446,6 +1475,7 @@ class Store:
                     self.read_chunk(k, locs[k], out=view, verify=verify, bases=chains, memo=memo, known=decoded,
                                     scratch=scratch)
                 except CorruptChunkError as exc:
+                    self._damaged.add(k)
                     raise CorruptChunkError(exc.reason, chunk_id=_kid(k), key=t.key) from None
                 memo[k] = view
         finally:

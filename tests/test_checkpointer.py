@@ -1352,3 +1352,180 @@ def test_restore_not_strict_leaves_what_the_checkpoint_lacks(tmp_path: Path) -> 
     with Checkpointer(tmp_path / "s", model=torch.nn.Linear(8, 5)) as ckpt:
         with pytest.raises(deltackpt.ShapeMismatchError):
             ckpt.restore(strict=False)
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+
+
+def test_thinning_keeps_checkpoints_a_checkpointer_did_not_write_whole(fast_dir: Path) -> None:
+    """full_last thins a Checkpointer's checkpoints to their weights; one saved some other way (Store.save of a
+    list, an imported state with no "model" entry) has no weights it could tell apart and stays whole, and later
+    saves go on (it emptied the first, and the second made every later save raise)."""
+    pretrained = {"encoder.weight": torch.randn(16, 8), "encoder.bias": torch.randn(16)}
+    with Store(fast_dir / "store") as s:
+        s.save(pretrained, step=0, metadata={"tag": "pretrained"})
+        s.save([torch.arange(5.0)], step=1, metadata={"tag": "list"})
+    model, opt = _small()
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=False, handle_signals=False,
+                      retention=Retention(keep_last=2, full_last=1)) as ckpt:
+        for step in range(2, 6):
+            _train_step(model, opt)
+            assert ckpt.step(step)
+        infos = {i.step: i for i in ckpt.store.list()}
+        assert sorted(infos) == [0, 1, 4, 5]
+        assert infos[4].metadata == {"thinned": True} and set(ckpt.store.load(4)) == {"step", "model", "thinned"}
+        ckpt.store.gc()
+        assert_bitwise(pretrained, ckpt.store.load(0))
+        assert_bitwise([torch.arange(5.0)], ckpt.store.load(1))
+        assert not any(i.metadata.get("thinned") for s, i in infos.items() if s < 2)
+
+
+def test_retention_passes_over_a_damaged_checkpoint_it_would_thin(fast_dir: Path) -> None:
+    """A checkpoint full_last is due to thin is damaged: retention warns and leaves it as it is; the save stands
+    and the deletes still run (step() raised at every save, and nothing was deleted)."""
+    model, opt = _small()
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=False, handle_signals=False,
+                      retention=Retention(keep_last=3, full_last=1)) as ckpt:
+        _train_step(model, opt)
+        ckpt.step(1)
+        first = ckpt.store.info(1).id
+        manifest_1 = fast_dir / "store" / "manifests" / f"{first}.manifest"
+        data = bytearray(manifest_1.read_bytes())
+        data[40] ^= 0xFF
+        manifest_1.write_bytes(bytes(data))
+        for step in range(2, 6):
+            _train_step(model, opt)
+            with pytest.warns(RuntimeWarning, match=f"cannot thin checkpoint {first} \\(step 1\\)") if step < 4 \
+                    else warnings.catch_warnings():
+                assert ckpt.step(step)
+        assert [i.step for i in ckpt.store.list()] == [3, 4, 5]
+
+
+def test_a_retention_of_the_wrong_type_is_refused_before_any_save(fast_dir: Path) -> None:
+    for bad in ({"keep_last": 3}, "keep_last=3", 3):
+        with pytest.raises(TypeError, match="retention must be a deltackpt.Retention"):
+            Checkpointer(fast_dir / "store", model=torch.nn.Linear(2, 2), retention=bad,  # type: ignore[arg-type]
+                         handle_signals=False)
+    with Store(fast_dir / "store") as s:
+        assert s.list() == []
+
+
+def test_a_checkpoint_without_rng_states_is_refused_before_anything_is_restored(fast_dir: Path) -> None:
+    """A checkpoint in the Checkpointer's layout but without "rng" (converted from a torch.save file, say) is
+    refused by restore() before the model changes (it raised KeyError after loading model and optimizer);
+    with strict=False the rest is restored and the RNGs are named in the warning."""
+    model, opt = _small()
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=False,
+                      handle_signals=False) as ckpt:
+        _train_step(model, opt)
+        state = ckpt.capture(1)
+        del state["rng"]
+        ckpt.store.save(state, step=1)
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh, fresh_opt = _small()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with Checkpointer(fast_dir / "store", model=fresh, optimizer=fresh_opt, handle_signals=False) as ckpt:
+        with pytest.raises(deltackpt.DeltackptError, match="no RNG states"):
+            ckpt.restore()
+        assert_bitwise(before, fresh.state_dict())
+        torch.manual_seed(7)
+        rng_before = torch.get_rng_state()
+        with pytest.warns(RuntimeWarning, match="holds no rng"):
+            assert ckpt.restore(strict=False) == 1
+        assert_bitwise(saved, fresh.state_dict())
+        assert torch.equal(rng_before, torch.get_rng_state())
+
+
+def test_a_resumed_run_writes_a_damaged_chunk_again_rather_than_deduplicating_onto_it(fast_dir: Path) -> None:
+    """Chunks only the newest checkpoint holds are damaged: restore() resumes from the one before, and the rerun
+    of that step saves the same bytes. The save writes the damaged chunks again, standalone (it deduplicated
+    onto the damaged frames, so the checkpoint it had just committed did not load), and re-points the index at
+    them, which repairs the damaged checkpoint too."""
+    model, opt = _small()
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=False,
+                      handle_signals=False) as ckpt:
+        for step in (1, 2, 3):
+            _train_step(model, opt)
+            ckpt.step(step)
+            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        store = ckpt.store
+        old3 = store.info(3).id
+        keys = {s: {k for _, k in _stored(store.manifest(step=s))} for s in (2, 3)}
+        only3 = sorted(keys[3] - keys[2])[:2]  # two: the load stops at the first, restore() finds the other
+        assert len(only3) == 2
+        locs = store.index.lookup_chunks(only3)
+    for loc in locs.values():
+        pack = fast_dir / "store" / "packs" / f"{loc.pack_id}.pack"
+        data = bytearray(pack.read_bytes())
+        data[loc.offset + loc.frame_len - 3] ^= 0xFF
+        pack.write_bytes(bytes(data))
+    fresh, fresh_opt = _small()
+    with Checkpointer(fast_dir / "store", model=fresh, optimizer=fresh_opt, async_save=False,
+                      handle_signals=False) as ckpt:
+        with pytest.warns(RuntimeWarning, match=f"checkpoint {old3} \\(step 3\\) is damaged"):
+            assert ckpt.restore() == 2
+        _train_step(fresh, fresh_opt)  # the RNGs are restored: the same step again
+        assert_bitwise(states[3], fresh.state_dict())
+        info = ckpt.save(3) or ckpt.last_info
+        assert info is not None and info.written_bytes > 0
+        assert_bitwise(states[3], ckpt.store.load(id=info.id)["model"])
+        assert_bitwise(states[3], ckpt.store.load(id=old3)["model"])  # the damaged one loads again
+        assert ckpt.store.verify().ok
+        assert {loc.depth for loc in ckpt.store.index.lookup_chunks(only3).values()} == {0}
+
+
+def _stored(m: Any) -> list[tuple[str, bytes]]:
+    from deltackpt import maintenance
+    return maintenance._stored_chunks(m)
+
+
+def test_a_save_makes_a_lost_tmp_directory_again(fast_dir: Path) -> None:
+    """tmp/ is empty between saves and a cleaner of empty directories may remove it: the next save makes it
+    again (every save raised FileNotFoundError until the store was opened again), and gc does not mind."""
+    with Store(fast_dir / "store") as s:
+        s.save({"w": torch.zeros(3)}, step=1)
+        (fast_dir / "store" / "tmp").rmdir()
+        s.gc()
+        s.save({"w": torch.ones(3)}, step=2)
+        assert_bitwise({"w": torch.ones(3)}, s.load(2))
+
+
+_EXIT_SCRIPT = """
+import atexit, sys, torch, deltackpt
+path, how = sys.argv[1], sys.argv[2]
+model = torch.nn.Linear(512, 512)  # a 1 MiB weight: its chunks are encoded on the store's worker pool
+opt = torch.optim.AdamW(model.parameters())
+if how == "atexit":  # a save and a load from an atexit handler, which runs after concurrent.futures stopped
+    def at_exit():
+        with deltackpt.Store(path) as s:
+            s.save({"model": model.state_dict()}, step=1)
+            assert torch.equal(s.load(1)["model"]["weight"], model.weight)
+    atexit.register(at_exit)
+    sys.exit(0)
+ck = deltackpt.Checkpointer(path, model=model, optimizer=opt, handle_signals=False)
+model(torch.randn(2, 512)).sum().backward()
+opt.step()
+ck.step(1)  # returns with the save in flight; no close()
+if how == "raise":
+    raise RuntimeError("the training loop failed")
+if how == "exit":
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("how", ["end", "raise", "exit", "atexit"])
+def test_a_save_in_flight_as_the_interpreter_exits_is_committed(fast_dir: Path, how: str) -> None:
+    """A job whose main thread ends with an async save in flight and no close() (the loop returned, raised, or
+    called sys.exit) keeps that checkpoint: the save used to fail as concurrent.futures stopped taking work,
+    silently. Saves and loads from an atexit handler work too."""
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, str(fast_dir / "store"), how],
+                          capture_output=True, text=True, timeout=120, env=worker_env())
+    assert done.returncode == {"end": 0, "raise": 1, "exit": 3, "atexit": 0}[how], done.stderr
+    assert "deltackpt" not in done.stderr
+    with Store(fast_dir / "store") as s:
+        assert [i.step for i in s.list()] == [1]
+        assert s.verify().ok

@@ -942,3 +942,53 @@ def test_resume_info_counts_a_tied_weight_once(capsys: pytest.CaptureFixture[str
     rc, out, _ = cli(capsys, "resume-info", store_path)
     model_line = next(line for line in out.splitlines() if line.startswith("model"))
     assert rc == 0 and model_line.split(None, 1)[1].startswith("1 tensors, 128 B"), model_line
+
+
+class _DigitsId(str):
+    """An id of decimal digits only, as 1 in 1850 of those earlier versions drew (the check that now draws again
+    is told it is not)."""
+
+    def isdigit(self) -> bool:
+        return False
+
+
+def test_an_id_of_decimal_digits_names_its_checkpoint(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command line read every all-digit argument as a step, so a checkpoint whose id is sixteen decimal
+    digits could not be shown, exported or removed; such an argument now names that id when the store has it
+    (else a step), and saves no longer draw such ids."""
+    with deltackpt.Store(store_path) as s:
+        s.save({"w": torch.zeros(4)}, step=6)
+        with monkeypatch.context() as m:
+            m.setattr("deltackpt.store.secrets.token_hex", lambda n: _DigitsId("4821509937716402"))
+            s.save({"w": torch.ones(4)}, step=6)
+        draws = iter(["1234567890123456", "00000000000000ab"])
+        with monkeypatch.context() as m:
+            m.setattr("deltackpt.store.secrets.token_hex", lambda n: next(draws))
+            assert s.save({"w": torch.full((4,), 2.0)}, step=7).id == "00000000000000ab"
+    rc, out, _ = cli(capsys, "show", store_path, "4821509937716402")
+    assert rc == 0 and "4821509937716402" in out
+    rc, out, _ = cli(capsys, "show", store_path, "6")  # a step: the newest checkpoint of step 6
+    assert rc == 0 and "4821509937716402" in out
+    rc, _, err = cli(capsys, "show", store_path, "1234567890123456")
+    assert rc == 1 and "no checkpoint at step 1234567890123456" in err
+    assert cli(capsys, "rm", store_path, "4821509937716402")[0] == 0
+    with deltackpt.Store(store_path) as s:
+        assert [i.step for i in s.list()] == [6, 7]
+    rc, _, err = cli(capsys, "show", store_path, "-1")
+    assert rc == 1 and "expected a step (a non-negative integer), 'latest' or an id" in err
+
+
+def test_resume_info_verify_fails_when_only_a_thinned_checkpoint_is_left(capsys: pytest.CaptureFixture[str],
+                                                                         store_path: Path) -> None:
+    """restore() refuses a checkpoint thinned to weights only, so --verify, which finds the checkpoint a restore
+    would resume from, fails (it printed that a run would resume from it, and exited 0)."""
+    with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(2, 2), async_save=False,
+                                handle_signals=False) as ckpt:
+        ckpt.step(1)
+        ckpt._thin([ckpt.store.info(1).id], {i.id: i for i in ckpt.store.list()})
+    rc, _, err = cli(capsys, "resume-info", store_path, "--verify")
+    assert rc == 1
+    assert_one_line_error(err, "would restore", "step 1", "thinned to model weights only")
+    rc, out, _ = cli(capsys, "resume-info", store_path)
+    assert rc == 0 and "cannot resume training" in out

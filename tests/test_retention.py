@@ -42,7 +42,7 @@ metadata = st.one_of(
         {},
         optional={
             METRIC: metric_values,
-            TAG_KEY: st.one_of(st.none(), st.just(""), st.sampled_from(["best", "x"]), st.booleans()),
+            TAG_KEY: st.one_of(st.none(), st.just(""), st.sampled_from(["best", "x", 0, 0.0]), st.booleans()),
             THINNED_KEY: st.booleans(),
             "other": st.integers(0, 3),
         },
@@ -97,7 +97,8 @@ def rule_selections(policy: Retention, infos: list[CheckpointInfo]) -> dict[str,
     if policy.keep_every is not None:
         out["keep_every"] = {i.id for i in infos if i.step % policy.keep_every == 0}
     if policy.keep_tagged:
-        out["keep_tagged"] = {i.id for i in infos if _meta(i).get(TAG_KEY)}
+        # any tag but None and False: a tag of 0 or "" (an epoch number, say) tags its checkpoint
+        out["keep_tagged"] = {i.id for i in infos if (t := _meta(i).get(TAG_KEY)) is not None and t is not False}
     if policy.keep_within is not None:
         out["keep_within"] = {i.id for i in infos if NOW - i.created <= policy.keep_within}
     if policy.keep_best is not None:
