@@ -50,6 +50,33 @@ from deltackpt.tree import Encoded, alias_key, child_path, encode_registered, fl
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
+#: checkpointers a signal flagged that have not saved yet, and the step each that did saved at (see "signals")
+_stopping: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+_stopped: weakref.WeakKeyDictionary[Checkpointer, int] = weakref.WeakKeyDictionary()
+#: (signal, handler) a checkpointer stepped off the main thread hands to the main thread to pass the signal on
+_forward: list[tuple[int, Any]] = []
+
+
+def _owner(handler: Any) -> Checkpointer | None:
+    """The checkpointer whose signal handler ``handler`` is, if it is one."""
+    owner = getattr(handler, "__self__", None)
+    if isinstance(owner, Checkpointer) and getattr(handler, "__func__", None) is Checkpointer._on_signal:
+        return owner
+    return None
+
+
+def _pass_to(handler: Any, signum: int, frame: Any, *, kill: bool = False) -> None:
+    """What the handler ``handler`` does with the signal: call it, ignore it (SIG_IGN), or the default action:
+    exit with status 128 + signal (SystemExit), or with ``kill`` end the process by the signal itself."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler != signal.SIG_IGN:
+        if kill:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+        raise SystemExit(128 + signum)
+
+
 #: checkpointers with async saves, for :func:`_finish_saves_at_exit`
 _async: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 _exit_hook = threading.Lock()
@@ -497,7 +524,8 @@ class Checkpointer:
         self._inflight_step = -1
         #: last_saved_step and last_info before the save in flight
         self._inflight_prev: tuple[int | None, CheckpointInfo | None] = (None, None)
-        self._signal: int | None = None
+        self._signal: int | None = None  # a signal this checkpointer is to save at, at its next step
+        self._stopped_by = 0  # the signal it saved at while in _stopped
         self._previous: dict[int, Any] = {}
         self._closed = False
         if handle_signals:
@@ -654,12 +682,17 @@ class Checkpointer:
         step = _check_step(step)
         _check_metadata(metadata)  # (at every step, not only at those that save)
         self._raise_background_error()
+        if self in _stopped:  # saved at a signal already, at an earlier step
+            if max(_stopped.values()) > _stopped[self]:
+                self._signal = self._stopped_by  # another saved at a later step since: save at this one too
+            else:  # the checkpointers it waits for are not being stepped
+                self._pass_signal_on(self._stopped_by)
         if self._signal is not None:
             if step == self.last_saved_step:
                 self.wait()  # this step's save is already under way
             else:
                 self.save(step, wait=True, keyframe=True, metadata=metadata)
-            self._pass_signal_on()
+            self._saved_at_signal(step)
             return True
         if step % self.every_n_steps == 0 and step != self.last_saved_step:
             self.save(step, metadata=metadata)
@@ -782,7 +815,8 @@ class Checkpointer:
         if self._closed:
             return
         self._closed = True
-        previous = dict(self._previous)
+        pending = self._signal if self._signal is not None else self._stopped_by if self in _stopped else None
+        beneath = self._beneath(pending) if pending is not None else None
         try:
             self.wait()
         finally:
@@ -791,13 +825,11 @@ class Checkpointer:
             self._restore_signals()
             if self._owns_store:
                 self.store.close()
-        signum, self._signal = self._signal, None
-        if signum is not None and signum in previous:
-            prev = previous[signum]
-            if callable(prev):
-                prev(signum, None)
-            elif prev != signal.SIG_IGN:
-                raise SystemExit(128 + signum)
+        self._signal = None
+        _stopping.discard(self)
+        _stopped.pop(self, None)
+        if pending is not None and not any(c._signal == pending for c in _stopping):
+            self._pass_signal_on(pending, beneath)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -812,7 +844,7 @@ class Checkpointer:
     @property
     def stop_requested(self) -> bool:
         """True once SIGTERM/SIGINT arrived (with ``handle_signals``)."""
-        return self._signal is not None
+        return self._signal is not None or self in _stopped
 
     @property
     def staging_bytes(self) -> int:
@@ -820,6 +852,15 @@ class Checkpointer:
         return self._staging.nbytes
 
     # -- signals ---------------------------------------------------------------------------------------------
+    # Each checkpointer installs its handler over the one before it (kept in _previous). A signal flags the
+    # checkpointer whose handler runs and the open checkpointers whose handlers lie directly beneath it (one
+    # loop's several checkpointers, a GAN's two say), so that each saves at its next step(): the same step. The
+    # signal is passed on to the first handler beneath them that is no checkpointer's once all of them have
+    # saved, or once one that saved reaches its next step first (the others are not being stepped), or closes.
+    # A closed checkpointer's handler that close() could not take down (another was installed over it, or it
+    # closed off the main thread) passes signals straight on. Handlers run on the main thread: a checkpointer
+    # stepped on another thread hands the passing on to it.
+
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             warnings.warn("Checkpointer: signal handlers can only be installed from the main thread; "
@@ -829,36 +870,83 @@ class Checkpointer:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _restore_signals(self) -> None:
+        """Where this checkpointer's handler is the one installed, put back the one before it (skipping closed
+        checkpointers' handlers). Elsewhere (off the main thread, or under another handler) it stays, and
+        passes signals on once the checkpointer is closed."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for sig, handler in self._previous.items():
+        for sig, handler in list(self._previous.items()):
             if signal.getsignal(sig) == self._on_signal:
+                while (owner := _owner(handler)) is not None and owner._closed:
+                    handler = owner._previous.get(sig, signal.SIG_DFL)
                 signal.signal(sig, handler)
-        self._previous.clear()
+                del self._previous[sig]
+
+    def _chained(self, signum: int) -> list[Checkpointer]:
+        """The open checkpointers whose handlers lie directly beneath this one's (no other handler between)."""
+        out: list[Checkpointer] = []
+        handler = self._previous.get(signum)
+        while (owner := _owner(handler)) is not None:
+            if not owner._closed:
+                out.append(owner)
+            handler = owner._previous.get(signum)
+        return out
+
+    def _beneath(self, signum: int) -> Any:
+        """The first handler beneath this one's that is no checkpointer's: where the signal goes once saved."""
+        handler = self._previous.get(signum, signal.SIG_DFL)
+        while (owner := _owner(handler)) is not None:
+            handler = owner._previous.get(signum, signal.SIG_DFL)
+        return handler
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        for i, (sig, handler) in enumerate(_forward):  # handed over by a checkpointer stepped on another thread
+            if sig == signum:
+                del _forward[i]
+                _pass_to(handler, signum, frame, kill=True)
+                return
+        if self._closed:
+            _pass_to(self._previous.get(signum, signal.SIG_DFL), signum, frame)
+            return
         if self._signal is not None and signum == signal.SIGINT:
             # a second Ctrl-C: do not wait for the step boundary
             self._restore_signals()
             raise KeyboardInterrupt
-        self._signal = signum
+        for ckpt in (self, *self._chained(signum)):
+            if ckpt._signal is None:
+                ckpt._signal = signum
+                _stopping.add(ckpt)
 
-    def _pass_signal_on(self) -> None:
+    def _saved_at_signal(self, step: int) -> None:
+        """This checkpointer saved ``step`` at its signal. The signal is passed on once every checkpointer flagged
+        with it saved, all at the same step; one that saved an earlier step saves again at its next."""
         signum = self._signal
         assert signum is not None
-        prev = self._previous.get(signum, signal.SIG_DFL)
-        self._restore_signals()
-        if callable(prev):
-            prev(signum, None)
-            # the earlier handler chose to carry on: keep watching for the next signal
-            self._signal = None
-            self._install_signals()
+        self._signal = None
+        _stopping.discard(self)
+        self._stopped_by = signum
+        _stopped[self] = step
+        if not any(c._signal == signum for c in _stopping) and len(set(_stopped.values())) == 1:
+            self._pass_signal_on(signum)
+
+    def _pass_signal_on(self, signum: int, beneath: Any = None) -> None:
+        """Hand ``signum`` to the handler beneath the checkpointers (``beneath``, when close() found it already).
+        The default action exits with status 128 + signal; a handler that returns, or SIG_IGN, lets the run go
+        on, still watching."""
+        _stopped.clear()
+        for ckpt in list(_stopping):  # (those flagged with it that never saved: no longer waited for)
+            if ckpt._signal == signum:
+                ckpt._signal = None
+                _stopping.discard(ckpt)
+        handler = self._beneath(signum) if beneath is None else beneath
+        if threading.current_thread() is not threading.main_thread():
+            if handler != signal.SIG_IGN:
+                _forward.append((signum, handler))
+                # to the main thread, which runs the handler installed (it passes the signal on) at once, even in a
+                # join() of this thread (a signal raised here would interrupt nothing there)
+                signal.pthread_kill(threading.main_thread().ident or 0, signum)
             return
-        if prev == signal.SIG_IGN:  # ignored before: carry on, and keep watching (SIGINT too)
-            self._signal = None
-            self._install_signals()
-            return
-        raise SystemExit(128 + signum)
+        _pass_to(handler, signum, None)
 
 
 __all__ = ["Checkpointer", "rng_state", "set_rng_state"]

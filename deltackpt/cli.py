@@ -24,8 +24,14 @@ import torch
 
 from deltackpt import codec, maintenance, manifest, packs, tree
 from deltackpt.checkpointer import newest_restorable
-from deltackpt.errors import CheckpointNotFoundError, CorruptionError, DeltackptError, InvalidNameError
-from deltackpt.store import CheckpointInfo, Store, _check_step
+from deltackpt.errors import (
+    CheckpointNotFoundError,
+    CorruptionError,
+    DeltackptError,
+    InvalidNameError,
+    UnsafeLoadError,
+)
+from deltackpt.store import CheckpointInfo, Store, _check_step, _holds_checkpoints
 
 
 def human(n: float) -> str:
@@ -101,7 +107,8 @@ def _open(path: str, *, readonly: bool = False) -> Store:
         if (p / "meta" / "STORE").exists():
             raise DeltackptError(f"{path} is a sharded (DCP) checkpoint root: 'deltackpt dcp {path}' lists its "
                                  f"steps; its stores are {p / 'meta'} and {p / 'rank-*'} (each rank's shards)")
-        raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
+        if not _holds_checkpoints(p):  # (else the store names what is wrong: STORE lost)
+            raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
     return Store(p, readonly=True if readonly else None)
 
 
@@ -234,7 +241,7 @@ def cmd_du(args: argparse.Namespace) -> int:
              f"{predicted[0]} of {n_chunks}, {human(predicted[2])} for {human(predicted[1])} raw"
              + (f" ({predicted[1] / predicted[2]:.2f}x)" if predicted[2] else "")),
             ("deepest chain (generations a chunk's decode reads)", str(deepest + 1) if n_chunks else "-"),
-            ("reclaimable by gc (packs - live frames)", human(max(0, packs_bytes - frames))),
+            ("dead bytes in packs (what gc --repack-below 1 frees)", human(max(0, packs_bytes - frames))),
         ]
         print(table(rows, ["", ""]))
     return 0
@@ -271,13 +278,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
     print(f"dropped {r.dead_chunks} dead chunk(s); deleted {r.deleted_packs} pack(s), repacked "
           f"{r.repacked_packs} ({r.moved_chunks} chunks moved); removed {r.orphan_manifests} orphan manifest(s); "
           f"freed {human(r.freed_bytes)}")
+    return _gc_problems(r, "", "deltackpt verify")
+
+
+def _gc_problems(r: maintenance.GcReport, where: str, verify: str) -> int:
+    """Report what a gc left alone and why (``where``: the store it ran on, as a prefix); its exit status: 1 when
+    repacking stopped or met a damaged live frame (``verify``: the command that lists the damage)."""
     if r.skipped_active_packs:
-        print(f"{r.skipped_active_packs} pack(s) still being written by another process were left alone")
+        print(f"{where}{r.skipped_active_packs} pack(s) still being written by another process were left alone")
     for damage in r.damaged_packs:
-        print(f"deltackpt: not repacked, a live frame is damaged: {damage}; run 'deltackpt verify'",
-              file=sys.stderr)
+        print(f"deltackpt: {where}not repacked, a live frame is damaged: {damage}; run '{verify}'", file=sys.stderr)
     if r.repack_stopped:
-        print(f"deltackpt: repacking stopped: {r.repack_stopped}", file=sys.stderr)
+        print(f"deltackpt: {where}repacking stopped: {r.repack_stopped}", file=sys.stderr)
     return 1 if r.repack_stopped or r.damaged_packs else 0
 
 
@@ -301,16 +313,7 @@ def cmd_dcp(args: argparse.Namespace) -> int:
             with Store(path) as s:
                 r = s.gc()
             print(f"gc {path.name}: freed {human(r.freed_bytes)}")
-            if r.skipped_active_packs:
-                print(f"{path.name}: {r.skipped_active_packs} pack(s) still being written by another process were "
-                      "left alone")
-            for damage in r.damaged_packs:  # as 'deltackpt gc' reports them, with its exit status
-                print(f"deltackpt: {path.name}: not repacked, a live frame is damaged: {damage}; run 'deltackpt dcp "
-                      f"{root} --verify'", file=sys.stderr)
-            if r.repack_stopped:
-                print(f"deltackpt: {path.name}: repacking stopped: {r.repack_stopped}", file=sys.stderr)
-            if r.repack_stopped or r.damaged_packs:
-                rc = 1
+            rc = max(rc, _gc_problems(r, f"{path.name}: ", f"deltackpt dcp {root} --verify"))
     if args.verify:
         for path in stores:
             with Store(path) as s, progress(f"verify {path.name}") as bar:
@@ -390,7 +393,13 @@ def _tensor_dict(state: Any) -> dict[str, torch.Tensor]:
 def cmd_export(args: argparse.Namespace) -> int:
     dest = Path(args.file)
     with _open(args.store, readonly=True) as s:
-        state = s.load(**_which(args.checkpoint, s), map_location="cpu")
+        which = _which(args.checkpoint, s)
+        try:
+            state = s.load(**which, map_location="cpu")
+        except UnsafeLoadError:
+            raise UnsafeLoadError(f"checkpoint {s.info(**which).id} holds pickled values (saved with "
+                                  "allow_pickle=True), which export never unpickles; if you trust the store, "
+                                  "Store.load(..., allow_pickle=True) them in Python") from None
     if dest.suffix == ".safetensors":
         try:
             from safetensors.torch import save_file
@@ -468,7 +477,7 @@ def _weights_only_reason(exc: BaseException) -> str:
     """torch's refusal of a file by ``weights_only``, in one line: its first line and the one naming what it
     refused (``Unsupported global: GLOBAL collections.deque``)."""
     lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
-    why = next((line for line in lines[1:] if "Unsupported" in line or "Unpickler error" in line), None)
+    why = next((line for line in lines[1:] if "unsupported" in line.lower() or "Unpickler error" in line), None)
     first = lines[0] if lines else type(exc).__name__
     return f"{first} ({why})" if why is not None and why not in first else first
 
@@ -553,7 +562,7 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
                 detail = f"{len(value['param_groups'])} param group(s), " + (detail or "no state tensors")
             elif not detail and isinstance(value, dict):  # a scheduler, a scaler: its plain public settings
                 detail = _settings(value)
-            rows.append((part, detail))
+            rows.append((part, _escaped(detail)))  # (keys and values are the run's: a newline, an escape)
         print(table(rows, ["part", "holds"]))
         if latest.metadata:
             print(f"metadata: {_meta_str(latest.metadata)}")

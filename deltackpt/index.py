@@ -48,6 +48,7 @@ from deltackpt.errors import (
     FormatVersionError,
     IndexWriteError,
     NetworkFilesystemError,
+    ReadOnlyStoreError,
 )
 from deltackpt.packs import fsync_dir, make_dirs
 
@@ -225,6 +226,11 @@ class _Shared:
         try:
             self._open(path, readonly, create, rebuilding)
         except lmdb.Error as exc:  # LMDB's own errors name no store and are no DeltackptError
+            if isinstance(exc, lmdb.ReadonlyError) or "Permission denied" in str(exc):  # (EACCES: not damage)
+                raise ReadOnlyStoreError(
+                    f"cannot open the index of store {path.parent} for writing: {exc}: a file of {path} is not "
+                    "writable by this user (LMDB's lock.mdb, another user's, say); give this user write access to "
+                    "the store's files") from exc
             raise CorruptIndexError(
                 f"cannot open the index of store {path.parent}: {type(exc).__name__}: {exc}; if it is damaged, "
                 "'deltackpt repair STORE' rebuilds it from packs and manifests") from exc

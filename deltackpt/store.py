@@ -435,10 +435,14 @@ class Store:
     # -- layout -----------------------------------------------------------------------------------------
     def _init_layout(self, chunk_size: int | None, allow_network_fs: bool) -> int:
         cfg_path = self.path / "STORE"
+        if not cfg_path.exists() and _holds_checkpoints(self.path):
+            raise DeltackptError(
+                f"{self.path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
+                "'deltackpt repair' writes it again, with the chunk size the manifests name")
         if not cfg_path.exists() and self.readonly:
             raise DeltackptError(f"{self.path} is not a deltackpt store (no STORE file; a read-only open creates none)")
         if not cfg_path.exists():
-            if _holds_checkpoints(self.path):
+            if _holds_checkpoints(self.path):  # (made meanwhile by another process)
                 raise DeltackptError(
                     f"{self.path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
                     "'deltackpt repair' writes it again, with the chunk size the manifests name")

@@ -1006,18 +1006,21 @@ def test_signal_save_is_a_keyframe(fast_dir: Path, monkeypatch: pytest.MonkeyPat
     torch.manual_seed(0)
     model = torch.nn.Linear(256, 256)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, every_n_steps=1, handle_signals=False)
     passed: list[int] = []
-    monkeypatch.setattr(ckpt, "_pass_signal_on", lambda: passed.append(1))
-    for step in (1, 2, 3):
-        model(torch.randn(4, 256)).sum().backward()
-        opt.step()
-        opt.zero_grad()
-        if step == 3:
-            ckpt._signal = signal.SIGTERM  # what the handler records
-        ckpt.step(step)
-    ckpt.close()
-    assert passed == [1]
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: passed.append(signum))  # it returns: carry on
+    try:
+        ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, every_n_steps=1)
+        for step in (1, 2, 3):
+            model(torch.randn(4, 256)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 3:
+                ckpt._on_signal(signal.SIGTERM, None)  # the handler, as a SIGTERM runs it
+            ckpt.step(step)
+        ckpt.close()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert passed == [signal.SIGTERM]
     with Store(fast_dir / "store") as s:
         def delta_frames(step: int) -> int:
             m = s.manifest(step)
@@ -1529,3 +1532,78 @@ def test_a_save_in_flight_as_the_interpreter_exits_is_committed(fast_dir: Path, 
     with Store(fast_dir / "store") as s:
         assert [i.step for i in s.list()] == [1]
         assert s.verify().ok
+
+
+_SIGNAL_SCRIPT = """
+import os, signal, sys, threading, time, torch, deltackpt
+root, mode = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+g, d = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+go, do = torch.optim.SGD(g.parameters(), lr=0.1), torch.optim.SGD(d.parameters(), lr=0.1)
+
+def train(model, opt):
+    loss = model(torch.randn(2, 8)).square().mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+
+if mode in ("fifo", "thread-close"):  # every checkpointer closed: SIGTERM's default action is back
+    a = deltackpt.Checkpointer(root + "/a", model=g)
+    if mode == "fifo":
+        b = deltackpt.Checkpointer(root + "/b", model=d)
+        a.close(); b.close()  # in the order they were made
+    else:
+        t = threading.Thread(target=a.close); t.start(); t.join()
+    signal.raise_signal(signal.SIGTERM)
+    time.sleep(5)
+    print("still running")
+elif mode == "thread-loop":  # the loop runs on another thread; the main thread joins it
+    ck = deltackpt.Checkpointer(root + "/a", model=g, optimizer=go, every_n_steps=1000)
+    def loop():
+        try:
+            for step in range(1, 100000):
+                train(g, go)
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                ck.step(step)
+                time.sleep(0.001)
+            print("loop finished")
+        finally:
+            ck.close()
+    t = threading.Thread(target=loop); t.start(); t.join()
+    print("still running")
+else:  # two checkpointers in one loop, the signal before both steps or between them
+    cg = deltackpt.Checkpointer(root + "/g", model=g, optimizer=go, every_n_steps=1000)
+    cd = deltackpt.Checkpointer(root + "/d", model=d, optimizer=do, every_n_steps=1000)
+    for step in range(1, 10):
+        train(g, go); train(d, do)
+        if step == 3 and mode == "before":
+            signal.raise_signal(signal.SIGTERM)
+        cg.step(step)
+        if step == 3 and mode == "between":
+            signal.raise_signal(signal.SIGTERM)
+        cd.step(step)
+        print("completed step", step, flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["fifo", "thread-close", "thread-loop", "before", "between"])
+def test_sigterm_ends_the_process_whatever_the_checkpointers_layout(fast_dir: Path, mode: str) -> None:
+    """SIGTERM is not lost and ends the process with status 143 (or by the signal) in every arrangement:
+    - checkpointers closed in the order they were made, or closed off the main thread: the closed one's handler
+      stayed installed and swallowed every SIGTERM;
+    - a loop on another thread: the save happened, then SystemExit ended only that thread and every later
+      SIGTERM was ignored;
+    - two checkpointers stepped in one loop end at the same step (they saved steps 4 and 3, one training step
+      apart), whether the signal comes before both steps or between them."""
+    done = subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT, str(fast_dir), mode], capture_output=True,
+                          text=True, timeout=120, env=worker_env())
+    assert done.returncode in (143, -signal.SIGTERM), done.stdout + done.stderr
+    assert "still running" not in done.stdout and "loop finished" not in done.stdout
+    if mode == "thread-loop":
+        with Store(fast_dir / "a") as s:
+            assert len(s.list()) == 1 and s.latest().step >= 3
+    if mode in ("before", "between"):
+        with Store(fast_dir / "g") as sg, Store(fast_dir / "d") as sd:
+            g_steps, d_steps = [i.step for i in sg.list()], [i.step for i in sd.list()]
+        # between: d saved step 3 as the signal came, g then step 4, and d caught up with it
+        assert (g_steps, d_steps) == (([3], [3]) if mode == "before" else ([4], [3, 4]))
+        assert done.stdout.split("\n")[-2] == f"completed step {g_steps[-1] - 1}"  # no step after the save

@@ -6,6 +6,7 @@ points (``python -m deltackpt`` and the installed console script) in a subproces
 
 from __future__ import annotations
 
+import fractions
 import os
 import re
 import shutil
@@ -274,7 +275,7 @@ def test_du_counts_and_ratios(capsys: pytest.CaptureFixture[str], store_path: Pa
     on_disk = sum(p.stat().st_size for p in pack_files(store_path))
     on_disk += sum(p.stat().st_size for p in (store_path / "manifests").glob("*.manifest"))
     assert du["overall (logical / on disk)"] == f"{9 * CS / on_disk:.2f}x"
-    assert "reclaimable by gc (packs - live frames)" in du
+    assert "dead bytes in packs (what gc --repack-below 1 frees)" in du
     assert du["delta frames (of all chunks)"].startswith("0 of 3,")
     assert du["deepest chain (generations a chunk's decode reads)"] == "1"
 
@@ -432,7 +433,7 @@ def test_du_counts_what_retained_checkpoints_reach(capsys: pytest.CaptureFixture
     assert rc == 0 and err == ""
     du = _du(out)
     assert du["unique chunk bytes (retained checkpoints)"].endswith(" in 3 chunks")
-    reclaimable = size_of(du["reclaimable by gc (packs - live frames)"])
+    reclaimable = size_of(du["dead bytes in packs (what gc --repack-below 1 frees)"])
     with open_store(store_path) as s:
         freed = s.gc().freed_bytes
     assert freed > 8 * CS and reclaimable == pytest.approx(freed, rel=0.05)
@@ -837,7 +838,7 @@ def test_bad_checkpoint_id(capsys: pytest.CaptureFixture[str], store_path: Path,
     argv = [args[0], store_path, *(dest if a == "OUT" else bad if a == "C" else a for a in args[1:])]
     rc, out, err = cli(capsys, *argv)
     assert rc == 1 and out == ""
-    assert_one_line_error(err, "invalid checkpoint id")
+    assert_one_line_error(err, f"invalid checkpoint {bad!r}", "expected a step", "'latest' or an id")
     assert not dest.exists()
     assert ls_pairs(capsys, store_path) == sorted(three["ids"].items())
 
@@ -992,3 +993,68 @@ def test_resume_info_verify_fails_when_only_a_thinned_checkpoint_is_left(capsys:
     assert_one_line_error(err, "would restore", "step 1", "thinned to model weights only")
     rc, out, _ = cli(capsys, "resume-info", store_path)
     assert rc == 0 and "cannot resume training" in out
+
+
+def test_every_command_says_a_store_lost_its_store_file(capsys: pytest.CaptureFixture[str],
+                                                        store_path: Path) -> None:
+    """A store whose STORE file is gone (its packs and manifests are there) is named as such by every command,
+    with the way out ('deltackpt repair'); ls, verify and gc said it was no store at all."""
+    with deltackpt.Store(store_path) as s:
+        s.save({"w": torch.ones(3)}, step=1)
+    (store_path / "STORE").unlink()
+    before = dir_snapshot(store_path)
+    for cmd in (["ls"], ["verify"], ["gc"], ["du"], ["log"], ["rm", "1"]):
+        rc, _, err = cli(capsys, cmd[0], store_path, *cmd[1:])
+        assert rc == 1
+        assert_one_line_error(err, "STORE was lost?", "'deltackpt repair' writes it again")
+    assert dir_snapshot(store_path) == before
+    assert cli(capsys, "repair", store_path)[0] == 0
+    assert cli(capsys, "ls", store_path)[0] == 0
+
+
+class _Settings:
+    def __init__(self, state: dict[str, Any]) -> None:
+        self.state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.state = dict(state)
+
+
+def test_resume_info_escapes_control_characters(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """The run's own keys and values (a scheduler's settings, extra's keys) are written with control characters
+    escaped, as ls and show write them: a newline broke the table and a terminal escape reached the terminal."""
+    with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(2, 2), async_save=False, handle_signals=False,
+                                scheduler=_Settings({"last_epoch": 3, "odd\x1b[2Jkey": 1}),
+                                extra={"cfg\nnext": 1}) as ckpt:
+        ckpt.save(1)
+    rc, out, _ = cli(capsys, "resume-info", store_path)
+    assert rc == 0 and "\x1b" not in out
+    assert "odd\\x1b[2Jkey=1" in out and "keys: cfg\\nnext" in out
+
+
+def test_export_of_pickled_values_says_export_never_unpickles(capsys: pytest.CaptureFixture[str],
+                                                              store_path: Path, tmp_path: Path) -> None:
+    """A checkpoint saved with allow_pickle=True cannot be exported: the error says export never unpickles and
+    names the checkpoint (it advised an allow_pickle=True that export has no way to take)."""
+    with deltackpt.Store(store_path) as s:
+        cid = s.save({"w": torch.ones(2), "odd": fractions.Fraction(1, 3)},
+                     step=1, allow_pickle=True).id
+    rc, out, err = cli(capsys, "export", store_path, "1", tmp_path / "out.pt")
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, f"checkpoint {cid} holds pickled values", "export never unpickles")
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_export_under_a_regular_file_reports_the_write(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                       tmp_path: Path) -> None:
+    """An export whose directory is a regular file fails on the write, and that is what it reports (removing
+    its temporary file failed too, and that error took the write's place)."""
+    with deltackpt.Store(store_path) as s:
+        s.save({"w": torch.ones(2)}, step=1)
+    (tmp_path / "plain").write_text("")
+    rc, _, err = cli(capsys, "export", store_path, "1", tmp_path / "plain" / "x.pt")
+    assert rc == 1
+    assert_one_line_error(err, f"cannot write {tmp_path / 'plain' / 'x.pt'}")

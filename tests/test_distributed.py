@@ -630,3 +630,25 @@ def test_dcp_metadata_is_read_from_the_checksummed_manifest(tmp_path: Path) -> N
     _save_steps(root, [2])
     assert distributed.prune(root) == 0
     assert_state(load_full(root, 1), expected(1))
+
+
+def test_dcp_gc_fails_as_gc_does_on_a_damaged_live_frame(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """'dcp --gc' reports what each rank store's gc left alone, with the exit status of 'deltackpt gc': a live
+    frame found damaged while repacking exited 0 without a word."""
+    from deltackpt import maintenance
+    from deltackpt.cli import main
+
+    root = tmp_path / "ckpt"
+    w = DeltaStorageWriter(root, step=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": torch.ones(1000)}, storage_writer=w)
+    w.close()
+    damaged = maintenance.GcReport(damaged_packs=["chunk 00ab-4000 in pack p1 at offset 16"])
+    monkeypatch.setattr(deltackpt.Store, "gc", lambda self, **kw: damaged)  # what gc reports on such a store
+    capsys.readouterr()
+    assert main(["dcp", str(root), "--gc"]) == 1
+    err = capsys.readouterr().err
+    assert "rank-00000: not repacked, a live frame is damaged: chunk 00ab-4000" in err
+    assert f"deltackpt dcp {root} --verify" in err

@@ -187,3 +187,25 @@ def test_another_users_store_opens_read_only(saved: tuple[Path, list[dict]]) -> 
         assert _content(shared / "s") == before
     finally:
         shutil.rmtree(shared)
+
+
+def test_an_index_lock_file_this_user_cannot_write_is_no_damage(tmp_path: Path) -> None:
+    """LMDB's lock.mdb belongs to another user (a shared store a colleague opened first): a save cannot open the
+    index for writing. That is a ReadOnlyStoreError saying so; it was a CorruptIndexError suggesting 'deltackpt
+    repair', which moves the intact index aside and rebuilds it."""
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root (to give lock.mdb away, then drop the capabilities that bypass permissions)")
+    path = tmp_path / "s"
+    with deltackpt.Store(path) as s:
+        s.save({"w": torch.ones(3)}, step=1)
+    os.chown(path / "index" / "lock.mdb", 65534, -1)
+    before = _content(path)
+    code = ("import sys, deltackpt, torch\n"
+            "try:\n    deltackpt.Store(sys.argv[1]).save({'w': torch.zeros(3)}, step=2)\n"
+            "except deltackpt.ReadOnlyStoreError as e:\n    print(e)\n")
+    done = subprocess.run(["setpriv", "--bounding-set=-all", "--inh-caps=-all", sys.executable, "-c", code,
+                           str(path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)})
+    assert done.returncode == 0, done.stderr
+    assert "not writable by this user" in done.stdout and "repair" not in done.stdout
+    assert _content(path) == before
