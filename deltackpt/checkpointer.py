@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from deltackpt import manifest
+from deltackpt import maintenance, manifest
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
@@ -626,10 +626,10 @@ class Checkpointer:
 
         Restoring the latest, a checkpoint found damaged (:class:`~deltackpt.errors.CorruptionError`) is skipped
         with a ``RuntimeWarning`` for the newest one before it that restores, so a job restarted onto a damaged
-        store resumes instead of failing at every restart. Its chunks are verified, and the saves that follow
-        write the ones found damaged again (see :meth:`Store.save`). Thinned checkpoints (weights only) are never fallen
-        back to: if no full checkpoint restores, the first error is raised. A given ``step`` or ``id`` is
-        restored or raises.
+        store resumes instead of failing at every restart. The frames it reaches are checked, and the saves that
+        follow write the chunks found damaged again (see :func:`deltackpt.maintenance.find_damaged_frames`).
+        Thinned checkpoints (weights only) are never fallen back to: if no full checkpoint restores, the first
+        error is raised. A given ``step`` or ``id`` is restored or raises.
         """
         self.wait()
         if step is not None or id is not None:
@@ -639,10 +639,10 @@ class Checkpointer:
             warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, restoring the one "
                           f"before it: {exc}", RuntimeWarning, stacklevel=4)
             # The rerun of its steps saves the same bytes again. The load stopped at the first chunk it could not
-            # decode; verify finds them all, and the store's saves then write those again instead of
-            # deduplicating onto the damaged frames (which would leave the new checkpoints damaged too).
+            # decode; every damaged frame the checkpoint reaches is found, and the store's saves then write those
+            # chunks again instead of deduplicating onto them (the new checkpoints would be damaged too).
             with contextlib.suppress(DeltackptError):
-                self.store.verify(id=info.id)
+                maintenance.find_damaged_frames(self.store, info.id)
 
         restored = newest_restorable(self.store, lambda info: self._restore(info, strict=strict), damaged)
         return 0 if restored is None else restored

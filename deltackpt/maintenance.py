@@ -176,10 +176,60 @@ def verify(
                 report.chunks += 1
                 err = results[k]
                 if err is not None:
-                    store._damaged.add(k)  # a save of this handle that holds it writes it again
+                    store._damaged.add(k)  # a save (of this process) that holds it writes it again
                     cid = codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big"))
                     report.problems.append(Problem(rec.id, rec.step, key, cid, err))
     return report
+
+
+def find_damaged_frames(store: Store, checkpoint_id: str) -> int:
+    """Check the frame of every chunk the checkpoint reaches (its own, and their delta bases and prediction
+    inputs, transitively) against its checksum and the chunk it should hold, without decoding anything; return
+    how many fail or have no index entry, and remember them (``Store._damaged``), so that the saves of this
+    process write those chunks again instead of deduplicating onto them.
+
+    For a checkpoint a restore passed over as damaged (:meth:`Checkpointer.restore`): :func:`verify` reports
+    every chunk that does not decode, but within a group of predicted chunks it stops at the first damaged
+    input, so other damaged inputs of the group stay unread; the rerun of those steps saves their bytes."""
+    found = 0
+    with store._gc_lock():
+        m = store._manifest(store._record(id=checkpoint_id))
+        seen = set(chunk_keys(*m.stored_chunks()))
+        frontier = list(seen)
+        while frontier:
+            damaged_entries: dict[bytes, str] = {}
+            locs = store.index.lookup_chunks(frontier, damaged_entries)
+            lost = [k for k in frontier if k not in locs]
+            frontier = []
+            items = list(locs.items())
+            batches = [items[i : i + _FOLLOW_BATCH] for i in range(0, len(items), _FOLLOW_BATCH)]
+            for checked in store.read_pool.map(lambda batch: [_frame_refs(store, k, loc) for k, loc in batch],
+                                               batches):
+                for k, refs in checked:
+                    if refs is None:
+                        lost.append(k)
+                        continue
+                    for r in refs:
+                        if r not in seen:
+                            seen.add(r)
+                            frontier.append(r)
+            store._damaged.update(lost)
+            found += len(lost)
+    return found
+
+
+def _frame_refs(store: Store, k: bytes, loc: ChunkLoc) -> tuple[bytes, list[bytes] | None]:
+    """(``k``, the chunks its frame names: base, prediction inputs), or (``k``, None) when the frame is damaged,
+    another chunk's, or of a format this reader does not know (it cannot be decoded here either)."""
+    try:
+        frame = memoryview(store.reader.read(loc.pack_id, loc.offset, loc.frame_len))
+        h, payload = codec.check_frame(frame, expect_digest=k[:16], expect_len=int.from_bytes(k[16:], "big"))
+        refs = [h.base + k[16:]] if h.codec in codec.BASED else []
+        if h.codec == codec.PREDICTED:
+            refs += [r + k[16:] for r in codec.prediction_record(payload, version=h.version).refs]
+    except (CorruptChunkError, FormatVersionError):
+        return k, None
+    return k, refs
 
 
 def _record_differs(rec: Record, m: manifest.Manifest) -> list[str]:

@@ -422,9 +422,10 @@ class Store:
         self._delta_stats: dict[str, tuple[int, int]] = {}
         self._predict_stats: dict[str, tuple[int, int]] = {}  # the same for predicted frames
         self._base_cache = ChunkCache(cache if self.max_chain else 0)
-        #: chunks a load or verify of this handle found it cannot decode (a damaged frame, base or input): a save
-        #: holding one writes it again, standalone, instead of deduplicating onto the stored frame
-        self._damaged: set[bytes] = set()
+        #: chunks a load or verify in this process found it cannot decode, and the bases and inputs their decode
+        #: read (one of which is damaged): a save holding one writes it again, standalone, instead of
+        #: deduplicating onto the stored frame. Shared by every handle of this process on this store.
+        self._damaged = _damaged_in(self.path)
         self._closed = False
         #: the gc lock file, held exclusively from :func:`~deltackpt.maintenance.open_for_repair` until the
         #: repair commits (or the store closes); this handle's own operations then take no lock
@@ -1523,8 +1524,10 @@ class Store:
         if scratch is None:
             scratch = Scratch.for_frames(raw_len, ())
         held: list[bytes | np.ndarray] = []  # frames read into scratch buffers
+        read: list[bytes] = []  # digests of the frames fetched (this chunk's, then its bases')
 
         def fetch(digest: bytes) -> tuple[bytes | memoryview, str]:
+            read.append(digest)
             at = loc if digest == key[:16] and loc is not None else None
             if at is None and bases is not None:
                 at = bases.get(digest + key[16:])
@@ -1565,6 +1568,12 @@ class Store:
 
         try:
             return codec.decode_chain(key[:16], raw_len, fetch, out=out, verify=verify, resolve=resolve, have=have)
+        except CorruptChunkError:
+            # one of the frames read is damaged (or missing), or an input, which its own read_chunk marked: a
+            # save writes every chunk of the chain again rather than deduplicate onto it
+            self._damaged.add(key)
+            self._damaged.update(d + key[16:] for d in read)
+            raise
         finally:
             for buf in held:
                 scratch.give(buf)
@@ -1716,6 +1725,16 @@ def write_store_file(path: Path, chunk_size: int) -> None:
     finally:
         tmp.unlink()
     fsync_dir(path)
+
+
+_DAMAGED: dict[str, set[bytes]] = {}
+_DAMAGED_LOCK = threading.Lock()
+
+
+def _damaged_in(path: Path) -> set[bytes]:
+    """The set of chunks found undecodable in the store at ``path``, one per store per process."""
+    with _DAMAGED_LOCK:
+        return _DAMAGED.setdefault(os.path.realpath(path), set())
 
 
 def _holds_checkpoints(path: Path) -> bool:

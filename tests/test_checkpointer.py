@@ -1607,3 +1607,61 @@ def test_sigterm_ends_the_process_whatever_the_checkpointers_layout(fast_dir: Pa
         # between: d saved step 3 as the signal came, g then step 4, and d caught up with it
         assert (g_steps, d_steps) == (([3], [3]) if mode == "before" else ([4], [3, 4]))
         assert done.stdout.split("\n")[-2] == f"completed step {g_steps[-1] - 1}"  # no step after the save
+
+
+def test_a_resumed_run_writes_again_the_damaged_inputs_of_a_skipped_checkpoint(fast_dir: Path) -> None:
+    """Retention deleted step 4, whose chunks stay in the store as the delta bases and prediction inputs of step
+    5; those frames are damaged, so restore() passes over steps 6 and 5 and resumes from step 3. The rerun of
+    step 4 saves the same bytes: every damaged frame step 5 reaches is found (verify stopped each group of
+    predicted chunks at its first damaged input, leaving the others unread), and the new step 4 loads."""
+    from deltackpt import maintenance
+
+    def model_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(48, 48), torch.nn.Tanh(), torch.nn.Linear(48, 48))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+        x = torch.randn(8, 48, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        (model(x) ** 2).mean().backward()
+        opt.step()
+
+    def keys(store: Store, **which: Any) -> set[bytes]:
+        return {k for _, k in maintenance._stored_chunks(store.manifest(**which))}
+
+    policy = Retention(keep_last=2, keep_every=3)
+    model, opt = model_opt()
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(Store(fast_dir / "store", chunk_size=4096), model=model, optimizer=opt, async_save=False,
+                      handle_signals=False, retention=policy) as ckpt:
+        store = ckpt.store
+        for step in range(1, 7):
+            train(model, opt, step)
+            ckpt.step(step)
+            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+            if step == 4:
+                only4 = keys(store, step=4)
+        assert [i.step for i in store.list()] == [3, 5, 6]
+        live = keys(store, step=3) | keys(store, step=5) | keys(store, step=6)
+        five = store.index.lookup_chunks(keys(store, step=5))
+        inputs = {r for k, loc in five.items() for r in store.references(k, loc)} & (only4 - live)
+        assert len(inputs) > 4
+        damaged = store.index.lookup_chunks(inputs)
+        store.close()
+    for loc in damaged.values():
+        pack = fast_dir / "store" / "packs" / f"{loc.pack_id}.pack"
+        data = bytearray(pack.read_bytes())
+        data[loc.offset + loc.frame_len - 3] ^= 0xFF
+        pack.write_bytes(bytes(data))
+    fresh, fresh_opt = model_opt()
+    with Checkpointer(Store(fast_dir / "store", chunk_size=4096), model=fresh, optimizer=fresh_opt,
+                      async_save=False, handle_signals=False, retention=policy) as ckpt:
+        with pytest.warns(RuntimeWarning, match="is damaged"):
+            assert ckpt.restore() == 3
+        for step in (4, 5, 6):
+            train(fresh, fresh_opt, step)
+            ckpt.step(step)
+            assert_bitwise(states[step], fresh.state_dict())
+            assert_bitwise(states[step], ckpt.store.load(id=ckpt.last_info.id)["model"])
+        assert ckpt.store.verify().ok

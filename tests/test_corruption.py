@@ -1519,3 +1519,32 @@ def test_a_save_writes_the_chunks_found_damaged_again(store_path: Path, two_ckpt
             assert s.verify().ok
         assert all(new[k].depth == 0 for k, loc in damaged
                    if (new[k].pack_id, new[k].offset) != (loc.pack_id, loc.offset))
+
+
+def test_a_save_writes_again_a_damaged_base_no_checkpoint_lists(store_path: Path) -> None:
+    """The damaged frames are delta bases that no checkpoint lists any more (their checkpoint was deleted):
+    verify finds the chunks that depend on them. The bases their decode read are remembered too (only the
+    dependent chunks were), so a later save of the bases' bytes writes them again; and the finding is shared by
+    every handle of the process on the store (a second handle deduplicated onto the damaged frames)."""
+    x = _rand(4 * CS, 0)
+    y = x.clone()
+    y[::97] += 1e-3  # a small change: each chunk of y is a delta on x's
+    with _open(store_path) as s:
+        first = s.save({"w": x}, step=1).id
+        m = s.manifest(id=s.save({"w": y}, step=2).id)
+        ylocs = s.index.lookup_chunks(chunk_key(d, n) for _, d, n in m.chunk_keys(m.tensors[0]))
+        bases = {loc.base + k[16:] for k, loc in ylocs.items() if loc.codec == codec.DELTA}
+        assert bases  # (a chunk on its staggered keyframe turn has none)
+        s.delete(id=first)
+        xlocs = s.index.lookup_chunks(bases)  # still indexed, as bases of step 2
+    for loc in xlocs.values():
+        _flip(_pack_path(store_path, loc), loc.offset + loc.frame_len - 1)
+    with _open(store_path) as a, _open(store_path) as b:
+        assert a.verify().problems  # step 2's delta chunks, whose bases are damaged
+        b.save({"w": y}, step=3)  # another handle: writes y's chunks again, repairing step 2
+        assert b.verify().ok
+        again = b.save({"w": x}, step=4)  # x's bytes: written again, not deduplicated onto the damaged frames
+        assert again.written_bytes > 0
+        assert_same_state({"w": x}, b.load(4))
+        assert_same_state({"w": y}, b.load(2))
+        assert b.verify().ok
