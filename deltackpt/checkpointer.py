@@ -575,6 +575,15 @@ class Checkpointer:
             if strict:
                 raise DeltackptError("the checkpoint holds no data position")
             lacking.append("data")
+        elif self.data is not None and hasattr(self.data, "check_state_dict"):
+            try:  # (a ResumableLoader: another dataset, seed, sharding is refused before anything is put back)
+                self.data.check_state_dict(state["data"])
+            except (ValueError, TypeError) as exc:
+                if strict:
+                    raise DeltackptError(f"the checkpoint's data position does not fit this run's loader: {exc}"
+                                         " (restore(strict=False) restores the rest and leaves the loader as it "
+                                         "is)") from None
+                lacking.append(f"data position that fits this loader ({exc})")
         saved_extra = state.get("extra") or {}
         for k in self.extra:
             if k not in saved_extra:
@@ -600,7 +609,7 @@ class Checkpointer:
             if not strict and what != "model":
                 g, _ = _present(g, state.get(what), what)
             _group_load(g, state.get(what))
-        if self.data is not None and (strict or state.get("data") is not None):
+        if self.data is not None and state.get("data") is not None and (strict or self._fits(state["data"])):
             self.data.load_state_dict(state["data"])
         saved_extra = state.get("extra") or {}
         for k, v in self.extra.items():
@@ -613,6 +622,17 @@ class Checkpointer:
         if strict or _has_rng(state):
             set_rng_state(state["rng"])
         return int(state["step"])
+
+    def _fits(self, data_state: Any) -> bool:
+        """Whether this run's loader takes ``data_state`` (one without ``check_state_dict`` is assumed to)."""
+        check = getattr(self.data, "check_state_dict", None)
+        if check is None:
+            return True
+        try:
+            check(data_state)
+        except (ValueError, TypeError):
+            return False
+        return True
 
     def restore(self, step: int | None = None, *, id: str | None = None, strict: bool = True) -> int:
         """Load the latest checkpoint (or ``step``/``id``) into every component; return its step, 0 if none.

@@ -73,6 +73,7 @@ from __future__ import annotations
 import hashlib
 import math
 import operator
+import warnings
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
@@ -134,6 +135,8 @@ class ResumableSampler(Sampler[int]):
         self.dataset_len = n
         self.shuffle = bool(shuffle)
         self.seed = _int(seed, "seed", minimum=None)
+        if not -(1 << 63) <= self.seed < 1 << 63:  # (each epoch seeds a torch.Generator with seed + epoch)
+            raise ValueError(f"seed must be in [-2**63, 2**63), got {self.seed}")
         self.drop_last = bool(drop_last)
         self.num_replicas = _int(num_replicas, "num_replicas", minimum=1)
         self.rank = _int(rank, "rank")
@@ -147,6 +150,8 @@ class ResumableSampler(Sampler[int]):
         self._epoch = 0
         self._position = 0
         self._driven = False  # a ResumableLoader moves the cursor
+        self._pulling = False  # that loader is asking its DataLoader for a batch (or starting it)
+        self._warned = False
         self._token = 0  # bumped when an iteration starts or the cursor is moved: older iterations stop
         self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, its global order)
 
@@ -204,6 +209,11 @@ class ResumableSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         rest = self.indices(self._epoch)[self._position :]
         if self._driven:  # the ResumableLoader moves the cursor as the loop consumes
+            if not self._pulling and not self._warned:
+                self._warned = True
+                warnings.warn("a ResumableSampler driven by a ResumableLoader is iterated by its bare DataLoader: "
+                              "iterate the ResumableLoader (for batch in loader), else every epoch repeats the "
+                              "same order and the saved data position does not move", RuntimeWarning, stacklevel=2)
             return _stream(rest)
         self._token += 1
         return self._undriven(rest, self._token, self._epoch)
@@ -241,6 +251,12 @@ class ResumableSampler(Sampler[int]):
         Raises ValueError when the state was saved for another dataset length, seed, shuffle, sharding, or
         when this torch orders that epoch differently (its fingerprint).
         """
+        self._epoch, self._position = self.check_state_dict(state)
+        self._token += 1
+
+    def check_state_dict(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        """The (epoch, position) :meth:`load_state_dict` would move to; raises as it does, changing nothing
+        (a restore checks the data position before it puts anything back)."""
         if not isinstance(state, Mapping):
             raise TypeError(f"a sampler state is a mapping, got {type(state).__name__}")
         missing = [k for k in ("epoch", "position", "len", "seed", "shuffle") if k not in state]
@@ -284,8 +300,7 @@ class ResumableSampler(Sampler[int]):
                 f"epoch {epoch} is not in the order it was saved in (order fingerprint {fingerprint}, now "
                 f"{self._fingerprint(epoch)}): torch.randperm differs between the torch versions"
             )
-        self._epoch, self._position = epoch, position
-        self._token += 1
+        return epoch, position
 
     def __repr__(self) -> str:
         return (
@@ -367,6 +382,10 @@ class ResumableLoader:
         """Resume at a saved cursor (ValueError when it was saved for another dataset length or seed)."""
         self.sampler.load_state_dict(state)
 
+    def check_state_dict(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        """:meth:`ResumableSampler.check_state_dict`: raises as :meth:`load_state_dict` would, changing nothing."""
+        return self.sampler.check_state_dict(state)
+
     # -- iteration ------------------------------------------------------------------------------------------
     def __len__(self) -> int:
         """Batches of a whole epoch (the DataLoader's length); a resumed epoch yields fewer."""
@@ -380,7 +399,14 @@ class ResumableLoader:
         total = s.num_samples
         it = self._start()
         try:
-            for batch in it:
+            while True:
+                s._pulling = True  # (the sampler tells its iteration by the DataLoader from others)
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                finally:
+                    s._pulling = False
                 if s._token != token:  # the cursor was moved, or another iteration started
                     return
                 position += self._batch_size if self._drop_last else min(self._batch_size, total - position)
@@ -393,6 +419,14 @@ class ResumableLoader:
 
     def _start(self) -> Iterator[Any]:
         """iter(DataLoader), the workers' base seed drawn from a private generator, not the global RNG."""
+        s = self.sampler
+        s._pulling = True  # (workers prefetch: the DataLoader starts iterating the sampler here)
+        try:
+            return self._iter_loader()
+        finally:
+            s._pulling = False
+
+    def _iter_loader(self) -> Iterator[Any]:
         if self.loader.generator is not None:
             return iter(self.loader)
         s = self.sampler

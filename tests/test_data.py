@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -469,3 +470,52 @@ def test_loader_surface() -> None:
         next(empty.batches())
     assert list(empty.batches(max_epochs=2)) == [] and empty.epoch == 2
     assert list(itertools.islice(make(0, 4).batches(max_epochs=5), 3)) == []
+
+
+def test_a_restore_refuses_a_data_position_of_other_data_before_anything_changes(tmp_path: Path) -> None:
+    """The checkpoint's data position was saved for a dataset of 23 items and this run's has 24: restore()
+    refuses before it puts anything back (it raised ValueError from the loader after the model and optimizer
+    held the checkpoint's state); strict=False restores the rest, leaves the loader, and names it."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    loader = make(seed=3)
+    with deltackpt.Checkpointer(tmp_path / "s", model=model, optimizer=opt, data=loader, async_save=False,
+                                handle_signals=False) as ckpt:
+        for step, _ in enumerate(itertools.islice(loader, 3), start=1):
+            model(torch.ones(1, 2)).sum().backward()
+            opt.step()
+            ckpt.step(step)
+    fresh = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    other = make(24, seed=3)
+    with deltackpt.Checkpointer(tmp_path / "s", model=fresh, optimizer=fresh_opt, data=other,
+                                handle_signals=False) as ckpt:
+        with pytest.raises(deltackpt.DeltackptError, match="data position does not fit.*dataset of 23 items"):
+            ckpt.restore()
+        assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+        assert not fresh_opt.state and (other.epoch, other.position) == (0, 0)
+        with pytest.warns(RuntimeWarning, match="no data position that fits this loader"):
+            assert ckpt.restore(strict=False) == 3
+        assert torch.equal(fresh.weight, model.weight) and (other.epoch, other.position) == (0, 0)
+
+
+def test_iterating_the_bare_dataloader_of_a_wrapped_sampler_warns() -> None:
+    """Wrapped in a ResumableLoader, the sampler follows that loader only: a loop over the bare DataLoader
+    repeats the same order every epoch and never moves the saved position. It now warns (it was silent)."""
+    loader = make(seed=0)
+    with pytest.warns(RuntimeWarning, match="iterated by its bare DataLoader"):
+        first = [ids(b) for b in loader.loader]
+    assert [ids(b) for b in loader.loader] == first  # (what the warning is about)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert list(itertools.chain(*(ids(b) for b in make(seed=0)))) == list(itertools.chain(*first))
+        assert [ids(b) for b in make(seed=0, workers=1)] == first
+
+
+@pytest.mark.parametrize("seed", [2**63, 2**64 - 2, -(2**63) - 1])
+def test_a_seed_a_generator_cannot_take_is_refused_at_once(seed: int) -> None:
+    """Each epoch seeds a torch.Generator with seed + epoch: a seed out of [-2**63, 2**63) was accepted and
+    failed epochs later (or at the first iteration)."""
+    with pytest.raises(ValueError, match="seed must be in"):
+        ResumableSampler(10, seed=seed)
