@@ -1633,9 +1633,9 @@ def test_a_resumed_run_writes_again_the_damaged_inputs_of_a_skipped_checkpoint(f
     policy = Retention(keep_last=2, keep_every=3)
     model, opt = model_opt()
     states: dict[int, dict[str, torch.Tensor]] = {}
-    with Checkpointer(Store(fast_dir / "store", chunk_size=4096), model=model, optimizer=opt, async_save=False,
-                      handle_signals=False, retention=policy) as ckpt:
-        store = ckpt.store
+    with Store(fast_dir / "store", chunk_size=4096) as store, \
+            Checkpointer(store, model=model, optimizer=opt, async_save=False, handle_signals=False,
+                         retention=policy) as ckpt:
         for step in range(1, 7):
             train(model, opt, step)
             ckpt.step(step)
@@ -1648,20 +1648,20 @@ def test_a_resumed_run_writes_again_the_damaged_inputs_of_a_skipped_checkpoint(f
         inputs = {r for k, loc in five.items() for r in store.references(k, loc)} & (only4 - live)
         assert len(inputs) > 4
         damaged = store.index.lookup_chunks(inputs)
-        store.close()
     for loc in damaged.values():
         pack = fast_dir / "store" / "packs" / f"{loc.pack_id}.pack"
         data = bytearray(pack.read_bytes())
         data[loc.offset + loc.frame_len - 3] ^= 0xFF
         pack.write_bytes(bytes(data))
     fresh, fresh_opt = model_opt()
-    with Checkpointer(Store(fast_dir / "store", chunk_size=4096), model=fresh, optimizer=fresh_opt,
-                      async_save=False, handle_signals=False, retention=policy) as ckpt:
+    with Store(fast_dir / "store", chunk_size=4096) as store, \
+            Checkpointer(store, model=fresh, optimizer=fresh_opt, async_save=False, handle_signals=False,
+                         retention=policy) as ckpt:
         with pytest.warns(RuntimeWarning, match="is damaged"):
             assert ckpt.restore() == 3
         for step in (4, 5, 6):
             train(fresh, fresh_opt, step)
             ckpt.step(step)
             assert_bitwise(states[step], fresh.state_dict())
-            assert_bitwise(states[step], ckpt.store.load(id=ckpt.last_info.id)["model"])
-        assert ckpt.store.verify().ok
+            assert_bitwise(states[step], store.load(id=ckpt.last_info.id)["model"])
+        assert store.verify().ok

@@ -317,15 +317,15 @@ def test_delete_racing_a_rewrite_deletes_the_rewritten_checkpoint(tmp_path: Path
         assert a.verify().ok and float(a.load(3)["w"][0]) == 3.0
 
 
-def _deleted_packs_open() -> list[str]:
-    """Pack files this process holds open although they were deleted (Linux /proc)."""
+def _deleted_packs_open(store: Path) -> list[str]:
+    """Pack files of ``store`` this process holds open although they were deleted (Linux /proc)."""
     out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:  # (the descriptor listdir itself used)
             continue
-        if target.endswith(".pack (deleted)"):
+        if target.endswith(".pack (deleted)") and target.startswith(str(store / "packs")):
             out.append(target)
     return out
 
@@ -355,7 +355,7 @@ def test_long_running_writer_gives_space_back_to_a_gc_elsewhere(tmp_path: Path,
             if step % 10 == 0:
                 assert _gc_elsewhere(d).startswith("ok ")
                 st.load(step)  # ... and closes what that gc deleted
-                assert _deleted_packs_open() == []
+                assert _deleted_packs_open(d) == []
         on_disk = sum(p.stat().st_size for p in (d / "packs").glob("*.pack"))
         assert on_disk < 6 * state_bytes, on_disk  # two live states and the pack being written, not 40 saves
     assert st._base_cache.size == 0
