@@ -53,8 +53,19 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: checkpointers a signal flagged that have not saved yet, and the step each that did saved at (see "signals")
 _stopping: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 _stopped: weakref.WeakKeyDictionary[Checkpointer, int] = weakref.WeakKeyDictionary()
+#: the signals that arrived since the checkpointers flagged began to save, in order: all are passed on
+_delivered: list[int] = []
 #: (signal, handler) a checkpointer stepped off the main thread hands to the main thread to pass the signal on
 _forward: list[tuple[int, Any]] = []
+
+
+def _end_round() -> None:
+    """Forget the signals being saved for: every checkpointer flagged is done, or no longer waited for."""
+    _stopped.clear()
+    for ckpt in list(_stopping):
+        ckpt._signal = None
+    _stopping.clear()
+    _delivered.clear()
 
 
 def _owner(handler: Any) -> Checkpointer | None:
@@ -524,6 +535,7 @@ class Checkpointer:
         self._inflight_step = -1
         #: last_saved_step and last_info before the save in flight
         self._inflight_prev: tuple[int | None, CheckpointInfo | None] = (None, None)
+        self._pid = os.getpid()  # the process whose handlers it installed (a forked child inherits them)
         self._signal: int | None = None  # a signal this checkpointer is to save at, at its next step
         self._stopped_by = 0  # the signal it saved at while in _stopped
         self._previous: dict[int, Any] = {}
@@ -836,7 +848,7 @@ class Checkpointer:
             return
         self._closed = True
         pending = self._signal if self._signal is not None else self._stopped_by if self in _stopped else None
-        beneath = self._beneath(pending) if pending is not None else None
+        beneath = {sig: self._beneath(sig) for sig in {*_delivered, pending}} if pending is not None else None
         try:
             self.wait()
         finally:
@@ -886,6 +898,7 @@ class Checkpointer:
             warnings.warn("Checkpointer: signal handlers can only be installed from the main thread; "
                           "SIGTERM/SIGINT will not trigger a save", RuntimeWarning, stacklevel=3)
             return
+        self._pid = os.getpid()
         for sig in _SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
 
@@ -925,13 +938,20 @@ class Checkpointer:
                 del _forward[i]
                 _pass_to(handler, signum, frame, kill=True)
                 return
+        if os.getpid() != self._pid:  # inherited by a forked child (a Pool's, a DataLoader's worker): nothing
+            _pass_to(self._beneath(signum), signum, frame, kill=True)  # here saves, so it goes straight on
+            return
         if self._closed:
             _pass_to(self._previous.get(signum, signal.SIG_DFL), signum, frame)
             return
-        if self._signal is not None and signum == signal.SIGINT:
-            # a second Ctrl-C: do not wait for the step boundary
+        if signum == signal.SIGINT and signal.SIGINT in _delivered:
+            # a second Ctrl-C: do not wait for the step boundary (unless Ctrl-C was ignored before)
+            if self._beneath(signum) == signal.SIG_IGN:
+                return
+            _end_round()  # the interrupt is what passes it on: nothing is pending any more
             self._restore_signals()
             raise KeyboardInterrupt
+        _delivered.append(signum)
         for ckpt in (self, *self._chained(signum)):
             if ckpt._signal is None:
                 ckpt._signal = signum
@@ -949,24 +969,22 @@ class Checkpointer:
         if not any(c._signal == signum for c in _stopping) and len(set(_stopped.values())) == 1:
             self._pass_signal_on(signum)
 
-    def _pass_signal_on(self, signum: int, beneath: Any = None) -> None:
-        """Hand ``signum`` to the handler beneath the checkpointers (``beneath``, when close() found it already).
-        The default action exits with status 128 + signal; a handler that returns, or SIG_IGN, lets the run go
-        on, still watching."""
-        _stopped.clear()
-        for ckpt in list(_stopping):  # (those flagged with it that never saved: no longer waited for)
-            if ckpt._signal == signum:
-                ckpt._signal = None
-                _stopping.discard(ckpt)
-        handler = self._beneath(signum) if beneath is None else beneath
-        if threading.current_thread() is not threading.main_thread():
-            if handler != signal.SIG_IGN:
-                _forward.append((signum, handler))
-                # to the main thread, which runs the handler installed (it passes the signal on) at once, even in a
-                # join() of this thread (a signal raised here would interrupt nothing there)
-                signal.pthread_kill(threading.main_thread().ident or 0, signum)
-            return
-        _pass_to(handler, signum, None)
+    def _pass_signal_on(self, signum: int, beneath: Mapping[int, Any] | None = None) -> None:
+        """Hand the signals that arrived (``signum`` at least), in order, to the handler beneath the
+        checkpointers (``beneath``, when close() found them already). The default action exits with status
+        128 + signal; a handler that returns, or SIG_IGN, lets the run go on, still watching."""
+        signals = list(_delivered) or [signum]
+        _end_round()
+        for sig in signals:
+            handler = beneath[sig] if beneath is not None and sig in beneath else self._beneath(sig)
+            if threading.current_thread() is not threading.main_thread():
+                if handler != signal.SIG_IGN:
+                    _forward.append((sig, handler))
+                    # to the main thread, which runs the handler installed (it passes the signal on) at once, even
+                    # in a join() of this thread (a signal raised here would interrupt nothing there)
+                    signal.pthread_kill(threading.main_thread().ident or 0, sig)
+                continue
+            _pass_to(handler, sig, None)
 
 
 __all__ = ["Checkpointer", "rng_state", "set_rng_state"]

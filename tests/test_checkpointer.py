@@ -1570,6 +1570,37 @@ elif mode == "thread-loop":  # the loop runs on another thread; the main thread 
             ck.close()
     t = threading.Thread(target=loop); t.start(); t.join()
     print("still running")
+elif mode == "fork":  # a forked child inherits the handler; nothing there saves, so SIGTERM ends it at once
+    import multiprocessing
+    ck = deltackpt.Checkpointer(root + "/a", model=g)
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,))
+    child.start()
+    time.sleep(0.3)
+    child.terminate()
+    child.join(20)
+    print("child exit", child.exitcode, flush=True)
+    ck.close()
+    signal.raise_signal(signal.SIGTERM)
+    time.sleep(5)
+    print("still running")
+elif mode in ("int-then-term", "ignored-int-twice", "int-int"):
+    if mode == "int-then-term":  # the run's own Ctrl-C handler returns: SIGTERM still ends the run
+        signal.signal(signal.SIGINT, lambda signum, frame: print("own SIGINT handler", flush=True))
+    if mode == "ignored-int-twice":  # Ctrl-C ignored before (a background job): two of them interrupt nothing
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with deltackpt.Checkpointer(root + "/a", model=g, optimizer=go, every_n_steps=1000) as ck:
+            for step in range(1, 6):
+                train(g, go)
+                if step == 3:
+                    signal.raise_signal(signal.SIGINT)
+                    signal.raise_signal(signal.SIGTERM if mode == "int-then-term" else signal.SIGINT)
+                ck.step(step)
+        print("loop finished")
+        sys.exit(143)  # (the status the test expects)
+    except KeyboardInterrupt:  # int-int: the second Ctrl-C, raised as such (it became SystemExit(130))
+        print("KeyboardInterrupt", flush=True)
+        sys.exit(143)
 else:  # two checkpointers in one loop, the signal before both steps or between them
     cg = deltackpt.Checkpointer(root + "/g", model=g, optimizer=go, every_n_steps=1000)
     cd = deltackpt.Checkpointer(root + "/d", model=d, optimizer=do, every_n_steps=1000)
@@ -1585,7 +1616,8 @@ else:  # two checkpointers in one loop, the signal before both steps or between 
 """
 
 
-@pytest.mark.parametrize("mode", ["fifo", "thread-close", "thread-loop", "before", "between"])
+@pytest.mark.parametrize("mode", ["fifo", "thread-close", "thread-loop", "before", "between", "fork", "int-then-term",
+                                  "ignored-int-twice", "int-int"])
 def test_sigterm_ends_the_process_whatever_the_checkpointers_layout(fast_dir: Path, mode: str) -> None:
     """SIGTERM is not lost and ends the process with status 143 (or by the signal) in every arrangement:
     - checkpointers closed in the order they were made, or closed off the main thread: the closed one's handler
@@ -1593,11 +1625,25 @@ def test_sigterm_ends_the_process_whatever_the_checkpointers_layout(fast_dir: Pa
     - a loop on another thread: the save happened, then SystemExit ended only that thread and every later
       SIGTERM was ignored;
     - two checkpointers stepped in one loop end at the same step (they saved steps 4 and 3, one training step
-      apart), whether the signal comes before both steps or between them."""
+      apart), whether the signal comes before both steps or between them;
+    - a forked child (a Pool's worker) inherited the handler, so terminate() only flagged a save nobody makes;
+    - SIGINT, then SIGTERM: both are passed on after the save (SIGTERM was lost once the run's own SIGINT
+      handler returned); a Ctrl-C ignored before interrupts nothing, twice either; two Ctrl-Cs raise
+      KeyboardInterrupt through close() (it became SystemExit(130))."""
     done = subprocess.run([sys.executable, "-c", _SIGNAL_SCRIPT, str(fast_dir), mode], capture_output=True,
                           text=True, timeout=120, env=worker_env())
     assert done.returncode in (143, -signal.SIGTERM), done.stdout + done.stderr
-    assert "still running" not in done.stdout and "loop finished" not in done.stdout
+    assert "still running" not in done.stdout
+    assert ("loop finished" in done.stdout) == (mode == "ignored-int-twice")
+    if mode == "fork":
+        assert f"child exit {-signal.SIGTERM}" in done.stdout  # (it slept on: SIGTERM only flagged a save)
+    if mode in ("int-then-term", "ignored-int-twice"):
+        with Store(fast_dir / "a") as s:
+            assert [i.step for i in s.list()] == [3]  # saved at the signals, once
+    if mode == "int-then-term":
+        assert "own SIGINT handler" in done.stdout  # both signals passed on, in order (SIGTERM was lost)
+    if mode == "int-int":
+        assert "KeyboardInterrupt" in done.stdout
     if mode == "thread-loop":
         with Store(fast_dir / "a") as s:
             assert len(s.list()) == 1 and s.latest().step >= 3
