@@ -1461,11 +1461,7 @@ def test_a_resumed_run_writes_a_damaged_chunk_again_rather_than_deduplicating_on
         only3 = sorted(keys[3] - keys[2])[:2]  # two: the load stops at the first, restore() finds the other
         assert len(only3) == 2
         locs = store.index.lookup_chunks(only3)
-    for loc in locs.values():
-        pack = fast_dir / "store" / "packs" / f"{loc.pack_id}.pack"
-        data = bytearray(pack.read_bytes())
-        data[loc.offset + loc.frame_len - 3] ^= 0xFF
-        pack.write_bytes(bytes(data))
+    _damage_frames(fast_dir / "store", locs.values())
     fresh, fresh_opt = _small()
     with Checkpointer(fast_dir / "store", model=fresh, optimizer=fresh_opt, async_save=False,
                       handle_signals=False) as ckpt:
@@ -1484,6 +1480,15 @@ def test_a_resumed_run_writes_a_damaged_chunk_again_rather_than_deduplicating_on
 def _stored(m: Any) -> list[tuple[str, bytes]]:
     from deltackpt import maintenance
     return maintenance._stored_chunks(m)
+
+
+def _damage_frames(store: Path, locs: Any) -> None:
+    """Flip a byte near the end of each frame at ``locs`` (index locations) in the packs of ``store``."""
+    for loc in locs:
+        pack = store / "packs" / f"{loc.pack_id}.pack"
+        data = bytearray(pack.read_bytes())
+        data[loc.offset + loc.frame_len - 3] ^= 0xFF
+        pack.write_bytes(bytes(data))
 
 
 def test_a_save_makes_a_lost_tmp_directory_again(fast_dir: Path) -> None:
@@ -1660,7 +1665,6 @@ def test_a_resumed_run_writes_again_the_damaged_inputs_of_a_skipped_checkpoint(f
     5; those frames are damaged, so restore() passes over steps 6 and 5 and resumes from step 3. The rerun of
     step 4 saves the same bytes: every damaged frame step 5 reaches is found (verify stopped each group of
     predicted chunks at its first damaged input, leaving the others unread), and the new step 4 loads."""
-    from deltackpt import maintenance
 
     def model_opt() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
@@ -1674,7 +1678,7 @@ def test_a_resumed_run_writes_again_the_damaged_inputs_of_a_skipped_checkpoint(f
         opt.step()
 
     def keys(store: Store, **which: Any) -> set[bytes]:
-        return {k for _, k in maintenance._stored_chunks(store.manifest(**which))}
+        return {k for _, k in _stored(store.manifest(**which))}
 
     policy = Retention(keep_last=2, keep_every=3)
     model, opt = model_opt()
@@ -1694,11 +1698,7 @@ def test_a_resumed_run_writes_again_the_damaged_inputs_of_a_skipped_checkpoint(f
         inputs = {r for k, loc in five.items() for r in store.references(k, loc)} & (only4 - live)
         assert len(inputs) > 4
         damaged = store.index.lookup_chunks(inputs)
-    for loc in damaged.values():
-        pack = fast_dir / "store" / "packs" / f"{loc.pack_id}.pack"
-        data = bytearray(pack.read_bytes())
-        data[loc.offset + loc.frame_len - 3] ^= 0xFF
-        pack.write_bytes(bytes(data))
+    _damage_frames(fast_dir / "store", damaged.values())
     fresh, fresh_opt = model_opt()
     with Store(fast_dir / "store", chunk_size=4096) as store, \
             Checkpointer(store, model=fresh, optimizer=fresh_opt, async_save=False, handle_signals=False,
