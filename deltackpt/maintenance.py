@@ -20,7 +20,7 @@ import os
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,36 +191,16 @@ def find_damaged_frames(store: Store, checkpoint_id: str) -> int:
     For a checkpoint a restore passed over as damaged (:meth:`Checkpointer.restore`): :func:`verify` reports
     every chunk that does not decode, but within a group of predicted chunks it stops at the first damaged
     input, so other damaged inputs of the group stay unread; the rerun of those steps saves their bytes."""
-    found = 0
     with store._gc_lock():
         m = store._manifest(store._record(id=checkpoint_id))
-        seen = set(chunk_keys(*m.stored_chunks()))
-        frontier = list(seen)
-        while frontier:
-            damaged_entries: dict[bytes, str] = {}
-            locs = store.index.lookup_chunks(frontier, damaged_entries)
-            lost = [k for k in frontier if k not in locs]
-            frontier = []
-            items = list(locs.items())
-            batches = [items[i : i + _FOLLOW_BATCH] for i in range(0, len(items), _FOLLOW_BATCH)]
-            for checked in store.read_pool.map(lambda batch: [_frame_refs(store, k, loc) for k, loc in batch],
-                                               batches):
-                for k, refs in checked:
-                    if refs is None:
-                        lost.append(k)
-                        continue
-                    for r in refs:
-                        if r not in seen:
-                            seen.add(r)
-                            frontier.append(r)
-            store._damaged.update(lost)
-            found += len(lost)
-    return found
+        _, lost = _reach(store, chunk_keys(*m.stored_chunks()), _frame_refs, damaged_entries=True)
+        store._damaged.update(lost)
+    return len(lost)
 
 
-def _frame_refs(store: Store, k: bytes, loc: ChunkLoc) -> tuple[bytes, list[bytes] | None]:
-    """(``k``, the chunks its frame names: base, prediction inputs), or (``k``, None) when the frame is damaged,
-    another chunk's, or of a format this reader does not know (it cannot be decoded here either)."""
+def _frame_refs(store: Store, k: bytes, loc: ChunkLoc) -> list[bytes] | None:
+    """The chunks ``k``'s frame names (base, prediction inputs), or None when the frame is damaged, another
+    chunk's, or of a format this reader does not know (it cannot be decoded here either)."""
     try:
         frame = memoryview(store.reader.read(loc.pack_id, loc.offset, loc.frame_len))
         h, payload = codec.check_frame(frame, expect_digest=k[:16], expect_len=int.from_bytes(k[16:], "big"))
@@ -228,8 +208,8 @@ def _frame_refs(store: Store, k: bytes, loc: ChunkLoc) -> tuple[bytes, list[byte
         if h.codec == codec.PREDICTED:
             refs += [r + k[16:] for r in codec.prediction_record(payload, version=h.version).refs]
     except (CorruptChunkError, FormatVersionError):
-        return k, None
-    return k, refs
+        return None
+    return refs
 
 
 def _record_differs(rec: Record, m: manifest.Manifest) -> list[str]:
@@ -358,23 +338,36 @@ def _live_keys(store: Store, records: list[Record], *, read_headers: bool = True
     # what live chunks reference is live too (transitively): delta bases, and the bases and inputs of predicted
     # frames. A predicted frame whose record is damaged cannot be decoded, so what it names is no longer needed
     # by it; a read error aborts gc.
-    missing: set[bytes] = set()
-    follow = _gc_references if read_headers else _references
-    frontier = list(live)
+    return _reach(store, live, _gc_references if read_headers else _references)
+
+
+def _reach(store: Store, roots: Iterable[bytes], follow: Callable[[Store, bytes, ChunkLoc], Iterable[bytes] | None], *,
+           damaged_entries: bool = False) -> tuple[set[bytes], set[bytes]]:
+    """Every chunk ``roots`` reach through what ``follow(store, key, loc)`` says each one's frame needs
+    (transitively), and those of them that are lost: no index entry, or (``follow`` returns None) a frame that
+    cannot be decoded. An index entry that does not parse raises, or with ``damaged_entries`` counts as lost.
+
+    The frames are read on the read workers, in batches: from a cold disk each is a small random read, and
+    several overlap."""
+    reached = set(roots)
+    lost: set[bytes] = set()
+    frontier = list(reached)
     while frontier:
-        locs = store.index.lookup_chunks(frontier)
-        missing.update(k for k in frontier if k not in locs)
+        locs = store.index.lookup_chunks(frontier, {} if damaged_entries else None)
+        lost.update(k for k in frontier if k not in locs)
         frontier = []
-        # (on the read workers, in batches: from a cold disk each is a small random read, and several overlap)
         items = list(locs.items())
         batches = [items[i : i + _FOLLOW_BATCH] for i in range(0, len(items), _FOLLOW_BATCH)]
-        for refs in store.read_pool.map(lambda batch: [b for k, loc in batch for b in follow(store, k, loc)],
-                                        batches):
-            for b in refs:
-                if b not in live:
-                    live.add(b)
-                    frontier.append(b)
-    return live, missing
+        for found in store.read_pool.map(lambda batch: [(k, follow(store, k, loc)) for k, loc in batch], batches):
+            for k, refs in found:
+                if refs is None:
+                    lost.add(k)
+                    continue
+                for r in refs:
+                    if r not in reached:
+                        reached.add(r)
+                        frontier.append(r)
+    return reached, lost
 
 
 def _gc_references(store: Store, k: bytes, loc: ChunkLoc) -> set[bytes]:
