@@ -394,12 +394,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     dest = Path(args.file)
     with _open(args.store, readonly=True) as s:
         which = _which(args.checkpoint, s)
-        try:
-            state = s.load(**which, map_location="cpu")
-        except UnsafeLoadError:
-            raise UnsafeLoadError(f"checkpoint {s.info(**which).id} holds pickled values (saved with "
-                                  "allow_pickle=True), which export never unpickles; if you trust the store, "
-                                  "Store.load(..., allow_pickle=True) them in Python") from None
+        m = s.manifest(**which)
+        pickled = tree.pickled_paths(m.tree)
+        if pickled:
+            raise UnsafeLoadError(f"checkpoint {m.id} holds pickled values (saved with allow_pickle=True) at "
+                                  f"{', '.join(map(repr, pickled[:3]))}{' ...' if len(pickled) > 3 else ''}, which "
+                                  "export never unpickles; if you trust the store, Store.load(..., allow_pickle=True) "
+                                  "them in Python")
+        state = s.load(id=m.id, map_location="cpu")
     if dest.suffix == ".safetensors":
         try:
             from safetensors.torch import save_file

@@ -1191,6 +1191,11 @@ class Store:
         with self._gc_lock():  # (resolved under the lock: no gc removes it meanwhile)
             rec = self._record(step, id)
             m = self._manifest(rec)
+            if not allow_pickle and (pickled := tree.pickled_paths(m.tree)):  # (refused before decoding a byte)
+                raise UnsafeLoadError(
+                    f"checkpoint {rec.id} (step {rec.step}) holds pickled values (saved with allow_pickle=True) at "
+                    f"{', '.join(map(repr, pickled[:3]))}{' ...' if len(pickled) > 3 else ''}; load it with "
+                    "allow_pickle=True only if you trust the store")
             given = _placements(m, into) if into is not None else {}
             objs: list[Any] = []
             jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []

@@ -422,6 +422,31 @@ def _leaf_refs(n: Any, path: str, place: Place) -> Iterator[tuple[Place, str, in
         raise CorruptManifestError(f"malformed state skeleton at {path or '<root>'}: {exc!r}") from None
 
 
+def pickled_paths(skeleton: Any) -> list[str]:
+    """The key paths of the pickled values in ``skeleton`` (saved with ``allow_pickle=True``), in document order,
+    so that a load that may not unpickle refuses before it decodes anything. A malformed skeleton raises
+    :class:`CorruptManifestError`."""
+    return list(_pickled(skeleton, ""))
+
+
+def _pickled(n: Any, path: str) -> Iterator[str]:
+    try:
+        tag = n[0]
+        if tag == "p":
+            yield path or "<root>"
+        elif tag in _DICT_TAGS:
+            keys, vals = _dict_parts(n)
+            for k, v in zip(keys, vals):
+                yield from _pickled(v, child_path(path, _plain_build(k)))
+        elif tag in ("l", "t", "q"):
+            for i, v in enumerate(n[1]):
+                yield from _pickled(v, child_path(path, i))
+        elif tag == "x":
+            yield from _pickled(n[2], path)
+    except (IndexError, KeyError, TypeError, ValueError) as exc:
+        raise CorruptManifestError(f"malformed state skeleton at {path or '<root>'}: {exc!r}") from None
+
+
 #: sub-byte integer dtypes (torch.uint1 ... torch.int7): torch has no copy of a non-contiguous one
 _SUB_BYTE = re.compile(r"u?int[1-7]")
 

@@ -1014,13 +1014,25 @@ def test_allow_pickle_opt_in(store: deltackpt.Store, store_path: Path) -> None:
         store.save(state, step=1)
     assert store.list() == [] and dir_snapshot(store_path / "packs") == before
     store.save(state, step=1, allow_pickle=True)
-    with pytest.raises(UnsafeLoadError):
+    with pytest.raises(UnsafeLoadError, match="'args'"):
         store.load(1)
     with pytest.raises(UnsafeLoadError):
         store.load(1, allow_pickle=False)
     out = store.load(1, allow_pickle=True)
     assert type(out["args"]) is argparse.Namespace and out["args"] == ns
     assert torch.equal(out["w"], state["w"])
+
+
+def test_a_load_that_may_not_unpickle_refuses_before_it_decodes(store: deltackpt.Store) -> None:
+    """A checkpoint with pickled values is refused before any tensor is decoded: a tensor offered with ``into``
+    keeps its bytes, and the error names the key paths of the pickled values (every one up to three)."""
+    store.save({"w": torch.randn(1000), "cfg": [argparse.Namespace(a=1), {"b": argparse.Namespace(b=2)}]},
+               step=1, allow_pickle=True)
+    target = torch.zeros(1000)
+    with pytest.raises(UnsafeLoadError, match=r"step 1\) holds pickled values .* at 'cfg\[0\]', 'cfg\[1\]\.b';"):
+        store.load(1, into={"w": target})
+    assert not target.any()
+    assert store.load(1, into={"w": target}, allow_pickle=True)["cfg"][1]["b"].b == 2 and target.any()
 
 
 def test_reopen_in_fresh_directory_roundtrip() -> None:
