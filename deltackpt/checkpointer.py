@@ -45,7 +45,7 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.retention import THINNED_KEY, Retention
-from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_metadata, _check_step
+from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_metadata, _check_step, synchronize_cuda
 from deltackpt.tree import Encoded, alias_key, child_path, encode_registered, flatten, registered_types
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -361,10 +361,9 @@ class _Staging:
         """Copy ``state`` (containers rebuilt, tensors and arrays copied into staging) and return the copy."""
         self._used = set()
         seen: dict[Hashable, Any] = {}  # by tree.alias_key: tied tensors get one buffer and stay one leaf
-        cuda = False
+        devices: set[torch.device] = set()  # the devices copies were queued from
 
         def copy(obj: Any, path: tuple[Any, ...]) -> Any:  # path: the keys down to obj (no string collisions)
-            nonlocal cuda
             if type(obj) in registered:  # (before tensors: a registered tensor subclass is encoded)
                 encoded = encode_registered(obj)  # encoded now, its tensors copied like any other
                 return Encoded(encoded.name, copy(encoded.value, path))
@@ -387,7 +386,7 @@ class _Staging:
                 except NotImplementedError as exc:  # (a sub-byte dtype torch cannot copy; not an out-of-memory)
                     where = functools.reduce(child_path, path, "") or "<root>"
                     raise UnsupportedTypeError(f"cannot store {where}: torch cannot read its bytes: {exc}") from exc
-                cuda = cuda or src.device.type == "cuda"
+                devices.add(src.device)
                 self._used.add(path)
                 out: Any = buf
                 if isinstance(obj, torch.nn.Parameter):
@@ -429,8 +428,7 @@ class _Staging:
             # UnsupportedTypeError naming the key path that a synchronous save raises, not the copy's own error
             flatten(state)
             raise
-        if cuda:
-            torch.cuda.synchronize()
+        synchronize_cuda(devices)  # (every device: a model spread over several GPUs)
         for path in set(self._buffers) - self._used:  # tensors that left the state: free their buffers
             del self._buffers[path]
         return snap

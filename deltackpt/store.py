@@ -293,16 +293,23 @@ def _decode_target(obj: torch.Tensor | np.ndarray) -> tuple[np.ndarray, Any]:
 def _copy_back(copies: Sequence[tuple[Any, Any]]) -> None:
     """Copy each decoded staging buffer into its target (see :func:`_decode_target`); returns once CUDA targets
     hold their values."""
-    on_cuda = False
+    devices: set[torch.device] = set()
     with torch.no_grad():
         for obj, staging in copies:
             if isinstance(obj, torch.Tensor):
                 obj.copy_(staging, non_blocking=True)
-                on_cuda = on_cuda or obj.device.type == "cuda"
+                devices.add(obj.device)
             else:
                 obj[...] = staging
-    if on_cuda:
-        torch.cuda.synchronize()
+    synchronize_cuda(devices)
+
+
+def synchronize_cuda(devices: Iterable[torch.device]) -> None:
+    """Wait for the work queued on each CUDA device of ``devices`` (the asynchronous copies to or from pinned host
+    memory). ``torch.cuda.synchronize()`` without a device waits for the current device only: the copies of a
+    model spread over several GPUs in one process would still be running."""
+    for d in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.synchronize(d)
 
 
 class _Pinned:
@@ -1226,8 +1233,7 @@ class Store:
         _copy_back(copies)
         for i, out, dev in finals:
             objs[i] = out.to(dev, non_blocking=True)
-        if finals and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        synchronize_cuda(dev for _, _, dev in finals)
         for i, t in enumerate(m.tensors):
             if t.kind == "torch" and i not in given:
                 if t.parameter:

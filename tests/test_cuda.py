@@ -95,3 +95,26 @@ def test_load_decodes_into_offered_cuda_tensors(tmp_path: Path) -> None:
         for k, v in mine.items():
             assert state["model"][k] is v and v.device.type == "cuda"
             assert torch.equal(v.cpu(), src.state_dict()[k]), k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_state_spread_over_two_gpus_saves_async_and_loads_back_exactly(tmp_path: Path) -> None:
+    """A model split over cuda:0 and cuda:1 in one process (the current device is cuda:0): the async snapshot's
+    device-to-host copies from cuda:1, and the copies into offered cuda:1 tensors on load, are waited for on
+    their own device (a bare ``torch.cuda.synchronize()`` waits for the current device only)."""
+    g = torch.Generator().manual_seed(0)
+    torch.cuda.set_device(0)
+    state = {"a": torch.randn(4096, 1024, generator=g).to("cuda:0"),
+             "b": torch.randn(4096, 1024, generator=g).to("cuda:1")}
+    want = {k: v.cpu() for k, v in state.items()}
+    with deltackpt.Store(tmp_path / "s", chunk_size=1 << 20) as s:
+        ckpt = deltackpt.Checkpointer(s, model=torch.nn.ParameterDict(
+            {k: torch.nn.Parameter(v, requires_grad=False) for k, v in state.items()}), async_save=True,
+            handle_signals=False)
+        with ckpt:
+            assert ckpt.step(1)
+        offered = {k: torch.empty_like(v) for k, v in state.items()}
+        out = s.load(into={"model": offered})
+        for k in state:
+            assert out["model"][k] is offered[k] and offered[k].device == state[k].device
+            assert torch.equal(offered[k].cpu(), want[k]), k
