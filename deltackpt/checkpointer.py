@@ -42,6 +42,7 @@ from deltackpt.errors import (
     CorruptionError,
     DeltackptError,
     ShapeMismatchError,
+    StoreLockedError,
     UnsupportedTypeError,
 )
 from deltackpt.retention import THINNED_KEY, Retention
@@ -49,6 +50,13 @@ from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_metadata, 
 from deltackpt.tree import Encoded, alias_key, child_path, encode_registered, flatten, registered_types
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+#: gc after retention runs once the checkpoints it deleted or thinned wrote at least this much (and a quarter of
+#: what the kept ones wrote): sooner, each gc's pass over the live chunks would cost more than the space it frees
+GC_MIN_BYTES = 64 << 20
+#: seconds gc after retention waits for a store another process holds (its gc or repair) before it gives up until
+#: the next save
+GC_WAIT = 1.0
 
 #: checkpointers a signal flagged that have not saved yet, and the step each that did saved at (see "signals")
 _stopping: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
@@ -478,6 +486,10 @@ class Checkpointer:
     every_n_steps: save when the step passed to :meth:`step` is a multiple of this.
     async_save: snapshot in :meth:`step` and save in a background thread (at most one save in flight).
     retention: a :class:`Retention` policy applied after each committed save.
+    gc: with a retention policy, reclaim the space of what it deleted or thinned: after a save whose retention
+        brings the bytes those checkpoints wrote (since the last gc) to a quarter of what the kept ones wrote,
+        and at least 64 MiB, run :meth:`Store.gc` right there (on the save thread: in the background when
+        ``async_save``). False leaves that to you (``deltackpt gc STORE`` from another process, say).
     handle_signals: on SIGTERM/SIGINT save at the next step boundary, wait for it, then hand the signal to
         the handler installed before (default action: exit with status 128+signal).
     map_location: passed to :meth:`Store.load` by :meth:`restore` (default ``"cpu"``; ``load_state_dict``
@@ -497,6 +509,7 @@ class Checkpointer:
         every_n_steps: int = 1,
         async_save: bool = True,
         retention: Retention | None = None,
+        gc: bool = True,
         handle_signals: bool = True,
         map_location: Any = "cpu",
     ) -> None:
@@ -521,10 +534,13 @@ class Checkpointer:
         self.every_n_steps = every_n_steps
         self.async_save = async_save
         self.retention = retention
+        self.gc = gc
+        self._dropped_bytes = 0  # bytes written by the checkpoints retention deleted or thinned since the last gc
         self.map_location = map_location
         self.last_saved_step: int | None = None
         self.last_info: CheckpointInfo | None = None
         self._staging = _Staging()
+        self._unthinnable: set[str] = set()  # checkpoints retention found damaged when it came to thin them
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save") if async_save else None
         if async_save:
             _async.add(self)
@@ -772,20 +788,49 @@ class Checkpointer:
         by_id = {i.id: i for i in infos}
         head = self.store._head  # loading a checkpoint to thin it must not change what the run descends from
         try:
-            self._thin(plan.thin, by_id)
+            self._dropped_bytes += sum(by_id[cid].written_bytes for cid in self._thin(plan.thin, by_id))
         finally:
             self.store._head = head
         for cid in plan.delete:
-            with contextlib.suppress(CheckpointNotFoundError):
+            try:
                 self.store.delete(id=cid)
+            except CheckpointNotFoundError:
+                continue
+            self._dropped_bytes += by_id[cid].written_bytes
+        kept = sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete))
+        if self.gc and self._dropped_bytes >= max(GC_MIN_BYTES, kept // 4):
+            self._collect()
 
-    def _thin(self, ids: list[str], by_id: dict[str, CheckpointInfo]) -> None:
+    def _collect(self) -> None:
+        """gc after retention. Its trouble is not the save's: the checkpoint is committed, and training goes on.
+        A store another process holds for longer than a moment (its gc, a repair) is tried again at the next
+        save; damage gc found is a warning."""
+        try:
+            report = self.store.gc(timeout=GC_WAIT)
+        except StoreLockedError:
+            return
+        except (DeltackptError, OSError) as exc:
+            self._dropped_bytes = 0  # (tried again once as much more is dropped)
+            warnings.warn(f"deltackpt: gc after retention failed, what retention deleted still takes its space "
+                          f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
+            return
+        self._dropped_bytes = 0
+        if report.damaged_packs:
+            warnings.warn(f"deltackpt: gc after retention left {len(report.damaged_packs)} pack(s) holding damaged "
+                          f"frames in place: {report.damaged_packs[0]}; 'deltackpt verify' names the checkpoints",
+                          RuntimeWarning, stacklevel=2)
+
+    def _thin(self, ids: list[str], by_id: dict[str, CheckpointInfo]) -> list[str]:
         """Rewrite the checkpoints ``ids`` with their step and model weights only. Only checkpoints a Checkpointer
         wrote (a dict with ``step`` and ``model`` entries) are thinned: any other (a ``Store.save``, an import)
         has no weights this could tell apart, and is kept whole. A damaged one is kept as it is, with a
-        warning: the deletes after this still run, and the next save tries it again."""
+        warning: the deletes after this still run, and this checkpointer does not try it again. Returns the ids
+        it thinned."""
+        thinned_ids: list[str] = []
         for cid in ids:
             info = by_id[cid]
+            if cid in self._unthinnable:
+                continue  # found damaged at an earlier save: not loaded again at every save
             try:
                 layout = self.store.manifest(id=cid)
                 with contextlib.suppress(Exception):  # (a registered type not built from tensor entries: load it)
@@ -799,11 +844,14 @@ class Checkpointer:
                 meta[THINNED_KEY] = True
                 thinned = {"step": full.get("step"), "model": full.get("model"), "thinned": True}
                 self.store.rewrite(thinned, id=cid, metadata=meta)  # keeps its place: "latest" stays the newest
+                thinned_ids.append(cid)
             except CheckpointNotFoundError:
                 continue
             except CorruptionError as exc:
+                self._unthinnable.add(cid)
                 warnings.warn(f"deltackpt: retention cannot thin checkpoint {cid} (step {info.step}), which is "
                               f"damaged; it stays as it is: {exc}", RuntimeWarning, stacklevel=2)
+        return thinned_ids
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the save in flight (if any) is committed; raise its error."""
@@ -852,6 +900,7 @@ class Checkpointer:
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
+            self._staging = _Staging()  # its buffers are a copy of the whole state: give the memory back
             self._restore_signals()
             if self._owns_store:
                 self.store.close()

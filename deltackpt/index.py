@@ -160,7 +160,7 @@ _CHECKSUM = re.compile(r"[0-9a-f]{32}")
 REPAIR_HINT = "'deltackpt repair STORE' rebuilds the index"
 
 
-def _record_at(sk: bytes, raw: bytes) -> Record:
+def record_at(sk: bytes, raw: bytes) -> Record:
     """The record stored under key ``sk`` of the checkpoints table, checked to be the one of that seq."""
     rec = Record.loads(raw)
     if len(sk) != 8 or rec.seq != _U64.unpack(sk)[0]:
@@ -650,7 +650,7 @@ class Index:
                 raw = txn.get(sk, db=self.db_ckpts) if sk is not None else None
                 if raw is None:
                     raise CheckpointNotFoundError(f"checkpoint {replace.id} was deleted or replaced meanwhile")
-                current = _record_at(sk, raw)
+                current = record_at(sk, raw)
                 if current.id != replace.id:
                     raise CorruptIndexError(f"index entry for id {replace.id} leads to checkpoint {current.id}; "
                                             f"{REPAIR_HINT}")
@@ -704,7 +704,7 @@ class Index:
             seq = _U64.unpack(sk)[0] if len(sk) == 8 else -1
             if raw is None:
                 raise CorruptIndexError(f"index names checkpoint seq {seq} but holds no record; {REPAIR_HINT}")
-            rec = _record_at(sk, raw)
+            rec = record_at(sk, raw)
             asked = f"id {id}" if id is not None else f"step {step}" if step is not None else None
             if asked is not None and (rec.id != id if id is not None else rec.step != step):
                 # one damaged byte of an id's or a step's entry must not hand out another checkpoint
@@ -716,7 +716,14 @@ class Index:
     def records(self) -> list[Record]:
         """All checkpoint records in commit order."""
         with self.env.begin(db=self.db_ckpts) as txn:
-            return [_record_at(k, v) for k, v in txn.cursor()]
+            return [record_at(k, v) for k, v in txn.cursor()]
+
+    @_damage_is_corruption
+    def raw_records(self) -> list[tuple[bytes, bytes]]:
+        """(key, value) of every checkpoint record in commit order, undecoded (:func:`record_at` decodes one):
+        for callers that keep what they decoded before."""
+        with self.env.begin(db=self.db_ckpts) as txn:
+            return list(txn.cursor())
 
     @_damage_is_corruption
     def problems(self) -> list[tuple[Record | None, str]]:
@@ -728,7 +735,7 @@ class Index:
             recs: dict[bytes, Record] = {}
             for k, v in txn.cursor(db=self.db_ckpts):
                 try:
-                    recs[k] = _record_at(k, v)
+                    recs[k] = record_at(k, v)
                 except CorruptIndexError as exc:
                     out.append((None, str(exc)))
             for k, v in txn.cursor(db=self.db_ids):

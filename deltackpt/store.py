@@ -56,7 +56,7 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
-from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key
+from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key, record_at
 from deltackpt.packs import PackReader, PackWriter, flock_within, fsync_dir, make_dirs
 from deltackpt.scratch import Scratch
 
@@ -426,6 +426,8 @@ class Store:
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
         self._last_manifest: manifest.Manifest | None = None
         self._pinned = _Pinned()
+        #: what the last list() decoded, by record key and bytes: records that did not change are not decoded again
+        self._listed: dict[tuple[bytes, bytes], tuple[CheckpointInfo, tuple[str, ...]]] = {}
         self._delta_stats: dict[str, tuple[int, int]] = {}
         self._predict_stats: dict[str, tuple[int, int]] = {}  # the same for predicted frames
         self._base_cache = ChunkCache(cache if self.max_chain else 0)
@@ -649,11 +651,22 @@ class Store:
     def list(self) -> list[CheckpointInfo]:
         """Every retained checkpoint, oldest commit first."""
         self._refresh()
-        records = self.index.records()
-        ids = {r.id for r in records}
-        moved = {old: r.id for r in records for old in r.extra.get("replaces", ())}
-        return [CheckpointInfo.from_record(r) if r.parent in ids or r.parent not in moved
-                else dataclasses.replace(CheckpointInfo.from_record(r), parent=moved[r.parent]) for r in records]
+        # A Checkpointer with a retention policy lists after every save: the records listed before are taken
+        # from the last listing when their bytes are the same (decoding one took 12 us: 30 ms at 2,500 kept)
+        memo, listed = self._listed, {}
+        rows: list[tuple[CheckpointInfo, tuple[str, ...]]] = []
+        for key, raw in self.index.raw_records():
+            row = memo.get((key, raw))
+            if row is None:
+                rec = record_at(key, raw)
+                row = (CheckpointInfo.from_record(rec), tuple(rec.extra.get("replaces", ())))
+            listed[(key, raw)] = row
+            rows.append(row)
+        self._listed = listed
+        ids = {info.id for info, _ in rows}
+        moved = {old: info.id for info, replaces in rows for old in replaces}
+        return [info if info.parent in ids or info.parent not in moved
+                else dataclasses.replace(info, parent=moved[info.parent]) for info, _ in rows]
 
     def info(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:
         """The checkpoint at ``step`` (the newest one with that step), or with ``id`` (also an id it replaced in
