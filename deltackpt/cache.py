@@ -1,10 +1,11 @@
 """A bounded, thread-safe cache of raw chunk bytes: the delta bases of the next save.
 
-Where it sits: ``save`` puts the raw bytes of every chunk it writes here, and once it commits keeps only the
-chunks of the state it saved (:meth:`ChunkCache.retain`); the next save, encoding chunk i of a tensor as a
-delta against chunk i of its parent, finds the base here instead of decoding it (and its whole delta chain)
-from the packs. Capacity is in bytes; the least recently used chunks go first. With capacity 0 nothing is
-kept and every base is decoded from the store.
+Where it sits: ``save`` puts the raw bytes of every chunk it writes here (dropping each parent chunk once the
+encodes that read it have run), and once it commits keeps only the chunks of the state it saved
+(:meth:`ChunkCache.retain`); the next save, encoding chunk i of a tensor as a delta against chunk i of its
+parent, finds the base here instead of decoding it (and its whole delta chain) from the packs. Capacity is in
+bytes; the least recently used chunks go first. With capacity 0 nothing is kept and every base is decoded
+from the store.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class ChunkCache:
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        #: the most bytes held at once (a caller may set it to ``size`` to measure from there)
+        self.peak = 0
 
     def get(self, key: bytes) -> np.ndarray | None:
         with self._lock:
@@ -52,6 +55,7 @@ class ChunkCache:
                 return kept
             self._data[key] = copy
             self._size += n
+            self.peak = max(self.peak, min(self._size, self.capacity))
             while self._size > self.capacity:
                 _, old = self._data.popitem(last=False)
                 self._size -= len(old)

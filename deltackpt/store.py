@@ -872,9 +872,16 @@ class Store:
         new_locs: dict[bytes, ChunkLoc] = {}
         state_keys: set[bytes] = set()  # every stored chunk of the state (what the next save's bases are)
         pending: set[bytes] = set()
-        # (future, key, entry, depth if the frame is a delta, depth if it is a predicted frame)
-        inflight: collections.deque[tuple[Future[bytes] | _Done, bytes, manifest.TensorEntry, int, int]] = (
-            collections.deque())
+        # (future, key, entry, depth if the frame is a delta, depth if it is a predicted frame, the parent's chunks
+        # it reads from the base cache)
+        inflight: collections.deque[
+            tuple[Future[bytes] | _Done, bytes, manifest.TensorEntry, int, int, tuple[bytes, ...]]
+        ] = collections.deque()
+        # The parent's chunks that encodes submitted or still to come read from the base cache (delta bases,
+        # prediction inputs), with how many read each. Once the last has read one it leaves the cache (unless
+        # this state holds it too): the cache then holds about one state during a save, not the parent's and this
+        # save's chunks together, and the bases still to be read are not the least recently used when it is full.
+        reads: collections.Counter[bytes] = collections.Counter()
         limit = self.threads * _INFLIGHT_PER_THREAD
         written = 0
         first = 0
@@ -885,11 +892,17 @@ class Store:
         def drain(keep: int) -> None:
             nonlocal written
             while len(inflight) > keep:
-                fut, key, entry, delta_depth, pred_depth = inflight.popleft()
+                fut, key, entry, delta_depth, pred_depth, read = inflight.popleft()
                 try:
                     frame = fut.result()
                 except StateChangedError as exc:
                     raise StateChangedError(f"{entry.key!r}: {exc}") from None
+                for b in read:
+                    reads[b] -= 1
+                    if reads[b] <= 0:
+                        del reads[b]
+                        if b not in state_keys:
+                            self._base_cache.discard(b)
                 pack_id, offset = self._writer.append(frame)
                 h = codec.parse_header(frame)
                 depth = {codec.DELTA: delta_depth, codec.PREDICTED: pred_depth}.get(h.codec, 0)
@@ -902,7 +915,13 @@ class Store:
                 written += len(frame)
 
         def submit(leaf: tree.Leaf, entry: manifest.TensorEntry, i: int, k: bytes, base: tuple[bytes, int] | None,
-                   buf: np.ndarray, prediction: tuple[predict.Role, list[bytes], int] | None = None) -> None:
+                   buf: np.ndarray, prediction: tuple[predict.Role, list[bytes], int] | None = None,
+                   read: tuple[bytes, ...] | None = None) -> None:
+            """Encode chunk ``i`` on the pool. ``read``: the parent's chunks it reads, counted in ``reads`` already
+            (by default its base, counted here)."""
+            if read is None:
+                read = (base[0],) if base else ()
+                reads.update(read)
             view = memoryview(buf)[i * cs : i * cs + min(cs, leaf.nbytes - i * cs)]
             run = self._submit if len(view) >= _INLINE_BELOW else _Done.run
             if prediction is not None:
@@ -910,13 +929,13 @@ class Store:
                 role, refs, pred_depth = prediction
                 m = hosted[role.m][0][i * cs : i * cs + len(view)]
                 fut = run(self._encode_predicted, view, k, leaf.width, base[0], role, refs, m)
-                inflight.append((fut, k, entry, base[1] + 1, pred_depth))
+                inflight.append((fut, k, entry, base[1] + 1, pred_depth, read))
             else:
                 # every 16th chunk of the checkpoint (counted across tensors, shifted by one each generation)
                 # tries both encodings, so the statistics behind the encoding mode stay current
                 mode = "both" if (entry.first + i + generation) % 16 == 0 else self._delta_mode(leaf.path)
                 fut = run(self._encode, view, k, leaf.width, base[0] if base else None, mode)
-                inflight.append((fut, k, entry, base[1] + 1 if base else 0, 0))
+                inflight.append((fut, k, entry, base[1] + 1 if base else 0, 0, read))
             drain(limit)
 
         try:
@@ -973,12 +992,22 @@ class Store:
                     else:
                         submit(leaf, entry, i, k, base, buf)
             drain(0)  # every chunk a prediction may reference is written: its depth is known
-            for leaf, entry, i, k, base in deferred:
+            # a parameter's chunk i and its second moment's read the parent's first moment chunk i both: encoded one
+            # after the other, the parent's three chunks at i leave the cache together
+            pairs = {m: n for n, m in enumerate(dict.fromkeys(roles[leaf.path].m for leaf, *_ in deferred))}
+            deferred.sort(key=lambda d: (pairs[roles[d[0].path].m], d[2]))
+            # what the deferred chunks read of the parent: their bases, and what their predictions would reference
+            planned = [(base[0], *_parent_refs(roles[leaf.path], i, k, parents, pm))
+                       for leaf, _, i, k, base in deferred]
+            for read in planned:
+                reads.update(read)
+            self._base_cache.retain(state_keys | reads.keys())  # the parent's chunks nothing reads any more
+            for (leaf, entry, i, k, base), read in zip(deferred, planned):
                 prediction = None
                 # as with deltas, every 16th chunk tries even when predictions stopped winning for this role
                 if self._predicting(leaf.path) or (entry.first + i + generation) % 16 == 0:
                     prediction = self._prediction_inputs(roles[leaf.path], i, k, base, hosted, parents, pm, new_locs)
-                submit(leaf, entry, i, k, base, hosted[leaf.path][0], prediction)
+                submit(leaf, entry, i, k, base, hosted[leaf.path][0], prediction, read)
             drain(0)
         except BaseException:
             for fut, *_ in inflight:
@@ -1004,19 +1033,15 @@ class Store:
         (this checkpoint's first moment, the parent's first moment, for a parameter the parent's second
         moment), and the chain depth it would have; None when it cannot be predicted within the chain bound or
         a referenced chunk is all zero, on a device, or missing from the parent."""
-        n = int.from_bytes(k[16:], "big")
         got = hosted.get(role.m)
         if got is None or i >= len(got[2]) or got[2][i] or pm is None:
             return None
-        refs = [got[1][i].tobytes() + k[16:]]
-        for path in (role.m, role.v) if role.predictor == predict.PARAM else (role.m,):
-            pt = parents.get(path or "")
-            if pt is None or pt.nbytes != got[0].nbytes or i >= pt.count:
-                return None
-            j = pt.first + i
-            if pm.flags[j] & manifest.FLAG_ZERO or pt.chunk_len(i, pm.chunk_size) != n:
-                return None
-            refs.append(pm.digests[j].tobytes() + k[16:])
+        parent_refs = _parent_refs(role, i, k, parents, pm)
+        if len(parent_refs) != (2 if role.predictor == predict.PARAM else 1):
+            return None
+        if any(parents[path or ""].nbytes != got[0].nbytes for path in (role.m, role.v)[: len(parent_refs)]):
+            return None
+        refs = [got[1][i].tobytes() + k[16:], *parent_refs]
         if any(r in self._damaged for r in refs):
             return None
         depths = [new_locs[r].depth if r in new_locs else None for r in refs]
@@ -1703,6 +1728,26 @@ class Store:
 
         self._writable("repair")
         return maintenance.repair(self, **kwargs)
+
+
+def _parent_refs(role: predict.Role, i: int, k: bytes, parents: Mapping[str, manifest.TensorEntry],
+                 pm: manifest.Manifest | None) -> tuple[bytes, ...]:
+    """The keys of the parent's chunks a prediction of chunk ``i`` (key ``k``) of a tensor with ``role`` would
+    reference: the parent's first moment and, for a parameter, its second moment, at position ``i``. Fewer (a
+    prefix) where the parent has no such chunk of the same length, or an all-zero one: no prediction then."""
+    if pm is None:
+        return ()
+    n = int.from_bytes(k[16:], "big")
+    out: list[bytes] = []
+    for path in (role.m, role.v) if role.predictor == predict.PARAM else (role.m,):
+        pt = parents.get(path or "")
+        if pt is None or i >= pt.count:
+            break
+        j = pt.first + i
+        if pm.flags[j] & manifest.FLAG_ZERO or pt.chunk_len(i, pm.chunk_size) != n:
+            break
+        out.append(pm.digests[j].tobytes() + k[16:])
+    return tuple(out)
 
 
 #: the least a writer's pack holds before a save moves on to a new one (:meth:`PackWriter.seal_past`)
