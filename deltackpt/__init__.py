@@ -8,6 +8,7 @@ from deltackpt.checkpointer import Checkpointer
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
+    CorruptIndexError,
     CorruptionError,
     CorruptManifestError,
     DeltackptError,
@@ -34,6 +35,7 @@ __all__ = [
     "Checkpointer",
     "CheckpointNotFoundError",
     "CorruptChunkError",
+    "CorruptIndexError",
     "CorruptManifestError",
     "CorruptionError",
     "DeltackptError",

@@ -233,7 +233,7 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
     if magic != MAGIC:
         raise CorruptChunkError(f"bad frame magic {bytes(magic)!r}{_at(where)}")
     if version not in _VERSIONS:
-        raise FormatVersionError(f"frame format version {version} is not supported (this reader: 1-3){_at(where)}")
+        raise FormatVersionError(f"{_NEWER_FRAME} {version} is not supported (this reader: 1-3){_at(where)}")
     if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0 or (version >= 2) != (codec == PREDICTED):
         raise CorruptChunkError(f"bad frame header (codec {codec}, width {width}, flags {flags}){_at(where)}")
     if raw_len > MAX_RAW or stored_len > MAX_RAW + 1024:
@@ -243,6 +243,15 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
     if (codec in BASED) != (base != NO_BASE):
         raise CorruptChunkError(f"frame base digest does not match its codec{_at(where)}")
     return FrameHeader(codec, width, raw_len, stored_len, bytes(digest), bytes(base), checksum, version)
+
+
+_NEWER_FRAME = "frame format version"
+
+
+def _version_root(message: str) -> str:
+    """What a newer frame's :class:`FormatVersionError` says, without the chunks it was reached through."""
+    i = message.find(_NEWER_FRAME)
+    return message[i:] if i >= 0 else message
 
 
 def _at(where: str | None) -> str:
@@ -364,6 +373,9 @@ def decode_chain(
             raise CorruptChunkError(
                 f"its delta base {chunk_hex(want, raw_len)} is damaged: {_root(exc.reason)}", chunk_id=cid
             ) from None
+        except FormatVersionError as exc:  # a newer writer's frame: not damage, but say whose
+            base = f"its delta base {chunk_hex(want, raw_len)}: " if frames else ""
+            raise FormatVersionError(f"chunk {cid}: {base}{_version_root(str(exc))}") from None
         frames.append(frame)
         headers.append(h)
         wheres.append(where)
@@ -426,6 +438,9 @@ def _predict_into(frame: bytes | memoryview, h: FrameHeader, where: str | None, 
             raise CorruptChunkError(
                 f"its prediction input {chunk_hex(ref, h.raw_len)} is damaged: {_root(exc.reason)}", chunk_id=cid
             ) from None
+        except FormatVersionError as exc:
+            raise FormatVersionError(f"chunk {cid}: its prediction input {chunk_hex(ref, h.raw_len)}: "
+                                     f"{_version_root(str(exc))}") from None
     predict.predict(rec, inputs[0], inputs[1:], dest)
 
 

@@ -347,10 +347,11 @@ class DeltaStorageReader(StorageReader):
             sm = doc["storage_meta"]
             storage_meta = StorageMeta() if sm is None else StorageMeta(
                 checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"], modules=list(sm["modules"]))
+            planner_data, version = doc["planner_data"], doc["version"]
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
-        return Metadata(state_dict_metadata=sdm, planner_data=doc["planner_data"], storage_data=storage,
-                        storage_meta=storage_meta, version=doc["version"])
+        return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
+                        storage_meta=storage_meta, version=version)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._where = dict(metadata.storage_data)
@@ -603,7 +604,7 @@ def _named(meta: Store, ckpt: str) -> set[tuple[int, str]]:
     doc = _doc(meta, ckpt)
     try:
         return {(int(it[3]), str(it[5])) for it in (doc or {}).get("items", [])}
-    except (TypeError, ValueError, IndexError, AttributeError) as exc:
+    except (TypeError, ValueError, IndexError, KeyError, AttributeError) as exc:  # (an item that is a dict: KeyError)
         raise CorruptManifestError(f"DCP checkpoint {ckpt} in {meta.path}: malformed DCP metadata ({exc!r})") from None
 
 

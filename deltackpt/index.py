@@ -261,7 +261,7 @@ class _Shared:
                     txn.put(b"format", str(INDEX_VERSION).encode(), db=self.dbs["meta"])
                 elif v is None and not rebuilding:
                     raise CorruptIndexError(_lost(path, "it holds no format record"))
-                elif v is not None and not v.isdigit():
+                elif v is not None and (not v.isdigit() or len(v) > 9):  # (no format number is that long)
                     raise CorruptIndexError(_lost(path, f"its format record is {bytes(v)[:20]!r}"))
                 elif v is not None and int(v) > INDEX_VERSION:
                     raise FormatVersionError(f"index format {int(v)} is newer than this reader ({INDEX_VERSION})")

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from deltackpt import tree
+from deltackpt import config, tree
 from deltackpt.errors import CorruptManifestError, FormatVersionError, InvalidNameError
 from deltackpt.packs import fsync_dir
 
@@ -130,11 +130,31 @@ def _entry(t: Any) -> TensorEntry:
         elements *= n
     if itemsize is not None and e.nbytes != itemsize * elements:
         raise ValueError(f"tensor {e.key!r:.60}: {e.nbytes} bytes for shape {e.shape} of {e.dtype}")
+    if e.requires_grad and not _differentiable(e.kind, e.dtype):
+        raise ValueError(f"tensor {e.key!r:.60}: requires_grad for {e.kind} {e.dtype} (only float and complex "
+                         "torch tensors can)")
+    if e.kind == "numpy" and len(e.shape) > _NUMPY_MAX_DIMS:
+        raise ValueError(f"tensor {e.key!r:.60}: a numpy array of {len(e.shape)} dimensions (numpy has at most "
+                         f"{_NUMPY_MAX_DIMS})")
     # (the device string is not parsed here: a backend this torch lacks, "npu:0", is for load to resolve)
     return e
 
 
 _LIMIT = 1 << 63
+_NUMPY_MAX_DIMS = 64
+
+
+@functools.lru_cache(maxsize=256)
+def _differentiable(kind: str, dtype: str) -> bool:
+    """Whether a tensor of this entry's kind and dtype can require gradients (a dtype this torch does not know
+    may: loading it fails anyway)."""
+    if kind != "torch":
+        return False
+    try:
+        dt = tree.torch_dtype(dtype)
+    except CorruptManifestError:
+        return True
+    return dt.is_floating_point or dt.is_complex
 
 
 def _entry_problem(t: dict[str, Any]) -> str:
@@ -293,7 +313,7 @@ def parse(data: bytes, *, where: str) -> Manifest:
             step=h["step"],
             created=float(h["created"]),
             parent=h["parent"],
-            chunk_size=_count(h["chunk_size"], "chunk_size", 1 << 32),
+            chunk_size=_chunk_size(h["chunk_size"]),
             tree=h["tree"],
             tensors=tensors,
             digests=digests,
@@ -305,13 +325,20 @@ def parse(data: bytes, *, where: str) -> Manifest:
         )
     except (ValueError, KeyError, TypeError, CorruptManifestError, InvalidNameError, RecursionError) as exc:
         raise CorruptManifestError(f"manifest {where} has an unreadable header: {exc}") from None
-    if m.chunk_size <= 0:
-        raise CorruptManifestError(f"manifest {where} declares chunk size {m.chunk_size}")
     for t in tensors:
         expect = -(-t.nbytes // m.chunk_size)
         if t.count != expect or t.first < 0 or t.first + t.count > n:
             raise CorruptManifestError(f"manifest {where}: tensor {t.key!r} has an inconsistent chunk range")
     return m
+
+
+def _chunk_size(value: Any) -> int:
+    """A header's chunk size: a power of two in [4 KiB, 1 GiB] (format §2; a larger one would let a few table
+    entries of all-zero chunks describe any number of bytes)."""
+    if type(value) is not int or value < config.MIN_CHUNK_SIZE or value > config.MAX_CHUNK_SIZE or value & (value - 1):
+        raise ValueError(f"chunk_size is {value!r:.60} (a power of two from {config.MIN_CHUNK_SIZE} to "
+                         f"{config.MAX_CHUNK_SIZE})")
+    return value
 
 
 def path_for(directory: Path, checkpoint_id: str) -> Path:

@@ -23,6 +23,7 @@ import collections
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import operator
 import os
@@ -90,7 +91,11 @@ class CheckpointInfo:
     def from_record(cls, rec: Record) -> CheckpointInfo:
         try:
             meta = tree.decode_plain(rec.metadata) if rec.metadata is not None else None
-        except (CorruptManifestError, UnsafeLoadError) as exc:  # (a registered type: its decoder is needed)
+        except (CorruptManifestError, UnsafeLoadError, UnsupportedTypeError) as exc:
+            if isinstance(exc, UnsupportedTypeError) and tree.holds_device(rec.metadata):
+                # (a torch.device of a backend this torch lacks: the record is as saved, a repair would not help)
+                raise UnsupportedTypeError(f"checkpoint {rec.id} (step {rec.step}): its metadata: {exc}") from None
+            # saves write plain values only: a registered type or a pickle there is damage of the record
             raise CorruptIndexError(f"index record of checkpoint {rec.id} (step {rec.step}) holds unreadable "
                                     f"metadata: {exc}; {REPAIR_HINT}") from None
         return cls(rec.id, rec.step, rec.created, rec.parent, rec.logical_bytes, rec.written_bytes, meta, rec.seq)
@@ -325,6 +330,21 @@ class _Pinned:
         return self._buf[:n]
 
 
+def _output(t: manifest.TensorEntry, map_location: Any) -> tuple[torch.Tensor | np.ndarray, torch.device | None]:
+    """A new tensor (pinned for CUDA) or array to decode the stored tensor ``t`` into, and for a tensor the device
+    it goes to. Its storage holds exactly ``t.nbytes`` bytes (checked: a dtype whose elements are not whole bytes
+    would have the kernel write past it)."""
+    if t.kind != "torch":
+        return np.empty(t.shape, dtype=tree.numpy_dtype(t.dtype)), None
+    dt = tree.torch_dtype(t.dtype)
+    dev = _resolve_device(t.device, map_location)
+    out = torch.empty(t.shape, dtype=dt, pin_memory=dev.type == "cuda")
+    if out.untyped_storage().nbytes() != t.nbytes:
+        raise CorruptManifestError(f"{t.nbytes} bytes for a {t.dtype} tensor of shape {t.shape}, which holds "
+                                   f"{out.untyped_storage().nbytes()}")
+    return out, dev
+
+
 def _resolve_device(stored: str, map_location: Any) -> torch.device:
     if map_location is None or isinstance(map_location, Mapping):
         target = stored if map_location is None else map_location.get(stored, stored)
@@ -341,7 +361,30 @@ def _resolve_device(stored: str, map_location: Any) -> torch.device:
         raise RuntimeError(
             f"the checkpoint holds a tensor on {stored} but CUDA is not available: pass map_location='cpu'"
         )
+    if not _usable(str(dev)):
+        raise UnsupportedTypeError(f"the checkpoint holds a tensor on device {stored!r:.60}, and this process cannot "
+                                   f"put tensors on {str(dev)!r:.60}: pass map_location='cpu' (or a dict "
+                                   "{stored: target})")
     return dev
+
+
+@functools.lru_cache(maxsize=64)
+def _usable(device: str) -> bool:
+    """Whether this process can hold tensors on ``device``, which torch knows by name (``mps`` on a machine
+    without Metal, ``xpu:0`` in a build without it): asked before a load decodes anything, which then could not
+    put its tensors there. ``meta`` holds no data: a load there would drop every value."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return True
+    if dev.type == "meta":
+        return False
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
+    try:
+        torch.empty(0, device=dev)
+    except Exception:  # (RuntimeError, NotImplementedError, AssertionError, ModuleNotFoundError: backend-dependent)
+        return False
+    return True
 
 
 class Store:
@@ -1254,19 +1297,22 @@ class Store:
                     if staging is not None:
                         copies.append((target, staging))
                     objs.append(target)
-                elif t.kind == "torch":
-                    dt = tree.torch_dtype(t.dtype)
-                    dev = _resolve_device(t.device, map_location)
-                    pin = dev.type == "cuda"
-                    out = torch.empty(t.shape, dtype=dt, pin_memory=pin)
-                    jobs.append((t, out.reshape(-1).view(torch.uint8).numpy()))
-                    if dev.type != "cpu":
+                else:
+                    try:
+                        out, dev = _output(t, map_location)
+                    except (CorruptManifestError, UnsupportedTypeError) as exc:  # (a dtype, a device)
+                        raise type(exc)(f"checkpoint {rec.id} (step {rec.step}), tensor {t.key!r}: {exc}") from None
+                    except (RuntimeError, MemoryError) as exc:
+                        if isinstance(exc, RuntimeError) and "alloc" not in str(exc):
+                            raise
+                        raise MemoryError(f"checkpoint {rec.id} (step {rec.step}), tensor {t.key!r}: cannot "
+                                          f"allocate its {t.nbytes} bytes") from exc
+                    byte_view = out.reshape(-1).view(torch.uint8).numpy() if isinstance(out, torch.Tensor) \
+                        else out.reshape(-1).view(np.uint8)
+                    jobs.append((t, byte_view))
+                    if dev is not None and dev.type != "cpu":
                         finals.append((len(objs), out, dev))
                     objs.append(out)
-                else:
-                    arr = np.empty(t.shape, dtype=tree.numpy_dtype(t.dtype))
-                    jobs.append((t, arr.reshape(-1).view(np.uint8)))
-                    objs.append(arr)
             self._read_into(m, jobs, verify=verify)
         _copy_back(copies)
         for i, out, dev in finals:
@@ -1429,6 +1475,9 @@ class Store:
 
         def named(item: tuple[manifest.TensorEntry, bytes, Any], exc: BaseException) -> BaseException:
             """A failure as raised by the load: naming the checkpoint, and the chunk and tensor it was for."""
+            if isinstance(exc, FormatVersionError):  # a newer writer's frame (its chunk or one it decodes from)
+                what = str(exc) if str(exc).startswith("chunk ") else f"chunk {_kid(item[1])}: {exc}"
+                return FormatVersionError(f"checkpoint {m.id}, tensor {item[0].key!r}, {what}")
             if not isinstance(exc, CorruptChunkError):
                 return exc
             if exc.key is None:  # a chunk's own decode: it is the chunk ``k`` of tensor ``t``

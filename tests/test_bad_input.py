@@ -477,3 +477,81 @@ def test_refusal_of_a_value_whose_repr_fails_is_still_typed(store: deltackpt.Sto
     with pytest.raises(UnsupportedTypeError, match=r"cannot store x: unsupported type .*K as a dict key \(<K>\)"):
         store.save({"x": {key: 1}}, step=1)
     assert store.list() == []
+
+
+def _forge(path: Path, edit: Any, *, chunk_size: int = SMALL_CHUNK) -> str:
+    """A store with one checkpoint of ``{"x": zeros(1024), "y": arange(8.0)}`` whose manifest ``edit(m)`` changed
+    (checksums made to match, as a buggy or foreign writer would leave it); its id."""
+    with deltackpt.Store(path, chunk_size=chunk_size) as s:
+        info = s.save({"x": torch.zeros(1024), "y": torch.arange(8.0)}, step=1)
+        m = s.manifest(id=info.id)
+        edit(m)
+        data = m.to_bytes()
+        (path / "manifests" / f"{info.id}.manifest").write_bytes(data)
+        rec = s.index.get(id=info.id)
+        rec.manifest_checksum = deltackpt.manifest.checksum_of(data)
+        s.index.commit_checkpoint(rec, {}, replace=rec)
+    return info.id
+
+
+def _entry(m: Any, key: str) -> Any:
+    return next(t for t in m.tensors if t.key == key)
+
+
+@pytest.mark.parametrize("dtype", ["quint4x2", "quint2x4", "qint8", "quint8", "qint32"])
+def test_a_quantized_dtype_in_a_manifest_is_refused_by_name(tmp_path: Path, dtype: str) -> None:
+    """Saves refuse quantized tensors; a manifest that names one anyway (quint4x2: two elements per byte) is
+    refused before decoding, naming the tensor. It was given a torch.empty of half the bytes, and the kernel
+    wrote the chunk past its end (a heap overflow); qint8 and the like loaded as quantized tensors."""
+    cid = _forge(tmp_path / "s", lambda m: setattr(_entry(m, "x"), "dtype", dtype))
+    with deltackpt.Store(tmp_path / "s") as s:
+        with pytest.raises(CorruptManifestError, match=f"checkpoint {cid} .*tensor 'x': quantized torch dtype"):
+            s.load(1)
+
+
+@pytest.mark.parametrize("device", ["mps", "mps:0", "xpu:0", "meta",
+                                    "cuda:7" if torch.cuda.is_available() else "hpu:0"])
+def test_a_device_this_process_cannot_use_needs_map_location(tmp_path: Path, device: str) -> None:
+    """A checkpoint saved on a device this process cannot use (a Mac's mps, an Intel GPU's xpu) is refused before
+    anything is decoded, with UnsupportedTypeError saying to pass map_location; meta (which holds no data) too.
+    They raised whatever torch raised after decoding everything, and meta returned a tensor without the values."""
+    _forge(tmp_path / "s", lambda m: setattr(_entry(m, "y"), "device", device))
+    with deltackpt.Store(tmp_path / "s") as s:
+        with pytest.raises(UnsupportedTypeError, match=f"tensor 'y': .*{device}.*map_location"):
+            s.load(1)
+        assert torch.equal(s.load(1, map_location="cpu")["y"], torch.arange(8.0))
+
+
+def test_manifest_entries_torch_or_numpy_cannot_build_are_refused_by_the_parser(tmp_path: Path) -> None:
+    """An integer tensor that requires grad, and a chunk size outside the format's powers of two from 4 KiB to
+    1 GiB, are manifest damage (a chunk size of 2 GiB let a 1 KB manifest describe 64 GiB of all-zero chunks)."""
+    def int_grad(m: Any) -> None:
+        e = _entry(m, "x")
+        e.dtype, e.requires_grad = "int32", True
+
+    _forge(tmp_path / "a", int_grad)
+    with deltackpt.Store(tmp_path / "a") as s:
+        with pytest.raises(CorruptManifestError, match="requires_grad for torch int32"):
+            s.load(1)
+    _forge(tmp_path / "b", lambda m: setattr(m, "chunk_size", 3 * 4096))
+    with deltackpt.Store(tmp_path / "b") as s:
+        with pytest.raises(CorruptManifestError, match="chunk_size is 12288"):
+            s.load(1)
+
+
+def test_a_tensor_too_large_to_allocate_is_a_memory_error_naming_it(tmp_path: Path) -> None:
+    """A stored all-zero tensor of 16 TiB (1 GiB chunks, all zero: no frames) cannot be allocated: MemoryError
+    naming the checkpoint and tensor, not torch's RuntimeError."""
+    def huge(m: Any) -> None:
+        e = _entry(m, "x")
+        n = 1 << 14  # chunks of 1 GiB
+        e.shape, e.nbytes, e.count = [n << 28], n << 30, n
+        y = _entry(m, "y")
+        y.first = n
+        m.digests = np.concatenate([np.zeros((n, 16), np.uint8), m.digests[y.first - n + 1 :]])
+        m.flags = np.concatenate([np.full(n, deltackpt.manifest.FLAG_ZERO, np.uint8), m.flags[1:]])
+
+    cid = _forge(tmp_path / "s", huge, chunk_size=1 << 30)
+    with deltackpt.Store(tmp_path / "s") as s:
+        with pytest.raises(MemoryError, match=f"checkpoint {cid} .*tensor 'x': cannot allocate its 17592186044416"):
+            s.load(1)

@@ -1548,3 +1548,33 @@ def test_a_save_writes_again_a_damaged_base_no_checkpoint_lists(store_path: Path
         assert_same_state({"w": x}, b.load(4))
         assert_same_state({"w": y}, b.load(2))
         assert b.verify().ok
+
+
+def test_unreadable_record_metadata_names_its_checkpoint(store_path: Path) -> None:
+    """Record metadata holding a registered-type node (saves write plain values only) is index damage naming the
+    checkpoint and the repair; a torch.device of a backend this torch lacks is named as such (a repair would not
+    help). Both raised UnsupportedTypeError naming no checkpoint."""
+    with _open(store_path) as s:
+        info = s.save({"w": torch.ones(3)}, step=1, metadata={"note": 1})
+    for node, error, words in ((["x", "foo", ["N"]], CorruptIndexError, "deltackpt repair"),
+                               (["dv", "npu:0"], deltackpt.UnsupportedTypeError, "npu:0")):
+        def edit(txn: Any, db: Any, node: Any = node) -> None:
+            key, raw = next(iter(txn.cursor()))
+            rec = json.loads(raw)
+            rec["metadata"] = ["d", [["s", "note"]], [node]]
+            txn.put(key, json.dumps(rec).encode())
+
+        _edit_index(store_path, "ckpts", edit)
+        with _open(store_path) as s:
+            with pytest.raises(error, match=f"checkpoint {info.id} \\(step 1\\).*{words}"):
+                s.list()
+
+
+def test_a_format_record_of_many_digits_is_index_damage(store_path: Path) -> None:
+    """An index format record of 5000 digits is damage naming the repair (int() of it raised ValueError on every
+    open: Python's limit on digits)."""
+    with _open(store_path) as s:
+        s.save({"w": torch.ones(3)}, step=1)
+    _edit_index(store_path, "meta", lambda txn, db: txn.put(b"format", b"9" * 5000))
+    with pytest.raises(CorruptIndexError, match="format record is b'9999"):
+        _open(store_path)

@@ -652,3 +652,18 @@ def test_dcp_gc_fails_as_gc_does_on_a_damaged_live_frame(tmp_path: Path, capsys:
     err = capsys.readouterr().err
     assert "rank-00000: not repacked, a live frame is damaged: chunk 00ab-4000" in err
     assert f"deltackpt dcp {root} --verify" in err
+
+
+def test_malformed_items_in_dcp_metadata_are_manifest_damage(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An ``items`` entry of a meta checkpoint's DCP metadata that is a dict (a buggy writer) is
+    CorruptManifestError naming the checkpoint, like any other malformed entry; it was an uncaught KeyError, and
+    ``deltackpt dcp ROOT`` printed a traceback."""
+    from deltackpt import distributed
+
+    class _Meta:
+        path = Path("ROOT/meta")
+
+    for items in ([{"rank": 0}], [[0, 0, 0, "x", 0, "id"]], 5):
+        monkeypatch.setattr(distributed, "_doc", lambda store, ckpt, items=items: {"items": items})
+        with pytest.raises(deltackpt.CorruptManifestError, match="DCP checkpoint abc in ROOT/meta: malformed DCP"):
+            distributed._named(_Meta(), "abc")  # type: ignore[arg-type]

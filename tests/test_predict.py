@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 import deltackpt
 from deltackpt import _pykernel, codec, kernel, maintenance, predict, scratch
 from deltackpt.errors import CorruptChunkError, CorruptionError, FormatVersionError
-from deltackpt.index import chunk_key
+from deltackpt.index import chunk_key, chunk_keys
 
 CHUNK = 1 << 14
 
@@ -959,3 +960,30 @@ def test_a_dense_save_holds_less_than_two_states_in_the_base_cache(tmp_path: Pat
     # (a generation where most of this small model's chunks take their keyframe turn holds up to 1.91 states: the
     # parent's chunks at those positions stay until the deferred chunks start)
     assert max(peaks[1:]) < 1.95 and sorted(peaks[1:])[len(peaks[1:]) // 2] < 1.7, peaks
+
+
+def test_a_newer_frame_version_is_named_with_its_checkpoint_tensor_and_chunk(tmp_path: Path) -> None:
+    """An intact frame of a version this reader does not know (a newer writer's, checksum sealed) is not damage:
+    a load that needs it raises FormatVersionError naming the checkpoint, the tensor and the chunk, and for a
+    predicted chunk, the input it could not read. The error named only the pack and offset."""
+    store_path = tmp_path / "s"
+    with deltackpt.Store(store_path, chunk_size=CHUNK) as s:
+        history = _train(4, store=s)
+        key, refs = _predicted_chunk(s)
+        victim = refs[-1]  # the parent's first (adam-v) or second (adam-param) moment
+        holder = next(i for i in s.list() if key in set(chunk_keys(*s.manifest(id=i.id).stored_chunks())))
+        loc = s.index.lookup_chunks([victim])[victim]
+    with open(store_path / "packs" / f"{loc.pack_id}.pack", "r+b") as f:
+        f.seek(loc.offset)
+        frame = bytearray(f.read(loc.frame_len))
+        frame[4] = 9  # frame version 9
+        frame[56:64] = struct.pack("<Q", codec.frame_checksum(bytes(frame[:56]), bytes(frame[codec.HEADER_SIZE:])))
+        f.seek(loc.offset)
+        f.write(frame)
+    hexid = {k: codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big")) for k in (key, victim)}
+    with deltackpt.Store(store_path) as s:
+        with pytest.raises(FormatVersionError) as exc:
+            s.load(id=holder.id)
+        assert re.fullmatch(f"checkpoint {holder.id}, tensor '[^']+', chunk {hexid[key]}: its prediction input "
+                            f"{hexid[victim]}: frame format version 9 is not supported .*", str(exc.value)), exc.value
+        assert_same_state(history[1], s.load(1))
