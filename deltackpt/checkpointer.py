@@ -489,7 +489,8 @@ class Checkpointer:
     gc: with a retention policy, reclaim the space of what it deleted or thinned: after a save whose retention
         brings the bytes those checkpoints wrote (since the last gc) to a quarter of what the kept ones wrote,
         and at least 64 MiB, run :meth:`Store.gc` right there (on the save thread: in the background when
-        ``async_save``). False leaves that to you (``deltackpt gc STORE`` from another process, say).
+        ``async_save``), except after the save at a signal (the process is about to end). False leaves that to
+        you (``deltackpt gc STORE`` from another process, say).
     handle_signals: on SIGTERM/SIGINT save at the next step boundary, wait for it, then hand the signal to
         the handler installed before (default action: exit with status 128+signal).
     map_location: passed to :meth:`Store.load` by :meth:`restore` (default ``"cpu"``; ``load_state_dict``
@@ -757,27 +758,28 @@ class Checkpointer:
         state = self.capture(step)
         meta = _check_metadata(metadata) or None
         pairs = _param_pairs(self.model, self.optimizer)
+        stopping = self._signal is not None  # (the save before the process ends: no gc after it, time is short)
         if self._executor is None:
-            self._run_save(state, step, meta, keyframe, pairs)
+            self._run_save(state, step, meta, keyframe, pairs, stopping)
         else:
             snap = self._staging.snapshot(state)
-            self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs)
+            self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs, stopping)
             self._inflight_step, self._inflight_prev = step, (self.last_saved_step, self.last_info)
             self.last_saved_step = step  # (step() of it again must not start a second save)
             if wait:
                 self.wait()
 
     def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None, keyframe: bool = False,
-                  pairs: dict[str, str] | None = None) -> CheckpointInfo:
+                  pairs: dict[str, str] | None = None, stopping: bool = False) -> CheckpointInfo:
         info = self.store.save(state, step=step, metadata=meta, keyframe=keyframe, _pairs=pairs)
         # committed: an error of the retention below does not make it unsaved (async: set at submit already,
         # and no later save starts before this one is waited for)
         self.last_info, self.last_saved_step = info, step
         if self.retention is not None:
-            self._apply_retention()
+            self._apply_retention(collect=not stopping)
         return info
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, collect: bool = True) -> None:
         """Runs after a commit: thinning first (new weights-only checkpoints), deletes last. A checkpoint that
         another process deletes meanwhile (its retention, an operator's ``deltackpt rm``) is passed over. One
         that another process thinned meanwhile is thinned or deleted as this policy says: ``delete(id=)``
@@ -798,7 +800,7 @@ class Checkpointer:
                 continue
             self._dropped_bytes += by_id[cid].written_bytes
         kept = sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete))
-        if self.gc and self._dropped_bytes >= max(GC_MIN_BYTES, kept // 4):
+        if collect and self.gc and self._dropped_bytes >= max(GC_MIN_BYTES, kept // 4):
             self._collect()
 
     def _collect(self) -> None:

@@ -1044,7 +1044,8 @@ class Store:
                        for leaf, _, i, k, base in deferred]
             for read in planned:
                 reads.update(read)
-            self._base_cache.retain(state_keys | reads.keys())  # the parent's chunks nothing reads any more
+            if deferred:  # (not in a rewrite: the cache keeps the bases of the next save, the newest state's chunks)
+                self._base_cache.retain(state_keys | reads.keys())  # the parent's chunks nothing reads any more
             for (leaf, entry, i, k, base), read in zip(deferred, planned):
                 prediction = None
                 # as with deltas, every 16th chunk tries even when predictions stopped winning for this role

@@ -1799,3 +1799,29 @@ def test_gc_after_retention_waits_for_no_gc_of_another_process(fast_dir: Path,
     with Store(path) as s:
         assert [i.step for i in s.list()] == [4]
         assert s.gc().dead_chunks == 0
+
+
+def test_the_save_at_a_signal_runs_no_gc(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save at SIGTERM applies retention but leaves gc for later: the process is about to end, and a repack
+    could outlast the grace period before SIGKILL."""
+    monkeypatch.setattr(deltackpt.checkpointer, "GC_MIN_BYTES", 0)
+    received: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: received.append(sig))
+    try:
+        model, opt = _small()
+        path = fast_dir / "store"
+        with Checkpointer(path, model=model, optimizer=opt, async_save=False, retention=Retention(keep_last=1)) as ckpt:
+            for step in (1, 2):  # (keyframes: each writes as much as the stop save, past gc's threshold)
+                _train_step(model, opt)
+                ckpt.save(step, keyframe=True)
+            with Store(path) as s:
+                assert s.gc().dead_chunks == 0  # the gc after step 2's retention ran
+            _train_step(model, opt)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert ckpt.step(3)  # the stop save, then the signal goes on to the handler before
+        assert received == [signal.SIGTERM]
+        with Store(path) as s:
+            assert [i.step for i in s.list()] == [3]
+            assert s.gc().dead_chunks > 0  # step 2's chunks: deleted by retention at step 3, not collected
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -987,3 +987,18 @@ def test_a_newer_frame_version_is_named_with_its_checkpoint_tensor_and_chunk(tmp
         assert re.fullmatch(f"checkpoint {holder.id}, tensor '[^']+', chunk {hexid[key]}: its prediction input "
                             f"{hexid[victim]}: frame format version 9 is not supported .*", str(exc.value)), exc.value
         assert_same_state(history[1], s.load(1))
+
+
+def test_a_rewrite_between_two_saves_leaves_the_next_saves_bases_cached(tmp_path: Path) -> None:
+    """Thinning an older checkpoint (Store.rewrite, as retention does) between two saves of a run keeps the base
+    cache's chunks of the newest state: the next save reads every base from it."""
+    with deltackpt.Store(tmp_path / "s", chunk_size=CHUNK) as s:
+        history = _train(3, store=s)
+        s.rewrite({"model": history[1]["model"], "step": 1}, id=s.info(1).id)
+        misses = s._base_cache.misses
+        state = copy.deepcopy(history[3])
+        for t in state["model"].values():
+            t.mul_(1.0001)
+        s.save(state, step=4)
+        assert s._base_cache.misses == misses
+        assert_same_state(state, s.load(4))
