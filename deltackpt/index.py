@@ -24,6 +24,7 @@ import inspect
 import json
 import os
 import re
+import resource
 import signal
 import struct
 import subprocess
@@ -197,6 +198,27 @@ def check_local(path: Path) -> None:
         )
 
 
+def _lmdb_open(path: Path, **opts: Any) -> lmdb.Environment:
+    """``lmdb.open``, with a smaller map where the process may not reserve :data:`MAP_SIZE` of address space
+    (``ulimit -v``, as some clusters set): the largest power of two of at most a quarter of that limit, and at
+    least twice the index file. The map bounds only how large the index may grow (a write past it fails as an
+    ``IndexWriteError``), and each process chooses its own."""
+    try:
+        return lmdb.open(str(path), **opts)
+    except lmdb.MemoryError:
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit == resource.RLIM_INFINITY:
+            raise
+        try:
+            need = 2 * (path / "data.mdb").stat().st_size
+        except OSError:
+            need = 0
+        size = 1 << max(26, (limit // 4).bit_length() - 1)
+        if size >= opts["map_size"] or size < need:
+            raise
+        return lmdb.open(str(path), **{**opts, "map_size": size})
+
+
 class _Shared:
     """One LMDB environment per process and path: LMDB forbids opening an environment twice in a process."""
 
@@ -240,15 +262,15 @@ class _Shared:
                     meminit=False, create=not readonly)
         self.readonly = False
         try:
-            self.env = lmdb.open(str(path), readonly=False, lock=True, **opts)
+            self.env = _lmdb_open(path, readonly=False, lock=True, **opts)
         except lmdb.Error:
             if not readonly:
                 raise
             self.readonly = True
             try:
-                self.env = lmdb.open(str(path), readonly=True, lock=True, **opts)
+                self.env = _lmdb_open(path, readonly=True, lock=True, **opts)
             except lmdb.Error:
-                self.env = lmdb.open(str(path), readonly=True, lock=False, **opts)
+                self.env = _lmdb_open(path, readonly=True, lock=False, **opts)
         self.refs = 0
         try:
             self.dbs = {name: self.env.open_db(name.encode(), create=not readonly)

@@ -555,3 +555,27 @@ def test_a_tensor_too_large_to_allocate_is_a_memory_error_naming_it(tmp_path: Pa
     with deltackpt.Store(tmp_path / "s") as s:
         with pytest.raises(MemoryError, match=f"checkpoint {cid} .*tensor 'x': cannot allocate its 17592186044416"):
             s.load(1)
+
+
+def test_a_process_with_an_address_space_limit_saves_and_loads(tmp_path: Path) -> None:
+    """Under ``ulimit -v`` (16 GB here, as some clusters set), LMDB cannot reserve the index's 256 GiB map: the
+    index is opened with a map that fits (a store another process opened with the full map too). Every open
+    raised CorruptIndexError advising a repair."""
+    import resource
+    import subprocess
+    import sys
+
+    with deltackpt.Store(tmp_path / "s") as s:  # written first by a process without the limit
+        s.save({"w": torch.arange(10.0)}, step=1)
+    code = ("import torch, deltackpt\n"
+            "with deltackpt.Store(__import__('sys').argv[1]) as s:\n"
+            "    assert torch.equal(s.load(1)['w'], torch.arange(10.0))\n"
+            "    s.save({'w': torch.ones(10)}, step=2)\n"
+            "    print(sorted(i.step for i in s.list()), s.index.env.info()['map_size'] < (1 << 38))\n")
+    limit = 16 << 30
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True, text=True,
+                         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (limit, limit)), timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[1,", "2]", "True"], out.stdout
+    with deltackpt.Store(tmp_path / "s") as s:
+        assert torch.equal(s.load(2)["w"], torch.ones(10))
