@@ -737,8 +737,7 @@ class Index:
     @_damage_is_corruption
     def records(self) -> list[Record]:
         """All checkpoint records in commit order."""
-        with self.env.begin(db=self.db_ckpts) as txn:
-            return [record_at(k, v) for k, v in txn.cursor()]
+        return [record_at(k, v) for k, v in self.raw_records()]
 
     @_damage_is_corruption
     def raw_records(self) -> list[tuple[bytes, bytes]]:

@@ -1080,10 +1080,8 @@ class Store:
         got = hosted.get(role.m)
         if got is None or i >= len(got[2]) or got[2][i] or pm is None:
             return None
-        parent_refs = _parent_refs(role, i, k, parents, pm)
+        parent_refs = _parent_refs(role, i, k, parents, pm, got[0].nbytes)
         if len(parent_refs) != (2 if role.predictor == predict.PARAM else 1):
-            return None
-        if any(parents[path or ""].nbytes != got[0].nbytes for path in (role.m, role.v)[: len(parent_refs)]):
             return None
         refs = [got[1][i].tobytes() + k[16:], *parent_refs]
         if any(r in self._damaged for r in refs):
@@ -1781,17 +1779,18 @@ class Store:
 
 
 def _parent_refs(role: predict.Role, i: int, k: bytes, parents: Mapping[str, manifest.TensorEntry],
-                 pm: manifest.Manifest | None) -> tuple[bytes, ...]:
+                 pm: manifest.Manifest | None, nbytes: int | None = None) -> tuple[bytes, ...]:
     """The keys of the parent's chunks a prediction of chunk ``i`` (key ``k``) of a tensor with ``role`` would
     reference: the parent's first moment and, for a parameter, its second moment, at position ``i``. Fewer (a
-    prefix) where the parent has no such chunk of the same length, or an all-zero one: no prediction then."""
+    prefix) where the parent has no such chunk of the same length, or an all-zero one, or (given ``nbytes``,
+    this save's first moment's size) a tensor of another size: no prediction then."""
     if pm is None:
         return ()
     n = int.from_bytes(k[16:], "big")
     out: list[bytes] = []
     for path in (role.m, role.v) if role.predictor == predict.PARAM else (role.m,):
         pt = parents.get(path or "")
-        if pt is None or i >= pt.count:
+        if pt is None or i >= pt.count or (nbytes is not None and pt.nbytes != nbytes):
             break
         j = pt.first + i
         if pm.flags[j] & manifest.FLAG_ZERO or pt.chunk_len(i, pm.chunk_size) != n:

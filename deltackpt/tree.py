@@ -411,21 +411,31 @@ _ABSENT = object()
 
 
 def _leaf_refs(n: Any, path: str, place: Place) -> Iterator[tuple[Place, str, int]]:
+    for node, at, where in _nodes(n, path, place, ("T", "A")):
+        try:
+            yield where, at, int(node[1])
+        except (IndexError, TypeError, ValueError) as exc:
+            raise CorruptManifestError(f"malformed state skeleton at {at or '<root>'}: {exc!r}") from None
+
+
+def _nodes(n: Any, path: str, place: Place, tags: tuple[str, ...]) -> Iterator[tuple[Any, str, Place]]:
+    """``(node, key path, place)`` of every node of ``n`` whose tag is one of ``tags``, in document order, walking
+    into dicts, sequences and registered types. A malformed skeleton raises :class:`CorruptManifestError`."""
     try:
         tag = n[0]
-        if tag in ("T", "A"):
-            yield place, path, int(n[1])
+        if tag in tags:
+            yield n, path, place
         elif tag in _DICT_TAGS:
             keys, vals = _dict_parts(n)
             for k, v in zip(keys, vals):
                 key = _plain_build(k)
                 hash(key)  # a place is a dict key of its own
-                yield from _leaf_refs(v, child_path(path, key), (*place, ("k", key)))
+                yield from _nodes(v, child_path(path, key), (*place, ("k", key)), tags)
         elif tag in ("l", "t", "q"):
             for i, v in enumerate(n[1]):
-                yield from _leaf_refs(v, child_path(path, i), (*place, ("i", i)))
+                yield from _nodes(v, child_path(path, i), (*place, ("i", i)), tags)
         elif tag == "x":
-            yield from _leaf_refs(n[2], path, (*place, ("x", str(n[1]))))
+            yield from _nodes(n[2], path, (*place, ("x", str(n[1]))), tags)
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         raise CorruptManifestError(f"malformed state skeleton at {path or '<root>'}: {exc!r}") from None
 
@@ -441,25 +451,7 @@ def pickled_paths(skeleton: Any) -> list[str]:
     """The key paths of the pickled values in ``skeleton`` (saved with ``allow_pickle=True``), in document order,
     so that a load that may not unpickle refuses before it decodes anything. A malformed skeleton raises
     :class:`CorruptManifestError`."""
-    return list(_pickled(skeleton, ""))
-
-
-def _pickled(n: Any, path: str) -> Iterator[str]:
-    try:
-        tag = n[0]
-        if tag == "p":
-            yield path or "<root>"
-        elif tag in _DICT_TAGS:
-            keys, vals = _dict_parts(n)
-            for k, v in zip(keys, vals):
-                yield from _pickled(v, child_path(path, _plain_build(k)))
-        elif tag in ("l", "t", "q"):
-            for i, v in enumerate(n[1]):
-                yield from _pickled(v, child_path(path, i))
-        elif tag == "x":
-            yield from _pickled(n[2], path)
-    except (IndexError, KeyError, TypeError, ValueError) as exc:
-        raise CorruptManifestError(f"malformed state skeleton at {path or '<root>'}: {exc!r}") from None
+    return [path or "<root>" for _, path, _ in _nodes(skeleton, "", (), ("p",))]
 
 
 #: sub-byte integer dtypes (torch.uint1 ... torch.int7): torch has no copy of a non-contiguous one
