@@ -121,6 +121,15 @@ def _finish_saves_at_exit() -> None:
                              f"failed as the interpreter exited: {type(exc).__name__}: {exc}\n")
 
 
+def _forget_saves_after_fork() -> None:
+    """A forked child (a DataLoader's or a Pool's worker) inherits the parent's saves in flight, but not the threads
+    running them: its exit must not wait for them (it used to, forever)."""
+    _async.clear()
+
+
+os.register_at_fork(after_in_child=_forget_saves_after_fork)
+
+
 def _hook_exit() -> None:
     global _exit_hooked
     with _exit_hook:
@@ -291,6 +300,18 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                 if isinstance(params, (list, tuple)) and len(params) != len(lg["params"]):
                     raise ShapeMismatchError(f"{where}: parameter group {i} has {len(params)} parameters in the "
                                              f"checkpoint, {len(lg['params'])} in this run")
+
+
+def _scaler_check(g: Any, state: Any) -> None:
+    """Raise, before anything is loaded, for what an enabled ``GradScaler`` refuses: the empty state a disabled
+    one saved (mixed precision turned on since the checkpoint; torch raises only once the model holds it)."""
+    if g is None:
+        return
+    for name, member, saved in _with_states(g, state):
+        enabled = getattr(member, "is_enabled", None)
+        if callable(enabled) and enabled() and isinstance(saved, Mapping) and not saved:
+            raise DeltackptError(f"scaler{name}: the checkpoint's scaler was disabled (it saved an empty state) "
+                                 "and this run's is enabled, which torch refuses to load it into")
 
 
 def _group_load(g: Any, state: Any) -> None:
@@ -598,6 +619,7 @@ class Checkpointer:
             _group_check(groups[what], state.get(what), what)
         _fit_check(self.model, state.get("model"), "model", live_model)
         _fit_check(groups["optimizer"], state.get("optimizer"), "optimizer")
+        _scaler_check(groups["scaler"], state.get("scaler"))
         if self.data is not None and state.get("data") is None:
             if strict:
                 raise DeltackptError("the checkpoint holds no data position")

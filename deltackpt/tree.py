@@ -589,7 +589,10 @@ def encode_plain(value: Any) -> list[Any]:
     in the index too, which every version of the format reads."""
     skeleton, leaves = flatten(value)
     if leaves:
-        raise UnsupportedTypeError(f"metadata may not hold tensors or arrays (found one at {leaves[0].path!r})")
+        obj = leaves[0].obj
+        one = (obj.numel() if isinstance(obj, torch.Tensor) else obj.size) == 1
+        hint = "; pass a one-element one, such as a loss, as .item()" if one else ""
+        raise UnsupportedTypeError(f"metadata may not hold tensors or arrays (found one at {leaves[0].path!r}{hint})")
     registered = _first_registered(skeleton, "")
     if registered is not None:
         raise UnsupportedTypeError(

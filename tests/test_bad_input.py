@@ -167,6 +167,9 @@ def test_metadata_is_checked_before_writing(store: deltackpt.Store, store_path: 
     for meta in ({"t": torch.ones(2)}, {"s": {1}}, {"o": object()}, {(1, 2): 3}, {"c": Counter()}, {"z": 1j}):
         with pytest.raises(UnsupportedTypeError):
             store.save({"w": torch.randn(5000)}, step=1, metadata=meta)
+    for loss in (torch.tensor(2.5), np.ones(1, np.float32)):  # the loss of the step, not yet a number
+        with pytest.raises(UnsupportedTypeError, match=r"'loss'; pass .* as \.item\(\)"):
+            store.save({"w": torch.randn(5000)}, step=1, metadata={"loss": loss})
     for meta in ([("a", 1)], [1, 2], "ab", 5):  # not a mapping: named as metadata (dict() took pairs)
         with pytest.raises(TypeError, match="metadata must be a mapping"):
             store.save({"w": torch.randn(5000)}, step=1, metadata=meta)  # type: ignore[arg-type]

@@ -1543,6 +1543,43 @@ def test_a_save_in_flight_as_the_interpreter_exits_is_committed(fast_dir: Path, 
         assert s.verify().ok
 
 
+_FORK_SCRIPT = """
+import multiprocessing, sys, threading, time, torch, deltackpt
+model = torch.nn.Linear(64, 64)
+ck = deltackpt.Checkpointer(sys.argv[1], model=model, handle_signals=False)
+release = threading.Event()
+save = ck.store.save
+def held_save(*args, **kwargs):  # the save stays in flight until the child has been waited for
+    release.wait()
+    return save(*args, **kwargs)
+ck.store.save = held_save
+ck.step(1)
+child = multiprocessing.get_context("fork").Process(target=int)  # returns at once, as a finished worker does
+child.start()
+t0 = time.monotonic()
+child.join(timeout=10)
+print("exit", child.exitcode, round(time.monotonic() - t0, 1))
+if child.exitcode is None:
+    child.kill()
+release.set()
+ck.close()
+"""
+
+
+@linux_only
+def test_a_child_forked_during_an_async_save_exits_without_waiting_for_it(fast_dir: Path) -> None:
+    """A process forked while an async save is in flight (a new epoch's DataLoader workers, a Pool) inherits the
+    save's future but not its thread: its exit used to wait for that future forever (each DataLoader epoch then
+    stalled 5 s per worker, and workers outlived a killed trainer)."""
+    done = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, str(fast_dir / "store")], capture_output=True,
+                          text=True, timeout=120, env=worker_env())
+    assert done.returncode == 0, done.stderr
+    _, code, took = done.stdout.split()
+    assert code == "0" and float(took) < 5, done.stdout
+    with Store(fast_dir / "store") as s:
+        assert [i.step for i in s.list()] == [1]
+
+
 _SIGNAL_SCRIPT = """
 import os, signal, sys, threading, time, torch, deltackpt
 root, mode = sys.argv[1], sys.argv[2]
@@ -1825,3 +1862,32 @@ def test_the_save_at_a_signal_runs_no_gc(fast_dir: Path, monkeypatch: pytest.Mon
             assert s.gc().dead_chunks > 0  # step 2's chunks: deleted by retention at step 3, not collected
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_an_enabled_scaler_refuses_a_disabled_ones_state_before_the_model_changes(fast_dir: Path) -> None:
+    """A run that turned mixed precision on since its checkpoint: torch's enabled GradScaler refuses the empty state
+    a disabled one saved, but only after the restore had decoded the checkpoint into the model. It is now refused
+    first; with the same kind of scaler on both sides the scale comes back."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = torch.optim.AdamW(model.parameters())
+    with Checkpointer(fast_dir / "off", model=model, optimizer=opt, handle_signals=False,
+                      scaler=torch.amp.GradScaler("cpu", enabled=False)) as ck:
+        ck.step(1)
+    fresh = torch.nn.Linear(4, 4)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with Checkpointer(fast_dir / "off", model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()),
+                      handle_signals=False, scaler=torch.amp.GradScaler("cpu")) as ck:
+        with pytest.raises(deltackpt.DeltackptError, match="scaler.*disabled"):
+            ck.restore()
+    assert_bitwise(before, fresh.state_dict())
+
+    with Checkpointer(fast_dir / "on", model=model, optimizer=opt, handle_signals=False,
+                      scaler=torch.amp.GradScaler("cpu", init_scale=512.0)) as ck:
+        ck.step(1)
+    scaler = torch.amp.GradScaler("cpu")
+    with Checkpointer(fast_dir / "on", model=fresh, optimizer=torch.optim.AdamW(fresh.parameters()),
+                      handle_signals=False, scaler=scaler) as ck:
+        assert ck.restore() == 1
+    assert scaler.get_scale() == 512.0
+    assert_bitwise(model.state_dict(), fresh.state_dict())
