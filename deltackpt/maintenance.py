@@ -13,7 +13,6 @@ crash after it leaves unreferenced old packs; the next gc removes either.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import os
@@ -627,13 +626,12 @@ def _maintenance_lock(store: Store, timeout: float | None = None) -> Iterator[No
     if store._maint_fd is not None:  # a repair's handle holds it already (open_for_repair)
         yield
         return
+    pid = os.getpid()
     fd = _take_maintenance_lock(store.path, timeout)
     try:
         yield
     finally:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        packs.close_lock(fd, pid)
 
 
 def _take_maintenance_lock(root: Path, timeout: float | None = None, what: str = "") -> int:
@@ -645,7 +643,7 @@ def _flock_file(root: Path, name: str, timeout: float | None = None, *, busy: st
     """Open the lock file ``root/name`` and flock it exclusively, within ``timeout`` seconds when given (else
     raise ``StoreLockedError`` saying the store is ``busy``); return its file descriptor."""
     try:
-        fd = os.open(root / name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = packs.open_lock(root / name, os.O_RDWR | os.O_CREAT)
     except OSError as exc:
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             raise ReadOnlyStoreError(f"{what}store {root} cannot be written ({exc.strerror})") from None
@@ -653,7 +651,7 @@ def _flock_file(root: Path, name: str, timeout: float | None = None, *, busy: st
     try:
         packs.flock_within(fd, fcntl.LOCK_EX, timeout, f"store {root} is busy ({busy})")
     except BaseException:
-        os.close(fd)
+        packs.close_lock(fd, os.getpid(), unlock=False)
         raise
     return fd
 
@@ -908,11 +906,12 @@ def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
     root = Path(path)
     if not (root / "STORE").exists() or _store_file_damaged(root):  # (no store opens meanwhile: no lock needed)
         _restore_store_file(root)
+    pid = os.getpid()
     mfd = _take_maintenance_lock(root, what="cannot repair: ")  # (before the gc lock: see _maintenance_lock)
     try:
         fd = _lock_alone(root)
     except BaseException:
-        os.close(mfd)
+        packs.close_lock(mfd, pid)
         raise
     try:
         store = _open_if_readable(path, kwargs)
@@ -921,8 +920,7 @@ def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
             store = Store(path, _repair=True, **kwargs)
     except BaseException:
         for f in (fd, mfd):
-            fcntl.flock(f, fcntl.LOCK_UN)
-            os.close(f)
+            packs.close_lock(f, pid)
         raise
-    store._alone_fd, store._maint_fd = fd, mfd
+    store._alone_fd, store._maint_fd, store._alone_pid = fd, mfd, pid
     return store

@@ -43,6 +43,50 @@ def valid_pack_id(pack_id: str) -> bool:
     return bool(_PACK_NAME.match(pack_id))
 
 
+# Descriptors this process holds flocks through (lock files, the packs its writers append to). flock() locks
+# belong to the open file, which a forked child shares: a child that kept these descriptors would hold the
+# locks after its parent died (a kill -9 mid-save), and gc or repair would wait for the child's whole life.
+# The child closes them right after the fork (closing, not unlocking: unlocking would release the parent's
+# lock too). The guard keeps a fork out of the moment between an open and its record.
+_lock_fds: set[int] = set()
+_fork_guard = threading.Lock()
+
+
+def open_lock(path: Path, flags: int) -> int:
+    """``os.open(path, flags)`` (close-on-exec, mode 0644 when created) of a file this process will flock: a
+    child forked while it is open closes it. Give it back with :func:`close_lock`."""
+    with _fork_guard:
+        fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+        _lock_fds.add(fd)
+    return fd
+
+
+def close_lock(fd: int, opened_by: int, *, unlock: bool = True) -> None:
+    """Unlock (for children forked meanwhile as well) and close a descriptor of :func:`open_lock`, opened by the
+    process ``opened_by``. In a forked child, which closed it at the fork, this does nothing."""
+    if opened_by != os.getpid():
+        return
+    if unlock:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    with _fork_guard:
+        _lock_fds.discard(fd)
+        os.close(fd)
+
+
+def _close_locks_in_child() -> None:
+    global _fork_guard
+    for fd in _lock_fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _lock_fds.clear()
+    _fork_guard = threading.Lock()
+
+
+os.register_at_fork(before=lambda: _fork_guard.acquire(), after_in_parent=lambda: _fork_guard.release(),
+                    after_in_child=_close_locks_in_child)
+
+
 def flock_within(fd: int, mode: int, timeout: float | None, busy: str) -> None:
     """``flock(fd, mode)``, waiting at most ``timeout`` seconds when given (else as long as it takes); raise
     ``StoreLockedError(busy)`` when the time runs out."""
@@ -136,13 +180,13 @@ class PackWriter:
         self.close()
         pack_id = uuid.uuid4().hex
         path = self.directory / f"{pack_id}.pack"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = open_lock(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             header = PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0)
             _write_all(fd, header)
         except BaseException:
-            os.close(fd)
+            close_lock(fd, os.getpid(), unlock=False)
             path.unlink(missing_ok=True)
             raise
         self._fd, self.pack_id, self._offset = fd, pack_id, len(header)
@@ -247,16 +291,8 @@ class PackWriter:
     def _abandon(self) -> None:
         fd, self._fd, self.pack_id = self._fd, None, None
         self._held, self._held_len = [], 0  # never written: nothing references frames that were never synced
-        if fd is not None:
-            if self._pid == os.getpid():  # (a forked child must not release its parent's lock)
-                # children forked while the pack was open share its open file: unlock it for them too, or the
-                # pack would count as being appended to (is_active) for as long as they live
-                with contextlib.suppress(OSError):
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        if fd is not None:  # (in a forked child: closed at the fork, and its parent's lock is not to be released)
+            close_lock(fd, self._pid)
 
     def close(self) -> None:
         """Stop appending to the current pack (it stays on disk) and release its lock."""
@@ -450,7 +486,7 @@ def pack_files(directory: Path) -> dict[str, Path]:
 def is_active(path: Path) -> bool:
     """True while some writer holds the pack open for appending (its exclusive flock)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_lock(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
@@ -458,7 +494,7 @@ def is_active(path: Path) -> bool:
     except BlockingIOError:
         return True
     finally:
-        os.close(fd)  # closing drops the lock we may have taken
+        close_lock(fd, os.getpid(), unlock=False)  # closing drops the lock we may have taken
     return False
 
 

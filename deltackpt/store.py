@@ -58,7 +58,7 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key, record_at
-from deltackpt.packs import PackReader, PackWriter, flock_within, fsync_dir, make_dirs
+from deltackpt.packs import PackReader, PackWriter, close_lock, flock_within, fsync_dir, make_dirs, open_lock
 from deltackpt.scratch import Scratch
 
 STORE_FORMAT = "deltackpt-store"
@@ -484,6 +484,7 @@ class Store:
         self._alone_fd: int | None = None
         #: ``maint.lock``, held exclusively with ``_alone_fd`` (one gc or repair at a time)
         self._maint_fd: int | None = None
+        self._alone_pid = os.getpid()  # the process that took those two (a forked child does not release them)
 
     # -- layout -----------------------------------------------------------------------------------------
     def _init_layout(self, chunk_size: int | None, allow_network_fs: bool) -> int:
@@ -586,6 +587,7 @@ class Store:
             self.index.refresh()
             yield
             return
+        pid = os.getpid()
         fd = self._open_gc_lock()
         if fd is None:
             yield
@@ -599,9 +601,7 @@ class Store:
         finally:
             # Unlock, then close: a process forked meanwhile (a DataLoader starting its workers while an async
             # save runs) shares this open file, and closing alone would leave the lock held for the child's life.
-            with contextlib.suppress(OSError):
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            close_lock(fd, pid)
 
     def _refresh(self) -> None:
         """:meth:`Index.refresh` for what users ask about the store (``list``, ``info``, ...), which takes no lock.
@@ -619,17 +619,15 @@ class Store:
         """Let go of the gc lock a repair's handle holds (see ``_alone_fd``)."""
         for fd in (self._alone_fd, self._maint_fd):  # (the gc lock first: taken last)
             if fd is not None:
-                with contextlib.suppress(OSError):
-                    fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
+                close_lock(fd, self._alone_pid)
         self._alone_fd = self._maint_fd = None
 
     def _open_gc_lock(self) -> int | None:
         """The lock file, opened for flock(); None for a read-only handle that cannot open it."""
         if not self.readonly:
-            return os.open(self.path / "gc.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            return open_lock(self.path / "gc.lock", os.O_RDWR | os.O_CREAT)
         try:
-            return os.open(self.path / "gc.lock", os.O_RDONLY | os.O_CLOEXEC)
+            return open_lock(self.path / "gc.lock", os.O_RDONLY)
         except OSError:
             return None
 

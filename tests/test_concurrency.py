@@ -287,6 +287,41 @@ def test_child_forked_during_a_save_holds_nothing_of_the_store(tmp_path: Path) -
         os.close(w)
 
 
+_FORK_THEN_DIE = """
+import os, signal, sys, torch, deltackpt
+st = deltackpt.Store(sys.argv[1], chunk_size=int(sys.argv[2]))
+st.save({"w": torch.randn(4 * int(sys.argv[2]))}, step=0)  # its pack stays open: the writer may append to it
+with st._gc_lock():  # what a save or load holds while it runs
+    pid = os.fork()
+    if pid == 0:  # a worker that never touches the store, and outlives its parent
+        os.read(0, 1)
+        os._exit(0)
+    print(pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # the training process dies mid-save (the OOM killer, kill -9)
+"""
+
+
+def test_a_child_forked_mid_save_holds_no_lock_once_its_parent_is_killed(tmp_path: Path) -> None:
+    """The locks of a process SIGKILLed mid-save go with it, even when it forked a child that lives on (a Pool's
+    worker): the child shared the lock files and the writer's pack, and as flock() locks belong to the open
+    file, gc and repair (which take the same lock exclusively) waited for the child's whole life, and gc took
+    the dead writer's pack for one still being appended to. The child now closes them at the fork."""
+    d = tmp_path / "store"
+    parent = subprocess.Popen([sys.executable, "-c", _FORK_THEN_DIE, str(d), str(CS)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())  # type: ignore[union-attr]
+    assert parent.wait(timeout=60) == -9
+    try:
+        assert os.path.exists(f"/proc/{child}")
+        assert _gc_elsewhere(d) == "ok 0"  # no wait for the child, and the dead writer's pack is no active one
+    finally:
+        parent.stdin.close()  # type: ignore[union-attr]  (the child's stdin: it reads EOF and exits)
+        for _ in range(200):
+            if not os.path.exists(f"/proc/{child}"):
+                break
+            time.sleep(0.05)
+
+
 def test_delete_racing_a_rewrite_deletes_the_rewritten_checkpoint(tmp_path: Path) -> None:
     """A delete that read a checkpoint's record just before another handle rewrote it (retention thinning it in
     another process) must not remove by the stale record: the rewrite took the old one's seq, so that would
