@@ -259,11 +259,19 @@ def _loads_as_saved(module: torch.nn.Module, *, keys: bool) -> bool:
     return True
 
 
+#: per-parameter state of torch's own optimizers that has the parameter's shape (Adam's moments, SGD's momentum,
+#: RMSprop's, Adagrad's, Adadelta's, Adamax's, Rprop's, ASGD's)
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "grad_avg",
+                           "sum", "acc_delta", "exp_inf", "prev", "step_size", "ax"})
+
+
 def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
     """Raise what ``load_state_dict`` would raise for a saved state that does not fit this run's model (a key
     missing or unexpected, another shape) or optimizer (another number of parameter groups or of parameters in
     one), before anything is loaded: a restore decodes into the model's own tensors, and a refusal after that
-    would leave the model holding part of the checkpoint. ``state`` may hold tensor entries (a skeleton); ``live``
+    would leave the model holding part of the checkpoint; for torch's own optimizers also another kind of
+    optimizer's hyperparameters, and moments not of their parameter's shape (the parameters in another order).
+    ``state`` may hold tensor entries (a skeleton); ``live``
     is the group's state dicts when the caller has them (:func:`_group_state`). Where hooks or a member's own
     loading code may accept what looks like a mismatch, it is left to ``load_state_dict``."""
     if g is None:
@@ -295,11 +303,32 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
             if len(groups) != len(member.param_groups):
                 raise ShapeMismatchError(f"{where}: the checkpoint has {len(groups)} parameter groups, this run "
                                          f"{len(member.param_groups)}")
+            builtin = type(member).__module__.startswith("torch.optim")
+            states = saved.get("state")
             for i, (sg, lg) in enumerate(zip(groups, member.param_groups)):
                 params = sg.get("params") if isinstance(sg, Mapping) else None
                 if isinstance(params, (list, tuple)) and len(params) != len(lg["params"]):
                     raise ShapeMismatchError(f"{where}: parameter group {i} has {len(params)} parameters in the "
                                              f"checkpoint, {len(lg['params'])} in this run")
+                if not builtin or not isinstance(params, (list, tuple)):
+                    continue
+                # torch's own optimizers: hyperparameters that differ both ways are another optimizer's (newer
+                # torch versions only add some, which older checkpoints lack; a group's own keys are not among
+                # the defaults); torch would load them and fail at the first step (SGD's KeyError 'momentum')
+                extra, lacking = set(sg) - set(lg), (set(lg) - set(sg)) & set(member.defaults)
+                if extra and lacking:
+                    raise ShapeMismatchError(f"{where}: parameter group {i} of the checkpoint has {sorted(extra)[:4]}"
+                                             f" and lacks {sorted(lacking)[:4]} of this run's {type(member).__name__}"
+                                             ": saved by another kind of optimizer?")
+                for n, (pid, p) in enumerate(zip(params, lg["params"])):
+                    st = states.get(pid) if isinstance(states, Mapping) else None
+                    for k in sorted(_PARAM_SHAPED & set(st)) if isinstance(st, Mapping) else ():
+                        shape = getattr(st[k], "shape", None)
+                        if shape is not None and len(shape) > 0 and list(shape) != list(p.shape):
+                            raise ShapeMismatchError(
+                                f"{where}: parameter {n} of group {i} has {k!r} of shape {tuple(shape)} in the "
+                                f"checkpoint, and is of shape {tuple(p.shape)} in this run (parameters in "
+                                "another order?)")
 
 
 def _scaler_check(g: Any, state: Any) -> None:

@@ -1109,11 +1109,13 @@ def test_a_save_whose_retention_failed_after_the_commit_counts_as_saved(fast_dir
             assert [i.step for i in ckpt.store.list()] == [1]
 
 
-@pytest.mark.parametrize("change", ["shape", "key", "param_groups"])
+@pytest.mark.parametrize("change", ["shape", "key", "param_groups", "optimizer_kind", "param_order"])
 def test_restore_refused_for_another_architecture_changes_nothing(fast_dir: Path, change: str) -> None:
     """A restore into a model whose layer has another shape or whose keys differ, or an optimizer with another
     number of parameter groups, raises ShapeMismatchError before anything is loaded. Before, the checkpoint was
-    decoded into the model's own tensors first, so the refused restore left layer 0 holding its weights."""
+    decoded into the model's own tensors first, so the refused restore left layer 0 holding its weights.
+    Another kind of optimizer (SGD for the saved AdamW) and the parameters given in another order are refused
+    too: torch loaded both, and failed at the first step (a KeyError, a size mismatch)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
     opt = torch.optim.AdamW(model.parameters())
@@ -1130,13 +1132,14 @@ def test_restore_refused_for_another_architecture_changes_nothing(fast_dir: Path
     else:
         model2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
     groups = ([{"params": model2[0].parameters()}, {"params": model2[1].parameters()}] if change == "param_groups"
-              else model2.parameters())
-    opt2 = torch.optim.AdamW(groups)
+              else list(model2.parameters())[::-1] if change == "param_order" else model2.parameters())
+    opt2 = torch.optim.SGD(groups, lr=0.1, momentum=0.9) if change == "optimizer_kind" else torch.optim.AdamW(groups)
     before = {k: v.clone() for k, v in model2.state_dict().items()}
     with deltackpt.Checkpointer(fast_dir / "s", model=model2, optimizer=opt2, handle_signals=False) as ckpt:
-        with pytest.raises(deltackpt.ShapeMismatchError, match={"shape": r"'1.weight' has shape \(3, 4\)",
-                                                                 "key": r"not in this run \[\]|missing",
-                                                                 "param_groups": "1 parameter groups"}[change]):
+        expected = {"shape": r"'1.weight' has shape \(3, 4\)", "key": r"not in this run \[\]|missing",
+                    "param_groups": "1 parameter groups", "optimizer_kind": r"lacks \['dampening', 'momentum'",
+                    "param_order": r"'exp_avg' of shape \(4, 4\) .* of shape \(3,\)"}[change]
+        with pytest.raises(deltackpt.ShapeMismatchError, match=expected):
             ckpt.restore()
     assert_bitwise(before, model2.state_dict(), "model")
     assert not opt2.state
