@@ -600,7 +600,8 @@ class Store:
             yield
         finally:
             # Unlock, then close: a process forked meanwhile (a DataLoader starting its workers while an async
-            # save runs) shares this open file, and closing alone would leave the lock held for the child's life.
+            # save runs) closed its copy at the fork (packs.open_lock), but one forked from C, without Python's
+            # fork hooks, shares this open file, and closing alone would leave the lock held for its life.
             close_lock(fd, pid)
 
     def _refresh(self) -> None:
