@@ -569,8 +569,6 @@ class Checkpointer:
         if retention is not None and not isinstance(retention, Retention):
             raise TypeError(f"retention must be a deltackpt.Retention or None, got {type(retention).__name__} "
                             f"{retention!r} (Retention(keep_last=3), say)")
-        self._owns_store = not isinstance(path_or_store, Store)
-        self.store = Store(path_or_store) if self._owns_store else path_or_store  # type: ignore[arg-type]
         self.model = _group(model)
         self.optimizer = _group(optimizer)
         self.scheduler = _group(scheduler)
@@ -581,6 +579,9 @@ class Checkpointer:
                 "in deltackpt.data.ResumableLoader"
             )
         self.data = data
+        # (opened once the arguments are known to be good: a refused Checkpointer creates no store)
+        self._owns_store = not isinstance(path_or_store, Store)
+        self.store = Store(path_or_store) if self._owns_store else path_or_store  # type: ignore[arg-type]
         self.extra = extra if extra is not None else {}
         self.every_n_steps = every_n_steps
         self.async_save = async_save

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -159,6 +160,16 @@ class DeltaStorageWriter(StorageWriter):
         if not kwargs.get("use_collectives", True):
             raise ValueError("DeltaStorageWriter needs DCP's collectives (use_collectives=True): the coordinator "
                              "commits every rank's shards at once")
+        rank = kwargs.get("rank")
+        if rank == 0 and torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1 and torch.distributed.get_rank() != 0:
+            # dcp.save(no_dist=True) on every rank of a job: each process saves alone, as rank 0 (or a process
+            # group of its own, which cannot be told apart from here)
+            warnings.warn(f"DeltaStorageWriter: this process is rank {torch.distributed.get_rank()} of "
+                          f"{torch.distributed.get_world_size()} but saves as rank 0 of its own (no_dist=True, or a "
+                          "process group of its own): processes that save this way into one root replace each "
+                          "other's shards at each step; save with the job's process group, or give each its own "
+                          "root", RuntimeWarning, stacklevel=2)
         if self.root is None:
             raise ValueError("DeltaStorageWriter needs a root directory (or a checkpoint_id to dcp.save)")
         if self.step is None:

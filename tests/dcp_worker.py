@@ -9,6 +9,7 @@ step, which tests/test_distributed.py checks loads against.
 - ``die``: saves STEP but is killed (SIGKILL, by itself) at the coordinator's commit;
 - ``replicated``: saves STEP of a state of plain (not sharded) tensors and values, which DCP's planner, told to
   save replicated items on the lowest rank, plans for the coordinator alone: the other ranks write nothing;
+- ``no-dist``: every rank saves a tensor of its own with ``no_dist=True``, and prints whether it was warned;
 - ``load-race``: ``load``, with rank 0 creating ROOT.read once it has read the newest step's metadata and rank 1
   waiting for ROOT.go before reading it (a test commits a step in between).
 """
@@ -74,6 +75,15 @@ def main() -> int:
             dcp.save({"x": torch.full((1000,), float(step)), "y": torch.ones(10), "step": step}, storage_writer=writer,
                      planner=dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True))
             writer.close()
+            return 0
+        if mode == "no-dist":  # every rank saves on its own (dcp.save's no_dist=True), as rank 0
+            writer = DeltaStorageWriter(root, step=1)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                dcp.save({f"r{rank}": torch.full((4,), float(rank))}, storage_writer=writer, no_dist=True)
+            writer.close()
+            warned = any(issubclass(w.category, RuntimeWarning) and "saves as rank 0" in str(w.message) for w in caught)
+            print("warned" if warned else "quiet", flush=True)
             return 0
         if mode in ("load", "load-race"):
             reader = DeltaStorageReader(root)

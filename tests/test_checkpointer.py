@@ -1423,6 +1423,19 @@ def test_a_retention_of_the_wrong_type_is_refused_before_any_save(fast_dir: Path
         assert s.list() == []
 
 
+def test_a_refused_checkpointer_creates_no_store(fast_dir: Path) -> None:
+    """Arguments are checked before the store is opened: a DataLoader passed as data= (it has no position to
+    save), an optimizer without state_dict, a bad interval or retention leave no store behind."""
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    for kwargs, error in (({"data": loader}, "wrap a DataLoader in deltackpt.data.ResumableLoader"),
+                          ({"optimizer": object()}, "object has no state_dict"),
+                          ({"every_n_steps": 0}, "every_n_steps must be"),
+                          ({"retention": 3}, "retention must be")):
+        with pytest.raises((TypeError, ValueError), match=error):
+            Checkpointer(fast_dir / "store", model=torch.nn.Linear(2, 2), handle_signals=False, **kwargs)
+        assert not (fast_dir / "store").exists()
+
+
 def test_a_checkpoint_without_rng_states_is_refused_before_anything_is_restored(fast_dir: Path) -> None:
     """A checkpoint in the Checkpointer's layout but without "rng" (converted from a torch.save file, say) is
     refused by restore() before the model changes (it raised KeyError after loading model and optimizer);

@@ -136,6 +136,15 @@ def test_ranks_that_load_the_newest_while_a_step_commits_do_not_mix_steps(tmp_pa
         assert r.returncode == 0 and "loaded step 2: ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
+def test_ranks_that_save_alone_into_one_root_are_warned(tmp_path: Path) -> None:
+    """dcp.save(no_dist=True) on every rank of a job: each process saves as rank 0, into the same rank store, and
+    commits the step with its own shards, replacing the others'. It cannot be told from a process group of
+    the process's own (legitimate with a root of its own), so it is a warning, on the ranks other than 0."""
+    out = ranks("no-dist", tmp_path / "root", tmp_path)
+    assert all(r.returncode == 0 for r in out), [r.stderr[-2000:] for r in out]
+    assert [r.stdout.split()[-1] for r in out] == ["quiet", "warned"]
+
+
 def test_large_bytes_values_are_chunked_and_plain_values_stay_out_of_the_index(tmp_path: Path) -> None:
     """A 1 MiB ``bytes`` value that does not change between steps is written once (before, plain values were
     kept whole in each rank checkpoint's metadata, in its index record and its manifest, and counted as 0 bytes
