@@ -133,6 +133,8 @@ def _entry(t: Any) -> TensorEntry:
     if e.requires_grad and not _differentiable(e.kind, e.dtype):
         raise ValueError(f"tensor {e.key!r:.60}: requires_grad for {e.kind} {e.dtype} (only float and complex "
                          "torch tensors can)")
+    if e.kind == "numpy" and (e.parameter or e.device != "cpu"):
+        raise ValueError(f"tensor {e.key!r:.60}: a numpy array marked as a parameter or on device {e.device!r:.20}")
     if e.kind == "numpy" and len(e.shape) > _NUMPY_MAX_DIMS:
         raise ValueError(f"tensor {e.key!r:.60}: a numpy array of {len(e.shape)} dimensions (numpy has at most "
                          f"{_NUMPY_MAX_DIMS})")

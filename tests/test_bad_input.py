@@ -526,8 +526,9 @@ def test_a_device_this_process_cannot_use_needs_map_location(tmp_path: Path, dev
 
 
 def test_manifest_entries_torch_or_numpy_cannot_build_are_refused_by_the_parser(tmp_path: Path) -> None:
-    """An integer tensor that requires grad, and a chunk size outside the format's powers of two from 4 KiB to
-    1 GiB, are manifest damage (a chunk size of 2 GiB let a 1 KB manifest describe 64 GiB of all-zero chunks)."""
+    """An integer tensor that requires grad, a chunk size outside the format's powers of two from 4 KiB to
+    1 GiB (one of 2 GiB let a 1 KB manifest describe 64 GiB of all-zero chunks), and a numpy array marked as a
+    parameter or placed on a GPU are manifest damage."""
     def int_grad(m: Any) -> None:
         e = _entry(m, "x")
         e.dtype, e.requires_grad = "int32", True
@@ -540,6 +541,15 @@ def test_manifest_entries_torch_or_numpy_cannot_build_are_refused_by_the_parser(
     with deltackpt.Store(tmp_path / "b") as s:
         with pytest.raises(CorruptManifestError, match="chunk_size is 12288"):
             s.load(1)
+    for n, (parameter, device) in enumerate([(True, "cpu"), (False, "cuda:0")]):
+        def numpy_as_torch(m: Any, parameter: bool = parameter, device: str = device) -> None:
+            e = _entry(m, "y")
+            e.kind, e.dtype, e.parameter, e.device = "numpy", "<f4", parameter, device
+
+        _forge(tmp_path / f"np{n}", numpy_as_torch)
+        with deltackpt.Store(tmp_path / f"np{n}") as s:
+            with pytest.raises(CorruptManifestError, match="tensor 'y': a numpy array marked as a parameter or on"):
+                s.load(1)
 
 
 def test_a_tensor_too_large_to_allocate_is_a_memory_error_naming_it(tmp_path: Path) -> None:
