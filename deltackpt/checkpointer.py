@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from deltackpt import maintenance, manifest
+from deltackpt import config, maintenance, manifest
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
@@ -146,17 +146,29 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def _group(obj: Any) -> Any:
-    """One stateful object, or a list/tuple/dict of them, as a (kind, items) pair."""
+def _group(obj: Any, what: str = "object") -> Any:
+    """One stateful object, or a list/tuple/dict of them (each member checked: TypeError naming it)."""
     if obj is None:
         return None
     if _stateful(obj):
         return obj
     if isinstance(obj, Mapping):
-        return {str(k): v for k, v in obj.items()}
-    if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
-        return list(obj)
-    raise TypeError(f"{type(obj).__name__} has no state_dict()/load_state_dict()")
+        group: Any = {str(k): v for k, v in obj.items()}
+    elif isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
+        group = list(obj)
+    else:
+        raise TypeError(f"{what}: {type(obj).__name__} has no state_dict()/load_state_dict()")
+    for path, member in _members(group, what):
+        if not _stateful(member):
+            raise TypeError(f"{path}: {type(member).__name__} has no state_dict()/load_state_dict()")
+    return group
+
+
+def _tensors_of(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of a module's parameters and buffers; nothing for other stateful objects."""
+    if isinstance(obj, torch.nn.Module):
+        yield from obj.named_parameters()
+        yield from ((k, v) for k, v in obj.named_buffers() if v is not None)
 
 
 def _group_state(g: Any) -> Any:
@@ -411,7 +423,7 @@ class _Staging:
         buf = self._buffers.get(path)
         if not (isinstance(buf, torch.Tensor) and buf.dtype == src.dtype and buf.shape == src.shape):
             pin = src.device.type == "cuda"
-            buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buf
         return buf
 
@@ -564,15 +576,20 @@ class Checkpointer:
         handle_signals: bool = True,
         map_location: Any = "cpu",
     ) -> None:
-        if not isinstance(every_n_steps, int) or every_n_steps < 1:
+        if type(every_n_steps) is not int or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
+        for name, value in (("async_save", async_save), ("gc", gc), ("handle_signals", handle_signals)):
+            config.boolean(name, value)
+        if extra is not None and not isinstance(extra, Mapping):
+            raise TypeError(f"extra must be a dict of names to values or stateful objects, got "
+                            f"{type(extra).__name__}")
         if retention is not None and not isinstance(retention, Retention):
             raise TypeError(f"retention must be a deltackpt.Retention or None, got {type(retention).__name__} "
                             f"{retention!r} (Retention(keep_last=3), say)")
-        self.model = _group(model)
-        self.optimizer = _group(optimizer)
-        self.scheduler = _group(scheduler)
-        self.scaler = _group(scaler)
+        self.model = _group(model, "model")
+        self.optimizer = _group(optimizer, "optimizer")
+        self.scheduler = _group(scheduler, "scheduler")
+        self.scaler = _group(scaler, "scaler")
         if data is not None and not _stateful(data):
             raise TypeError(
                 f"data must have state_dict()/load_state_dict() (got {type(data).__name__}); wrap a DataLoader "
@@ -731,11 +748,17 @@ class Checkpointer:
         error is raised. A given ``step`` or ``id`` is restored or raises.
         """
         self.wait()
+        strict = config.boolean("strict", strict)
+        for path, member in _members(self.model, "model"):
+            meta = next((k for k, v in _tensors_of(member) if v.is_meta), None)
+            if meta is not None:
+                raise DeltackptError(f"cannot restore into {path}: its tensor {meta!r} is on the meta device (it has "
+                                     "no memory); materialize the model first, e.g. model.to_empty(device='cpu')")
         if step is not None or id is not None:
             return self._restore(self.store.info(step, id=id), strict=strict)
 
         def damaged(info: CheckpointInfo, exc: CorruptionError) -> None:
-            warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, restoring the one "
+            warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, trying the ones "
                           f"before it: {exc}", RuntimeWarning, stacklevel=4)
             # The rerun of its steps saves the same bytes again. The load stopped at the first chunk it could not
             # decode; every damaged frame the checkpoint reaches is found, and the store's saves then write those

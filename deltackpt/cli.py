@@ -14,6 +14,7 @@ import datetime as _dt
 import os
 import re
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -452,7 +453,9 @@ def cmd_import(args: argparse.Namespace) -> int:
             raise DeltackptError(f"{src} is not a readable safetensors file: {_first_line(exc)}") from None
     else:
         try:
-            state = torch.load(src, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # (torch's note on the pickle protocol: the error below says enough)
+                warnings.simplefilter("ignore", UserWarning)
+                state = torch.load(src, map_location="cpu", weights_only=True)
         except Exception as exc:
             raise DeltackptError(
                 f"{src} cannot be read with torch.load(weights_only=True): {_weights_only_reason(exc)} "
@@ -479,8 +482,13 @@ def _weights_only_reason(exc: BaseException) -> str:
     """torch's refusal of a file by ``weights_only``, in one line: its first line and the one naming what it
     refused (``Unsupported global: GLOBAL collections.deque``)."""
     lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
-    why = next((line for line in lines[1:] if "unsupported" in line.lower() or "Unpickler error" in line), None)
+    why = next((line for line in lines[1:] if "unsupported" in line.lower()), None)
+    if why is None:
+        why = next((line.split("Unpickler error:", 1)[1].strip() or None for line in lines[1:]
+                    if "Unpickler error:" in line), None)
     first = lines[0] if lines else type(exc).__name__
+    if first.startswith("Weights only load failed"):  # (torch's advice to rerun with weights_only=False: not ours)
+        first = "the weights-only unpickler refused it"
     return f"{first} ({why})" if why is not None and why not in first else first
 
 

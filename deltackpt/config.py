@@ -95,12 +95,12 @@ def allow_network_fs() -> bool:
     return _env_int("DELTACKPT_ALLOW_NETWORK_FS", 0) != 0
 
 
-def check_chunk_size(value: int) -> int:
+def check_chunk_size(value: int, what: str = "chunk_size") -> int:
     if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"chunk_size must be an int, got {type(value).__name__}")
+        raise TypeError(f"{what} must be an int, got {type(value).__name__}")
     if value < MIN_CHUNK_SIZE or value > MAX_CHUNK_SIZE or value & (value - 1):
         raise ValueError(
-            f"chunk_size must be a power of two between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, got {value}"
+            f"{what} must be a power of two between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, got {value}"
         )
     return value
 
@@ -119,11 +119,19 @@ def setting(name: str, given: Any, from_env: Callable[[], int], var: str, lo: in
     return value
 
 
+def boolean(name: str, given: Any) -> bool:
+    """``given``, which must be a bool (or numpy's): TypeError naming ``name`` otherwise. Switches are checked
+    rather than read for truth: ``allow_pickle="no"`` must not turn unpickling on."""
+    if type(given) is bool:
+        return given
+    if type(given).__name__ == "bool" and type(given).__module__ == "numpy":
+        return bool(given)
+    raise TypeError(f"{name} must be True or False, got {type(given).__name__} {given!r:.40}")
+
+
 def flag(name: str, given: Any, from_env: Callable[[], bool]) -> bool:
     """The bool value of :class:`~deltackpt.Store`'s argument ``name`` (``given`` when not None, else
     ``from_env()``); TypeError for anything but a bool (``predict="no"`` would otherwise mean True)."""
     if given is None:
         return from_env()
-    if not isinstance(given, bool):
-        raise TypeError(f"{name} must be True or False, got {type(given).__name__}")
-    return given
+    return boolean(name, given)

@@ -163,9 +163,9 @@ class ResumableSampler(Sampler[int]):
         if self.shuffle:
             g = torch.Generator()
             g.manual_seed(self.seed + epoch)
-            order = torch.randperm(self.dataset_len, generator=g)
+            order = torch.randperm(self.dataset_len, generator=g, device="cpu")
         else:
-            order = torch.arange(self.dataset_len, dtype=torch.int64)
+            order = torch.arange(self.dataset_len, dtype=torch.int64, device="cpu")
         self._cache = (epoch, order)
         return order
 

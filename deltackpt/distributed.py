@@ -324,8 +324,8 @@ class DeltaStorageReader(StorageReader):
         super().__init__()
         self.root = None if root is None else Path(root)
         self.step = step
-        self.allow_pickle = allow_pickle
-        self.verify = verify
+        self.allow_pickle = config.boolean("allow_pickle", allow_pickle)
+        self.verify = config.boolean("verify", verify)
         self.allow_network_fs = allow_network_fs
         self._where: dict[MetadataIndex, _Stored] = {}
         self._chosen: str | None = None  # id of the meta checkpoint read_metadata read
@@ -414,7 +414,7 @@ class DeltaStorageReader(StorageReader):
                     sizes = self._sizes.get(MetadataIndex(req.storage_index.fqn, req.storage_index.offset))
                     if sizes is None:
                         raise CorruptManifestError(f"DCP metadata in {self.root} has no chunk {req.storage_index}")
-                    bufs[s.key] = torch.empty(sizes, dtype=self._dtypes[req.storage_index.fqn])
+                    bufs[s.key] = torch.empty(sizes, dtype=self._dtypes[req.storage_index.fqn], device="cpu")
                 span = _byte_span(bufs[s.key], req.storage_offsets, req.lengths)
                 path = tree.child_path(_TENSORS, s.key)
                 if span is not None:

@@ -117,6 +117,12 @@ def _stored_chunks(m: manifest.Manifest) -> list[tuple[str, bytes]]:
     return out
 
 
+def _check_progress(progress: Any) -> None:
+    """TypeError unless ``progress`` is None or callable (checked before anything runs, not at its first call)."""
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be a callable (done, total) or None, got {type(progress).__name__}")
+
+
 def verify(
     store: Store, *, step: int | None = None, id: str | None = None, progress: Progress | None = None
 ) -> VerifyReport:
@@ -126,6 +132,7 @@ def verify(
     input is reported for every chunk that depends on it. Chunks that predicted frames tie together are checked
     by one worker in checkpoint order, sharing their decoded inputs (see :func:`_check_group`).
     """
+    _check_progress(progress)
     report = VerifyReport()
     results: dict[bytes, str | None] = {}
     with store._gc_lock():
@@ -473,6 +480,7 @@ def gc(
     """
     if isinstance(repack_below, bool) or not isinstance(repack_below, (int, float)) or not 0 <= repack_below <= 1:
         raise ValueError(f"repack_below must be a fraction between 0 and 1, got {repack_below!r}")
+    _check_progress(progress)
     report = GcReport()
     with store._save_lock:
         store._writer.close()  # our own pack is sealed: gc may treat it like any other
@@ -553,7 +561,8 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
     _unlink_packs(store, to_delete, report)
     tmp = store.path / "tmp"
     for p in tmp.iterdir() if tmp.is_dir() else ():  # (an empty tmp/ lost, say by a cleaner: saves make it again)
-        p.unlink()
+        if p.name.endswith(".tmp") and not p.is_symlink() and p.is_file():  # what saves leave; nothing else
+            p.unlink()
     return [(pack_id, all_packs[pack_id]) for pack_id in to_repack]
 
 
@@ -697,6 +706,7 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
     manifest. Note: a checkpoint deleted just before a crash (its manifest not yet unlinked) comes back; delete
     it again.
     """
+    _check_progress(progress)
     report = RepairReport()
     with _maintenance_lock(store), store._gc_lock(exclusive=True):
         chunks: dict[bytes, ChunkLoc] = {}  # chunks with a standalone frame

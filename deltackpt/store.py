@@ -199,9 +199,12 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
 
 def _unfillable(obj: torch.Tensor | np.ndarray) -> str | None:
     """Why ``obj`` cannot be filled in place with a stored array's values, or None when it can: a read-only
-    numpy array, or a view in which elements may share memory (an ``expand``ed or ``broadcast_to`` view)."""
+    numpy array, a view in which elements may share memory (an ``expand``ed or ``broadcast_to`` view), or an
+    inference tensor outside inference mode (torch refuses to write one there, as ``load_state_dict`` would)."""
     if (obj.size if isinstance(obj, np.ndarray) else obj.numel()) == 0:
         return None
+    if isinstance(obj, torch.Tensor) and obj.is_inference() and not torch.is_inference_mode_enabled():
+        return "it is an inference tensor (made under torch.inference_mode), which torch lets no one write outside it"
     if isinstance(obj, np.ndarray):
         if not obj.flags.writeable:
             return "it is a read-only array"
@@ -287,7 +290,7 @@ def _decode_target(obj: torch.Tensor | np.ndarray) -> tuple[np.ndarray, Any]:
         view = _byte_view(obj.detach()) if obj.device.type == "cpu" else None
         if view is not None:
             return view.numpy(), None
-        staging: Any = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=obj.device.type == "cuda")
+        staging: Any = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=obj.device.type == "cuda")
         return _byte_view(staging).numpy(), staging  # type: ignore[union-attr]
     if obj.flags.c_contiguous and obj.flags.writeable:
         return obj.reshape(-1).view(np.uint8), None
@@ -326,7 +329,7 @@ class _Pinned:
     def take(self, n: int) -> torch.Tensor:
         if self._buf is None or self._buf.numel() < n:
             self._buf = None
-            self._buf = torch.empty(max(n, 1), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            self._buf = torch.empty(max(n, 1), dtype=torch.uint8, device="cpu", pin_memory=torch.cuda.is_available())
         return self._buf[:n]
 
 
@@ -338,7 +341,7 @@ def _output(t: manifest.TensorEntry, map_location: Any) -> tuple[torch.Tensor | 
         return np.empty(t.shape, dtype=tree.numpy_dtype(t.dtype)), None
     dt = tree.torch_dtype(t.dtype)
     dev = _resolve_device(t.device, map_location)
-    out = torch.empty(t.shape, dtype=dt, pin_memory=dev.type == "cuda")
+    out = torch.empty(t.shape, dtype=dt, device="cpu", pin_memory=dev.type == "cuda")
     if out.untyped_storage().nbytes() != t.nbytes:
         raise CorruptManifestError(f"{t.nbytes} bytes for a {t.dtype} tensor of shape {t.shape}, which holds "
                                    f"{out.untyped_storage().nbytes()}")
@@ -346,25 +349,40 @@ def _output(t: manifest.TensorEntry, map_location: Any) -> tuple[torch.Tensor | 
 
 
 def _resolve_device(stored: str, map_location: Any) -> torch.device:
+    """The device a tensor stored on ``stored`` loads onto. ValueError/TypeError for a ``map_location`` that
+    names no device; UnsupportedTypeError for a device this process cannot use, saying whether it came from
+    the checkpoint or from ``map_location``."""
+    mapped = False
     if map_location is None or isinstance(map_location, Mapping):
         target = stored if map_location is None else map_location.get(stored, stored)
+        mapped = target is not stored
+        if mapped and not isinstance(target, (str, torch.device)):
+            raise TypeError(f"map_location[{stored!r:.60}] must be a device or a device string, got "
+                            f"{type(target).__name__} {target!r:.40}")
         try:
             dev = torch.device(target)
-        except (RuntimeError, ValueError, TypeError):  # a backend this torch lacks ("npu:0")
+        except (RuntimeError, ValueError, TypeError):  # a backend this torch lacks ("npu:0"), or a bad mapping
+            if mapped:
+                raise ValueError(f"map_location[{stored!r:.60}] = {target!r:.60} is not a device torch knows") from None
             raise UnsupportedTypeError(f"the checkpoint holds a tensor on device {target!r:.60}, which this torch "
                                        "does not know: pass map_location='cpu' (or a dict {stored: target})") from None
     elif isinstance(map_location, (str, torch.device)):
-        dev = torch.device(map_location)
+        mapped = True
+        try:
+            dev = torch.device(map_location)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(f"map_location {map_location!r:.60} is not a device torch knows") from None
     else:
-        raise TypeError("map_location must be None, a device, a device string or a dict {stored: target}")
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"the checkpoint holds a tensor on {stored} but CUDA is not available: pass map_location='cpu'"
-        )
+        raise TypeError("map_location must be None, a device, a device string or a dict {stored: target}, got "
+                        f"{type(map_location).__name__}")
     if not _usable(str(dev)):
-        raise UnsupportedTypeError(f"the checkpoint holds a tensor on device {stored!r:.60}, and this process cannot "
-                                   f"put tensors on {str(dev)!r:.60}: pass map_location='cpu' (or a dict "
-                                   "{stored: target})")
+        why = "CUDA is not available" if dev.type == "cuda" and not torch.cuda.is_available() else \
+            f"this process cannot put tensors on {str(dev)!r:.60}"
+        if mapped:
+            raise UnsupportedTypeError(f"map_location sends tensors stored on {stored!r:.60} to {str(dev)!r:.60}, "
+                                       f"but {why}")
+        raise UnsupportedTypeError(f"the checkpoint holds a tensor on device {stored!r:.60}, and {why}: pass "
+                                   "map_location='cpu' (or a dict {stored: target})")
     return dev
 
 
@@ -442,6 +460,8 @@ class Store:
         allow = config.flag("allow_network_fs", allow_network_fs, config.allow_network_fs)
         if not allow:
             check_local(self.path)  # before anything is created
+        if readonly is not None:
+            config.boolean("readonly", readonly)
         why = _why_readonly(self.path)
         if why is not None and readonly is False:
             raise ReadOnlyStoreError(f"store {self.path} is {why}: open it with readonly=True")
@@ -489,6 +509,10 @@ class Store:
     # -- layout -----------------------------------------------------------------------------------------
     def _init_layout(self, chunk_size: int | None, allow_network_fs: bool) -> int:
         cfg_path = self.path / "STORE"
+        if self.path.is_symlink() and not self.path.exists():
+            raise DeltackptError(f"{self.path} is a dangling symbolic link (or a loop of them), not a store")
+        if self.path.exists() and not self.path.is_dir():
+            raise DeltackptError(f"{self.path} is not a directory, so not a store (a store is a directory)")
         if not cfg_path.exists() and _holds_checkpoints(self.path):
             raise DeltackptError(
                 f"{self.path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
@@ -500,7 +524,9 @@ class Store:
                 raise DeltackptError(
                     f"{self.path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
                     "'deltackpt repair' writes it again, with the chunk size the manifests name")
-            cs = config.check_chunk_size(config.chunk_size() if chunk_size is None else chunk_size)
+            cs = (config.check_chunk_size(config.chunk_size(), "DELTACKPT_CHUNK_SIZE") if chunk_size is None
+                  else config.check_chunk_size(chunk_size))
+            _check_new_store_dir(self.path)
             make_dirs(self.path, ("packs", "manifests", "tmp", "index"))
             (self.path / "gc.lock").touch()
             (self.path / "maint.lock").touch()
@@ -757,6 +783,7 @@ class Store:
         """
         self._writable("save")
         step = _check_step(step)
+        allow_pickle, keyframe = config.boolean("allow_pickle", allow_pickle), config.boolean("keyframe", keyframe)
         skeleton, leaves = tree.flatten(state, allow_pickle=allow_pickle)
         metadata = _check_metadata(metadata)
         meta_node = tree.encode_plain(metadata) if metadata is not None else None
@@ -1274,6 +1301,7 @@ class Store:
         ``copy_`` skips a copy onto itself): no second copy of the model is allocated. If the load raises,
         the offered tensors may hold part of the checkpoint.
         """
+        verify, allow_pickle = config.boolean("verify", verify), config.boolean("allow_pickle", allow_pickle)
         with self._gc_lock():  # (resolved under the lock: no gc removes it meanwhile)
             rec = self._record(step, id)
             m = self._manifest(rec)
@@ -1352,6 +1380,9 @@ class Store:
         decoded, and only the target bytes ``start .. end`` are written; for reading a slice of a large tensor,
         such as the rows one rank of a resharded job needs. Contiguous CPU targets only.
         """
+        verify, strict = config.boolean("verify", verify), config.boolean("strict", strict)
+        if spans is not None and not isinstance(spans, Mapping):
+            raise TypeError(f"spans must map key paths to (start, end) byte ranges, got {type(spans).__name__}")
         try:
             skeleton, leaves = tree.flatten(target, opaque=True)  # (its plain values are only looked at)
         except UnsupportedTypeError as exc:  # a meta, sparse, quantized, ... target tensor
@@ -1802,6 +1833,32 @@ def _parent_refs(role: predict.Role, i: int, k: bytes, parents: Mapping[str, man
 _SEAL_BYTES = 64 << 20
 
 _INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
+
+
+#: what a store's directory holds before its STORE file is linked (a creation that a crash cut short)
+_LAYOUT = frozenset({"packs", "manifests", "tmp", "index", "gc.lock", "maint.lock"})
+
+
+def _check_new_store_dir(path: Path) -> None:
+    """Refuse to make a store in a directory that holds anything else: gc and repair treat everything in a
+    store's directories as theirs, and a typo'd path should not turn a project folder into a store."""
+    def ours(e: os.DirEntry[str]) -> bool:
+        if e.name in ("tmp", "packs", "manifests"):  # (packs or manifests with files: "STORE was lost", above)
+            return e.is_dir(follow_symlinks=False) and not any(os.scandir(e.path))
+        if e.name == "index":
+            return e.is_dir(follow_symlinks=False) and {f.name for f in os.scandir(e.path)} <= {"data.mdb", "lock.mdb"}
+        return e.name in _LAYOUT or (e.name.startswith("STORE.") and e.name.endswith(".tmp"))
+
+    try:
+        others = sorted(e.name for e in os.scandir(path) if not ours(e))
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise DeltackptError(f"{path}: a part of the path is not a directory") from None
+    if others:
+        shown = ", ".join(map(repr, others[:3])) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise DeltackptError(f"{path} is not a deltackpt store and not empty (it holds {shown}): a new store "
+                             "needs an empty or new directory")
 
 
 def read_store_file(path: Path) -> int:

@@ -95,6 +95,9 @@ def register_type(
         raise TypeError(f"{cls.__qualname__} is a type deltackpt stores itself: a hook for it would never be called")
     if not name or not isinstance(name, str):
         raise ValueError("a registered type needs a non-empty name")
+    for what, fn in (("encode", encode), ("decode", decode)):
+        if not callable(fn):
+            raise TypeError(f"register_type({cls.__qualname__}): {what} must be a callable, got {type(fn).__name__}")
     taken = _HOOKS_BY_NAME.get(name)
     if taken is not None and taken.cls is not cls:
         raise InvalidNameError(
@@ -332,7 +335,7 @@ class _Flattener:
             return ["ns", obj.dtype.str, obj.tobytes().hex()]
         if self.opaque:
             return ["?"]  # (a target's value nothing is decoded into: never stored, never pickled)
-        if self.allow_pickle:
+        if self.allow_pickle is True:
             try:
                 data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
             except Exception as exc:
@@ -773,7 +776,7 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
         except Exception as exc:  # the user's decoder failed: no damage of the store (restore must not pass it by)
             raise UnsupportedTypeError(f"the decoder registered for type {n[1]!r} failed: {exc!r}") from exc
     if tag == "p":
-        if not allow_pickle:
+        if allow_pickle is not True:
             raise UnsafeLoadError(
                 "the checkpoint holds pickled values; load it with allow_pickle=True only if you trust the store"
             )

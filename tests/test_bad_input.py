@@ -592,3 +592,176 @@ def test_a_process_with_an_address_space_limit_saves_and_loads(tmp_path: Path) -
     assert out.stdout.split() == ["[1,", "2]", "True"], out.stdout
     with deltackpt.Store(tmp_path / "s") as s:
         assert torch.equal(s.load(2)["w"], torch.ones(10))
+
+
+# -- misuse found by an audit of the public API (each raised deep inside, or did the wrong thing) ----------------
+def _mark(path: str) -> int:
+    """What unpickling a :class:`_Marker` runs: it leaves a file, so a test sees that code ran."""
+    Path(path).touch()
+    return 7
+
+
+class _Marker:
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_mark, (self.path,))
+
+
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, [True]])
+def test_switches_take_only_true_or_false(store: deltackpt.Store, tmp_path: Path, value: Any) -> None:
+    """allow_pickle="no" was read for its truth: it pickled on save and, worse, unpickled (ran code) on load.
+    Every switch of the API now takes True or False only (TypeError naming it), before anything is done."""
+    marker = tmp_path / "ran"
+    store.save({"x": _Marker(marker)}, step=1, allow_pickle=True)
+    before = _snapshot(store.path)
+    calls = [
+        ("allow_pickle", lambda: store.save({"x": _Marker(marker)}, step=2, allow_pickle=value)),
+        ("keyframe", lambda: store.save({"x": torch.ones(2)}, step=2, keyframe=value)),
+        ("allow_pickle", lambda: store.load(1, allow_pickle=value)),
+        ("verify", lambda: store.load(1, verify=value, allow_pickle=True)),
+        ("strict", lambda: store.load_into({"x": torch.ones(2)}, 1, strict=value)),
+        ("readonly", lambda: deltackpt.Store(store.path, readonly=value)),
+        ("async_save", lambda: deltackpt.Checkpointer(store, async_save=value)),
+        ("handle_signals", lambda: deltackpt.Checkpointer(store, handle_signals=value)),
+    ]
+    for name, call in calls:
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            call()
+    assert not marker.exists()  # nothing was unpickled
+    assert _snapshot(store.path) == before and [i.step for i in store.list()] == [1]
+    assert store.load(1, allow_pickle=True)["x"] == 7 and marker.exists()  # (the opt-in itself works)
+
+
+def test_what_a_checkpointer_is_given_is_checked_member_by_member(store: deltackpt.Store) -> None:
+    """A list or dict of models or optimizers was taken as it came; a member without state_dict() failed at the
+    first step() with AttributeError. Now the constructor names it; so for extra that is not a dict."""
+    m = torch.nn.Linear(2, 2)
+    cases = [({"model": [m, 5]}, r"model\[1\]: int has no state_dict"),
+             ({"model": list(m.parameters())}, r"model\[0\]: Parameter has no state_dict"),
+             ({"optimizer": {"a": torch.optim.SGD(m.parameters(), lr=0.1), "b": None}}, "optimizer.b: NoneType"),
+             ({"extra": [1, 2]}, "extra must be a dict")]
+    for kwargs, message in cases:
+        with pytest.raises(TypeError, match=message):
+            deltackpt.Checkpointer(store, handle_signals=False, **kwargs)
+    with pytest.raises(ValueError, match="every_n_steps must be a positive int, got True"):
+        deltackpt.Checkpointer(store, every_n_steps=True)
+    assert store.list() == []
+
+
+def test_restore_refuses_a_model_on_the_meta_device(store: deltackpt.Store) -> None:
+    """A model built under torch.device("meta") holds no memory: restore() reported success and restored
+    nothing (torch only warned that each copy was a no-op)."""
+    with deltackpt.Checkpointer(store, model=torch.nn.Linear(4, 3), async_save=False, handle_signals=False) as ck:
+        ck.step(1)
+    with torch.device("meta"):
+        meta_model = torch.nn.Linear(4, 3)
+    with deltackpt.Checkpointer(store, model=meta_model, async_save=False, handle_signals=False) as ck:
+        with pytest.raises(deltackpt.DeltackptError, match="'weight' is on the meta device.*to_empty"):
+            ck.restore()
+        meta_model.to_empty(device="cpu")
+        assert ck.restore() == 1
+    assert torch.equal(meta_model.weight, store.load(1)["model"]["weight"])
+
+
+@pytest.mark.parametrize("map_location,error,message", [
+    ("garbage", ValueError, "map_location 'garbage' is not a device torch knows"),
+    ({"cpu": None}, TypeError, r"map_location\['cpu'\] must be a device or a device string, got NoneType"),
+    ({"cpu": "nowhere:0"}, ValueError, r"map_location\['cpu'\] = 'nowhere:0' is not a device torch knows"),
+    (5, TypeError, "map_location must be None, a device, a device string or a dict"),
+    pytest.param("cuda:0", UnsupportedTypeError, "map_location sends tensors stored on 'cpu' to 'cuda:0', but CUDA",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
+])
+def test_a_bad_map_location_is_named(store: deltackpt.Store, map_location: Any, error: type, message: str) -> None:
+    """map_location="garbage" raised torch's RuntimeError about device strings; {"cpu": None} blamed the
+    checkpoint ("holds a tensor on device None"); a GPU-less machine got a plain RuntimeError telling it to pass
+    map_location='cpu' when that is what it had replaced."""
+    store.save({"y": torch.arange(3.0)}, step=1)
+    with pytest.raises(error, match=message):
+        store.load(1, map_location=map_location)
+    assert torch.equal(store.load(1, map_location={"cuda:0": "cpu"})["y"], torch.arange(3.0))
+
+
+def test_loads_ignore_the_default_device(store: deltackpt.Store) -> None:
+    """Loads allocated their tensors and staging buffers on torch's default device: inside
+    ``with torch.device("meta")`` (or after set_default_device("cuda")) load raised "can't convert meta device
+    type tensor to numpy", naming no key, and load_into of a non-contiguous target the same."""
+    state = {"x": torch.arange(6.0).reshape(2, 3), "n": torch.arange(4), "t": torch.ones(3, 2)}
+    store.save(state, step=1)
+    target = {"x": torch.zeros(3, 2).t(), "n": torch.zeros(4, dtype=torch.int64), "t": torch.zeros(2, 3).t()}
+    with torch.device("meta"):
+        loaded = store.load(1)
+        assert store.load_into(target, 1) == []
+    assert_same_state(loaded, state)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+
+
+def test_an_inference_tensor_target_is_refused_before_anything_is_written(store: deltackpt.Store) -> None:
+    """An inference tensor (made under torch.inference_mode) cannot be written outside it. A non-contiguous one
+    made load_into raise torch's RuntimeError, naming no key, after other targets were overwritten; load(into=)
+    raised too, though offers that cannot hold values are to be passed by. Inside inference mode it is filled."""
+    store.save({"a": torch.ones(4), "w": torch.arange(6.0).reshape(3, 2)}, step=1)
+    with torch.inference_mode():
+        w = torch.zeros(2, 3).t()
+    a = torch.zeros(4)
+    with pytest.raises(ShapeMismatchError, match="'w': the target cannot hold .* an inference tensor"):
+        store.load_into({"a": a, "w": w}, 1)
+    assert not a.any() and not w.any()
+    state = store.load(1, into={"w": w})
+    assert state["w"] is not w and torch.equal(state["w"], torch.arange(6.0).reshape(3, 2)) and not w.any()
+    with torch.inference_mode():
+        assert store.load_into({"a": a, "w": w}, 1) == []
+    assert torch.equal(w, torch.arange(6.0).reshape(3, 2)) and torch.equal(a, torch.ones(4))
+
+
+def test_a_store_needs_a_directory_of_its_own(tmp_path: Path) -> None:
+    """Store() made any existing directory a store, and gc then deleted what it found in that directory's tmp/
+    (and failed on a directory there, part way). A file as the path raised FileExistsError, a path through a file
+    NotADirectoryError. Now each is a DeltackptError naming the path, and nothing is written."""
+    project = tmp_path / "project"
+    (project / "tmp").mkdir(parents=True)
+    (project / "tmp" / "notes.txt").write_text("mine")
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    cases = [(project, "is not a deltackpt store and not empty .*'tmp'"), (tmp_path / "afile", "is not a directory"),
+             (tmp_path / "afile" / "sub", "a part of the path is not a directory"),
+             (tmp_path / "loop", "dangling symbolic link")]
+    for path, message in cases:
+        with pytest.raises(deltackpt.DeltackptError, match=message):
+            deltackpt.Store(path)
+    assert sorted(p.name for p in project.rglob("*")) == ["notes.txt", "tmp"]
+    assert (tmp_path / "afile").read_text() == "x"
+    # what a creation cut short leaves (empty directories, the lock files) is taken up
+    half = tmp_path / "half"
+    for d in ("packs", "manifests", "tmp", "index"):
+        (half / d).mkdir(parents=True)
+    (half / "gc.lock").touch()
+    with deltackpt.Store(half) as s:
+        s.save({"x": torch.ones(2)}, step=1)
+        (half / "tmp" / "keep.me").write_text("not a save's")
+        (half / "tmp" / "dir").mkdir()
+        s.gc()
+        assert (half / "tmp" / "keep.me").exists() and (half / "tmp" / "dir").is_dir()
+
+
+def test_other_arguments_are_checked_before_anything_runs(store: deltackpt.Store, monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    """progress=5 failed at verify's first call of it and was never checked by gc; spans given as a list raised
+    AttributeError; register_type took None for its hooks; DELTACKPT_CHUNK_SIZE=7 was reported as chunk_size."""
+    store.save({"w": torch.ones(8)}, step=1)
+    for call in (lambda: store.verify(progress=5), lambda: store.gc(progress=5)):
+        with pytest.raises(TypeError, match="progress must be a callable"):
+            call()
+    with pytest.raises(TypeError, match="spans must map key paths"):
+        store.load_into({"w": torch.zeros(8)}, 1, spans=[("w", (0, 4))])  # type: ignore[arg-type]
+
+    class P:
+        pass
+
+    with pytest.raises(TypeError, match="encode must be a callable"):
+        deltackpt.register_type(P, "p-type", None, None)  # type: ignore[arg-type]
+    monkeypatch.setenv("DELTACKPT_CHUNK_SIZE", "7")
+    with pytest.raises(ValueError, match="DELTACKPT_CHUNK_SIZE must be a power of two"):
+        deltackpt.Store(tmp_path / "new")
+    assert not (tmp_path / "new").exists()

@@ -1189,7 +1189,7 @@ def test_restore_does_not_pass_over_a_failing_registered_decoder(fast_dir: Path)
         with deltackpt.Checkpointer(fast_dir / "s", model=torch.nn.Linear(2, 2), extra={"cfg": Cfg(0)},
                                     handle_signals=False) as ck:
             with warnings.catch_warnings():
-                warnings.simplefilter("error")  # no "damaged, restoring the one before it"
+                warnings.simplefilter("error")  # no "damaged, trying the ones before it"
                 with pytest.raises(deltackpt.UnsupportedTypeError, match="my decoder rejects"):
                     ck.restore()
     finally:

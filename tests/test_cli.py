@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fractions
 import os
+import pickle
 import re
 import shutil
 import struct
@@ -647,6 +648,14 @@ def test_import_refuses_arbitrary_pickles(capsys: pytest.CaptureFixture[str], st
     torch.load(src, weights_only=False)
     assert _UNPICKLED == [{"x": 1}]
     _UNPICKLED.clear()
+    # a raw pickle of another protocol: one line naming what was refused, not torch's protocol warning on top
+    # nor its advice to rerun with weights_only=False
+    raw = tmp_path / "raw.pkl"
+    raw.write_bytes(pickle.dumps({"obj": _Custom()}, protocol=4))
+    rc, _, err = cli(capsys, "import", store_path, raw, "--step", 9)
+    assert rc == 1 and _UNPICKLED == []
+    assert_one_line_error(err, "the weights-only unpickler refused it (Unsupported")
+    assert "weights_only` set to `False`" not in err and "Warning" not in err
 
 
 def test_import_names_what_weights_only_refused_and_creates_nothing(capsys: pytest.CaptureFixture[str],
