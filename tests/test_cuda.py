@@ -34,7 +34,9 @@ def _fake_cuda_checkpoint(path: Path) -> None:
 def test_cuda_checkpoint_without_cuda_needs_map_location(tmp_path: Path) -> None:
     _fake_cuda_checkpoint(tmp_path / "s")
     with deltackpt.Store(tmp_path / "s") as s:
-        with pytest.raises(RuntimeError, match="map_location"):
+        # typed, and saying which side named the device (it was a plain RuntimeError)
+        with pytest.raises(deltackpt.UnsupportedTypeError,
+                           match="holds a tensor on device 'cuda:0', and CUDA is not available: pass map_location"):
             s.load()
         assert torch.equal(s.load(map_location="cpu")["w"], torch.arange(10.0))
         assert torch.equal(s.load(map_location={"cuda:0": "cpu"})["w"], torch.arange(10.0))
