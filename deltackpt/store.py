@@ -498,6 +498,9 @@ class Store:
         #: read (one of which is damaged): a save holding one writes it again, standalone, instead of
         #: deduplicating onto the stored frame. Shared by every handle of this process on this store.
         self._damaged = _damaged_in(self.path)
+        #: chunks :meth:`_taint` found to decode through no damaged chunk, while ``_damaged`` was ``_clean_for``
+        self._clean: set[bytes] = set()
+        self._clean_for: set[bytes] = set()
         self._closed = False
         #: the gc lock file, held exclusively from :func:`~deltackpt.maintenance.open_for_repair` until the
         #: repair commits (or the store closes); this handle's own operations then take no lock
@@ -1042,6 +1045,8 @@ class Store:
                     stored = {k for k, loc in found.items() if loc.codec not in codec.BASED}
                 else:
                     stored = self.index.has_chunks(k for _, k in todo)
+                if self._damaged:
+                    self._taint(k for _, k in todo if k in stored)
                 todo = [(i, k) for i, k in todo if k not in stored or k in self._damaged]
                 role = roles.get(leaf.path) if not on_device else None
                 phase = generation + (zlib.crc32(role.m.encode()) if role is not None else entry.first)
@@ -1110,8 +1115,10 @@ class Store:
         if len(parent_refs) != (2 if role.predictor == predict.PARAM else 1):
             return None
         refs = [got[1][i].tobytes() + k[16:], *parent_refs]
-        if any(r in self._damaged for r in refs):
-            return None
+        if self._damaged:
+            self._taint(refs)
+            if any(r in self._damaged for r in refs):
+                return None
         depths = [new_locs[r].depth if r in new_locs else None for r in refs]
         missing = [r for r, d in zip(refs, depths) if d is None]
         found = self.index.lookup_chunks(missing) if missing else {}
@@ -1126,6 +1133,39 @@ class Store:
         if depth + 1 > self.max_chain:
             return None
         return role, refs, depth + 1
+
+    def _taint(self, keys: Iterable[bytes]) -> None:
+        """Add to the chunks known damaged (``_damaged``) those of ``keys`` whose decoding reads one: through a
+        delta base or a prediction input, at any depth. A save then writes them again rather than deduplicate
+        onto them, and takes none of them as a base or an input: a checkpoint saved on them would be as damaged
+        as they are, although its writer holds the right bytes. Only called while something is known damaged
+        (rare): it reads the header and record of each predicted frame it walks. Chunks found clean are
+        remembered until more damage is found."""
+        if not self._damaged <= self._clean_for:  # more damage since: what was clean may not be
+            self._clean.clear()
+
+        def tainted(k: bytes, depth: int) -> bool:
+            if k in self._damaged:
+                return True
+            if k in self._clean:
+                return False
+            if depth > codec.MAX_CHAIN_FRAMES:  # (a cycle, which no writer makes: not decodable either)
+                return True
+            loc = self.index.lookup_chunks([k]).get(k)
+            if loc is None:  # a chunk not stored (yet): nothing to read
+                return False
+            refs = [loc.base + k[16:]] if loc.codec in codec.BASED else []
+            if loc.codec == codec.PREDICTED:
+                refs += self._named_inputs(k, loc)
+            if any(tainted(r, depth + 1) for r in refs):
+                self._damaged.add(k)
+                return True
+            self._clean.add(k)
+            return False
+
+        for k in keys:
+            tainted(k, 0)
+        self._clean_for = set(self._damaged)
 
     def _bases(
         self,
@@ -1157,8 +1197,9 @@ class Store:
             if pm.flags[j] & manifest.FLAG_ZERO:
                 continue
             cand[i] = pm.digests[j].tobytes() + k[16:]
-            if cand[i] in self._damaged:
-                del cand[i]
+        if self._damaged:
+            self._taint(cand.values())
+            cand = {i: bk for i, bk in cand.items() if bk not in self._damaged}
         locs = self.index.lookup_chunks(cand.values())
         out: dict[int, tuple[bytes, int]] = {}
         for i, bk in cand.items():

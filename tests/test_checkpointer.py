@@ -37,7 +37,8 @@ import pytest
 import torch
 
 import deltackpt
-from deltackpt import Checkpointer, Retention, Store, UnsupportedTypeError
+from deltackpt import Checkpointer, Retention, Store, UnsupportedTypeError, codec
+from deltackpt.index import chunk_key, chunk_keys
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "train_worker.py"
@@ -1495,6 +1496,45 @@ def test_a_resumed_run_writes_a_damaged_chunk_again_rather_than_deduplicating_on
         assert_bitwise(states[3], ckpt.store.load(id=old3)["model"])  # the damaged one loads again
         assert ckpt.store.verify().ok
         assert {loc.depth for loc in ckpt.store.index.lookup_chunks(only3).values()} == {0}
+
+
+def test_a_save_does_not_build_on_chunks_that_decode_through_a_damaged_one(fast_dir: Path) -> None:
+    """Step 1's first moment is damaged on disk, and step 2's parameter and second moment were predicted from it
+    before anyone knew (so step 2 is damaged too). Once a load has found the damage, step 3 must not take step
+    2's chunks as bases or prediction inputs: the writer holds their right bytes, but a reader would decode them
+    through the damaged chunk. Step 3 was written on them and failed verify right after its save."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        opt.zero_grad()
+        model(torch.randn(16, 64)).square().mean().backward()
+        opt.step()
+
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=False,
+                      handle_signals=False) as ckpt:
+        store = ckpt.store
+        step_of(model, opt)
+        ckpt.step(1)
+        m1 = store.manifest(step=1)
+        exp_avg = next(t for t in m1.tensors if t.key == "optimizer.state[0].exp_avg")
+        key = chunk_key(m1.digests[exp_avg.first].tobytes(), exp_avg.chunk_len(0, m1.chunk_size))
+        _damage_frames(fast_dir / "store", store.index.lookup_chunks([key]).values())
+        for step in (2, 3):
+            step_of(model, opt)
+            if step == 3:  # the damage is found (by a load, a verify, a thinning)
+                with pytest.raises(deltackpt.CorruptChunkError):
+                    store.load(1)
+            ckpt.step(step)
+            states[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        assert codec.PREDICTED in {loc.codec for loc in store.index.lookup_chunks(
+            chunk_keys(*store.manifest(step=2).stored_chunks())).values()}  # (so step 2 did build on step 1)
+        assert not store.verify(2).ok
+        report = store.verify(3)
+        assert report.ok, report.problems
+        assert_bitwise(states[3], store.load(3)["model"])
 
 
 def _stored(m: Any) -> list[tuple[str, bytes]]:
