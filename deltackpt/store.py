@@ -1876,10 +1876,6 @@ _SEAL_BYTES = 64 << 20
 _INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
 
 
-#: what a store's directory holds before its STORE file is linked (a creation that a crash cut short)
-_LAYOUT = frozenset({"packs", "manifests", "tmp", "index", "gc.lock", "maint.lock"})
-
-
 def _check_new_store_dir(path: Path) -> None:
     """Refuse to make a store in a directory that holds anything else: gc and repair treat everything in a
     store's directories as theirs, and a typo'd path should not turn a project folder into a store."""
@@ -1888,7 +1884,8 @@ def _check_new_store_dir(path: Path) -> None:
             return e.is_dir(follow_symlinks=False) and not any(os.scandir(e.path))
         if e.name == "index":
             return e.is_dir(follow_symlinks=False) and {f.name for f in os.scandir(e.path)} <= {"data.mdb", "lock.mdb"}
-        return e.name in _LAYOUT or (e.name.startswith("STORE.") and e.name.endswith(".tmp"))
+        # the lock files, and STORE's temporary file (what a creation that a crash cut short leaves)
+        return e.name in ("gc.lock", "maint.lock") or (e.name.startswith("STORE.") and e.name.endswith(".tmp"))
 
     try:
         others = sorted(e.name for e in os.scandir(path) if not ours(e))
