@@ -62,21 +62,35 @@ class Retention:
 
     def __post_init__(self) -> None:
         # checked here, at construction: a policy is applied after each save's commit, where a bad value would
-        # fail every save (or, as a NaN keep_within did, keep nothing)
+        # fail every save (or, as a NaN keep_within did, keep nothing). A value of the wrong type is a TypeError,
+        # one out of range a ValueError; integers may be numpy integers (stored as int).
         for name in ("keep_last", "keep_every", "full_last", "best_k"):
             v = getattr(self, name)
-            if (v is not None or name == "best_k") and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            if v is None and name != "best_k":
+                continue
+            if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"Retention.{name} must be a positive int, got {v!r}")
+            if v < 1:
                 raise ValueError(f"Retention.{name} must be a positive int, got {v!r}")
+            object.__setattr__(self, name, int(v))
         if self.keep_best is not None:
-            if (not isinstance(self.keep_best, (tuple, list)) or len(self.keep_best) != 2
-                    or not isinstance(self.keep_best[0], str) or self.keep_best[1] not in ("min", "max")):
-                raise ValueError(f"Retention.keep_best must be (metric, 'min' or 'max'), got {self.keep_best!r}")
+            kb = self.keep_best
+            if not isinstance(kb, (tuple, list)) or len(kb) != 2 or not isinstance(kb[0], str):
+                raise TypeError(f"Retention.keep_best must be a pair (metric, 'min' or 'max'), got {kb!r}")
+            if not kb[0] or kb[1] not in ("min", "max"):
+                raise ValueError(f"Retention.keep_best must be (metric, 'min' or 'max') with a metric name, got {kb!r}")
+            object.__setattr__(self, "keep_best", (kb[0], kb[1]))
+        elif self.best_k != 1:
+            raise ValueError(f"Retention.best_k={self.best_k} needs keep_best=(metric, 'min' or 'max') to rank by")
         if not isinstance(self.keep_tagged, bool):
-            raise ValueError(f"Retention.keep_tagged must be a bool, got {self.keep_tagged!r}")
-        if self.keep_within is not None and (
-                isinstance(self.keep_within, bool) or not isinstance(self.keep_within, (int, float))
-                or not math.isfinite(self.keep_within) or self.keep_within < 0):
-            raise ValueError(f"Retention.keep_within must be a finite number of seconds >= 0, got {self.keep_within!r}")
+            raise TypeError(f"Retention.keep_tagged must be True or False, got {self.keep_tagged!r}")
+        if self.keep_within is not None:
+            if isinstance(self.keep_within, (bool, np.bool_)) or not isinstance(self.keep_within, numbers.Real):
+                raise TypeError(f"Retention.keep_within must be a number of seconds, got {self.keep_within!r}")
+            if not math.isfinite(self.keep_within) or self.keep_within < 0:
+                raise ValueError(
+                    f"Retention.keep_within must be a finite number of seconds >= 0, got {self.keep_within!r}")
+            object.__setattr__(self, "keep_within", float(self.keep_within))
 
     @property
     def deletes_anything(self) -> bool:

@@ -70,8 +70,12 @@ def histories(draw: st.DrawFn) -> list[CheckpointInfo]:
     return infos
 
 
+def _policy(keep_best: tuple[str, str] | None, best_k: int, **kw: Any) -> Retention:
+    return Retention(keep_best=keep_best, best_k=best_k if keep_best is not None else 1, **kw)
+
+
 policies = st.builds(
-    Retention,
+    _policy,
     keep_last=st.one_of(st.none(), st.integers(1, 6)),
     keep_every=st.one_of(st.none(), st.integers(1, 10)),
     keep_tagged=st.booleans(),
@@ -182,7 +186,7 @@ def test_nothing_survives_without_a_rule(infos: list[CheckpointInfo], policy: Re
 
 @given(infos=histories(), policy=policies)
 def test_no_deleting_rule_deletes_nothing(infos: list[CheckpointInfo], policy: Retention) -> None:
-    policy = Retention(keep_tagged=policy.keep_tagged, best_k=policy.best_k, full_last=policy.full_last)
+    policy = Retention(keep_tagged=policy.keep_tagged, full_last=policy.full_last)
     assert not policy.deletes_anything
     plan = plan_of(policy, infos)
     assert plan.delete == []
@@ -377,13 +381,25 @@ def test_tagged_and_best_survive_in_a_real_store(store_path: Path) -> None:
 
 
 def test_retention_validation() -> None:
+    """Out-of-range values are ValueErrors, values of the wrong type TypeErrors, both at construction."""
     for kw in ({"keep_last": 0}, {"keep_every": -1}, {"full_last": 0}, {"best_k": 0}, {"keep_within": -1.0},
                {"keep_best": ("loss", "median")}, {"keep_within": float("nan")}, {"keep_within": float("inf")},
-               {"keep_within": "60"}, {"keep_last": True}, {"best_k": 1.5}, {"best_k": True}, {"best_k": None},
-               {"keep_every": 2.0}, {"keep_tagged": "yes"}, {"keep_best": "loss"}):
+               {"keep_best": ("", "min")}, {"best_k": 3}):
         with pytest.raises(ValueError):
             Retention(**kw)
+    for kw in ({"keep_within": "60"}, {"keep_last": True}, {"best_k": 1.5}, {"best_k": True}, {"best_k": None},
+               {"keep_every": 2.0}, {"keep_tagged": "yes"}, {"keep_best": "loss"}, {"keep_last": "3"},
+               {"keep_tagged": 1}, {"keep_best": (None, "min")}):
+        with pytest.raises(TypeError):
+            Retention(**kw)
     assert deltackpt.Retention().plan([]).keep == []
+    # numpy integers (what np.arange or a config array gives) are ints; a list pair is a (hashable) tuple
+    import numpy as np
+
+    policy = Retention(keep_last=np.int64(3), best_k=np.int32(2), keep_best=["loss", "min"], keep_within=np.float32(5))
+    assert policy.keep_last == 3 and type(policy.keep_last) is int and policy.best_k == 2
+    assert policy.keep_best == ("loss", "min") and hash(policy) is not None
+    assert type(policy.keep_within) is float
 
 
 def test_rewritten_checkpoint_keeps_its_place_in_the_lineage(tmp_path: Path) -> None:
