@@ -103,6 +103,8 @@ def _which(arg: str, s: Store) -> dict[str, Any]:
 def _open(path: str, *, readonly: bool = False) -> Store:
     """The store at ``path``; ``readonly`` for commands that only read (they then work on a read-only mount and
     never change anything)."""
+    if not path:
+        raise DeltackptError("the store path is empty")
     p = Path(path)
     if not (p / "STORE").exists():
         if (p / "meta" / "STORE").exists():
@@ -419,6 +421,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise DeltackptError(f"cannot export to {dest.name}: use a .pt or .safetensors file name")
     if dest.is_dir():
         raise DeltackptError(f"cannot export to {dest}: it is a directory")
+    parent = Path(os.path.realpath(dest)).parent
+    if not parent.is_dir():  # (checked here: the writers' own messages call a file "a missing directory")
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise DeltackptError(f"cannot export to {dest}: {parent} {what}")
     real = Path(os.path.realpath(dest))  # (through a symlink, the file it names is written)
     # a regular file is written next to the destination and renamed over it, so a failed export leaves no
     # partial file; anything else (a pipe, a device) is written directly

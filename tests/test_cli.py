@@ -690,8 +690,8 @@ def test_failed_export_is_one_line_and_leaves_no_file(capsys: pytest.CaptureFixt
         s.save({"w": torch.ones(3)}, step=1)
     (tmp_path / "isdir.safetensors").mkdir()
     for dest, needle in ((tmp_path / "isdir.safetensors", "is a directory"),
-                         (tmp_path / "nodir" / "x.safetensors", "cannot write"),
-                         (tmp_path / "nodir" / "x.pt", "cannot write")):
+                         (tmp_path / "nodir" / "x.safetensors", "nodir does not exist"),
+                         (tmp_path / "nodir" / "x.pt", "nodir does not exist")):
         rc, out, err = cli(capsys, "export", store_path, 1, dest)
         assert rc == 1 and out == ""
         assert_one_line_error(err, needle)
@@ -1057,13 +1057,25 @@ def test_export_of_pickled_values_says_export_never_unpickles(capsys: pytest.Cap
     assert not (tmp_path / "out.pt").exists()
 
 
-def test_export_under_a_regular_file_reports_the_write(capsys: pytest.CaptureFixture[str], store_path: Path,
-                                                       tmp_path: Path) -> None:
-    """An export whose directory is a regular file fails on the write, and that is what it reports (removing
-    its temporary file failed too, and that error took the write's place)."""
+def test_export_under_a_regular_file_says_so(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                             tmp_path: Path) -> None:
+    """An export whose directory is a regular file, or missing, says which (the writers' own messages called a
+    file a missing directory, or named their temporary file); an empty store path is named as empty."""
     with deltackpt.Store(store_path) as s:
         s.save({"w": torch.ones(2)}, step=1)
     (tmp_path / "plain").write_text("")
-    rc, _, err = cli(capsys, "export", store_path, "1", tmp_path / "plain" / "x.pt")
+    for name in ("x.pt", "x.safetensors"):
+        rc, _, err = cli(capsys, "export", store_path, "1", tmp_path / "plain" / name)
+        assert rc == 1
+        assert_one_line_error(err, f"cannot export to {tmp_path / 'plain' / name}: {tmp_path / 'plain'} is not a "
+                                   "directory")
+    rc, _, err = cli(capsys, "export", store_path, "1", tmp_path / "missing" / "x.pt")
     assert rc == 1
-    assert_one_line_error(err, f"cannot write {tmp_path / 'plain' / 'x.pt'}")
+    assert_one_line_error(err, f"{tmp_path / 'missing'} does not exist")
+    assert not (tmp_path / "missing").exists() and (tmp_path / "plain").read_text() == ""
+    for cmd in ("ls", "du"):
+        rc, _, err = cli(capsys, cmd, "")
+        assert rc == 1
+        assert_one_line_error(err, "the store path is empty")
+
+
