@@ -704,8 +704,8 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
     cannot be read are reported in ``lost_checkpoints``. A checkpoint that a :meth:`Store.rewrite` replaced (a
     complete manifest names it in ``replaces``) is not restored, even if the rewrite crashed before unlinking its
     manifest, or before its commit (the replacement's manifest is durable before the commit, and a repair cannot
-    tell the two apart; later checkpoints may name the replacement as their parent). Note: a checkpoint deleted just before a crash (its manifest not yet unlinked) comes back; delete
-    it again.
+    tell the two apart; later checkpoints may name the replacement as their parent). Note: a checkpoint deleted
+    just before a crash (its manifest not yet unlinked) comes back; delete it again.
     """
     _check_progress(progress)
     report = RepairReport()
