@@ -222,7 +222,17 @@ class DeltaStorageWriter(StorageWriter):
                 kinds.append((item.index, key, "tensor", t.numel() * t.element_size()))
         store = self._store(_rank_path(self.root, rank))
         # Plain values go into the state's skeleton (the manifest), once; large bytes values are chunked like tensors
-        info = store.save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step)
+        # DCP's flat state (every rank has it whole) names the optimizer's moments, betas and parameters, which
+        # predicted frames need and a rank's shards alone do not hold
+        flat = getattr(planner, "state_dict", None)
+        hints = None
+        if isinstance(flat, Mapping):  # (a step that is a DTensor is left out: reading it would be a collective)
+            hints = {k: v for k, v in flat.items() if isinstance(k, str) and (
+                k.endswith((".params", ".param_names", ".betas", ".eps"))
+                or (k.endswith(".step")
+                    and (isinstance(v, (int, float)) or (type(v) is torch.Tensor and v.numel() == 1))))}
+        info = store.save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step,
+                          _flat=(_TENSORS, hints) if hints else None)
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
                    for index, key, kind, n in kinds]
         fut.set_result(results)

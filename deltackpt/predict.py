@@ -313,6 +313,74 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     return roles
 
 
+def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dict[str, Role]:
+    """Roles for a state that torch.distributed.checkpoint flattened: the leaves under ``under`` are keyed
+    ``fqn@offsets`` (a rank's shards, :mod:`deltackpt.distributed`), and ``flat`` is DCP's whole flattened state
+    on this rank (every rank holds it, also the items another rank writes), where an Adam optimizer saved under
+    ``<prefix>`` lists ``<prefix>.state.<param>.exp_avg`` / ``.exp_avg_sq`` / ``.step`` and its groups'
+    ``<prefix>.param_groups.<g>.params`` (parameter names, or numbers with ``param_names``), ``.betas`` and
+    ``.eps``. Each ``exp_avg_sq`` shard gets the adam-v role, and each float32 shard of the same offsets and shape
+    outside the optimizer whose fqn is the parameter's name or ends in ``.`` + name (without wrapper components)
+    the adam-param role. As with :func:`plan`, only performance depends on these pairings."""
+    lead = under + "."
+    shards: dict[str, Any] = {}  # "fqn@offsets" -> leaf
+    for leaf in leaves:
+        if leaf.path.startswith(lead) and _is_f32(leaf):
+            shards[leaf.path[len(lead):]] = leaf
+    groups: dict[tuple[str, str], tuple[str, Mapping[str, Any]]] = {}  # (prefix, param id) -> (its name, group)
+    for key, ids in flat.items():
+        head, sep, tail = key.rpartition(".params")
+        if tail or not sep or not isinstance(ids, (list, tuple)):
+            continue
+        prefix, sep, g = head.rpartition(".param_groups.")
+        if not sep:
+            continue
+        group = {name: flat.get(f"{head}.{name}") for name in ("betas", "eps") if f"{head}.{name}" in flat}
+        names = flat.get(f"{head}.param_names")
+        if not (isinstance(names, (list, tuple)) and len(names) == len(ids)):
+            names = ids
+        for i, name in zip(ids, names):
+            if isinstance(i, (int, str)) and isinstance(name, str) and name:
+                groups[(prefix, str(i))] = (name, group)
+    by_name: dict[tuple[str, str], list[str]] | None = None  # (unwrapped name suffix, offsets) -> param shards
+    roles: dict[str, Role] = {}
+    for key, vl in shards.items():
+        fqn, _, off = key.rpartition("@")
+        if not fqn.endswith(".exp_avg_sq"):
+            continue
+        base = fqn[: -len(".exp_avg_sq")]
+        ml = shards.get(f"{base}.exp_avg@{off}")
+        if ml is None or ml.shape != vl.shape:
+            continue
+        at = next((i for i in range(len(base)) if base.startswith(".state.", i) and (base[:i], base[i + 7:]) in groups),
+                  None)
+        if at is None:
+            continue
+        optimizer = base[:at]
+        name, group = groups[(optimizer, base[at + 7:])]
+        betas = _group_betas(group)
+        if betas is None:
+            continue
+        try:
+            step = float(flat.get(f"{base}.step", 0))
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            step = 0.0
+        mp, vp = ml.path, vl.path
+        roles[vp] = Role(SECOND_MOMENT, mp, None, *betas, step)
+        if by_name is None:
+            by_name = {}
+            for k in shards:
+                f, _, o = k.rpartition("@")
+                parts = _unwrapped(f).split(".")
+                for j in range(len(parts)):
+                    by_name.setdefault((".".join(parts[j:]), o), []).append(k)
+        for k in by_name.get((_unwrapped(name), off), ()):
+            leaf = shards[k]
+            if leaf.shape == vl.shape and not k.startswith(optimizer + ".") and leaf.path not in roles:
+                roles[leaf.path] = Role(PARAM, mp, vp, *betas, step)
+    return roles
+
+
 def _param_role(st: Any, group: Mapping[str, Any], base: str, by_path: Mapping[str, Any]
                 ) -> tuple[tuple[int, ...], Role, dict[str, Role]] | None:
     """For one optimizer state entry ``st`` (at key path ``base``, in parameter group ``group``): the shape

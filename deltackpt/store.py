@@ -772,6 +772,7 @@ class Store:
         keyframe: bool = False,
         _replace: Record | None = None,
         _pairs: Mapping[str, str] | None = None,
+        _flat: tuple[str, Mapping[str, Any]] | None = None,
     ) -> CheckpointInfo:
         """Durably store ``state`` as a checkpoint at ``step`` and return its info.
 
@@ -815,6 +816,8 @@ class Store:
             # later checkpoint's parent (and load(id=...) of the old id) still finds it
             replaces = {"replaces": [_replace.id, *_replace.extra.get("replaces", [])]} if _replace else {}
             roles = predict.plan(state, leaves, _pairs) if self.predict and pm is not None else {}
+            if _flat is not None and self.predict and pm is not None:  # a DCP rank's shards (distributed.py)
+                roles = {**predict.plan_flat(leaves, _flat[1], _flat[0]), **roles}
             if roles:  # the betas the parent's update used: see predict.choose_coefs
                 roles = predict.with_betas_before(roles, predict.betas_in_skeleton(pm.tree))
             mark = self._writer.mark()
