@@ -524,18 +524,27 @@ def test_model_and_optimizer_through_dcp_state_dict_helpers(tmp_path: Path) -> N
         assert not any("pickled" in t.key for t in s.manifest().tensors)  # every non-tensor value was plain
 
 
-def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("form", ["get_state_dict", "named_parameters"])
+def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_path: Path, form: str) -> None:
     """A rank's shards are flat (``fqn@offsets``), but DCP's flat state names the optimizer's moments, betas and
     parameters: weights and second moments are stored as predicted frames, as in an ordinary save (before, DCP
-    saves of every-step AdamW state wrote about 1.8x the bytes), and every step loads back bit for bit."""
+    saves of every-step AdamW state wrote about 1.8x the bytes), and every step loads back bit for bit. The
+    optimizer state is keyed by parameter name (``get_state_dict``) or by number, with the names in the groups'
+    ``param_names`` (an optimizer built from ``named_parameters()``)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        if form == "get_state_dict":
+            msd, osd = get_state_dict(model, opt)
+            return {"model": msd, "optim": osd}
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
 
     from deltackpt import codec
     from deltackpt.index import chunk_keys
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, betas=(0.85, 0.995))
+    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-4, weight_decay=0.1, betas=(0.85, 0.995))
     saved: dict[int, dict[str, torch.Tensor]] = {}
     written: dict[bool, int] = {}
     with warnings.catch_warnings():
@@ -546,8 +555,7 @@ def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_
             model(torch.randn(16, 64)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
-            msd, osd = get_state_dict(model, opt)
-            state = {"model": msd, "optim": osd}
+            state = state_of(model, opt)
             for w in writers.values():
                 w.step = step
                 dcp.save(state, storage_writer=w, no_dist=True)
@@ -564,11 +572,10 @@ def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_
         assert written[True] < 0.8 * written[False], written
         for step, want in saved.items():
             model2 = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
-            opt2 = torch.optim.AdamW(model2.parameters())
+            opt2 = torch.optim.AdamW(model2.named_parameters())
             model2(torch.randn(16, 64)).pow(2).mean().backward()
             opt2.step()
-            msd2, osd2 = get_state_dict(model2, opt2)
-            state2 = {"model": msd2, "optim": osd2}
+            state2 = state_of(model2, opt2)
             dcp.load(state2, storage_reader=DeltaStorageReader(tmp_path / "predict-True", step=step))
             got = dcp_flat(state2)
             assert sorted(got) == sorted(want)
