@@ -319,29 +319,31 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
     on this rank (every rank holds it, also the items another rank writes), where an Adam optimizer saved under
     ``<prefix>`` lists ``<prefix>.state.<param>.exp_avg`` / ``.exp_avg_sq`` / ``.step`` and its groups'
     ``<prefix>.param_groups.<g>.params`` (parameter names, or numbers with ``param_names``), ``.betas`` and
-    ``.eps``. Each ``exp_avg_sq`` shard gets the adam-v role, and each float32 shard of the same offsets and shape
-    outside the optimizer whose fqn is the parameter's name or ends in ``.`` + name (without wrapper components)
-    the adam-param role. As with :func:`plan`, only performance depends on these pairings."""
+    ``.eps`` (an optimizer saved at the top, ``dcp.save(opt.state_dict())``, has the prefix ""). Each
+    ``exp_avg_sq`` shard gets the adam-v role, and, when the parameter has a name, each float32 shard of the same
+    offsets and shape outside the optimizer state whose fqn is that name or ends in ``.`` + name (without wrapper
+    components) the adam-param role. As with :func:`plan`, only performance depends on these pairings."""
     lead = under + "."
     shards: dict[str, Any] = {}  # "fqn@offsets" -> leaf
     for leaf in leaves:
         if leaf.path.startswith(lead) and _is_f32(leaf):
             shards[leaf.path[len(lead):]] = leaf
-    groups: dict[tuple[str, str], tuple[str, Mapping[str, Any]]] = {}  # (prefix, param id) -> (its name, group)
+    # (optimizer prefix, "" for one saved at the top, and param id) -> (the parameter's name or None, its group)
+    groups: dict[tuple[str, str], tuple[str | None, Mapping[str, Any]]] = {}
     for key, ids in flat.items():
         head, sep, tail = key.rpartition(".params")
         if tail or not sep or not isinstance(ids, (list, tuple)):
             continue
-        prefix, sep, g = head.rpartition(".param_groups.")
+        prefix, sep, g = ("." + head).rpartition(".param_groups.")
         if not sep:
             continue
         group = {name: flat.get(f"{head}.{name}") for name in ("betas", "eps") if f"{head}.{name}" in flat}
         names = flat.get(f"{head}.param_names")
         if not (isinstance(names, (list, tuple)) and len(names) == len(ids)):
-            names = ids
+            names = ids  # state keyed by name (get_state_dict), or by number without names: second moments only
         for i, name in zip(ids, names):
-            if isinstance(i, (int, str)) and isinstance(name, str) and name:
-                groups[(prefix, str(i))] = (name, group)
+            if isinstance(i, (int, str)):
+                groups[(prefix[1:], str(i))] = (name if isinstance(name, str) and name else None, group)
     by_name: dict[tuple[str, str], list[str]] | None = None  # (unwrapped name suffix, offsets) -> param shards
     roles: dict[str, Role] = {}
     for key, vl in shards.items():
@@ -352,12 +354,14 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
         ml = shards.get(f"{base}.exp_avg@{off}")
         if ml is None or ml.shape != vl.shape:
             continue
-        at = next((i for i in range(len(base)) if base.startswith(".state.", i) and (base[:i], base[i + 7:]) in groups),
-                  None)
+        dotted = "." + base  # (an optimizer saved at the top has keys "state.<param>...")
+        at = next((i for i in range(len(dotted)) if dotted.startswith(".state.", i)
+                   and (dotted[1:i], dotted[i + 7:]) in groups), None)
         if at is None:
             continue
-        optimizer = base[:at]
-        name, group = groups[(optimizer, base[at + 7:])]
+        optimizer = dotted[1:at]
+        name, group = groups[(optimizer, dotted[at + 7:])]
+        own = f"{optimizer}.state." if optimizer else "state."  # (the optimizer's own tensors pair with nothing)
         betas = _group_betas(group)
         if betas is None:
             continue
@@ -367,6 +371,8 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
             step = 0.0
         mp, vp = ml.path, vl.path
         roles[vp] = Role(SECOND_MOMENT, mp, None, *betas, step)
+        if name is None:
+            continue
         if by_name is None:
             by_name = {}
             for k in shards:
@@ -376,7 +382,7 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
                     by_name.setdefault((".".join(parts[j:]), o), []).append(k)
         for k in by_name.get((_unwrapped(name), off), ()):
             leaf = shards[k]
-            if leaf.shape == vl.shape and not k.startswith(optimizer + ".") and leaf.path not in roles:
+            if leaf.shape == vl.shape and not k.startswith(own) and leaf.path not in roles:
                 roles[leaf.path] = Role(PARAM, mp, vp, *betas, step)
     return roles
 

@@ -524,27 +524,34 @@ def test_model_and_optimizer_through_dcp_state_dict_helpers(tmp_path: Path) -> N
         assert not any("pickled" in t.key for t in s.manifest().tensors)  # every non-tensor value was plain
 
 
-@pytest.mark.parametrize("form", ["get_state_dict", "named_parameters"])
+@pytest.mark.parametrize("form", ["get_state_dict", "named_parameters", "numbered", "optimizer_only"])
 def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_path: Path, form: str) -> None:
     """A rank's shards are flat (``fqn@offsets``), but DCP's flat state names the optimizer's moments, betas and
     parameters: weights and second moments are stored as predicted frames, as in an ordinary save (before, DCP
     saves of every-step AdamW state wrote about 1.8x the bytes), and every step loads back bit for bit. The
     optimizer state is keyed by parameter name (``get_state_dict``) or by number, with the names in the groups'
-    ``param_names`` (an optimizer built from ``named_parameters()``)."""
+    ``param_names`` (an optimizer built from ``named_parameters()``). Without names (``numbered``), or with the
+    optimizer saved alone at the top of the state, only second moments are predicted."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-        if form == "get_state_dict":
-            msd, osd = get_state_dict(model, opt)
-            return {"model": msd, "optim": osd}
-        return {"model": model.state_dict(), "optim": opt.state_dict()}
 
     from deltackpt import codec
     from deltackpt.index import chunk_keys
 
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+        params = model.parameters() if form == "numbered" else model.named_parameters()
+        return model, torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, betas=(0.85, 0.995))
+
+    def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
+        if form == "get_state_dict":
+            msd, osd = get_state_dict(model, opt)
+            return {"model": msd, "optim": osd}
+        if form == "optimizer_only":
+            return opt.state_dict()
+        return {"model": model.state_dict(), "optim": opt.state_dict()}
+
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
-    opt = torch.optim.AdamW(model.named_parameters(), lr=1e-4, weight_decay=0.1, betas=(0.85, 0.995))
+    model, opt = make()
     saved: dict[int, dict[str, torch.Tensor]] = {}
     written: dict[bool, int] = {}
     with warnings.catch_warnings():
@@ -567,12 +574,16 @@ def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_
                 written[p] = sum(i.written_bytes for i in s.list()[2:])
                 if p:
                     m = s.manifest(step=4)
-                    codecs = {loc.codec for loc in s.index.lookup_chunks(chunk_keys(*m.stored_chunks())).values()}
-                    assert codec.PREDICTED in codecs
-        assert written[True] < 0.8 * written[False], written
+                    locs = s.index.lookup_chunks(chunk_keys(*m.stored_chunks()))
+                    predicted = {t.key for t in m.tensors if any(
+                        (loc := locs.get(dg + ln.to_bytes(4, "big"))) is not None and loc.codec == codec.PREDICTED
+                        for _, dg, ln in m.chunk_keys(t))}
+        assert any("exp_avg_sq@" in k for k in predicted), predicted
+        named = form in ("get_state_dict", "named_parameters")
+        assert any(".model." in k for k in predicted) == named, predicted
+        assert written[True] < (0.8 if named else 1.0) * written[False], written
         for step, want in saved.items():
-            model2 = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
-            opt2 = torch.optim.AdamW(model2.named_parameters())
+            model2, opt2 = make()
             model2(torch.randn(16, 64)).pow(2).mean().backward()
             opt2.step()
             state2 = state_of(model2, opt2)
