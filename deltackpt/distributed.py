@@ -19,6 +19,7 @@ strings, lists, dicts, ...) and keeps the pickle only for the others; loading a 
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 import warnings
@@ -62,10 +63,14 @@ from deltackpt.errors import (
 )
 from deltackpt.store import Store, _check_step
 
-#: version of the plain-value layout of DCP metadata in ``root/meta`` checkpoints (2: plain values and blobs in
-#: the rank checkpoints' state; format 1 kept plain values in their metadata, which readers still accept)
-META_FORMAT = 2
+#: version of the layout of DCP metadata in ``root/meta`` checkpoints. 3: the bulk of DCP's metadata is a chunked
+#: document in the meta checkpoint's state (deduplicated from step to step), and its metadata (which every index
+#: record copies and every listing reads) only names the rank checkpoints; 2 kept the whole document in the meta
+#: checkpoint's metadata; 1 also kept plain values in the rank checkpoints' metadata. Readers accept all three.
+META_FORMAT = 3
 _TENSORS, _PICKLED, _OBJECTS, _BLOBS = "tensors", "pickled", "dcp_objects", "blobs"
+#: the meta checkpoint's state key of the DCP metadata document (format 3)
+_DOC = "dcp_metadata"
 #: ``bytes`` values at least this long are stored as uint8 arrays (chunked, deduplicated, counted as written)
 BLOB_MIN = 4096
 
@@ -138,6 +143,7 @@ class DeltaStorageWriter(StorageWriter):
         self.step = step
         self.store_options = store_options
         self._stores: dict[Path, Store] = {}
+        self._doc_text: tuple[str, bytes] | None = None  # the last metadata document saved: (repr, encoded)
 
     def _store(self, path: Path) -> Store:
         s = self._stores.get(path)
@@ -240,25 +246,37 @@ class DeltaStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.root is not None and self.step is not None
-        where = [[r.index.fqn, None if r.index.offset is None else list(r.index.offset), r.index.index,
-                  r.storage_data.rank, r.storage_data.key, r.storage_data.checkpoint, r.storage_data.kind,
-                  r.size_in_bytes] for rs in results for r in rs]
-        sm = metadata.storage_meta
+        stored = [r for rs in results for r in rs]
+        # What stays the same from step to step (unless the plan changes) goes into the document, whose chunks
+        # then deduplicate; what changes at every step (the rank checkpoints' ids, DCP's save id) into the head
         doc = {
-            "format": META_FORMAT,
             "version": metadata.version,
             "state_dict_metadata": {fqn: _encode_md(md) for fqn, md in metadata.state_dict_metadata.items()},
             "planner_data": metadata.planner_data,
+            "items": [[r.index.fqn, None if r.index.offset is None else list(r.index.offset), r.index.index,
+                       r.storage_data.rank, r.storage_data.key, r.storage_data.kind, r.size_in_bytes] for r in stored],
+        }
+        sm = metadata.storage_meta
+        head = {
+            "format": META_FORMAT,
+            "checkpoints": [list(rc) for rc in sorted({(r.storage_data.rank, r.storage_data.checkpoint)
+                                                       for r in stored})],
             "storage_meta": None if sm is None else {"checkpoint_id": None if sm.checkpoint_id is None
                                                      else str(sm.checkpoint_id),
                                                      "save_id": sm.save_id, "modules": list(sm.modules)},
-            "items": where,
         }
         try:
-            tree.encode_plain(doc)
+            # Encoding takes about 0.1 ms per tensor; a job's plan seldom changes, so the previous step's text is
+            # reused when the document's repr (which tells 1 from True and 1.0, and lists from tuples) is the same
+            shown = repr(doc)
+            if self._doc_text is None or self._doc_text[0] != shown:
+                self._doc_text = shown, json.dumps(tree.encode_plain(doc), separators=(",", ":")).encode()
+            text = self._doc_text[1]
+            tree.encode_plain(head)
         except UnsupportedTypeError as exc:
             raise UnsupportedTypeError(f"DCP metadata of step {self.step}: {exc}") from None
-        self._store(self.root / "meta").save({}, step=self.step, metadata=doc)  # the commit point
+        self._store(self.root / "meta").save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step,
+                                             metadata=head)  # the commit point
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.root is None else str(self.root))
@@ -354,13 +372,9 @@ class DeltaStorageReader(StorageReader):
             info = meta.info(self.step) if self.step is not None else meta.latest()
             if info is None:
                 raise CheckpointNotFoundError(f"no DCP checkpoint in {self.root}")
-            doc = _doc(meta, info.id)
+            where = f"DCP checkpoint of step {info.step} in {self.root}"
+            doc = _full_doc(meta, info.id, where, verify=self.verify)
         self._chosen = info.id
-        where = f"DCP checkpoint of step {info.step} in {self.root}"
-        if not isinstance(doc, dict) or not isinstance(doc.get("format"), int):
-            raise CorruptManifestError(f"{where}: not DCP metadata")
-        if doc["format"] > META_FORMAT:  # (format 1 differs only in where rank checkpoints keep plain values)
-            raise FormatVersionError(f"{where}: DCP metadata format {doc['format']} is newer than this reader's")
         try:
             sdm = {fqn: _decode_md(fqn, d, where) for fqn, d in doc["state_dict_metadata"].items()}
             storage = {MetadataIndex(fqn, offset, index): _Stored(int(rank), str(key), str(ckpt), str(kind), int(n))
@@ -620,13 +634,59 @@ def _doc(store: Store, ckpt: str) -> Any:
     return tree.decode_plain(node) if node is not None else None
 
 
-def _named(meta: Store, ckpt: str) -> set[tuple[int, str]]:
-    """(rank, checkpoint id) of every rank checkpoint that meta checkpoint ``ckpt`` names."""
-    doc = _doc(meta, ckpt)
+def _head(meta: Store, ckpt: str, where: str) -> dict[str, Any]:
+    """The metadata of meta checkpoint ``ckpt`` (``where`` names it in errors), checked to be DCP metadata of a
+    format this reader knows: in format 3 its head, in formats 1 and 2 the whole document."""
+    head = _doc(meta, ckpt)
+    if not isinstance(head, dict) or type(head.get("format")) is not int:
+        raise CorruptManifestError(f"{where}: not DCP metadata")
+    if head["format"] > META_FORMAT:  # (format 1 differs from 2 only in where rank checkpoints keep plain values)
+        raise FormatVersionError(f"{where}: DCP metadata format {head['format']} is newer than this reader's")
+    return head
+
+
+def _full_doc(meta: Store, ckpt: str, where: str, *, verify: bool = True) -> dict[str, Any]:
+    """The whole DCP metadata document of meta checkpoint ``ckpt`` in format 2's shape (items naming their rank
+    checkpoint): its metadata, with, from format 3 on, the document its state holds."""
+    head = _head(meta, ckpt, where)
+    if head["format"] < 3:
+        return head
+    ranks = _checkpoints(head, where)
+    state = meta.load(id=ckpt, verify=verify)
+    text = state.get(_DOC) if isinstance(state, dict) else None
+    if not isinstance(text, np.ndarray) or text.dtype != np.uint8 or text.ndim != 1:
+        raise CorruptManifestError(f"{where}: the checkpoint holds no DCP metadata document")
     try:
-        return {(int(it[3]), str(it[5])) for it in (doc or {}).get("items", [])}
+        doc = tree.decode_plain(json.loads(text.tobytes()))
+        items = [[fqn, offset, index, rank, key, ranks[rank], kind, n]
+                 for fqn, offset, index, rank, key, kind, n in doc["items"]]
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError, CorruptManifestError) as exc:
+        raise CorruptManifestError(f"{where}: malformed DCP metadata document ({exc!r:.200})") from None
+    return {**doc, "storage_meta": head.get("storage_meta"), "items": items}
+
+
+def _checkpoints(head: dict[str, Any], where: str) -> dict[int, str]:
+    """rank -> the id of its checkpoint, as a format-3 head names them."""
+    try:
+        pairs = [(r, c) for r, c in head["checkpoints"]]
+        if not all(type(r) is int and r >= 0 and type(c) is str for r, c in pairs):
+            raise ValueError(f"checkpoints {head['checkpoints']!r:.80}")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
+    return dict(pairs)
+
+
+def _named(meta: Store, ckpt: str) -> set[tuple[int, str]]:
+    """(rank, checkpoint id) of every rank checkpoint that meta checkpoint ``ckpt`` names (from its metadata alone:
+    in format 3 the document need not be read)."""
+    where = f"DCP checkpoint {ckpt} in {meta.path}"
+    head = _head(meta, ckpt, where)
+    if head["format"] >= 3:
+        return set(_checkpoints(head, where).items())
+    try:
+        return {(int(it[3]), str(it[5])) for it in head.get("items", [])}
     except (TypeError, ValueError, IndexError, KeyError, AttributeError) as exc:  # (an item that is a dict: KeyError)
-        raise CorruptManifestError(f"DCP checkpoint {ckpt} in {meta.path}: malformed DCP metadata ({exc!r})") from None
+        raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
 
 
 def _delete_rank_checkpoints(root: Path, which: set[tuple[int, str]]) -> None:

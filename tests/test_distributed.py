@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import deltackpt
 from deltackpt.distributed import DeltaStorageReader, DeltaStorageWriter
+from deltackpt.errors import FormatVersionError
 
 WORKER = Path(__file__).resolve().parent / "dcp_worker.py"
 sys.path.insert(0, str(WORKER.parent))
@@ -174,25 +176,32 @@ def test_large_bytes_values_are_chunked_and_plain_values_stay_out_of_the_index(t
     assert target["cfg"] == {"lr": 0.1, "name": "run", "betas": (0.9, 0.95)}
 
 
-def test_a_root_of_meta_format_1_still_loads(tmp_path: Path) -> None:
-    """Format 1 kept the plain values of a rank checkpoint in its metadata. A root laid out so (rewritten into
-    that shape here, through the public API) still loads; a format newer than the reader's is refused."""
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_a_root_of_an_older_meta_format_still_loads(tmp_path: Path, fmt: int) -> None:
+    """Format 2 kept the whole DCP metadata document in the meta checkpoint's metadata; format 1 also kept the
+    plain values of a rank checkpoint in its metadata. A root laid out so (rewritten into that shape here,
+    through the public API) still loads and lists, and deleting its step deletes the rank checkpoint; a format
+    newer than the reader's is refused."""
     from deltackpt import distributed
 
     root = tmp_path / "ckpt"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"x": torch.arange(10.0), "step": 7, "tag": "v1"}, storage_writer=DeltaStorageWriter(root, step=7))
-    with deltackpt.Store(root / "rank-00000") as s:
-        for info in s.list():
-            state = s.load(id=info.id)
-            objects = state.pop(distributed._OBJECTS)
-            state.pop(distributed._BLOBS)
-            s.rewrite(state, id=info.id, metadata={distributed._OBJECTS: objects})
+    if fmt == 1:
+        with deltackpt.Store(root / "rank-00000") as s:
+            for info in s.list():
+                state = s.load(id=info.id)
+                objects = state.pop(distributed._OBJECTS)
+                state.pop(distributed._BLOBS)
+                s.rewrite(state, id=info.id, metadata={distributed._OBJECTS: objects})
     with deltackpt.Store(root / "meta") as meta:
         info = meta.latest()
-        assert info is not None and info.metadata["format"] == 2
-        meta.rewrite({}, id=info.id, metadata=dict(info.metadata, format=1))
+        assert info is not None and info.metadata["format"] == 3 == distributed.META_FORMAT
+        doc = distributed._full_doc(meta, info.id, "test")
+        meta.rewrite({}, id=info.id, metadata=dict(doc, format=fmt))
+    assert distributed.steps(root) == [7] and [s.ranks for s in distributed.summary(root)] == [1]
+    assert distributed.verify_names(root) == []
     target = {"x": torch.zeros(10), "step": 0, "tag": ""}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -204,6 +213,13 @@ def test_a_root_of_meta_format_1_still_loads(tmp_path: Path) -> None:
     with pytest.raises(CheckpointException, match="newer than this reader"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.load(target, storage_reader=DeltaStorageReader(root))
+    with pytest.raises(FormatVersionError, match="newer than this reader"):
+        distributed.summary(root)
+    with deltackpt.Store(root / "meta") as meta:
+        meta.rewrite({}, id=meta.latest().id, metadata=dict(doc, format=fmt))
+    distributed.delete(root, 7)
+    with deltackpt.Store(root / "rank-00000") as s:
+        assert s.list() == []
 
 
 def test_ranks_with_nothing_to_save_commit_no_checkpoint(tmp_path: Path) -> None:
@@ -761,7 +777,53 @@ def test_malformed_items_in_dcp_metadata_are_manifest_damage(monkeypatch: pytest
     class _Meta:
         path = Path("ROOT/meta")
 
-    for items in ([{"rank": 0}], [[0, 0, 0, "x", 0, "id"]], 5):
-        monkeypatch.setattr(distributed, "_doc", lambda store, ckpt, items=items: {"items": items})
+    heads: list[Any] = [{"format": 2, "items": items} for items in ([{"rank": 0}], [[0, 0, 0, "x", 0, "id"]], 5)]
+    heads += [{"format": 3, "checkpoints": c} for c in ([[0]], [["0", "id"]], [[-1, "id"]], [[0, 5]], None)]
+    heads.append({"format": 3})
+    for head in heads:
+        monkeypatch.setattr(distributed, "_doc", lambda store, ckpt, head=head: head)
         with pytest.raises(deltackpt.CorruptManifestError, match="DCP checkpoint abc in ROOT/meta: malformed DCP"):
             distributed._named(_Meta(), "abc")  # type: ignore[arg-type]
+    for head in ({"items": []}, None, [3], {"format": "3"}):
+        monkeypatch.setattr(distributed, "_doc", lambda store, ckpt, head=head: head)
+        with pytest.raises(deltackpt.CorruptManifestError, match="DCP checkpoint abc in ROOT/meta: not DCP metadata"):
+            distributed._named(_Meta(), "abc")  # type: ignore[arg-type]
+
+
+def test_dcp_metadata_is_deduplicated_and_kept_out_of_the_index(tmp_path: Path) -> None:
+    """Meta format 3: DCP's metadata document (a few hundred bytes per tensor) is chunked in the meta
+    checkpoint's state, so a step whose plan did not change writes almost none of it again, and the meta
+    checkpoint's metadata (copied into its index record, read by every listing) names only the rank
+    checkpoints, whatever the number of tensors. A document that is not one is manifest damage naming the step."""
+    from deltackpt import distributed
+
+    root = tmp_path / "ckpt"
+    state = {f"layer{i}.weight": torch.full((8,), float(i)) for i in range(400)}
+    w = DeltaStorageWriter(root, step=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(3):
+            for t in state.values():
+                t.add_(1)
+            w.step = step
+            dcp.save(state, storage_writer=w)
+    w.close()
+    with deltackpt.Store(root / "meta") as meta, deltackpt.Store(root / "rank-00000") as rank:
+        infos = meta.list()
+        assert [i.metadata["checkpoints"] for i in infos] == [[[0, r.id]] for r in rank.list()]
+        assert all(len(repr(i.metadata)) < 300 for i in infos)
+        doc = meta.load(id=infos[0].id)[distributed._DOC]
+        assert doc.nbytes > 400 * 100  # the document does hold every tensor's metadata ...
+        assert infos[0].written_bytes > 0 and all(i.written_bytes == 0 for i in infos[1:])  # ... once
+    target = {k: torch.zeros(8) for k in state}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=DeltaStorageReader(root, step=1))
+    assert all(torch.equal(target[k], v - 1) for k, v in state.items())
+    with deltackpt.Store(root / "meta") as meta:
+        info = meta.latest()
+        meta.rewrite({distributed._DOC: np.frombuffer(b'["d",[[', np.uint8)}, id=info.id, metadata=info.metadata)
+    with pytest.raises(CheckpointException, match="step 2 .*malformed DCP metadata document"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(target, storage_reader=DeltaStorageReader(root))
