@@ -322,7 +322,8 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
     ``.eps`` (an optimizer saved at the top, ``dcp.save(opt.state_dict())``, has the prefix ""). Each
     ``exp_avg_sq`` shard gets the adam-v role, and, when the parameter has a name, each float32 shard of the same
     offsets and shape outside the optimizer state whose fqn is that name or ends in ``.`` + name (without wrapper
-    components) the adam-param role. As with :func:`plan`, only performance depends on these pairings."""
+    components) the adam-param role; likewise a ``momentum_buffer`` shard (SGD or RMSprop with momentum) gives
+    such shards the momentum-param role. As with :func:`plan`, only performance depends on these pairings."""
     lead = under + "."
     shards: dict[str, Any] = {}  # "fqn@offsets" -> leaf
     for leaf in leaves:
@@ -345,22 +346,50 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
             if isinstance(i, (int, str)):
                 groups[(prefix[1:], str(i))] = (name if isinstance(name, str) and name else None, group)
     by_name: dict[tuple[str, str], list[str]] | None = None  # (unwrapped name suffix, offsets) -> param shards
+
+    def params(name: str, off: str, shape: Any, own: str) -> list[Any]:
+        """The float32 shards outside optimizer prefix ``own`` of parameter ``name`` at offsets ``off``."""
+        nonlocal by_name
+        if by_name is None:
+            by_name = {}
+            for k in shards:
+                f, _, o = k.rpartition("@")
+                parts = _unwrapped(f).split(".")
+                for j in range(len(parts)):
+                    by_name.setdefault((".".join(parts[j:]), o), []).append(k)
+        return [shards[k] for k in by_name.get((_unwrapped(name), off), ())
+                if shards[k].shape == shape and not k.startswith(own) and shards[k].path not in roles]
+
+    def entry(base: str) -> tuple[str, str | None, Mapping[str, Any]] | None:
+        """(optimizer prefix, parameter name or None, group) of the optimizer state entry at ``base``."""
+        dotted = "." + base  # (an optimizer saved at the top has keys "state.<param>...")
+        at = next((i for i in range(len(dotted)) if dotted.startswith(".state.", i)
+                   and (dotted[1:i], dotted[i + 7:]) in groups), None)
+        if at is None:
+            return None
+        return (dotted[1:at], *groups[(dotted[1:at], dotted[at + 7:])])
+
     roles: dict[str, Role] = {}
     for key, vl in shards.items():
         fqn, _, off = key.rpartition("@")
+        if fqn.endswith(".momentum_buffer"):  # SGD (or RMSprop) with momentum: the parameter's step is -lr·b
+            found = entry(fqn[: -len(".momentum_buffer")])
+            if found is not None and found[1] is not None:
+                optimizer, name = found[0], found[1]
+                own = f"{optimizer}.state." if optimizer else "state."
+                for leaf in params(name, off, vl.shape, own):
+                    roles[leaf.path] = Role(MOMENTUM_PARAM, vl.path, None, 0.0, 0.0, 0.0, 0.0)
+            continue
         if not fqn.endswith(".exp_avg_sq"):
             continue
         base = fqn[: -len(".exp_avg_sq")]
         ml = shards.get(f"{base}.exp_avg@{off}")
         if ml is None or ml.shape != vl.shape:
             continue
-        dotted = "." + base  # (an optimizer saved at the top has keys "state.<param>...")
-        at = next((i for i in range(len(dotted)) if dotted.startswith(".state.", i)
-                   and (dotted[1:i], dotted[i + 7:]) in groups), None)
-        if at is None:
+        found = entry(base)
+        if found is None:
             continue
-        optimizer = dotted[1:at]
-        name, group = groups[(optimizer, dotted[at + 7:])]
+        optimizer, name, group = found
         own = f"{optimizer}.state." if optimizer else "state."  # (the optimizer's own tensors pair with nothing)
         betas = _group_betas(group)
         if betas is None:
@@ -371,18 +400,8 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
             step = 0.0
         mp, vp = ml.path, vl.path
         roles[vp] = Role(SECOND_MOMENT, mp, None, *betas, step)
-        if name is None:
-            continue
-        if by_name is None:
-            by_name = {}
-            for k in shards:
-                f, _, o = k.rpartition("@")
-                parts = _unwrapped(f).split(".")
-                for j in range(len(parts)):
-                    by_name.setdefault((".".join(parts[j:]), o), []).append(k)
-        for k in by_name.get((_unwrapped(name), off), ()):
-            leaf = shards[k]
-            if leaf.shape == vl.shape and not k.startswith(own) and leaf.path not in roles:
+        if name is not None:
+            for leaf in params(name, off, vl.shape, own):
                 roles[leaf.path] = Role(PARAM, mp, vp, *betas, step)
     return roles
 
