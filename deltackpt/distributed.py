@@ -58,9 +58,11 @@ from deltackpt.errors import (
     CorruptManifestError,
     DeltackptError,
     FormatVersionError,
+    StoreLockedError,
     UnsafeLoadError,
     UnsupportedTypeError,
 )
+from deltackpt.retention import Retention
 from deltackpt.store import Store, _check_step
 
 #: version of the layout of DCP metadata in ``root/meta`` checkpoints. 3: the bulk of DCP's metadata is a chunked
@@ -134,16 +136,31 @@ class DeltaStorageWriter(StorageWriter):
     reuse one writer (its stores stay open, so each rank's last save stays in memory as delta bases). A
     ``checkpoint_id`` given to ``dcp.save`` is taken as the root. ``store_options`` go to every rank's
     :class:`~deltackpt.Store` (``max_chain``, ``threads``, ...).
+
+    ``retention`` (a :class:`~deltackpt.Retention` of ``keep_last``, ``keep_every``, ``keep_within``) is applied
+    to the steps after each commit: the coordinator deletes the meta checkpoints of the steps it drops (the steps
+    are gone at once), and each rank, at its next save, deletes its own checkpoints that no step names any more
+    (as :func:`prune` does). With ``gc`` (default), each store is then collected once what was deleted from it
+    wrote at least 64 MiB and a quarter of what it keeps, as a :class:`~deltackpt.Checkpointer` does. Trouble in
+    retention or gc is a warning, not a failed save: the step is committed before either runs.
     """
 
-    def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None,
-                 **store_options: Any) -> None:
+    def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
+                 retention: Retention | None = None, gc: bool = True, **store_options: Any) -> None:
         super().__init__()
+        if retention is not None and not isinstance(retention, Retention):
+            raise TypeError(f"retention must be a deltackpt.Retention or None, got {type(retention).__name__}")
+        if retention is not None and (retention.full_last is not None or retention.keep_best is not None):
+            raise ValueError("DCP retention takes keep_last, keep_every and keep_within: DCP steps carry no "
+                             "metrics for keep_best, and are not thinned (full_last)")
         self.root = None if root is None else Path(root)
         self.step = step
+        self.retention = retention
+        self.gc = bool(gc)
         self.store_options = store_options
         self._stores: dict[Path, Store] = {}
         self._doc_text: tuple[str, bytes] | None = None  # the last metadata document saved: (repr, encoded)
+        self._dropped: dict[Path, int] = {}  # per store: bytes its deleted checkpoints wrote since its last gc
 
     def _store(self, path: Path) -> Store:
         s = self._stores.get(path)
@@ -241,8 +258,52 @@ class DeltaStorageWriter(StorageWriter):
                           _flat=(_TENSORS, hints) if hints else None)
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
                    for index, key, kind, n in kinds]
+        if self.retention is not None:
+            self._drop_unnamed(store, rank)
         fut.set_result(results)
         return fut
+
+    def _drop_unnamed(self, store: Store, rank: int) -> None:
+        """Retention's part on a rank: delete this rank's checkpoints of the steps it dropped (those no meta
+        checkpoint names, committed before one that is named: never a save in progress), then maybe gc."""
+        assert self.root is not None
+        try:
+            if not (self.root / "meta" / "STORE").exists():
+                return
+            with _existing(self.root / "meta", "DCP checkpoints", readonly=True,
+                           allow_network_fs=self.store_options.get("allow_network_fs")) as meta:
+                named = set().union(set(), *(_named(meta, i.id) for i in meta.list()))
+            for c in _unnamed(store, rank, named):
+                try:
+                    store.delete(id=c.id)
+                except CheckpointNotFoundError:
+                    continue
+                self._dropped[store.path] = self._dropped.get(store.path, 0) + c.written_bytes
+            self._collect(store)
+        except (DeltackptError, OSError) as exc:
+            warnings.warn(f"deltackpt: DCP retention on rank {rank} failed; the checkpoints of dropped steps stay "
+                          f"until a later save or 'deltackpt dcp ROOT --prune' ({type(exc).__name__}: {exc})",
+                          RuntimeWarning, stacklevel=2)
+
+    def _collect(self, store: Store) -> None:
+        """gc ``store`` once what retention deleted from it is worth a pass (see the class docstring)."""
+        from deltackpt.checkpointer import GC_MIN_BYTES, GC_WAIT
+
+        dropped = self._dropped.get(store.path, 0)
+        if not self.gc or dropped == 0 or dropped < max(GC_MIN_BYTES, sum(i.written_bytes for i in store.list()) // 4):
+            return
+        try:
+            report = store.gc(timeout=GC_WAIT)
+        except StoreLockedError:
+            return  # another process's gc or repair: tried again at the next save
+        except (DeltackptError, OSError):
+            self._dropped[store.path] = 0  # (tried again once as much more is dropped)
+            raise
+        self._dropped[store.path] = 0
+        if report.damaged_packs:
+            warnings.warn(f"deltackpt: gc of {store.path} after DCP retention left {len(report.damaged_packs)} "
+                          f"pack(s) holding damaged frames in place: {report.damaged_packs[0]}",
+                          RuntimeWarning, stacklevel=2)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.root is not None and self.step is not None
@@ -275,8 +336,22 @@ class DeltaStorageWriter(StorageWriter):
             tree.encode_plain(head)
         except UnsupportedTypeError as exc:
             raise UnsupportedTypeError(f"DCP metadata of step {self.step}: {exc}") from None
-        self._store(self.root / "meta").save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step,
-                                             metadata=head)  # the commit point
+        meta = self._store(self.root / "meta")
+        meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
+        if self.retention is not None:
+            try:
+                infos = meta.list()
+                by_id = {i.id: i for i in infos}
+                for cid in self.retention.plan(infos).delete:  # the steps are gone; their shards go at the next save
+                    try:
+                        meta.delete(id=cid)
+                    except CheckpointNotFoundError:
+                        continue
+                    self._dropped[meta.path] = self._dropped.get(meta.path, 0) + by_id[cid].written_bytes
+                self._collect(meta)
+            except (DeltackptError, OSError) as exc:
+                warnings.warn(f"deltackpt: DCP retention after step {self.step} failed; the step is saved "
+                              f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.root is None else str(self.root))
@@ -615,15 +690,20 @@ def prune(root: str | os.PathLike[str]) -> int:
             continue
         rank = int(m.group(1))
         with _existing(path, f"rank {rank}'s shards") as store:
-            ids = [c.id for c in store.list()]  # commit order
-            # a rank checkpoint that a rewrite replaced is named by its old id: the new one is named too
-            named |= {(rank, c.id) for c in (_resolved(store, k) for r, k in named if r == rank) if c is not None}
-        last_named = max((i for i, c in enumerate(ids) if (rank, c) in named), default=-1)
-        if last_named < 0:  # nothing after which an unnamed checkpoint is known stale (all may be saves in progress)
-            continue
-        stale |= {(rank, c) for c in ids[:last_named] if (rank, c) not in named}
+            stale |= {(rank, c.id) for c in _unnamed(store, rank, named)}
     _delete_rank_checkpoints(root, stale)
     return len(stale)
+
+
+def _unnamed(store: Store, rank: int, named: set[tuple[int, str]]) -> list[Any]:
+    """The checkpoints of rank ``rank``'s ``store`` that no (rank, id) of ``named`` names and that the store
+    committed before one that is named (its newest unnamed ones may be a save in progress)."""
+    infos = store.list()  # commit order
+    mine = {k for r, k in named if r == rank}
+    # a rank checkpoint that a rewrite replaced is named by its old id: the new one is named too
+    mine |= {c.id for c in (_resolved(store, k) for k in list(mine)) if c is not None}
+    last_named = max((i for i, c in enumerate(infos) if c.id in mine), default=-1)
+    return [c for c in infos[:max(last_named, 0)] if c.id not in mine]
 
 
 def _doc(store: Store, ckpt: str) -> Any:

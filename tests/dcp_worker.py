@@ -11,7 +11,10 @@ step, which tests/test_distributed.py checks loads against.
   save replicated items on the lowest rank, plans for the coordinator alone: the other ranks write nothing;
 - ``no-dist``: every rank saves a tensor of its own with ``no_dist=True``, and prints whether it was warned;
 - ``load-race``: ``load``, with rank 0 creating ROOT.read once it has read the newest step's metadata and rank 1
-  waiting for ROOT.go before reading it (a test commits a step in between).
+  waiting for ROOT.go before reading it (a test commits a step in between);
+- ``retain``: saves the states of steps STEP to STEP + COUNT - 1 (``retain RANK WORLD ROOT INIT STEP COUNT``)
+  through one writer with ``Retention(keep_last=2)``, gc after every retention that deleted anything (the
+  threshold lowered to 0), printing ``saved N`` after each step (a test kills the ranks at some point).
 """
 
 from __future__ import annotations
@@ -67,6 +70,21 @@ def main() -> int:
 
             writer = (Dying if mode == "die" else DeltaStorageWriter)(root, step=step)
             dcp.save(state, storage_writer=writer)
+            writer.close()
+            return 0
+        if mode == "retain":
+            import deltackpt
+            from deltackpt import checkpointer
+
+            checkpointer.GC_MIN_BYTES = 0  # collect as soon as retention deleted anything (a knob, not a mock)
+            first, count = int(sys.argv[6]), int(sys.argv[7])
+            writer = DeltaStorageWriter(root, step=first, retention=deltackpt.Retention(keep_last=2))
+            for step in range(first, first + count):
+                full = expected(step)
+                writer.step = step
+                dcp.save(dict(full, w=distribute_tensor(full["w"], mesh, [Shard(0)]),
+                              b=distribute_tensor(full["b"], mesh, [Replicate()])), storage_writer=writer)
+                print(f"saved {step}", flush=True)
             writer.close()
             return 0
         if mode == "replicated":

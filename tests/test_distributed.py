@@ -834,3 +834,103 @@ def test_dcp_metadata_is_deduplicated_and_kept_out_of_the_index(tmp_path: Path) 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(target, storage_reader=DeltaStorageReader(root))
+
+
+def _pack_bytes(store_dir: Path) -> int:
+    return sum(p.stat().st_size for p in (store_dir / "packs").rglob("*") if p.is_file())
+
+
+def test_dcp_retention_drops_steps_and_their_shards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DeltaStorageWriter(retention=)``: after each commit the coordinator deletes the steps the policy drops
+    (keep_last=3 and keep_every=4 over 10 steps keep 0, 4, 7, 8, 9); each rank deletes its checkpoints of
+    dropped steps at its next save (the last dropped step's until then, or until a prune), and gc returns
+    their space: with gc the rank's packs end smaller than without. Every kept step loads bit for bit."""
+    from deltackpt import checkpointer, distributed
+
+    monkeypatch.setattr(checkpointer, "GC_MIN_BYTES", 0)  # collect as soon as a quarter of the kept bytes
+    g = torch.Generator().manual_seed(5)
+    states = [{"w": torch.randn(64 << 10, generator=g), "step": s} for s in range(10)]  # 256 KiB, all new
+    for gc in (True, False):
+        root = tmp_path / f"gc-{gc}"
+        w = DeltaStorageWriter(root, step=0, retention=deltackpt.Retention(keep_last=3, keep_every=4), gc=gc)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for s, state in enumerate(states):
+                w.step = s
+                dcp.save(state, storage_writer=w, no_dist=True)
+        w.close()
+        assert distributed.steps(root) == [0, 4, 7, 8, 9]
+        with deltackpt.Store(root / "rank-00000") as st:
+            assert [c.step for c in st.list()] == [0, 4, 6, 7, 8, 9]  # 6: dropped at step 9's commit
+    assert _pack_bytes(tmp_path / "gc-True" / "rank-00000") < 0.8 * _pack_bytes(tmp_path / "gc-False" / "rank-00000")
+    root = tmp_path / "gc-True"
+    assert distributed.prune(root) == 1
+    with deltackpt.Store(root / "rank-00000") as st:
+        assert [c.step for c in st.list()] == [0, 4, 7, 8, 9] and st.verify().ok
+    for s in distributed.steps(root):
+        target = {"w": torch.zeros(64 << 10), "step": -1}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(target, storage_reader=DeltaStorageReader(root, step=s), no_dist=True)
+        assert torch.equal(target["w"], states[s]["w"]) and target["step"] == s
+
+
+def test_dcp_retention_takes_only_rules_that_fit_dcp_steps(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="retention must be a deltackpt.Retention"):
+        DeltaStorageWriter(tmp_path, step=1, retention={"keep_last": 3})  # type: ignore[arg-type]
+    for policy in (deltackpt.Retention(keep_last=3, full_last=1), deltackpt.Retention(keep_best=("loss", "min"))):
+        with pytest.raises(ValueError, match="DCP retention takes keep_last"):
+            DeltaStorageWriter(tmp_path, step=1, retention=policy)
+
+
+def test_killed_ranks_saving_with_retention_lose_no_kept_step(tmp_path: Path) -> None:
+    """Two ranks save step after step with keep_last=2 and gc after every retention, and both are SIGKILLed at
+    random points (mid-save, mid-commit, mid-retention, mid-gc), then restarted after the newest step, three
+    times, before a last run completes. Every step the root lists loads bit for bit, every store verifies, no
+    step names a missing rank checkpoint, and a prune leaves each rank store holding only named checkpoints."""
+    import random
+
+    from deltackpt import distributed
+
+    rng = random.Random(11)
+    root = tmp_path / "ckpt"
+    kills = 0
+    for round_ in range(4):
+        first = max(distributed.steps(root), default=-1) + 1 if (root / "meta").exists() else 0
+        init = tmp_path / f"pg-retain-{round_}"
+        procs = [subprocess.Popen([sys.executable, str(WORKER), "retain", str(r), "2", str(root), str(init),
+                                   str(first), "8"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(2)]
+        try:
+            if round_ < 3:
+                target = rng.randint(0, 3)
+                assert procs[0].stdout is not None
+                for line in procs[0].stdout:
+                    if line.startswith("saved ") and int(line.split()[1]) >= first + target:
+                        break
+                time.sleep(rng.uniform(0, 0.4))
+                for p in procs:
+                    p.kill()
+                kills += 1
+            for p in procs:
+                _, err = p.communicate(timeout=120)
+                assert p.returncode == (0 if round_ == 3 else p.returncode), err[-3000:]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+    steps = distributed.steps(root)
+    assert len(steps) == 2 and steps[1] == steps[0] + 1, steps  # keep_last=2 after the last, complete run
+    for s in steps:
+        assert_state(load_full(root, step=s), expected(s))
+    assert distributed.verify_names(root) == []
+    distributed.prune(root)
+    with deltackpt.Store(root / "meta") as meta:
+        named = set().union(*(distributed._named(meta, i.id) for i in meta.list()))
+        assert meta.verify().ok
+    for rank in (0, 1):
+        with deltackpt.Store(root / f"rank-{rank:05d}") as st:
+            assert st.verify().ok
+            assert {(rank, c.id) for c in st.list()} <= named
+    assert kills == 3
