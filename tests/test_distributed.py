@@ -401,20 +401,26 @@ def test_steps_and_delete(tmp_path: Path) -> None:
 
 
 def test_async_save(tmp_path: Path) -> None:
-    """dcp.async_save through one reused writer: each step waited for before the next changes ``step``."""
+    """dcp.async_save through one reused writer: each step waited for before the next changes ``step``; its
+    retention runs in the background save too."""
+    from deltackpt import distributed
+
     root = tmp_path / "ckpt"
-    w = DeltaStorageWriter(root)
+    w = DeltaStorageWriter(root, retention=deltackpt.Retention(keep_last=2))
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for step in range(3):
+        for step in range(4):
             w.step = step
             x[step] += 1.0
             dcp.async_save({"x": x, "step": step}, storage_writer=w).result()
         w.close()
         target: dict[str, Any] = {"x": torch.zeros(10_000), "step": -1}
         dcp.load(target, storage_reader=DeltaStorageReader(root))
-    assert target["step"] == 2 and torch.equal(target["x"], x)
+    assert target["step"] == 3 and torch.equal(target["x"], x)
+    assert distributed.steps(root) == [2, 3]
+    with deltackpt.Store(root / "rank-00000") as s:
+        assert [c.step for c in s.list()] == [1, 2, 3]
 
 
 def test_ranks_of_one_host_share_its_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
