@@ -331,9 +331,13 @@ def cmd_dcp(args: argparse.Namespace) -> int:
             print(problem)
         print(f"verify steps: {'OK' if not names else f'{len(names)} problem(s)'}")
         rc = rc if not names else 1
-    rows = [(i.step, when(i.created), i.ranks, human(i.logical_bytes), human(i.written_bytes))
-            for i in distributed.summary(root)]
-    print(table(rows, ["step", "committed", "ranks", "logical", "written"], right={0, 2, 3, 4}))
+    steps = distributed.summary(root)
+    rows = [(i.step, when(i.created), i.ranks, human(i.logical_bytes), human(i.written_bytes)) for i in steps]
+    head = ["step", "committed", "ranks", "logical", "written"]
+    if any(i.metadata for i in steps):  # what the writer was given per step (a loss, a tag), as ls shows it
+        rows = [(*row, _meta_str(i.metadata)) for row, i in zip(rows, steps)]
+        head.append("metadata")
+    print(table(rows, head, right={0, 2, 3, 4}))
     return rc
 
 

@@ -63,7 +63,7 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.retention import Retention
-from deltackpt.store import Store, _check_step
+from deltackpt.store import Store, _check_metadata, _check_step
 
 #: version of the layout of DCP metadata in ``root/meta`` checkpoints. 3: the bulk of DCP's metadata is a chunked
 #: document in the meta checkpoint's state (deduplicated from step to step), and its metadata (which every index
@@ -137,8 +137,12 @@ class DeltaStorageWriter(StorageWriter):
     ``checkpoint_id`` given to ``dcp.save`` is taken as the root. ``store_options`` go to every rank's
     :class:`~deltackpt.Store` (``max_chain``, ``threads``, ...).
 
-    ``retention`` (a :class:`~deltackpt.Retention` of ``keep_last``, ``keep_every``, ``keep_within``) is applied
-    to the steps after each commit: the coordinator deletes the meta checkpoints of the steps it drops (the steps
+    ``metadata`` (a mapping of plain values, such as ``{"loss": 2.31, "tag": "epoch-3"}``; set
+    ``writer.metadata`` before each ``dcp.save`` as ``writer.step``) is kept with the step: :func:`summary` and
+    ``deltackpt dcp ROOT`` show it, and retention's ``keep_best`` and ``keep_tagged`` go by it.
+
+    ``retention`` (a :class:`~deltackpt.Retention` without ``full_last``) is applied to the steps after each
+    commit: the coordinator deletes the meta checkpoints of the steps it drops (the steps
     are gone at once), and each rank, at its next save, deletes its own checkpoints that no step names any more
     (as :func:`prune` does). With ``gc`` (default), each store is then collected once what was deleted from it
     wrote at least 64 MiB and a quarter of what it keeps, as a :class:`~deltackpt.Checkpointer` does. Trouble in
@@ -146,15 +150,17 @@ class DeltaStorageWriter(StorageWriter):
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
-                 retention: Retention | None = None, gc: bool = True, **store_options: Any) -> None:
+                 metadata: Mapping[str, Any] | None = None, retention: Retention | None = None, gc: bool = True,
+                 **store_options: Any) -> None:
         super().__init__()
         if retention is not None and not isinstance(retention, Retention):
             raise TypeError(f"retention must be a deltackpt.Retention or None, got {type(retention).__name__}")
-        if retention is not None and (retention.full_last is not None or retention.keep_best is not None):
-            raise ValueError("DCP retention takes keep_last, keep_every and keep_within: DCP steps carry no "
-                             "metrics for keep_best, and are not thinned (full_last)")
+        if retention is not None and retention.full_last is not None:
+            raise ValueError("DCP retention cannot thin steps to model weights (full_last): a rank's shards do not "
+                             "say which are the model's")
         self.root = None if root is None else Path(root)
         self.step = step
+        self.metadata = metadata
         self.retention = retention
         self.gc = bool(gc)
         self.store_options = store_options
@@ -198,6 +204,12 @@ class DeltaStorageWriter(StorageWriter):
         if self.step is None:
             raise ValueError("DeltaStorageWriter needs the step to save as (DeltaStorageWriter(root, step=n))")
         self.step = _check_step(self.step)  # on every rank, before any writes (a TypeError/ValueError naming it)
+        user = _check_metadata(self.metadata)
+        if user is not None:
+            try:
+                tree.encode_plain(user)
+            except UnsupportedTypeError as exc:
+                raise UnsupportedTypeError(f"metadata of DCP step {self.step}: {exc}") from None
         if self.root.exists() and not self.root.is_dir():
             raise NotADirectoryError(f"{self.root} is not a directory: give DCP saves a directory of their own")
         if (self.root / "STORE").exists():
@@ -325,6 +337,7 @@ class DeltaStorageWriter(StorageWriter):
             "storage_meta": None if sm is None else {"checkpoint_id": None if sm.checkpoint_id is None
                                                      else str(sm.checkpoint_id),
                                                      "save_id": sm.save_id, "modules": list(sm.modules)},
+            "metadata": _check_metadata(self.metadata),
         }
         try:
             # Encoding takes about 0.1 ms per tensor; a job's plan seldom changes, so the previous step's text is
@@ -340,7 +353,7 @@ class DeltaStorageWriter(StorageWriter):
         meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
         if self.retention is not None:
             try:
-                infos = meta.list()
+                infos = [replace(i, metadata=_user_metadata(i.metadata)) for i in meta.list()]
                 by_id = {i.id: i for i in infos}
                 for cid in self.retention.plan(infos).delete:  # the steps are gone; their shards go at the next save
                     try:
@@ -598,14 +611,21 @@ def steps(root: str | os.PathLike[str]) -> list[int]:
 
 @dataclass(frozen=True)
 class StepInfo:
-    """One DCP checkpoint: its step, when it was committed, how many ranks saved shards, and their logical and
-    written bytes summed over those ranks' checkpoints."""
+    """One DCP checkpoint: its step, when it was committed, how many ranks saved shards, their logical and
+    written bytes summed over those ranks' checkpoints, and the metadata the writer was given for it."""
 
     step: int
     created: float
     ranks: int
     logical_bytes: int
     written_bytes: int
+    metadata: Any = None
+
+
+def _user_metadata(head: Any) -> Any:
+    """The metadata a writer was given for a step, from its meta checkpoint's metadata (None before format 3)."""
+    user = head.get("metadata") if isinstance(head, dict) and head.get("format", 0) >= 3 else None
+    return user if isinstance(user, dict) else None
 
 
 def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
@@ -620,7 +640,7 @@ def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
                 if c is not None:
                     sizes[r, ckpt] = (c.logical_bytes, c.written_bytes)
     return [StepInfo(i.step, i.created, len({r for r, _ in named}), sum(sizes.get(n, (0, 0))[0] for n in named),
-                     sum(sizes.get(n, (0, 0))[1] for n in named)) for i, named in steps]
+                     sum(sizes.get(n, (0, 0))[1] for n in named), _user_metadata(i.metadata)) for i, named in steps]
 
 
 def verify_names(root: str | os.PathLike[str]) -> list[str]:

@@ -884,9 +884,40 @@ def test_dcp_retention_drops_steps_and_their_shards(tmp_path: Path, monkeypatch:
 def test_dcp_retention_takes_only_rules_that_fit_dcp_steps(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="retention must be a deltackpt.Retention"):
         DeltaStorageWriter(tmp_path, step=1, retention={"keep_last": 3})  # type: ignore[arg-type]
-    for policy in (deltackpt.Retention(keep_last=3, full_last=1), deltackpt.Retention(keep_best=("loss", "min"))):
-        with pytest.raises(ValueError, match="DCP retention takes keep_last"):
-            DeltaStorageWriter(tmp_path, step=1, retention=policy)
+    with pytest.raises(ValueError, match="cannot thin steps to model weights"):
+        DeltaStorageWriter(tmp_path, step=1, retention=deltackpt.Retention(keep_last=3, full_last=1))
+
+
+def test_dcp_steps_keep_their_metadata_and_retention_keeps_the_best(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``writer.metadata`` set per step is kept with the step: summary() and ``deltackpt dcp ROOT`` show it, and
+    keep_best / keep_tagged go by it. Metadata that is not a mapping of plain values is refused before anything
+    is written."""
+    from deltackpt import distributed
+    from deltackpt.cli import main
+
+    root = tmp_path / "ckpt"
+    losses = [3.0, 1.5, 2.0, 2.5, 2.8]
+    w = DeltaStorageWriter(root, retention=deltackpt.Retention(keep_last=1, keep_best=("loss", "min")))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, loss in enumerate(losses):
+            w.step, w.metadata = step, {"loss": loss, **({"tag": "warm"} if step == 0 else {})}
+            dcp.save({"x": torch.full((100,), float(step))}, storage_writer=w, no_dist=True)
+        assert [(i.step, i.metadata) for i in distributed.summary(root)] == [
+            (0, {"loss": 3.0, "tag": "warm"}), (1, {"loss": 1.5}), (4, {"loss": 2.8})]
+        capsys.readouterr()
+        assert main(["dcp", str(root)]) == 0
+        out = capsys.readouterr().out
+        assert "metadata" in out.splitlines()[0] and "loss=1.5" in out and "tag=warm" in out
+        for bad, exc in (([("loss", 1.0)], TypeError), ({"loss": torch.ones(2)}, deltackpt.UnsupportedTypeError)):
+            w.step, w.metadata = 9, bad
+            with pytest.raises(CheckpointException, match=exc.__name__):
+                dcp.save({"x": torch.zeros(100)}, storage_writer=w, no_dist=True)
+        w.close()
+    assert distributed.steps(root) == [0, 1, 4]
+    with deltackpt.Store(root / "rank-00000") as st:
+        assert 9 not in [c.step for c in st.list()]
 
 
 def test_killed_ranks_saving_with_retention_lose_no_kept_step(tmp_path: Path) -> None:
