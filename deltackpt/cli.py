@@ -296,6 +296,79 @@ def _gc_problems(r: maintenance.GcReport, where: str, verify: str) -> int:
     return 1 if r.repack_stopped or r.damaged_packs else 0
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhdw]?)")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _duration(text: str) -> float:
+    """Seconds of ``90``, ``90s``, ``15m``, ``12h``, ``7d`` or ``2w`` (an argparse type)."""
+    m = _DURATION.fullmatch(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (seconds, or a number with s, m, h, d or w)")
+    return float(m.group(1)) * _SECONDS[m.group(2)]
+
+
+def _best(text: str) -> tuple[str, str]:
+    """``METRIC:min`` or ``METRIC:max`` (an argparse type)."""
+    metric, sep, how = text.rpartition(":")
+    if not sep or not metric or how not in ("min", "max"):
+        raise argparse.ArgumentTypeError(f"expected METRIC:min or METRIC:max, got {text!r}")
+    return metric, how
+
+
+def cmd_keep(args: argparse.Namespace) -> int:
+    from deltackpt.retention import Retention
+
+    policy = Retention(keep_last=args.last, keep_every=args.every, keep_within=args.within, keep_best=args.best,
+                       best_k=args.best_k, keep_tagged=not args.no_tagged)
+    if not policy.deletes_anything:
+        raise ValueError("give a rule that deletes: --last, --every, --within or --best (the others only keep)")
+    verb = "would delete" if args.dry_run else "deleted"
+    root = Path(args.store)
+    if not (root / "STORE").exists() and (root / "meta" / "STORE").exists():  # a DCP root: its steps
+        from deltackpt import distributed
+
+        total = len(distributed.steps(root))
+        dropped = distributed.retain(root, policy, dry_run=args.dry_run)
+        for info in dropped:
+            print(f"{verb} step {info.step} (committed {when(info.created)}) {_meta_str(info.metadata)}".rstrip())
+        print(f"{verb} {len(dropped)} of {total} step(s)")
+        stores = [p for p in [root / "meta", *sorted(root.glob("rank-*"))] if (p / "STORE").exists()]
+        verify = f"deltackpt dcp {root} --verify"
+    else:
+        with _open(args.store, readonly=args.dry_run) as s:
+            infos = s.list()
+            drop = set(policy.plan(infos).delete)
+            dropped = []
+            for info in infos:
+                if info.id in drop and not args.dry_run:
+                    try:
+                        s.delete(id=info.id)
+                    except CheckpointNotFoundError:
+                        continue  # deleted meanwhile by another process
+                if info.id in drop:
+                    dropped.append(info)
+                    print(f"{verb} checkpoint {info.id} (step {info.step}) {_meta_str(info.metadata)}".rstrip())
+        print(f"{verb} {len(dropped)} of {len(infos)} checkpoint(s)")
+        stores, verify = [Path(args.store)], "deltackpt verify"
+    if args.gc and not args.dry_run:
+        return _gc_stores(stores, verify)
+    if dropped and not args.dry_run:
+        print("run 'deltackpt gc' (or this command with --gc) to reclaim space")
+    return 0
+
+
+def _gc_stores(stores: Sequence[Path], verify: str) -> int:
+    """gc each store, printing what each freed; the worst exit status of :func:`_gc_problems`."""
+    rc = 0
+    for path in stores:
+        with Store(path) as s:
+            r = s.gc()
+        print(f"gc {path.name}: freed {human(r.freed_bytes)}")
+        rc = max(rc, _gc_problems(r, f"{path.name}: ", verify))
+    return rc
+
+
 def cmd_dcp(args: argparse.Namespace) -> int:
     from deltackpt import distributed  # imports torch.distributed.checkpoint: only for this command
 
@@ -312,11 +385,7 @@ def cmd_dcp(args: argparse.Namespace) -> int:
     rc = 0
     stores = [p for p in [root / "meta", *sorted(root.glob("rank-*"))] if (p / "STORE").exists()]
     if args.gc:
-        for path in stores:
-            with Store(path) as s:
-                r = s.gc()
-            print(f"gc {path.name}: freed {human(r.freed_bytes)}")
-            rc = max(rc, _gc_problems(r, f"{path.name}: ", f"deltackpt dcp {root} --verify"))
+        rc = _gc_stores(stores, f"deltackpt dcp {root} --verify")
     if args.verify:
         for path in stores:
             with Store(path) as s, progress(f"verify {path.name}") as bar:
@@ -635,6 +704,16 @@ def build_parser() -> argparse.ArgumentParser:
     ri = add("resume-info", cmd_resume_info, "which step a training run would resume from, and what it holds")
     ri.add_argument("--verify", action="store_true",
                     help="decode the checkpoints as a restore does, passing over damaged ones (reads their chunks)")
+    kp = add("keep", cmd_keep, "apply a retention policy now: delete the checkpoints (or a DCP root's steps) it "
+             "does not keep")
+    kp.add_argument("--last", type=int, metavar="N", help="keep the N newest")
+    kp.add_argument("--every", type=int, metavar="N", help="keep steps that are multiples of N")
+    kp.add_argument("--within", type=_duration, metavar="AGE", help="keep those younger than AGE (7d, 12h, 3600)")
+    kp.add_argument("--best", type=_best, metavar="METRIC:min|max", help="keep the best by a metadata value")
+    kp.add_argument("--best-k", type=int, default=1, metavar="K", help="how many --best keeps (1)")
+    kp.add_argument("--no-tagged", action="store_true", help="do not keep tagged checkpoints for their tag")
+    kp.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
+    kp.add_argument("--gc", action="store_true", help="then reclaim the space (gc every store)")
     dc = add("dcp", cmd_dcp, "list (and delete, prune, gc) the steps of a sharded torch.distributed.checkpoint root")
     dc.add_argument("--rm", type=int, nargs="+", default=[], metavar="STEP", help="delete these steps first")
     dc.add_argument("--prune", action="store_true", help="delete shards of saves that never committed")

@@ -63,7 +63,7 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.retention import Retention
-from deltackpt.store import Store, _check_metadata, _check_step
+from deltackpt.store import CheckpointInfo, Store, _check_metadata, _check_step
 
 #: version of the layout of DCP metadata in ``root/meta`` checkpoints. 3: the bulk of DCP's metadata is a chunked
 #: document in the meta checkpoint's state (deduplicated from step to step), and its metadata (which every index
@@ -685,12 +685,42 @@ def delete(root: str | os.PathLike[str], step: int) -> None:
     checkpoint first (so the step is gone at once, even if this is interrupted), then the rank checkpoints it
     names. Space returns with ``gc`` of each store; :func:`prune` removes what an interrupted delete left."""
     root = Path(root)
-    named: set[tuple[int, str]] = set()
     with _existing(root / "meta", "DCP checkpoints") as meta:
         meta.info(step)  # CheckpointNotFoundError naming the step when there is none
-        for info in [c for c in meta.list() if c.step == step]:
-            named |= _named(meta, info.id)
-            meta.delete(id=info.id)
+        ids = [c.id for c in meta.list() if c.step == step]
+    _delete_ids(root, ids)
+
+
+def retain(root: str | os.PathLike[str], retention: Retention, *, dry_run: bool = False) -> list[CheckpointInfo]:
+    """Apply ``retention`` to the DCP checkpoints under ``root`` now (what ``deltackpt keep ROOT`` does): delete
+    each step it drops as :func:`delete` does, meta checkpoint first, and return the meta checkpoints of the
+    steps deleted, with the steps' metadata (with ``dry_run``, of the steps it would delete, deleting nothing).
+    ``keep_best`` and ``keep_tagged`` go by the steps' metadata; ``full_last`` is refused (nothing here can thin
+    a step). Space returns with ``gc`` of each store."""
+    if not isinstance(retention, Retention):
+        raise TypeError(f"retention must be a deltackpt.Retention, got {type(retention).__name__}")
+    if retention.full_last is not None:
+        raise ValueError("DCP retention cannot thin steps to model weights (full_last)")
+    root = Path(root)
+    with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
+        infos = [replace(i, metadata=_user_metadata(i.metadata)) for i in meta.list()]
+    drop = set(retention.plan(infos).delete)
+    dropped = [i for i in infos if i.id in drop]
+    if not dry_run:
+        _delete_ids(root, [i.id for i in dropped])
+    return dropped
+
+
+def _delete_ids(root: Path, ids: Sequence[str]) -> None:
+    """Delete the meta checkpoints ``ids`` (so their steps are gone at once), then the rank checkpoints they name."""
+    named: set[tuple[int, str]] = set()
+    with _existing(root / "meta", "DCP checkpoints") as meta:
+        for cid in ids:
+            try:
+                named |= _named(meta, cid)
+                meta.delete(id=cid)
+            except CheckpointNotFoundError:
+                continue  # deleted meanwhile (another process's retention): its rank checkpoints are its to delete
     _delete_rank_checkpoints(root, named)
 
 

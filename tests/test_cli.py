@@ -482,6 +482,71 @@ def test_damaged_index_is_a_one_line_error(capsys: pytest.CaptureFixture[str], s
     assert ls_pairs(capsys, store_path) == sorted(three["ids"].items())
 
 
+# -- keep -------------------------------------------------------------------------------------------------
+
+
+def test_keep_applies_a_retention_policy_and_dry_run_changes_nothing(capsys: pytest.CaptureFixture[str],
+                                                                     store_path: Path) -> None:
+    """``deltackpt keep``: --dry-run lists what the policy drops and leaves every file as it was; the real run
+    deletes exactly those (tagged ones kept unless --no-tagged), every kept one still loads, and --gc frees
+    the space of the deleted ones."""
+    states = {i: {"w": rand(2 * CS, i)} for i in range(10)}
+    with open_store(store_path) as s:
+        for i, st in states.items():
+            s.save(st, step=i, metadata={"loss": 0.5 if i == 3 else 10.0 - i, **({"tag": "warm"} if i == 1 else {})})
+    before = dir_snapshot(store_path)
+    rc, out, err = cli(capsys, "keep", store_path, "--last", "3", "--every", "4", "--best", "loss:min", "--dry-run")
+    assert rc == 0 and err == ""
+    assert [int(m) for m in re.findall(r"would delete checkpoint \w+ \(step (\d+)\)", out)] == [2, 5, 6]
+    assert "would delete 3 of 10 checkpoint(s)" in out
+    assert dir_snapshot(store_path) == before
+    rc, out, err = cli(capsys, "keep", store_path, "--last", "3", "--every", "4", "--best", "loss:min")
+    assert rc == 0 and "deleted 3 of 10" in out and "deltackpt gc" in out
+    assert [step for step, _ in ls_pairs(capsys, store_path)] == [0, 1, 3, 4, 7, 8, 9]
+    rc, out, err = cli(capsys, "keep", store_path, "--last", "2", "--no-tagged", "--gc")
+    assert rc == 0 and "deleted 5 of 7" in out
+    freed = re.search(r"gc \S+: freed (.+)$", out, re.M)
+    assert freed is not None and size_of(freed.group(1)) > 5 * CS
+    with open_store(store_path) as s:
+        assert [i.step for i in s.list()] == [8, 9]
+        for i in s.list():
+            assert_same_state(s.load(id=i.id), states[i.step])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    ([], "give a rule that deletes"),
+    (["--no-tagged"], "give a rule that deletes"),
+    (["--last", "0"], "keep_last must be a positive int"),
+    (["--best-k", "2", "--last", "1"], "needs keep_best"),
+])
+def test_keep_refuses_a_policy_that_deletes_nothing_or_is_bad(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                              three: dict[str, Any], argv: list[str],
+                                                              needle: str) -> None:
+    before = dir_snapshot(store_path)
+    rc, _, err = cli(capsys, "keep", store_path, *argv)
+    assert rc == 1
+    assert_one_line_error(err, needle)
+    assert dir_snapshot(store_path) == before
+
+
+@pytest.mark.parametrize("argv, needle", [(["--within", "7x"], "not a duration: '7x'"),
+                                          (["--best", "loss"], "expected METRIC:min or METRIC:max, got 'loss'"),
+                                          (["--best", "loss:median"], "got 'loss:median'")])
+def test_keep_usage_errors(capsys: pytest.CaptureFixture[str], store_path: Path, argv: list[str],
+                           needle: str) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["keep", str(store_path), *argv])
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_keep_within_takes_durations() -> None:
+    from deltackpt.cli import _duration
+
+    assert [_duration(t) for t in ("90", "90s", "1.5m", "12h", "7d", "2w", ".5h")] == [
+        90, 90, 90, 43200, 604800, 1209600, 1800]
+
+
 # -- export / import ---------------------------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fractions
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -971,3 +972,42 @@ def test_killed_ranks_saving_with_retention_lose_no_kept_step(tmp_path: Path) ->
             assert st.verify().ok
             assert {(rank, c.id) for c in st.list()} <= named
     assert kills == 3
+
+
+def test_keep_on_a_dcp_root_deletes_steps_and_their_shards(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``deltackpt keep ROOT`` on a DCP root applies the policy to its steps by their metadata: --dry-run only
+    lists them; the real run deletes their meta and rank checkpoints, and --gc collects every store."""
+    from conftest import dir_snapshot
+
+    from deltackpt import distributed
+    from deltackpt.cli import main
+
+    root = tmp_path / "ckpt"
+    g = torch.Generator().manual_seed(8)
+    states = {s: {"x": torch.randn(4096, generator=g)} for s in range(6)}
+    w = DeltaStorageWriter(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for s, st in states.items():
+            w.step, w.metadata = s, {"loss": 0.1 if s == 1 else 10.0 - s}
+            dcp.save(st, storage_writer=w, no_dist=True)
+    w.close()
+    before = dir_snapshot(root)
+    capsys.readouterr()
+    assert main(["keep", str(root), "--last", "2", "--best", "loss:min", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"would delete step (\d+)", out) == ["0", "2", "3"] and "3 of 6 step(s)" in out
+    assert dir_snapshot(root) == before
+    assert main(["keep", str(root), "--last", "2", "--best", "loss:min", "--gc"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"deleted step (\d+)", out) == ["0", "2", "3"] and "gc rank-00000: freed" in out
+    assert distributed.steps(root) == [1, 4, 5]
+    with deltackpt.Store(root / "rank-00000") as st:
+        assert [c.step for c in st.list()] == [1, 4, 5]
+    for s in (1, 4, 5):
+        target = {"x": torch.zeros(4096)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(target, storage_reader=DeltaStorageReader(root, step=s), no_dist=True)
+        assert torch.equal(target["x"], states[s]["x"])
