@@ -337,19 +337,11 @@ def cmd_keep(args: argparse.Namespace) -> int:
         verify = f"deltackpt dcp {root} --verify"
     else:
         with _open(args.store, readonly=args.dry_run) as s:
-            infos = s.list()
-            drop = set(policy.plan(infos).delete)
-            dropped = []
-            for info in infos:
-                if info.id in drop and not args.dry_run:
-                    try:
-                        s.delete(id=info.id)
-                    except CheckpointNotFoundError:
-                        continue  # deleted meanwhile by another process
-                if info.id in drop:
-                    dropped.append(info)
-                    print(f"{verb} checkpoint {info.id} (step {info.step}) {_meta_str(info.metadata)}".rstrip())
-        print(f"{verb} {len(dropped)} of {len(infos)} checkpoint(s)")
+            total = len(s.list())
+            dropped = s.retain(policy, dry_run=args.dry_run)
+        for info in dropped:
+            print(f"{verb} checkpoint {info.id} (step {info.step}) {_meta_str(info.metadata)}".rstrip())
+        print(f"{verb} {len(dropped)} of {total} checkpoint(s)")
         stores, verify = [Path(args.store)], "deltackpt verify"
     if args.gc and not args.dry_run:
         return _gc_stores(stores, verify)

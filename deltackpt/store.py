@@ -59,6 +59,7 @@ from deltackpt.errors import (
 )
 from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key, record_at
 from deltackpt.packs import PackReader, PackWriter, close_lock, flock_within, fsync_dir, make_dirs, open_lock
+from deltackpt.retention import Retention
 from deltackpt.scratch import Scratch
 
 STORE_FORMAT = "deltackpt-store"
@@ -1818,6 +1819,31 @@ class Store:
                 self._head = None
             self._unlink_manifest(rec.id)
         return CheckpointInfo.from_record(rec)
+
+    def retain(self, retention: Retention, *, dry_run: bool = False) -> list[CheckpointInfo]:
+        """Apply ``retention`` now (what ``deltackpt keep`` does; a :class:`~deltackpt.Checkpointer` does it after
+        each save): delete every checkpoint it does not keep and return those, oldest first (with ``dry_run``,
+        those it would delete, deleting nothing). A checkpoint another process deletes meanwhile is passed over.
+        ``full_last`` is refused here: thinning needs a Checkpointer's layout. Space returns with :meth:`gc`."""
+        if not isinstance(retention, Retention):
+            raise TypeError(f"retention must be a deltackpt.Retention, got {type(retention).__name__}")
+        if retention.full_last is not None:
+            raise ValueError("Store.retain does not thin checkpoints (full_last): a Checkpointer's retention does")
+        if not dry_run:
+            self._writable("retain")
+        infos = self.list()
+        drop = set(retention.plan(infos).delete)
+        dropped = []
+        for info in infos:
+            if info.id not in drop:
+                continue
+            if not dry_run:
+                try:
+                    self.delete(id=info.id)
+                except CheckpointNotFoundError:
+                    continue
+            dropped.append(info)
+        return dropped
 
     def _unlink_manifest(self, checkpoint_id: str) -> None:
         try:

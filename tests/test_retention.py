@@ -510,3 +510,30 @@ def test_a_rewrite_keeps_the_metadata_unless_given(store_path: Path) -> None:
         assert s.rewrite({"w": torch.zeros(4)}, id=kept.id, metadata={"loss": 0.4}).metadata == {"loss": 0.4}
         assert s.rewrite({"w": torch.zeros(4)}, id=s.info(1).id, metadata={}).metadata == {}
         assert s.verify().ok
+
+
+def test_store_retain_applies_a_policy_now(tmp_path: Path) -> None:
+    """``Store.retain``: a dry run returns what the policy drops and changes nothing; the real run deletes exactly
+    those and returns them, oldest first; every kept checkpoint loads. ``full_last`` (thinning) is refused, and a
+    read-only handle may only dry-run."""
+    states = {i: {"w": torch.full((100,), float(i))} for i in range(8)}
+    with Store(tmp_path / "s") as s:
+        for i, state in states.items():
+            s.save(state, step=i, metadata={"loss": 8.0 - i if i != 2 else 0.1})
+        policy = Retention(keep_last=2, keep_best=("loss", "min"))
+        assert [i.step for i in s.retain(policy, dry_run=True)] == [0, 1, 3, 4, 5]
+        assert len(s.list()) == 8
+        with pytest.raises(ValueError, match="does not thin"):
+            s.retain(Retention(keep_last=2, full_last=1))
+        with pytest.raises(TypeError, match="must be a deltackpt.Retention"):
+            s.retain({"keep_last": 2})  # type: ignore[arg-type]
+    with Store(tmp_path / "s", readonly=True) as ro:
+        assert [i.step for i in ro.retain(policy, dry_run=True)] == [0, 1, 3, 4, 5]
+        with pytest.raises(deltackpt.ReadOnlyStoreError):
+            ro.retain(policy)
+    with Store(tmp_path / "s") as s:
+        assert [i.step for i in s.retain(policy)] == [0, 1, 3, 4, 5]
+        assert [i.step for i in s.list()] == [2, 6, 7]
+        for i in s.list():
+            assert torch.equal(s.load(id=i.id)["w"], states[i.step]["w"])
+        assert s.retain(policy) == []
