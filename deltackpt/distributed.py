@@ -324,8 +324,8 @@ class DeltaStorageWriter(StorageWriter):
         # then deduplicate; what changes at every step (the rank checkpoints' ids, DCP's save id) into the head
         doc = {
             "version": metadata.version,
-            "state_dict_metadata": {fqn: _encode_md(md) for fqn, md in metadata.state_dict_metadata.items()},
-            "planner_data": metadata.planner_data,
+            "state_dict_metadata": {fqn: _compact_md(md) for fqn, md in metadata.state_dict_metadata.items()},
+            "planner_data": _compact_planner_data(metadata.planner_data),
             "items": [[r.index.fqn, None if r.index.offset is None else list(r.index.offset), r.index.index,
                        r.storage_data.rank, r.storage_data.key, r.storage_data.kind, r.size_in_bytes] for r in stored],
         }
@@ -344,7 +344,7 @@ class DeltaStorageWriter(StorageWriter):
             # reused when the document's repr (which tells 1 from True and 1.0, and lists from tuples) is the same
             shown = repr(doc)
             if self._doc_text is None or self._doc_text[0] != shown:
-                self._doc_text = shown, json.dumps(tree.encode_plain(doc), separators=(",", ":")).encode()
+                self._doc_text = shown, json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
             text = self._doc_text[1]
             tree.encode_plain(head)
         except UnsupportedTypeError as exc:
@@ -410,6 +410,50 @@ def _encode_md(md: Any) -> dict[str, Any]:
         return {"kind": "tensor", "dtype": md.properties.dtype, "requires_grad": md.properties.requires_grad,
                 "size": list(md.size), "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks]}
     raise UnsupportedTypeError(f"unknown DCP storage metadata {type(md).__name__}")
+
+
+def _compact_md(md: Any) -> list[Any] | None:
+    """DCP storage metadata in a format-3 document: None for bytes, else [dtype name, requires_grad, size,
+    [[offsets, sizes], ...]]."""
+    if isinstance(md, BytesStorageMetadata):
+        return None
+    if isinstance(md, TensorStorageMetadata):
+        return [str(md.properties.dtype).removeprefix("torch."), bool(md.properties.requires_grad), list(md.size),
+                [[list(c.offsets), list(c.sizes)] for c in md.chunks]]
+    raise UnsupportedTypeError(f"unknown DCP storage metadata {type(md).__name__}")
+
+
+def _compact_planner_data(data: Any) -> dict[str, Any]:
+    """A planner's data in a format-3 document: ``{"paths": {fqn: [key, ...]}}`` for what DefaultSavePlanner
+    keeps (each fqn's path of str and int keys, a tuple), else ``{"plain": skeleton}`` (plain values only)."""
+    if isinstance(data, dict) and all(
+            type(k) is str and type(v) is tuple and all(type(c) is str or type(c) is int for c in v)
+            for k, v in data.items()):
+        return {"paths": {k: list(v) for k, v in data.items()}}
+    return {"plain": tree.encode_plain(data)}
+
+
+def _expand_md(fqn: str, d: Any) -> dict[str, Any]:
+    """A format-3 document's entry of ``fqn`` in the shape formats 1 and 2 keep (what :func:`_decode_md` reads)."""
+    if d is None:
+        return {"kind": "bytes"}
+    name, requires_grad, size, chunks = d
+    dtype = getattr(torch, name, None) if type(name) is str and name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{fqn!r} has dtype {name!r:.40}")
+    return {"kind": "tensor", "dtype": dtype, "requires_grad": requires_grad, "size": size, "chunks": chunks}
+
+
+def _expand_planner_data(d: Any) -> Any:
+    if type(d) is not dict or len(d) != 1:
+        raise ValueError(f"planner data {d!r:.60}")
+    if "paths" in d:
+        paths = d["paths"]
+        if type(paths) is not dict or not all(type(v) is list and all(type(c) in (str, int) for c in v)
+                                              for v in paths.values()):
+            raise ValueError("planner data paths")
+        return {k: tuple(v) for k, v in paths.items()}
+    return tree.decode_plain(d["plain"])
 
 
 def _decode_md(fqn: str, d: Any, where: str) -> Any:
@@ -787,12 +831,17 @@ def _full_doc(meta: Store, ckpt: str, where: str, *, verify: bool = True) -> dic
     if not isinstance(text, np.ndarray) or text.dtype != np.uint8 or text.ndim != 1:
         raise CorruptManifestError(f"{where}: the checkpoint holds no DCP metadata document")
     try:
-        doc = tree.decode_plain(json.loads(text.tobytes()))
+        doc = json.loads(text.tobytes())
+        if type(doc) is not dict or not (doc["version"] is None or type(doc["version"]) is str):
+            raise ValueError("not a document")
         items = [[fqn, offset, index, rank, key, ranks[rank], kind, n]
                  for fqn, offset, index, rank, key, kind, n in doc["items"]]
+        sdm = {fqn: _expand_md(fqn, d) for fqn, d in doc["state_dict_metadata"].items()}
+        planner_data = _expand_planner_data(doc["planner_data"])
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError, CorruptManifestError) as exc:
         raise CorruptManifestError(f"{where}: malformed DCP metadata document ({exc!r:.200})") from None
-    return {**doc, "storage_meta": head.get("storage_meta"), "items": items}
+    return {"version": doc["version"], "state_dict_metadata": sdm, "planner_data": planner_data,
+            "storage_meta": head.get("storage_meta"), "items": items}
 
 
 def _checkpoints(head: dict[str, Any], where: str) -> dict[int, str]:

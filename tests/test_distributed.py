@@ -749,12 +749,11 @@ def test_dcp_metadata_is_read_from_the_checksummed_manifest(tmp_path: Path) -> N
     with deltackpt.Store(root / "meta") as meta:
         rec = meta.index.get(step=1)
         doc = tree.decode_plain(rec.metadata)
-        doc["items"] = []  # names no rank checkpoint: prune would take every shard for stale
-        doc["state_dict_metadata"] = {}
+        doc["checkpoints"] = []  # names no rank checkpoint: prune would take every shard for stale
         with meta.index.env.begin(write=True) as txn:
             txn.put(struct.pack(">Q", rec.seq), dataclasses.replace(rec, metadata=tree.encode_plain(doc)).dumps(),
                     db=meta.index.db_ckpts)
-        assert meta.info(1).metadata["items"] == []
+        assert meta.info(1).metadata["checkpoints"] == []
     _save_steps(root, [2])
     assert distributed.prune(root) == 0
     assert_state(load_full(root, 1), expected(1))
@@ -1011,3 +1010,50 @@ def test_keep_on_a_dcp_root_deletes_steps_and_their_shards(tmp_path: Path,
             warnings.simplefilter("ignore")
             dcp.load(target, storage_reader=DeltaStorageReader(root, step=s), no_dist=True)
         assert torch.equal(target["x"], states[s]["x"])
+
+
+def test_dcp_metadata_reads_back_as_dcp_wrote_it(tmp_path: Path) -> None:
+    """The metadata a DeltaStorageReader returns equals what DCP handed the writer: every tensor's dtype,
+    requires_grad, size and chunks, byte items, the planner's data (its tuples as tuples), the version, and
+    where each item lies; a planner whose data is not DefaultSavePlanner's kind is kept as plain values."""
+    from dataclasses import replace
+
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from deltackpt import distributed
+
+    got: list[Metadata] = []
+
+    class Keeping(DeltaStorageWriter):
+        def finish(self, metadata: Metadata, results: Any) -> None:
+            got.append(metadata)
+            super().finish(metadata, results)
+
+    class OddPlanner(dcp.DefaultSavePlanner):
+        def create_global_plan(self, all_plans: Any) -> Any:
+            plans, md = super().create_global_plan(all_plans)
+            return plans, replace(md, planner_data={"note": [1, (2, "x")], 3: None})
+
+    state = {"w": torch.randn(6, 4, dtype=torch.bfloat16), "g": torch.ones(3, requires_grad=True), "n": 7,
+             "nested": {"list": [torch.arange(5), "s"], "b": b"x" * 5000}}
+    for planner in (None, OddPlanner()):
+        root = tmp_path / f"ckpt-{planner is None}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=Keeping(root, step=1), planner=planner, no_dist=True)
+            read = DeltaStorageReader(root).read_metadata()
+        wrote = got[-1]
+        assert read.version == wrote.version and read.planner_data == wrote.planner_data
+        assert type(read.planner_data) is type(wrote.planner_data)
+        if planner is None:
+            assert all(type(v) is tuple for v in read.planner_data.values())
+        assert read.state_dict_metadata.keys() == wrote.state_dict_metadata.keys()
+        for fqn, md in wrote.state_dict_metadata.items():
+            r = read.state_dict_metadata[fqn]
+            assert type(r) is type(md)
+            if hasattr(md, "properties"):
+                assert (r.properties.dtype, r.properties.requires_grad, r.size) == (
+                    md.properties.dtype, md.properties.requires_grad, md.size)
+                assert [(c.offsets, c.sizes) for c in r.chunks] == [(c.offsets, c.sizes) for c in md.chunks]
+        assert {i.fqn for i in read.storage_data} == set(wrote.state_dict_metadata)
+        assert all(st.key == distributed._item_key(i) for i, st in read.storage_data.items())
