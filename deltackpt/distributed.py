@@ -10,6 +10,12 @@ DeltaStorageReader(root))`` reads the metadata of a step (the newest by default)
 for the loading ranks, however many and however sharded (resharding), and each rank reads the slices it needs
 from whichever rank stores hold them.
 
+The meta checkpoint's metadata (its index record) only names the step's rank checkpoints (and holds the
+metadata the writer was given for the step); DCP's own metadata is a JSON document in its state, chunked and
+deduplicated from step to step. With a retention policy, the coordinator deletes the meta checkpoints of the
+steps it drops after each commit, and each rank deletes its own checkpoints that no step names any more at its
+next save (:func:`prune`'s rule), so no process writes another's store.
+
 Nothing is unpickled on load by default: DCP serialises non-tensor values (``BYTE_IO`` items) with pickle, so
 the writer stores those it can as plain values instead (the kinds :mod:`deltackpt.tree` encodes: numbers,
 strings, lists, dicts, ...) and keeps the pickle only for the others; loading a pickled one needs
