@@ -171,7 +171,6 @@ class DeltaStorageWriter(StorageWriter):
         self.gc = bool(gc)
         self.store_options = store_options
         self._stores: dict[Path, Store] = {}
-        self._doc_text: tuple[str, bytes] | None = None  # the last metadata document saved: (repr, encoded)
         self._dropped: dict[Path, int] = {}  # per store: bytes its deleted checkpoints wrote since its last gc
 
     def _store(self, path: Path) -> Store:
@@ -346,12 +345,7 @@ class DeltaStorageWriter(StorageWriter):
             "metadata": _check_metadata(self.metadata),
         }
         try:
-            # Encoding takes about 0.1 ms per tensor; a job's plan seldom changes, so the previous step's text is
-            # reused when the document's repr (which tells 1 from True and 1.0, and lists from tuples) is the same
-            shown = repr(doc)
-            if self._doc_text is None or self._doc_text[0] != shown:
-                self._doc_text = shown, json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
-            text = self._doc_text[1]
+            text = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
             tree.encode_plain(head)
         except UnsupportedTypeError as exc:
             raise UnsupportedTypeError(f"DCP metadata of step {self.step}: {exc}") from None
