@@ -121,6 +121,33 @@ def _finish_saves_at_exit() -> None:
                              f"failed as the interpreter exited: {type(exc).__name__}: {exc}\n")
 
 
+class _WorkersIgnoreStopSignals:
+    """``worker_init_fn`` of the DataLoader a checkpointer that handles signals was given (wrapping the loader's
+    own): its workers ignore SIGTERM and SIGINT. A stop signal sent to the whole job (SLURM signals every process
+    of a job step; Ctrl-C the foreground process group) would otherwise end them (torch installs its own SIGTERM
+    handler in each worker) and the DataLoader would raise in the training process before the step boundary
+    where the checkpointer saves. The workers still end with the training process: the DataLoader shuts them
+    down, or they see their parent gone. Picklable (a DataLoader with ``spawn`` workers pickles it)."""
+
+    def __init__(self, fn: Callable[[int], None] | None) -> None:
+        self.fn = fn
+
+    def __call__(self, worker_id: int) -> None:
+        for sig in _SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        if self.fn is not None:
+            self.fn(worker_id)
+
+
+def _dataloader_worker() -> bool:
+    """Whether this process is a worker of a torch DataLoader (forked from a process with a checkpointer)."""
+    data = sys.modules.get("torch.utils.data")
+    try:
+        return data is not None and data.get_worker_info() is not None
+    except Exception:  # (a torch without get_worker_info: not knowable, so not a worker)
+        return False
+
+
 def _forget_saves_after_fork() -> None:
     """A forked child (a DataLoader's or a Pool's worker) inherits the parent's saves in flight, but not the threads
     running them: its exit must not wait for them (it used to, forever)."""
@@ -623,6 +650,7 @@ class Checkpointer:
         self._stopped_by = 0  # the signal it saved at while in _stopped
         self._previous: dict[int, Any] = {}
         self._closed = False
+        self._quieted: list[Any] = []  # DataLoaders whose workers this checkpointer made ignore stop signals
         if handle_signals:
             self._install_signals()
 
@@ -1025,11 +1053,20 @@ class Checkpointer:
         self._pid = os.getpid()
         for sig in _SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        loader = getattr(self.data, "loader", self.data)  # a ResumableLoader's DataLoader, or one given as is
+        if type(loader).__module__.startswith("torch.utils.data") and getattr(loader, "num_workers", 0) > 0 \
+                and not isinstance(loader.worker_init_fn, _WorkersIgnoreStopSignals):
+            loader.worker_init_fn = _WorkersIgnoreStopSignals(loader.worker_init_fn)
+            self._quieted.append(loader)
 
     def _restore_signals(self) -> None:
         """Where this checkpointer's handler is the one installed, put back the one before it (skipping closed
         checkpointers' handlers). Elsewhere (off the main thread, or under another handler) it stays, and
         passes signals on once the checkpointer is closed."""
+        for loader in self._quieted:
+            if isinstance(loader.worker_init_fn, _WorkersIgnoreStopSignals):
+                loader.worker_init_fn = loader.worker_init_fn.fn
+        self._quieted.clear()
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, handler in list(self._previous.items()):
@@ -1063,6 +1100,11 @@ class Checkpointer:
                 _pass_to(handler, signum, frame, kill=True)
                 return
         if os.getpid() != self._pid:  # inherited by a forked child (a Pool's, a DataLoader's worker): nothing
+            if _dataloader_worker():
+                # A stop signal sent to the whole job (SLURM's, a process group's) reaches the DataLoader's workers
+                # too: the training process needs them for the batches up to its step boundary, where it saves, and
+                # they end with it (the DataLoader shuts them down, or they see it gone)
+                return
             _pass_to(self._beneath(signum), signum, frame, kill=True)  # here saves, so it goes straight on
             return
         if self._closed:

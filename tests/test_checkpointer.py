@@ -633,23 +633,40 @@ def _start(argv: list[str], d: Path) -> tuple[subprocess.Popen[bytes], Path]:
     return proc, out
 
 
-def _sigterm_run(d: Path, rng: random.Random, **more: Any) -> tuple[int, int, str, list[tuple[int, str]]]:
-    """Start a worker (no interval saves), SIGTERM it after some steps; (exit code, steps logged before the
-    signal, its output, its logged steps)."""
+def _sigterm_run(d: Path, rng: random.Random, *, group: bool = False,
+                 **more: Any) -> tuple[int, int, str, list[tuple[int, str]]]:
+    """Start a worker (no interval saves), SIGTERM it (``group``: its whole process group, DataLoader workers
+    included) after some steps; (exit code, steps logged before the signal, its output, its logged steps)."""
     log = d / "log"
     proc, out = _start(worker_argv(d / "store", log, steps=400, every=1000, sleep=0.05, **more), d)
     try:
         wait_for_lines(log, rng.randint(3, 10), lambda: proc.poll() is None, timeout=120)
         time.sleep(rng.uniform(0, 0.02))
         before = len(read_log(log)[1])
-        proc.send_signal(signal.SIGTERM)
+        if group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=60)
+        if group:  # the DataLoader's workers end with the training process
+            deadline = time.monotonic() + 30
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _group_alive(proc.pid), "DataLoader workers outlived the training process"
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         kill_group(proc.pid)
     return code, before, out.read_text(), read_log(log)[1]
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _finally_step(output: str) -> int:
@@ -737,6 +754,24 @@ def test_sigterm_saves_at_step_boundary_and_exits_143(fast_dir: Path, rng: rando
         state = store.load()
     assert state["step"] == step
     assert_bitwise(torch.load(fast_dir / "model.pt"), state["model"], "model")
+
+
+@linux_only
+def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_at_the_step_boundary(fast_dir: Path,
+                                                                                    rng: random.Random) -> None:
+    """SLURM signals every process of a job step: the DataLoader's workers get the SIGTERM too. They used to
+    die of it (torch installs its own SIGTERM handler in each worker), the DataLoader raised "worker exited
+    unexpectedly" in the training process before the step boundary, and nothing was saved. The checkpointer
+    makes the workers of the loader it was given ignore stop signals: the run saves at the boundary, exits 143,
+    and its workers end with it."""
+    code, before, output, logged = _sigterm_run(fast_dir, rng, group=True, workers=2)
+    assert code == 128 + signal.SIGTERM, f"exit {code}: {output[-3000:]}"
+    assert "Traceback" not in output and "exited unexpectedly" not in output, output[-3000:]
+    step = _finally_step(output)
+    assert before <= step <= before + 1 and logged[-1][0] == step
+    with Store(fast_dir / "store") as store:
+        assert [i.step for i in store.list()] == [step]
+        assert store.load()["step"] == step
 
 
 @linux_only
