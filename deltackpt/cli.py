@@ -325,6 +325,11 @@ def cmd_keep(args: argparse.Namespace) -> int:
         raise ValueError("give a rule that deletes: --last, --every, --within or --best (the others only keep)")
     verb = "would delete" if args.dry_run else "deleted"
     root = Path(args.store)
+    parent = root.resolve().parent if args.store else root
+    if (parent / "meta" / "STORE").exists() and re.fullmatch(r"meta|rank-\d{5,}", root.resolve().name):
+        raise DeltackptError(f"{args.store} is a store of the sharded (DCP) root {parent}: thinning it alone would "
+                             f"break the steps that name its checkpoints; 'deltackpt keep {parent}' thins the "
+                             "root's steps")
     if not (root / "STORE").exists() and (root / "meta" / "STORE").exists():  # a DCP root: its steps
         from deltackpt import distributed
 
@@ -393,12 +398,12 @@ def cmd_dcp(args: argparse.Namespace) -> int:
         print(f"verify steps: {'OK' if not names else f'{len(names)} problem(s)'}")
         rc = rc if not names else 1
     steps = distributed.summary(root)
-    rows = [(i.step, when(i.created), i.ranks, human(i.logical_bytes), human(i.written_bytes)) for i in steps]
-    head = ["step", "committed", "ranks", "logical", "written"]
+    rows = [(i.step, i.id, when(i.created), i.ranks, human(i.logical_bytes), human(i.written_bytes)) for i in steps]
+    head = ["step", "id", "committed", "ranks", "logical", "written"]
     if any(i.metadata for i in steps):  # what the writer was given per step (a loss, a tag), as ls shows it
         rows = [(*row, _meta_str(i.metadata)) for row, i in zip(rows, steps)]
         head.append("metadata")
-    print(table(rows, head, right={0, 2, 3, 4}))
+    print(table(rows, head, right={0, 3, 4, 5}))
     return rc
 
 

@@ -353,7 +353,7 @@ class DeltaStorageWriter(StorageWriter):
         meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
         if self.retention is not None:
             try:
-                infos = [replace(i, metadata=_user_metadata(i.metadata)) for i in meta.list()]
+                infos = _with_user_metadata(meta)
                 by_id = {i.id: i for i in infos}
                 for cid in self.retention.plan(infos).delete:  # the steps are gone; their shards go at the next save
                     try:
@@ -475,15 +475,20 @@ def _decode_md(fqn: str, d: Any, where: str) -> Any:
 
 class DeltaStorageReader(StorageReader):
     """DCP storage reader of the deltackpt stores under ``root``: the DCP checkpoint of ``step`` (the newest
-    when None). ``allow_pickle=True`` loads non-tensor values the writer could only keep pickled; ``verify``
-    is :meth:`Store.load`'s; ``allow_network_fs`` is :class:`Store`'s (loading ranks on several hosts read the
-    stores from a shared filesystem: safe while no process writes them)."""
+    when None; of a step saved more than once, after a rollback, the newest of them), or the one with ``id``
+    (:class:`StepInfo`'s, from :func:`summary`). ``allow_pickle=True`` loads non-tensor values the writer could
+    only keep pickled; ``verify`` is :meth:`Store.load`'s; ``allow_network_fs`` is :class:`Store`'s (loading
+    ranks on several hosts read the stores from a shared filesystem: safe while no process writes them)."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
-                 allow_pickle: bool = False, verify: bool = True, allow_network_fs: bool | None = None) -> None:
+                 id: str | None = None, allow_pickle: bool = False, verify: bool = True,
+                 allow_network_fs: bool | None = None) -> None:
         super().__init__()
+        if step is not None and id is not None:
+            raise ValueError("DeltaStorageReader takes a step or an id, not both")
         self.root = None if root is None else Path(root)
         self.step = step
+        self.id = id
         self.allow_pickle = config.boolean("allow_pickle", allow_pickle)
         self.verify = config.boolean("verify", verify)
         self.allow_network_fs = allow_network_fs
@@ -501,7 +506,7 @@ class DeltaStorageReader(StorageReader):
             raise ValueError("DeltaStorageReader needs a root directory (or a checkpoint_id to dcp.load)")
         with _existing(self.root / "meta", "DCP checkpoints", readonly=True,
                        allow_network_fs=self.allow_network_fs) as meta:
-            info = meta.info(self.step) if self.step is not None else meta.latest()
+            info = meta.info(self.step, id=self.id) if self.step is not None or self.id is not None else meta.latest()
             if info is None:
                 raise CheckpointNotFoundError(f"no DCP checkpoint in {self.root}")
             where = f"DCP checkpoint of step {info.step} in {self.root}"
@@ -664,6 +669,19 @@ class StepInfo:
     logical_bytes: int
     written_bytes: int
     metadata: Any = None
+    id: str = ""  # the meta checkpoint's: DeltaStorageReader(root, id=) loads this one of a step saved twice
+
+
+def _with_user_metadata(meta: Store) -> list[CheckpointInfo]:
+    """The meta store's checkpoints, each with the metadata its writer was given, from its checksummed manifest
+    (what retention's keep_best and keep_tagged go by: a damaged index copy must not decide a delete)."""
+    out = []
+    for i in meta.list():
+        try:
+            out.append(replace(i, metadata=_user_metadata(_doc(meta, i.id))))
+        except CheckpointNotFoundError:
+            continue  # deleted meanwhile (a delete in another process)
+    return out
 
 
 def _user_metadata(head: Any) -> Any:
@@ -684,7 +702,8 @@ def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
                 if c is not None:
                     sizes[r, ckpt] = (c.logical_bytes, c.written_bytes)
     return [StepInfo(i.step, i.created, len({r for r, _ in named}), sum(sizes.get(n, (0, 0))[0] for n in named),
-                     sum(sizes.get(n, (0, 0))[1] for n in named), _user_metadata(i.metadata)) for i, named in steps]
+                     sum(sizes.get(n, (0, 0))[1] for n in named), _user_metadata(i.metadata), i.id)
+            for i, named in steps]
 
 
 def verify_names(root: str | os.PathLike[str]) -> list[str]:
@@ -747,7 +766,7 @@ def retain(root: str | os.PathLike[str], retention: Retention, *, dry_run: bool 
         raise ValueError("DCP retention cannot thin steps to model weights (full_last)")
     root = Path(root)
     with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
-        infos = [replace(i, metadata=_user_metadata(i.metadata)) for i in meta.list()]
+        infos = _with_user_metadata(meta)
     drop = set(retention.plan(infos).delete)
     dropped = [i for i in infos if i.id in drop]
     if not dry_run:

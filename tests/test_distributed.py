@@ -1057,3 +1057,59 @@ def test_dcp_metadata_reads_back_as_dcp_wrote_it(tmp_path: Path) -> None:
                 assert [(c.offsets, c.sizes) for c in r.chunks] == [(c.offsets, c.sizes) for c in md.chunks]
         assert {i.fqn for i in read.storage_data} == set(wrote.state_dict_metadata)
         assert all(st.key == distributed._item_key(i) for i, st in read.storage_data.items())
+
+
+def test_keep_refuses_a_store_inside_a_dcp_root(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Thinning a rank store (or the meta store) alone would break the steps that name its checkpoints, and the
+    meta store's own metadata is the head, not the steps' metadata: ``keep`` refuses both, changing nothing."""
+    from conftest import dir_snapshot
+
+    from deltackpt.cli import main
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, [1, 2, 3])
+    before = dir_snapshot(root)
+    for sub in ("rank-00000", "meta"):
+        capsys.readouterr()
+        assert main(["keep", str(root / sub), "--last", "1"]) == 1
+        err = capsys.readouterr().err
+        assert f"is a store of the sharded (DCP) root {root.resolve()}" in err and "deltackpt keep" in err, err
+    assert dir_snapshot(root) == before
+
+
+def test_a_step_saved_twice_loads_by_id_and_retention_reads_checksummed_metadata(tmp_path: Path) -> None:
+    """After a rollback a step can be saved again: ``DeltaStorageReader(step=)`` loads the newer copy and
+    ``id=`` (from ``summary()``) either. Retention ranks and keeps by the metadata in the meta checkpoints'
+    manifests: a damaged index copy (here the tag removed) does not make it delete a tagged step."""
+    import dataclasses
+    import struct
+
+    from deltackpt import distributed, tree
+
+    root = tmp_path / "ckpt"
+    w = DeltaStorageWriter(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, value, meta in ((1, 1.0, {"tag": "first"}), (2, 2.0, None), (3, 3.0, None), (2, 20.0, None)):
+            w.step, w.metadata = step, meta
+            dcp.save({"x": torch.full((10,), value)}, storage_writer=w, no_dist=True)
+        w.close()
+        infos = distributed.summary(root)
+        assert [i.step for i in infos] == [1, 2, 3, 2] and len({i.id for i in infos}) == 4
+        for reader, want in ((DeltaStorageReader(root, step=2), 20.0), (DeltaStorageReader(root, id=infos[1].id), 2.0)):
+            target = {"x": torch.zeros(10)}
+            dcp.load(target, storage_reader=reader, no_dist=True)
+            assert torch.equal(target["x"], torch.full((10,), want))
+    with pytest.raises(ValueError, match="a step or an id"):
+        DeltaStorageReader(root, step=2, id=infos[1].id)
+    with deltackpt.Store(root / "meta") as meta:
+        rec = meta.index.get(step=1)
+        head = tree.decode_plain(rec.metadata)
+        head["metadata"] = None
+        with meta.index.env.begin(write=True) as txn:
+            txn.put(struct.pack(">Q", rec.seq), dataclasses.replace(rec, metadata=tree.encode_plain(head)).dumps(),
+                    db=meta.index.db_ckpts)
+    dropped = distributed.retain(root, deltackpt.Retention(keep_last=1))
+    assert [(i.step, i.id) for i in dropped] == [(2, infos[1].id), (3, infos[2].id)]
+    assert [(i.step, i.metadata) for i in distributed.summary(root)] == [(1, None), (2, None)]
+    assert [i.id for i in distributed.summary(root)] == [infos[0].id, infos[3].id]
