@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import gc
 import importlib.util
 import json
@@ -772,6 +773,42 @@ def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_at_the_step_boun
     with Store(fast_dir / "store") as store:
         assert [i.step for i in store.list()] == [step]
         assert store.load()["step"] == step
+
+
+class _StopSignalDisposition(torch.utils.data.Dataset):
+    """Each item: 1.0 when the DataLoader worker that fetched it ignores SIGTERM and SIGINT, else 0.0."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        ignored = all(signal.getsignal(sig) == signal.SIG_IGN for sig in (signal.SIGTERM, signal.SIGINT))
+        return torch.tensor(float(ignored))
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_the_given_loaders_workers_ignore_stop_signals_until_close(fast_dir: Path, context: str) -> None:
+    """The wrapper around the DataLoader's worker_init_fn runs in forked and spawned workers (spawn pickles it)
+    and runs the loader's own function too; close() puts the loader's own back, so its workers are torch's
+    again."""
+    from deltackpt.data import ResumableLoader, ResumableSampler
+
+    calls = fast_dir / "init-calls"
+    ds = _StopSignalDisposition()
+    dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1, multiprocessing_context=context,
+                                     sampler=ResumableSampler(ds), worker_init_fn=functools.partial(_touch, calls))
+    loader = ResumableLoader(dl)
+    model = torch.nn.Linear(1, 1)
+    with Checkpointer(fast_dir / "store", model=model, data=loader) as ckpt:
+        assert ckpt is not None
+        assert next(iter(loader)).tolist() == [1.0] * 4
+    assert calls.exists(), "the loader's own worker_init_fn did not run"
+    assert dl.worker_init_fn.func is _touch
+    assert next(iter(loader)).tolist() == [0.0] * 4
+
+
+def _touch(path: Path, worker_id: int) -> None:
+    path.touch()
 
 
 @linux_only
