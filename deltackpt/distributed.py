@@ -68,7 +68,7 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
-from deltackpt.retention import Retention
+from deltackpt.retention import Retention, deleting_only
 from deltackpt.store import CheckpointInfo, Store, _check_metadata, _check_step
 
 #: version of the layout of DCP metadata in ``root/meta`` checkpoints. 3: the bulk of DCP's metadata is a chunked
@@ -79,6 +79,8 @@ META_FORMAT = 3
 _TENSORS, _PICKLED, _OBJECTS, _BLOBS = "tensors", "pickled", "dcp_objects", "blobs"
 #: the meta checkpoint's state key of the DCP metadata document (format 3)
 _DOC = "dcp_metadata"
+#: why DCP retention refuses full_last
+_NO_THINNING = "DCP retention cannot thin steps to model weights: a rank's shards do not say which are the model's"
 #: ``bytes`` values at least this long are stored as uint8 arrays (chunked, deduplicated, counted as written)
 BLOB_MIN = 4096
 
@@ -159,11 +161,8 @@ class DeltaStorageWriter(StorageWriter):
                  metadata: Mapping[str, Any] | None = None, retention: Retention | None = None, gc: bool = True,
                  **store_options: Any) -> None:
         super().__init__()
-        if retention is not None and not isinstance(retention, Retention):
-            raise TypeError(f"retention must be a deltackpt.Retention or None, got {type(retention).__name__}")
-        if retention is not None and retention.full_last is not None:
-            raise ValueError("DCP retention cannot thin steps to model weights (full_last): a rank's shards do not "
-                             "say which are the model's")
+        if retention is not None:
+            deleting_only(retention, _NO_THINNING)
         self.root = None if root is None else Path(root)
         self.step = step
         self.metadata = metadata
@@ -353,14 +352,12 @@ class DeltaStorageWriter(StorageWriter):
         meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
         if self.retention is not None:
             try:
-                infos = _with_user_metadata(meta)
-                by_id = {i.id: i for i in infos}
-                for cid in self.retention.plan(infos).delete:  # the steps are gone; their shards go at the next save
+                for info in _dropped_steps(meta, self.retention):  # gone now; their shards go at the next save
                     try:
-                        meta.delete(id=cid)
+                        meta.delete(id=info.id)
                     except CheckpointNotFoundError:
                         continue
-                    self._dropped[meta.path] = self._dropped.get(meta.path, 0) + by_id[cid].written_bytes
+                    self._dropped[meta.path] = self._dropped.get(meta.path, 0) + info.written_bytes
                 self._collect(meta)
             except (DeltackptError, OSError) as exc:
                 warnings.warn(f"deltackpt: DCP retention after step {self.step} failed; the step is saved "
@@ -672,16 +669,18 @@ class StepInfo:
     id: str = ""  # the meta checkpoint's: DeltaStorageReader(root, id=) loads this one of a step saved twice
 
 
-def _with_user_metadata(meta: Store) -> list[CheckpointInfo]:
-    """The meta store's checkpoints, each with the metadata its writer was given, from its checksummed manifest
-    (what retention's keep_best and keep_tagged go by: a damaged index copy must not decide a delete)."""
-    out = []
+def _dropped_steps(meta: Store, retention: Retention) -> list[CheckpointInfo]:
+    """The meta checkpoints ``retention`` does not keep (oldest first), each with the metadata its writer was
+    given, read from its checksummed manifest (what keep_best and keep_tagged go by: a damaged index copy must
+    not decide a delete)."""
+    infos = []
     for i in meta.list():
         try:
-            out.append(replace(i, metadata=_user_metadata(_doc(meta, i.id))))
+            infos.append(replace(i, metadata=_user_metadata(_doc(meta, i.id))))
         except CheckpointNotFoundError:
             continue  # deleted meanwhile (a delete in another process)
-    return out
+    drop = set(retention.plan(infos).delete)
+    return [i for i in infos if i.id in drop]
 
 
 def _user_metadata(head: Any) -> Any:
@@ -760,15 +759,10 @@ def retain(root: str | os.PathLike[str], retention: Retention, *, dry_run: bool 
     steps deleted, with the steps' metadata (with ``dry_run``, of the steps it would delete, deleting nothing).
     ``keep_best`` and ``keep_tagged`` go by the steps' metadata; ``full_last`` is refused (nothing here can thin
     a step). Space returns with ``gc`` of each store."""
-    if not isinstance(retention, Retention):
-        raise TypeError(f"retention must be a deltackpt.Retention, got {type(retention).__name__}")
-    if retention.full_last is not None:
-        raise ValueError("DCP retention cannot thin steps to model weights (full_last)")
+    deleting_only(retention, _NO_THINNING)
     root = Path(root)
     with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
-        infos = _with_user_metadata(meta)
-    drop = set(retention.plan(infos).delete)
-    dropped = [i for i in infos if i.id in drop]
+        dropped = _dropped_steps(meta, retention)
     if not dry_run:
         _delete_ids(root, [i.id for i in dropped])
     return dropped

@@ -361,13 +361,14 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
                 if shards[k].shape == shape and not k.startswith(own) and shards[k].path not in roles]
 
     def entry(base: str) -> tuple[str, str | None, Mapping[str, Any]] | None:
-        """(optimizer prefix, parameter name or None, group) of the optimizer state entry at ``base``."""
+        """(the optimizer's state prefix, parameter name or None, group) of the optimizer state entry at
+        ``base`` (the prefix's shards, the optimizer's own, pair with nothing)."""
         dotted = "." + base  # (an optimizer saved at the top has keys "state.<param>...")
         at = next((i for i in range(len(dotted)) if dotted.startswith(".state.", i)
                    and (dotted[1:i], dotted[i + 7:]) in groups), None)
         if at is None:
             return None
-        return (dotted[1:at], *groups[(dotted[1:at], dotted[at + 7:])])
+        return (dotted[1:at + 7], *groups[(dotted[1:at], dotted[at + 7:])])
 
     roles: dict[str, Role] = {}
     for key, vl in shards.items():
@@ -375,9 +376,7 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
         if fqn.endswith(".momentum_buffer"):  # SGD (or RMSprop) with momentum: the parameter's step is -lr·b
             found = entry(fqn[: -len(".momentum_buffer")])
             if found is not None and found[1] is not None:
-                optimizer, name = found[0], found[1]
-                own = f"{optimizer}.state." if optimizer else "state."
-                for leaf in params(name, off, vl.shape, own):
+                for leaf in params(found[1], off, vl.shape, found[0]):
                     roles[leaf.path] = Role(MOMENTUM_PARAM, vl.path, None, 0.0, 0.0, 0.0, 0.0)
             continue
         if not fqn.endswith(".exp_avg_sq"):
@@ -389,8 +388,7 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
         found = entry(base)
         if found is None:
             continue
-        optimizer, name, group = found
-        own = f"{optimizer}.state." if optimizer else "state."  # (the optimizer's own tensors pair with nothing)
+        own, name, group = found
         betas = _group_betas(group)
         if betas is None:
             continue

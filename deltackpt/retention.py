@@ -15,7 +15,7 @@ import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -132,6 +132,16 @@ class Retention:
             thin=thin,
             delete=[i for i in ids if i not in keep],
         )
+
+
+def deleting_only(retention: Any, why: str) -> Retention:
+    """``retention`` checked for a caller that deletes but cannot thin (``Store.retain``, DCP steps): a
+    :class:`Retention` without ``full_last``; ``why`` ends the ValueError that refuses one with it."""
+    if not isinstance(retention, Retention):
+        raise TypeError(f"retention must be a deltackpt.Retention, got {type(retention).__name__}")
+    if retention.full_last is not None:
+        raise ValueError(f"{why} (full_last)")
+    return retention
 
 
 def _tagged(tag: object) -> bool:

@@ -59,7 +59,7 @@ from deltackpt.errors import (
 )
 from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key, record_at
 from deltackpt.packs import PackReader, PackWriter, close_lock, flock_within, fsync_dir, make_dirs, open_lock
-from deltackpt.retention import Retention
+from deltackpt.retention import Retention, deleting_only
 from deltackpt.scratch import Scratch
 
 STORE_FORMAT = "deltackpt-store"
@@ -1825,10 +1825,7 @@ class Store:
         each save): delete every checkpoint it does not keep and return those, oldest first (with ``dry_run``,
         those it would delete, deleting nothing). A checkpoint another process deletes meanwhile is passed over.
         ``full_last`` is refused here: thinning needs a Checkpointer's layout. Space returns with :meth:`gc`."""
-        if not isinstance(retention, Retention):
-            raise TypeError(f"retention must be a deltackpt.Retention, got {type(retention).__name__}")
-        if retention.full_last is not None:
-            raise ValueError("Store.retain does not thin checkpoints (full_last): a Checkpointer's retention does")
+        deleting_only(retention, "Store.retain does not thin checkpoints: a Checkpointer's retention does")
         if not dry_run:
             self._writable("retain")
         infos = self.list()
