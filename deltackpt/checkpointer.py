@@ -651,6 +651,7 @@ class Checkpointer:
         self._previous: dict[int, Any] = {}
         self._closed = False
         self._quieted: list[Any] = []  # DataLoaders whose workers this checkpointer made ignore stop signals
+        self._handling = False  # its signal handlers were installed
         if handle_signals:
             self._install_signals()
 
@@ -1053,7 +1054,28 @@ class Checkpointer:
         self._pid = os.getpid()
         for sig in _SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
-        loader = getattr(self.data, "loader", self.data)  # a ResumableLoader's DataLoader, or one given as is
+        self._handling = True
+        self._quiet(getattr(self.data, "loader", self.data))  # a ResumableLoader's DataLoader, or one given as is
+
+    def protect_workers(self, *loaders: Any) -> None:
+        """Make the workers of these DataLoaders (an evaluation loader, say; the one given as ``data`` already
+        is) ignore SIGTERM and SIGINT until :meth:`close`, so that a stop signal sent to the whole job does not
+        end them and make the DataLoader raise before the step boundary where this checkpointer saves. It wraps
+        each loader's ``worker_init_fn``, which runs when workers start: a loader with ``persistent_workers``
+        whose workers already run gets it at its next start. Nothing is done when this checkpointer does not
+        handle signals (``handle_signals=False``, or made off the main thread). A ``ResumableLoader`` stands for
+        its DataLoader; anything else that is not a DataLoader is refused with ``TypeError``."""
+        self._check_open()
+        for loader in loaders:
+            loader = getattr(loader, "loader", loader)
+            if not isinstance(loader, torch.utils.data.DataLoader):
+                raise TypeError(f"protect_workers takes DataLoaders, not {type(loader).__name__}")
+            if self._handling:
+                self._quiet(loader)
+
+    def _quiet(self, loader: Any) -> None:
+        """Wrap ``loader``'s ``worker_init_fn`` (a torch DataLoader with workers) so its workers ignore stop
+        signals; :meth:`_restore_signals` puts the loader's own back."""
         if type(loader).__module__.startswith("torch.utils.data") and getattr(loader, "num_workers", 0) > 0 \
                 and not isinstance(loader.worker_init_fn, _WorkersIgnoreStopSignals):
             loader.worker_init_fn = _WorkersIgnoreStopSignals(loader.worker_init_fn)

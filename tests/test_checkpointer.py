@@ -775,6 +775,39 @@ def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_at_the_step_boun
         assert store.load()["step"] == step
 
 
+@linux_only
+def test_sigterm_to_the_whole_job_with_a_protected_evaluation_loader_saves(fast_dir: Path, rng: random.Random) -> None:
+    """An evaluation DataLoader the checkpointer was not given, drawn from every step: its workers get the job-wide
+    SIGTERM too, and without ``protect_workers`` they die of it and the run saves nothing."""
+    code, before, output, logged = _sigterm_run(fast_dir, rng, group=True, workers=1, eval_workers=2)
+    assert code == 128 + signal.SIGTERM, f"exit {code}: {output[-3000:]}"
+    assert "Traceback" not in output and "exited unexpectedly" not in output, output[-3000:]
+    step = _finally_step(output)
+    assert before <= step <= before + 1 and logged[-1][0] == step
+    with Store(fast_dir / "store") as store:
+        assert [i.step for i in store.list()] == [step]
+
+
+def test_protect_workers_takes_dataloaders_only_and_is_undone_at_close(fast_dir: Path) -> None:
+    ds = _StopSignalDisposition()
+    dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1)
+    plain = torch.utils.data.DataLoader(ds, batch_size=4)  # no workers: nothing to wrap
+    with Checkpointer(fast_dir / "store", model=torch.nn.Linear(1, 1)) as ckpt:
+        with pytest.raises(TypeError, match="list"):
+            ckpt.protect_workers([dl])
+        ckpt.protect_workers(dl, plain)
+        ckpt.protect_workers(dl)  # twice: wrapped once
+        assert dl.worker_init_fn.fn is None and plain.worker_init_fn is None
+        assert next(iter(dl)).tolist() == [1.0] * 4
+    assert dl.worker_init_fn is None
+    assert next(iter(dl)).tolist() == [0.0] * 4
+    with pytest.raises(deltackpt.DeltackptError, match="closed"):
+        ckpt.protect_workers(dl)
+    with Checkpointer(fast_dir / "store2", model=torch.nn.Linear(1, 1), handle_signals=False) as ckpt:
+        ckpt.protect_workers(dl)  # signals are not handled: the workers keep torch's handlers
+        assert dl.worker_init_fn is None
+
+
 class _StopSignalDisposition(torch.utils.data.Dataset):
     """Each item: 1.0 when the DataLoader worker that fetched it ignores SIGTERM and SIGINT, else 0.0."""
 

@@ -91,6 +91,12 @@ def _log(fd: int, line: str) -> None:
     os.write(fd, (line + "\n").encode())
 
 
+def _forever(loader: DataLoader) -> Any:
+    """The loader's batches, epoch after epoch (each epoch starts its workers afresh)."""
+    while True:
+        yield from loader
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", required=True)
@@ -102,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--chain-marker")
     ap.add_argument("--finally-out")
+    ap.add_argument("--eval-workers", type=int, default=0)
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -122,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
         args.store, model=parts["model"], optimizer=parts["optimizer"], scheduler=parts["scheduler"],
         data=parts["data"], every_n_steps=args.every, async_save=True,
     )
+    evals = None
+    if args.eval_workers:  # an evaluation loader the checkpointer was not given: one batch drawn per step
+        eval_loader = DataLoader(parts["data"].loader.dataset, batch_size=BATCH_SIZE, num_workers=args.eval_workers)
+        ckpt.protect_workers(eval_loader)
+        evals = _forever(eval_loader)
     fd = os.open(args.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     done = 0
     try:
@@ -131,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         batches = parts["data"].batches()
         for step in range(start + 1, args.steps + 1):
             loss = train_step(parts, next(batches))
+            if evals is not None:
+                next(evals)
             _log(fd, f"{step} {loss.hex()}")
             if args.sleep:
                 time.sleep(args.sleep)
