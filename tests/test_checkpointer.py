@@ -758,14 +758,16 @@ def test_sigterm_saves_at_step_boundary_and_exits_143(fast_dir: Path, rng: rando
 
 
 @linux_only
-def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_at_the_step_boundary(fast_dir: Path,
-                                                                                    rng: random.Random) -> None:
+@pytest.mark.parametrize("loaders", [{"workers": 2}, {"workers": 1, "eval_workers": 2}], ids=["given", "eval"])
+def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_at_the_step_boundary(
+        fast_dir: Path, rng: random.Random, loaders: dict[str, int]) -> None:
     """SLURM signals every process of a job step: the DataLoader's workers get the SIGTERM too. They used to
     die of it (torch installs its own SIGTERM handler in each worker), the DataLoader raised "worker exited
     unexpectedly" in the training process before the step boundary, and nothing was saved. The checkpointer
-    makes the workers of the loader it was given ignore stop signals: the run saves at the boundary, exits 143,
-    and its workers end with it."""
-    code, before, output, logged = _sigterm_run(fast_dir, rng, group=True, workers=2)
+    makes the workers of the loader it was given ignore stop signals, and those of an evaluation loader drawn
+    from every step once it is given to ``protect_workers``: the run saves at the boundary, exits 143, and its
+    workers end with it."""
+    code, before, output, logged = _sigterm_run(fast_dir, rng, group=True, **loaders)
     assert code == 128 + signal.SIGTERM, f"exit {code}: {output[-3000:]}"
     assert "Traceback" not in output and "exited unexpectedly" not in output, output[-3000:]
     step = _finally_step(output)
@@ -773,19 +775,6 @@ def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_at_the_step_boun
     with Store(fast_dir / "store") as store:
         assert [i.step for i in store.list()] == [step]
         assert store.load()["step"] == step
-
-
-@linux_only
-def test_sigterm_to_the_whole_job_with_a_protected_evaluation_loader_saves(fast_dir: Path, rng: random.Random) -> None:
-    """An evaluation DataLoader the checkpointer was not given, drawn from every step: its workers get the job-wide
-    SIGTERM too, and without ``protect_workers`` they die of it and the run saves nothing."""
-    code, before, output, logged = _sigterm_run(fast_dir, rng, group=True, workers=1, eval_workers=2)
-    assert code == 128 + signal.SIGTERM, f"exit {code}: {output[-3000:]}"
-    assert "Traceback" not in output and "exited unexpectedly" not in output, output[-3000:]
-    step = _finally_step(output)
-    assert before <= step <= before + 1 and logged[-1][0] == step
-    with Store(fast_dir / "store") as store:
-        assert [i.step for i in store.list()] == [step]
 
 
 def test_protect_workers_takes_dataloaders_only_and_is_undone_at_close(fast_dir: Path) -> None:
