@@ -15,6 +15,7 @@ import os
 import re
 import sys
 import warnings
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -173,6 +174,102 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(table(rows, ["key", "dtype", "shape", "logical", "written"] + (["also at"] if also else []),
                     right={3, 4}))
     return 0
+
+
+def _tensor_change(ma: manifest.Manifest, a: manifest.TensorEntry, mb: manifest.Manifest,
+                   b: manifest.TensorEntry) -> tuple[str, str]:
+    """(what changed, chunks that differ of the chunks compared) between a tensor of ``ma`` and the tensor at
+    the same place in ``mb``; ('', ...) when their bytes and attributes are the same."""
+    what = [f"{name} {x} -> {y}" for name, x, y in (
+        ("kind", a.kind, b.kind), ("dtype", a.dtype, b.dtype),
+        ("shape", "x".join(map(str, a.shape)) or "()", "x".join(map(str, b.shape)) or "()"),
+        ("device", a.device, b.device), ("requires_grad", a.requires_grad, b.requires_grad),
+        ("parameter", a.parameter, b.parameter)) if x != y]
+    if a.nbytes != b.nbytes or ma.chunk_size != mb.chunk_size:
+        return ", ".join(what) or "bytes", ""
+    ra, rb = slice(a.first, a.first + a.count), slice(b.first, b.first + b.count)
+    differ = int(((ma.digests[ra] != mb.digests[rb]).any(axis=1) | (ma.flags[ra] != mb.flags[rb])).sum())
+    if differ:
+        what.insert(0, "values")
+    return ", ".join(what), f"{differ}/{a.count}" if differ else ""
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    with _open(args.store, readonly=True) as s:
+        infos = [s.info(**_which(arg, s)) for arg in (args.a, args.b)]
+        ma, mb = (s.manifest(id=i.id) for i in infos)
+    for side, i in zip("AB", infos):
+        print(f"{side}: checkpoint {i.id}  step {i.step}  created {when(i.created)}")
+    leaves = [{place: (path, node) for place, path, node in tree.leaf_nodes(m.tree)} for m in (ma, mb)]
+    tensors = [{p: m.tensors[int(n[1])] for p, (_, n) in lv.items() if n[0] in ("T", "A")} for m, lv in
+               zip((ma, mb), leaves)]
+    for m, ts in zip((ma, mb), tensors):
+        if any(not 0 <= t.first <= t.first + t.count <= len(m.digests) for t in ts.values()):
+            raise DeltackptError(f"checkpoint {m.id}: its manifest names chunks it does not hold")
+    prefixes = [{place[:i] for place in lv for i in range(len(place) + 1)} for lv in leaves]
+    gone: dict[tuple[str, tree.Place], list[int]] = {}  # (added|removed, subtree) -> [row, leaves, tensor bytes]
+    rows: list[tuple[str, ...]] = []
+    counts: Counter[str] = Counter()
+    for place in list(leaves[0]) + [p for p in leaves[1] if p not in leaves[0]]:
+        a, b = leaves[0].get(place), leaves[1].get(place)
+        ta, tb = tensors[0].get(place), tensors[1].get(place)
+        path = _escaped((a or b)[0]) or "<root>"  # type: ignore[index]
+        shown = (_shown(a, ta), _shown(b, tb))
+        if ta is not None and tb is not None:
+            what, chunks = _tensor_change(ma, ta, mb, tb)
+            counts["tensors changed" if what else "tensors the same"] += 1
+            if what or args.all:
+                rows.append((path, what or "same", chunks, *shown))
+        elif a is None or b is None:
+            kind = "added" if a is None else "removed"
+            counts[kind] += 1
+            # a subtree only one side has is one row: the outermost place the other side lacks
+            other = prefixes[0 if a is None else 1]
+            root = next((place[:i] for i in range(1, len(place)) if place[:i] not in other), place)
+            if (kind, root) not in gone:
+                gone[kind, root] = [len(rows), 0, 0]
+                rows.append((path, kind, "", *shown))
+            group = gone[kind, root]
+            group[1] += 1
+            group[2] += (ta or tb).nbytes if (ta or tb) is not None else 0
+            if group[1] > 1:
+                size = f"{group[1]} leaves, {human(group[2])}"
+                rows[group[0]] = (_place_path(root), kind, "", "-" if a is None else size, size if a is None else "-")
+        elif ta is not None or tb is not None or a[1] != b[1]:
+            counts["values changed"] += 1
+            kind = "tensor -> value" if ta is not None else "value -> tensor" if tb is not None else "value"
+            rows.append((path, kind, "", *shown))
+        else:
+            counts["values the same"] += 1
+            if args.all:
+                rows.append((path, "same", "", *shown))
+    if rows:
+        print()
+        print(table(rows, ["key", "change", "chunks", "A", "B"], right={2}))
+    print()
+    print(", ".join(f"{what}: {n}" for what, n in counts.items() if n) or "both states are empty")
+    differ = counts["tensors changed"] + counts["values changed"] + counts["added"] + counts["removed"]
+    return 1 if args.exit_code and differ else 0
+
+
+def _place_path(place: tree.Place) -> str:
+    path = ""
+    for kind, key in place:
+        if kind in ("k", "i"):
+            path = tree.child_path(path, key)
+    return _escaped(path) or "<root>"
+
+
+def _shown(leaf: tuple[str, Any] | None, t: manifest.TensorEntry | None) -> str:
+    """One side of a ``diff`` row: a tensor's size, a plain value (shortened), or '-' when absent."""
+    if leaf is None:
+        return "-"
+    if t is not None:
+        return human(t.nbytes)
+    try:
+        return _short(tree.decode_plain(leaf[1]), 40)
+    except DeltackptError:  # (a pickled value, which a listing does not unpickle)
+        return f"<{leaf[1][0]}>"
 
 
 def cmd_log(args: argparse.Namespace) -> int:
@@ -683,6 +780,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add("ls", cmd_ls, "list checkpoints")
     add("show", cmd_show, "show a checkpoint's tensors").add_argument("checkpoint", help="step, 'latest' or id")
+    df = add("diff", cmd_diff, "what changed between two checkpoints: tensors (by chunk digests, nothing decoded) "
+             "and plain values")
+    df.add_argument("a", help="step, 'latest' or id")
+    df.add_argument("b", help="step, 'latest' or id")
+    df.add_argument("--all", action="store_true", help="also list what is the same")
+    df.add_argument("--exit-code", action="store_true", help="exit 1 when they differ (as git diff --exit-code)")
     add("log", cmd_log, "show checkpoint lineage (parents and branches)")
     add("du", cmd_du, "logical vs stored bytes, dedup and compression ratios")
     add("verify", cmd_verify, "decode and check every chunk (exit 1 on damage)").add_argument(

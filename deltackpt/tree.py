@@ -421,12 +421,24 @@ def _leaf_refs(n: Any, path: str, place: Place) -> Iterator[tuple[Place, str, in
             raise CorruptManifestError(f"malformed state skeleton at {at or '<root>'}: {exc!r}") from None
 
 
+def leaf_nodes(skeleton: Any) -> list[tuple[Place, str, Any]]:
+    """``(place, key path, node)`` of every leaf of ``skeleton`` in document order: array references (``T``,
+    ``A``), plain values, and empty containers (so that one added or removed shows). Dicts, sequences and
+    registered types are walked into. A malformed skeleton raises :class:`CorruptManifestError`."""
+    return [(where, at, node) for node, at, where in _nodes(skeleton, "", (), _LEAVES)]
+
+
+#: ``_nodes`` tags meaning "every leaf": any node that is not a container with children
+_LEAVES: tuple[str, ...] = ("<every leaf>",)
+
+
 def _nodes(n: Any, path: str, place: Place, tags: tuple[str, ...]) -> Iterator[tuple[Any, str, Place]]:
-    """``(node, key path, place)`` of every node of ``n`` whose tag is one of ``tags``, in document order, walking
-    into dicts, sequences and registered types. A malformed skeleton raises :class:`CorruptManifestError`."""
+    """``(node, key path, place)`` of every node of ``n`` whose tag is one of ``tags`` (every leaf for
+    :data:`_LEAVES`), in document order, walking into dicts, sequences and registered types. A malformed
+    skeleton raises :class:`CorruptManifestError`."""
     try:
         tag = n[0]
-        if tag in tags:
+        if tag in tags or (tags is _LEAVES and _is_leaf(n)):
             yield n, path, place
         elif tag in _DICT_TAGS:
             keys, vals = _dict_parts(n)
@@ -441,6 +453,15 @@ def _nodes(n: Any, path: str, place: Place, tags: tuple[str, ...]) -> Iterator[t
             yield from _nodes(n[2], path, (*place, ("x", str(n[1]))), tags)
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         raise CorruptManifestError(f"malformed state skeleton at {path or '<root>'}: {exc!r}") from None
+
+
+def _is_leaf(n: list[Any]) -> bool:
+    tag = n[0]
+    if tag in _DICT_TAGS:
+        return not _dict_parts(n)[0]
+    if tag in ("l", "t", "q"):
+        return not n[1]
+    return tag != "x"
 
 
 def holds_device(node: Any) -> bool:

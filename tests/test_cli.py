@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot, pack_files
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import deltackpt
-from deltackpt.cli import main
+from deltackpt.cli import human, main
 
 CS = SMALL_CHUNK
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,6 +161,105 @@ def test_show_names_every_path_of_a_tied_tensor(capsys: pytest.CaptureFixture[st
     row = next(line for line in out.splitlines() if line.startswith("model.emb.weight"))
     assert row.split()[-1] == "model.head.weight" and "also at" in out
     assert "head" not in next(line for line in out.splitlines() if line.startswith("model.x "))
+
+
+def _diff_rows(out: str) -> dict[str, list[str]]:
+    """The rows of ``deltackpt diff``'s table by key: [change, chunks, A, B] (cut at two spaces or more)."""
+    lines = out.splitlines()
+    if not any(line.startswith("---") for line in lines):
+        return {}
+    at = next(i for i, line in enumerate(lines) if line.startswith("---"))
+    rows = {}
+    for line in lines[at + 1 :]:
+        if not line.strip():
+            break
+        cells = re.split(r" {2,}", line.strip())
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_diff_lists_what_changed_between_two_checkpoints(capsys: pytest.CaptureFixture[str],
+                                                         store_path: Path) -> None:
+    w = rand(3 * CS, 0)
+    s1 = {"w": w, "x": torch.zeros(4), "y": torch.ones(2, 3), "same": torch.arange(5), "gone": torch.ones(1),
+          "lr": 0.1, "cfg": {"name": "run", "sizes": [1, 2]}}
+    w2 = w.clone()
+    w2[CS // 4 + 1] += 1  # one element of the second of three chunks
+    s2 = {"w": w2, "x": torch.zeros(4, dtype=torch.float64), "y": torch.ones(3, 2), "same": torch.arange(5),
+          "lr": 0.2, "cfg": {"name": "run", "sizes": [1, 2]}, "opt": {"m": torch.ones(3), "v": torch.ones(3), "k": 1}}
+    with open_store(store_path) as s:
+        s.save(s1, step=1)
+        s.save(s2, step=2)
+        before = dir_snapshot(store_path)
+    rc, out, err = cli(capsys, "diff", store_path, 1, "latest")
+    assert rc == 0 and not err
+    rows = _diff_rows(out)
+    assert rows == {
+        "w": ["values", "1/3", human(3 * CS), human(3 * CS)],
+        "x": ["dtype float32 -> float64", "16 B", "32 B"],
+        "y": ["shape 2x3 -> 3x2", "24 B", "24 B"],
+        "gone": ["removed", "4 B", "-"],
+        "lr": ["value", "0.1", "0.2"],
+        "opt": ["added", "-", "3 leaves, 24 B"],
+    }, out
+    assert out.splitlines()[-1] == "tensors changed: 3, tensors the same: 1, removed: 1, values changed: 1, " \
+        "values the same: 3, added: 3"
+    rc, out, _ = cli(capsys, "diff", store_path, 2, 1, "--all")
+    rows = _diff_rows(out)
+    assert rows["same"] == ["same", "40 B", "40 B"] and rows["cfg.sizes[1]"] == ["same", "2", "2"]
+    assert rows["opt"] == ["removed", "3 leaves, 24 B", "-"] and rows["gone"] == ["added", "-", "4 B"]
+    assert (cli(capsys, "diff", store_path, 1, 2, "--exit-code")[0], cli(capsys, "diff", store_path, 2, 2,
+            "--exit-code")[0]) == (1, 0)
+    rc, out, _ = cli(capsys, "diff", store_path, 2, 2)
+    assert rc == 0 and _diff_rows(out) == {} and "changed" not in out
+    rc, _, err = cli(capsys, "diff", store_path, 1, 3)
+    assert rc == 1
+    assert_one_line_error(err, "step 3")
+    assert dir_snapshot(store_path) == before
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_diff_reports_exactly_the_keys_that_changed(capsys: pytest.CaptureFixture[str], tmp_path_factory: Any,
+                                                    data: st.DataObject) -> None:
+    """Random states, randomly changed: diff lists every changed, retyped, removed and added key, and no other."""
+    keys = [f"k{i}" for i in range(6)]
+    before: dict[str, Any] = {}
+    for k in data.draw(st.lists(st.sampled_from(keys), unique=True), label="keys"):
+        n = data.draw(st.integers(1, 3 * CS // 4), label=f"{k} elements")
+        before[k] = data.draw(st.sampled_from([rand(4 * n, n), n]), label=f"{k} kind")
+    after: dict[str, Any] = {}
+    want: dict[str, str] = {}
+    for k in keys:
+        op = data.draw(st.sampled_from(["keep", "change", "retype", "drop"] if k in before else ["absent", "add"]),
+                       label=f"{k} op")
+        v = before.get(k)
+        if op == "keep":
+            after[k] = v.clone() if isinstance(v, torch.Tensor) else v
+        elif op == "change":
+            if isinstance(v, torch.Tensor):
+                after[k] = v.clone()
+                after[k][data.draw(st.integers(0, v.numel() - 1), label=f"{k} at")] += 1
+            else:
+                after[k] = v + 1
+            want[k] = "values" if isinstance(v, torch.Tensor) else "value"
+        elif op == "retype":
+            after[k] = v.double() if isinstance(v, torch.Tensor) else torch.tensor([v])
+            want[k] = "dtype float32 -> float64" if isinstance(v, torch.Tensor) else "value -> tensor"
+        elif op == "drop":
+            want[k] = "removed"
+        elif op == "add":
+            after[k], want[k] = torch.ones(2), "added"
+    path = tmp_path_factory.mktemp("diff")
+    with open_store(path) as s:
+        s.save(before, step=1)
+        s.save(after, step=2)
+    rc, out, err = cli(capsys, "diff", path, 1, 2, "--exit-code")
+    assert rc == (1 if want else 0) and not err
+    got = {k: row[0] for k, row in _diff_rows(out).items()}
+    if not before or not after:  # an empty dict is a leaf of its own: its state's root
+        got.pop("<root>", None)
+    assert got == want, out
 
 
 def test_show_prints_each_tensor(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
@@ -869,8 +970,8 @@ def test_resume_info_plain_store(capsys: pytest.CaptureFixture[str], store_path:
 # -- errors -----------------------------------------------------------------------------------------------
 
 _READ_COMMANDS = [
-    ["ls"], ["show", "1"], ["log"], ["du"], ["verify"], ["verify", "1"], ["rm", "1"], ["gc"], ["repair"],
-    ["export", "1", "OUT"], ["resume-info"],
+    ["ls"], ["show", "1"], ["diff", "1", "2"], ["log"], ["du"], ["verify"], ["verify", "1"], ["rm", "1"], ["gc"],
+    ["repair"], ["export", "1", "OUT"], ["resume-info"],
 ]
 
 
@@ -889,7 +990,7 @@ def test_not_a_store(capsys: pytest.CaptureFixture[str], tmp_path: Path, args: l
     assert not dest.exists()
 
 
-_CHECKPOINT_COMMANDS = [["show", "C"], ["verify", "C"], ["rm", "C"], ["export", "C", "OUT"]]
+_CHECKPOINT_COMMANDS = [["show", "C"], ["diff", "1", "C"], ["verify", "C"], ["rm", "C"], ["export", "C", "OUT"]]
 
 
 @pytest.mark.parametrize("args", _CHECKPOINT_COMMANDS, ids=lambda a: a[0])

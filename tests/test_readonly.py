@@ -82,8 +82,9 @@ def test_readonly_open_of_a_store_that_lost_its_index(saved: tuple[Path, list[di
 def test_read_commands_open_read_only(saved: tuple[Path, list[dict]], capsys: pytest.CaptureFixture[str]) -> None:
     path, _ = saved
     before = _content(path)
-    for args in (["ls"], ["log"], ["du"], ["verify"], ["show", str(path), "latest"], ["resume-info"]):
-        argv = args if args[0] == "show" else [*args, str(path)]
+    for args in (["ls"], ["log"], ["du"], ["verify"], ["show", str(path), "latest"],
+                 ["diff", str(path), "0", "latest"], ["resume-info"]):
+        argv = args if len(args) > 1 else [*args, str(path)]
         assert cli(argv) == 0, args
     assert _content(path) == before
     capsys.readouterr()
@@ -124,6 +125,7 @@ def test_store_on_a_readonly_filesystem(readonly_mount: tuple[Path, list[dict]],
     with pytest.raises(ReadOnlyStoreError, match="readonly=True"):
         deltackpt.Store(mnt, readonly=False)
     assert cli(["ls", str(mnt)]) == 0
+    assert cli(["diff", str(mnt), "latest", "latest"]) == 0
     assert cli(["gc", str(mnt)]) == 1
     assert "read-only filesystem" in capsys.readouterr().err
     assert cli(["repair", str(mnt)]) == 1  # refused as such, not a raw "[Errno 30] ... gc.lock"
