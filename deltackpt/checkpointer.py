@@ -458,6 +458,10 @@ class _Staging:
         """Copy ``state`` (containers rebuilt, tensors and arrays copied into staging) and return the copy."""
         self._used = set()
         seen: dict[Hashable, Any] = {}  # by tree.alias_key: tied tensors get one buffer and stay one leaf
+        # ... and the sources those keys name, alive until the copy ends: an alias key holds a memory address,
+        # and a registered type's encoder may return a new array that is freed once copied, whose address the
+        # next one's could then take (and be taken for the same tensor)
+        sources: list[Any] = []
         devices: set[torch.device] = set()  # the devices copies were queued from
 
         def copy(obj: Any, path: tuple[Any, ...]) -> Any:  # path: the keys down to obj (no string collisions)
@@ -491,6 +495,7 @@ class _Staging:
                 elif obj.requires_grad:  # saved and restored with the flag, as a synchronous save keeps it
                     out = buf.detach().requires_grad_()
                 seen[key] = out
+                sources.append(obj)
                 return out
             if isinstance(obj, np.ndarray):
                 key = alias_key(obj)
@@ -503,6 +508,7 @@ class _Staging:
                 np.copyto(nbuf, obj)
                 self._used.add(path)
                 seen[key] = nbuf
+                sources.append(obj)
                 return nbuf
             t = type(obj)
             if t is dict or t is OrderedDict or t is Counter or t is defaultdict:
