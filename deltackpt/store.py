@@ -270,17 +270,20 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _overlapping(objs: Sequence[torch.Tensor | np.ndarray]) -> list[tuple[int, int]]:
-    """Pairs (i, j), i < j, of ``objs`` whose memory overlaps; each j at most once (the sweep compares it with
-    the earlier-starting array reaching furthest)."""
+    """Every pair (i, j), i < j, of ``objs`` whose memory overlaps. A sweep by address compares each array with
+    every earlier-starting one whose span it starts inside: with strided arrays the one reaching furthest need
+    not be the one it shares memory with (``buf[0::2]``, ``buf[1::2]`` and ``buf[10:11]``)."""
     spans = sorted((span, n) for n, o in enumerate(objs) if (span := _memory_span(o)) is not None)
     out: list[tuple[int, int]] = []
-    reach: tuple[str, int, int] | None = None  # (device, end, index) of the span reaching furthest so far
+    active: list[tuple[int, int]] = []  # (end, index) of the spans of this device that may reach the next one
+    device = None
     for (dev, lo, hi), n in spans:
-        if reach is not None and reach[0] == dev and lo < reach[1] and _share_memory(objs[reach[2]], objs[n]):
-            out.append((min(reach[2], n), max(reach[2], n)))
-        if reach is None or reach[0] != dev or hi > reach[1]:
-            reach = (dev, hi, n)
-    return out
+        if dev != device:
+            device, active = dev, []
+        active = [(end, k) for end, k in active if end > lo]
+        out += [(min(k, n), max(k, n)) for _, k in active if _share_memory(objs[k], objs[n])]
+        active.append((hi, n))
+    return sorted(out)
 
 
 def _decode_target(obj: torch.Tensor | np.ndarray) -> tuple[np.ndarray, Any]:
@@ -2043,8 +2046,11 @@ def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor]:
     # Targets that overlap without being one tensor (``buf[0:6]`` and ``buf[3:9]``) would each be overwritten in
     # part by the other's values: the later one offered gets memory of its own instead.
     items = list(out.items())
-    for _, j in _overlapping([t for _, t in items]):
-        out.pop(items[j][0], None)
+    dropped: set[int] = set()
+    for i, j in sorted(_overlapping([t for _, t in items]), key=lambda pair: pair[1]):
+        if i not in dropped and j not in dropped:  # j overlaps a target that stays: j's tensor goes elsewhere
+            dropped.add(j)
+            out.pop(items[j][0], None)
     return out
 
 
