@@ -1342,8 +1342,8 @@ class Store:
 
         ``into`` (e.g. ``{"model": model.state_dict()}``) offers tensors to decode into: a stored tensor whose
         place in the state (dict keys and list positions, matched structurally) holds a tensor of the same dtype
-        and shape in ``into`` is written into that tensor's memory, on its device (``map_location`` does not
-        apply to it), and the returned state holds that very object.
+        and shape in ``into`` (a writable numpy array, for a stored array) is written into that tensor's memory,
+        on its device (``map_location`` does not apply to it), and the returned state holds that very object.
         Other stored tensors, and offered tensors that do not match, are handled as without ``into``. Then
         ``model.load_state_dict(state["model"])`` finds its own memory already holding the values (torch's
         ``copy_`` skips a copy onto itself): no second copy of the model is allocated. If the load raises,
@@ -1453,7 +1453,7 @@ class Store:
             if strict and (missing or unexpected):
                 raise ShapeMismatchError(
                     f"checkpoint {rec.id} (step {rec.step}) and the target differ: missing in checkpoint "
-                    f"{missing[:5]}, not in target {unexpected[:5]}"
+                    f"{_some(missing)}, not in target {_some(unexpected)}"
                 )
             jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []
             job_spans: list[tuple[int, int] | None] = []
@@ -2024,21 +2024,35 @@ def _span_places(refs: Sequence[tuple[tree.Place, str, int]],
     return out
 
 
-def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor]:
+def _some(paths: list[str], shown: int = 5) -> str:
+    """A list of key paths for a message: the first ``shown``, and how many more there are."""
+    return repr(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
+
+
+def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor | np.ndarray]:
     """Which offered tensor each stored tensor of ``m`` is decoded into (by index in the tensor table): the
-    first tensor of the same dtype and shape at one of its places in ``into``. Memory is filled from one stored
-    tensor only: a tensor offered at two places (tied) while the checkpoint stores two is offered to the first."""
-    out: dict[int, torch.Tensor] = {}
+    first tensor (numpy array, for a stored array) of the same dtype and shape at one of its places in ``into``.
+    Memory is filled from one stored tensor only: a tensor offered at two places (tied) while the checkpoint
+    stores two is offered to the first."""
+    out: dict[int, torch.Tensor | np.ndarray] = {}
     taken: set[Any] = set()
     for i, target in tree.pair_leaves(m.tree, into):
-        if not isinstance(target, torch.Tensor) or i in out or not 0 <= i < len(m.tensors):
+        if i in out or not 0 <= i < len(m.tensors):
             continue
         t = m.tensors[i]
-        if (t.kind != "torch" or target.dtype != tree.torch_dtype(t.dtype) or list(target.shape) != list(t.shape)
-                or target.is_meta or target.layout != torch.strided or target.is_quantized or target.is_nested
-                or _unfillable(target) is not None):
+        if isinstance(target, torch.Tensor):
+            if (t.kind != "torch" or target.dtype != tree.torch_dtype(t.dtype) or list(target.shape) != list(t.shape)
+                    or target.is_meta or target.layout != torch.strided or target.is_quantized or target.is_nested):
+                continue
+            key: Any = (str(target.device), target.data_ptr()) if target.numel() else id(target)
+        elif type(target) is np.ndarray:
+            if t.kind != "numpy" or target.dtype.str != t.dtype or list(target.shape) != list(t.shape):
+                continue
+            key = ("cpu", target.__array_interface__["data"][0]) if target.size else id(target)
+        else:
             continue
-        key = (str(target.device), target.data_ptr()) if target.numel() else id(target)
+        if _unfillable(target) is not None:
+            continue
         if key in taken:
             continue
         taken.add(key)

@@ -839,6 +839,10 @@ def test_load_into_matches_places_not_key_paths(store: deltackpt.Store) -> None:
         store.load_into(flat, step=1)
     assert store.load_into(flat, step=1, strict=False) == ["m[0]"]
     assert torch.equal(flat["a.b"], x) and torch.equal(flat["m"][0], torch.zeros(3))
+    many = {f"k{i}": torch.zeros(3) for i in range(8)}  # a message names five paths, and how many more differ
+    with pytest.raises(ShapeMismatchError, match=r"missing in checkpoint \['k0', .*'k4'\] and 3 more, not in target "
+                       r"\['a.b', 'a.b', 'm\[0\]'\]$"):  # (two places whose key path is a.b)
+        store.load_into(many, step=1)
     with pytest.raises(ValueError, match="2 places"):
         store.load_into(target, step=1, spans={"a.b": (0, 4)})
     with pytest.raises(ValueError, match="not a tensor of the target"):
@@ -1274,6 +1278,24 @@ def test_targets_that_are_random_views_of_one_buffer(store: deltackpt.Store,
     out = store.load(1, into=targets)
     assert all(torch.equal(out[k], v) for k, v in saved.items())
     store.delete(1)
+
+
+def test_load_into_offered_numpy_arrays(store: deltackpt.Store) -> None:
+    """A stored numpy array is decoded into a writable array of the same dtype and shape offered at its place
+    (contiguous or a strided view, big-endian too), and the state returns that very array; a read-only one, or
+    one of another dtype, is left untouched and the array loads as without ``into``."""
+    saved = {"c": np.arange(6, dtype=np.float32), "s": np.arange(4, dtype=np.int64), "be": np.arange(3, dtype=">f8"),
+             "ro": np.ones(2), "dt": np.ones(2, dtype=np.float32)}
+    store.save(saved, step=1)
+    frozen = np.zeros(2)
+    frozen.flags.writeable = False
+    strided = np.zeros(8, dtype=np.int64)
+    into = {"c": np.zeros(6, dtype=np.float32), "s": strided[::2], "be": np.zeros(3, dtype=">f8"), "ro": frozen,
+            "dt": np.zeros(2, dtype=np.float64)}
+    out = store.load(1, into=into)
+    assert_same_state(saved, out)
+    assert all(out[k] is into[k] for k in ("c", "s", "be")) and out["ro"] is not frozen and out["dt"] is not into["dt"]
+    assert strided.tolist() == [0, 0, 1, 0, 2, 0, 3, 0] and not frozen.any() and not into["dt"].any()
 
 
 def test_load_into_a_target_holding_values_that_cannot_be_stored(store: deltackpt.Store) -> None:
