@@ -182,11 +182,12 @@ def test_diff_lists_what_changed_between_two_checkpoints(capsys: pytest.CaptureF
                                                          store_path: Path) -> None:
     w = rand(3 * CS, 0)
     s1 = {"w": w, "x": torch.zeros(4), "y": torch.ones(2, 3), "same": torch.arange(5), "gone": torch.ones(1),
-          "lr": 0.1, "cfg": {"name": "run", "sizes": [1, 2]}}
+          "lr": 0.1, "cfg": {"name": "run", "sizes": [1, 2]}, "g": torch.ones(2)}
     w2 = w.clone()
     w2[CS // 4 + 1] += 1  # one element of the second of three chunks
     s2 = {"w": w2, "x": torch.zeros(4, dtype=torch.float64), "y": torch.ones(3, 2), "same": torch.arange(5),
-          "lr": 0.2, "cfg": {"name": "run", "sizes": [1, 2]}, "opt": {"m": torch.ones(3), "v": torch.ones(3), "k": 1}}
+          "lr": 0.2, "cfg": {"name": "run", "sizes": [1, 2]}, "opt": {"m": torch.ones(3), "v": torch.ones(3), "k": 1},
+          "g": torch.full((2,), 2.0).requires_grad_()}
     with open_store(store_path) as s:
         s.save(s1, step=1)
         s.save(s2, step=2)
@@ -200,9 +201,10 @@ def test_diff_lists_what_changed_between_two_checkpoints(capsys: pytest.CaptureF
         "y": ["shape 2x3 -> 3x2", "24 B", "24 B"],
         "gone": ["removed", "4 B", "-"],
         "lr": ["value", "0.1", "0.2"],
+        "g": ["values, requires_grad False -> True", "1/1", "8 B", "8 B"],
         "opt": ["added", "-", "3 leaves, 24 B"],
     }, out
-    assert out.splitlines()[-1] == "tensors changed: 3, tensors the same: 1, removed: 1, values changed: 1, " \
+    assert out.splitlines()[-1] == "tensors changed: 4, tensors the same: 1, removed: 1, values changed: 1, " \
         "values the same: 3, added: 3"
     rc, out, _ = cli(capsys, "diff", store_path, 2, 1, "--all")
     rows = _diff_rows(out)
