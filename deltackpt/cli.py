@@ -274,6 +274,69 @@ def _shown(leaf: tuple[str, Any] | None, t: manifest.TensorEntry | None) -> str:
         return f"<{leaf[1][0]}>"
 
 
+def cmd_get(args: argparse.Namespace) -> int:
+    key = args.key
+    with _open(args.store, readonly=True) as s:
+        info = s.info(**_which(args.checkpoint, s))
+        m = s.manifest(id=info.id)
+        chosen = [(path, node) for _, path, node in tree.leaf_nodes(m.tree)
+                  if path == key or path.startswith(key) and path[len(key):][:1] in (".", "[")]
+        if not chosen:
+            raise DeltackptError(f"checkpoint {info.id} (step {info.step}) holds nothing at {key!r} ('deltackpt diff "
+                                 f"STORE {info.step} {info.step} --all' lists its key paths)")
+        wanted = sorted({int(node[1]) for _, node in chosen if node[0] in ("T", "A")})
+        if any(not 0 <= i < len(m.tensors) for i in wanted):
+            raise DeltackptError(f"checkpoint {info.id}: its manifest names tensors it does not hold")
+        arrays = dict(zip(wanted, s._read_tensors(info.id, wanted)))
+    for path, node in chosen:
+        if node[0] in ("T", "A"):
+            t, value = m.tensors[int(node[1])], arrays[int(node[1])]
+            print(f"{_escaped(path) or '<root>'}: {t.kind} {t.dtype} {'x'.join(map(str, t.shape)) or '()'}"
+                  f"{_stats(value)}")
+            if len(chosen) == 1:
+                print(value if isinstance(value, torch.Tensor) else repr(value))
+        else:
+            print(f"{_escaped(path) or '<root>'}: {_shown((path, node), None) if len(chosen) > 1 else _plain(node)}")
+    return 0
+
+
+def _plain(node: Any) -> str:
+    """A plain value of a skeleton in full (escaped), or what kind of node it is when it does not decode."""
+    try:
+        value = tree.decode_plain(node)
+    except DeltackptError:  # (a pickled value, which a listing does not unpickle)
+        return f"<{node[0]}>"
+    try:
+        return _escaped(repr(value))
+    except ValueError:  # an int of more digits than Python converts at once
+        return _escaped(tree.int_text(value)) if type(value) is int else f"<{type(value).__name__}>"
+
+
+def _stats(value: torch.Tensor | Any) -> str:
+    """Summary statistics of a tensor or array for ``deltackpt get``: min, max, mean and std of its finite values
+    and how many are not finite (floats), min and max (integers), how many are true (bools)."""
+    t = value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
+    if t.numel() == 0:
+        return "  (empty)"
+    try:
+        if t.dtype == torch.bool:
+            return f"  true {int(t.sum())} of {t.numel()}"
+        if t.is_complex():
+            return ""
+        x = t.detach().reshape(-1).double()
+    except (RuntimeError, TypeError):  # (a dtype torch cannot convert: sub-byte integers, say)
+        return ""
+    if not t.is_floating_point():
+        return f"  min {tree.int_text(int(x.min()))} max {tree.int_text(int(x.max()))}"
+    finite = x[torch.isfinite(x)]
+    bad = x.numel() - finite.numel()
+    tail = f"  non-finite {bad}" if bad else ""
+    if finite.numel() == 0:
+        return tail
+    return (f"  min {finite.min().item():.6g} max {finite.max().item():.6g} mean {finite.mean().item():.6g} "
+            f"std {finite.std(correction=0).item():.6g}{tail}")
+
+
 def cmd_log(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         infos = s.list()
@@ -788,6 +851,10 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("b", help="step, 'latest' or id")
     df.add_argument("--all", action="store_true", help="also list what is the same")
     df.add_argument("--exit-code", action="store_true", help="exit 1 when they differ (as git diff --exit-code)")
+    gt = add("get", cmd_get, "print a value of a checkpoint, or a tensor's statistics and values (only its chunks are "
+             "read); a key path names a subtree too")
+    gt.add_argument("checkpoint", help="step, 'latest' or id")
+    gt.add_argument("key", help="key path, as show and diff print it (model.fc.weight, optimizer.param_groups[0].lr)")
     add("log", cmd_log, "show checkpoint lineage (parents and branches)")
     add("du", cmd_du, "logical vs stored bytes, dedup and compression ratios")
     add("verify", cmd_verify, "decode and check every chunk (exit 1 on damage)").add_argument(

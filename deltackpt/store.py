@@ -352,6 +352,24 @@ def _output(t: manifest.TensorEntry, map_location: Any) -> tuple[torch.Tensor | 
     return out, dev
 
 
+def _new_output(rec: Record, t: manifest.TensorEntry,
+                map_location: Any) -> tuple[torch.Tensor | np.ndarray, torch.device | None, np.ndarray]:
+    """:func:`_output` for a load of checkpoint ``rec``, with its bytes as a uint8 array; an error names the
+    checkpoint and the tensor."""
+    try:
+        out, dev = _output(t, map_location)
+    except (CorruptManifestError, UnsupportedTypeError) as exc:  # (a dtype, a device)
+        raise type(exc)(f"checkpoint {rec.id} (step {rec.step}), tensor {t.key!r}: {exc}") from None
+    except (RuntimeError, MemoryError) as exc:
+        if isinstance(exc, RuntimeError) and "alloc" not in str(exc):
+            raise
+        raise MemoryError(f"checkpoint {rec.id} (step {rec.step}), tensor {t.key!r}: cannot allocate its "
+                          f"{t.nbytes} bytes") from exc
+    byte_view = out.reshape(-1).view(torch.uint8).numpy() if isinstance(out, torch.Tensor) \
+        else out.reshape(-1).view(np.uint8)
+    return out, dev, byte_view
+
+
 def _resolve_device(stored: str, map_location: Any) -> torch.device:
     """The device a tensor stored on ``stored`` loads onto. ValueError/TypeError for a ``map_location`` that
     names no device; UnsupportedTypeError for a device this process cannot use, saying whether it came from
@@ -1372,17 +1390,7 @@ class Store:
                         copies.append((target, staging))
                     objs.append(target)
                 else:
-                    try:
-                        out, dev = _output(t, map_location)
-                    except (CorruptManifestError, UnsupportedTypeError) as exc:  # (a dtype, a device)
-                        raise type(exc)(f"checkpoint {rec.id} (step {rec.step}), tensor {t.key!r}: {exc}") from None
-                    except (RuntimeError, MemoryError) as exc:
-                        if isinstance(exc, RuntimeError) and "alloc" not in str(exc):
-                            raise
-                        raise MemoryError(f"checkpoint {rec.id} (step {rec.step}), tensor {t.key!r}: cannot "
-                                          f"allocate its {t.nbytes} bytes") from exc
-                    byte_view = out.reshape(-1).view(torch.uint8).numpy() if isinstance(out, torch.Tensor) \
-                        else out.reshape(-1).view(np.uint8)
+                    out, dev, byte_view = _new_output(rec, t, map_location)
                     jobs.append((t, byte_view))
                     if dev is not None and dev.type != "cpu":
                         finals.append((len(objs), out, dev))
@@ -1503,6 +1511,16 @@ class Store:
             _copy_back(copies)
         self._head = rec.id
         return missing
+
+    def _read_tensors(self, checkpoint_id: str, indices: Sequence[int]) -> list[torch.Tensor | np.ndarray]:
+        """The tensors of checkpoint ``checkpoint_id`` at ``indices`` of its tensor table, decoded (verified) on
+        the CPU: the other tensors' chunks are not read (``deltackpt get``)."""
+        with self._gc_lock():
+            rec = self._record(id=checkpoint_id)
+            m = self._manifest(rec)
+            outs = [_new_output(rec, m.tensors[i], "cpu") for i in indices]
+            self._read_into(m, [(m.tensors[i], o[2]) for i, o in zip(indices, outs)], verify=True)
+        return [o[0] for o in outs]
 
     def _read_into(self, m: manifest.Manifest, jobs: list[tuple[manifest.TensorEntry, np.ndarray]], *,
                    verify: bool, spans: Sequence[tuple[int, int] | None] | None = None) -> None:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot, pack_files
@@ -463,6 +464,51 @@ def test_verify_names_the_damaged_chunk(capsys: pytest.CaptureFixture[str], stor
     assert rc == 1 and chunk in out
     rc, out, _ = cli(capsys, "verify", store_path, 2)  # the other checkpoint is intact
     assert rc == 0 and out.strip().endswith(": OK")
+
+
+def test_get_prints_values_and_tensors(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    w = torch.tensor([[1.0, -2.0, float("nan")], [4.0, float("inf"), 0.5]])
+    state = {"w": w, "n": torch.arange(3, dtype=torch.int64), "b": torch.tensor([True, False, True]),
+             "e": torch.zeros(0), "a": np.arange(4, dtype=np.int16), "opt": {"lr": 0.25, "name": "a\nb", "k": [1, 2]}}
+    with open_store(store_path) as s:
+        s.save(state, step=1)
+        before = dir_snapshot(store_path)
+    rc, out, err = cli(capsys, "get", store_path, 1, "opt.lr")
+    assert (rc, out, err) == (0, "opt.lr: 0.25\n", "")
+    rc, out, _ = cli(capsys, "get", store_path, "latest", "opt")
+    assert out.splitlines() == ["opt.lr: 0.25", "opt.name: a\\nb", "opt.k[0]: 1", "opt.k[1]: 2"]
+    rc, out, _ = cli(capsys, "get", store_path, 1, "w")
+    head, *values = out.splitlines()
+    assert head == "w: torch float32 2x3  min -2 max 4 mean 0.875 std 2.13234  non-finite 2"
+    assert "\n".join(values) == str(w)
+    rc, out, _ = cli(capsys, "get", store_path, 1, "n")
+    assert out.splitlines()[0] == "n: torch int64 3  min 0 max 2"
+    rc, out, _ = cli(capsys, "get", store_path, 1, "b")
+    assert out.splitlines()[0] == "b: torch bool 3  true 2 of 3"
+    rc, out, _ = cli(capsys, "get", store_path, 1, "e")
+    assert out.splitlines()[0] == "e: torch float32 0  (empty)"
+    rc, out, _ = cli(capsys, "get", store_path, 1, "a")
+    assert out.splitlines() == ["a: numpy <i2 4  min 0 max 3", repr(np.arange(4, dtype=np.int16))]
+    rc, out, err = cli(capsys, "get", store_path, 1, "op")  # a key path, not a prefix of one
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "holds nothing at 'op'")
+    assert dir_snapshot(store_path) == before
+
+
+def test_get_reads_only_the_chunks_of_what_it_prints(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """The damaged frame of one tensor does not stop printing another; the damaged one is reported by chunk."""
+    with open_store(store_path) as s:  # one chunk each, one pack: the first frame is w's
+        s.save({"w": rand(4000, 1), "other": rand(4000, 2)}, step=1)
+    [pack] = pack_files(store_path)
+    data = bytearray(pack.read_bytes())
+    _, _, _, _, _, raw_len, stored_len, digest, _, _ = FRAME_HEADER.unpack_from(data, PACK_HEADER_LEN)
+    data[PACK_HEADER_LEN + FRAME_HEADER.size + stored_len // 2] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    rc, out, _ = cli(capsys, "get", store_path, 1, "other")
+    assert rc == 0 and out.startswith("other: torch float32 1000  min ")
+    rc, out, err = cli(capsys, "get", store_path, 1, "w")
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, f"{digest.hex()}-{raw_len}", "'w'")
 
 
 # -- rm / gc / repair --------------------------------------------------------------------------------------
@@ -972,8 +1018,8 @@ def test_resume_info_plain_store(capsys: pytest.CaptureFixture[str], store_path:
 # -- errors -----------------------------------------------------------------------------------------------
 
 _READ_COMMANDS = [
-    ["ls"], ["show", "1"], ["diff", "1", "2"], ["log"], ["du"], ["verify"], ["verify", "1"], ["rm", "1"], ["gc"],
-    ["repair"], ["export", "1", "OUT"], ["resume-info"],
+    ["ls"], ["show", "1"], ["diff", "1", "2"], ["get", "1", "w"], ["log"], ["du"], ["verify"], ["verify", "1"],
+    ["rm", "1"], ["gc"], ["repair"], ["export", "1", "OUT"], ["resume-info"],
 ]
 
 
@@ -992,7 +1038,8 @@ def test_not_a_store(capsys: pytest.CaptureFixture[str], tmp_path: Path, args: l
     assert not dest.exists()
 
 
-_CHECKPOINT_COMMANDS = [["show", "C"], ["diff", "1", "C"], ["verify", "C"], ["rm", "C"], ["export", "C", "OUT"]]
+_CHECKPOINT_COMMANDS = [["show", "C"], ["diff", "1", "C"], ["get", "C", "w"], ["verify", "C"], ["rm", "C"],
+                        ["export", "C", "OUT"]]
 
 
 @pytest.mark.parametrize("args", _CHECKPOINT_COMMANDS, ids=lambda a: a[0])

@@ -83,7 +83,7 @@ def test_read_commands_open_read_only(saved: tuple[Path, list[dict]], capsys: py
     path, _ = saved
     before = _content(path)
     for args in (["ls"], ["log"], ["du"], ["verify"], ["show", str(path), "latest"],
-                 ["diff", str(path), "0", "latest"], ["resume-info"]):
+                 ["diff", str(path), "0", "latest"], ["get", str(path), "1", "w"], ["resume-info"]):
         argv = args if len(args) > 1 else [*args, str(path)]
         assert cli(argv) == 0, args
     assert _content(path) == before
