@@ -500,7 +500,7 @@ def cmd_keep(args: argparse.Namespace) -> int:
         for info in dropped:
             print(f"{verb} step {info.step} (committed {when(info.created)}) {_meta_str(info.metadata)}".rstrip())
         print(f"{verb} {len(dropped)} of {total} step(s)")
-        stores = [p for p in [root / "meta", *sorted(root.glob("rank-*"))] if (p / "STORE").exists()]
+        stores = distributed.stores(root)
         verify = f"deltackpt dcp {root} --verify"
     else:
         with _open(args.store, readonly=args.dry_run) as s:
@@ -542,7 +542,7 @@ def cmd_dcp(args: argparse.Namespace) -> int:
     if args.prune:
         print(f"pruned {distributed.prune(root)} rank checkpoint(s) no step names")
     rc = 0
-    stores = [p for p in [root / "meta", *sorted(root.glob("rank-*"))] if (p / "STORE").exists()]
+    stores = distributed.stores(root)
     if args.gc:
         rc = _gc_stores(stores, f"deltackpt dcp {root} --verify")
     if args.verify:
@@ -566,6 +566,8 @@ def cmd_dcp(args: argparse.Namespace) -> int:
         rows = [(*row, _meta_str(i.metadata)) for row, i in zip(rows, steps)]
         head.append("metadata")
     print(table(rows, head, right={0, 3, 4, 5}))
+    for rank in distributed.missing_stores(root):
+        print(f"rank {rank}'s store is gone: the steps that name its checkpoints cannot load (--verify lists them)")
     return rc
 
 

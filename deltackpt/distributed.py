@@ -118,6 +118,14 @@ def _rank_path(root: Path, rank: int) -> Path:
     return root / f"rank-{rank:05d}"
 
 
+def stores(root: str | os.PathLike[str]) -> list[Path]:
+    """The stores of the DCP root ``root``: its meta store, then each rank's (``rank-NNNNN``, by rank), those
+    that exist. Other directories (a copy named ``rank-00000.bak``) are not the root's."""
+    root = Path(root)
+    ranks = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _RANK_DIR.fullmatch(p.name)))
+    return [p for p in [root / "meta", *(p for _, p in ranks)] if (p / "STORE").exists()]
+
+
 def _item_key(index: MetadataIndex) -> str:
     offset = "" if index.offset is None else ",".join(map(str, index.offset))
     return f"{index.fqn}@{offset}"
@@ -690,11 +698,14 @@ def _user_metadata(head: Any) -> Any:
 
 
 def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
-    """Every DCP checkpoint under ``root``, oldest commit first."""
+    """Every DCP checkpoint under ``root``, oldest commit first. The sizes count the rank checkpoints the stores
+    hold: a rank whose store is gone counts nothing (:func:`verify_names` names the steps that cannot load)."""
     root = Path(root)
     steps = _named_steps(root)
     sizes: dict[tuple[int, str], tuple[int, int]] = {}
     for rank in sorted({r for _, named in steps for r, _ in named}):
+        if not (_rank_path(root, rank) / "STORE").exists():
+            continue  # its store is gone: its shards count nothing (verify_names reports the steps that name them)
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards", readonly=True) as store:
             for r, ckpt in {n for _, named in steps for n in named if n[0] == rank}:
                 c = _resolved(store, ckpt)  # (missing: verify_names reports it)
@@ -703,6 +714,14 @@ def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
     return [StepInfo(i.step, i.created, len({r for r, _ in named}), sum(sizes.get(n, (0, 0))[0] for n in named),
                      sum(sizes.get(n, (0, 0))[1] for n in named), _user_metadata(i.metadata), i.id)
             for i, named in steps]
+
+
+def missing_stores(root: str | os.PathLike[str]) -> list[int]:
+    """The ranks that a DCP checkpoint under ``root`` names a checkpoint of but whose store is gone (the steps
+    naming them cannot load; :func:`verify_names` says which)."""
+    root = Path(root)
+    ranks = {r for _, named in _named_steps(root) for r, _ in named}
+    return sorted(r for r in ranks if not (_rank_path(root, r) / "STORE").exists())
 
 
 def verify_names(root: str | os.PathLike[str]) -> list[str]:
@@ -785,31 +804,56 @@ def prune(root: str | os.PathLike[str]) -> int:
     """Delete the rank checkpoints that no DCP checkpoint names and that their rank store committed before one
     that a DCP checkpoint does name: what a save that crashed before its commit, or an interrupted
     :func:`delete`, left behind. A rank's newest unnamed checkpoints may be a save in progress and are kept
-    (commit order within each store decides, not clocks, which may differ between hosts). Returns how many
-    were deleted; space returns with ``gc``."""
+    (commit order within each store decides, not clocks, which may differ between hosts). In a rank store none
+    of whose checkpoints a step names (a rank that a restart with fewer ranks no longer uses, once its steps
+    are dropped), every checkpoint but the newest is deleted: the names are read again after the store is
+    listed, so that one a step committed meanwhile counts as named. Returns how many were deleted; space
+    returns with ``gc``."""
     root = Path(root)
-    with _existing(root / "meta", "DCP checkpoints") as meta:
-        named = set().union(set(), *(_named(meta, i.id) for i in meta.list()))
+    named = _all_named(root)
     stale: set[tuple[int, str]] = set()
-    for path in sorted(root.iterdir()):
-        m = _RANK_DIR.fullmatch(path.name)
-        if m is None or not (path / "STORE").exists():
-            continue
-        rank = int(m.group(1))
+    for path in stores(root)[1:]:
+        rank = int(path.name.removeprefix("rank-"))
         with _existing(path, f"rank {rank}'s shards") as store:
-            stale |= {(rank, c.id) for c in _unnamed(store, rank, named)}
+            infos = store.list()
+            if not _names_any(store, rank, named, infos):  # read the names again, after the listing
+                stale |= {(rank, c.id) for c in _unnamed(store, rank, _all_named(root), infos, orphans=True)}
+            else:
+                stale |= {(rank, c.id) for c in _unnamed(store, rank, named, infos)}
     _delete_rank_checkpoints(root, stale)
     return len(stale)
 
 
-def _unnamed(store: Store, rank: int, named: set[tuple[int, str]]) -> list[Any]:
-    """The checkpoints of rank ``rank``'s ``store`` that no (rank, id) of ``named`` names and that the store
-    committed before one that is named (its newest unnamed ones may be a save in progress)."""
-    infos = store.list()  # commit order
+def _all_named(root: Path) -> set[tuple[int, str]]:
+    """Every (rank, rank checkpoint id) that a DCP checkpoint under ``root`` names."""
+    with _existing(root / "meta", "DCP checkpoints") as meta:
+        return set().union(set(), *(_named(meta, i.id) for i in meta.list()))
+
+
+def _mine(store: Store, rank: int, named: set[tuple[int, str]]) -> set[str]:
+    """The ids of rank ``rank``'s checkpoints that ``named`` names, with those of the checkpoints that replaced
+    them (a rank checkpoint that a rewrite replaced is named by its old id: the new one is named too)."""
     mine = {k for r, k in named if r == rank}
-    # a rank checkpoint that a rewrite replaced is named by its old id: the new one is named too
-    mine |= {c.id for c in (_resolved(store, k) for k in list(mine)) if c is not None}
+    return mine | {c.id for c in (_resolved(store, k) for k in list(mine)) if c is not None}
+
+
+def _names_any(store: Store, rank: int, named: set[tuple[int, str]], infos: list[Any]) -> bool:
+    mine = _mine(store, rank, named)
+    return any(c.id in mine for c in infos)
+
+
+def _unnamed(store: Store, rank: int, named: set[tuple[int, str]], infos: list[Any] | None = None, *,
+             orphans: bool = False) -> list[Any]:
+    """The checkpoints of rank ``rank``'s ``store`` (``infos``: its listing, in commit order) that no (rank, id)
+    of ``named`` names and that the store committed before one that is named (its newest unnamed ones may be a
+    save in progress). With ``orphans``, in a store none of whose checkpoints is named (a rank that a restart
+    with fewer ranks left behind), every one but the newest, which may be a save in progress (one save runs at
+    a time; ``named`` MUST then have been read after ``infos``, see :func:`prune`)."""
+    infos = store.list() if infos is None else infos
+    mine = _mine(store, rank, named)
     last_named = max((i for i, c in enumerate(infos) if c.id in mine), default=-1)
+    if last_named < 0 and orphans:
+        return infos[:-1]
     return [c for c in infos[:max(last_named, 0)] if c.id not in mine]
 
 

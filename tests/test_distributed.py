@@ -247,11 +247,13 @@ def test_ranks_with_nothing_to_save_commit_no_checkpoint(tmp_path: Path) -> None
             assert s.list() == [], store
 
 
-def test_prune_keeps_unnamed_checkpoints_of_a_rank_that_no_step_names(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank store none of whose checkpoints a DCP checkpoint names (every step deleted by retention, say):
-    its checkpoints may all be saves in progress, and prune keeps them. Before, it deleted all but the newest,
-    and with a step committing meanwhile that deleted the shards of that committed step."""
+def test_prune_keeps_the_newest_checkpoint_of_a_rank_that_no_step_names(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank store none of whose checkpoints a DCP checkpoint names (every step deleted by retention, or a rank
+    a restart with fewer ranks left): prune deletes all but its newest, which may be a save in progress. Once it
+    deleted all but the newest with names read before the listing, so that with a step committing meanwhile it
+    deleted the shards of that committed step; then it kept every one (a restart with fewer ranks leaked the old
+    ranks' shards for good). The names are now read again after the listing."""
     from deltackpt import distributed
 
     root = tmp_path / "ckpt"
@@ -277,9 +279,9 @@ def test_prune_keeps_unnamed_checkpoints_of_a_rank_that_no_step_names(tmp_path: 
     distributed.delete(root, 1)
     save(2, Unfinished)
     save(3, Unfinished)
-    assert distributed.prune(root) == 0
+    assert distributed.prune(root) == 1
     with deltackpt.Store(root / "rank-00000") as s:
-        assert [c.step for c in s.list()] == [2, 3]
+        assert [c.step for c in s.list()] == [3]
     # a step commits, and the next one's shards, between prune's read of the steps and its look at the rank store
     real = distributed._existing
     done: list[bool] = []
@@ -291,9 +293,8 @@ def test_prune_keeps_unnamed_checkpoints_of_a_rank_that_no_step_names(tmp_path: 
             save(6, Unfinished)
         return real(path, what, **kwargs)
 
-    for step in (2, 3):
-        with deltackpt.Store(root / "rank-00000") as s:
-            s.delete(step)
+    with deltackpt.Store(root / "rank-00000") as s:
+        s.delete(3)
     monkeypatch.setattr(distributed, "_existing", late)
     assert distributed.prune(root) == 0
     monkeypatch.setattr(distributed, "_existing", real)
@@ -507,6 +508,39 @@ def test_the_dcp_command_lists_deletes_prunes_and_collects(tmp_path: Path,
         warnings.simplefilter("ignore")
         dcp.load(target, storage_reader=DeltaStorageReader(root))
     assert torch.equal(target["x"], x)
+
+
+def test_the_dcp_command_with_a_left_over_rank_a_copied_store_and_a_missing_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank store no step names (left by a restart with fewer ranks): prune keeps only its newest. A copy of a
+    rank store beside them (rank-00000.bak) is not one of the root's stores. With a rank's store gone, the
+    listing and --rm still work (its sizes count nothing) and --verify names the steps that cannot load; before,
+    every dcp command failed, --rm after deleting the step."""
+    from deltackpt import distributed
+    from deltackpt.cli import main
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, (1, 2))
+    with deltackpt.Store(root / "rank-00001") as s:  # what a second rank of an earlier run left
+        for step in (7, 8, 9):
+            s.save({"x": torch.full((10,), float(step))}, step=step)
+    shutil.copytree(root / "rank-00000", root / "rank-00000.bak")
+    assert [p.name for p in distributed.stores(root)] == ["meta", "rank-00000", "rank-00001"]
+    capsys.readouterr()
+    assert main(["dcp", str(root), "--prune", "--gc", "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "pruned 2 rank checkpoint(s)" in out and "rank-00000.bak" not in out
+    with deltackpt.Store(root / "rank-00001") as s:
+        assert [c.step for c in s.list()] == [9]
+    (root / "rank-00000").rename(tmp_path / "gone")
+    assert main(["dcp", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert [ln.split()[0] for ln in out.splitlines()[-3:-1]] == ["1", "2"]
+    assert out.splitlines()[-1].startswith("rank 0's store is gone")
+    assert main(["dcp", str(root), "--verify"]) == 1
+    assert "but its store is gone: the step cannot load" in capsys.readouterr().out
+    assert main(["dcp", str(root), "--rm", "1"]) == 0
+    assert distributed.steps(root) == [2]
 
 
 def test_model_and_optimizer_through_dcp_state_dict_helpers(tmp_path: Path) -> None:
