@@ -427,9 +427,19 @@ class ResumableLoader:
             s._pulling = False
 
     def _iter_loader(self) -> Iterator[Any]:
-        if self.loader.generator is not None:
-            return iter(self.loader)
         s = self.sampler
+        g = self.loader.generator
+        if g is not None:  # the user's: draws from it only where an epoch starts, resumed or not
+            if s.position == 0:
+                return iter(self.loader)
+            # The rest of an epoch (a resumed run's first iteration, or a loop's after a break): iter() draws
+            # the workers' base seed from it, which a run that went on without stopping never drew; put back its
+            # state so that later epochs draw what that run drew (the rest of this one gets other worker seeds).
+            state = g.get_state()
+            try:
+                return iter(self.loader)
+            finally:
+                g.set_state(state)
         key = f"deltackpt.data:{s.seed}:{s.epoch}:{s.position}:{s.rank}".encode()
         g = torch.Generator()
         g.manual_seed(int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1)

@@ -380,6 +380,34 @@ def test_worker_seeds_are_reproducible() -> None:
     assert run() == a
 
 
+@pytest.mark.parametrize("stop", [2, 4], ids=["mid-epoch", "epoch-boundary"])
+def test_a_users_generator_checkpointed_with_the_cursor_replays_the_later_epochs(stop: int) -> None:
+    """A DataLoader with a generator of its own, saved and restored beside the cursor: the resumed run draws
+    from it where the uninterrupted one did (each epoch start), so the epochs after the resume get the same
+    worker seeds and augmentations. Before, the resumed iteration drew once more and shifted every later epoch,
+    even for a resume at an epoch boundary."""
+    def build() -> tuple[ResumableLoader, torch.Generator]:
+        ds, gen = _RandomItems(), torch.Generator().manual_seed(7)
+        return ResumableLoader(DataLoader(ds, sampler=ResumableSampler(ds, seed=3), batch_size=3, num_workers=1,
+                                          generator=gen)), gen
+
+    loader, gen = build()
+    it = loader.batches()
+    ref = [next(it).tolist() for _ in range(12)]  # three epochs of four batches
+    loader, gen = build()
+    it = loader.batches()
+    got = [next(it).tolist() for _ in range(stop)]
+    saved, rng = loader.state_dict(), gen.get_state()
+    del it
+    loader, gen = build()  # a restarted process
+    loader.load_state_dict(saved)
+    gen.set_state(rng)
+    it = loader.batches()
+    got += [next(it).tolist() for _ in range(12 - stop)]
+    assert got[4:] == ref[4:]  # every epoch after the one resumed in
+    assert got[:stop] == ref[:stop]
+
+
 # -- (3) through a deltackpt store -----------------------------------------------------------------------
 
 
