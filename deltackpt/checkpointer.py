@@ -123,20 +123,73 @@ def _finish_saves_at_exit() -> None:
 
 class _WorkersIgnoreStopSignals:
     """``worker_init_fn`` of the DataLoader a checkpointer that handles signals was given (wrapping the loader's
-    own): its workers ignore SIGTERM and SIGINT. A stop signal sent to the whole job (SLURM signals every process
-    of a job step; Ctrl-C the foreground process group) would otherwise end them (torch installs its own SIGTERM
-    handler in each worker) and the DataLoader would raise in the training process before the step boundary
-    where the checkpointer saves. The workers still end with the training process: the DataLoader shuts them
-    down, or they see their parent gone. Picklable (a DataLoader with ``spawn`` workers pickles it)."""
+    own): its workers ignore SIGINT, and SIGTERM until they are released. A stop signal sent to the whole job
+    (SLURM signals every process of a job step; Ctrl-C the foreground process group) would otherwise end them
+    (torch installs its own SIGTERM handler in each worker) and the DataLoader would raise in the training
+    process before the step boundary where the checkpointer saves.
+
+    Released (:meth:`release`: the checkpointer closes, or the training process exits), a worker ends at SIGTERM
+    again, with status 0 as torch's do at their parent's: at interpreter exit ``multiprocessing`` stops the
+    daemonic workers it still has (a ``persistent_workers`` loader's, or an iterator a generator holds) with
+    SIGTERM and waits for them without a timeout, and workers ignoring it hung the exit for good. The release
+    is one byte down a pipe whose read end each worker polls when a SIGTERM comes; it works for every start
+    method (a ``spawn`` worker gets the read end when the wrapper is pickled) and needs no lock a signal
+    handler could wait on."""
 
     def __init__(self, fn: Callable[[int], None] | None) -> None:
+        import multiprocessing
+
         self.fn = fn
+        self._released, self._release = multiprocessing.Pipe(duplex=False)
+        _hook_release()
+        _unreleased.add(self)
+
+    def __getstate__(self) -> dict[str, Any]:  # (a spawned worker gets the read end only)
+        return {"fn": self.fn, "_released": self._released}
+
+    def release(self) -> None:
+        """From now on the workers end at SIGTERM (those running and those started later)."""
+        _unreleased.discard(self)
+        try:
+            self._release.send_bytes(b"r")
+        except OSError:  # (the pipe is gone: a worker sees it closed, which releases it too)
+            pass
 
     def __call__(self, worker_id: int) -> None:
-        for sig in _SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         if self.fn is not None:
             self.fn(worker_id)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        try:
+            released = self._released.poll()  # a byte, or the write end closed everywhere (the parent gone)
+        except (OSError, EOFError):
+            released = True
+        if released:  # end as torch's workers do at their parent's SIGTERM (status 0: no "worker killed" error)
+            os._exit(0)
+
+
+#: wrappers not yet released: the training process releases them at exit, before ``multiprocessing`` stops its
+#: workers (an atexit hook registered after multiprocessing's runs before it)
+_unreleased: weakref.WeakSet[_WorkersIgnoreStopSignals] = weakref.WeakSet()
+_release_hooked = False
+
+
+def _hook_release() -> None:
+    global _release_hooked
+    with _exit_hook:
+        if not _release_hooked:
+            import atexit
+            import multiprocessing.util  # noqa: F401  (its exit function registered first, so it runs after ours)
+
+            atexit.register(_release_at_exit)
+            _release_hooked = True
+
+
+def _release_at_exit() -> None:
+    for wrapper in list(_unreleased):
+        wrapper.release()
 
 
 def _dataloader_worker() -> bool:
@@ -1093,6 +1146,7 @@ class Checkpointer:
         passes signals on once the checkpointer is closed."""
         for loader in self._quieted:
             if isinstance(loader.worker_init_fn, _WorkersIgnoreStopSignals):
+                loader.worker_init_fn.release()  # workers still running (persistent ones) end at SIGTERM again
                 loader.worker_init_fn = loader.worker_init_fn.fn
         self._quieted.clear()
         if threading.current_thread() is not threading.main_thread():

@@ -777,6 +777,51 @@ def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_at_the_step_boun
         assert store.load()["step"] == step
 
 
+_EXIT_RUN = """
+import os, signal, sys, torch
+from torch.utils.data import DataLoader, TensorDataset
+import deltackpt
+from deltackpt.data import ResumableLoader, ResumableSampler
+how, store = sys.argv[1], sys.argv[2]
+ds = TensorDataset(torch.randn(37, 4))
+loader = ResumableLoader(DataLoader(ds, batch_size=5, num_workers=2, persistent_workers=how != "iterator",
+                                    sampler=ResumableSampler(ds, seed=0)))
+ckpt = deltackpt.Checkpointer(store, model=torch.nn.Linear(4, 1), data=loader, async_save=False)
+batches = loader.batches()  # alive until the interpreter exits (its DataLoader iterator too)
+for step in range(1, 6):
+    next(batches)
+    if how == "sigterm" and step == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    ckpt.step(step)
+if how == "close":
+    ckpt.close()
+print("DONE", flush=True)
+"""
+
+
+@linux_only
+@pytest.mark.parametrize(("how", "code"), [("end", 0), ("close", 0), ("iterator", 0), ("sigterm", 143)])
+def test_a_run_whose_loader_workers_are_alive_at_exit_exits(fast_dir: Path, how: str, code: int) -> None:
+    """Workers the checkpointer made ignore SIGTERM, still running when the interpreter exits (persistent ones,
+    or those of an iterator a generator holds): multiprocessing stops them with SIGTERM and waits without a
+    timeout, and the exit hung for good. Released at exit (and at close), they end at SIGTERM again."""
+    proc = subprocess.Popen([sys.executable, "-c", _EXIT_RUN, how, str(fast_dir / "store")], env=worker_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        kill_group(proc.pid)
+        proc.communicate()
+        pytest.fail(f"the run ({how}) did not exit")
+    finally:
+        kill_group(proc.pid)
+    text = out.decode(errors="replace")
+    assert proc.returncode == code, text[-3000:]
+    assert ("DONE" in text) == (how != "sigterm") and "Traceback" not in text, text[-3000:]
+    with Store(fast_dir / "store") as store:
+        assert store.latest().step == (3 if how == "sigterm" else 5)
+
+
 def test_protect_workers_takes_dataloaders_only_and_is_undone_at_close(fast_dir: Path) -> None:
     ds = _StopSignalDisposition()
     dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1)
@@ -804,7 +849,11 @@ class _StopSignalDisposition(torch.utils.data.Dataset):
         return 8
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        ignored = all(signal.getsignal(sig) == signal.SIG_IGN for sig in (signal.SIGTERM, signal.SIGINT))
+        from deltackpt.checkpointer import _WorkersIgnoreStopSignals
+
+        on_term = signal.getsignal(signal.SIGTERM)
+        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN and isinstance(
+            getattr(on_term, "__self__", None), _WorkersIgnoreStopSignals) and not on_term.__self__._released.poll()
         return torch.tensor(float(ignored))
 
 
