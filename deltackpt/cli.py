@@ -294,7 +294,10 @@ def cmd_get(args: argparse.Namespace) -> int:
             print(f"{_escaped(path) or '<root>'}: {t.kind} {t.dtype} {'x'.join(map(str, t.shape)) or '()'}"
                   f"{_stats(value)}")
             if len(chosen) == 1:
-                print(value if isinstance(value, torch.Tensor) else repr(value))
+                try:
+                    print(str(value) if isinstance(value, torch.Tensor) else repr(value))
+                except (RuntimeError, TypeError) as exc:  # (sub-byte dtypes: torch cannot print their values)
+                    print(f"(its values cannot be printed: {_first_line(exc)})")
         else:
             print(f"{_escaped(path) or '<root>'}: {_shown((path, node), None) if len(chosen) > 1 else _plain(node)}")
     return 0

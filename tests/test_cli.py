@@ -489,6 +489,12 @@ def test_get_prints_values_and_tensors(capsys: pytest.CaptureFixture[str], store
     assert out.splitlines()[0] == "e: torch float32 0  (empty)"
     rc, out, _ = cli(capsys, "get", store_path, 1, "a")
     assert out.splitlines() == ["a: numpy <i2 4  min 0 max 3", repr(np.arange(4, dtype=np.int16))]
+    if hasattr(torch, "uint1"):  # sub-byte dtypes: no statistics, and values only where torch can print them
+        with open_store(store_path) as s:
+            s.save({"u": torch.zeros(16, dtype=torch.uint1)}, step=2)
+        rc, out, _ = cli(capsys, "get", store_path, 2, "u")
+        assert rc == 0 and out.splitlines()[0] == "u: torch uint1 16"
+        before = dir_snapshot(store_path)
     rc, out, err = cli(capsys, "get", store_path, 1, "op")  # a key path, not a prefix of one
     assert rc == 1 and out == ""
     assert_one_line_error(err, "holds nothing at 'op'")
