@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import json
 import os
 import re
 import sys
@@ -222,6 +223,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
             counts["tensors changed" if what else "tensors the same"] += 1
             if what or args.all:
                 rows.append((path, what or "same", chunks, *shown))
+        elif (a is None or b is None) and (a or b)[1][0] in _CONTAINER_NAMES \
+                and place in prefixes[0 if a is None else 1]:  # type: ignore[index]
+            continue  # an empty container the other side fills: its entries are the rows
         elif a is None or b is None:
             kind = "added" if a is None else "removed"
             counts[kind] += 1
@@ -245,13 +249,44 @@ def cmd_diff(args: argparse.Namespace) -> int:
             counts["values the same"] += 1
             if args.all:
                 rows.append((path, "same", "", *shown))
+    kinds = [{place: (path, _container(node)) for place, path, node in tree.container_nodes(m.tree)}
+             for m in (ma, mb)]
+    for place, (path, ka) in kinds[0].items():  # a tuple that became a list, a deque's maxlen, key 1 become True
+        kb = kinds[1].get(place, (path, ka))[1]
+        if ka[0] != kb[0] or (ka[2] == kb[2] and ka[1] != kb[1]):  # (keys added or removed are leaves' rows)
+            counts["containers changed"] += 1
+            what = f"type {ka[0]} -> {kb[0]}" if ka[0] != kb[0] else "dict key types"
+            shown = [", ".join(sorted(k[1]))[:40] if ka[0] == kb[0] else k[0] for k in (ka, kb)]
+            rows.append((_escaped(path) or "<root>", what, "", *shown))
     if rows:
         print()
         print(table(rows, ["key", "change", "chunks", "A", "B"], right={2}))
     print()
     print(", ".join(f"{what}: {n}" for what, n in counts.items() if n) or "both states are empty")
-    differ = counts["tensors changed"] + counts["values changed"] + counts["added"] + counts["removed"]
+    differ = sum(n for what, n in counts.items() if not what.endswith("the same"))
     return 1 if args.exit_code and differ else 0
+
+
+_CONTAINER_NAMES = {"d": "dict", "o": "OrderedDict", "C": "Counter", "D": "defaultdict", "l": "list", "t": "tuple",
+                    "q": "deque", "x": "registered type"}
+
+
+def _container(node: Any) -> tuple[str, frozenset[str], frozenset[Any]]:
+    """What ``diff`` compares of a container beyond its leaves: its type (with a deque's maxlen, a defaultdict's
+    factory, a registered type's name), its dict keys as stored (1 and True are one key to a dict, not one
+    state) and as Python compares them."""
+    tag = node[0]
+    name = _CONTAINER_NAMES.get(tag, tag)
+    if tag == "q":
+        name = f"deque(maxlen={node[2]})"
+    elif tag == "D":
+        name = f"defaultdict({node[1]})"
+    elif tag == "x":
+        name = f"registered type {node[1]}"
+    if not tree.is_dict_node(node):
+        return name, frozenset(), frozenset()
+    return (name, frozenset(json.dumps(k) for k in tree._dict_parts(node)[0]),
+            frozenset(k for k, _ in tree.node_children(node)))
 
 
 def _place_path(place: tree.Place) -> str:

@@ -221,6 +221,24 @@ def test_diff_lists_what_changed_between_two_checkpoints(capsys: pytest.CaptureF
     assert dir_snapshot(store_path) == before
 
 
+def test_diff_reports_containers_that_changed_type(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """A tuple that became a list, a dict an OrderedDict, a defaultdict's factory, a deque's maxlen, an int key
+    become True: same leaves, another state. An empty container the other side fills is not a row of its own."""
+    import collections
+
+    with open_store(store_path) as s:
+        s.save({"t": (1, 2), "o": {"a": 1}, "dd": collections.defaultdict(list, {"x": 1}),
+                "q": collections.deque([1], maxlen=2), "k": {1: "v"}, "e": {}, "same": [1]}, step=1)
+        s.save({"t": [1, 2], "o": collections.OrderedDict(a=1), "dd": {"x": 1}, "q": collections.deque([1], maxlen=9),
+                "k": {True: "v"}, "e": {"now": 1}, "same": [1]}, step=2)
+    rc, out, _ = cli(capsys, "diff", store_path, 1, 2, "--exit-code")
+    assert rc == 1
+    assert {k: v[0] for k, v in _diff_rows(out).items()} == {
+        "e.now": "added", "t": "type tuple -> list", "o": "type dict -> OrderedDict",
+        "dd": "type defaultdict(list) -> dict", "q": "type deque(maxlen=2) -> deque(maxlen=9)", "k": "dict key types"}
+    assert out.splitlines()[-1] == "values the same: 7, added: 1, containers changed: 5"
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_diff_reports_exactly_the_keys_that_changed(capsys: pytest.CaptureFixture[str], tmp_path_factory: Any,
