@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import lmdb
+import numpy as np
 import torch
 
 from deltackpt import codec, maintenance, manifest, packs, tree
@@ -290,11 +291,20 @@ def _container(node: Any) -> tuple[str, frozenset[str], frozenset[Any]]:
 
 
 def _place_path(place: tree.Place) -> str:
-    path = ""
+    return _place_paths(place)[-1]
+
+
+def _place_paths(place: tree.Place) -> list[str]:
+    """The key paths of ``place`` and of every container it lies in, outermost (``<root>``) first, as listings
+    print them (escaped); a path with control characters is also there as it is."""
+    paths, path = ["<root>"], ""
     for kind, key in place:
         if kind in ("k", "i"):
             path = tree.child_path(path, key)
-    return _escaped(path) or "<root>"
+            paths.append(_escaped(path) or "<root>")
+            if paths[-1] != path and path:
+                paths.insert(-1, path)
+    return paths
 
 
 def _shown(leaf: tuple[str, Any] | None, t: manifest.TensorEntry | None) -> str:
@@ -314,11 +324,10 @@ def cmd_get(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         info = s.info(**_which(args.checkpoint, s))
         m = s.manifest(id=info.id)
-        chosen = [(path, node) for _, path, node in tree.leaf_nodes(m.tree)
-                  if path == key or path.startswith(key) and path[len(key):][:1] in (".", "[")]
+        chosen = [(path, node) for place, path, node in tree.leaf_nodes(m.tree) if key in _place_paths(place)]
         if not chosen:
             raise DeltackptError(f"checkpoint {info.id} (step {info.step}) holds nothing at {key!r} ('deltackpt diff "
-                                 f"STORE {info.step} {info.step} --all' lists its key paths)")
+                                 f"{args.store} {info.step} {info.step} --all' lists its key paths)")
         wanted = sorted({int(node[1]) for _, node in chosen if node[0] in ("T", "A")})
         if any(not 0 <= i < len(m.tensors) for i in wanted):
             raise DeltackptError(f"checkpoint {info.id}: its manifest names tensors it does not hold")
@@ -343,7 +352,7 @@ def _plain(node: Any) -> str:
     try:
         value = tree.decode_plain(node)
     except DeltackptError:  # (a pickled value, which a listing does not unpickle)
-        return f"<{node[0]}>"
+        return "<pickled, not unpickled here>" if node[0] == "p" else f"<{node[0]}>"
     try:
         return _escaped(repr(value))
     except ValueError:  # an int of more digits than Python converts at once
@@ -352,27 +361,41 @@ def _plain(node: Any) -> str:
 
 def _stats(value: torch.Tensor | Any) -> str:
     """Summary statistics of a tensor or array for ``deltackpt get``: min, max, mean and std of its finite values
-    and how many are not finite (floats), min and max (integers), how many are true (bools)."""
-    t = value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
-    if t.numel() == 0:
+    and how many are not finite (floats), min and max (integers, exact), how many are true (bools)."""
+    if value.size == 0 if isinstance(value, np.ndarray) else value.numel() == 0:
         return "  (empty)"
     try:
-        if t.dtype == torch.bool:
-            return f"  true {int(t.sum())} of {t.numel()}"
-        if t.is_complex():
-            return ""
-        x = t.detach().reshape(-1).double()
-    except (RuntimeError, TypeError):  # (a dtype torch cannot convert: sub-byte integers, say)
+        if isinstance(value, torch.Tensor):
+            t = value.detach().reshape(-1)
+            if t.dtype == torch.bool:
+                return f"  true {int(t.sum())} of {t.numel()}"
+            if t.is_complex():
+                return ""
+            if not t.is_floating_point():  # (exact: not through float64, which rounds past 2**53)
+                try:
+                    lo, hi = (int(v) for v in t.aminmax())
+                except RuntimeError:  # (not implemented for every dtype: uint64, say)
+                    a = t.numpy()
+                    lo, hi = int(a.min()), int(a.max())
+                return f"  min {tree.int_text(lo)} max {tree.int_text(hi)}"
+            x = t.double().numpy()
+        else:
+            a = value.reshape(-1)
+            if a.dtype.kind == "b":
+                return f"  true {int(a.sum())} of {a.size}"
+            if a.dtype.kind in "iu":
+                return f"  min {tree.int_text(int(a.min()))} max {tree.int_text(int(a.max()))}"
+            if a.dtype.kind != "f":
+                return ""
+            x = a.astype(np.float64)
+    except (RuntimeError, TypeError):  # (a dtype torch cannot compute with: sub-byte integers, say)
         return ""
-    if not t.is_floating_point():
-        return f"  min {tree.int_text(int(x.min()))} max {tree.int_text(int(x.max()))}"
-    finite = x[torch.isfinite(x)]
-    bad = x.numel() - finite.numel()
-    tail = f"  non-finite {bad}" if bad else ""
-    if finite.numel() == 0:
+    finite = x[np.isfinite(x)]
+    tail = f"  non-finite {x.size - finite.size}" if finite.size < x.size else ""
+    if finite.size == 0:
         return tail
-    return (f"  min {finite.min().item():.6g} max {finite.max().item():.6g} mean {finite.mean().item():.6g} "
-            f"std {finite.std(correction=0).item():.6g}{tail}")
+    return (f"  min {finite.min():.6g} max {finite.max():.6g} mean {finite.mean():.6g} std {finite.std():.6g}"
+            f"{tail}")
 
 
 def cmd_log(args: argparse.Namespace) -> int:

@@ -519,6 +519,30 @@ def test_get_prints_values_and_tensors(capsys: pytest.CaptureFixture[str], store
     assert dir_snapshot(store_path) == before
 
 
+def test_get_matches_places_and_prints_exact_integers(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """A key path names a place or a container it lies in, not a string prefix (``lr`` is not ``lr.warmup``'s
+    container when that is one key); the escaped form listings print works; integer statistics are exact past
+    2**53."""
+    with open_store(store_path) as s:
+        s.save({"lr.warmup": 1, "layers": [5], "tab\tkey": 2, "a": {"b": 3},
+                "big": torch.tensor([2**62 + 1, 2**62 + 3]), "be": np.array([2**63 - 1], dtype=">i8")}, step=1)
+    for key in ("lr", "layer", "a.c"):
+        rc, out, err = cli(capsys, "get", store_path, 1, key)
+        assert rc == 1 and out == ""
+        assert_one_line_error(err, f"holds nothing at {key!r}", f"deltackpt diff {store_path} 1 1 --all")
+    assert cli(capsys, "get", store_path, 1, "lr.warmup")[1] == "lr.warmup: 1\n"
+    assert cli(capsys, "get", store_path, 1, "layers")[1] == "layers[0]: 5\n"
+    assert cli(capsys, "get", store_path, 1, "a")[1] == "a.b: 3\n"
+    assert cli(capsys, "get", store_path, 1, "tab\\tkey")[1] == "tab\\tkey: 2\n"  # as show and diff print it
+    assert cli(capsys, "get", store_path, 1, "tab\tkey")[1] == "tab\\tkey: 2\n"
+    assert cli(capsys, "get", store_path, 1, "big")[1].splitlines()[0] == \
+        f"big: torch int64 2  min {2**62 + 1} max {2**62 + 3}"
+    assert cli(capsys, "get", store_path, 1, "be")[1].splitlines()[0] == \
+        f"be: numpy >i8 1  min {2**63 - 1} max {2**63 - 1}"
+    rc, out, _ = cli(capsys, "get", store_path, 1, "<root>")
+    assert rc == 0 and len(out.splitlines()) == 6
+
+
 def test_get_reads_only_the_chunks_of_what_it_prints(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     """The damaged frame of one tensor does not stop printing another; the damaged one is reported by chunk."""
     with open_store(store_path) as s:  # one chunk each, one pack: the first frame is w's
