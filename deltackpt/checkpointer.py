@@ -140,6 +140,8 @@ class _WorkersIgnoreStopSignals:
         import multiprocessing
 
         self.fn = fn
+        #: the open checkpointers that protect the loader (it is released when the last one closes)
+        self.owners: weakref.WeakSet[Any] = weakref.WeakSet()
         self._released, self._release = multiprocessing.Pipe(duplex=False)
         _hook_release()
         _unreleased.add(self)
@@ -1133,11 +1135,16 @@ class Checkpointer:
                 self._quiet(loader)
 
     def _quiet(self, loader: Any) -> None:
-        """Wrap ``loader``'s ``worker_init_fn`` (a torch DataLoader with workers) so its workers ignore stop
-        signals; :meth:`_restore_signals` puts the loader's own back."""
-        if type(loader).__module__.startswith("torch.utils.data") and getattr(loader, "num_workers", 0) > 0 \
-                and not isinstance(loader.worker_init_fn, _WorkersIgnoreStopSignals):
-            loader.worker_init_fn = _WorkersIgnoreStopSignals(loader.worker_init_fn)
+        """Wrap ``loader``'s ``worker_init_fn`` (a torch DataLoader, or a subclass, with workers) so its workers
+        ignore stop signals; :meth:`_restore_signals` puts the loader's own back once no open checkpointer
+        protects it (two of a loop's checkpointers may both have)."""
+        if not isinstance(loader, torch.utils.data.DataLoader) or not loader.num_workers:
+            return
+        wrapper = loader.worker_init_fn
+        if not isinstance(wrapper, _WorkersIgnoreStopSignals):
+            wrapper = loader.worker_init_fn = _WorkersIgnoreStopSignals(wrapper)
+        if self not in wrapper.owners:
+            wrapper.owners.add(self)
             self._quieted.append(loader)
 
     def _restore_signals(self) -> None:
@@ -1145,9 +1152,12 @@ class Checkpointer:
         checkpointers' handlers). Elsewhere (off the main thread, or under another handler) it stays, and
         passes signals on once the checkpointer is closed."""
         for loader in self._quieted:
-            if isinstance(loader.worker_init_fn, _WorkersIgnoreStopSignals):
-                loader.worker_init_fn.release()  # workers still running (persistent ones) end at SIGTERM again
-                loader.worker_init_fn = loader.worker_init_fn.fn
+            wrapper = loader.worker_init_fn
+            if isinstance(wrapper, _WorkersIgnoreStopSignals):
+                wrapper.owners.discard(self)
+                if not wrapper.owners:
+                    wrapper.release()  # workers still running (persistent ones) end at SIGTERM again
+                    loader.worker_init_fn = wrapper.fn
         self._quieted.clear()
         if threading.current_thread() is not threading.main_thread():
             return

@@ -822,6 +822,32 @@ def test_a_run_whose_loader_workers_are_alive_at_exit_exits(fast_dir: Path, how:
         assert store.latest().step == (3 if how == "sigterm" else 5)
 
 
+class _MyLoader(torch.utils.data.DataLoader):
+    """A DataLoader subclass with a state of its own (as torchdata's StatefulDataLoader)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_dataloader_subclass_is_protected_and_two_checkpointers_share_a_loader(fast_dir: Path) -> None:
+    """A DataLoader subclass (given as data= or to protect_workers) is protected like a DataLoader: it used to be
+    skipped silently. A loader two open checkpointers protect (a GAN's) stays protected until both close."""
+    ds = _StopSignalDisposition()
+    sub = _MyLoader(ds, batch_size=4, num_workers=1)
+    shared = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1)
+    with Checkpointer(fast_dir / "a", model=torch.nn.Linear(1, 1), data=sub) as a:
+        assert next(iter(sub)).tolist() == [1.0] * 4
+        a.protect_workers(shared)
+        with Checkpointer(fast_dir / "b", model=torch.nn.Linear(1, 1)) as b:
+            b.protect_workers(shared)
+        assert next(iter(shared)).tolist() == [1.0] * 4  # b closed; a still protects it
+    assert sub.worker_init_fn is None and shared.worker_init_fn is None
+    assert next(iter(shared)).tolist() == [0.0] * 4
+
+
 def test_protect_workers_takes_dataloaders_only_and_is_undone_at_close(fast_dir: Path) -> None:
     ds = _StopSignalDisposition()
     dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1)
