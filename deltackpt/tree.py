@@ -432,23 +432,23 @@ def container_nodes(skeleton: Any) -> list[tuple[Place, str, Any]]:
     """``(place, key path, node)`` of every container of ``skeleton`` (dict-likes, lists, tuples, deques and
     registered types, empty ones too), outer first in document order. A malformed skeleton raises
     :class:`CorruptManifestError`."""
-    return [(where, at, node) for node, at, where in _nodes(skeleton, "", (), _CONTAINERS)]
+    return [(where, at, node) for node, at, where in _nodes(skeleton, "", (), _EVERY_CONTAINER)]
 
 
 #: ``_nodes`` tags meaning "every leaf": any node that is not a container with children
 _LEAVES: tuple[str, ...] = ("<every leaf>",)
 #: ``_nodes`` tags meaning "every container", walked into as well
-_CONTAINERS: tuple[str, ...] = ("<every container>",)
+_EVERY_CONTAINER: tuple[str, ...] = ("<every container>",)
 
 
 def _nodes(n: Any, path: str, place: Place, tags: tuple[str, ...]) -> Iterator[tuple[Any, str, Place]]:
     """``(node, key path, place)`` of every node of ``n`` whose tag is one of ``tags`` (every leaf for
-    :data:`_LEAVES`; every container, whose nodes are walked too, for :data:`_CONTAINERS`), in document order,
+    :data:`_LEAVES`; every container, whose nodes are walked too, for :data:`_EVERY_CONTAINER`), in document order,
     walking into dicts, sequences and registered types. A malformed skeleton raises
     :class:`CorruptManifestError`."""
     try:
         tag = n[0]
-        if tags is _CONTAINERS:
+        if tags is _EVERY_CONTAINER:
             if tag in _DICT_TAGS or tag in ("l", "t", "q", "x"):
                 yield n, path, place
         elif tag in tags or (tags is _LEAVES and _is_leaf(n)):
