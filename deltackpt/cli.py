@@ -31,6 +31,7 @@ from deltackpt.checkpointer import newest_restorable
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
+    CorruptManifestError,
     DeltackptError,
     InvalidNameError,
     UnsafeLoadError,
@@ -198,6 +199,14 @@ def _tensor_change(ma: manifest.Manifest, a: manifest.TensorEntry, mb: manifest.
     return ", ".join(what), f"{differ}/{a.count}" if differ else ""
 
 
+def _tensor_index(m: manifest.Manifest, node: Any) -> int:
+    """The index in ``m``'s tensor table that an array leaf node of its skeleton names (refused when none)."""
+    i = int(node[1])
+    if not 0 <= i < len(m.tensors):
+        raise CorruptManifestError(f"checkpoint {m.id}: its skeleton names tensor {i} of {len(m.tensors)}")
+    return i
+
+
 def cmd_diff(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         infos = [s.info(**_which(arg, s)) for arg in (args.a, args.b)]
@@ -205,11 +214,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     for side, i in zip("AB", infos):
         print(f"{side}: checkpoint {i.id}  step {i.step}  created {when(i.created)}")
     leaves = [{place: (path, node) for place, path, node in tree.leaf_nodes(m.tree)} for m in (ma, mb)]
-    tensors = [{p: m.tensors[int(n[1])] for p, (_, n) in lv.items() if n[0] in ("T", "A")} for m, lv in
+    tensors = [{p: m.tensors[_tensor_index(m, n)] for p, (_, n) in lv.items() if n[0] in ("T", "A")} for m, lv in
                zip((ma, mb), leaves)]
-    for m, ts in zip((ma, mb), tensors):
-        if any(not 0 <= t.first <= t.first + t.count <= len(m.digests) for t in ts.values()):
-            raise DeltackptError(f"checkpoint {m.id}: its manifest names chunks it does not hold")
     prefixes = [{place[:i] for place in lv for i in range(len(place) + 1)} for lv in leaves]
     gone: dict[tuple[str, tree.Place], list[int]] = {}  # (added|removed, subtree) -> [row, leaves, tensor bytes]
     rows: list[tuple[str, ...]] = []
@@ -315,8 +321,8 @@ def _shown(leaf: tuple[str, Any] | None, t: manifest.TensorEntry | None) -> str:
         return human(t.nbytes)
     try:
         return _short(tree.decode_plain(leaf[1]), 40)
-    except DeltackptError:  # (a pickled value, which a listing does not unpickle)
-        return f"<{leaf[1][0]}>"
+    except DeltackptError:
+        return _undecoded(leaf[1])
 
 
 def cmd_get(args: argparse.Namespace) -> int:
@@ -328,9 +334,7 @@ def cmd_get(args: argparse.Namespace) -> int:
         if not chosen:
             raise DeltackptError(f"checkpoint {info.id} (step {info.step}) holds nothing at {key!r} ('deltackpt diff "
                                  f"{args.store} {info.step} {info.step} --all' lists its key paths)")
-        wanted = sorted({int(node[1]) for _, node in chosen if node[0] in ("T", "A")})
-        if any(not 0 <= i < len(m.tensors) for i in wanted):
-            raise DeltackptError(f"checkpoint {info.id}: its manifest names tensors it does not hold")
+        wanted = sorted({_tensor_index(m, node) for _, node in chosen if node[0] in ("T", "A")})
         arrays = dict(zip(wanted, s._read_tensors(info.id, wanted)))
     for path, node in chosen:
         if node[0] in ("T", "A"):
@@ -351,12 +355,17 @@ def _plain(node: Any) -> str:
     """A plain value of a skeleton in full (escaped), or what kind of node it is when it does not decode."""
     try:
         value = tree.decode_plain(node)
-    except DeltackptError:  # (a pickled value, which a listing does not unpickle)
-        return "<pickled, not unpickled here>" if node[0] == "p" else f"<{node[0]}>"
+    except DeltackptError:
+        return _undecoded(node)
     try:
         return _escaped(repr(value))
     except ValueError:  # an int of more digits than Python converts at once
         return _escaped(tree.int_text(value)) if type(value) is int else f"<{type(value).__name__}>"
+
+
+def _undecoded(node: Any) -> str:
+    """What a listing shows for a plain-value node it does not decode (a pickled value is never unpickled)."""
+    return "<pickled, not unpickled here>" if node[0] == "p" else f"<{node[0]}>"
 
 
 def _stats(value: torch.Tensor | Any) -> str:

@@ -297,7 +297,7 @@ class DeltaStorageWriter(StorageWriter):
             with _existing(self.root / "meta", "DCP checkpoints", readonly=True,
                            allow_network_fs=self.store_options.get("allow_network_fs")) as meta:
                 named = set().union(set(), *(_named(meta, i.id) for i in meta.list()))
-            for c in _unnamed(store, rank, named):
+            for c in _unnamed(store.list(), _mine(store, rank, named)):
                 try:
                     store.delete(id=c.id)
                 except CheckpointNotFoundError:
@@ -816,10 +816,11 @@ def prune(root: str | os.PathLike[str]) -> int:
         rank = int(path.name.removeprefix("rank-"))
         with _existing(path, f"rank {rank}'s shards") as store:
             infos = store.list()
-            if not _names_any(store, rank, named, infos):  # read the names again, after the listing
-                stale |= {(rank, c.id) for c in _unnamed(store, rank, _all_named(root), infos, orphans=True)}
-            else:
-                stale |= {(rank, c.id) for c in _unnamed(store, rank, named, infos)}
+            mine = _mine(store, rank, named)
+            orphans = not any(c.id in mine for c in infos)
+            if orphans:  # read the names again, after the listing
+                mine = _mine(store, rank, _all_named(root))
+            stale |= {(rank, c.id) for c in _unnamed(infos, mine, orphans=orphans)}
     _delete_rank_checkpoints(root, stale)
     return len(stale)
 
@@ -837,20 +838,12 @@ def _mine(store: Store, rank: int, named: set[tuple[int, str]]) -> set[str]:
     return mine | {c.id for c in (_resolved(store, k) for k in list(mine)) if c is not None}
 
 
-def _names_any(store: Store, rank: int, named: set[tuple[int, str]], infos: list[Any]) -> bool:
-    mine = _mine(store, rank, named)
-    return any(c.id in mine for c in infos)
-
-
-def _unnamed(store: Store, rank: int, named: set[tuple[int, str]], infos: list[Any] | None = None, *,
-             orphans: bool = False) -> list[Any]:
-    """The checkpoints of rank ``rank``'s ``store`` (``infos``: its listing, in commit order) that no (rank, id)
-    of ``named`` names and that the store committed before one that is named (its newest unnamed ones may be a
-    save in progress). With ``orphans``, in a store none of whose checkpoints is named (a rank that a restart
-    with fewer ranks left behind), every one but the newest, which may be a save in progress (one save runs at
-    a time; ``named`` MUST then have been read after ``infos``, see :func:`prune`)."""
-    infos = store.list() if infos is None else infos
-    mine = _mine(store, rank, named)
+def _unnamed(infos: list[Any], mine: set[str], *, orphans: bool = False) -> list[Any]:
+    """The checkpoints of a rank store (``infos``: its listing, in commit order) that are not among the ones a
+    DCP checkpoint names (``mine``, from :func:`_mine`) and that the store committed before one that is (its
+    newest unnamed ones may be a save in progress). With ``orphans``, in a store none of whose checkpoints is
+    named (a rank that a restart with fewer ranks left behind), every one but the newest, which may be a save in
+    progress (one save runs at a time; ``mine`` MUST then have been read after ``infos``, see :func:`prune`)."""
     last_named = max((i for i, c in enumerate(infos) if c.id in mine), default=-1)
     if last_named < 0 and orphans:
         return infos[:-1]
