@@ -236,6 +236,8 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
         raise FormatVersionError(f"{_NEWER_FRAME} {version} is not supported (this reader: 1-3){_at(where)}")
     if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0 or (version >= 2) != (codec == PREDICTED):
         raise CorruptChunkError(f"bad frame header (codec {codec}, width {width}, flags {flags}){_at(where)}")
+    if codec == PREDICTED and width != 4:  # (predictions are of float32 state; the residual's planes are too)
+        raise CorruptChunkError(f"predicted frame of width {width} (they have width 4){_at(where)}")
     if raw_len > MAX_RAW or stored_len > MAX_RAW + 1024:
         raise CorruptChunkError(f"frame declares {raw_len} raw / {stored_len} stored bytes{_at(where)}")
     if codec == RAW and stored_len != raw_len:
@@ -265,7 +267,8 @@ def check_frame(
     expect_len: int | None = None,
     where: str | None = None,
 ) -> tuple[FrameHeader, memoryview]:
-    """Check a frame's header, identity and checksum without decoding it; return (header, payload)."""
+    """Check a frame's header, identity and checksum without decoding it; return (header, payload). ``frame`` is
+    exactly the bytes its index entry spans: 64 + S, as its header says."""
     mv = memoryview(frame).cast("B")
     if len(mv) >= HEADER_SIZE and bytes(mv[:4]) == MAGIC:
         # the checksum first: a damaged byte anywhere (the version byte too) is damage, not a newer format
@@ -285,6 +288,9 @@ def check_frame(
         raise CorruptChunkError(f"frame holds {h.raw_len} bytes, expected {expect_len}{_at(where)}", chunk_id=cid)
     if len(mv) < h.frame_len:
         raise CorruptChunkError(f"truncated frame ({len(mv)} of {h.frame_len} bytes){_at(where)}", chunk_id=cid)
+    if len(mv) > h.frame_len:  # (the index entry's frame length is 64 + S: a longer one is damage of one or other)
+        raise CorruptChunkError(f"frame of {h.frame_len} bytes where {len(mv)} were expected{_at(where)}",
+                                chunk_id=cid)
     payload = mv[HEADER_SIZE : h.frame_len]
     if frame_checksum(mv[:CHECKED], payload) != h.checksum:
         raise CorruptChunkError(f"frame checksum mismatch{_at(where)}", chunk_id=cid)
@@ -454,7 +460,7 @@ def _parse(frame: bytes | memoryview, digest: bytes | None, raw_len: int | None,
         check_frame(frame, expect_digest=digest, expect_len=raw_len, where=where)  # checksum first
         raise
     wrong = (digest is not None and h.digest != digest) or (raw_len is not None and h.raw_len != raw_len)
-    if wrong or len(frame) < h.frame_len:
+    if wrong or len(frame) != h.frame_len:
         check_frame(frame, expect_digest=digest, expect_len=raw_len, where=where)  # raises the precise error
     return h
 

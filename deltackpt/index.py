@@ -140,6 +140,7 @@ class Record:
     @classmethod
     def loads(cls, raw: bytes) -> Record:
         """The record from its JSON, each field checked for its type and range (format.md §6)."""
+        d = None
         try:
             d = json.loads(raw)
             if type(d) is not dict or not d.keys() <= _RECORD_FIELDS:
@@ -151,7 +152,9 @@ class Record:
                 raise ValueError(f"seq is {d['seq']!r:.60}")
             return cls(**d)  # (its metadata is decoded where it is used: CheckpointInfo.from_record)
         except (ValueError, TypeError, RecursionError, CorruptManifestError) as exc:
-            raise CorruptIndexError(f"unreadable checkpoint record: {exc}; {REPAIR_HINT}") from None
+            named = type(d) is dict and type(d.get("id")) is str and type(d.get("step")) is int
+            which = f" of checkpoint {d['id']:.40} (step {d['step']})" if named else ""
+            raise CorruptIndexError(f"unreadable checkpoint record{which}: {exc}; {REPAIR_HINT}") from None
 
 
 _RECORD_FIELDS = frozenset(f.name for f in fields(Record))

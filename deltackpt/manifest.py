@@ -40,7 +40,7 @@ import numpy as np
 import xxhash
 
 from deltackpt import config, tree
-from deltackpt.errors import CorruptManifestError, FormatVersionError, InvalidNameError
+from deltackpt.errors import CorruptManifestError, FormatVersionError, InvalidNameError, UnsupportedTypeError
 from deltackpt.packs import fsync_dir
 
 MAGIC = b"DCKMANIF"
@@ -89,6 +89,8 @@ def check_fields(d: dict[str, Any]) -> None:
     for name in ("logical_bytes", "written_bytes"):
         if name in d:
             _count(d[name], name)
+    if d.get("metadata") is not None and tree.format_version(d["metadata"]) > 1:
+        raise ValueError("metadata holds a version-2 node (checkpoint metadata is of version-1 kinds only)")
     if "extra" in d:
         extra = d["extra"]
         if type(extra) is not dict:
@@ -154,7 +156,7 @@ def _differentiable(kind: str, dtype: str) -> bool:
         return False
     try:
         dt = tree.torch_dtype(dtype)
-    except CorruptManifestError:
+    except (CorruptManifestError, UnsupportedTypeError):
         return True
     return dt.is_floating_point or dt.is_complex
 
@@ -183,7 +185,7 @@ def _itemsize(kind: str, dtype: str) -> int | None:
     repair must keep the checkpoint), and only loading that tensor fails."""
     try:
         return (tree.torch_dtype(dtype) if kind == "torch" else tree.numpy_dtype(dtype)).itemsize
-    except CorruptManifestError:
+    except (CorruptManifestError, UnsupportedTypeError):
         return None
 
 
@@ -304,6 +306,8 @@ def parse(data: bytes, *, where: str) -> Manifest:
             unknown = sorted(h.keys() - HEADER_FIELDS) if type(h) is dict else h
             raise ValueError(f"unknown header fields {unknown!r:.80}")
         check_fields(h)
+        if tree.format_version(h["tree"]) > version:
+            raise ValueError(f"its state skeleton holds version-2 nodes in a version-{version} manifest")
         if type(h["tensors"]) is not list:
             raise ValueError("tensors is not a list")
         tensors = [_entry(t) for t in h["tensors"]]
@@ -327,6 +331,8 @@ def parse(data: bytes, *, where: str) -> Manifest:
         )
     except (ValueError, KeyError, TypeError, CorruptManifestError, InvalidNameError, RecursionError) as exc:
         raise CorruptManifestError(f"manifest {where} has an unreadable header: {exc}") from None
+    if n and int(np.bitwise_or.reduce(flags_arr)) & ~FLAG_ZERO & 0xFF:
+        raise CorruptManifestError(f"manifest {where}: a chunk flag has a reserved bit set")
     for t in tensors:
         expect = -(-t.nbytes // m.chunk_size)
         if t.count != expect or t.first < 0 or t.first + t.count > n:

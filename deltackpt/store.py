@@ -93,8 +93,9 @@ class CheckpointInfo:
         try:
             meta = tree.decode_plain(rec.metadata) if rec.metadata is not None else None
         except (CorruptManifestError, UnsafeLoadError, UnsupportedTypeError) as exc:
-            if isinstance(exc, UnsupportedTypeError) and tree.holds_device(rec.metadata):
-                # (a torch.device of a backend this torch lacks: the record is as saved, a repair would not help)
+            if isinstance(exc, UnsupportedTypeError) and tree.holds_torch_name(rec.metadata):
+                # (a device of a backend this torch lacks, a newer torch's dtype: the record is as saved, a repair
+                # would not help)
                 raise UnsupportedTypeError(f"checkpoint {rec.id} (step {rec.step}): its metadata: {exc}") from None
             # saves write plain values only: a registered type or a pickle there is damage of the record
             raise CorruptIndexError(f"index record of checkpoint {rec.id} (step {rec.step}) holds unreadable "

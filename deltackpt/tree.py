@@ -142,9 +142,12 @@ def encode_registered(obj: Any) -> Encoded | None:
 def torch_dtype(name: str) -> torch.dtype:
     """torch dtype from its name, without evaluating anything. Quantized dtypes are refused, as saves refuse them:
     their tensors hold fewer bytes than elements (``quint4x2``: two per byte), and no writer stores one."""
-    dt = getattr(torch, name, None) if isinstance(name, str) and name.isidentifier() else None
-    if not isinstance(dt, torch.dtype):
-        raise CorruptManifestError(f"unknown torch dtype {name!r:.60}")
+    if not (isinstance(name, str) and name.isidentifier()):
+        raise CorruptManifestError(f"malformed torch dtype name {name!r:.60}")
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):  # (a dtype of a newer torch, float4_e2m1fn_x2 say: no damage of the store)
+        raise UnsupportedTypeError(f"torch dtype {name!r:.60} is unknown to this torch ({torch.__version__}): "
+                                   "the checkpoint was written by a newer one")
     if dt in QUANTIZED:
         raise CorruptManifestError(f"quantized torch dtype {name!r} in a tensor entry (saves refuse them)")
     return dt
@@ -478,11 +481,12 @@ def _is_leaf(n: list[Any]) -> bool:
     return tag != "x"
 
 
-def holds_device(node: Any) -> bool:
-    """Whether a plain-value skeleton node holds a torch.device node (anywhere; nothing is decoded)."""
+def holds_torch_name(node: Any) -> bool:
+    """Whether a plain-value skeleton node holds a torch.device or torch.dtype node (anywhere; nothing is
+    decoded): what a newer torch or another backend may name and this process not know."""
     if type(node) is not list or not node:
         return False
-    return node[0] == "dv" or any(holds_device(n) for n in node if type(n) is list)  # (nodes, lists of nodes)
+    return node[0] in ("dv", "dt") or any(holds_torch_name(n) for n in node if type(n) is list)  # (nodes, lists)
 
 
 def pickled_paths(skeleton: Any) -> list[str]:
@@ -609,15 +613,17 @@ def format_version(skeleton: Any) -> int:
         if type(n) is not list or not n:
             continue
         tag = n[0]
+        if type(tag) is not str:
+            continue  # (malformed: for the decoder to refuse)
         if tag in V2_TAGS:
             return 2
-        if tag in ("d", "o"):
-            if any(k[0] not in ("s", "i") for k in n[1]):
+        if tag in ("d", "o") and len(n) == 3 and type(n[1]) is type(n[2]) is list:
+            if any(type(k) is not list or not k or k[0] not in ("s", "i") for k in n[1]):
                 return 2
             stack.extend(n[2])
-        elif tag in ("l", "t"):
+        elif tag in ("l", "t") and len(n) == 2 and type(n[1]) is list:
             stack.extend(n[1])
-        elif tag == "x":
+        elif tag == "x" and len(n) == 3:
             stack.append(n[2])
     return 1
 

@@ -17,6 +17,7 @@ from unittest import mock
 import numpy as np
 import pytest
 import torch
+import xxhash
 import zstandard
 from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot
 from hypothesis import given, settings
@@ -460,7 +461,6 @@ def test_repair_refuses_what_a_newer_format_wrote(store_path: Path, what: str) -
     """An intact manifest or frame of a version this reader does not know (a newer deltackpt's) stops a repair
     with FormatVersionError naming it; before, the manifest was dropped as lost (and the next gc deleted it
     and freed its chunks) and the frame skipped as damage. A damaged version byte is still damage."""
-    import xxhash
 
     with _open(store_path) as s:
         s.save({"a": torch.randn(1000)}, step=1)
@@ -498,7 +498,6 @@ def test_a_predicted_frame_whose_length_is_no_whole_number_of_floats_is_damage(s
     import uuid
 
     import lmdb
-    import xxhash
 
     with deltackpt.Store(store_path, chunk_size=4096, threads=1) as s:
         t, a, b, c = (np.frombuffer(bytes([i + 1] * 3 + [i + 7] * 3), dtype=np.uint8).copy() for i in range(4))
@@ -508,7 +507,7 @@ def test_a_predicted_frame_whose_length_is_no_whole_number_of_floats_is_damage(s
     record = struct.pack("<BBHI", 1, 2, 4, 0) + digest[2] + digest[3] + struct.pack("<4d", 0.5, 1.0, 0.5, 1.0)
     payload = (struct.pack("<I", len(record)) + record
                + zstandard.ZstdCompressor(write_content_size=True).compress(bytes(raw)))
-    head = struct.pack("<4sBBBBQQ16s16s", b"DCKF", 2, codec.PREDICTED, 1, 0, raw, len(payload), digest[0], digest[1])
+    head = struct.pack("<4sBBBBQQ16s16s", b"DCKF", 2, codec.PREDICTED, 4, 0, raw, len(payload), digest[0], digest[1])
     frame = head + struct.pack("<Q", xxhash.xxh3_64(head + payload).intdigest()) + payload
     pack = uuid.uuid4()
     (store_path / "packs" / f"{pack.hex}.pack").write_bytes(struct.pack("<8sII", b"DCKPACK1", 1, 0) + frame)
@@ -879,6 +878,45 @@ def test_wrong_chunk_expected() -> None:
         codec.decode(frame, expect_digest=kernel.digest(raw), expect_len=len(raw) + 1)
 
 
+def test_a_predicted_frame_of_another_width_is_damage() -> None:
+    """Predicted frames are of float32 state and have width 4 (format.md §3): one whose header says 2 (checksum
+    made to match) is refused before it is decoded, rather than its residual merged as 16-bit planes."""
+    floats = np.random.default_rng(1).standard_normal(64).astype(np.float32).tobytes()
+    digest = kernel.digest(floats)
+    record = struct.pack("<BBHI", 1, 2, 4, 0) + digest + digest + struct.pack("<4d", 0.5, 1.0, 0.5, 1.0)
+    frame = bytearray(codec.Encoder(1).encode_predicted(floats, digest, 4, bytes(len(floats)), digest, record))
+    assert codec.parse_header(frame).width == 4
+    frame[6] = 2
+    struct.pack_into("<Q", frame, 56, xxhash.xxh3_64(bytes(frame[:56]) + bytes(frame[64:])).intdigest())
+    with pytest.raises(CorruptChunkError, match="width 2"):
+        codec.parse_header(frame)
+
+
+@pytest.mark.parametrize("damage", ["flag bit", "version"])
+def test_manifest_reserved_flags_and_a_version_below_its_nodes_are_damage(store_path: Path, damage: str) -> None:
+    """A chunk flag with a reserved bit set, or a manifest whose skeleton holds version-2 nodes (a set) while its
+    header says version 1, is damage (format.md §5), checksums made to match: both were read as if valid."""
+    from deltackpt import manifest
+
+    with _open(store_path) as s:
+        info = s.save({"w": torch.ones(5000), "tags": {"a", "b"}}, step=1)
+    mpath = store_path / "manifests" / f"{info.id}.manifest"
+    raw = bytearray(mpath.read_bytes())
+    assert struct.unpack_from("<I", raw, 8)[0] == 2
+    if damage == "version":
+        struct.pack_into("<I", raw, 8, 1)
+    else:
+        raw[-17] |= 0x04  # the last chunk's flags
+    body = bytes(raw[:-16])
+    damaged = body + xxhash.xxh3_128_digest(body)
+    mpath.write_bytes(damaged)
+    _set_record(store_path, 1, lambda r: r.update(manifest_checksum=manifest.checksum_of(damaged)))
+    with _open(store_path) as s:
+        with pytest.raises(CorruptManifestError, match="reserved bit" if damage == "flag bit" else "version-2 nodes"):
+            s.load(1)
+        assert any("reserved bit" in p.message or "version-2" in p.message for p in s.verify().problems)
+
+
 @pytest.mark.parametrize("codec_id", [codec.RAW, codec.ZSTD, codec.PLANES_ZSTD])
 def test_valid_checksum_wrong_digest(codec_id: int) -> None:
     raw = b"0123456789abcdef" * 64
@@ -1099,6 +1137,28 @@ def _edit_index(store_path: Path, table: str, edit: Any) -> None:
         env.close()
 
 
+def test_an_index_frame_length_longer_than_its_frame_is_damage(store_path: Path) -> None:
+    """An index entry whose frame length exceeds the frame's 64 + S (format.md §6), the frame not at the pack's end:
+    load and verify name the chunk as damaged. Before, the read took the next frame's first bytes along and
+    decoded as if nothing were wrong."""
+    with _open(store_path) as s:
+        s.save({"a": _rand(3 * CS, 1), "b": _rand(3 * CS, 2)}, step=1)
+        cid, loc = min((c for cs in _chunks_of(s, 1).values() for c in cs), key=lambda c: c[1].offset)
+    key = bytes.fromhex(cid[:32]) + struct.pack(">I", int(cid[33:]))
+
+    def edit(txn: Any, db: Any) -> None:
+        value = bytearray(txn.get(key))
+        struct.pack_into("<I", value, 24, loc.frame_len + 8)
+        txn.put(key, bytes(value))
+
+    _edit_index(store_path, "chunks", edit)
+    with _open(store_path) as s:
+        with pytest.raises(CorruptChunkError, match="were expected") as exc:
+            s.load(1)
+        assert exc.value.chunk_id == cid
+        assert cid in {p.chunk_id for p in s.verify().problems}
+
+
 @pytest.mark.parametrize("damage", ["entries_lost", "base_field", "codec_field", "record_lost"])
 def test_gc_on_a_damaged_index_frees_nothing_a_checkpoint_needs(store_path: Path, damage: str) -> None:
     """gc trusts the index to say what is live; where the index is damaged it must not free a chunk a retained
@@ -1233,8 +1293,6 @@ def test_manifest_fields_of_any_value_are_typed_errors(varied_store: Path, tmp_p
     added), with the manifest's checksum and the index's record of it made to match."""
     import json
 
-    import xxhash
-
     from deltackpt import manifest
 
     path = tmp_path_factory.mktemp("m") / "store"
@@ -1348,7 +1406,6 @@ def test_gc_stops_at_a_live_frame_of_a_newer_format(store_path: Path, intact: bo
     entry says nothing of it) may need chunks this reader cannot see it names: gc raises FormatVersionError
     before it frees anything. A version byte damaged into an unknown one fails the frame's checksum: that is
     damage, and gc runs. Before, gc followed the index entry only and never looked at the frame."""
-    import xxhash
 
     with _open(store_path) as s:
         s.save({"a": torch.randn(1000)}, step=1)
@@ -1419,7 +1476,7 @@ def test_a_tensor_this_torch_cannot_load_keeps_its_checkpoint(store_path: Path, 
         s.save({"w": torch.ones(1000)}, step=1)
     monkeypatch.undo()
     with _open(store_path) as s:
-        with pytest.raises(deltackpt.DeltackptError, match="npu:0" if what == "device" else "float4_e9m9_future"):
+        with pytest.raises(deltackpt.UnsupportedTypeError, match="npu:0" if what == "device" else "float4_e9m9_future"):
             s.load(1)
         if what == "device":
             assert s.load(1, map_location="cpu")["w"].sum().item() == 1000
@@ -1427,6 +1484,31 @@ def test_a_tensor_this_torch_cannot_load_keeps_its_checkpoint(store_path: Path, 
         assert report.checkpoints == 1 and not report.lost_checkpoints
         s.gc()
         assert [i.step for i in s.list()] == [1] and s.manifest(1).tensors[0].nbytes == 4000
+
+
+def test_a_newer_torch_dtype_is_not_damage_a_restore_skips(store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The newest checkpoint holding a dtype this torch does not know is refused with UnsupportedTypeError (the
+    store is fine; the process needs a newer torch), not skipped as damaged for an older one, which a
+    CorruptManifestError did: the restore went back a step and the job lost the newest one. A dtype name that
+    is no identifier is damage still."""
+    import dataclasses
+
+    from deltackpt import tree
+
+    model = torch.nn.Linear(3, 2)
+    with deltackpt.Checkpointer(_open(store_path), model=model, handle_signals=False, async_save=False) as ckpt:
+        ckpt.save(1)
+        real = tree._torch_leaf
+        monkeypatch.setattr(tree, "_torch_leaf",
+                            lambda t, p: dataclasses.replace(real(t, p), dtype="float4_e9m9_future"))
+        ckpt.save(2)
+        monkeypatch.undo()
+    with deltackpt.Checkpointer(_open(store_path), model=torch.nn.Linear(3, 2), handle_signals=False) as ckpt:
+        with pytest.raises(deltackpt.UnsupportedTypeError, match="float4_e9m9_future"):
+            ckpt.restore()
+        assert ckpt.restore(1) == 1
+    with pytest.raises(CorruptManifestError, match="malformed torch dtype"):
+        tree.torch_dtype("float 32")
 
 
 def test_a_numpy_dtype_string_numpy_cannot_parse_is_a_typed_error() -> None:
@@ -1551,13 +1633,16 @@ def test_a_save_writes_again_a_damaged_base_no_checkpoint_lists(store_path: Path
 
 
 def test_unreadable_record_metadata_names_its_checkpoint(store_path: Path) -> None:
-    """Record metadata holding a registered-type node (saves write plain values only) is index damage naming the
-    checkpoint and the repair; a torch.device of a backend this torch lacks is named as such (a repair would not
-    help). Both raised UnsupportedTypeError naming no checkpoint."""
+    """Record metadata holding a registered-type node (saves write plain values only) or a version-2 node (a set:
+    metadata is of version-1 kinds, format.md §5) is index damage naming the checkpoint and the repair; a
+    torch.device of a backend this torch lacks, or a newer torch's dtype, is named as such (a repair would not
+    help). The first two raised UnsupportedTypeError naming no checkpoint, or were accepted."""
     with _open(store_path) as s:
         info = s.save({"w": torch.ones(3)}, step=1, metadata={"note": 1})
     for node, error, words in ((["x", "foo", ["N"]], CorruptIndexError, "deltackpt repair"),
-                               (["dv", "npu:0"], deltackpt.UnsupportedTypeError, "npu:0")):
+                               (["dv", "npu:0"], deltackpt.UnsupportedTypeError, "npu:0"),
+                               (["dt", "float4_e9m9_future"], deltackpt.UnsupportedTypeError, "float4_e9m9_future"),
+                               (["S", []], CorruptIndexError, "version-2 node.*deltackpt repair")):
         def edit(txn: Any, db: Any, node: Any = node) -> None:
             key, raw = next(iter(txn.cursor()))
             rec = json.loads(raw)
