@@ -51,9 +51,6 @@ from deltackpt.tree import Encoded, alias_key, child_path, encode_registered, fl
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-#: gc after retention runs once the checkpoints it deleted or thinned wrote at least this much (and a quarter of
-#: what the kept ones wrote): sooner, each gc's pass over the live chunks would cost more than the space it frees
-GC_MIN_BYTES = 64 << 20
 #: seconds gc after retention waits for a store another process holds (its gc or repair) before it gives up until
 #: the next save
 GC_WAIT = 1.0
@@ -692,6 +689,7 @@ class Checkpointer:
         self.async_save = async_save
         self.retention = retention
         self.gc = gc
+        self._gc_min_bytes = config.gc_min_bytes()  # (a bad DELTACKPT_GC_MIN_BYTES is refused here, not at a save)
         self._dropped_bytes = 0  # bytes written by the checkpoints retention deleted or thinned since the last gc
         self.map_location = map_location
         self.last_saved_step: int | None = None
@@ -965,7 +963,7 @@ class Checkpointer:
                 continue
             self._dropped_bytes += by_id[cid].written_bytes
         kept = sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete))
-        if collect and self.gc and self._dropped_bytes >= max(GC_MIN_BYTES, kept // 4):
+        if collect and self.gc and self._dropped_bytes >= max(self._gc_min_bytes, kept // 4):
             self._collect()
 
     def _collect(self) -> None:

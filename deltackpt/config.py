@@ -14,6 +14,7 @@ pack file roll-over size          ``DELTACKPT_PACK_SIZE``     1 GiB
 longest delta chain (0: no delta) ``DELTACKPT_MAX_CHAIN``     3
 delta base cache                  ``DELTACKPT_DELTA_CACHE``   1 GiB
 predicted frames (AdamW state)    ``DELTACKPT_PREDICT``       1 (on; 0 turns them off)
+least garbage for gc after saves  ``DELTACKPT_GC_MIN_BYTES``  64 MiB (see README, "Retention")
 allow the index on network FS     ``DELTACKPT_ALLOW_NETWORK_FS``  0
 ================================  ==========================  ==========================================
 """
@@ -32,6 +33,9 @@ DEFAULT_MAX_CHAIN = 3
 #: the largest max_chain a store accepts; readers decode chains of up to MAX_MAX_CHAIN + 1 frames
 MAX_MAX_CHAIN = 64
 DEFAULT_DELTA_CACHE = 1 << 30
+#: gc after retention runs once the checkpoints it deleted or thinned wrote at least this much (and a quarter of
+#: what the kept ones wrote): sooner, each gc's pass over the live chunks would cost more than the space it frees
+DEFAULT_GC_MIN_BYTES = 64 << 20
 MIN_CHUNK_SIZE = 4096
 MAX_CHUNK_SIZE = 1 << 30
 #: zstd's own range of levels (ZSTD_minCLevel() .. ZSTD_maxCLevel())
@@ -89,6 +93,13 @@ def delta_cache_bytes() -> int:
 
 def predict() -> bool:
     return _env_int("DELTACKPT_PREDICT", 1) != 0
+
+
+def gc_min_bytes() -> int:
+    value = _env_int("DELTACKPT_GC_MIN_BYTES", DEFAULT_GC_MIN_BYTES)
+    if value < 0:
+        raise ValueError(f"DELTACKPT_GC_MIN_BYTES must be >= 0, got {value}")
+    return value
 
 
 def allow_network_fs() -> bool:

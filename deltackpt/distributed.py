@@ -176,6 +176,7 @@ class DeltaStorageWriter(StorageWriter):
         self.metadata = metadata
         self.retention = retention
         self.gc = bool(gc)
+        self._gc_min_bytes = config.gc_min_bytes()
         self.store_options = store_options
         self._stores: dict[Path, Store] = {}
         self._dropped: dict[Path, int] = {}  # per store: bytes its deleted checkpoints wrote since its last gc
@@ -311,10 +312,11 @@ class DeltaStorageWriter(StorageWriter):
 
     def _collect(self, store: Store) -> None:
         """gc ``store`` once what retention deleted from it is worth a pass (see the class docstring)."""
-        from deltackpt.checkpointer import GC_MIN_BYTES, GC_WAIT
+        from deltackpt.checkpointer import GC_WAIT
 
         dropped = self._dropped.get(store.path, 0)
-        if not self.gc or dropped == 0 or dropped < max(GC_MIN_BYTES, sum(i.written_bytes for i in store.list()) // 4):
+        floor = self._gc_min_bytes
+        if not self.gc or dropped == 0 or dropped < max(floor, sum(i.written_bytes for i in store.list()) // 4):
             return
         try:
             report = store.gc(timeout=GC_WAIT)

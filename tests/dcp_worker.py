@@ -74,9 +74,7 @@ def main() -> int:
             return 0
         if mode == "retain":
             import deltackpt
-            from deltackpt import checkpointer
-
-            checkpointer.GC_MIN_BYTES = 0  # collect as soon as retention deleted anything (a knob, not a mock)
+            os.environ["DELTACKPT_GC_MIN_BYTES"] = "0"  # collect as soon as retention deleted a quarter
             first, count = int(sys.argv[6]), int(sys.argv[7])
             writer = DeltaStorageWriter(root, step=first, retention=deltackpt.Retention(keep_last=2))
             for step in range(first, first + count):

@@ -346,6 +346,10 @@ def test_bad_settings_from_the_environment_name_the_variable(tmp_path: Path, mon
     with pytest.raises(ValueError, match="DELTACKPT_MAX_CHAIN"):
         deltackpt.Store(tmp_path / "s")
     monkeypatch.delenv("DELTACKPT_MAX_CHAIN")
+    monkeypatch.setenv("DELTACKPT_GC_MIN_BYTES", "-1")
+    with pytest.raises(ValueError, match="DELTACKPT_GC_MIN_BYTES"):
+        deltackpt.Checkpointer(tmp_path / "s", model=torch.nn.Linear(2, 2), handle_signals=False)
+    monkeypatch.delenv("DELTACKPT_GC_MIN_BYTES")
     with deltackpt.Store(tmp_path / "s") as s:
         s.save({"w": torch.arange(3000.0)}, step=1)
         assert s.zstd_level == -5 and torch.equal(s.load(1)["w"], torch.arange(3000.0))

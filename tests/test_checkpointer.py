@@ -2032,7 +2032,7 @@ def test_retention_gives_the_space_back_without_a_separate_gc(fast_dir: Path, mo
     """With retention, the checkpointer runs gc once what retention deleted is worth it: the packs stay at a few
     kept checkpoints' size, and a gc afterwards finds (almost) nothing. With gc=False they grow with every save
     (2.0 GB after 1000 every-step saves of a 4.6 MB state with keep_last=5) until someone runs gc."""
-    monkeypatch.setattr(deltackpt.checkpointer, "GC_MIN_BYTES", 1 << 20)
+    monkeypatch.setenv("DELTACKPT_GC_MIN_BYTES", str(1 << 20))
     sizes, freed = {}, {}
     for gc_on in (True, False):
         torch.manual_seed(0)
@@ -2063,7 +2063,7 @@ def test_gc_after_retention_waits_for_no_gc_of_another_process(fast_dir: Path,
     runs at a later save."""
     import fcntl
 
-    monkeypatch.setattr(deltackpt.checkpointer, "GC_MIN_BYTES", 0)
+    monkeypatch.setenv("DELTACKPT_GC_MIN_BYTES", "0")
     monkeypatch.setattr(deltackpt.checkpointer, "GC_WAIT", 0.1)
     model, opt = _small()
     path = fast_dir / "store"
@@ -2093,7 +2093,7 @@ def test_gc_after_retention_waits_for_no_gc_of_another_process(fast_dir: Path,
 def test_the_save_at_a_signal_runs_no_gc(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The save at SIGTERM applies retention but leaves gc for later: the process is about to end, and a repack
     could outlast the grace period before SIGKILL."""
-    monkeypatch.setattr(deltackpt.checkpointer, "GC_MIN_BYTES", 0)
+    monkeypatch.setenv("DELTACKPT_GC_MIN_BYTES", "0")
     received: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda sig, frame: received.append(sig))
     try:

@@ -885,9 +885,9 @@ def test_dcp_retention_drops_steps_and_their_shards(tmp_path: Path, monkeypatch:
     (keep_last=3 and keep_every=4 over 10 steps keep 0, 4, 7, 8, 9); each rank deletes its checkpoints of
     dropped steps at its next save (the last dropped step's until then, or until a prune), and gc returns
     their space: with gc the rank's packs end smaller than without. Every kept step loads bit for bit."""
-    from deltackpt import checkpointer, distributed
+    from deltackpt import distributed
 
-    monkeypatch.setattr(checkpointer, "GC_MIN_BYTES", 0)  # collect as soon as a quarter of the kept bytes
+    monkeypatch.setenv("DELTACKPT_GC_MIN_BYTES", "0")  # collect as soon as a quarter of the kept bytes
     g = torch.Generator().manual_seed(5)
     states = [{"w": torch.randn(64 << 10, generator=g), "step": s} for s in range(10)]  # 256 KiB, all new
     for gc in (True, False):
