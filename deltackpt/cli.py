@@ -265,6 +265,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
             what = f"type {ka[0]} -> {kb[0]}" if ka[0] != kb[0] else "dict key types"
             shown = [", ".join(sorted(k[1]))[:40] if ka[0] == kb[0] else k[0] for k in (ka, kb)]
             rows.append((_escaped(path) or "<root>", what, "", *shown))
+        elif ka[0] == kb[0] and (order := _common_order(ka[3], kb[3])):  # (loads keep the order)
+            counts["containers changed"] += 1
+            rows.append((_escaped(path) or "<root>", "dict key order", "", *(_escaped(o)[:40] for o in order)))
     if rows:
         print()
         print(table(rows, ["key", "change", "chunks", "A", "B"], right={2}))
@@ -278,10 +281,10 @@ _CONTAINER_NAMES = {"d": "dict", "o": "OrderedDict", "C": "Counter", "D": "defau
                     "q": "deque", "x": "registered type"}
 
 
-def _container(node: Any) -> tuple[str, frozenset[str], frozenset[Any]]:
+def _container(node: Any) -> tuple[str, frozenset[str], frozenset[Any], tuple[tuple[str, str], ...]]:
     """What ``diff`` compares of a container beyond its leaves: its type (with a deque's maxlen, a defaultdict's
     factory, a registered type's name), its dict keys as stored (1 and True are one key to a dict, not one
-    state) and as Python compares them."""
+    state) and as Python compares them, and their order (each as stored, and its ``repr``)."""
     tag = node[0]
     name = _CONTAINER_NAMES.get(tag, tag)
     if tag == "q":
@@ -291,9 +294,26 @@ def _container(node: Any) -> tuple[str, frozenset[str], frozenset[Any]]:
     elif tag == "x":
         name = f"registered type {node[1]}"
     if not tree.is_dict_node(node):
-        return name, frozenset(), frozenset()
-    return (name, frozenset(json.dumps(k) for k in tree._dict_parts(node)[0]),
-            frozenset(k for k, _ in tree.node_children(node)))
+        return name, frozenset(), frozenset(), ()
+    stored = [json.dumps(k) for k in tree._dict_parts(node)[0]]
+    keys = [k for k, _ in tree.node_children(node)]
+    return name, frozenset(stored), frozenset(keys), tuple(zip(stored, map(_key_repr, keys)))
+
+
+def _common_order(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]) -> tuple[str, str] | None:
+    """The keys both sides hold, as each orders them (``repr``s, comma-separated), when the orders differ."""
+    common = {k for k, _ in a} & {k for k, _ in b}
+    order = [[(k, r) for k, r in side if k in common] for side in (a, b)]
+    if [k for k, _ in order[0]] == [k for k, _ in order[1]]:
+        return None
+    return ", ".join(r for _, r in order[0]), ", ".join(r for _, r in order[1])
+
+
+def _key_repr(key: Any) -> str:
+    try:
+        return repr(key)
+    except ValueError:  # an int of more digits than Python converts at once
+        return tree.int_text(key) if type(key) is int else f"<{type(key).__name__}>"
 
 
 def _place_path(place: tree.Place) -> str:
@@ -320,9 +340,10 @@ def _shown(leaf: tuple[str, Any] | None, t: manifest.TensorEntry | None) -> str:
     if t is not None:
         return human(t.nbytes)
     try:
-        return _short(tree.decode_plain(leaf[1]), 40)
+        value = tree.decode_plain(leaf[1])
     except DeltackptError:
         return _undecoded(leaf[1])
+    return _short(repr(value) if isinstance(value, (str, bytes)) else value, 40)  # ('1' is not 1, 'None' not None)
 
 
 def cmd_get(args: argparse.Namespace) -> int:

@@ -371,6 +371,26 @@ def _new_output(rec: Record, t: manifest.TensorEntry,
     return out, dev, byte_view
 
 
+def _check_map_location(map_location: Any) -> None:
+    """TypeError/ValueError for a ``map_location`` that is not one or names no device torch knows, raised by every
+    load, whether or not the checkpoint holds a tensor it applies to (its keys, the stored devices, are not
+    checked: a dict may cover devices a checkpoint does not use)."""
+    if map_location is None:
+        return
+    if not isinstance(map_location, (Mapping, str, torch.device)):
+        raise TypeError("map_location must be None, a device, a device string or a dict {stored: target}, got "
+                        f"{type(map_location).__name__}")
+    for stored, target in map_location.items() if isinstance(map_location, Mapping) else [(None, map_location)]:
+        where = "map_location" if stored is None else f"map_location[{stored!r:.60}]"
+        if not isinstance(target, (str, torch.device)):
+            raise TypeError(f"{where} must be a device or a device string, got {type(target).__name__} {target!r:.40}")
+        try:
+            torch.device(target)
+        except (RuntimeError, ValueError, TypeError):
+            raise ValueError(f"{where} {'= ' if stored is not None else ''}{target!r:.60} is not a device torch "
+                             "knows") from None
+
+
 def _resolve_device(stored: str, map_location: Any) -> torch.device:
     """The device a tensor stored on ``stored`` loads onto. ValueError/TypeError for a ``map_location`` that
     names no device; UnsupportedTypeError for a device this process cannot use, saying whether it came from
@@ -1369,6 +1389,7 @@ class Store:
         the offered tensors may hold part of the checkpoint.
         """
         verify, allow_pickle = config.boolean("verify", verify), config.boolean("allow_pickle", allow_pickle)
+        _check_map_location(map_location)
         with self._gc_lock():  # (resolved under the lock: no gc removes it meanwhile)
             rec = self._record(step, id)
             m = self._manifest(rec)

@@ -685,6 +685,10 @@ def test_a_bad_map_location_is_named(store: deltackpt.Store, map_location: Any, 
     with pytest.raises(error, match=message):
         store.load(1, map_location=map_location)
     assert torch.equal(store.load(1, map_location={"cuda:0": "cpu"})["y"], torch.arange(3.0))
+    if error is not UnsupportedTypeError:  # a map_location that names no device is refused without a tensor too
+        store.save({"n": 1}, step=2)
+        with pytest.raises(error, match=message):
+            store.load(2, map_location=map_location)
 
 
 def test_loads_ignore_the_default_device(store: deltackpt.Store) -> None:

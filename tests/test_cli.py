@@ -228,15 +228,20 @@ def test_diff_reports_containers_that_changed_type(capsys: pytest.CaptureFixture
 
     with open_store(store_path) as s:
         s.save({"t": (1, 2), "o": {"a": 1}, "dd": collections.defaultdict(list, {"x": 1}),
-                "q": collections.deque([1], maxlen=2), "k": {1: "v"}, "e": {}, "same": [1]}, step=1)
+                "q": collections.deque([1], maxlen=2), "k": {1: "v"}, "e": {}, "same": [1],
+                "od": collections.OrderedDict(a=1, b=2, c=3)}, step=1)
         s.save({"t": [1, 2], "o": collections.OrderedDict(a=1), "dd": {"x": 1}, "q": collections.deque([1], maxlen=9),
-                "k": {True: "v"}, "e": {"now": 1}, "same": [1]}, step=2)
+                "k": {True: "v"}, "e": {"now": 1}, "same": [1], "od": collections.OrderedDict(b=2, new=0, a=1)},
+               step=2)
     rc, out, _ = cli(capsys, "diff", store_path, 1, 2, "--exit-code")
     assert rc == 1
-    assert {k: v[0] for k, v in _diff_rows(out).items()} == {
+    rows = _diff_rows(out)
+    assert {k: v[0] for k, v in rows.items()} == {
         "e.now": "added", "t": "type tuple -> list", "o": "type dict -> OrderedDict",
-        "dd": "type defaultdict(list) -> dict", "q": "type deque(maxlen=2) -> deque(maxlen=9)", "k": "dict key types"}
-    assert out.splitlines()[-1] == "values the same: 7, added: 1, containers changed: 5"
+        "dd": "type defaultdict(list) -> dict", "q": "type deque(maxlen=2) -> deque(maxlen=9)", "k": "dict key types",
+        "od.c": "removed", "od.new": "added", "od": "dict key order"}
+    assert "'a', 'b'" in " ".join(rows["od"]) and "'b', 'a'" in " ".join(rows["od"])
+    assert out.splitlines()[-1] == "values the same: 9, removed: 1, added: 2, containers changed: 6"
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -271,6 +276,9 @@ def test_diff_reports_exactly_the_keys_that_changed(capsys: pytest.CaptureFixtur
             want[k] = "removed"
         elif op == "add":
             after[k], want[k] = torch.ones(2), "added"
+    common = [k for k in before if k in after]
+    if common != [k for k in after if k in before]:  # (after's keys are in ``keys`` order)
+        want["<root>"] = "dict key order"
     path = tmp_path_factory.mktemp("diff")
     with open_store(path) as s:
         s.save(before, step=1)
@@ -494,7 +502,7 @@ def test_get_prints_values_and_tensors(capsys: pytest.CaptureFixture[str], store
     rc, out, err = cli(capsys, "get", store_path, 1, "opt.lr")
     assert (rc, out, err) == (0, "opt.lr: 0.25\n", "")
     rc, out, _ = cli(capsys, "get", store_path, "latest", "opt")
-    assert out.splitlines() == ["opt.lr: 0.25", "opt.name: a\\nb", "opt.k[0]: 1", "opt.k[1]: 2"]
+    assert out.splitlines() == ["opt.lr: 0.25", "opt.name: 'a\\nb'", "opt.k[0]: 1", "opt.k[1]: 2"]
     rc, out, _ = cli(capsys, "get", store_path, 1, "w")
     head, *values = out.splitlines()
     assert head == "w: torch float32 2x3  min -2 max 4 mean 0.875 std 2.13234  non-finite 2"
