@@ -15,7 +15,9 @@ predictor recomputes ``v`` from ``v'`` rather than referencing this checkpoint's
 then depend only on the parent's chunks and ``m``, so their chains stay as short as a second moment's.
 Optimizers that keep a momentum buffer ``b`` (SGD, Nesterov SGD, RMSprop with momentum) step
 ``p = p' - lr·b`` (Nesterov: ``p' - lr·(1+μ)·b + lr·μ·b'``), so their parameters are predicted from ``b`` and
-``b'`` the same way (the momentum-param predictor).
+``b'`` the same way (the momentum-param predictor). An EMA copy of the weights, ``a = d·a' + (1-d)·p``, is that
+predictor too, with this checkpoint's parameter as both references (an *average* role, found through the
+parameters a :class:`~deltackpt.Checkpointer` names).
 
 Exactness is what makes this lossless: the prediction is a pure function of the stored coefficients and the
 referenced chunks' bytes, computed with IEEE-754 float64 operations that are correctly rounded everywhere (numpy
@@ -147,18 +149,19 @@ def _fit_param(
     return (coefs, miss) if valid_coefs(coefs) and coefs[5] != 0.0 else (None, np.inf)
 
 
-def fit_momentum(po: np.ndarray, pn: np.ndarray, b: np.ndarray, b1: np.ndarray) -> tuple[float, ...] | None:
+def fit_momentum(po: np.ndarray, pn: np.ndarray, b: np.ndarray, b1: np.ndarray, *,
+                 free_c2: bool = True) -> tuple[float, ...] | None:
     """Coefficients of the momentum-param predictor from samples (:func:`_sample` of p', p, b, b'): c0..c2 of
-    ``p = c0·p' - c1·b + c2·b'`` fitted by least squares, with c2 = 0 (SGD, RMSprop: ``p = p' - lr·b``) or free
-    (Nesterov: ``p = p' - lr·(1+μ)·b + lr·μ·b'``), whichever misses the sample less. None when the chunk gives
-    nothing to fit."""
+    ``p = c0·p' - c1·b + c2·b'`` fitted by least squares, with c2 = 0 (SGD, RMSprop: ``p = p' - lr·b``; an
+    average, ``a = d·a' + (1-d)·p``, with c1 < 0) or, with ``free_c2``, free (Nesterov: ``p = p' - lr·(1+μ)·b +
+    lr·μ·b'``), whichever misses the sample less. None when the chunk gives nothing to fit."""
     with np.errstate(all="ignore"):
         ok = np.isfinite(po) & np.isfinite(pn) & np.isfinite(b) & np.isfinite(b1)
         if ok.sum() < 16:
             return None
         cols = [po[ok], -b[ok], b1[ok]]
         best: tuple[tuple[float, ...] | None, float] = (None, np.inf)
-        for k in (2, 3):
+        for k in (2, 3) if free_c2 else (2,):
             x = np.stack(cols[:k], axis=1)
             sol, *_ = np.linalg.lstsq(x, pn[ok], rcond=None)
             coefs = (float(sol[0]), float(sol[1]), float(sol[2]) if k == 3 else 0.0)
@@ -186,7 +189,7 @@ def choose_coefs(role: Role, base: Any, new: Any, inputs: list[Any]) -> tuple[fl
     ``base`` is the parent's chunk, ``new`` this one, ``inputs`` the referenced chunks (m, m'[, v']).
     None when nothing predicts it."""
     if role.predictor == MOMENTUM_PARAM:
-        return fit_momentum(*_sample(base, new, *inputs))
+        return fit_momentum(*_sample(base, new, *inputs), free_c2=not role.average)
     options = [(role.beta1, role.beta2, role.eps)]
     if role.before is not None and role.before != options[0]:
         options.append(role.before)
@@ -233,6 +236,10 @@ class Role:
     #: (β1, β2, eps) of this tensor's role in the checkpoint before, when the store knows them (see
     #: :func:`choose_coefs`; :func:`with_betas_before`)
     before: tuple[float, float, float] | None = None
+    #: a momentum-param role whose ``m`` is a model parameter this tensor averages (an EMA copy of the weights,
+    #: ``a = d·a' + (1-d)·p``): both references are this checkpoint's chunk of ``m`` (c2 = 0), which may itself be
+    #: predicted, so these chunks are encoded after the parameter's (:func:`plan`)
+    average: bool = False
 
 
 def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = None) -> dict[str, Role]:
@@ -252,7 +259,48 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     remaining optimizer state of its shape when it is the i-th of exactly as many remaining float32 tensors of that
     shape outside optimizer states (model state dicts list parameters in the optimizer's order); shapes with another
     count are left unpaired. Only performance depends on these guesses: a wrong pair gives a large residual, and the
-    encoder then keeps another encoding."""
+    encoder then keeps another encoding.
+
+    With ``pairs``, a float32 tensor outside optimizer states that averages a paired parameter (an EMA copy of
+    the model: its key path, without wrapper components, ends in the parameter's name within its model, it has
+    the parameter's shape, and it is the only such tensor) gets an average role (:attr:`Role.average`)."""
+    leaves = list(leaves)
+    roles = _plan(state, leaves, pairs)
+    if pairs:
+        roles.update(_averages(state, leaves, pairs, roles))
+    return roles
+
+
+def _averages(state: Any, leaves: list[Any], pairs: Mapping[str, str], roles: Mapping[str, Role]) -> dict[str, Role]:
+    """The average roles of :func:`plan`: for each parameter ``pairs`` names (``model.blocks.0.weight``), the one
+    float32 leaf of its shape, outside optimizer states and not a parameter or another role's tensor, whose
+    unwrapped key path ends in ``.blocks.0.weight`` (``ema.module.blocks.0.weight`` of an ``AveragedModel``,
+    ``extra.ema.blocks.0.weight``), or in a shorter tail of the name (down to two components) when none ends in
+    the whole. A leaf two parameters claim is left alone."""
+    params = set(pairs.values())
+    prefixes = {path for path, _ in _optimizer_dicts(state, "")}
+    by_path = {leaf.path: leaf for leaf in leaves if _is_f32(leaf)}
+    free = [leaf for path, leaf in by_path.items()
+            if path not in params and path not in roles and not _inside_any(path, prefixes)]
+    by_name = _by_name_suffix(free)
+    found: list[tuple[str, str]] = []
+    for p in sorted(params):
+        leaf = by_path.get(p)
+        parts = _unwrapped(p).split(".")[1:]  # (the name within the model: the first component is the model's)
+        # the longest name that some tensor's path ends in, down to two components (one for a one-part name):
+        # ``net.blocks.0.weight`` of a ModuleDict whose copy is ``model.ema.module.blocks.0.weight``
+        for j in range(max(1, len(parts) - 1)) if leaf is not None else ():
+            cands = [c for c in by_name.get(".".join(parts[j:]), ()) if c.shape == leaf.shape]
+            if cands:
+                if len(cands) == 1:
+                    found.append((cands[0].path, p))
+                break
+    claimed = Counter(a for a, _ in found)
+    return {a: Role(MOMENTUM_PARAM, p, None, 0.0, 0.0, 0.0, 0.0, average=True) for a, p in found if claimed[a] == 1}
+
+
+def _plan(state: Any, leaves: list[Any], pairs: Mapping[str, str] | None) -> dict[str, Role]:
+    """:func:`plan` without the average roles."""
     by_path = {leaf.path: leaf for leaf in leaves}
     roles: dict[str, Role] = {}
     optimizers = list(_optimizer_dicts(state, ""))

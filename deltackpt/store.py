@@ -983,7 +983,8 @@ class Store:
             shared |= _shared_paths(t.key for t in pm.tensors)
             parents = {t.key: t for t in pm.tensors if t.key not in shared}
         roles = {p: r for p, r in (roles or {}).items() if not {p, r.m, r.v} & shared}
-        first_moments = {r.m for r in roles.values()}
+        first_moments = {r.m for r in roles.values() if not r.average}
+        sources = {r.m for r in roles.values()}  # what predictions read of this save (parameters, for averages)
         entries: list[manifest.TensorEntry] = []
         all_digests: list[np.ndarray] = []
         all_flags: list[np.ndarray] = []
@@ -1077,7 +1078,7 @@ class Store:
                 entries.append(entry)
                 all_digests.append(digests)
                 all_flags.append(zero.astype(np.uint8))
-                if not on_device and (leaf.path in roles or leaf.path in first_moments):
+                if not on_device and (leaf.path in roles or leaf.path in sources):
                     hosted[leaf.path] = (buf, digests, zero)  # kept until the predictions are encoded
                 todo = [
                     (i, chunk_key(digests[i].tobytes(), min(cs, leaf.nbytes - i * cs)))
@@ -1096,6 +1097,9 @@ class Store:
                 todo = [(i, k) for i, k in todo if k not in stored or k in self._damaged]
                 role = roles.get(leaf.path) if not on_device else None
                 phase = generation + (zlib.crc32(role.m.encode()) if role is not None else entry.first)
+                if role is not None and role.average and role.m in roles:
+                    # keyframes where the parameter's chain is longest: an average's depth exceeds its parameter's
+                    phase = generation + zlib.crc32(roles[role.m].m.encode()) + 1
                 bases = {}
                 # a first moment that predictions reference stays standalone: its deltas gain 2-3%, and their
                 # depth would add to every prediction's, which then reaches the chain bound sooner
@@ -1115,7 +1119,7 @@ class Store:
             # a parameter's chunk i and its second moment's read the parent's first moment chunk i both: encoded one
             # after the other, the parent's three chunks at i leave the cache together
             pairs = {m: n for n, m in enumerate(dict.fromkeys(roles[leaf.path].m for leaf, *_ in deferred))}
-            deferred.sort(key=lambda d: (pairs[roles[d[0].path].m], d[2]))
+            deferred.sort(key=lambda d: (roles[d[0].path].average, pairs[roles[d[0].path].m], d[2]))
             # what the deferred chunks read of the parent: their bases, and what their predictions would reference
             planned = [(base[0], *_parent_refs(roles[leaf.path], i, k, parents, pm))
                        for leaf, _, i, k, base in deferred]
@@ -1123,11 +1127,16 @@ class Store:
                 reads.update(read)
             if deferred:  # (not in a rewrite: the cache keeps the bases of the next save, the newest state's chunks)
                 self._base_cache.retain(state_keys | reads.keys())  # the parent's chunks nothing reads any more
+            averaging = False
             for (leaf, entry, i, k, base), read in zip(deferred, planned):
+                role = roles[leaf.path]
+                if role.average and not averaging:  # (last: they reference parameter chunks, now of known depth)
+                    averaging = True
+                    drain(0)
                 prediction = None
                 # as with deltas, every 16th chunk tries even when predictions stopped winning for this role
                 if self._predicting(leaf.path) or (entry.first + i + generation) % 16 == 0:
-                    prediction = self._prediction_inputs(roles[leaf.path], i, k, base, hosted, parents, pm, new_locs)
+                    prediction = self._prediction_inputs(role, i, k, base, hosted, parents, pm, new_locs)
                 submit(leaf, entry, i, k, base, hosted[leaf.path][0], prediction, read)
             drain(0)
         except BaseException:
@@ -1157,10 +1166,14 @@ class Store:
         got = hosted.get(role.m)
         if got is None or i >= len(got[2]) or got[2][i] or pm is None:
             return None
-        parent_refs = _parent_refs(role, i, k, parents, pm, got[0].nbytes)
-        if len(parent_refs) != (2 if role.predictor == predict.PARAM else 1):
-            return None
-        refs = [got[1][i].tobytes() + k[16:], *parent_refs]
+        mine = got[1][i].tobytes() + k[16:]
+        if role.average:  # (this save's parameter chunk twice: c2 = 0, and the depth is the parameter's + 1)
+            refs = [mine, mine]
+        else:
+            parent_refs = _parent_refs(role, i, k, parents, pm, got[0].nbytes)
+            if len(parent_refs) != (2 if role.predictor == predict.PARAM else 1):
+                return None
+            refs = [mine, *parent_refs]
         if self._damaged:
             self._taint(refs)
             if any(r in self._damaged for r in refs):
@@ -1344,7 +1357,7 @@ class Store:
             # the first moment as this save hashed it: its chunk was encoded (and kept) before, else a checked copy
             first = self._base_cache.get(refs[0])
             inputs = [first if first is not None else self._checked(m, refs[0])]
-            inputs += [self._raw_of(r) for r in refs[1:]]
+            inputs += [inputs[0] if r == refs[0] else self._raw_of(r) for r in refs[1:]]
         except CorruptChunkError:
             return self._encode(view, key, width, None, checked=raw)  # a damaged input must not spread: a keyframe
         coefs = predict.choose_coefs(role, base, raw, inputs)
@@ -1924,7 +1937,7 @@ def _parent_refs(role: predict.Role, i: int, k: bytes, parents: Mapping[str, man
     reference: the parent's first moment and, for a parameter, its second moment, at position ``i``. Fewer (a
     prefix) where the parent has no such chunk of the same length, or an all-zero one, or (given ``nbytes``,
     this save's first moment's size) a tensor of another size: no prediction then."""
-    if pm is None:
+    if pm is None or role.average:
         return ()
     n = int.from_bytes(k[16:], "big")
     out: list[bytes] = []
