@@ -769,11 +769,13 @@ class Checkpointer:
                                          "is)") from None
                 lacking.append(f"data position that fits this loader ({exc})")
         saved_extra = state.get("extra") or {}
-        for k in self.extra:
+        for k, v in self.extra.items():
             if k not in saved_extra:
                 if strict:
                     raise DeltackptError(f"the checkpoint holds no extra[{k!r}]")
                 lacking.append(f"extra[{k!r}]")
+            elif isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):  # (an EMA model: checked as the model is)
+                _fit_check(v, saved_extra[k], f"extra[{k!r}]")
         if not _has_rng(state):
             if strict:
                 raise DeltackptError("the checkpoint holds no RNG states ('rng' with 'python', 'numpy' and 'torch')")

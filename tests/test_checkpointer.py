@@ -1342,6 +1342,27 @@ def test_restore_refused_for_another_architecture_changes_nothing(fast_dir: Path
     assert not opt2.state
 
 
+def test_restore_refused_for_an_ema_of_another_shape_changes_nothing(fast_dir: Path) -> None:
+    """An EMA model in ``extra`` (an AveragedModel) whose layer has another shape than the checkpoint's is refused
+    with ShapeMismatchError naming it before anything is loaded, as the model is. Before, torch's size mismatch
+    came from its load_state_dict after the model had been overwritten with the checkpoint's weights."""
+    from torch.optim.swa_utils import AveragedModel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    with deltackpt.Checkpointer(fast_dir / "s", model=model, extra={"ema": AveragedModel(model)},
+                                async_save=False, handle_signals=False) as ckpt:
+        ckpt.save(1)
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    other = AveragedModel(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 5)))
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with deltackpt.Checkpointer(fast_dir / "s", model=model2, extra={"ema": other}, handle_signals=False) as ckpt:
+        with pytest.raises(deltackpt.ShapeMismatchError, match=r"extra\['ema'\]: 'module.1.weight' has shape \(3, 4\)"):
+            ckpt.restore()
+    assert_bitwise(before, model2.state_dict(), "model")
+
+
 def test_async_snapshot_refuses_what_a_save_refuses(fast_dir: Path) -> None:
     """The async snapshot of a state a save refuses (a container that contains itself, nesting past the limit, a
     meta tensor, a sub-byte dtype torch cannot copy) raises the same UnsupportedTypeError naming the key path as
