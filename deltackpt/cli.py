@@ -297,7 +297,7 @@ def _container(node: Any) -> tuple[str, frozenset[str], frozenset[Any], tuple[tu
         return name, frozenset(), frozenset(), ()
     stored = [json.dumps(k) for k in tree._dict_parts(node)[0]]
     keys = [k for k, _ in tree.node_children(node)]
-    return name, frozenset(stored), frozenset(keys), tuple(zip(stored, map(_key_repr, keys)))
+    return name, frozenset(stored), frozenset(keys), tuple(zip(stored, map(_repr, keys)))
 
 
 def _common_order(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]) -> tuple[str, str] | None:
@@ -309,11 +309,11 @@ def _common_order(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]
     return ", ".join(r for _, r in order[0]), ", ".join(r for _, r in order[1])
 
 
-def _key_repr(key: Any) -> str:
+def _repr(value: Any) -> str:
     try:
-        return repr(key)
-    except ValueError:  # an int of more digits than Python converts at once
-        return tree.int_text(key) if type(key) is int else f"<{type(key).__name__}>"
+        return repr(value)
+    except ValueError:  # an int of more digits than Python converts at once (or a container holding one)
+        return tree.int_text(value) if type(value) is int else f"<{type(value).__name__}>"
 
 
 def _place_path(place: tree.Place) -> str:
@@ -378,10 +378,7 @@ def _plain(node: Any) -> str:
         value = tree.decode_plain(node)
     except DeltackptError:
         return _undecoded(node)
-    try:
-        return _escaped(repr(value))
-    except ValueError:  # an int of more digits than Python converts at once
-        return _escaped(tree.int_text(value)) if type(value) is int else f"<{type(value).__name__}>"
+    return _escaped(_repr(value))
 
 
 def _undecoded(node: Any) -> str:

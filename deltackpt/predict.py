@@ -264,25 +264,22 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     With ``pairs``, a float32 tensor outside optimizer states that averages a paired parameter (an EMA copy of
     the model: its key path, without wrapper components, ends in the parameter's name within its model, it has
     the parameter's shape, and it is the only such tensor) gets an average role (:attr:`Role.average`)."""
-    leaves = list(leaves)
-    roles = _plan(state, leaves, pairs)
+    roles, outside = _plan(state, list(leaves), pairs)
     if pairs:
-        roles.update(_averages(state, leaves, pairs, roles))
+        roles.update(_averages(outside, pairs, roles))
     return roles
 
 
-def _averages(state: Any, leaves: list[Any], pairs: Mapping[str, str], roles: Mapping[str, Role]) -> dict[str, Role]:
+def _averages(outside: list[Any], pairs: Mapping[str, str], roles: Mapping[str, Role]) -> dict[str, Role]:
     """The average roles of :func:`plan`: for each parameter ``pairs`` names (``model.blocks.0.weight``), the one
     float32 leaf of its shape, outside optimizer states and not a parameter or another role's tensor, whose
     unwrapped key path ends in ``.blocks.0.weight`` (``ema.module.blocks.0.weight`` of an ``AveragedModel``,
     ``extra.ema.blocks.0.weight``), or in a shorter tail of the name (down to two components) when none ends in
-    the whole. A leaf two parameters claim is left alone."""
+    the whole. A leaf two parameters claim is left alone. ``outside``: the float32 leaves outside optimizer
+    states."""
     params = set(pairs.values())
-    prefixes = {path for path, _ in _optimizer_dicts(state, "")}
-    by_path = {leaf.path: leaf for leaf in leaves if _is_f32(leaf)}
-    free = [leaf for path, leaf in by_path.items()
-            if path not in params and path not in roles and not _inside_any(path, prefixes)]
-    by_name = _by_name_suffix(free)
+    by_path = {leaf.path: leaf for leaf in outside}
+    by_name = _by_name_suffix(leaf for leaf in outside if leaf.path not in params and leaf.path not in roles)
     found: list[tuple[str, str]] = []
     for p in sorted(params):
         leaf = by_path.get(p)
@@ -299,8 +296,8 @@ def _averages(state: Any, leaves: list[Any], pairs: Mapping[str, str], roles: Ma
     return {a: Role(MOMENTUM_PARAM, p, None, 0.0, 0.0, 0.0, 0.0, average=True) for a, p in found if claimed[a] == 1}
 
 
-def _plan(state: Any, leaves: list[Any], pairs: Mapping[str, str] | None) -> dict[str, Role]:
-    """:func:`plan` without the average roles."""
+def _plan(state: Any, leaves: list[Any], pairs: Mapping[str, str] | None) -> tuple[dict[str, Role], list[Any]]:
+    """:func:`plan` without the average roles, and the float32 leaves outside optimizer states."""
     by_path = {leaf.path: leaf for leaf in leaves}
     roles: dict[str, Role] = {}
     optimizers = list(_optimizer_dicts(state, ""))
@@ -346,7 +343,7 @@ def _plan(state: Any, leaves: list[Any], pairs: Mapping[str, str] | None) -> dic
                 named_states.append((o, shape, prole, matches))
     states += _pair_by_name(named_states, roles)
     if not states:
-        return roles
+        return roles, outside
     params: dict[tuple[int, ...], list[str]] = {}
     for leaf in outside:
         if leaf.path not in roles:
@@ -358,7 +355,7 @@ def _plan(state: Any, leaves: list[Any], pairs: Mapping[str, str] | None) -> dic
         cands = params.get(shape, [])
         if len(cands) == len(proles):
             roles.update(zip(cands, proles))
-    return roles
+    return roles, outside
 
 
 def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dict[str, Role]:

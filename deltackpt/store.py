@@ -392,32 +392,19 @@ def _check_map_location(map_location: Any) -> None:
 
 
 def _resolve_device(stored: str, map_location: Any) -> torch.device:
-    """The device a tensor stored on ``stored`` loads onto. ValueError/TypeError for a ``map_location`` that
-    names no device; UnsupportedTypeError for a device this process cannot use, saying whether it came from
-    the checkpoint or from ``map_location``."""
-    mapped = False
+    """The device a tensor stored on ``stored`` loads onto, for a ``map_location`` that
+    :func:`_check_map_location` passed; UnsupportedTypeError for a device this process cannot use, saying
+    whether it came from the checkpoint or from ``map_location``."""
     if map_location is None or isinstance(map_location, Mapping):
         target = stored if map_location is None else map_location.get(stored, stored)
         mapped = target is not stored
-        if mapped and not isinstance(target, (str, torch.device)):
-            raise TypeError(f"map_location[{stored!r:.60}] must be a device or a device string, got "
-                            f"{type(target).__name__} {target!r:.40}")
-        try:
-            dev = torch.device(target)
-        except (RuntimeError, ValueError, TypeError):  # a backend this torch lacks ("npu:0"), or a bad mapping
-            if mapped:
-                raise ValueError(f"map_location[{stored!r:.60}] = {target!r:.60} is not a device torch knows") from None
-            raise UnsupportedTypeError(f"the checkpoint holds a tensor on device {target!r:.60}, which this torch "
-                                       "does not know: pass map_location='cpu' (or a dict {stored: target})") from None
-    elif isinstance(map_location, (str, torch.device)):
-        mapped = True
-        try:
-            dev = torch.device(map_location)
-        except (RuntimeError, ValueError, TypeError):
-            raise ValueError(f"map_location {map_location!r:.60} is not a device torch knows") from None
     else:
-        raise TypeError("map_location must be None, a device, a device string or a dict {stored: target}, got "
-                        f"{type(map_location).__name__}")
+        target, mapped = map_location, True
+    try:
+        dev = torch.device(target)
+    except (RuntimeError, ValueError, TypeError):  # (only a stored device: a backend this torch lacks, "npu:0")
+        raise UnsupportedTypeError(f"the checkpoint holds a tensor on device {target!r:.60}, which this torch "
+                                   "does not know: pass map_location='cpu' (or a dict {stored: target})") from None
     if not _usable(str(dev)):
         why = "CUDA is not available" if dev.type == "cuda" and not torch.cuda.is_available() else \
             f"this process cannot put tensors on {str(dev)!r:.60}"

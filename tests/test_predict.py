@@ -377,6 +377,17 @@ def _mixed_training(steps: int, save: Any) -> dict[int, Any]:
     return history
 
 
+def _checkpointed_steps(ck: deltackpt.Checkpointer, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                        ema: dict[str, torch.Tensor], steps: int) -> dict[int, Any]:
+    """:func:`_mixed_step` ``steps`` times, each step saved by ``ck``; a copy of each step's captured state."""
+    history = {}
+    for step in range(1, steps + 1):
+        _mixed_step(model, opt, ema)
+        ck.step(step)
+        history[step] = copy.deepcopy(ck.capture(step))
+    return history
+
+
 def _predicted_share(s: deltackpt.Store, prefixes: tuple[str, ...]) -> tuple[int, int]:
     """(predicted, stored) chunks of the tensors under ``prefixes`` in every checkpoint after the first."""
     predicted = tried = 0
@@ -497,13 +508,9 @@ def test_checkpointer_pairs_parameters_the_shapes_cannot(tmp_path: Path) -> None
     unpredicted here), the Checkpointer can, from the objects; the trainable parameters are then stored as
     predicted frames."""
     model, opt, ema = _mixed_setup(named=False)
-    history = {}
     with deltackpt.Checkpointer(tmp_path / "s", model=model, optimizer=opt, extra={"ema": ema},
                                 async_save=False, handle_signals=False) as ck:
-        for step in range(1, 7):
-            _mixed_step(model, opt, ema)
-            ck.step(step)
-            history[step] = copy.deepcopy(ck.capture(step))
+        history = _checkpointed_steps(ck, model, opt, ema, 6)
         s = ck.store
         predicted, tried = _predicted_share(s, ("model.1.", "model.2."))
         assert tried and predicted >= 0.5 * tried, (predicted, tried)
@@ -520,7 +527,6 @@ def test_checkpointer_predicts_an_ema_copy_from_its_parameters(tmp_path: Path) -
     benchmark GPT with AveragedModel, 0.18-0.25 now). The frozen layer's copy has no parameter to follow.
     Every step loads exactly, and verify is clean."""
     model, opt, ema = _mixed_setup(named=False)
-    history = {}
     with deltackpt.Checkpointer(tmp_path / "s", model=model, optimizer=opt, extra={"ema": ema},
                                 async_save=False, handle_signals=False) as ck:
         state = ck.capture(0)
@@ -540,10 +546,7 @@ def test_checkpointer_predicts_an_ema_copy_from_its_parameters(tmp_path: Path) -
         got = predict.plan(both, both_leaves, checkpointer._param_pairs(holder, adam))
         assert {k: r.m for k, r in got.items() if r.average} == {
             f"model.ema.module.{n}": f"model.net.{n}" for n in ("0.weight", "0.bias", "2.weight", "2.bias")}
-        for step in range(1, 9):
-            _mixed_step(model, opt, ema)
-            ck.step(step)
-            history[step] = copy.deepcopy(ck.capture(step))
+        history = _checkpointed_steps(ck, model, opt, ema, 8)
         s = ck.store
         predicted, tried = _predicted_share(s, ("extra.ema.1.", "extra.ema.2."))
         assert tried and predicted >= 0.5 * tried, (predicted, tried)
