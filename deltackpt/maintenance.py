@@ -535,13 +535,18 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
         frames = size - packs.PACK_HEADER.size  # (a pack whose frames are all live is not sparse, at 1.0 too)
         if frames > 0 and live_bytes / frames < repack_below:
             to_repack.append(pack_id)
+    # Live chunks whose entry names a pack that does not exist: the pack was lost, or the entry is damaged (one
+    # flipped bit in its pack id) and the frame is in another pack, maybe one gc is about to free. The entry has
+    # no checksum, so such a chunk counts as one without an entry.
+    missing |= {k for pack_id, entries in by_pack.items() if pack_id not in all_packs for k, _ in entries}
     if missing:
         # Live chunks without an index entry: lost (a damaged frame: repair left its checkpoint incomplete),
         # or their entries are (a damaged index). Then the packs gc would free must not hold them.
         held = _unindexed_live_frames(store, missing, [*to_delete, *(all_packs[p] for p in to_repack)])
         if held:
             raise CorruptIndexError(
-                f"the index has no entry for {len(missing)} chunk(s) retained checkpoints need, and gc would "
+                f"the index has no usable entry for {len(missing)} chunk(s) retained checkpoints need (none, or "
+                f"one naming a pack that does not exist), and gc would "
                 f"free {held[0]}{f' (and {len(held) - 1} more)' if len(held) > 1 else ''}: the index is "
                 f"damaged; {REPAIR_HINT}, then run gc again")
     # First what frees space without writing any (a full disk is when gc matters most). Orphan manifests

@@ -1159,14 +1159,15 @@ def test_an_index_frame_length_longer_than_its_frame_is_damage(store_path: Path)
         assert cid in {p.chunk_id for p in s.verify().problems}
 
 
-@pytest.mark.parametrize("damage", ["entries_lost", "base_field", "codec_field", "record_lost"])
+@pytest.mark.parametrize("damage", ["entries_lost", "pack_id_field", "base_field", "codec_field", "record_lost"])
 def test_gc_on_a_damaged_index_frees_nothing_a_checkpoint_needs(store_path: Path, damage: str) -> None:
     """gc trusts the index to say what is live; where the index is damaged it must not free a chunk a retained
-    checkpoint needs. Live chunks whose entries were lost while their pack is still there, or a checkpoint
-    record lost while its id still names it, make gc refuse (CorruptIndexError, naming the repair) before it
-    changes anything; an entry naming another delta base (or no base) than its frame does makes gc keep both.
-    Afterwards every checkpoint loads (after a repair where gc refused). Before, gc deleted the pack of the
-    unindexed chunks, the manifest of the lost record, and the base the frame really needs."""
+    checkpoint needs. Live chunks whose entries were lost while their pack is still there, or name a pack that
+    does not exist (one bit flipped in the pack id), or a checkpoint record lost while its id still names it,
+    make gc refuse (CorruptIndexError, naming the repair) before it changes anything; an entry naming another
+    delta base (or no base) than its frame does makes gc keep both. Afterwards every checkpoint loads (after a
+    repair where gc refused). Before, gc deleted the pack of the unindexed chunks (and the pack whose chunks'
+    entries name a missing pack), the manifest of the lost record, and the base the frame really needs."""
     states = _evolving_store(store_path)
     with _open(store_path) as s:
         entries = list(s.index.iter_chunks())
@@ -1183,6 +1184,11 @@ def test_gc_on_a_damaged_index_frees_nothing_a_checkpoint_needs(store_path: Path
                     assert txn.delete(k)
         elif damage == "record_lost":
             assert txn.delete(struct.pack(">Q", seq3))
+        elif damage == "pack_id_field":
+            flipped = f"{int(newest_pack[:2], 16) ^ 1:02x}{newest_pack[2:]}"
+            for k, loc in entries:
+                if loc.pack_id == newest_pack:
+                    txn.put(k, ChunkLoc(flipped, loc.offset, loc.frame_len, loc.codec, loc.depth, loc.base).pack())
         else:
             for k, loc in deltas:
                 base = bytes([loc.base[0] ^ 1]) + loc.base[1:] if damage == "base_field" else bytes(16)
@@ -1192,7 +1198,7 @@ def test_gc_on_a_damaged_index_frees_nothing_a_checkpoint_needs(store_path: Path
     _edit_index(store_path, "ckpts" if damage == "record_lost" else "chunks", edit)
     before = dir_snapshot(store_path)
     with _open(store_path) as s:
-        if damage in ("entries_lost", "record_lost"):
+        if damage in ("entries_lost", "pack_id_field", "record_lost"):
             with pytest.raises(CorruptIndexError, match="deltackpt repair"):
                 s.gc(repack_below=1.0)
             assert dir_snapshot(store_path) == before
