@@ -945,7 +945,8 @@ class Checkpointer:
         return info
 
     def _apply_retention(self, collect: bool = True) -> None:
-        """Runs after a commit: thinning first (new weights-only checkpoints), deletes last. A checkpoint that
+        """Runs after a commit: deletes first (each a quick index commit), then thinning (a load and a rewrite
+        of each checkpoint to thin), so a process killed while it thins has done the deletes. A checkpoint that
         another process deletes meanwhile (its retention, an operator's ``deltackpt rm``) is passed over. One
         that another process thinned meanwhile is thinned or deleted as this policy says: ``delete(id=)``
         follows a rewrite to its replacement."""
@@ -953,17 +954,17 @@ class Checkpointer:
         infos = self.store.list()
         plan = self.retention.plan(infos)
         by_id = {i.id: i for i in infos}
-        head = self.store._head  # loading a checkpoint to thin it must not change what the run descends from
-        try:
-            self._dropped_bytes += sum(by_id[cid].written_bytes for cid in self._thin(plan.thin, by_id))
-        finally:
-            self.store._head = head
         for cid in plan.delete:
             try:
                 self.store.delete(id=cid)
             except CheckpointNotFoundError:
                 continue
             self._dropped_bytes += by_id[cid].written_bytes
+        head = self.store._head  # loading a checkpoint to thin it must not change what the run descends from
+        try:
+            self._dropped_bytes += sum(by_id[cid].written_bytes for cid in self._thin(plan.thin, by_id))
+        finally:
+            self.store._head = head
         kept = sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete))
         if collect and self.gc and self._dropped_bytes >= max(self._gc_min_bytes, kept // 4):
             self._collect()

@@ -1,7 +1,7 @@
 """Retention policies: which checkpoints to keep, which to thin to weights only, which to delete.
 
 Where it sits: after each committed save, the :class:`~deltackpt.Checkpointer` asks the policy what to do with
-the store's checkpoints and applies it (thinning first, deletes last). The policy itself is a pure function
+the store's checkpoints and applies it (deletes first, then thinning). The policy itself is a pure function
 of the list of checkpoints, so it is easy to reason about and to test.
 
 Every rule *keeps* checkpoints; a checkpoint survives if any rule keeps it, and the newest checkpoint is always
