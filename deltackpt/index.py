@@ -13,7 +13,11 @@ Databases in the environment ``index/``:
 ``ids``     checkpoint id (ascii) -> seq
 ``steps``   step (u64 BE) + seq (u64 BE) -> b""
 
-LMDB has no page checksums; the manifests carry their own, and records hold the manifest's checksum.
+LMDB has no page checksums; the manifests carry their own, and records hold the manifest's checksum. Beside the
+environment, the store file :data:`LAST_COMMIT` holds the seq of the newest checkpoint committed: an index whose
+own ``seq`` is lower is older than the store (restored from an older copy, or LMDB reading an older meta page
+after one flipped bit), and every operation refuses it (:meth:`Index.check_current`) before gc could take the
+newer checkpoints' manifests for orphans.
 """
 
 from __future__ import annotations
@@ -162,6 +166,36 @@ _CHECKSUM = re.compile(r"[0-9a-f]{32}")
 
 
 REPAIR_HINT = "'deltackpt repair STORE' rebuilds the index"
+
+#: the store file (beside ``index/``) that holds the seq of the newest committed checkpoint, as 20 ASCII digits
+#: and a newline (format.md §6)
+LAST_COMMIT = "LAST_COMMIT"
+
+
+def read_last_commit(store: Path) -> int | None:
+    """The seq ``LAST_COMMIT`` of the store at ``store`` records; None when there is none, or it cannot be read
+    or parsed (damaged, or cut short): the next commit writes it again, and until then nothing is checked."""
+    try:
+        with open(store / LAST_COMMIT, "rb") as f:
+            text = f.read(64).strip()
+    except OSError:
+        return None
+    return int(text) if 0 < len(text) <= 20 and text.isdigit() else None
+
+
+def write_last_commit(store: Path, seq: int) -> None:
+    """Record ``seq`` in the store's ``LAST_COMMIT``, after its commit (one write, no fsync: a lost or late write
+    only leaves the file behind the index, which the check allows). A failure is ignored for the same reason."""
+    try:
+        fd = os.open(store / LAST_COMMIT, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        return
+    try:
+        os.pwrite(fd, f"{seq:020d}\n".encode(), 0)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def record_at(sk: bytes, raw: bytes) -> Record:
@@ -566,13 +600,34 @@ class Index:
         until a writer comes along, which loses nothing.
         """
         self._follow_repair()
-        if self.readonly:
+        if not self.readonly:
+            try:
+                with self._writing() as env:
+                    env.begin(write=True).abort()
+            except lmdb.Error:
+                pass  # the operation's own writes report an index that cannot be written
+        self.check_current()
+
+    @_damage_is_corruption
+    def check_current(self) -> None:
+        """Raise :class:`CorruptIndexError` when the index is older than the newest commit the store recorded in
+        ``LAST_COMMIT``: an ``index/`` restored from an older copy, or LMDB reading the older of its two meta
+        pages (one flipped bit in its transaction number makes it look newer). Such an index lacks committed
+        checkpoints whose manifests gc would delete as orphans of crashed saves. Not checked while a repair
+        rebuilds the index."""
+        if self._rebuilding:
             return
-        try:
-            with self._writing() as env:
-                env.begin(write=True).abort()
-        except lmdb.Error:
-            pass  # the operation's own writes report an index that cannot be written
+        want = read_last_commit(self.path.parent)  # first: a commit between the two reads only makes the index newer
+        if want is None:
+            return
+        with self.env.begin() as txn:
+            raw = txn.get(b"seq", db=self.db_meta)
+        have = _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
+        if have < want:
+            raise CorruptIndexError(
+                f"the index of {self.path.parent} is older than the store: its newest commit is seq {have}, the "
+                f"store recorded seq {want} in {LAST_COMMIT} (an index restored from an older copy, or a damaged "
+                f"LMDB meta page); {REPAIR_HINT} from the manifests and packs")
 
     def _follow_repair(self) -> None:
         """Switch to the store's current index directory when a repair (in any process) has replaced the one
@@ -686,6 +741,8 @@ class Index:
             txn.put(sk, record.dumps(), db=self.db_ckpts)
             txn.put(record.id.encode(), sk, db=self.db_ids)
             txn.put(_U64.pack(record.step) + sk, b"", db=self.db_steps)
+        if replace is None:
+            write_last_commit(self.path.parent, seq)
         return record
 
     def _remove(self, txn: lmdb.Transaction, record: Record) -> None:
@@ -816,3 +873,7 @@ class Index:
                 txn.put(_U64.pack(rec.step) + sk, b"", db=self.db_steps)
             txn.put(b"seq", _U64.pack(seq), db=self.db_meta)
             txn.put(b"format", str(INDEX_VERSION).encode(), db=self.db_meta)  # the index is the store's again
+        # the store's record of its newest commit follows the renumbered seqs (it may go down: a repair holds the
+        # store alone, so no save's write of an older numbering can come after it)
+        write_last_commit(self.path.parent, seq)
+        self._rebuilding = False

@@ -130,18 +130,25 @@ def verify(
 
     Each distinct chunk is checked once, however many checkpoints share it. A damaged delta base or prediction
     input is reported for every chunk that depends on it. Chunks that predicted frames tie together are checked
-    by one worker in checkpoint order, sharing their decoded inputs (see :func:`_check_group`).
+    by one worker in checkpoint order, sharing their decoded inputs (see :func:`_check_group`). An index that
+    cannot be read (or is older than the store) ends the check with that problem in the report.
     """
     _check_progress(progress)
     report = VerifyReport()
+    try:
+        _verify_into(report, store, step, id, progress)
+    except CorruptIndexError as exc:
+        report.problems.append(Problem(None, None, None, None, str(exc)))
+    return report
+
+
+def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str | None,
+                 progress: Progress | None) -> None:
+    """:func:`verify`'s checks, adding to ``report``."""
     results: dict[bytes, str | None] = {}
     with store._gc_lock():
         if step is None and id is None:
-            try:
-                records = store.index.records()
-            except CorruptIndexError as exc:
-                report.problems.append(Problem(None, None, None, None, str(exc)))
-                return report
+            records = store.index.records()
             for rec, why in store.index.problems():  # ids or steps that lead elsewhere
                 report.problems.append(Problem(rec.id if rec else None, rec.step if rec else None, None, None, why))
         else:
@@ -157,6 +164,10 @@ def verify(
             except DeltackptError as exc:
                 report.problems.append(Problem(rec.id, rec.step, None, None, str(exc)))
                 continue
+            if m.chunk_size != store.chunk_size:  # (loads go by the manifest's; saves would cut chunks by STORE's)
+                report.problems.append(Problem(rec.id, rec.step, None, None, (
+                    f"its manifest names chunk size {m.chunk_size}, the store's STORE file {store.chunk_size} "
+                    f"(STORE damaged?); 'deltackpt repair STORE' writes STORE again from the manifests")))
             differ = _record_differs(rec, m)
             if differ:
                 report.problems.append(Problem(rec.id, rec.step, None, None, (
@@ -185,7 +196,6 @@ def verify(
                     store._damaged.add(k)  # a save (of this process) that holds it writes it again
                     cid = codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big"))
                     report.problems.append(Problem(rec.id, rec.step, key, cid, err))
-    return report
 
 
 def find_damaged_frames(store: Store, checkpoint_id: str) -> int:
@@ -744,7 +754,7 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
         records: list[Record] = []
         for p in sorted((store.path / "manifests").glob("*.manifest")):
             try:
-                data = p.read_bytes()
+                data = manifest.file_bytes(p)
                 m = manifest.parse(data, where=p.name)
                 packs.fsync_file(p)  # (as the packs: one a killed save left unsynced becomes a checkpoint)
             except FormatVersionError as exc:
@@ -843,17 +853,23 @@ def rebuild_index_dir(path: Path) -> Path | None:
     return dest
 
 
+def _manifest_chunk_sizes(root: Path) -> set[int]:
+    """The chunk sizes the store's readable manifests name."""
+    sizes = set()
+    for p in sorted((root / "manifests").glob("*.manifest")):
+        try:
+            sizes.add(manifest.parse(manifest.file_bytes(p), where=p.name).chunk_size)
+        except (DeltackptError, OSError):
+            continue
+    return sizes
+
+
 def _restore_store_file(root: Path) -> None:
     """Write the ``STORE`` file of a store that lost it (or whose file is damaged: it is moved aside to
     ``STORE.broken-<time>``), with the chunk size its manifests name."""
     from deltackpt.store import write_store_file
 
-    sizes = set()
-    for p in sorted((root / "manifests").glob("*.manifest")):
-        try:
-            sizes.add(manifest.parse(p.read_bytes(), where=p.name).chunk_size)
-        except (DeltackptError, OSError):
-            continue
+    sizes = _manifest_chunk_sizes(root)
     if len(sizes) != 1:
         raise DeltackptError(
             f"{root} is not a deltackpt store (no readable STORE file)" if not sizes else
@@ -866,18 +882,20 @@ def _restore_store_file(root: Path) -> None:
 
 def _store_file_damaged(root: Path) -> bool:
     """Whether ``root/STORE`` exists but does not describe a store this version can read and write (a newer
-    format version is no damage: opening the store reports it)."""
+    format version is no damage: opening the store reports it), or names another chunk size than the one every
+    readable manifest names (the chunk size never changes: a damaged digit that still parses)."""
     from deltackpt.store import read_store_file
 
     if not (root / "STORE").exists():
         return False
     try:
-        read_store_file(root)
+        size = read_store_file(root)
     except FormatVersionError:
         return False
     except DeltackptError:
         return True
-    return False
+    named = _manifest_chunk_sizes(root)
+    return len(named) == 1 and size not in named
 
 
 def _lock_alone(root: Path) -> int:

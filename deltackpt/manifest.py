@@ -27,10 +27,12 @@ i*chunk_size)`` bytes. Its chunk id is (digest, length).
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -375,14 +377,26 @@ def write(directory: Path, tmp_dir: Path, manifest: Manifest) -> tuple[Path, str
     return final, checksum_of(data)
 
 
+def file_bytes(p: Path) -> bytes:
+    """The bytes of the manifest file ``p``. Raises ``OSError`` when it cannot be read, with ``EINVAL`` for
+    anything but a regular file: it is opened without blocking, so a FIFO in its place raises rather than waits
+    forever for a writer."""
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(p))
+        return f.read()
+
+
 def read(directory: Path, checkpoint_id: str, *, expect_checksum: str | None = None) -> Manifest:
     p = path_for(directory, checkpoint_id)
     try:
-        data = p.read_bytes()
+        data = file_bytes(p)
     except FileNotFoundError:
         raise CorruptManifestError(f"manifest of checkpoint {checkpoint_id} is missing ({p})") from None
-    except (IsADirectoryError, NotADirectoryError):
-        raise CorruptManifestError(f"manifest of checkpoint {checkpoint_id} is not a regular file ({p})") from None
+    except OSError as exc:  # a directory, a FIFO, a symlink loop, an I/O error: the checkpoint cannot be read
+        raise CorruptManifestError(f"manifest of checkpoint {checkpoint_id} cannot be read ({p}: "
+                                   f"{exc.strerror or exc})") from None
     if expect_checksum is not None and checksum_of(data) != expect_checksum:
         raise CorruptManifestError(
             f"manifest of checkpoint {checkpoint_id} does not match the checksum the index recorded"

@@ -146,7 +146,7 @@ def make_dirs(path: Path, subdirs: tuple[str, ...] = ()) -> None:
 
 
 #: frames smaller than this are gathered and written together, up to this many bytes at a time: one system call
-#: per 4 KiB frame took a quarter of the first save of 16,500 small tensors (README, "Many small tensors")
+#: per 4 KiB frame took a quarter of the first save of 16,500 small tensors (docs/performance.md, "Many small tensors")
 WRITE_BUFFER = 1 << 20
 
 
@@ -369,18 +369,21 @@ class PackReader:
         if not valid_pack_id(pack_id):
             raise CorruptionError(f"index names an invalid pack id {pack_id!r}")
         path = self.directory / f"{pack_id}.pack"
+        # without blocking: a FIFO in a pack's place would otherwise wait forever for a writer
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, flags)
         except FileNotFoundError:
             raise CorruptChunkError(f"pack {pack_id} is missing") from None
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
             self._shed(0)  # out of file descriptors: close every idle pack file, then try once more
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, flags)
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory opens too, and fails only at the first read
             os.close(fd)
             raise CorruptChunkError(f"pack {pack_id} is not a regular file ({path})")
+        os.set_blocking(fd, True)
         with self._lock:
             h = self._open.get(pack_id)
             if h is None:  # (another thread may have opened it meanwhile: keep theirs)

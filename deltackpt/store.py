@@ -67,7 +67,7 @@ STORE_VERSION = 1
 MAX_STEP = (1 << 63) - 1
 _INFLIGHT_PER_THREAD = 3
 #: chunks smaller than this are encoded on the saving thread: handing a 4 KiB chunk to a worker (a future, a
-#: queue and two GIL handoffs) costs more than encoding it (README, "Many small tensors")
+#: queue and two GIL handoffs) costs more than encoding it (docs/performance.md, "Many small tensors")
 _INLINE_BELOW = 64 << 10
 #: per read worker of :meth:`Store.read_each`: what to call before a frame read waits on the disk
 _worker = threading.local()
@@ -503,6 +503,7 @@ class Store:
             if self.index is None:
                 self.index = Index(self.path / "index", allow_network_fs=allow, readonly=self.readonly,
                                    rebuilding=_repair)
+            self.index.check_current()  # an index older than the store's last commit (not while repairing)
         except BaseException:
             if self.index is not None:
                 self.index.close()
@@ -570,6 +571,10 @@ class Store:
         cs = read_store_file(self.path)
         if chunk_size is not None and chunk_size != cs:
             raise ValueError(f"store {self.path} was created with chunk_size={cs}, not {chunk_size}")
+        for sub in ("packs", "manifests", "tmp"):
+            where = self.path / sub
+            if (where.exists() or where.is_symlink()) and not where.is_dir():
+                raise DeltackptError(f"store {self.path} is damaged: its {sub} is not a directory ({where})")
         if not self.readonly:  # e.g. an empty tmp/ does not survive a copy through git
             make_dirs(self.path, ("packs", "manifests", "tmp"))
         return cs
@@ -841,6 +846,11 @@ class Store:
                     raise CheckpointNotFoundError(f"parent checkpoint {named} is not in {self.path}")
             use_delta = parent is not None and self.max_chain > 0 and _replace is None and not keyframe
             pm = self._parent_manifest(parent) if use_delta else None
+            if pm is not None and pm.chunk_size != self.chunk_size:  # (fixed at creation: STORE lost a digit)
+                raise DeltackptError(
+                    f"store {self.path}: checkpoint {pm.id} was cut into chunks of {pm.chunk_size} bytes, the "
+                    f"STORE file says {self.chunk_size}: STORE is damaged ('deltackpt repair STORE' writes it "
+                    f"again from the manifests); nothing was saved")
             generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0
             # a rewrite takes the place of a checkpoint under a new id: it names the ids it replaces, so that a
             # later checkpoint's parent (and load(id=...) of the old id) still finds it

@@ -350,36 +350,52 @@ def test_damaged_manifest(store_path: Path, two_ckpts: dict[str, Any], damage: s
         assert s.info(2).id == ids[2]  # the index record is intact
 
 
-@pytest.mark.parametrize("what", ["pack", "manifest", "dangling pack link"])
+@pytest.mark.parametrize("what", ["pack", "manifest", "dangling pack link", "pack fifo", "manifest fifo",
+                                  "manifest link loop"])
 def test_pack_or_manifest_that_is_no_file(store_path: Path, what: str) -> None:
-    """A directory (or a dangling link) where a pack or manifest should be is damage like a missing file: typed
-    errors that name the checkpoint, verify reports it, and gc and du neither crash nor touch it."""
+    """A directory, a FIFO or a link that leads nowhere where a pack or manifest should be is damage like a
+    missing file: typed errors that name the checkpoint, verify reports it, and gc and du neither crash, hang
+    nor touch it. (Before, a FIFO made loads, verify, gc and repair wait forever for a writer, and a link loop
+    raised a bare OSError.)"""
     a, b = _rand(2 * CS, 0), _rand(2 * CS, 1)
     with _open(store_path) as s:
         s.save({"a": a}, step=1)
     with _open(store_path) as s:
         info = s.save({"a": a, "b": b}, step=2)
         (pack_b,) = {loc.pack_id for _, loc in _chunks_of(s, 2)["b"]}
-    victim = (store_path / "manifests" / f"{info.id}.manifest" if what == "manifest"
+    manifest = what.startswith("manifest")
+    victim = (store_path / "manifests" / f"{info.id}.manifest" if manifest
               else store_path / "packs" / f"{pack_b}.pack")
     victim.unlink()
     if what == "dangling pack link":
         victim.symlink_to(store_path / "nowhere.pack")
+    elif what == "manifest link loop":
+        victim.symlink_to(victim)
+    elif what.endswith("fifo"):
+        os.mkfifo(victim)
     else:
         victim.mkdir()
-    error = CorruptManifestError if what == "manifest" else CorruptChunkError
+    error = CorruptManifestError if manifest else CorruptChunkError
     with _open(store_path) as s:
-        with pytest.raises(error, match=info.id if what == "manifest" else "checkpoint " + info.id):
+        with pytest.raises(error, match=info.id if manifest else "checkpoint " + info.id):
             s.load(2)
         assert_same_state({"a": a}, s.load(1))
         problems = s.verify().problems
         assert problems and {p.checkpoint for p in problems} == {info.id}
-        if what != "manifest":  # (gc refuses to run while a manifest is damaged: it could free what it names)
+        if not manifest:  # (gc refuses to run while a manifest is damaged: it could free what it names)
             s.gc()
             assert s.verify().problems == problems
-    du = subprocess.run([sys.executable, "-m", "deltackpt", "du", str(store_path)], capture_output=True, text=True)
+        else:
+            with pytest.raises(CorruptManifestError, match=info.id):
+                s.gc()
+    du = subprocess.run([sys.executable, "-m", "deltackpt", "du", str(store_path)], capture_output=True, text=True,
+                        timeout=60)
     assert du.returncode == 0 and "Traceback" not in du.stderr
-    assert victim.is_symlink() or victim.is_dir()
+    assert victim.is_symlink() or victim.is_dir() or victim.is_fifo()
+    repair = subprocess.run([sys.executable, "-m", "deltackpt", "repair", str(store_path)], capture_output=True,
+                            text=True, timeout=60)
+    assert "Traceback" not in repair.stderr
+    assert repair.returncode == 1 and info.id in repair.stdout  # that checkpoint lost, or restored incomplete
 
 
 # -- the index ---------------------------------------------------------------------------------------------
@@ -564,6 +580,34 @@ def test_damaged_store_file_is_a_typed_error_and_written_again_by_repair(store_p
     assert cli.returncode == 0, cli.stderr
     assert len(list(store_path.glob("STORE.broken-*"))) == 1
     with _open(store_path) as s:
+        _check_repaired(s, filled)
+
+
+def test_store_file_naming_another_valid_chunk_size_is_found_and_repaired(store_path: Path) -> None:
+    """A STORE file damaged into another chunk size that is still valid (one flipped bit: 8 KiB for 4 KiB) parses:
+    before, nothing noticed, a repair kept it, and every later save cut chunks of the wrong size, deduplicating
+    nothing against the checkpoints before. verify reports every checkpoint whose manifest names another chunk
+    size, a save refuses before it writes anything, and a repair writes STORE again from the manifests."""
+    filled = _fill(store_path)
+    text = (store_path / "STORE").read_text()
+    (store_path / "STORE").write_text(text.replace(f'"chunk_size": {CS}', f'"chunk_size": {CS * 2}'))
+    before = dir_snapshot(store_path)
+    with deltackpt.Store(store_path) as s:
+        assert s.chunk_size == CS * 2
+        problems = s.verify().problems
+        assert {p.step for p in problems} == {1, 3, 4}
+        assert all(f"chunk size {CS}" in p.message and "deltackpt repair" in p.message for p in problems)
+        with pytest.raises(deltackpt.DeltackptError, match="STORE is damaged"):
+            s.save(filled["states"][4], step=5)
+    unchanged = {k: v for k, v in dir_snapshot(store_path).items() if k != "index/lock.mdb"}
+    assert unchanged == {k: v for k, v in before.items() if k != "index/lock.mdb"}
+    with maintenance.open_for_repair(store_path) as s:
+        s.repair()
+    assert len(list(store_path.glob("STORE.broken-*"))) == 1
+    with _open(store_path) as s:
+        assert s.chunk_size == CS
+        assert s.save(filled["states"][4], step=6).written_bytes == 0  # deduplicates again
+        s.delete(6)
         _check_repaired(s, filled)
 
 
@@ -1213,6 +1257,74 @@ def test_gc_on_a_damaged_index_frees_nothing_a_checkpoint_needs(store_path: Path
             assert_same_state(state, s.load(step))
         s.repair()
         assert s.verify().ok
+
+
+def _flip_older_meta_txnid(store_path: Path) -> None:
+    """Flip one bit (bit 32) of the transaction number in the older of LMDB's two meta pages: LMDB keeps no
+    checksum of them and opens the snapshot of the meta page with the larger number, the one before the last
+    commit."""
+    path = store_path / "index" / "data.mdb"
+    raw = bytearray(path.read_bytes())
+    page = struct.unpack_from("<I", raw, 40)[0]  # the main meta page's free-list db record holds the page size
+    txnid = [struct.unpack_from("<Q", raw, n * page + 144)[0] for n in (0, 1)]
+    older = 0 if txnid[0] < txnid[1] else 1
+    raw[older * page + 144 + 4] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", ["older_copy", "meta_page_bit"])
+def test_an_index_older_than_the_store_is_refused_and_repaired(store_path: Path, damage: str) -> None:
+    """An index that lacks the newest commits looks consistent: an ``index/`` restored from an older copy of the
+    store, or one bit flipped in the older LMDB meta page's transaction number (LMDB then reads the snapshot
+    before the last commit). Every open and every operation of a handle opened before refuses it
+    (CorruptIndexError naming the repair), nothing on disk changes, and a repair restores every checkpoint.
+    Before, list() lacked the newer checkpoints, verify passed, and gc deleted their manifests as orphans of
+    crashed saves, after which no repair could bring them back."""
+    g = torch.Generator().manual_seed(11)
+    states = {}
+    w = torch.randn(2 * CS // 4, generator=g)
+    with _open(store_path) as s:
+        for step in (1, 2):
+            w = w + 0.01 * torch.randn(w.shape, generator=g)
+            states[step] = {"w": w.clone(), "n": step}
+            s.save(states[step], step=step)
+    copy = store_path.parent / "index-copy"
+    shutil.copytree(store_path / "index", copy)
+    with _open(store_path) as s:
+        for step in (3, 4):
+            w = w + 0.01 * torch.randn(w.shape, generator=g)
+            states[step] = {"w": w.clone(), "n": step}
+            s.save(states[step], step=step)
+    assert (store_path / "LAST_COMMIT").read_text() == f"{4:020d}\n"
+    early = _open(store_path) if damage == "older_copy" else None  # opened while the index was intact
+    if damage == "older_copy":
+        shutil.rmtree(store_path / "index")
+        shutil.copytree(copy, store_path / "index")
+    else:  # (with no handle open: one that is keeps reading the newest snapshot, which LMDB's lock file names)
+        _flip_older_meta_txnid(store_path)
+    before = dir_snapshot(store_path)
+    with pytest.raises(CorruptIndexError, match="older than the store.*deltackpt repair"):
+        _open(store_path)
+    with pytest.raises(CorruptIndexError, match="older than the store"):
+        deltackpt.Store(store_path, readonly=True)
+    if early is not None:  # it follows the replaced index/ (as after a repair), and finds it older
+        for op in (early.list, early.latest, lambda: early.load(2), lambda: early.save({"w": w}, step=5),
+                   early.gc, lambda: early.delete(1)):
+            with pytest.raises(CorruptIndexError, match="older than the store"):
+                op()
+        early.close()
+    unchanged = {k: v for k, v in dir_snapshot(store_path).items() if k != "index/lock.mdb"}  # (LMDB's reader table)
+    assert unchanged == {k: v for k, v in before.items() if k != "index/lock.mdb"}
+    with maintenance.open_for_repair(store_path) as r:
+        report = r.repair()
+    assert not report.lost_checkpoints and not report.incomplete_checkpoints
+    with _open(store_path) as s:
+        assert [c.step for c in s.list()] == [1, 2, 3, 4]
+        for step, state in states.items():
+            assert_same_state(state, s.load(step))
+        s.save({"w": w + 1, "n": 5}, step=5)
+        assert s.verify().ok
+    assert (store_path / "LAST_COMMIT").read_text() == f"{5:020d}\n"
 
 
 # -- damage that keeps every checksum: fields of the wrong type or range ---------------------------------------
