@@ -1,9 +1,9 @@
 """What a restarted process pays for its first restore: ``gc.freeze()`` after the imports, and restoring into a
 live model.
 
-``python -m bench.restart [--saves 9] [--rounds 8] [--small]`` trains the suite's GPT with AdamW, saving every
-step (as ``bench.planes_zstd`` does, plus ``torch.save`` of the last state), then, in fresh processes and
-interleaved rounds (warm page cache; medians of wall-clock and CPU time):
+``python -m bench.restart [--saves 9] [--rounds 8] [--small] [--profile]`` trains the suite's GPT with AdamW,
+saving every step (as ``bench.planes_zstd`` does, plus ``torch.save`` of the last state), then, in fresh
+processes and interleaved rounds (warm page cache; medians of wall-clock and CPU time):
 
 1. restores the newest checkpoint (``Store.load``) and loads the ``.pt`` (``torch.load``), each with and without
    ``gc.freeze()`` right after the imports;
@@ -17,12 +17,18 @@ pays it inside the load; deltackpt's loads hold the collector off while they dec
 return. ``gc.freeze()`` moves what exists into a permanent generation that collections skip, so that pass
 never happens. And a job restores into a model that already exists: decoding into its tensors spares a second
 copy of the weights (its allocation, page faults and the ``load_state_dict`` copy).
+
+``--profile`` then splits one more load of the newest checkpoint (a fresh process, one read thread, so the
+stages add up to its wall-clock time) by what the kernel did: chunk decodes of each frame kind (count, raw
+bytes, seconds) and the predictions computed, each including the page faults of its first writes to the
+output's fresh memory; the rest is Python and frame reads.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -53,6 +59,49 @@ print(time.perf_counter() - t0, c1.user - c0.user + c1.system - c0.system)
 """
 
 
+_PROFILE_CHILD = """
+import collections, gc, sys, time
+import torch, deltackpt
+from deltackpt import codec, kernel, predict
+gc.freeze()
+secs, raw, count = collections.Counter(), collections.Counter(), collections.Counter()
+decode_frames, predict_into = kernel.decode_frames, predict.predict
+
+def timed_decode(frames, codecs, widths, out, digest):
+    t = time.perf_counter()
+    try:
+        return decode_frames(frames, codecs, widths, out, digest)
+    finally:
+        kind = codec.CODEC_NAMES[codecs[0]] + (" + deltas" if len(codecs) > 1 else "")
+        secs[kind] += time.perf_counter() - t
+        raw[kind] += len(out)
+        count[kind] += 1
+
+def timed_predict(rec, base, refs, out):
+    t = time.perf_counter()
+    try:
+        return predict_into(rec, base, refs, out)
+    finally:
+        secs["prediction"] += time.perf_counter() - t
+        raw["prediction"] += len(out)
+        count["prediction"] += 1
+
+codec.kernel.decode_frames, codec.predict.predict = timed_decode, timed_predict
+t0 = time.perf_counter()
+with deltackpt.Store(sys.argv[1], threads=1, read_threads=1) as s:
+    state = s.load()
+    outputs = sum(t.count for t in s.manifest().tensors)
+wall = time.perf_counter() - t0
+print(f"one read thread: {wall:.3f} s for {outputs} output chunks")
+print("| stage | calls | raw MiB | seconds | GB/s |")
+print("|---|---:|---:|---:|---:|")
+for kind in sorted(secs, key=secs.get, reverse=True):
+    rate = raw[kind] / secs[kind] / 1e9 if secs[kind] else 0.0
+    print(f"| {kind} | {count[kind]} | {raw[kind] / 2**20:.0f} | {secs[kind]:.3f} | {rate:.2f} |")
+print(f"| the rest (Python, frame reads) | | | {wall - sum(secs.values()):.3f} | |")
+"""
+
+
 def _restart_in_child(path: Path, how: str, small: bool) -> tuple[float, float]:
     """Seconds (wall, CPU) a fresh process takes to restore ``path`` into a GPT and AdamW it built first."""
     return timed_child(_RESTART_CHILD, str(path), how, "1" if small else "0", cwd=repo_root())
@@ -69,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--saves", type=int, default=9)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="then split one single-threaded load by kernel stage")
     args = ap.parse_args(argv)
     loads: dict[str, list[tuple[float, float]]] = {}
     restarts: dict[str, list[tuple[float, float]]] = {}
@@ -89,10 +139,15 @@ def main(argv: list[str] | None = None) -> int:
                     loads.setdefault(key, []).append(_load_in_child(path, None, gc_freeze=freeze))
             for name, (path, how) in ways.items():
                 restarts.setdefault(name, []).append(_restart_in_child(path, how, args.small))
-    rounds = f"fresh processes, warm page cache, medians of {args.rounds} interleaved rounds"
-    _table(f"load alone ({rounds}):", "load | gc.freeze() after imports", loads)
-    _table(f"restore into a model and optimizer just built ({rounds}, gc.freeze() after building them):",
-           "restore", restarts)
+        rounds = f"fresh processes, warm page cache, medians of {args.rounds} interleaved rounds"
+        _table(f"load alone ({rounds}):", "load | gc.freeze() after imports", loads)
+        _table(f"restore into a model and optimizer just built ({rounds}, gc.freeze() after building them):",
+               "restore", restarts)
+        if args.profile:
+            print("\nthe newest checkpoint's load by kernel stage (fresh process, gc.freeze()):\n", flush=True)
+            done = subprocess.run([sys.executable, "-c", _PROFILE_CHILD, str(root / "store")], capture_output=True,
+                                  text=True, check=True, cwd=repo_root())
+            print(done.stdout, end="")
     return 0
 
 

@@ -135,7 +135,7 @@ PLANES_TUNED_LEVELS = (1, 2)
 #: Match finding for byte planes at the fast levels: matches of at least 7 bytes, a 256-entry hash table. Planes
 #: of float data hold few real repeats, and level 1's finder (6-byte matches, 8K entries) takes many spurious
 #: short ones, which cost more to decode than the literals they replace. On the AdamW states of
-#: ``bench.delta`` (``python -m bench.planes_zstd``, README): standalone frames 0.823 -> 0.819 of raw, zstd
+#: ``bench.delta`` (``python -m bench.planes_zstd``, docs/performance.md): standalone frames 0.823 -> 0.819 of raw, zstd
 #: decoding 1.5× and encoding 2-3× as fast; residuals of predicted frames 0.064 -> 0.060 of raw, decoding 1.1×
 #: as fast. Any parameters decode with any zstd decoder: the format does not change.
 PLANES_PARAMS = {"min_match": 7, "hash_log": 8}
