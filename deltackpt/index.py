@@ -180,7 +180,13 @@ def read_last_commit(store: Path) -> int | None:
             text = f.read(64).strip()
     except OSError:
         return None
-    return int(text) if 0 < len(text) <= 20 and text.isdigit() else None
+    value = int(text) if 0 < len(text) <= 20 and text.isdigit() else None
+    return value if value is not None and value < _SEQ_LIMIT else None
+
+
+#: no store makes 2^62 commits: a recorded seq at or above it is damage (and a repair numbering on from it could
+#: run out of u64)
+_SEQ_LIMIT = 1 << 62
 
 
 def write_last_commit(store: Path, seq: int) -> None:
@@ -857,7 +863,12 @@ class Index:
                 txn.put(k, loc.pack(), db=self.db_chunks)
 
     def rebuild(self, chunks: dict[bytes, ChunkLoc], records: list[Record]) -> None:
-        """Replace everything with what ``repair`` found on disk, in one transaction."""
+        """Replace everything with what ``repair`` found on disk, in one transaction. The records are numbered
+        1..n in the given order; the index's ``seq`` counts on from the highest commit the store recorded
+        (``LAST_COMMIT``) when that is higher, so that ``LAST_COMMIT`` never has to go down: an open that read
+        it before the rebuild, a repair killed before it rewrites it, or a power loss that keeps its old value
+        then meets an index at least as new."""
+        recorded = read_last_commit(self.path.parent) or 0
         with self._write() as txn:
             for db in (self.db_chunks, self.db_ckpts, self.db_ids, self.db_steps):
                 txn.drop(db, delete=False)
@@ -871,9 +882,8 @@ class Index:
                 txn.put(sk, rec.dumps(), db=self.db_ckpts)
                 txn.put(rec.id.encode(), sk, db=self.db_ids)
                 txn.put(_U64.pack(rec.step) + sk, b"", db=self.db_steps)
+            seq = max(seq, recorded)
             txn.put(b"seq", _U64.pack(seq), db=self.db_meta)
             txn.put(b"format", str(INDEX_VERSION).encode(), db=self.db_meta)  # the index is the store's again
-        # the store's record of its newest commit follows the renumbered seqs (it may go down: a repair holds the
-        # store alone, so no save's write of an older numbering can come after it)
-        write_last_commit(self.path.parent, seq)
+        write_last_commit(self.path.parent, seq)  # (the same value, or the file was missing or unreadable)
         self._rebuilding = False

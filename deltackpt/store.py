@@ -503,7 +503,6 @@ class Store:
             if self.index is None:
                 self.index = Index(self.path / "index", allow_network_fs=allow, readonly=self.readonly,
                                    rebuilding=_repair)
-            self.index.check_current()  # an index older than the store's last commit (not while repairing)
         except BaseException:
             if self.index is not None:
                 self.index.close()
@@ -539,6 +538,15 @@ class Store:
         #: ``maint.lock``, held exclusively with ``_alone_fd`` (one gc or repair at a time)
         self._maint_fd: int | None = None
         self._alone_pid = os.getpid()  # the process that took those two (a forked child does not release them)
+        try:
+            self.index.check_current()  # an index older than the store's last commit (not while repairing) ...
+        except CorruptIndexError:
+            try:
+                with self._gc_lock():  # ... or one a repair is rebuilding: look again once it is done
+                    pass
+            except BaseException:
+                self.close()
+                raise
 
     # -- layout -----------------------------------------------------------------------------------------
     def _init_layout(self, chunk_size: int | None, allow_network_fs: bool) -> int:

@@ -1327,6 +1327,31 @@ def test_an_index_older_than_the_store_is_refused_and_repaired(store_path: Path,
     assert (store_path / "LAST_COMMIT").read_text() == f"{5:020d}\n"
 
 
+def test_a_repair_never_lowers_last_commit(store_path: Path) -> None:
+    """A repair numbers the records it restores 1..n; after deletes n is below the seq LAST_COMMIT holds. Lowering
+    the file after the rebuild (as the first version did) raised the "older than the store" error at stores that
+    were healthy: an open that had read the file before the rebuild, a repair killed before it wrote the file,
+    a power loss that kept the file's old value. The rebuilt index's seq now counts on from the file's value,
+    which stays; the next save takes the seq after it."""
+    with _open(store_path) as s:
+        for step in range(1, 6):
+            s.save({"w": _rand(CS, step)}, step=step)
+        s.delete(2)
+        s.delete(4)
+    assert (store_path / "LAST_COMMIT").read_text() == f"{5:020d}\n"
+    with maintenance.open_for_repair(store_path) as r:
+        r.repair()
+        assert [i.seq for i in r.list()] == [1, 2, 3]
+    assert (store_path / "LAST_COMMIT").read_text() == f"{5:020d}\n"
+    # what a kill or a power loss between the rebuild and its write of the file could leave: the old value
+    (store_path / "LAST_COMMIT").write_text(f"{5:020d}\n")
+    with _open(store_path) as s:
+        assert [i.step for i in s.list()] == [1, 3, 5]
+        assert s.save({"w": _rand(CS, 6)}, step=6).seq == 6
+        assert_same_state({"w": _rand(CS, 5)}, s.load(5))
+    assert (store_path / "LAST_COMMIT").read_text() == f"{6:020d}\n"
+
+
 # -- damage that keeps every checksum: fields of the wrong type or range ---------------------------------------
 # LMDB keeps no checksum of values, and a manifest's checksum only proves that its writer wrote it. Whatever a
 # field holds, every operation either works or raises a DeltackptError naming the damage: no AttributeError,
