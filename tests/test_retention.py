@@ -293,6 +293,41 @@ def test_checkpointer_keep_last_and_every(store_path: Path) -> None:
         assert store.latest().step == 12
 
 
+@pytest.mark.parametrize("keep_every", [5, 1])
+def test_steps_kept_for_good_are_saved_as_keyframes(store_path: Path, keep_every: int) -> None:
+    """A step retention keeps for good while it deletes the saves around it (a multiple of keep_every above the
+    save interval) is saved as a keyframe: every chunk a standalone frame, so that it keeps no delta bases or
+    prediction inputs of deleted checkpoints alive. The other saves stay deltas and predictions, and with
+    keep_every at the interval (every save kept for good) nothing is forced. Every step loads bit-exactly."""
+    from deltackpt import codec
+    from deltackpt.index import chunk_keys
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    weights = {}
+    ckpt = Checkpointer(Store(store_path, chunk_size=4096), model=model, optimizer=opt, async_save=False,
+                        retention=Retention(keep_last=100, keep_every=keep_every), handle_signals=False)
+    for step in range(1, 13):
+        model(torch.randn(16, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        weights[step] = _weights(model)
+        assert ckpt.step(step)
+    ckpt.close()
+    with Store(store_path) as store:
+        assert [i.step for i in store.list()] == list(range(1, 13))
+        for info in store.list():
+            m = store.manifest(id=info.id)
+            locs = store.index.lookup_chunks(chunk_keys(*m.stored_chunks()))
+            based = sum(loc.codec in codec.BASED for loc in locs.values())
+            if info.step % keep_every == 0 and keep_every > 1 or info.step == 1:
+                assert based == 0, f"step {info.step} holds {based} delta or predicted frames"
+            else:
+                assert based > len(locs) // 4, f"step {info.step}: {based} of {len(locs)} chunks based"
+            _assert_weights(weights[info.step], store.load(id=info.id)["model"], f"step {info.step}")
+
+
 def test_thinned_checkpoints_hold_weights_only(store_path: Path) -> None:
     model, opt = _setup()
     weights = {}
