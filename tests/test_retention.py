@@ -328,6 +328,39 @@ def test_steps_kept_for_good_are_saved_as_keyframes(store_path: Path, keep_every
             _assert_weights(weights[info.step], store.load(id=info.id)["model"], f"step {info.step}")
 
 
+_KILLED_WHILE_THINNING = """
+import os, signal, sys, torch
+from deltackpt import Checkpointer, Retention, Store
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+ckpt = Checkpointer(sys.argv[1], model=model, optimizer=opt, async_save=False, handle_signals=False,
+                    retention=Retention(keep_last=3, full_last=1))
+for step in range(1, 5):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    if step == 4:  # the round that deletes step 1 and thins step 3: killed at its first rewrite
+        Store.rewrite = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.step(step)
+"""
+
+
+def test_a_process_killed_while_retention_thins_has_done_the_deletes(store_path: Path) -> None:
+    """Retention deletes first, then thins (a load and a rewrite per checkpoint): a process killed while it
+    thins (SIGKILL at the rewrite of step 3) has already deleted what the round deletes (step 1), so repeated
+    kills cannot pile up checkpoints. Before, it thinned first and the kill skipped the deletes."""
+    run = subprocess.run([sys.executable, "-c", _KILLED_WHILE_THINNING, str(store_path)], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == -9, run.stderr
+    with Store(store_path) as store:
+        infos = store.list()
+        assert [i.step for i in infos] == [2, 3, 4]
+        assert [bool((i.metadata or {}).get(THINNED_KEY)) for i in infos] == [True, False, False]
+        assert store.load(4)["optimizer"]["state"] and store.load(3)["optimizer"]["state"]
+        assert store.verify().ok
+
+
 def test_thinned_checkpoints_hold_weights_only(store_path: Path) -> None:
     model, opt = _setup()
     weights = {}
