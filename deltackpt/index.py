@@ -170,6 +170,9 @@ REPAIR_HINT = "'deltackpt repair STORE' rebuilds the index"
 #: the store file (beside ``index/``) that holds the seq of the newest committed checkpoint, as 20 ASCII digits
 #: and a newline (format.md §6)
 LAST_COMMIT = "LAST_COMMIT"
+#: no store makes 2^62 commits: a recorded seq at or above it is damage (and a repair numbering on from it could
+#: run out of u64)
+_SEQ_LIMIT = 1 << 62
 
 
 def read_last_commit(store: Path) -> int | None:
@@ -182,11 +185,6 @@ def read_last_commit(store: Path) -> int | None:
         return None
     value = int(text) if 0 < len(text) <= 20 and text.isdigit() else None
     return value if value is not None and value < _SEQ_LIMIT else None
-
-
-#: no store makes 2^62 commits: a recorded seq at or above it is damage (and a repair numbering on from it could
-#: run out of u64)
-_SEQ_LIMIT = 1 << 62
 
 
 def write_last_commit(store: Path, seq: int) -> None:

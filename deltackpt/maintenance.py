@@ -865,11 +865,23 @@ def _manifest_chunk_sizes(root: Path) -> set[int]:
 
 
 def _restore_store_file(root: Path) -> None:
-    """Write the ``STORE`` file of a store that lost it (or whose file is damaged: it is moved aside to
-    ``STORE.broken-<time>``), with the chunk size its manifests name."""
-    from deltackpt.store import write_store_file
+    """Write the ``STORE`` file again with the chunk size the store's manifests name when it is lost or damaged
+    (moved aside to ``STORE.broken-<time>``): when it does not describe a store this version can read and write
+    (a newer format version is no damage: opening the store reports it), or names another chunk size than the
+    one every readable manifest names (the chunk size never changes: a damaged digit that still parses)."""
+    from deltackpt.store import read_store_file, write_store_file
 
+    stored = None
+    if (root / "STORE").exists():
+        try:
+            stored = read_store_file(root)
+        except FormatVersionError:
+            return
+        except DeltackptError:
+            pass
     sizes = _manifest_chunk_sizes(root)
+    if stored is not None and (len(sizes) != 1 or stored in sizes):
+        return  # intact, as far as the manifests can tell
     if len(sizes) != 1:
         raise DeltackptError(
             f"{root} is not a deltackpt store (no readable STORE file)" if not sizes else
@@ -878,24 +890,6 @@ def _restore_store_file(root: Path) -> None:
     if (root / "STORE").exists():
         os.replace(root / "STORE", root / f"STORE.broken-{int(time.time())}")
     write_store_file(root, config.check_chunk_size(sizes.pop()))
-
-
-def _store_file_damaged(root: Path) -> bool:
-    """Whether ``root/STORE`` exists but does not describe a store this version can read and write (a newer
-    format version is no damage: opening the store reports it), or names another chunk size than the one every
-    readable manifest names (the chunk size never changes: a damaged digit that still parses)."""
-    from deltackpt.store import read_store_file
-
-    if not (root / "STORE").exists():
-        return False
-    try:
-        size = read_store_file(root)
-    except FormatVersionError:
-        return False
-    except DeltackptError:
-        return True
-    named = _manifest_chunk_sizes(root)
-    return len(named) == 1 and size not in named
 
 
 def _lock_alone(root: Path) -> int:
@@ -938,8 +932,7 @@ def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
     from deltackpt.store import Store
 
     root = Path(path)
-    if not (root / "STORE").exists() or _store_file_damaged(root):  # (no store opens meanwhile: no lock needed)
-        _restore_store_file(root)
+    _restore_store_file(root)  # (when lost or damaged; no store opens meanwhile: no lock needed)
     pid = os.getpid()
     mfd = _take_maintenance_lock(root, what="cannot repair: ")  # (before the gc lock: see _maintenance_lock)
     try:
