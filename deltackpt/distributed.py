@@ -161,8 +161,9 @@ class DeltaStorageWriter(StorageWriter):
     commit: the coordinator deletes the meta checkpoints of the steps it drops (the steps
     are gone at once), and each rank, at its next save, deletes its own checkpoints that no step names any more
     (as :func:`prune` does). With ``gc`` (default), each store is then collected once what was deleted from it
-    wrote at least 64 MiB and a quarter of what it keeps, as a :class:`~deltackpt.Checkpointer` does. Trouble in
-    retention or gc is a warning, not a failed save: the step is committed before either runs.
+    wrote at least 64 MiB and a quarter of what it keeps, as a :class:`~deltackpt.Checkpointer` does. A step that
+    ``keep_every`` keeps for good while saves come more often is saved as a keyframe (:meth:`_kept_for_good`).
+    Trouble in retention or gc is a warning, not a failed save: the step is committed before either runs.
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
@@ -180,6 +181,7 @@ class DeltaStorageWriter(StorageWriter):
         self.store_options = store_options
         self._stores: dict[Path, Store] = {}
         self._dropped: dict[Path, int] = {}  # per store: bytes its deleted checkpoints wrote since its last gc
+        self._last_steps: dict[Path, int] = {}  # per store: the step this writer saved last into it
 
     def _store(self, path: Path) -> Store:
         s = self._stores.get(path)
@@ -280,13 +282,28 @@ class DeltaStorageWriter(StorageWriter):
                 or (k.endswith(".step")
                     and (isinstance(v, (int, float)) or (type(v) is torch.Tensor and v.numel() == 1))))}
         info = store.save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step,
-                          _flat=(_TENSORS, hints) if hints else None)
+                          keyframe=self._kept_for_good(store, self.step), _flat=(_TENSORS, hints) if hints else None)
+        self._last_steps[store.path] = self.step
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
                    for index, key, kind, n in kinds]
         if self.retention is not None:
             self._drop_unnamed(store, rank)
         fut.set_result(results)
         return fut
+
+    def _kept_for_good(self, store: Store, step: int) -> bool:
+        """Whether retention keeps ``step`` for good while it drops the saves around it: a multiple of
+        ``keep_every`` saved less than ``keep_every`` steps after this rank's previous save (that of this writer,
+        else the store's latest). Such a step is saved as a keyframe, as a Checkpointer does (see
+        :meth:`deltackpt.Checkpointer.save`): as a delta it would keep the dropped steps' frames alive."""
+        every = self.retention.keep_every if self.retention is not None else None
+        if every is None or step % every:
+            return False
+        prev = self._last_steps.get(store.path)
+        if prev is None:
+            latest = store.latest()
+            prev = latest.step if latest is not None else None
+        return prev is not None and step - prev < every
 
     def _drop_unnamed(self, store: Store, rank: int) -> None:
         """Retention's part on a rank: delete this rank's checkpoints of the steps it dropped (those no meta

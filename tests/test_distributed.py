@@ -915,6 +915,45 @@ def test_dcp_retention_drops_steps_and_their_shards(tmp_path: Path, monkeypatch:
         assert torch.equal(target["w"], states[s]["w"]) and target["step"] == s
 
 
+@pytest.mark.parametrize("interval", [1, 4])
+def test_dcp_steps_kept_for_good_are_saved_as_keyframes(tmp_path: Path, interval: int) -> None:
+    """With keep_every=4 and a save every step, steps 4, 8 and 12 hold standalone frames only, step 12 saved by
+    a new writer (a restarted job: the previous step is the store's latest); the steps between stay deltas.
+    Saving every 4 steps keeps every save for good, and none is forced to be a keyframe. Every step loads bit
+    for bit."""
+    from deltackpt import codec
+    from deltackpt.index import chunk_keys
+
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(64 << 10, generator=g)
+    states = {s: {"w": w0 + 1e-3 * s * torch.sign(w0)} for s in range(0, 13, interval)}
+    policy = deltackpt.Retention(keep_last=100, keep_every=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for steps in ([s for s in states if s < 12], [12]):  # two writers: a restart before step 12
+            w = DeltaStorageWriter(tmp_path, retention=policy, chunk_size=16 << 10)
+            for s in steps:
+                w.step = s
+                dcp.save(states[s], storage_writer=w, no_dist=True)
+            w.close()
+    with deltackpt.Store(tmp_path / "rank-00000") as st:
+        assert [c.step for c in st.list()] == list(states)
+        for info in st.list():
+            m = st.manifest(id=info.id)
+            locs = st.index.lookup_chunks(chunk_keys(*m.stored_chunks()))
+            based = sum(loc.codec in codec.BASED for loc in locs.values())
+            if info.step == 0 or (info.step % 4 == 0 and interval < 4):
+                assert based == 0, f"step {info.step} holds {based} delta frames"
+            else:
+                assert based >= 4, f"step {info.step}: {based} of {len(locs)} chunks are deltas"
+    for s, state in states.items():
+        target = {"w": torch.zeros(64 << 10)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(target, storage_reader=DeltaStorageReader(tmp_path, step=s), no_dist=True)
+        assert torch.equal(target["w"], state["w"]), f"step {s}"
+
+
 def test_dcp_retention_takes_only_rules_that_fit_dcp_steps(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="retention must be a deltackpt.Retention"):
         DeltaStorageWriter(tmp_path, step=1, retention={"keep_last": 3})  # type: ignore[arg-type]
