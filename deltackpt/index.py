@@ -447,9 +447,11 @@ def _drop_inherited(real: str) -> None:
         sh.env.close()
 
 
-#: what py-lmdb raises on a damaged page (or a file that is not an LMDB environment any more)
+#: what py-lmdb raises on a damaged page (or a file that is not an LMDB environment any more). MDB_BAD_TXN too:
+#: LMDB marks a transaction failed when a page it reads is damaged, and the calls after that in it (a lookup, the
+#: drop of a table a repair frees) return MDB_BAD_TXN rather than the damage.
 LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmdb.InvalidError,
-                lmdb.IncompatibleError)
+                lmdb.IncompatibleError, lmdb.BadTxnError)
 
 
 def _damage_is_corruption(method: Callable[..., Any]) -> Callable[..., Any]:

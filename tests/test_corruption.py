@@ -1513,10 +1513,13 @@ def test_index_chunk_entries_of_any_value_are_typed_errors(varied_store: Path,
     _exercise(path)
 
 
-def test_damaged_index_pages_are_typed_errors(varied_store: Path, tmp_path: Path) -> None:
-    """Each page of the index's data file zeroed in turn (LMDB then meets pages of the wrong type): reads,
-    verify and gc raise CorruptIndexError naming the repair, never lmdb's own errors; a repair afterwards
-    restores every checkpoint."""
+@pytest.mark.parametrize("damage", ["zeroed", "inverted"])
+def test_damaged_index_pages_are_typed_errors(varied_store: Path, tmp_path: Path, damage: str) -> None:
+    """Each page of the index's data file damaged in turn, zeroed (LMDB then meets pages of the wrong type) or
+    its first 256 bytes inverted (a header and nodes of garbage; LMDB then fails a transaction midway, and its
+    later calls in it return MDB_BAD_TXN, which the repair's freeing of the old tables met): reads, verify and
+    gc raise CorruptIndexError naming the repair, never lmdb's own errors; a repair afterwards restores every
+    checkpoint."""
     size = (varied_store / "index" / "data.mdb").stat().st_size
     seen: set[str] = set()
     for page in range(2, size // 4096):  # (pages 0 and 1 are LMDB's meta pages: it checks those itself)
@@ -1524,7 +1527,9 @@ def test_damaged_index_pages_are_typed_errors(varied_store: Path, tmp_path: Path
         shutil.copytree(varied_store, path)
         with open(path / "index" / "data.mdb", "r+b") as f:
             f.seek(page * 4096)
-            f.write(bytes(4096))
+            old = f.read(256 if damage == "inverted" else 4096)
+            f.seek(page * 4096)
+            f.write(bytes(b ^ 0xFF for b in old) if damage == "inverted" else bytes(4096))
         for op in ("list", "load", "verify", "gc"):
             try:
                 with deltackpt.Store(path, threads=1) as s:
