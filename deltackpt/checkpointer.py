@@ -915,11 +915,12 @@ class Checkpointer:
         self, step: int, *, wait: bool = False, metadata: Mapping[str, Any] | None = None, keyframe: bool = False
     ) -> None:
         """Save now. Async mode snapshots and returns; ``wait=True`` (or sync mode) returns once committed.
-        ``keyframe`` as for :meth:`Store.save`; a step that retention keeps for good is saved as a keyframe anyway
-        (:meth:`_kept_for_good`)."""
+        ``keyframe`` as for :meth:`Store.save`; a step that retention keeps for good is saved as a keyframe anyway,
+        a self-contained one (:meth:`_kept_for_good`)."""
         self._check_open()
         step = _check_step(step)
-        keyframe = keyframe or self._kept_for_good(step)
+        whole = self._kept_for_good(step)
+        keyframe = keyframe or whole
         self._raise_background_error()
         self.wait()  # at most one save in flight: the staging buffers are about to be rewritten
         state = self.capture(step)
@@ -927,10 +928,10 @@ class Checkpointer:
         pairs = _param_pairs(self.model, self.optimizer)
         stopping = self._signal is not None  # (the save before the process ends: no gc after it, time is short)
         if self._executor is None:
-            self._run_save(state, step, meta, keyframe, pairs, stopping)
+            self._run_save(state, step, meta, keyframe, pairs, stopping, whole)
         else:
             snap = self._staging.snapshot(state)
-            self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs, stopping)
+            self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs, stopping, whole)
             self._inflight_step, self._inflight_prev = step, (self.last_saved_step, self.last_info)
             self.last_saved_step = step  # (step() of it again must not start a second save)
             if wait:
@@ -938,17 +939,18 @@ class Checkpointer:
 
     def _kept_for_good(self, step: int) -> bool:
         """Whether retention keeps ``step`` for good while it deletes saves around it: a multiple of
-        ``keep_every`` when saves come more often than that. Such a checkpoint is saved as a keyframe. As a delta
-        it would keep alive, for as long as it is kept, the delta bases and prediction inputs of the checkpoints
-        retention deletes before it: ``python -m bench.retention`` measured 1.62 raw states of pack space per
-        retained checkpoint that way, 0.99 with keyframes."""
+        ``keep_every`` when saves come more often than that. Such a checkpoint is saved as a self-contained
+        keyframe: its new chunks and those the store holds only as delta or predicted frames (chunks that stopped
+        changing) are written standalone. As a delta it would keep alive, for as long as it is kept, the delta
+        bases and prediction inputs of the checkpoints retention deletes before it: ``python -m bench.retention``
+        measured 1.62 raw states of pack space per retained checkpoint that way, 0.99 with keyframes."""
         r = self.retention
         return (r is not None and r.keep_every is not None and r.keep_every > self.every_n_steps
                 and step % r.keep_every == 0)
 
     def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None, keyframe: bool = False,
-                  pairs: dict[str, str] | None = None, stopping: bool = False) -> CheckpointInfo:
-        info = self.store.save(state, step=step, metadata=meta, keyframe=keyframe, _pairs=pairs)
+                  pairs: dict[str, str] | None = None, stopping: bool = False, whole: bool = False) -> CheckpointInfo:
+        info = self.store.save(state, step=step, metadata=meta, keyframe=keyframe, _pairs=pairs, _self_contained=whole)
         # committed: an error of the retention below does not make it unsaved (async: set at submit already,
         # and no later save starts before this one is waited for)
         self.last_info, self.last_saved_step = info, step

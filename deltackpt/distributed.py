@@ -281,8 +281,9 @@ class DeltaStorageWriter(StorageWriter):
                 k.endswith((".params", ".param_names", ".betas", ".eps"))
                 or (k.endswith(".step")
                     and (isinstance(v, (int, float)) or (type(v) is torch.Tensor and v.numel() == 1))))}
+        whole = self._kept_for_good(store, self.step)
         info = store.save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step,
-                          keyframe=self._kept_for_good(store, self.step), _flat=(_TENSORS, hints) if hints else None)
+                          keyframe=whole, _self_contained=whole, _flat=(_TENSORS, hints) if hints else None)
         self._last_steps[store.path] = self.step
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
                    for index, key, kind, n in kinds]
@@ -294,8 +295,8 @@ class DeltaStorageWriter(StorageWriter):
     def _kept_for_good(self, store: Store, step: int) -> bool:
         """Whether retention keeps ``step`` for good while it drops the saves around it: a multiple of
         ``keep_every`` saved less than ``keep_every`` steps after this rank's previous save (that of this writer,
-        else the store's latest). Such a step is saved as a keyframe, as a Checkpointer does (see
-        :meth:`deltackpt.Checkpointer.save`): as a delta it would keep the dropped steps' frames alive."""
+        else the store's latest). Such a step is saved as a self-contained keyframe, as a Checkpointer does (see
+        :meth:`deltackpt.Checkpointer._kept_for_good`): as a delta it would keep the dropped steps' frames alive."""
         every = self.retention.keep_every if self.retention is not None else None
         if every is None or step % every:
             return False

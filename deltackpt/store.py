@@ -816,6 +816,7 @@ class Store:
         _replace: Record | None = None,
         _pairs: Mapping[str, str] | None = None,
         _flat: tuple[str, Mapping[str, Any]] | None = None,
+        _self_contained: bool = False,
     ) -> CheckpointInfo:
         """Durably store ``state`` as a checkpoint at ``step`` and return its info.
 
@@ -827,6 +828,10 @@ class Store:
         changed tensors of this checkpoint restore from one frame per chunk: for the last save before a
         planned stop. Raises UnsupportedTypeError (a TypeError naming the key path) before writing anything if
         the state holds something that cannot be stored.
+
+        ``_self_contained`` (with ``keyframe``; a step retention keeps for good): chunks of the state that the
+        store holds only as delta or predicted frames are written again standalone too, as a rewrite does, so
+        the checkpoint keeps no older checkpoint's frames alive.
         """
         self._writable("save")
         step = _check_step(step)
@@ -854,11 +859,16 @@ class Store:
                     raise CheckpointNotFoundError(f"parent checkpoint {named} is not in {self.path}")
             use_delta = parent is not None and self.max_chain > 0 and _replace is None and not keyframe
             pm = self._parent_manifest(parent) if use_delta else None
-            if pm is not None and pm.chunk_size != self.chunk_size:  # (fixed at creation: STORE lost a digit)
+            ref = pm
+            if ref is None and parent is not None:  # (a keyframe, a rewrite: the parent still tells, when readable)
+                with contextlib.suppress(CorruptManifestError, FormatVersionError):
+                    ref = self._parent_manifest(parent)
+            if ref is not None and ref.chunk_size != self.chunk_size:  # (fixed at creation: STORE lost a digit)
                 raise DeltackptError(
-                    f"store {self.path}: checkpoint {pm.id} was cut into chunks of {pm.chunk_size} bytes, the "
+                    f"store {self.path}: checkpoint {ref.id} was cut into chunks of {ref.chunk_size} bytes, the "
                     f"STORE file says {self.chunk_size}: STORE is damaged ('deltackpt repair STORE' writes it "
                     f"again from the manifests); nothing was saved")
+            whole = _replace is not None or (keyframe and _self_contained)
             generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0
             # a rewrite takes the place of a checkpoint under a new id: it names the ids it replaces, so that a
             # later checkpoint's parent (and load(id=...) of the old id) still finds it
@@ -871,7 +881,7 @@ class Store:
             mark = self._writer.mark()
             try:
                 entries, digests, flags, new_locs, written, state_keys = self._write_leaves(
-                    leaves, pm, generation, roles, self_contained=_replace is not None
+                    leaves, pm, generation, roles, self_contained=whole
                 )
                 self._writer.sync()  # 1. every new frame durable
                 m = manifest.Manifest(
@@ -903,7 +913,7 @@ class Store:
                     extra=replaces,
                 )
                 rec = self.index.commit_checkpoint(rec, new_locs, replace=_replace,  # 3. THE COMMIT POINT
-                                                   repoint=True if _replace is not None else self._damaged)
+                                                   repoint=True if whole else self._damaged)
             except BaseException:
                 # Nothing of a save that did not commit is referenced: on a full disk, say, its frames and its
                 # manifest give their space back (else gc reclaims them).
@@ -973,9 +983,9 @@ class Store:
         of its second moment are aligned (both take the first moment's phase): their chains then have the same
         depths, and each can be predicted whenever the other can.
 
-        With ``self_contained`` (a rewrite; ``pm`` is then None, so new chunks are standalone), chunks the store
-        holds only as delta or predicted frames are encoded again standalone too; their new locations are among
-        those returned, for the commit to re-point.
+        With ``self_contained`` (a rewrite, a keyframe retention keeps for good; ``pm`` is then None, so new chunks
+        are standalone), chunks the store holds only as delta or predicted frames are encoded again standalone
+        too; their new locations are among those returned, for the commit to re-point.
         """
         cs = self.chunk_size
         k_max = self.max_chain

@@ -587,7 +587,8 @@ def test_store_file_naming_another_valid_chunk_size_is_found_and_repaired(store_
     """A STORE file damaged into another chunk size that is still valid (one flipped bit: 8 KiB for 4 KiB) parses:
     before, nothing noticed, a repair kept it, and every later save cut chunks of the wrong size, deduplicating
     nothing against the checkpoints before. verify reports every checkpoint whose manifest names another chunk
-    size, a save refuses before it writes anything, and a repair writes STORE again from the manifests."""
+    size, a save refuses before it writes anything (a keyframe save and one with deltas off too, which read no
+    delta parent), and a repair writes STORE again from the manifests."""
     filled = _fill(store_path)
     text = (store_path / "STORE").read_text()
     (store_path / "STORE").write_text(text.replace(f'"chunk_size": {CS}', f'"chunk_size": {CS * 2}'))
@@ -599,6 +600,11 @@ def test_store_file_naming_another_valid_chunk_size_is_found_and_repaired(store_
         assert all(f"chunk size {CS}" in p.message and "deltackpt repair" in p.message for p in problems)
         with pytest.raises(deltackpt.DeltackptError, match="STORE is damaged"):
             s.save(filled["states"][4], step=5)
+        with pytest.raises(deltackpt.DeltackptError, match="STORE is damaged"):  # (reads no delta parent)
+            s.save(filled["states"][4], step=5, keyframe=True)
+    with deltackpt.Store(store_path, max_chain=0) as s, \
+            pytest.raises(deltackpt.DeltackptError, match="STORE is damaged"):
+        s.save(filled["states"][4], step=5)
     unchanged = {k: v for k, v in dir_snapshot(store_path).items() if k != "index/lock.mdb"}
     assert unchanged == {k: v for k, v in before.items() if k != "index/lock.mdb"}
     with maintenance.open_for_repair(store_path) as s:

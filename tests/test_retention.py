@@ -328,6 +328,41 @@ def test_steps_kept_for_good_are_saved_as_keyframes(store_path: Path, keep_every
             _assert_weights(weights[info.step], store.load(id=info.id)["model"], f"step {info.step}")
 
 
+
+def test_a_step_kept_for_good_holds_no_frames_of_the_steps_deleted_before_it(store_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks that stopped changing stay stored as the deltas of the saves that changed them last, and a save
+    deduplicates onto those frames. The step that keep_every keeps for good is self-contained all the same:
+    those chunks are written again standalone (their entries re-pointed), so once retention has deleted the
+    steps before it and gc has run, every frame it reads is standalone and the packs hold about one state
+    (before: 48 of its 67 chunks still decoded from the deleted steps' frames)."""
+    from deltackpt import codec
+    from deltackpt.index import chunk_keys
+
+    monkeypatch.setenv("DELTACKPT_GC_MIN_BYTES", "0")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(256, 256)
+    ckpt = Checkpointer(Store(store_path, chunk_size=4096), model=model, async_save=False, handle_signals=False,
+                        retention=Retention(keep_last=1, keep_every=5))
+    for step in range(1, 6):
+        if step <= 3:  # a small change in every chunk, then none
+            with torch.no_grad():
+                model.weight.view(-1)[::97] += 1e-3
+        assert ckpt.step(step)
+    expected = _weights(model)
+    ckpt.close()
+    with Store(store_path) as store:
+        assert [i.step for i in store.list()] == [5]
+        store.gc()
+        m = store.manifest(5)
+        locs = store.index.lookup_chunks(chunk_keys(*m.stored_chunks()))
+        assert locs and all(loc.codec not in codec.BASED and loc.depth == 0 for loc in locs.values())
+        packs = sum(p.stat().st_size for p in (store_path / "packs").rglob("*.pack"))
+        assert packs < 1.2 * m.logical_bytes, (packs, m.logical_bytes)
+        _assert_weights(expected, store.load(5)["model"], "step 5")
+        assert store.verify().ok
+
+
 _KILLED_WHILE_THINNING = """
 import os, signal, sys, torch
 from deltackpt import Checkpointer, Retention, Store
