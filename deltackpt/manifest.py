@@ -393,7 +393,10 @@ def read(directory: Path, checkpoint_id: str, *, expect_checksum: str | None = N
     try:
         data = file_bytes(p)
     except FileNotFoundError:
-        raise CorruptManifestError(f"manifest of checkpoint {checkpoint_id} is missing ({p})") from None
+        # the index names it: an index older than the manifests (copied back from before a rewrite, say), or a
+        # lost file; a repair makes the index the manifests' again (and drops a checkpoint whose manifest is gone)
+        raise CorruptManifestError(f"manifest of checkpoint {checkpoint_id} is missing ({p}); 'deltackpt repair "
+                                   "STORE' rebuilds the index from the manifests") from None
     except OSError as exc:  # a directory, a FIFO, a symlink loop, an I/O error: the checkpoint cannot be read
         raise CorruptManifestError(f"manifest of checkpoint {checkpoint_id} cannot be read ({p}: "
                                    f"{exc.strerror or exc})") from None
