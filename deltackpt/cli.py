@@ -458,7 +458,7 @@ def cmd_du(args: argparse.Namespace) -> int:
         deepest = 0
         try:  # what gc would keep: chunks of deleted checkpoints are not counted, and gc reclaims their frames
             live: set[bytes] | None = maintenance._live_keys(s, s.index.records(), read_headers=False)[0]
-            scope = "retained checkpoints"
+            scope = "what retained checkpoints reach"
         except (DeltackptError, OSError) as exc:  # a damaged manifest: what it names is unknown, count all
             live, scope = None, "every indexed chunk"
             print(f"deltackpt: counting every indexed chunk, as gc could not tell which are live: {_first_line(exc)}",

@@ -398,11 +398,12 @@ def test_du_counts_and_ratios(capsys: pytest.CaptureFixture[str], store_path: Pa
     du = _du(out)
     assert du["checkpoints"] == "3"
     assert size_of(du["logical bytes (all checkpoints)"]) == pytest.approx(9 * CS, rel=0.01)
-    assert du["unique chunk bytes (retained checkpoints)"] == "12.0 KiB in 3 chunks"
+    assert du["unique chunk bytes (what retained checkpoints reach)"] == "12.0 KiB in 3 chunks"
     assert du["dedup ratio (logical / unique)"] == "3.00x"
     compression = float(du["compression ratio (unique / stored)"].removesuffix("x"))
     assert compression > 1.5
-    assert size_of(du["stored frame bytes (retained checkpoints)"]) == pytest.approx(3 * CS / compression, rel=0.02)
+    stored = size_of(du["stored frame bytes (what retained checkpoints reach)"])
+    assert stored == pytest.approx(3 * CS / compression, rel=0.02)
     on_disk = sum(p.stat().st_size for p in pack_files(store_path))
     on_disk += sum(p.stat().st_size for p in (store_path / "manifests").glob("*.manifest"))
     assert du["overall (logical / on disk)"] == f"{9 * CS / on_disk:.2f}x"
@@ -638,7 +639,7 @@ def test_du_counts_what_retained_checkpoints_reach(capsys: pytest.CaptureFixture
     rc, out, err = cli(capsys, "du", store_path)
     assert rc == 0 and err == ""
     du = _du(out)
-    assert du["unique chunk bytes (retained checkpoints)"].endswith(" in 3 chunks")
+    assert du["unique chunk bytes (what retained checkpoints reach)"].endswith(" in 3 chunks")
     reclaimable = size_of(du["dead bytes in packs (what gc --repack-below 1 frees)"])
     with open_store(store_path) as s:
         freed = s.gc().freed_bytes
