@@ -181,7 +181,6 @@ class DeltaStorageWriter(StorageWriter):
         self.store_options = store_options
         self._stores: dict[Path, Store] = {}
         self._dropped: dict[Path, int] = {}  # per store: bytes its deleted checkpoints wrote since its last gc
-        self._last_steps: dict[Path, int] = {}  # per store: the step this writer saved last into it
 
     def _store(self, path: Path) -> Store:
         s = self._stores.get(path)
@@ -284,7 +283,6 @@ class DeltaStorageWriter(StorageWriter):
         whole = self._kept_for_good(store, self.step)
         info = store.save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step,
                           keyframe=whole, _self_contained=whole, _flat=(_TENSORS, hints) if hints else None)
-        self._last_steps[store.path] = self.step
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
                    for index, key, kind, n in kinds]
         if self.retention is not None:
@@ -294,17 +292,14 @@ class DeltaStorageWriter(StorageWriter):
 
     def _kept_for_good(self, store: Store, step: int) -> bool:
         """Whether retention keeps ``step`` for good while it drops the saves around it: a multiple of
-        ``keep_every`` saved less than ``keep_every`` steps after this rank's previous save (that of this writer,
-        else the store's latest). Such a step is saved as a self-contained keyframe, as a Checkpointer does (see
+        ``keep_every`` saved less than ``keep_every`` steps after this rank's previous save (its store's latest
+        checkpoint). Such a step is saved as a self-contained keyframe, as a Checkpointer does (see
         :meth:`deltackpt.Checkpointer._kept_for_good`): as a delta it would keep the dropped steps' frames alive."""
         every = self.retention.keep_every if self.retention is not None else None
         if every is None or step % every:
             return False
-        prev = self._last_steps.get(store.path)
-        if prev is None:
-            latest = store.latest()
-            prev = latest.step if latest is not None else None
-        return prev is not None and step - prev < every
+        latest = store.latest()
+        return latest is not None and step - latest.step < every
 
     def _drop_unnamed(self, store: Store, rank: int) -> None:
         """Retention's part on a rank: delete this rank's checkpoints of the steps it dropped (those no meta
