@@ -1,7 +1,7 @@
 # deltackpt: install, build, test.   make test  |  make demo   (both set everything up on first use)
 #
 #   make test    system headers + .venv + dependencies + native kernel, then the test suite twice: on the native
-#                backend and on the pure-Python one (fails if either run fails)
+#                backend and on the pure-Python one, side by side (TEST_PARALLEL=0: in turn; fails if either fails)
 #   make demo    same setup, then the demo (or the kernel benchmark while there is no demo)
 #   make build   (re)build the native kernel in place
 #   make asan    build the kernel with ASan + UBSan into build/asan and run tests/test_kernel.py against it
@@ -20,6 +20,7 @@ TORCH_VERSION ?= 2.13.0
 STAMPS        := $(VENV)/.stamps
 NATIVE_DEPS   := native/kernel.c native/kernel.h native/_kernel.pyx setup.py deltackpt/kernel.py
 PYTEST_ARGS   ?= -q
+TEST_PARALLEL ?= 1
 BENCH_ARGS    ?=
 ASAN_DIR      := build/asan
 ASAN_FLAGS    := -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer -g -O1
@@ -58,12 +59,27 @@ build: $(STAMPS)/build
 
 # ---------------------------------------------------------------------------------------------------- test
 
+# The two backends' runs go side by side (TEST_PARALLEL=0: one after the other). Much of the suite's time is
+# child processes importing torch and waiting on each other, fsync and signals, which overlap well even on two
+# cores. Each run has a temporary directory of its own (pytest's --basetemp). The native run prints as it
+# goes; the python run's output follows once it ends.
 test: build
-	@rc=0; \
+	@rc=0; py=; tmp=$$(mktemp -d); \
+	trap '[ -n "$$py" ] && kill $$py 2>/dev/null; rm -rf "$$tmp"' EXIT; \
+	if [ "$(TEST_PARALLEL)" = 1 ]; then \
+		DELTACKPT_BACKEND=python DELTACKPT_EXPECT_BACKEND=python $(PY) -m pytest $(PYTEST_ARGS) \
+			--basetemp="$$tmp/python" > "$$tmp/python.log" 2>&1 & py=$$!; \
+	fi; \
 	echo "== tests, native backend"; \
-	DELTACKPT_BACKEND=native DELTACKPT_EXPECT_BACKEND=native $(PY) -m pytest $(PYTEST_ARGS) || rc=1; \
+	DELTACKPT_BACKEND=native DELTACKPT_EXPECT_BACKEND=native $(PY) -m pytest $(PYTEST_ARGS) \
+		--basetemp="$$tmp/native" || rc=1; \
 	echo "== tests, python backend"; \
-	DELTACKPT_BACKEND=python DELTACKPT_EXPECT_BACKEND=python $(PY) -m pytest $(PYTEST_ARGS) || rc=1; \
+	if [ -n "$$py" ]; then \
+		wait $$py || rc=1; py=; cat "$$tmp/python.log"; \
+	else \
+		DELTACKPT_BACKEND=python DELTACKPT_EXPECT_BACKEND=python $(PY) -m pytest $(PYTEST_ARGS) \
+			--basetemp="$$tmp/python" || rc=1; \
+	fi; \
 	exit $$rc
 
 demo: build
