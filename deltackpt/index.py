@@ -22,6 +22,7 @@ newer checkpoints' manifests for orphans.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import inspect
@@ -280,6 +281,10 @@ class _Shared:
                 lost = data.stat().st_size == 0
             except FileNotFoundError:
                 lost = True
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                raise CorruptIndexError(_lost(path, f"{data} is a symbolic link that loops")) from None
             if lost:
                 raise CorruptIndexError(_lost(path, f"{data} is missing or empty"))
         short = _truncated(path / "data.mdb")
@@ -289,11 +294,17 @@ class _Shared:
         try:
             self._open(path, readonly, create, rebuilding)
         except lmdb.Error as exc:  # LMDB's own errors name no store and are no DeltackptError
+            if isinstance(exc, (lmdb.DiskError, lmdb.MapFullError)) or "No space left" in str(exc):  # not damage
+                raise IndexWriteError(errno.ENOSPC, f"cannot open the index of store {path.parent}: {exc}; "
+                                      "free some space and try again") from exc
             if isinstance(exc, lmdb.ReadonlyError) or "Permission denied" in str(exc):  # (EACCES: not damage)
                 raise ReadOnlyStoreError(
                     f"cannot open the index of store {path.parent} for writing: {exc}: a file of {path} is not "
                     "writable by this user (LMDB's lock.mdb, another user's, say); give this user write access to "
                     "the store's files") from exc
+            if create:  # a new store's index: nothing there to be damaged, the writes failed (EIO for ENOSPC too)
+                raise IndexWriteError(errno.EIO, f"could not create the index of store {path.parent}: "
+                                      f"{type(exc).__name__}: {exc}") from exc
             raise CorruptIndexError(
                 f"cannot open the index of store {path.parent}: {type(exc).__name__}: {exc}; if it is damaged, "
                 "'deltackpt repair STORE' rebuilds it from packs and manifests") from exc
@@ -301,6 +312,8 @@ class _Shared:
     def _open(self, path: Path, readonly: bool, create: bool, rebuilding: bool) -> None:
         opts = dict(map_size=MAP_SIZE, max_dbs=8, subdir=True, sync=True, metasync=True, readahead=False,
                     meminit=False, create=not readonly)
+        if not readonly or path.is_dir():
+            _reserve_lock_file(path)
         self.readonly = False
         try:
             self.env = _lmdb_open(path, readonly=False, lock=True, **opts)
@@ -331,6 +344,49 @@ class _Shared:
         except BaseException:
             self.env.close()
             raise
+
+
+#: The size LMDB gives a new lock file: its reader table header and py-lmdb's 126 reader slots (tests check it).
+LOCK_FILE_BYTES = 8192
+
+
+def _reserve_lock_file(path: Path) -> None:
+    """Give a new LMDB lock file its disk blocks before LMDB maps it.
+
+    LMDB sizes a new ``lock.mdb`` with ftruncate and then writes into it through a shared map: where the disk is
+    full, such a write kills the process with SIGBUS instead of failing. So a missing lock file is made here
+    first: a file of :data:`LOCK_FILE_BYTES` (the size LMDB would give it, so LMDB keeps it as it is) with its
+    blocks allocated, prepared under another name and linked into place (an existing one, another process's,
+    is never replaced). On a full disk that fails with ``ENOSPC``, as an :class:`IndexWriteError`. Anything
+    else that goes wrong (no write permission, a read-only filesystem, no hard links or no fallocate there) is
+    left to LMDB's open, which makes the file as before or reports the trouble."""
+    lock = path / "lock.mdb"
+    if os.path.lexists(lock):
+        return
+    new = path / f"lock.mdb.new-{os.getpid()}-{threading.get_ident()}"
+    try:
+        path.mkdir(exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            new.unlink()  # left by a process of the same pid that was killed here
+        fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    except OSError:
+        return
+    try:
+        try:
+            os.posix_fallocate(fd, 0, LOCK_FILE_BYTES)
+        finally:
+            os.close(fd)
+        os.link(new, lock)
+    except FileExistsError:
+        pass  # another process made it meanwhile
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise IndexWriteError(errno.ENOSPC, f"cannot open the index of store {path.parent}: no space left "
+                                  f"for LMDB's lock file {lock} ({exc.strerror}); free some space and try again"
+                                  ) from None
+    finally:
+        with contextlib.suppress(OSError):
+            new.unlink()
 
 
 #: LMDB's meta pages (pages 0 and 1), x86-64 and other 64-bit little-endian builds: after the 16-byte page

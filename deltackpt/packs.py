@@ -56,7 +56,14 @@ def open_lock(path: Path, flags: int) -> int:
     """``os.open(path, flags)`` (close-on-exec, mode 0644 when created) of a file this process will flock: a
     child forked while it is open closes it. Give it back with :func:`close_lock`."""
     with _fork_guard:
-        fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno not in (errno.EISDIR, errno.ELOOP):
+                raise
+            what = "a directory" if exc.errno == errno.EISDIR else "a symbolic link that loops"
+            raise CorruptionError(f"the store's lock file {path} is {what}, not a file: move it away (a store "
+                                  "makes its lock files again, empty)") from None
         _lock_fds.add(fd)
     return fd
 
@@ -376,6 +383,8 @@ class PackReader:
         except FileNotFoundError:
             raise CorruptChunkError(f"pack {pack_id} is missing") from None
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # (format.md §9: damage, as a missing pack)
+                raise CorruptChunkError(f"pack {pack_id} is a symbolic link that loops ({path})") from None
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
             self._shed(0)  # out of file descriptors: close every idle pack file, then try once more

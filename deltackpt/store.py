@@ -29,6 +29,7 @@ import operator
 import os
 import re
 import secrets
+import shutil
 import threading
 import time
 import zlib
@@ -572,10 +573,25 @@ class Store:
             make_dirs(self.path, ("packs", "manifests", "tmp", "index"))
             (self.path / "gc.lock").touch()
             (self.path / "maint.lock").touch()
-            # the index (with its format record) before STORE: a store that has STORE and an index without that
-            # record lost its index, and is refused until a repair rebuilds it
-            self.index = Index(self.path / "index", allow_network_fs=allow_network_fs, create=True)
-            write_store_file(self.path, cs)
+            # One creation at a time (processes creating one store at once wait for the first, then open it)
+            fd = open_lock(self.path / "gc.lock", os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if not cfg_path.exists():
+                    if _holds_checkpoints(self.path):
+                        raise DeltackptError(f"{self.path} has no STORE file but holds a store's packs or manifests")
+                    # An index here is what an earlier creation left when it failed before STORE (a full disk,
+                    # a crash): nothing can have committed into it, and a failed one may hold half its pages.
+                    index_dir = self.path / "index"
+                    if any(index_dir.iterdir()):
+                        shutil.rmtree(index_dir)
+                        make_dirs(self.path, ("index",))
+                    # the index (with its format record) before STORE: a store that has STORE and an index without
+                    # that record lost its index, and is refused until a repair rebuilds it
+                    self.index = Index(index_dir, allow_network_fs=allow_network_fs, create=True)
+                    write_store_file(self.path, cs)
+            finally:
+                close_lock(fd, os.getpid())
         cs = read_store_file(self.path)
         if chunk_size is not None and chunk_size != cs:
             raise ValueError(f"store {self.path} was created with chunk_size={cs}, not {chunk_size}")
@@ -1943,7 +1959,14 @@ class Store:
         from deltackpt import maintenance
 
         self._writable("repair")
-        return maintenance.repair(self, **kwargs)
+        try:
+            return maintenance.repair(self, **kwargs)
+        except BaseException:
+            # A failed repair lets go of the store at once, as close() would (the handle of open_for_repair
+            # holds it alone until then): other handles' saves and loads would otherwise wait for as long as this
+            # one lives. What it left is refused as before (a lost index until a repair commits).
+            self._release_alone()
+            raise
 
 
 def _parent_refs(role: predict.Role, i: int, k: bytes, parents: Mapping[str, manifest.TensorEntry],
@@ -1980,7 +2003,8 @@ def _check_new_store_dir(path: Path) -> None:
         if e.name in ("tmp", "packs", "manifests"):  # (packs or manifests with files: "STORE was lost", above)
             return e.is_dir(follow_symlinks=False) and not any(os.scandir(e.path))
         if e.name == "index":
-            return e.is_dir(follow_symlinks=False) and {f.name for f in os.scandir(e.path)} <= {"data.mdb", "lock.mdb"}
+            return e.is_dir(follow_symlinks=False) and all(
+                f.name in ("data.mdb", "lock.mdb") or f.name.startswith("lock.mdb.new-") for f in os.scandir(e.path))
         # the lock files, and STORE's temporary file (what a creation that a crash cut short leaves)
         return e.name in ("gc.lock", "maint.lock") or (e.name.startswith("STORE.") and e.name.endswith(".tmp"))
 

@@ -352,7 +352,7 @@ def test_damaged_manifest(store_path: Path, two_ckpts: dict[str, Any], damage: s
 
 
 @pytest.mark.parametrize("what", ["pack", "manifest", "dangling pack link", "pack fifo", "manifest fifo",
-                                  "manifest link loop"])
+                                  "manifest link loop", "pack link loop"])
 def test_pack_or_manifest_that_is_no_file(store_path: Path, what: str) -> None:
     """A directory, a FIFO or a link that leads nowhere where a pack or manifest should be is damage like a
     missing file: typed errors that name the checkpoint, verify reports it, and gc and du neither crash, hang
@@ -370,7 +370,7 @@ def test_pack_or_manifest_that_is_no_file(store_path: Path, what: str) -> None:
     victim.unlink()
     if what == "dangling pack link":
         victim.symlink_to(store_path / "nowhere.pack")
-    elif what == "manifest link loop":
+    elif what.endswith("link loop"):
         victim.symlink_to(victim)
     elif what.endswith("fifo"):
         os.mkfifo(victim)
@@ -397,6 +397,41 @@ def test_pack_or_manifest_that_is_no_file(store_path: Path, what: str) -> None:
                             text=True, timeout=60)
     assert "Traceback" not in repair.stderr
     assert repair.returncode == 1 and info.id in repair.stdout  # that checkpoint lost, or restored incomplete
+
+
+@pytest.mark.parametrize("name", ["gc.lock", "maint.lock"])
+@pytest.mark.parametrize("what", ["directory", "link loop"])
+def test_a_lock_file_that_is_no_file_is_a_typed_error_naming_it(store_path: Path, name: str, what: str) -> None:
+    """A directory (or a link looping to itself) in place of one of the store's lock files: what takes that lock
+    (saves, loads, gc and repair; gc and repair alone take ``maint.lock``) raises CorruptionError naming the
+    file, changes nothing, and works again once it is moved away. (They
+    raised a bare IsADirectoryError or OSError, and a repair could not say what to do.)"""
+    a = _rand(2 * CS, 0)
+    with _open(store_path) as s:
+        s.save({"a": a}, step=1)
+    lock = store_path / name
+    lock.unlink()
+    if what == "directory":
+        lock.mkdir()
+    else:
+        lock.symlink_to(lock)
+    before = dir_snapshot(store_path)
+    with _open(store_path) as s:
+        calls = [s.gc] if name == "maint.lock" else [lambda: s.load(1), lambda: s.save({"a": a + 1}, step=2), s.gc]
+        for call in calls:
+            with pytest.raises(deltackpt.CorruptionError, match=f"lock file {lock}.* not a file"):
+                call()
+    with pytest.raises(deltackpt.CorruptionError, match=f"lock file {lock}"):
+        maintenance.open_for_repair(store_path)
+    assert dir_snapshot(store_path) == before
+    if what == "directory":
+        lock.rmdir()
+    else:
+        lock.unlink()
+    with _open(store_path) as s:
+        s.save({"a": a + 1}, step=2)
+        assert_same_state({"a": a}, s.load(1))
+        assert s.verify().ok
 
 
 # -- the index ---------------------------------------------------------------------------------------------
@@ -431,16 +466,20 @@ def _check_repaired(store: deltackpt.Store, filled: dict[str, Any]) -> None:
     assert store.list()[-1].seq > max(i.seq for i in store.list()[:-1])
 
 
-@pytest.mark.parametrize("how", ["files_removed", "dir_removed", "emptied"])
+@pytest.mark.parametrize("how", ["files_removed", "dir_removed", "emptied", "link_loop"])
 def test_lost_index_is_refused_until_repaired(store_path: Path, how: str) -> None:
     """A store whose index was lost does not open as an empty store (whose gc would free every pack): every
-    open raises CorruptIndexError naming the repair, without creating or changing a file; a repair rebuilds it."""
+    open raises CorruptIndexError naming the repair, without creating or changing a file; a repair rebuilds it.
+    (A data file that is a link looping to itself used to raise a bare OSError.)"""
     filled = _fill(store_path)
     if how == "files_removed":
         for p in (store_path / "index").iterdir():
             p.unlink()
     elif how == "dir_removed":
         shutil.rmtree(store_path / "index")
+    elif how == "link_loop":
+        (store_path / "index" / "data.mdb").unlink()
+        (store_path / "index" / "data.mdb").symlink_to(store_path / "index" / "data.mdb")
     else:
         (store_path / "index" / "data.mdb").write_bytes(b"")
     before = dir_snapshot(store_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -17,12 +18,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import lmdb
 import pytest
 import torch
 from conftest import assert_same_state
 
 import deltackpt
 from deltackpt.cli import main
+from deltackpt.index import LOCK_FILE_BYTES
 from deltackpt.packs import PackReader, PackWriter
 
 CS = 16 * 1024
@@ -222,3 +225,99 @@ def test_a_save_past_the_file_size_limit_gives_its_bytes_back(tmp_path: Path) ->
         assert_same_state(st, s.load(step=1))
         assert s.verify().problems == []
     assert stored_bytes(path) < before + 64 * 1024  # step 3's few bytes, none of the failed save's 800 KB
+
+
+_FULL_DISK_OPENS = r"""
+import errno, faulthandler, json, os, shutil, sys
+from pathlib import Path
+import torch
+import deltackpt
+from deltackpt import maintenance
+
+faulthandler.dump_traceback_later(100, exit=True)  # a hang shows where it waits
+fs = Path(sys.argv[1])
+filler = fs / "filler"
+
+def fill(leave):
+    st = os.statvfs(fs)
+    with open(filler, "wb") as f:
+        try:
+            f.write(bytes(max(0, st.f_bavail * st.f_frsize - leave)))
+        except OSError:
+            pass
+
+def outcome(call):
+    try:
+        call()
+        return "ok"
+    except OSError as exc:
+        return f"{type(exc).__name__} {errno.errorcode.get(exc.errno, exc.errno)}"
+
+state = {"w": torch.arange(40_000, dtype=torch.float32)}
+out = {"create": [], "repair_lost": None, "repair_intact": None}
+# 1. a new store on a disk with 0, 4, ... 60 KiB free: the creation fails with an OSError or succeeds; once
+# space is back the same path opens as a store, saves and loads
+for leave in range(0, 64 * 1024, 4096):
+    path = fs / "new"
+    fill(leave)
+    first = outcome(lambda: deltackpt.Store(path).close())
+    filler.unlink()
+    with deltackpt.Store(path) as s:
+        s.save(state, step=1)
+        assert torch.equal(s.load()["w"], state["w"])
+    out["create"].append(first)
+    shutil.rmtree(path)
+# 2. a store whose index was lost, repaired on a full disk (it starts a new index), then with space back
+path = fs / "lost"
+with deltackpt.Store(path) as s:
+    s.save(state, step=1)
+shutil.rmtree(path / "index")
+fill(0)
+out["repair_lost"] = outcome(lambda: maintenance.open_for_repair(path).repair())
+filler.unlink()
+maintenance.open_for_repair(path).repair()  # (the README's one-liner: the handle is never closed)
+with deltackpt.Store(path) as s:
+    assert torch.equal(s.load(step=1)["w"], state["w"]) and s.verify().ok
+# 3. a repair of an intact store that fails on a full disk lets go of the store: a load in the same process
+# (the failed repair's handle never closed) does not wait for it
+path = fs / "intact"
+with deltackpt.Store(path, chunk_size=4096) as s:  # (a thousand chunks: the rebuild needs new index pages)
+    for step in range(1, 4):
+        s.save({"w": torch.arange(1 << 20, dtype=torch.float32) + step}, step=step)
+fill(0)
+out["repair_intact"] = outcome(lambda: maintenance.open_for_repair(path).repair())
+filler.unlink()
+with deltackpt.Store(path) as s:
+    assert torch.equal(s.load(step=1)["w"], torch.arange(1 << 20, dtype=torch.float32) + 1) and s.verify().ok
+print(json.dumps(out))
+"""
+
+
+def test_creating_or_repairing_on_a_full_disk_fails_cleanly(small_fs: Path) -> None:
+    """On a full disk, making a store, or a repair that starts a new index, fails with an OSError, not SIGBUS
+    (LMDB wrote its new lock file through a map, which a full disk turns into SIGBUS) and not as damage (a
+    CorruptIndexError). What a failed creation leaves is made into a store once space is back (it was a
+    half-written index no open or repair could use), and a failed repair lets go of the store's locks (a load
+    in the same process waited for them for ever). In a child process: SIGBUS would kill it."""
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK_OPENS, str(small_fs)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["create"][0] != "ok" and out["create"][-1] == "ok", out
+    # (an IndexWriteError from LMDB, or the OSError of writing STORE; anything else fails the child)
+    assert all(o == "ok" or o.endswith((" ENOSPC", " EIO")) for o in out["create"]), out
+    assert out["repair_lost"].startswith("IndexWriteError ENOSPC"), out
+    assert out["repair_intact"].startswith("IndexWriteError"), out
+
+
+def test_the_lock_file_made_ahead_is_the_one_lmdb_makes(tmp_path: Path) -> None:
+    """``index.LOCK_FILE_BYTES`` is the size LMDB itself gives a new lock file (py-lmdb's 126 reader slots): a
+    smaller one LMDB would grow sparse again, a larger one would change the reader table's size. The store's
+    is made with its blocks allocated, and no temporary file stays behind."""
+    lmdb.open(str(tmp_path / "plain"), max_dbs=8, subdir=True).close()
+    assert (tmp_path / "plain" / "lock.mdb").stat().st_size == LOCK_FILE_BYTES
+    with deltackpt.Store(tmp_path / "s") as s:
+        s.save({"w": torch.ones(8)}, step=1)
+    st = (tmp_path / "s" / "index" / "lock.mdb").stat()
+    assert st.st_size == LOCK_FILE_BYTES and st.st_blocks * 512 >= LOCK_FILE_BYTES
+    assert sorted(os.listdir(tmp_path / "s" / "index")) == ["data.mdb", "lock.mdb"]
