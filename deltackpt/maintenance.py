@@ -28,17 +28,19 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 import numpy as np
 
-from deltackpt import codec, config, kernel, manifest, packs
+from deltackpt import codec, config, kernel, manifest, packs, tree
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptChunkError,
     CorruptIndexError,
     CorruptionError,
+    CorruptManifestError,
     DeltackptError,
     FormatVersionError,
     IndexWriteError,
     ReadOnlyStoreError,
     StoreLockedError,
+    UnsupportedTypeError,
 )
 from deltackpt.index import LMDB_DAMAGE, REPAIR_HINT, ChunkLoc, Record, chunk_key, chunk_keys
 from deltackpt.scratch import Scratch
@@ -142,6 +144,26 @@ def verify(
     return report
 
 
+def _refused_manifest(m: manifest.Manifest) -> tuple[str | None, str] | None:
+    """(tensor key or None, why) when a load of ``m`` would refuse it before decoding a chunk: a tensor entry's
+    dtype that is malformed, or a state skeleton that does not rebuild (checked without unpickling anything or
+    running registered decoders). A dtype or device this torch does not know is as saved, not damage."""
+    for t in m.tensors:
+        try:
+            tree.torch_dtype(t.dtype) if t.kind == "torch" else tree.numpy_dtype(t.dtype)
+        except CorruptManifestError as exc:
+            return t.key, str(exc)
+        except UnsupportedTypeError:
+            pass
+    try:
+        tree.check_skeleton(m.tree, list(m.tensors))
+    except CorruptManifestError as exc:
+        return None, str(exc)
+    except UnsupportedTypeError:
+        pass
+    return None
+
+
 def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str | None,
                  progress: Progress | None) -> None:
     """:func:`verify`'s checks, adding to ``report``."""
@@ -168,6 +190,9 @@ def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str |
                 report.problems.append(Problem(rec.id, rec.step, None, None, (
                     f"its manifest names chunk size {m.chunk_size}, the store's STORE file {store.chunk_size} "
                     f"(STORE damaged?); 'deltackpt repair STORE' writes STORE again from the manifests")))
+            refused = _refused_manifest(m)
+            if refused is not None:
+                report.problems.append(Problem(rec.id, rec.step, refused[0], None, f"its manifest: {refused[1]}"))
             differ = _record_differs(rec, m)
             if differ:
                 report.problems.append(Problem(rec.id, rec.step, None, None, (

@@ -42,7 +42,13 @@ import numpy as np
 import xxhash
 
 from deltackpt import config, tree
-from deltackpt.errors import CorruptManifestError, FormatVersionError, InvalidNameError, UnsupportedTypeError
+from deltackpt.errors import (
+    CorruptManifestError,
+    FormatVersionError,
+    InvalidNameError,
+    UnsafeLoadError,
+    UnsupportedTypeError,
+)
 from deltackpt.packs import fsync_dir
 
 MAGIC = b"DCKMANIF"
@@ -91,8 +97,10 @@ def check_fields(d: dict[str, Any]) -> None:
     for name in ("logical_bytes", "written_bytes"):
         if name in d:
             _count(d[name], name)
-    if d.get("metadata") is not None and tree.format_version(d["metadata"]) > 1:
-        raise ValueError("metadata holds a version-2 node (checkpoint metadata is of version-1 kinds only)")
+    if d.get("metadata") is not None:
+        if tree.format_version(d["metadata"]) > 1:
+            raise ValueError("metadata holds a version-2 node (checkpoint metadata is of version-1 kinds only)")
+        _check_plain(d["metadata"])
     if "extra" in d:
         extra = d["extra"]
         if type(extra) is not dict:
@@ -104,6 +112,21 @@ def check_fields(d: dict[str, Any]) -> None:
                 raise ValueError(f"extra.replaces is {extra['replaces']!r:.60}")
             for old in extra["replaces"]:
                 check_id(old)
+
+
+def _check_plain(metadata: Any) -> None:
+    """ValueError unless ``metadata`` decodes as the plain values saves write there (nothing is unpickled or
+    handed to a registered decoder). A torch name this torch does not know (a newer dtype, another backend's
+    device) is as saved, not damage."""
+    try:
+        tree.decode_plain(metadata)
+    except UnsupportedTypeError:
+        if not tree.holds_torch_name(metadata):
+            raise ValueError("metadata holds a value of a registered type (saves write plain values there)") from None
+    except UnsafeLoadError:
+        raise ValueError("metadata holds a pickled value (saves write plain values there)") from None
+    except CorruptManifestError as exc:
+        raise ValueError(f"metadata: {exc}") from None
 
 
 #: the fields of a tensor entry, with the types they must have

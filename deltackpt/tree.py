@@ -674,6 +674,23 @@ def unflatten(skeleton: Any, leaves: list[Any], *, allow_pickle: bool = False) -
         raise CorruptManifestError(f"malformed state skeleton: {exc!r:.200}") from None
 
 
+def check_skeleton(skeleton: Any, entries: list[Any]) -> None:
+    """Raise :class:`CorruptManifestError` where ``skeleton`` would not rebuild a state from tensor entries of
+    the kinds ``entries`` have (``.kind``): what a load would refuse, found without loading (``verify``).
+    Pickled values are checked to be base64 and not unpickled; registered types are not decoded (their
+    insides are checked); a dtype or device this torch does not know raises :class:`UnsupportedTypeError`."""
+    try:
+        _build(skeleton, entries, _CHECK)
+    except (UnsupportedTypeError, CorruptManifestError):
+        raise
+    except (IndexError, KeyError, TypeError, ValueError, struct.error, RecursionError) as exc:
+        raise CorruptManifestError(f"malformed state skeleton: {exc!r:.200}") from None
+
+
+#: ``_build``'s ``allow_pickle`` for :func:`check_skeleton`: build nothing a user or a pickle decides
+_CHECK = "check"
+
+
 def decode_plain(skeleton: Any) -> Any:
     return unflatten(skeleton, [])
 
@@ -731,7 +748,7 @@ def _float_value(text: Any) -> float:
     return struct.unpack(">d", _hex_bytes(text, 8, "float"))[0]
 
 
-def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
+def _build(n: Any, leaves: list[Any], allow_pickle: bool | str) -> Any:
     tag = n[0]
     if tag == "N":
         return None
@@ -804,6 +821,11 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
     if tag == "ns":
         dt = numpy_dtype(n[1])
         return np.frombuffer(_hex_bytes(n[2], dt.itemsize, "numpy scalar"), dtype=dt)[0]
+    if tag == "x" and allow_pickle == _CHECK:
+        if type(n[1]) is not str:
+            raise ValueError("registered type node")
+        _build(n[2], leaves, allow_pickle)
+        return None
     if tag == "x":
         hook = _HOOKS_BY_NAME.get(n[1])
         if hook is None:
@@ -816,6 +838,9 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool) -> Any:
             return hook.decode(value)
         except Exception as exc:  # the user's decoder failed: no damage of the store (restore must not pass it by)
             raise UnsupportedTypeError(f"the decoder registered for type {n[1]!r} failed: {exc!r}") from exc
+    if tag == "p" and allow_pickle == _CHECK:
+        base64.b64decode(n[1], validate=True)
+        return None
     if tag == "p":
         if allow_pickle is not True:
             raise UnsafeLoadError(

@@ -1463,6 +1463,25 @@ def _set_record(path: Path, step: int, edit: Any) -> None:
     _edit_index(path, "ckpts", apply)
 
 
+def _edit_manifest_header(path: Path, step: int, checkpoint: str, edit: Any) -> None:
+    """``edit(header dict)`` on the JSON header of checkpoint ``checkpoint``'s manifest, with the manifest's
+    checksum and the index record's of it (the record of ``step``) made to match."""
+    import json
+
+    from deltackpt import manifest
+
+    mpath = path / "manifests" / f"{checkpoint}.manifest"
+    raw = mpath.read_bytes()
+    head_len, n = struct.unpack_from("<QQ", raw, 16)
+    header = json.loads(raw[32 : 32 + head_len])
+    edit(header)
+    head = json.dumps(header).encode()
+    body = raw[:16] + struct.pack("<QQ", len(head), n) + head + raw[32 + head_len : -16]
+    damaged = body + xxhash.xxh3_128_digest(body)
+    mpath.write_bytes(damaged)
+    _set_record(path, step, lambda r: r.update(manifest_checksum=manifest.checksum_of(damaged)))
+
+
 def _pick(data: st.DataObject, node: Any) -> tuple[Any, Any]:
     """A (container, key) of some place inside the JSON value ``node``."""
     places: list[tuple[Any, Any]] = []
@@ -1480,36 +1499,74 @@ def test_manifest_fields_of_any_value_are_typed_errors(varied_store: Path, tmp_p
                                                       data: st.DataObject) -> None:
     """A manifest header field, tensor entry field or skeleton node replaced by any JSON value (or a field
     added), with the manifest's checksum and the index's record of it made to match."""
-    import json
 
-    from deltackpt import manifest
 
     path = tmp_path_factory.mktemp("m") / "store"
     shutil.copytree(varied_store, path)
     with deltackpt.Store(path) as s:
         info = s.info(2)
-    mpath = path / "manifests" / f"{info.id}.manifest"
-    raw = mpath.read_bytes()
-    head_len, n = struct.unpack_from("<QQ", raw, 16)
-    header = json.loads(raw[32 : 32 + head_len])
     value = data.draw(_JSON)
     where = data.draw(st.sampled_from(["field", "new field", "tensor", "tree"]))
-    if where == "field":
-        header[data.draw(st.sampled_from(sorted(header)))] = value
-    elif where == "new field":
-        header[data.draw(st.text(min_size=1, max_size=5))] = value
-    elif where == "tensor":
-        entry = data.draw(st.sampled_from(header["tensors"]))
-        entry[data.draw(st.sampled_from(sorted(entry)))] = value
-    else:
-        container, key = _pick(data, header["tree"])
-        container[key] = value
-    head = json.dumps(header).encode()
-    body = raw[:16] + struct.pack("<QQ", len(head), n) + head + raw[32 + head_len : -16]
-    damaged = body + xxhash.xxh3_128_digest(body)
-    mpath.write_bytes(damaged)
-    _set_record(path, 2, lambda r: r.update(manifest_checksum=manifest.checksum_of(damaged)))
+
+    def edit(header: dict[str, Any]) -> None:
+        if where == "field":
+            header[data.draw(st.sampled_from(sorted(header)))] = value
+        elif where == "new field":
+            header[data.draw(st.text(min_size=1, max_size=5))] = value
+        elif where == "tensor":
+            entry = data.draw(st.sampled_from(header["tensors"]))
+            entry[data.draw(st.sampled_from(sorted(entry)))] = value
+        else:
+            container, key = _pick(data, header["tree"])
+            container[key] = value
+
+    _edit_manifest_header(path, 2, info.id, edit)
     _exercise(path)
+    with deltackpt.Store(path, threads=1) as s:  # what a load refuses as damage, verify reports
+        try:
+            s.load(2)
+        except deltackpt.CorruptionError:
+            assert not s.verify().ok
+        except deltackpt.DeltackptError:
+            pass
+
+
+@pytest.mark.parametrize("node", ["pickle", "registered"])
+def test_a_manifest_whose_metadata_is_no_plain_value_is_damage_that_repair_ends(
+        varied_store: Path, tmp_path: Path, node: str) -> None:
+    """Saves write plain values as metadata. A manifest whose metadata holds a pickle or a registered type (a
+    checksum made to match) is a damaged manifest: loads and verify say so, nothing is unpickled, and a repair
+    leaves that checkpoint out. (A repair used to index it; every listing then raised CorruptIndexError naming a
+    repair, which indexed it again.)"""
+    import base64
+    import pickle
+
+    marker = tmp_path / "unpickled"
+    path = tmp_path / "store"
+    shutil.copytree(varied_store, path)
+    with deltackpt.Store(path) as s:
+        info = s.info(2)
+    evil = base64.b64encode(pickle.dumps(_Mkdir(str(marker)))).decode()
+    metadata = ["p", evil] if node == "pickle" else ["x", "os.mkdir", ["s", str(marker)]]
+    _edit_manifest_header(path, 2, info.id, lambda header: header.update(metadata=metadata))
+    with deltackpt.Store(path) as s:
+        with pytest.raises(CorruptManifestError, match=f"{info.id}.*metadata"):
+            s.load(2)
+        report = s.verify()
+        assert [p.checkpoint for p in report.problems] == [info.id]
+    with maintenance.open_for_repair(path) as s:
+        assert s.repair().lost_checkpoints == [info.id]
+    with deltackpt.Store(path) as s:
+        assert [i.step for i in s.list()] == [1] and s.verify().ok
+    assert not marker.exists()
+
+
+class _Mkdir:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (self.path,))
 
 
 @given(data=st.data())
