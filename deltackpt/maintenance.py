@@ -332,6 +332,9 @@ def _check_group(store: Store, group: list[tuple[bytes, list[bytes]]],
                 except DeltackptError as exc:  # corruption, or a damaged byte that reads as an unknown format
                     err = getattr(exc, "reason", None) or str(exc)
                     scratch.give(buf)
+                except OSError as exc:  # an I/O error, a pack this user may not read: reported, as verify does
+                    err = f"cannot read its frames: {exc}"
+                    scratch.give(buf)
             out[k] = err
             todo.discard(k)
             for r in rs:
@@ -348,13 +351,14 @@ def _check_group(store: Store, group: list[tuple[bytes, list[bytes]]],
 def _references(store: Store, k: bytes, loc: ChunkLoc, *, unknown_format: bool = False) -> list[bytes]:
     """:meth:`Store.references`, but none for a predicted frame whose record is damaged: it cannot be decoded,
     so it needs nothing. With ``unknown_format`` (verify, which frees nothing) none either for a frame of a
-    format version this reader does not know; gc lets that error propagate, as a newer writer's frame may need
-    chunks this reader cannot see it names. Any other read error propagates."""
+    format version this reader does not know, or whose pack cannot be read (an I/O error, a pack this user may
+    not read: the chunk's own check reports it); gc lets those errors propagate, as a newer writer's frame may
+    need chunks this reader cannot see it names. Any other read error propagates."""
     try:
         return store.references(k, loc)
     except CorruptChunkError:
         return []
-    except FormatVersionError:
+    except (FormatVersionError, OSError):
         if unknown_format:
             return []
         raise

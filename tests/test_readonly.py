@@ -191,6 +191,38 @@ def test_another_users_store_opens_read_only(saved: tuple[Path, list[dict]]) -> 
         shutil.rmtree(shared)
 
 
+def test_verify_reports_a_pack_this_user_cannot_read(saved: tuple[Path, list[dict]]) -> None:
+    """A pack this user may not read (mode 000, opened as nobody): verify reports its chunks, naming why, instead
+    of raising a bare PermissionError (verify reports, never raises); what it does not hold verifies."""
+    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a process as another user")
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    env = {**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)}
+    if subprocess.run([*nobody, sys.executable, "-c", "import torch, deltackpt"], capture_output=True,
+                      env=env).returncode:
+        pytest.skip("the interpreter or the checkout cannot be read by an unprivileged user here")
+    path, _ = saved
+    shared = Path(tempfile.mkdtemp(dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        shutil.copytree(path, shared / "s")
+        packs = sorted((shared / "s" / "packs").glob("*.pack"))
+        packs[0].chmod(0)
+        code = (
+            "import sys, deltackpt\n"
+            "r = deltackpt.Store(sys.argv[1]).verify()\n"
+            "print(r.ok, len(r.problems), r.checkpoints, r.problems[0].message if r.problems else '')\n"
+        )
+        done = subprocess.run([*nobody, sys.executable, "-c", code, str(shared / "s")], capture_output=True,
+                              text=True, env=env)
+        assert done.returncode == 0, done.stderr
+        ok, problems, checkpoints, reason = done.stdout.split(" ", 3)
+        assert ok == "False" and int(problems) > 0 and int(checkpoints) > 0
+        assert "Permission denied" in reason and packs[0].stem in reason
+    finally:
+        shutil.rmtree(shared)
+
+
 def test_an_index_lock_file_this_user_cannot_write_is_no_damage(tmp_path: Path) -> None:
     """LMDB's lock.mdb belongs to another user (a shared store a colleague opened first): a save cannot open the
     index for writing. That is a ReadOnlyStoreError saying so; it was a CorruptIndexError suggesting 'deltackpt
