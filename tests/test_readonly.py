@@ -156,15 +156,24 @@ def test_a_sharded_checkpoint_on_a_readonly_filesystem(tmp_path: Path) -> None:
     writer.close()
 
 
-def test_another_users_store_opens_read_only(saved: tuple[Path, list[dict]]) -> None:
-    """A store this user may not write (here: root's, opened as nobody) opens read-only by itself: it loads and
-    verifies, without LMDB's lock file where that is not writable either, and a save says why it cannot."""
+@pytest.fixture
+def nobody() -> tuple[list[str], dict[str, str]]:
+    """The command prefix that runs a process as user nobody, and its environment (this checkout on
+    PYTHONPATH); skips where root, setpriv or a checkout nobody can read are missing."""
     if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("setpriv") is None:
         pytest.skip("needs root and setpriv to run a process as another user")
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    if subprocess.run([*nobody, sys.executable, "-c", "import torch, deltackpt"], capture_output=True,
-                      env={**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)}).returncode:
+    prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    env = {**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)}
+    if subprocess.run([*prefix, sys.executable, "-c", "import torch, deltackpt"], capture_output=True,
+                      env=env).returncode:
         pytest.skip("the interpreter or the checkout cannot be read by an unprivileged user here")
+    return prefix, env
+
+
+def test_another_users_store_opens_read_only(saved: tuple[Path, list[dict]],
+                                             nobody: tuple[list[str], dict[str, str]]) -> None:
+    """A store this user may not write (here: root's, opened as nobody) opens read-only by itself: it loads and
+    verifies, without LMDB's lock file where that is not writable either, and a save says why it cannot."""
     path, states = saved
     shared = Path(tempfile.mkdtemp(dir="/tmp"))
     try:
@@ -181,9 +190,8 @@ def test_another_users_store_opens_read_only(saved: tuple[Path, list[dict]]) -> 
         )
         torch.save(states[-1]["w"], shared / "w.pt")
         (shared / "w.pt").chmod(0o644)
-        done = subprocess.run([*nobody, sys.executable, "-c", code, str(shared / "s"), str(shared / "w.pt")],
-                              capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)})
+        done = subprocess.run([*nobody[0], sys.executable, "-c", code, str(shared / "s"), str(shared / "w.pt")],
+                              capture_output=True, text=True, env=nobody[1])
         assert done.returncode == 0, done.stderr
         assert "not writable by this user" in done.stdout
         assert _content(shared / "s") == before
@@ -191,16 +199,10 @@ def test_another_users_store_opens_read_only(saved: tuple[Path, list[dict]]) -> 
         shutil.rmtree(shared)
 
 
-def test_verify_reports_a_pack_this_user_cannot_read(saved: tuple[Path, list[dict]]) -> None:
+def test_verify_reports_a_pack_this_user_cannot_read(saved: tuple[Path, list[dict]],
+                                                     nobody: tuple[list[str], dict[str, str]]) -> None:
     """A pack this user may not read (mode 000, opened as nobody): verify reports its chunks, naming why, instead
-    of raising a bare PermissionError (verify reports, never raises); what it does not hold verifies."""
-    if sys.platform != "linux" or os.geteuid() != 0 or shutil.which("setpriv") is None:
-        pytest.skip("needs root and setpriv to run a process as another user")
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    env = {**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)}
-    if subprocess.run([*nobody, sys.executable, "-c", "import torch, deltackpt"], capture_output=True,
-                      env=env).returncode:
-        pytest.skip("the interpreter or the checkout cannot be read by an unprivileged user here")
+    of raising a bare PermissionError (verify reports, never raises)."""
     path, _ = saved
     shared = Path(tempfile.mkdtemp(dir="/tmp"))
     try:
@@ -213,8 +215,8 @@ def test_verify_reports_a_pack_this_user_cannot_read(saved: tuple[Path, list[dic
             "r = deltackpt.Store(sys.argv[1]).verify()\n"
             "print(r.ok, len(r.problems), r.checkpoints, r.problems[0].message if r.problems else '')\n"
         )
-        done = subprocess.run([*nobody, sys.executable, "-c", code, str(shared / "s")], capture_output=True,
-                              text=True, env=env)
+        done = subprocess.run([*nobody[0], sys.executable, "-c", code, str(shared / "s")], capture_output=True,
+                              text=True, env=nobody[1])
         assert done.returncode == 0, done.stderr
         ok, problems, checkpoints, reason = done.stdout.split(" ", 3)
         assert ok == "False" and int(problems) > 0 and int(checkpoints) > 0
