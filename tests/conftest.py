@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import os
+import signal
 import struct
 import sys
 import zlib
@@ -28,6 +29,12 @@ if not sys.path or Path(sys.path[0] or ".").resolve() != ROOT:
 
 import deltackpt  # noqa: E402
 import deltackpt.store  # noqa: E402
+
+# A run started in the background of a non-interactive shell (``make test`` runs the two backends' suites side by
+# side) starts with SIGINT ignored, and its child processes inherit that. The signal tests expect Python's own
+# Ctrl-C handler, which a training script started from a terminal has: give the run (and so its children) that.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 settings.register_profile(
     "ci",
