@@ -557,16 +557,12 @@ class Store:
         if self.path.exists() and not self.path.is_dir():
             raise DeltackptError(f"{self.path} is not a directory, so not a store (a store is a directory)")
         if not cfg_path.exists() and _holds_checkpoints(self.path):
-            raise DeltackptError(
-                f"{self.path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
-                "'deltackpt repair' writes it again, with the chunk size the manifests name")
+            raise _lost_store_file(self.path)
         if not cfg_path.exists() and self.readonly:
             raise DeltackptError(f"{self.path} is not a deltackpt store (no STORE file; a read-only open creates none)")
         if not cfg_path.exists():
             if _holds_checkpoints(self.path):  # (made meanwhile by another process)
-                raise DeltackptError(
-                    f"{self.path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
-                    "'deltackpt repair' writes it again, with the chunk size the manifests name")
+                raise _lost_store_file(self.path)
             cs = (config.check_chunk_size(config.chunk_size(), "DELTACKPT_CHUNK_SIZE") if chunk_size is None
                   else config.check_chunk_size(chunk_size))
             _check_new_store_dir(self.path)
@@ -579,7 +575,7 @@ class Store:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if not cfg_path.exists():
                     if _holds_checkpoints(self.path):
-                        raise DeltackptError(f"{self.path} has no STORE file but holds a store's packs or manifests")
+                        raise _lost_store_file(self.path)
                     # An index here is what an earlier creation left when it failed before STORE (a full disk,
                     # a crash): nothing can have committed into it, and a failed one may hold half its pages.
                     index_dir = self.path / "index"
@@ -2068,6 +2064,12 @@ def _damaged_in(path: Path) -> set[bytes]:
     """The set of chunks found undecodable in the store at ``path``, one per store per process."""
     with _DAMAGED_LOCK:
         return _DAMAGED.setdefault(os.path.realpath(path), set())
+
+
+def _lost_store_file(path: Path) -> DeltackptError:
+    """The error of a store directory without STORE that holds packs or manifests (for a repair, not a creation)."""
+    return DeltackptError(f"{path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
+                          "'deltackpt repair' writes it again, with the chunk size the manifests name")
 
 
 def _holds_checkpoints(path: Path) -> bool:
