@@ -441,6 +441,71 @@ def _group_load(g: Any, state: Any) -> None:
         member.load_state_dict(saved)
 
 
+def _plain_extras(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``extra`` entries without ``state_dict()``: their tensors are offered to the restore's load."""
+    return {k: v for k, v in extra.items() if not _stateful(v)}
+
+
+def _array_of(x: Any) -> tuple[str, tuple[int, ...]] | None:
+    """The kind ("torch" or "numpy") and shape of a tensor, array or tensor entry (a skeleton's), else None."""
+    if isinstance(x, torch.Tensor):
+        return "torch", tuple(x.shape)
+    if isinstance(x, np.ndarray):
+        return "numpy", tuple(x.shape)
+    if isinstance(x, manifest.TensorEntry):
+        return x.kind, tuple(x.shape)
+    return None
+
+
+def _extra_check(live: Any, saved: Any, where: str) -> None:
+    """Raise, before anything is put back, where a tensor (or array) of a plain ``extra`` entry has another shape
+    in the checkpoint (``saved``: a captured value or its skeleton): :func:`_put_back` copies into this run's own
+    tensors, which the training loop holds, and cannot copy that. Containers are walked as it walks them."""
+    mine = _array_of(live)
+    if mine is not None:
+        theirs = _array_of(saved)
+        if theirs is not None and theirs[0] == mine[0] and theirs[1] != mine[1]:  # (another kind is replaced)
+            raise ShapeMismatchError(f"{where} has shape {theirs[1]} in the checkpoint, {mine[1]} in this run")
+    elif isinstance(live, dict) and isinstance(saved, Mapping):
+        for k, v in saved.items():
+            if k in live:
+                _extra_check(live[k], v, child_path(where, k))
+    elif type(live) in (list, tuple) and type(saved) is type(live):
+        for i, (a, b) in enumerate(zip(live, saved)):
+            _extra_check(a, b, child_path(where, i))
+
+
+def _put_back(live: Any, saved: Any) -> Any:
+    """What a plain ``extra`` entry (or a value in one) is after a restore: ``saved``, written into ``live``'s own
+    objects where they can hold it, so that the training loop's references see the restored values. A tensor
+    (or numpy array) of the same shape is copied into (converting the dtype, as ``load_state_dict`` does; the
+    restore's load decoded those of the same dtype in place already); a dict is refilled (its keys that the
+    checkpoint lacks stay), a list too; a tuple keeps its tensors. Anything else is replaced by ``saved``."""
+    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor) and live.shape == saved.shape:
+        if saved is not live:
+            with torch.no_grad():
+                live.copy_(saved)
+        return live
+    if type(live) is np.ndarray and type(saved) is np.ndarray and live.shape == saved.shape and live.flags.writeable:
+        if saved is not live:
+            live[...] = saved
+        return live
+    if isinstance(live, dict) and isinstance(saved, Mapping):
+        values = [(k, _put_back(live[k], v) if k in live else v) for k, v in saved.items()]
+        kept = [(k, v) for k, v in live.items() if k not in saved]
+        live.clear()  # (item by item: a Counter's update() would add, an OrderedDict's order is the checkpoint's)
+        for k, v in values + kept:
+            live[k] = v
+        return live
+    if type(live) is list and type(saved) is list:
+        live[:] = [_put_back(live[i], v) if i < len(live) else v for i, v in enumerate(saved)]
+        return live
+    if type(live) is tuple and type(saved) is tuple and len(live) == len(saved):
+        items = tuple(_put_back(a, b) for a, b in zip(live, saved))
+        return live if all(a is b for a, b in zip(items, live)) else items
+    return saved
+
+
 def _checkpointer_layout(state: Any) -> bool:
     """Whether a stored state (or its skeleton) is laid out as :meth:`Checkpointer.capture` lays it out."""
     return isinstance(state, Mapping) and "step" in state and "model" in state
@@ -776,6 +841,8 @@ class Checkpointer:
                 lacking.append(f"extra[{k!r}]")
             elif isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):  # (an EMA model: checked as the model is)
                 _fit_check(v, saved_extra[k], f"extra[{k!r}]")
+            elif not _stateful(v):
+                _extra_check(v, saved_extra[k], f"extra[{k!r}]")
         if not _has_rng(state):
             if strict:
                 raise DeltackptError("the checkpoint holds no RNG states ('rng' with 'python', 'numpy' and 'torch')")
@@ -803,8 +870,8 @@ class Checkpointer:
                 continue
             if _stateful(v):
                 v.load_state_dict(saved_extra[k])
-            else:
-                self.extra[k] = saved_extra[k]
+            else:  # (into the run's own tensors and containers, which its training loop holds)
+                self.extra[k] = _put_back(v, saved_extra[k])
         if strict or _has_rng(state):
             set_rng_state(state["rng"])
         return int(state["step"])
@@ -872,7 +939,9 @@ class Checkpointer:
         if skeleton is not None:
             lacking = self._check(skeleton, live, strict=strict)
         # the model's own tensors are offered: they are decoded in place, and load_state_dict then copies nothing
-        state = self.store.load(id=info.id, map_location=self.map_location, into={"model": live})
+        # (and a plain extra entry's tensors: an EMA kept as a dict of tensors is decoded into the run's own)
+        into = {"model": live, "extra": _plain_extras(self.extra)}
+        state = self.store.load(id=info.id, map_location=self.map_location, into=into)
         if skeleton is None:
             lacking = self._check(state, live, strict=strict)
         restored = self._apply(state, strict=strict)

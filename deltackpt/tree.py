@@ -337,6 +337,9 @@ class _Flattener:
         if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
             return ["ns", obj.dtype.str, obj.tobytes().hex()]
         if self.opaque:
+            if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):  # (holds tensors no place matches)
+                raise UnsupportedTypeError(f"cannot store {path or '<root>'}: it is a {t.__qualname__} itself, not a "
+                                           "state; offer its state_dict()")
             return ["?"]  # (a target's value nothing is decoded into: never stored, never pickled)
         if self.allow_pickle is True:
             try:

@@ -444,6 +444,25 @@ def test_load_into_target_with_wrong_structure(store: deltackpt.Store) -> None:
     assert not target2["w"].any()
 
 
+def test_load_into_a_module_or_optimizer_instead_of_its_state_dict(store: deltackpt.Store) -> None:
+    """A module (or optimizer) offered where its state_dict() belongs is refused, naming the place: before, it
+    matched no stored tensor, so ``strict=False`` filled nothing and returned no unfilled tensor either."""
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    store.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=1)
+    fresh = torch.nn.Linear(3, 3)
+    before = fresh.weight.detach().clone()
+    for target, where in (({"model": fresh}, "model"), (fresh, "<root>"),
+                          ({"model": fresh.state_dict(), "optimizer": opt}, "optimizer")):
+        for strict in (True, False):
+            with pytest.raises(ShapeMismatchError, match=f"{re.escape(where)}: it is a .* itself, not a state; "
+                                                         "offer its state_dict"):
+                store.load_into(target, strict=strict)
+    assert torch.equal(fresh.weight, before)
+    assert store.load_into({"model": fresh.state_dict()}, strict=False) == []
+    assert torch.equal(fresh.weight, model.weight)
+
+
 def test_map_location_type_error(store: deltackpt.Store) -> None:
     store.save({"w": torch.ones(2)}, step=1)
     with pytest.raises(TypeError):

@@ -1287,6 +1287,102 @@ def test_a_failed_async_save_is_saved_again_by_the_next_step_of_that_step(fast_d
             assert ckpt.store.load(2)["extra"]["phase"] == "fixed"
 
 
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_restore_puts_plain_extra_values_into_the_runs_own_objects(fast_dir: Path, async_save: bool) -> None:
+    """An ``extra`` entry without state_dict() (an EMA kept as a dict of tensors, a running statistic, an array)
+    is restored into the objects the training loop holds: before, restore() put new objects into the
+    checkpointer's dict, so the loop went on updating its own (unrestored) ones, and every later save stored the
+    restored copy, frozen."""
+    def run(seed: int) -> dict[str, Any]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(4, 3)
+        return {
+            "model": model,
+            "ema": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "stat": torch.zeros(3),
+            "hist": np.zeros(5),
+            "parts": [torch.zeros(2), "label"],
+            "pair": (torch.zeros(2), torch.zeros(2, dtype=torch.float64)),
+            "counts": collections.Counter(),
+            "cfg": {"lr": 0.0},
+        }
+
+    def extra_of(r: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in r.items() if k != "model"}
+
+    def train(r: dict[str, Any], step: int) -> None:
+        with torch.no_grad():
+            r["model"].weight.add_(0.5)
+            for k, v in r["model"].state_dict().items():
+                r["ema"][k].mul_(0.9).add_(v, alpha=0.1)
+        r["stat"].add_(step)
+        r["hist"][step % 5] += step
+        r["parts"][0].add_(1)
+        r["pair"][0].add_(2)
+        r["pair"][1].add_(3)
+        r["counts"][f"c{step % 2}"] += 1
+        r["cfg"]["lr"] = 0.1 * step
+
+    first = run(0)
+    with Checkpointer(fast_dir / "s", model=first["model"], extra=extra_of(first), every_n_steps=1,
+                      async_save=async_save, handle_signals=False) as ck:
+        for step in (1, 2, 3):
+            train(first, step)
+            ck.step(step)
+    second = run(1)
+    second["cfg"]["wd"] = 0.01  # a key the checkpoint lacks (added since): it stays
+    held = {k: v for k, v in second.items() if k != "model"}  # what the loop holds: the objects themselves
+    ptrs = [second["ema"]["weight"].data_ptr(), second["stat"].data_ptr(), second["pair"][0].data_ptr()]
+    ema_values = list(second["ema"].values())
+    with Checkpointer(fast_dir / "s", model=second["model"], extra=extra_of(second), every_n_steps=1,
+                      async_save=async_save, handle_signals=False) as ck:
+        assert ck.restore() == 3
+        for k, v in held.items():
+            assert ck.extra[k] is v, k
+        assert all(a is b for a, b in zip(second["ema"].values(), ema_values))
+        assert [second["ema"]["weight"].data_ptr(), second["stat"].data_ptr(), second["pair"][0].data_ptr()] == ptrs
+        for k in ("weight", "bias"):
+            assert torch.equal(second["ema"][k], first["ema"][k])
+        assert torch.equal(second["stat"], first["stat"]) and np.array_equal(second["hist"], first["hist"])
+        assert torch.equal(second["parts"][0], first["parts"][0]) and second["parts"][1] == "label"
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(second["pair"], first["pair"]))
+        assert second["counts"] == first["counts"] and type(second["counts"]) is collections.Counter
+        assert second["cfg"] == {"lr": first["cfg"]["lr"], "wd": 0.01}
+        train(second, 4)
+        train(first, 4)
+        ck.step(4)
+    state = Store(fast_dir / "s").load(step=4)["extra"]
+    for k in ("weight", "bias"):  # step 4 stores the values the loop went on from, not a frozen copy
+        assert torch.equal(state["ema"][k], first["ema"][k])
+    assert torch.equal(state["stat"], first["stat"]) and np.array_equal(state["hist"], first["hist"])
+    assert torch.equal(state["pair"][1], first["pair"][1])
+
+
+def test_restore_refuses_a_plain_extra_tensor_of_another_shape_before_changing_anything(fast_dir: Path) -> None:
+    """A tensor of a plain ``extra`` entry that has another shape in the checkpoint cannot be restored into the
+    run's own: the restore is refused, naming it, before the model is touched. Another dtype is converted, as
+    load_state_dict converts a model's."""
+    model = torch.nn.Linear(2, 2)
+    with Checkpointer(fast_dir / "s", model=model, extra={"ema": {"w": torch.ones(3)}, "t": torch.ones(2)},
+                      async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    fresh = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    ema = {"w": torch.zeros(4)}
+    with Checkpointer(fast_dir / "s", model=fresh, extra={"ema": ema, "t": torch.zeros(2)},
+                      handle_signals=False) as ck:
+        with pytest.raises(deltackpt.ShapeMismatchError, match=r"extra\['ema'\]\.w has shape \(3,\) in the "
+                                                               r"checkpoint, \(4,\) in this run"):
+            ck.restore()
+        assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+        assert torch.equal(ema["w"], torch.zeros(4))
+    half = torch.zeros(2, dtype=torch.float16)
+    with Checkpointer(fast_dir / "s", model=fresh, extra={"ema": {"w": torch.zeros(3)}, "t": half},
+                      handle_signals=False) as ck:
+        assert ck.restore() == 1
+        assert ck.extra["t"] is half and torch.equal(half, torch.ones(2, dtype=torch.float16))
+
+
 class _FailingRetention(Retention):
     def plan(self, infos: Any, now: float | None = None) -> Any:
         raise RuntimeError("retention failed")
