@@ -36,6 +36,25 @@ import deltackpt.store  # noqa: E402
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "plumbing: a test of process plumbing (signal handlers, exit hooks, the "
+                            "command line's entry points and pipes); see pytest_collection_modifyitems")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``make test`` runs the suite once per kernel backend. The plumbing tests start Python processes and wait
+    on their signals and exits: which backend hashes and encodes is not what they test (the backends are tested
+    against each other elsewhere), and they are a third of the suite's time. The pass pinned to the pure-Python
+    backend (``DELTACKPT_EXPECT_BACKEND=python``, whose companion pass runs them) skips them; any other run of
+    the suite runs them, on whichever backend it has."""
+    if os.environ.get("DELTACKPT_EXPECT_BACKEND") != "python":
+        return
+    skip = pytest.mark.skip(reason="process plumbing: run in the native backend's pass of make test")
+    for item in items:
+        if item.get_closest_marker("plumbing") is not None:
+            item.add_marker(skip)
+
 settings.register_profile(
     "ci",
     max_examples=30,

@@ -742,6 +742,7 @@ def test_async_save_of_a_tied_model_stages_and_stores_the_tied_weight_once(fast_
 
 
 @linux_only
+@pytest.mark.plumbing
 def test_sigterm_saves_at_step_boundary_and_exits_143(fast_dir: Path, rng: random.Random) -> None:
     code, before, output, logged = _sigterm_run(fast_dir, rng, finally_out=fast_dir / "model.pt")
     assert code == 128 + signal.SIGTERM, f"exit {code}: {output[-3000:]}"
@@ -759,6 +760,7 @@ def test_sigterm_saves_at_step_boundary_and_exits_143(fast_dir: Path, rng: rando
 
 @linux_only
 @pytest.mark.parametrize("loaders", [{"workers": 2}, {"workers": 1, "eval_workers": 2}], ids=["given", "eval"])
+@pytest.mark.plumbing
 def test_sigterm_to_the_whole_job_with_dataloader_workers_saves_at_the_step_boundary(
         fast_dir: Path, rng: random.Random, loaders: dict[str, int]) -> None:
     """SLURM signals every process of a job step: the DataLoader's workers get the SIGTERM too. They used to
@@ -801,6 +803,7 @@ print("DONE", flush=True)
 
 @linux_only
 @pytest.mark.parametrize(("how", "code"), [("end", 0), ("close", 0), ("iterator", 0), ("sigterm", 143)])
+@pytest.mark.plumbing
 def test_a_run_whose_loader_workers_are_alive_at_exit_exits(fast_dir: Path, how: str, code: int) -> None:
     """Workers the checkpointer made ignore SIGTERM, still running when the interpreter exits (persistent ones,
     or those of an iterator a generator holds): multiprocessing stops them with SIGTERM and waits without a
@@ -884,6 +887,7 @@ class _StopSignalDisposition(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.plumbing
 def test_the_given_loaders_workers_ignore_stop_signals_until_close(fast_dir: Path, context: str) -> None:
     """The wrapper around the DataLoader's worker_init_fn runs in forked and spawned workers (spawn pickles it)
     and runs the loader's own function too; close() puts the loader's own back, so its workers are torch's
@@ -909,6 +913,7 @@ def _touch(path: Path, worker_id: int) -> None:
 
 
 @linux_only
+@pytest.mark.plumbing
 def test_sigterm_chains_previous_python_handler(fast_dir: Path, rng: random.Random) -> None:
     marker = fast_dir / "marker"
     code, before, output, logged = _sigterm_run(fast_dir, rng, chain_marker=marker)
@@ -925,6 +930,7 @@ def test_sigterm_chains_previous_python_handler(fast_dir: Path, rng: random.Rand
 
 
 @pytest.mark.parametrize("previous", ["default", "python"])
+@pytest.mark.plumbing
 def test_signal_after_the_last_step_is_passed_on_by_close(fast_dir: Path, previous: str) -> None:
     """A SIGTERM that lands after the loop's last step (here: while the last async save runs) is not dropped:
     close() commits the save, then hands the signal on like step() does."""
@@ -1899,6 +1905,7 @@ if how == "exit":
 
 
 @pytest.mark.parametrize("how", ["end", "raise", "exit", "atexit"])
+@pytest.mark.plumbing
 def test_a_save_in_flight_as_the_interpreter_exits_is_committed(fast_dir: Path, how: str) -> None:
     """A job whose main thread ends with an async save in flight and no close() (the loop returned, raised, or
     called sys.exit) keeps that checkpoint: the save used to fail as concurrent.futures stopped taking work,
@@ -2033,6 +2040,7 @@ else:  # two checkpointers in one loop, the signal before both steps or between 
 
 @pytest.mark.parametrize("mode", ["fifo", "thread-close", "thread-loop", "before", "between", "fork", "int-then-term",
                                   "ignored-int-twice", "int-int"])
+@pytest.mark.plumbing
 def test_sigterm_ends_the_process_whatever_the_checkpointers_layout(fast_dir: Path, mode: str) -> None:
     """SIGTERM is not lost and ends the process with status 143 (or by the signal) in every arrangement:
     - checkpointers closed in the order they were made, or closed off the main thread: the closed one's handler

@@ -646,6 +646,7 @@ def test_du_counts_what_retained_checkpoints_reach(capsys: pytest.CaptureFixture
     assert freed > 8 * CS and reclaimable == pytest.approx(freed, rel=0.05)
 
 
+@pytest.mark.plumbing
 def test_output_to_a_closed_pipe_is_not_an_error(store_path: Path, three: dict[str, Any]) -> None:
     """`deltackpt ls STORE | head -1`: the reader goes away; deltackpt exits 141 (as on SIGPIPE) with nothing
     on stderr, where it printed "error: [Errno 32] Broken pipe" and exited 1."""
@@ -1152,6 +1153,7 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str]
 # -- entry points ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.plumbing
 def test_python_m_deltackpt(store_path: Path, three: dict[str, Any], tmp_path: Path) -> None:
     run = [sys.executable, "-m", "deltackpt", "ls"]
     p = subprocess.run([*run, str(store_path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -1164,6 +1166,7 @@ def test_python_m_deltackpt(store_path: Path, three: dict[str, Any], tmp_path: P
     assert_one_line_error(p.stderr, "not a deltackpt store")
 
 
+@pytest.mark.plumbing
 def test_console_script_help() -> None:
     candidates = [Path(sys.executable).parent / "deltackpt", ROOT / ".venv" / "bin" / "deltackpt"]
     script = next((c for c in candidates if c.exists()), None)
