@@ -23,6 +23,8 @@ import deltackpt
 from deltackpt import Checkpointer, CheckpointInfo, DeltackptError, Retention, Store
 from deltackpt.retention import TAG_KEY, THINNED_KEY
 
+ROOT = Path(__file__).resolve().parent.parent
+
 NOW = 1_700_000_000.0
 METRIC = "loss"
 
@@ -567,18 +569,30 @@ def test_thinning_the_first_checkpoint_keeps_the_lineage_a_tree(store_path: Path
     assert "branch" not in log, log
 
 
+#: Another process that deletes checkpoints by id as it is told, one per line on stdin (what ``deltackpt rm``
+#: does; one process for the whole test rather than one, importing torch, per delete)
+_DELETER = """
+import sys, deltackpt
+for line in sys.stdin:
+    with deltackpt.Store(sys.argv[1]) as s:
+        s.delete(id=line.strip())
+    print("deleted", flush=True)
+"""
+
+
 class _OperatorMeanwhile(Retention):
     """A policy whose plan is made from the listing retention read, after which another process (another job's
     retention, an operator's ``deltackpt rm``) deletes the checkpoints the plan would delete or thin."""
 
-    store_path: Path
+    other: subprocess.Popen[str]
 
     def plan(self, infos: Any, now: float | None = None) -> Any:
         plan = super().plan(infos, now)
-        steps = {i.id: i.step for i in infos}
+        assert self.other.stdin is not None and self.other.stdout is not None
         for cid in (*plan.delete, *plan.thin):
-            subprocess.run([sys.executable, "-m", "deltackpt", "rm", str(self.store_path), str(steps[cid])],
-                           check=True, capture_output=True)
+            self.other.stdin.write(cid + "\n")
+            self.other.stdin.flush()
+            assert self.other.stdout.readline() == "deleted\n", f"the other process failed to delete {cid}"
         return plan
 
 
@@ -589,12 +603,16 @@ def test_retention_passes_over_checkpoints_another_process_deleted(store_path: P
     the next step()), and the policy's outcome holds."""
     model, opt = _setup()
     policy = _OperatorMeanwhile(keep_last=2, full_last=full_last)
-    policy.store_path = store_path
-    with Checkpointer(store_path, model=model, optimizer=opt, retention=policy, handle_signals=False) as ckpt:
-        for step in range(1, 7):
-            _train(model, opt)
-            ckpt.step(step)
-        weights = _weights(model)
+    policy.other = subprocess.Popen([sys.executable, "-c", _DELETER, str(store_path)], cwd=ROOT, text=True,
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        with Checkpointer(store_path, model=model, optimizer=opt, retention=policy, handle_signals=False) as ckpt:
+            for step in range(1, 7):
+                _train(model, opt)
+                ckpt.step(step)
+            weights = _weights(model)
+    finally:  # (after the close: the last save's retention runs in the background until then)
+        policy.other.communicate(timeout=60)
     with Store(store_path) as store:
         assert [i.step for i in store.list()] == ([5, 6] if full_last is None else [6])
         _assert_weights(weights, store.load(step=6)["model"], "step 6")
