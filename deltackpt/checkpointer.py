@@ -693,8 +693,9 @@ class Checkpointer:
     data: the data position: a :class:`deltackpt.data.ResumableLoader` / sampler, or any stateful loader
         (torchdata's ``StatefulDataLoader``) - anything with ``state_dict``/``load_state_dict``.
     extra: a dict of further state: stateful objects are saved through ``state_dict`` and restored through
-        ``load_state_dict``; plain values (dicts, numbers, tensors) are saved, and on restore written back
-        into this dict.
+        ``load_state_dict``; plain values (dicts, numbers, tensors) are saved, and on restore written into
+        the run's own tensors and containers where they can hold them (:func:`_put_back`), else back into
+        this dict.
     every_n_steps: save when the step passed to :meth:`step` is a multiple of this.
     async_save: snapshot in :meth:`step` and save in a background thread (at most one save in flight).
     retention: a :class:`Retention` policy applied after each committed save.
