@@ -620,6 +620,8 @@ def cmd_dcp(args: argparse.Namespace) -> int:
     from deltackpt import distributed  # imports torch.distributed.checkpoint: only for this command
 
     root = Path(args.store)
+    if not root.is_dir():  # (as "no deltackpt store" for a directory without one, not a bare [Errno 2])
+        raise DeltackptError(f"DCP checkpoints: {root} is {'not a directory' if root.exists() else 'missing'}")
     if args.rm:
         missing = sorted(set(args.rm) - set(distributed.steps(root)))
         if missing:  # refused before any step is deleted
