@@ -493,7 +493,7 @@ def cmd_du(args: argparse.Namespace) -> int:
             ("predicted frames (of all chunks)",
              f"{predicted[0]} of {n_chunks}, {human(predicted[2])} for {human(predicted[1])} raw"
              + (f" ({predicted[1] / predicted[2]:.2f}x)" if predicted[2] else "")),
-            ("deepest chain (generations a chunk's decode reads)", str(deepest + 1) if n_chunks else "-"),
+            ("deepest chain (frames a decode reads, <= max_chain + 1)", str(deepest + 1) if n_chunks else "-"),
             ("dead bytes in packs (what gc --repack-below 1 frees)", human(max(0, packs_bytes - frames))),
         ]
         print(table(rows, ["", ""]))
@@ -682,21 +682,21 @@ def _tensor_dict(state: Any) -> dict[str, torch.Tensor]:
     found: list[tuple[str, int]] = []
     plain: list[str] = []
 
-    def walk(node: Any, path: str) -> None:
+    def walk(node: Any, name: str, path: str) -> None:  # (name: the safetensors name; path: the key path)
         tag = node[0]
         if tree.is_dict_node(node) or tree.is_sequence_node(node):
             for k, v in tree.node_children(node):
+                where = tree.child_path(path, k)
                 if type(k) not in (str, int):  # (safetensors names tensors by text: no faithful name for it)
-                    where = tree.child_path(path, k)
                     raise DeltackptError(f"safetensors names tensors by text keys; {where} has a "
                                          f"{type(k).__name__} key: export .pt instead")
-                walk(v, f"{path}.{k}" if path else str(k))
+                walk(v, f"{name}.{k}" if name else str(k), where)
         elif tag == "T":
-            found.append((path, node[1]))
+            found.append((name, node[1]))
         else:
-            plain.append(path or "<root>")
+            plain.append(path or "<root>")  # (named as get and show name it)
 
-    walk(skeleton, "")
+    walk(skeleton, "", "")
     if plain:
         raise DeltackptError(
             f"safetensors holds tensors only; this checkpoint also holds other values at {plain[:3]}: export .pt"

@@ -409,7 +409,7 @@ def test_du_counts_and_ratios(capsys: pytest.CaptureFixture[str], store_path: Pa
     assert du["overall (logical / on disk)"] == f"{9 * CS / on_disk:.2f}x"
     assert "dead bytes in packs (what gc --repack-below 1 frees)" in du
     assert du["delta frames (of all chunks)"].startswith("0 of 3,")
-    assert du["deepest chain (generations a chunk's decode reads)"] == "1"
+    assert du["deepest chain (frames a decode reads, <= max_chain + 1)"] == "1"
 
 
 def test_du_reports_delta_frames(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
@@ -432,7 +432,7 @@ def _assert_du_counts(capsys: pytest.CaptureFixture[str], store_path: Path, locs
     du = _du(out)
     assert rc == 0
     assert du[row].startswith(f"{n} of {len(locs)},")
-    assert du["deepest chain (generations a chunk's decode reads)"] == str(max(loc.depth for loc in locs) + 1)
+    assert du["deepest chain (frames a decode reads, <= max_chain + 1)"] == str(max(loc.depth for loc in locs) + 1)
 
 
 def test_du_reports_predicted_frames(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
@@ -452,7 +452,7 @@ def test_du_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) ->
     assert du["checkpoints"] == "0"
     assert du["dedup ratio (logical / unique)"] == "-"
     assert du["compression ratio (unique / stored)"] == "-"
-    assert du["deepest chain (generations a chunk's decode reads)"] == "-"
+    assert du["deepest chain (frames a decode reads, <= max_chain + 1)"] == "-"
 
 
 # -- verify ------------------------------------------------------------------------------------------------
@@ -805,12 +805,15 @@ def test_export_safetensors_tensor_only(capsys: pytest.CaptureFixture[str], stor
 def test_export_safetensors_refuses_plain_values(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                  tmp_path: Path) -> None:
     with open_store(store_path) as s:
-        s.save({"w": torch.ones(3), "lr": 0.1, "cfg": {"name": "x"}}, step=1)
+        s.save({"w": torch.ones(3), "lr": 0.1, "cfg": {"name": "x"}, "groups": [{"betas": (0.9, 0.99)}]}, step=1)
     dest = tmp_path / "out.safetensors"
     rc, out, err = cli(capsys, "export", store_path, 1, dest)
     assert rc == 1 and out == ""
-    assert_one_line_error(err, "safetensors", "'lr'", ".pt")
+    # named as get and show name them (before: 'groups.0.betas.0', which get does not take)
+    assert_one_line_error(err, "safetensors", "['lr', 'cfg.name', 'groups[0].betas[0]']", ".pt")
     assert not dest.exists()
+    rc, out, err = cli(capsys, "get", store_path, 1, "groups[0].betas[0]")
+    assert rc == 0 and out.strip() == "groups[0].betas[0]: 0.9"
 
 
 def test_export_safetensors_never_drops_a_tensor(capsys: pytest.CaptureFixture[str], store_path: Path,
