@@ -873,12 +873,14 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
         m = s.manifest(id=latest.id)
         # the skeleton with tensor descriptions in place of tensors: plain values without loading any bytes
         state = m.skeleton() if not _has_pickle(m.tree) else None
+        if not isinstance(state, dict) or "model" not in state:
+            print(f"the newest checkpoint, step {latest.step} (checkpoint {latest.id}, saved "
+                  f"{when(latest.created)}), was not written by a Checkpointer: a Checkpointer's restore() refuses "
+                  "it; Store.load it directly")
+            return 0
         print(f"a run would resume from step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)})"
               + ("" if args.verify else "; its chunks were not read ('--verify' decodes them and passes over "
                  "damaged checkpoints, as a restore does)"))
-        if not isinstance(state, dict) or "model" not in state:
-            print("this checkpoint was not written by a Checkpointer: Store.load it directly")
-            return 0
         if state.get("thinned"):
             if args.verify:  # restore() refuses it: no checkpoint would restore
                 raise DeltackptError(f"no checkpoint of {args.store} would restore: the newest one left, step "

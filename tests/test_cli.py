@@ -1070,10 +1070,16 @@ def test_resume_info_empty_store(capsys: pytest.CaptureFixture[str], store_path:
 
 def test_resume_info_plain_store(capsys: pytest.CaptureFixture[str], store_path: Path,
                                  three: dict[str, Any]) -> None:
+    """A store a plain Store.save wrote: no run resumes from it (a Checkpointer's restore() refuses its newest
+    checkpoint), and resume-info does not say one would."""
     rc, out, _ = cli(capsys, "resume-info", store_path)
     assert rc == 0
-    assert out.startswith(f"a run would resume from step 3 (checkpoint {three['ids'][3]}")
-    assert "not written by a Checkpointer" in out
+    assert out.startswith(f"the newest checkpoint, step 3 (checkpoint {three['ids'][3]}, saved ")
+    assert "was not written by a Checkpointer: a Checkpointer's restore() refuses it" in out
+    assert "would resume" not in out
+    with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(2, 2), handle_signals=False) as ck:
+        with pytest.raises(deltackpt.DeltackptError, match="not written by a Checkpointer"):
+            ck.restore()
 
 
 # -- errors -----------------------------------------------------------------------------------------------
