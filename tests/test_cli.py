@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot, pack_files
+from conftest import ROOT, SMALL_CHUNK, assert_same_state, dir_snapshot, pack_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +28,6 @@ import deltackpt
 from deltackpt.cli import human, main
 
 CS = SMALL_CHUNK
-ROOT = Path(__file__).resolve().parent.parent
 ERROR_PREFIX = "deltackpt: error: "
 FRAME_HEADER = struct.Struct("<4sBBBBQQ16s16sQ")  # magic, version, codec, width, flags, raw, stored, digest, ...
 PACK_HEADER_LEN = 16

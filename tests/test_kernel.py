@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+from conftest import ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,7 +36,6 @@ try:
 except ImportError:  # not built: native comparisons skip, the python pass still runs everything else
     native = None
 
-ROOT = Path(__file__).resolve().parent.parent
 NATIVE_DIR = ROOT / "native"
 
 needs_native = pytest.mark.skipif(native is None, reason="native extension deltackpt._kernel is not built")

@@ -16,14 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import ROOT
 from hypothesis import given
 from hypothesis import strategies as st
 
 import deltackpt
 from deltackpt import Checkpointer, CheckpointInfo, DeltackptError, Retention, Store
 from deltackpt.retention import TAG_KEY, THINNED_KEY
-
-ROOT = Path(__file__).resolve().parent.parent
 
 NOW = 1_700_000_000.0
 METRIC = "loss"
