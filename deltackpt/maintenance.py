@@ -939,7 +939,7 @@ def _open_if_readable(path: str | os.PathLike[str], kwargs: dict[str, Any]) -> S
         return None
     try:
         store = Store(path, _repair=True, **kwargs)
-    except (lmdb.Error, CorruptionError, ValueError):
+    except (lmdb.Error, CorruptionError):  # (not a ValueError: a bad setting is the caller's, the index is fine)
         return None
     try:
         store.index.records()

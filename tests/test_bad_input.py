@@ -337,6 +337,31 @@ def test_bad_settings_are_refused_when_the_store_opens_and_create_nothing(tmp_pa
     assert not path.exists()
 
 
+@pytest.mark.parametrize("kwargs, env", [
+    ({"zstd_level": 100}, {}), ({"threads": 0}, {}), ({"chunk_size": 8192}, {}), ({}, {"DELTACKPT_THREADS": "0"}),
+    ({}, {"DELTACKPT_MAX_CHAIN": "99"}),
+])
+def test_bad_settings_for_a_repair_leave_a_healthy_store_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  kwargs: dict[str, Any], env: dict[str, str]) -> None:
+    """A repair opened with a bad setting raises the setting's error and changes nothing (before, the error was
+    read as an unreadable index: the good index was moved aside and every later open raised CorruptIndexError)."""
+    path = tmp_path / "s"
+    with deltackpt.Store(path, chunk_size=SMALL_CHUNK) as s:
+        s.save({"w": torch.arange(3000.0)}, step=1)
+    before = dir_snapshot(path)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match=next(iter(env or kwargs))):
+        deltackpt.maintenance.open_for_repair(path, **kwargs)
+    assert dir_snapshot(path) == before
+    for k in env:
+        monkeypatch.delenv(k)
+    with deltackpt.Store(path) as s:
+        assert torch.equal(s.load(1)["w"], torch.arange(3000.0))
+    with deltackpt.maintenance.open_for_repair(path) as s:  # (its locks were given back)
+        s.repair()
+
+
 def test_bad_settings_from_the_environment_name_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELTACKPT_ZSTD_LEVEL", "30")
     with pytest.raises(ValueError, match="DELTACKPT_ZSTD_LEVEL"):
