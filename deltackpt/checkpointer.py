@@ -1035,7 +1035,7 @@ class Checkpointer:
         that another process thinned meanwhile is thinned or deleted as this policy says: ``delete(id=)``
         follows a rewrite to its replacement."""
         assert self.retention is not None
-        infos = self.store.list()
+        infos = self.store._listing()
         plan = self.retention.plan(infos)
         by_id = {i.id: i for i in infos}
         for cid in plan.delete:

@@ -311,7 +311,7 @@ class DeltaStorageWriter(StorageWriter):
             with _existing(self.root / "meta", "DCP checkpoints", readonly=True,
                            allow_network_fs=self.store_options.get("allow_network_fs")) as meta:
                 named = set().union(set(), *(_named(meta, i.id) for i in meta.list()))
-            for c in _unnamed(store.list(), _mine(store, rank, named)):
+            for c in _unnamed(store._listing(), _mine(store, rank, named)):
                 try:
                     store.delete(id=c.id)
                 except CheckpointNotFoundError:
@@ -329,7 +329,7 @@ class DeltaStorageWriter(StorageWriter):
 
         dropped = self._dropped.get(store.path, 0)
         floor = self._gc_min_bytes
-        if not self.gc or dropped == 0 or dropped < max(floor, sum(i.written_bytes for i in store.list()) // 4):
+        if not self.gc or dropped == 0 or dropped < max(floor, sum(i.written_bytes for i in store._listing()) // 4):
             return
         try:
             report = store.gc(timeout=GC_WAIT)

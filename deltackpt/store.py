@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import fcntl
 import functools
@@ -102,6 +103,13 @@ class CheckpointInfo:
             raise CorruptIndexError(f"index record of checkpoint {rec.id} (step {rec.step}) holds unreadable "
                                     f"metadata: {exc}; {REPAIR_HINT}") from None
         return cls(rec.id, rec.step, rec.created, rec.parent, rec.logical_bytes, rec.written_bytes, meta, rec.seq)
+
+
+def _detached(info: CheckpointInfo) -> CheckpointInfo:
+    """``info`` with a copy of its metadata when that is a container (numbers and strings cannot change)."""
+    if isinstance(info.metadata, (dict, list, tuple, set)):
+        return dataclasses.replace(info, metadata=copy.deepcopy(info.metadata))
+    return info
 
 
 def _check_step(step: Any) -> int:
@@ -776,6 +784,12 @@ class Store:
 
     def list(self) -> list[CheckpointInfo]:
         """Every retained checkpoint, oldest commit first."""
+        # (each its own metadata: what a caller does to one is not what the next listing, or retention, reads)
+        return [_detached(info) for info in self._listing()]
+
+    def _listing(self) -> list[CheckpointInfo]:
+        """:meth:`list`, its infos shared with earlier listings of this handle (their metadata too): for readers
+        that change nothing, such as retention after every save."""
         self._refresh()
         # A Checkpointer with a retention policy lists after every save: the records listed before are taken
         # from the last listing when their bytes are the same (decoding one took 12 us: 30 ms at 2,500 kept)
@@ -1911,7 +1925,7 @@ class Store:
         deleting_only(retention, "Store.retain does not thin checkpoints: a Checkpointer's retention does")
         if not dry_run:
             self._writable("retain")
-        infos = self.list()
+        infos = self._listing()
         drop = set(retention.plan(infos).delete)
         dropped = []
         for info in infos:

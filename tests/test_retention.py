@@ -484,6 +484,22 @@ def test_tagged_and_best_survive_in_a_real_store(store_path: Path) -> None:
         assert sorted(i.step for i in store.list()) == [2, 4, 6]
 
 
+def test_what_a_caller_does_to_listed_metadata_is_not_what_retention_reads(store_path: Path) -> None:
+    """Each listing's metadata is its own. Before, list() handed out the objects it kept to list faster next
+    time: popping the tag from a listed checkpoint's metadata made the next listing of the handle lack it, and
+    retention deleted the tagged checkpoint its stored record still tagged."""
+    with Store(store_path) as store:
+        for step in range(1, 5):
+            store.save({"w": torch.full((100,), float(step))}, step=step,
+                       metadata={"tag": "release", "eval": {"acc": 0.5}} if step == 1 else {"loss": 1.0})
+        first = store.list()[0]
+        first.metadata.pop("tag")
+        first.metadata["eval"]["acc"] = 0.0
+        assert store.list()[0].metadata == {"tag": "release", "eval": {"acc": 0.5}}
+        assert [i.step for i in store.retain(Retention(keep_last=1))] == [2, 3]
+        assert [i.step for i in store.list()] == [1, 4]
+
+
 def test_retention_validation() -> None:
     """Out-of-range values are ValueErrors, values of the wrong type TypeErrors, both at construction."""
     for kw in ({"keep_last": 0}, {"keep_every": -1}, {"full_last": 0}, {"best_k": 0}, {"keep_within": -1.0},
