@@ -105,6 +105,24 @@ class CheckpointInfo:
         return cls(rec.id, rec.step, rec.created, rec.parent, rec.logical_bytes, rec.written_bytes, meta, rec.seq)
 
 
+#: what :meth:`Store.read_each` puts among its failures to stop its workers when its own wait was interrupted
+_STOPPED = KeyboardInterrupt()
+
+
+def _outwait(workers: list[Future[None]]) -> None:
+    """Wait until each of ``workers`` (a list that grows until its last worker ends) has ended, through further
+    interrupts: each worker stops after the item it holds. (Their work catches what its items raise.)"""
+    i = 0
+    while i < len(workers):
+        try:
+            workers[i].result()
+        except KeyboardInterrupt:  # another Ctrl-C during this wait: wait on
+            continue
+        except BaseException:  # (the wait's own failure is the one raised)
+            pass
+        i += 1
+
+
 def _detached(info: CheckpointInfo) -> CheckpointInfo:
     """``info`` with a copy of its metadata when that is a container (numbers and strings cannot change)."""
     if isinstance(info.metadata, (dict, list, tuple, set)):
@@ -1729,9 +1747,14 @@ class Store:
         if not workers:  # ... then this thread does the work (outside the lock, which more() takes)
             workers.append(_Done.run(work))  # type: ignore[arg-type]
         done = 0
-        while done < len(workers):  # workers can be added until the last one ends
-            workers[done].result()
-            done += 1
+        try:
+            while done < len(workers):  # workers can be added until the last one ends
+                workers[done].result()
+                done += 1
+        except BaseException:  # (a KeyboardInterrupt in the wait): no worker may go on writing into the caller's
+            failed.append((len(items), _STOPPED))  # tensors once this returns (nor past the gc lock it holds)
+            _outwait(workers)
+            raise
         if failed:
             i, exc = min(failed, key=lambda f: f[0])
             raise (named(items[i], exc) if named is not None else exc)

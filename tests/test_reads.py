@@ -4,6 +4,7 @@ frame read has to wait on the disk (PackReader.read with ``before_blocking``).""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -58,6 +59,35 @@ def test_read_each_order_and_earliest_failure(tmp_path_factory: pytest.TempPathF
         assert sorted(started) == list(range(len(started)))  # handed out in order: a prefix of the items ran
         first_failure = min(events.index(("end", f)) for f in failing if ("end", f) in events)
         assert sum(e == "start" for e, _ in events[first_failure:]) <= threads - 1
+
+
+def test_an_interrupted_read_each_raises_once_no_worker_runs(tmp_path: Path) -> None:
+    """A Ctrl-C during a load's wait (KeyboardInterrupt, here from SIGALRM) is raised once each worker has
+    finished the item it holds, and no worker starts another. Before, the workers went on decoding into the
+    caller's tensors after the load had raised (and after it had given back the gc lock)."""
+    running: list[int] = []
+    started: list[int] = []
+
+    def fn(i: int) -> int:
+        started.append(i)
+        running.append(i)
+        time.sleep(0.005)
+        running.remove(i)
+        return i
+
+    previous = signal.signal(signal.SIGALRM, signal.default_int_handler)
+    try:
+        with deltackpt.Store(tmp_path / "s", threads=2, read_threads=2) as s:
+            signal.setitimer(signal.ITIMER_REAL, 0.05)
+            with pytest.raises(KeyboardInterrupt):
+                s.read_each(fn, list(range(400)))
+            assert running == []
+            n = len(started)
+            time.sleep(0.05)
+            assert len(started) == n < 400
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.mark.parametrize("blocking", [False, True])
