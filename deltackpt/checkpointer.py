@@ -422,6 +422,41 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                                 "another order?)")
 
 
+#: what torch's own LR schedulers take out of a saved state when they load it (a KeyError without it): the states
+#: of the schedulers that SequentialLR and ChainedScheduler drive, LambdaLR's and MultiplicativeLR's lambdas
+_SCHEDULER_LISTS = ("_schedulers", "lr_lambdas")
+
+
+def _scheduler_check(g: Any, state: Any) -> None:
+    """Raise, before anything is loaded, where torch's own LR schedulers would raise loading the saved state (a
+    KeyError or IndexError, once the model holds the checkpoint): another kind of scheduler's state, such as a
+    StepLR's where this run has a SequentialLR (a warmup added since the checkpoint), or another number of
+    chained schedulers or of lambdas. Other differences their loading takes as it is (it updates attributes)."""
+    if g is None:
+        return
+    for name, member, saved in _with_states(g, state):
+        _one_scheduler_check(member, saved, f"scheduler{name}")
+
+
+def _one_scheduler_check(member: Any, saved: Any, where: str) -> None:
+    if not type(member).__module__.startswith("torch.optim") or not isinstance(saved, Mapping):
+        return
+    for key in _SCHEDULER_LISTS:
+        mine = getattr(member, key, None)
+        if not isinstance(mine, list):
+            continue
+        theirs = saved.get(key)
+        if not isinstance(theirs, (list, tuple)):
+            raise ShapeMismatchError(f"{where}: this run's {type(member).__name__} loads {key!r}, which the "
+                                     "checkpoint's scheduler state lacks: saved by another kind of scheduler?")
+        if len(theirs) != len(mine):
+            raise ShapeMismatchError(f"{where}: {key!r} has {len(theirs)} entries in the checkpoint, "
+                                     f"{len(mine)} in this run's {type(member).__name__}")
+        if key == "_schedulers":
+            for i, (m, t) in enumerate(zip(mine, theirs)):
+                _one_scheduler_check(m, t, f"{where}._schedulers[{i}]")
+
+
 def _scaler_check(g: Any, state: Any) -> None:
     """Raise, before anything is loaded, for what an enabled ``GradScaler`` refuses: the empty state a disabled
     one saved (mixed precision turned on since the checkpoint; torch raises only once the model holds it)."""
@@ -821,6 +856,7 @@ class Checkpointer:
         _fit_check(self.model, state.get("model"), "model", live_model)
         _fit_check(groups["optimizer"], state.get("optimizer"), "optimizer")
         _scaler_check(groups["scaler"], state.get("scaler"))
+        _scheduler_check(groups["scheduler"], state.get("scheduler"))
         if self.data is not None and state.get("data") is None:
             if strict:
                 raise DeltackptError("the checkpoint holds no data position")

@@ -1444,6 +1444,59 @@ def test_restore_refused_for_another_architecture_changes_nothing(fast_dir: Path
     assert not opt2.state
 
 
+@pytest.mark.parametrize("change", ["warmup_added", "warmup_dropped", "chain_longer", "lambda_added"])
+def test_restore_refused_for_another_kind_of_scheduler_changes_nothing(fast_dir: Path, change: str) -> None:
+    """A scheduler state that torch's scheduler would fail to load (a StepLR's where the run now has a
+    SequentialLR with a warmup, the other way round, another number of chained schedulers or of lambdas) is
+    refused with ShapeMismatchError naming it before anything is loaded. Before, the model and the optimizer
+    held the checkpoint's state when SequentialLR.load_state_dict raised a bare KeyError('_schedulers')."""
+    from torch.optim import lr_scheduler as lr
+
+    def scheduler(opt: torch.optim.Optimizer, kind: str) -> Any:
+        if kind == "step":
+            return lr.StepLR(opt, 2)
+        if kind == "lambda":
+            return lr.LambdaLR(opt, lambda s: 0.9 ** s)
+        parts = [lr.LinearLR(opt, 0.1, total_iters=2), lr.StepLR(opt, 2)]
+        return lr.SequentialLR(opt, parts + ([lr.ConstantLR(opt)] if kind == "seq3" else []),
+                               milestones=[2] + ([4] if kind == "seq3" else []))
+
+    saved, live = {"warmup_added": ("step", "seq"), "warmup_dropped": ("seq", "step"),
+                   "chain_longer": ("seq", "seq3"), "lambda_added": ("step", "lambda")}[change]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+
+    def optimizer(m: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([{"params": m[0].parameters()}, {"params": m[1].parameters()}])
+
+    opt = optimizer(model)
+    sched = scheduler(opt, saved)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    with deltackpt.Checkpointer(fast_dir / "s", model=model, optimizer=opt, scheduler=sched, async_save=False,
+                                handle_signals=False) as ckpt:
+        ckpt.save(1)
+    torch.manual_seed(1)
+    model2 = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    opt2 = optimizer(model2)
+    sched2 = scheduler(opt2, live)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    sched_before = repr(sched2.state_dict())
+    with deltackpt.Checkpointer(fast_dir / "s", model=model2, optimizer=opt2, scheduler=sched2,
+                                handle_signals=False) as ckpt:
+        expected = {"warmup_added": "SequentialLR loads '_schedulers'",
+                    "warmup_dropped": None, "chain_longer": r"'_schedulers' has 2 entries .* 3 in this run",
+                    "lambda_added": "LambdaLR loads 'lr_lambdas'"}[change]
+        if expected is None:  # (a StepLR takes a SequentialLR's state as torch's load takes it: attributes)
+            assert ckpt.restore() == 1
+            return
+        with pytest.raises(deltackpt.ShapeMismatchError, match=expected):
+            ckpt.restore()
+    assert_bitwise(before, model2.state_dict(), "model")
+    assert not opt2.state and repr(sched2.state_dict()) == sched_before
+
+
 def test_restore_refused_for_an_ema_of_another_shape_changes_nothing(fast_dir: Path) -> None:
     """An EMA model in ``extra`` (an AveragedModel) whose layer has another shape than the checkpoint's is refused
     with ShapeMismatchError naming it before anything is loaded, as the model is. Before, torch's size mismatch
