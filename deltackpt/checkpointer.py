@@ -26,6 +26,7 @@ import random
 import signal
 import sys
 import threading
+import traceback
 import warnings
 import weakref
 from collections import Counter, OrderedDict, defaultdict, deque
@@ -1196,7 +1197,16 @@ class Checkpointer:
         _stopping.discard(self)
         _stopped.pop(self, None)
         if pending is not None and not any(c._signal == pending for c in _stopping):
-            self._pass_signal_on(pending, beneath)
+            error = sys.exc_info()[1]  # (closed by a with block or a finally clause that an error is leaving)
+            try:
+                self._pass_signal_on(pending, beneath)
+            except SystemExit:
+                if error is not None and not isinstance(error, SystemExit):
+                    # Python prints nothing for the exit that replaces it: a save at the signal that failed, say
+                    sys.stderr.write(f"deltackpt: exiting for {signal.Signals(pending).name}, passed on at close(),"
+                                     " after this error:\n")
+                    traceback.print_exception(type(error), error, error.__traceback__)
+                raise
 
     def __enter__(self) -> Checkpointer:
         return self

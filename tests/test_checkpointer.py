@@ -985,6 +985,46 @@ def test_an_ignored_sigterm_keeps_the_handlers_watching(fast_dir: Path) -> None:
         signal.signal(signal.SIGTERM, old_term)
 
 
+@pytest.mark.plumbing
+@pytest.mark.parametrize("how", ["with", "finally"])
+def test_an_error_that_a_passed_on_signal_ends_is_printed(fast_dir: Path, capsys: pytest.CaptureFixture[str],
+                                                          how: str) -> None:
+    """An error leaving the block that closes the checkpointer (a with block, a finally clause) while a SIGTERM
+    waits to be passed on (the save at the signal failed, say) is printed before the exit: the SystemExit(143)
+    of SIGTERM's default action replaces it, and Python prints nothing for a SystemExit."""
+    model, opt = _small()
+
+    def loop(ckpt: Checkpointer) -> None:
+        ckpt.step(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 5
+        while not ckpt.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.001)
+        raise RuntimeError("the loss is nan")
+
+    old_term = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        with pytest.raises(SystemExit) as ei:
+            if how == "with":
+                with Checkpointer(fast_dir / "store", model=model, optimizer=opt, every_n_steps=100) as ckpt:
+                    loop(ckpt)
+            else:
+                ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, every_n_steps=100)
+                try:
+                    loop(ckpt)
+                finally:
+                    ckpt.close()
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+    assert ei.value.code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "exiting for SIGTERM" in err and "RuntimeError: the loss is nan" in err
+    ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, every_n_steps=100, handle_signals=False)
+    with ckpt:  # a close() with no error on its way prints nothing
+        ckpt.step(1)
+    assert capsys.readouterr().err == ""
+
+
 def test_a_refused_restore_leaves_the_live_objects_untouched(fast_dir: Path) -> None:
     """A checkpoint restore() refuses (thinned to weights only; holding no scheduler state this run has) leaves
     the model and optimizer as they were: before, the weights had been decoded into the model (and, for the
