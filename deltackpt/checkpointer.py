@@ -48,7 +48,16 @@ from deltackpt.errors import (
 )
 from deltackpt.retention import THINNED_KEY, Retention
 from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_metadata, _check_step, synchronize_cuda
-from deltackpt.tree import Encoded, alias_key, child_path, encode_registered, flatten, registered_types
+from deltackpt.tree import (
+    Encoded,
+    alias_key,
+    child_path,
+    decode_plain,
+    encode_plain,
+    encode_registered,
+    flatten,
+    registered_types,
+)
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -542,6 +551,14 @@ def _put_back(live: Any, saved: Any) -> Any:
     return saved
 
 
+def _plain_metadata(metadata: Any) -> dict[str, Any] | None:
+    """A step's ``metadata`` checked as a save checks it (a mapping of plain values: a tensor loss is refused at
+    the step that passes it, not by a background save later) and copied, nested values too: an async save
+    stores what it was at ``step()``, whatever the loop does to its dicts meanwhile."""
+    meta = _check_metadata(metadata)
+    return None if meta is None else decode_plain(encode_plain(meta))
+
+
 def _checkpointer_layout(state: Any) -> bool:
     """Whether a stored state (or its skeleton) is laid out as :meth:`Checkpointer.capture` lays it out."""
     return isinstance(state, Mapping) and "step" in state and "model" in state
@@ -999,7 +1016,7 @@ class Checkpointer:
         chunk), waits for the save, then passes the signal on.
         """
         step = _check_step(step)
-        _check_metadata(metadata)  # (at every step, not only at those that save)
+        metadata = _plain_metadata(metadata)  # (at every step, not only at those that save)
         self._raise_background_error()
         if self in _stopped:  # saved at a signal already, at an earlier step
             if max(_stopped.values()) > _stopped[self]:
@@ -1031,7 +1048,7 @@ class Checkpointer:
         self._raise_background_error()
         self.wait()  # at most one save in flight: the staging buffers are about to be rewritten
         state = self.capture(step)
-        meta = _check_metadata(metadata) or None
+        meta = _plain_metadata(metadata) or None
         pairs = _param_pairs(self.model, self.optimizer)
         stopping = self._signal is not None  # (the save before the process ends: no gc after it, time is short)
         if self._executor is None:

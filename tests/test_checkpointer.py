@@ -1738,11 +1738,28 @@ def test_step_metadata_goes_with_the_save_it_makes(tmp_path: Path, async_save: b
                       retention=Retention(keep_last=1, keep_best=("loss", "min"), best_k=1)) as ckpt:
         with pytest.raises(TypeError, match="metadata must be a mapping"):
             ckpt.step(1, metadata=[("loss", 1.0)])  # type: ignore[arg-type]
+        # a tensor loss (no .item()) at a step that does not save: refused there, not by a save steps later
+        with pytest.raises(deltackpt.UnsupportedTypeError, match=r"'loss'.*\.item\(\)"):
+            ckpt.step(1, metadata={"loss": torch.tensor(0.5)})
         for n, loss in losses.items():
             ckpt.step(n, metadata={"loss": loss})
         ckpt.wait()
         infos = ckpt.store.list()
     assert [(i.step, i.metadata) for i in infos] == [(8, {"loss": 0.5}), (12, {"loss": 4.5})]
+
+
+def test_an_async_save_stores_the_metadata_as_it_was_at_its_step(tmp_path: Path) -> None:
+    """Nested metadata is copied at ``step()``: a loop that updates its own dict of results right after (as the
+    next evaluation does) does not change what the background save stores. Before, only the top level was
+    copied, and a model of many tensors (a slower save) stored the values of later steps."""
+    model = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(4)) for _ in range(2000)])
+    results: dict[str, Any] = {"eval": {"acc": 0.5, "step": 1}, "history": [0.5]}
+    with Checkpointer(tmp_path / "s", model=model, async_save=True, handle_signals=False) as ckpt:
+        ckpt.step(1, metadata=results)
+        results["eval"]["acc"], results["eval"]["step"] = 0.99, 2
+        results["history"].append(0.99)
+        ckpt.wait()
+        assert ckpt.store.info(1).metadata == {"eval": {"acc": 0.5, "step": 1}, "history": [0.5]}
 
 
 def test_restore_not_strict_leaves_what_the_checkpoint_lacks(tmp_path: Path) -> None:
