@@ -800,6 +800,7 @@ class Checkpointer:
                 "in deltackpt.data.ResumableLoader"
             )
         self.data = data
+        self._gc_min_bytes = config.gc_min_bytes()  # (a bad DELTACKPT_GC_MIN_BYTES is refused here, not at a save)
         # (opened once the arguments are known to be good: a refused Checkpointer creates no store)
         self._owns_store = not isinstance(path_or_store, Store)
         self.store = Store(path_or_store) if self._owns_store else path_or_store  # type: ignore[arg-type]
@@ -808,7 +809,6 @@ class Checkpointer:
         self.async_save = async_save
         self.retention = retention
         self.gc = gc
-        self._gc_min_bytes = config.gc_min_bytes()  # (a bad DELTACKPT_GC_MIN_BYTES is refused here, not at a save)
         self._dropped_bytes = 0  # bytes written by the checkpoints retention deleted or thinned since the last gc
         self.map_location = map_location
         self.last_saved_step: int | None = None

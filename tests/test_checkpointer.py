@@ -1853,17 +1853,31 @@ def test_a_retention_of_the_wrong_type_is_refused_before_any_save(fast_dir: Path
         assert s.list() == []
 
 
-def test_a_refused_checkpointer_creates_no_store(fast_dir: Path) -> None:
+def test_a_refused_checkpointer_creates_no_store(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Arguments are checked before the store is opened: a DataLoader passed as data= (it has no position to
-    save), an optimizer without state_dict, a bad interval or retention leave no store behind."""
+    save), an optimizer without state_dict, a bad interval or retention, a bad DELTACKPT_GC_MIN_BYTES leave no
+    store behind (and no file of one open: before, the last created the store and kept its index open)."""
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
     for kwargs, error in (({"data": loader}, "wrap a DataLoader in deltackpt.data.ResumableLoader"),
                           ({"optimizer": object()}, "object has no state_dict"),
                           ({"every_n_steps": 0}, "every_n_steps must be"),
-                          ({"retention": 3}, "retention must be")):
+                          ({"retention": 3}, "retention must be"),
+                          ({"env": "-1"}, "DELTACKPT_GC_MIN_BYTES")):
+        if "env" in kwargs:
+            monkeypatch.setenv("DELTACKPT_GC_MIN_BYTES", kwargs.pop("env"))
         with pytest.raises((TypeError, ValueError), match=error):
             Checkpointer(fast_dir / "store", model=torch.nn.Linear(2, 2), handle_signals=False, **kwargs)
         assert not (fast_dir / "store").exists()
+    gc.collect()
+    assert [t for t in map(_fd_target, os.listdir("/proc/self/fd")) if t.startswith(str(fast_dir))] == []
+
+
+def _fd_target(fd: str) -> str:
+    """What this process's file descriptor ``fd`` refers to ("" once it is closed)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
 
 
 def test_a_checkpoint_without_rng_states_is_refused_before_anything_is_restored(fast_dir: Path) -> None:
