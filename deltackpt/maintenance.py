@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import numbers
 import os
 import shutil
 import time
@@ -519,6 +520,10 @@ def gc(
     """
     if isinstance(repack_below, bool) or not isinstance(repack_below, (int, float)) or not 0 <= repack_below <= 1:
         raise ValueError(f"repack_below must be a fraction between 0 and 1, got {repack_below!r}")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
+        raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
+    if timeout is not None and not timeout >= 0:  # (NaN too: no deadline would ever pass)
+        raise ValueError(f"timeout must be at least 0 seconds, got {timeout!r}")
     _check_progress(progress)
     report = GcReport()
     with store._save_lock:

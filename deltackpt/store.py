@@ -1946,6 +1946,7 @@ class Store:
         those it would delete, deleting nothing). A checkpoint another process deletes meanwhile is passed over.
         ``full_last`` is refused here: thinning needs a Checkpointer's layout. Space returns with :meth:`gc`."""
         deleting_only(retention, "Store.retain does not thin checkpoints: a Checkpointer's retention does")
+        dry_run = config.boolean("dry_run", dry_run)
         if not dry_run:
             self._writable("retain")
         infos = self._listing()

@@ -362,6 +362,17 @@ def test_bad_settings_for_a_repair_leave_a_healthy_store_as_it_is(tmp_path: Path
         s.repair()
 
 
+def test_a_gc_timeout_of_the_wrong_type_or_range_is_refused_before_any_wait(tmp_path: Path) -> None:
+    """gc(timeout=) takes None or a number of seconds >= 0. Before, NaN waited for good on a busy store (no
+    deadline passes NaN) and "1" failed with float + str."""
+    with deltackpt.Store(tmp_path / "s") as s:
+        s.save({"w": torch.arange(3000.0)}, step=1)
+        for bad, error in ((float("nan"), ValueError), (-1, ValueError), ("1", TypeError), (True, TypeError)):
+            with pytest.raises(error, match="timeout must be"):
+                s.gc(timeout=bad)
+        assert s.gc(timeout=0.5).freed_bytes == 0 and s.gc(timeout=np.float64(1)).freed_bytes == 0
+
+
 def test_bad_settings_from_the_environment_name_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELTACKPT_ZSTD_LEVEL", "30")
     with pytest.raises(ValueError, match="DELTACKPT_ZSTD_LEVEL"):

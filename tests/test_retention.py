@@ -663,6 +663,10 @@ def test_store_retain_applies_a_policy_now(tmp_path: Path) -> None:
             s.retain(Retention(keep_last=2, full_last=1))
         with pytest.raises(TypeError, match="must be a deltackpt.Retention"):
             s.retain({"keep_last": 2})  # type: ignore[arg-type]
+        for switch in ("no", "False", 0):  # (before, the strings dry-ran and 0 deleted)
+            with pytest.raises(TypeError, match="dry_run must be True or False"):
+                s.retain(policy, dry_run=switch)  # type: ignore[arg-type]
+        assert len(s.list()) == 8
     with Store(tmp_path / "s", readonly=True) as ro:
         assert [i.step for i in ro.retain(policy, dry_run=True)] == [0, 1, 3, 4, 5]
         with pytest.raises(deltackpt.ReadOnlyStoreError):
