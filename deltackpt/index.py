@@ -105,7 +105,7 @@ class ChunkLoc:
         pack_id, offset, frame_len, codec, depth, base = LOC.unpack(raw)
         if key is not None:
             raw_len = int.from_bytes(key[16:], "big")
-            if len(key) != 16 + _CHUNK_LEN.size or offset >= MAX_OFFSET or not (
+            if len(key) != 16 + _CHUNK_LEN.size or not MIN_OFFSET <= offset < MAX_OFFSET or not (
                     _FRAME_HEADER <= frame_len <= max_frame_len(raw_len)):
                 raise CorruptIndexError(
                     f"index entry of chunk {key[:16].hex()}-{raw_len} is damaged (offset {offset}, frame length "
@@ -113,6 +113,8 @@ class ChunkLoc:
         return cls(pack_id.hex(), offset, frame_len, codec, depth, base)
 
 
+#: the smallest pack offset an index entry may hold (frames start after the pack's 16-byte header, format.md §4)
+MIN_OFFSET = 16
 #: the largest pack offset an index entry may hold (a file offset is a signed 64-bit number)
 MAX_OFFSET = 1 << 62
 

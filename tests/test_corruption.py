@@ -1249,6 +1249,27 @@ def test_an_index_frame_length_longer_than_its_frame_is_damage(store_path: Path)
         assert cid in {p.chunk_id for p in s.verify().problems}
 
 
+@pytest.mark.parametrize("offset", [0, 8, 15])
+def test_an_index_offset_inside_the_pack_header_is_index_damage(store_path: Path, offset: int) -> None:
+    """An index entry whose offset points into the pack's 16-byte header (no frame starts there, format.md §6)
+    is refused as a damaged index entry naming the chunk and the repair, as an offset past 2^62 is. Before, the
+    read went ahead and failed on the frame's magic, a chunk's damage rather than the index's."""
+    with _open(store_path) as s:
+        s.save({"a": _rand(3 * CS, 1)}, step=1)
+        cid, _ = min((c for cs in _chunks_of(s, 1).values() for c in cs), key=lambda c: c[1].offset)
+    key = bytes.fromhex(cid[:32]) + struct.pack(">I", int(cid[33:]))
+
+    def edit(txn: Any, db: Any) -> None:
+        value = bytearray(txn.get(key))
+        struct.pack_into("<Q", value, 16, offset)
+        txn.put(key, bytes(value))
+
+    _edit_index(store_path, "chunks", edit)
+    with _open(store_path) as s:
+        with pytest.raises(CorruptIndexError, match=f"index entry of chunk {cid} is damaged .*repair"):
+            s.load(1)
+
+
 @pytest.mark.parametrize("damage", ["entries_lost", "pack_id_field", "base_field", "codec_field", "record_lost"])
 def test_gc_on_a_damaged_index_frees_nothing_a_checkpoint_needs(store_path: Path, damage: str) -> None:
     """gc trusts the index to say what is live; where the index is damaged it must not free a chunk a retained
