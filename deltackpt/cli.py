@@ -569,6 +569,8 @@ def _best(text: str) -> tuple[str, str]:
 def cmd_keep(args: argparse.Namespace) -> int:
     from deltackpt.retention import Retention
 
+    if args.best_k != 1 and args.best is None:
+        raise ValueError("--best-k needs --best METRIC:min|max to rank by")
     policy = Retention(keep_last=args.last, keep_every=args.every, keep_within=args.within, keep_best=args.best,
                        best_k=args.best_k, keep_tagged=not args.no_tagged)
     if not policy.deletes_anything:

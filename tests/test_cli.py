@@ -723,7 +723,7 @@ def test_keep_applies_a_retention_policy_and_dry_run_changes_nothing(capsys: pyt
     ([], "give a rule that deletes"),
     (["--no-tagged"], "give a rule that deletes"),
     (["--last", "0"], "keep_last must be a positive int"),
-    (["--best-k", "2", "--last", "1"], "needs keep_best"),
+    (["--best-k", "2", "--last", "1"], "--best-k needs --best METRIC:min|max"),
 ])
 def test_keep_refuses_a_policy_that_deletes_nothing_or_is_bad(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                               three: dict[str, Any], argv: list[str],
