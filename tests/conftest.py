@@ -39,12 +39,14 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "plumbing: a test of process plumbing (signal handlers, exit hooks, the "
-                            "command line's entry points and pipes); see pytest_collection_modifyitems")
+                            "command line's entry points and pipes, process groups of DCP ranks); see "
+                            "pytest_collection_modifyitems")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``make test`` runs the suite once per kernel backend. The plumbing tests start Python processes and wait
-    on their signals and exits: which backend hashes and encodes is not what they test (the backends are tested
+    """``make test`` runs the suite once per kernel backend. The plumbing tests start Python processes (DCP's:
+    a process group of ranks) and wait on their signals and exits: which backend hashes and encodes is not what
+    they test (the backends are tested
     against each other elsewhere), and they are a third of the suite's time. The pass pinned to the pure-Python
     backend (``DELTACKPT_EXPECT_BACKEND=python``, whose companion pass runs them) skips them; any other run of
     the suite runs them, on whichever backend it has."""

@@ -66,6 +66,7 @@ def assert_state(got: dict[str, Any], want: dict[str, Any]) -> None:
     assert {k: got[k] for k in ("step", "tag", "sched")} == {k: want[k] for k in ("step", "tag", "sched")}
 
 
+@pytest.mark.plumbing
 def test_two_ranks_save_shards_and_load_resharded(tmp_path: Path) -> None:
     """Two ranks save a row-sharded matrix at steps 1 and 2; one process loads the full matrix of either step,
     and two ranks load it sharded by columns. Each rank's shards went into its own store."""
@@ -84,6 +85,7 @@ def test_two_ranks_save_shards_and_load_resharded(tmp_path: Path) -> None:
             assert s.verify().problems == []
 
 
+@pytest.mark.plumbing
 def test_a_crash_at_the_commit_leaves_the_previous_step_newest(tmp_path: Path) -> None:
     """The coordinator is killed (SIGKILL) where it would commit step 2: every rank's shards of step 2 are in
     their stores, yet the newest DCP checkpoint is step 1, intact, and step 2 can be saved again."""
@@ -109,6 +111,7 @@ def test_a_crash_at_the_commit_leaves_the_previous_step_newest(tmp_path: Path) -
     assert_state(load_full(root), expected(2))
 
 
+@pytest.mark.plumbing
 def test_ranks_that_load_the_newest_while_a_step_commits_do_not_mix_steps(tmp_path: Path) -> None:
     """Two ranks load the newest DCP checkpoint; step 2 commits after rank 0 read step 1's metadata and before
     rank 1 reads. Before, each rank loaded its own newest and dcp.load returned a state mixed of steps 1 and 2;
@@ -139,6 +142,7 @@ def test_ranks_that_load_the_newest_while_a_step_commits_do_not_mix_steps(tmp_pa
         assert r.returncode == 0 and "loaded step 2: ok" in r.stdout, r.stdout + r.stderr[-3000:]
 
 
+@pytest.mark.plumbing
 def test_ranks_that_save_alone_into_one_root_are_warned(tmp_path: Path) -> None:
     """dcp.save(no_dist=True) on every rank of a job: each process saves as rank 0, into the same rank store, and
     commits the step with its own shards, replacing the others'. It cannot be told from a process group of
@@ -223,6 +227,7 @@ def test_a_root_of_an_older_meta_format_still_loads(tmp_path: Path, fmt: int) ->
         assert s.list() == []
 
 
+@pytest.mark.plumbing
 def test_ranks_with_nothing_to_save_commit_no_checkpoint(tmp_path: Path) -> None:
     """Plain tensors and values, saved by two ranks: DCP plans every item for the coordinator, so rank 1 has
     nothing to write and commits nothing (before, it committed an empty checkpoint per step that no step named,
@@ -998,6 +1003,7 @@ def test_dcp_steps_keep_their_metadata_and_retention_keeps_the_best(tmp_path: Pa
         assert 9 not in [c.step for c in st.list()]
 
 
+@pytest.mark.plumbing
 def test_killed_ranks_saving_with_retention_lose_no_kept_step(tmp_path: Path) -> None:
     """Two ranks save step after step with keep_last=2 and gc after every retention, and both are SIGKILLed at
     random points (mid-save, mid-commit, mid-retention, mid-gc), then restarted after the newest step, three
