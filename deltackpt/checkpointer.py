@@ -57,6 +57,7 @@ from deltackpt.tree import (
     encode_registered,
     flatten,
     registered_types,
+    unstorable,
 )
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -639,8 +640,13 @@ class _Staging:
                 encoded = encode_registered(obj)  # encoded now, its tensors copied like any other
                 return Encoded(encoded.name, copy(encoded.value, path))
             if isinstance(obj, torch.Tensor):
-                if type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided:
-                    return obj  # Store.save raises the proper error for it
+                # (refused at the step, as a sync save refuses it, not by the background save; the rest of what
+                # unstorable() checks fails the copy below, and costs ~10 us a tensor to ask first)
+                why = (unstorable(obj) if type(obj) not in (torch.Tensor, torch.nn.Parameter)
+                       or obj.layout != torch.strided else None)
+                if why is not None:
+                    where = functools.reduce(child_path, path, "") or "<root>"
+                    raise UnsupportedTypeError(f"cannot store {where}: {why}")
                 key = alias_key(obj)
                 if key in seen:
                     return seen[key]

@@ -504,18 +504,9 @@ _SUB_BYTE = re.compile(r"u?int[1-7]")
 
 
 def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:
-    where = path or "<root>"
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        raise UnsupportedTypeError(f"cannot store {where}: tensor subclass {type(t).__qualname__}")
-    if t.layout != torch.strided:
-        raise UnsupportedTypeError(f"cannot store {where}: {t.layout} tensors are not supported")
-    if t.is_quantized or t.is_meta or t.is_nested:
-        raise UnsupportedTypeError(f"cannot store {where}: quantized, meta and nested tensors are not supported")
-    if t.dtype in QUANTIZED:
-        raise UnsupportedTypeError(f"cannot store {where}: dtype {t.dtype} is not supported")
-    if _SUB_BYTE.fullmatch(_dtype_name(t.dtype)) and not t.is_contiguous():
-        raise UnsupportedTypeError(f"cannot store {where}: torch cannot copy a non-contiguous {t.dtype} tensor "
-                                   "(to read its bytes); store a contiguous one")
+    why = unstorable(t)
+    if why is not None:
+        raise UnsupportedTypeError(f"cannot store {path or '<root>'}: {why}")
     return Leaf(
         path=path,
         obj=t,
@@ -528,6 +519,24 @@ def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:
         parameter=isinstance(t, torch.nn.Parameter),
         device=str(t.device),
     )
+
+
+def unstorable(t: torch.Tensor) -> str | None:
+    """Why a save cannot store the tensor ``t`` (what follows "cannot store <key path>: "), or None."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+            return ("it is an uninitialized parameter or buffer of a lazy module (torch.nn.LazyLinear, ...); run a "
+                    "forward pass before saving")
+        return f"tensor subclass {type(t).__qualname__}"
+    if t.layout != torch.strided:
+        return f"{t.layout} tensors are not supported"
+    if t.is_quantized or t.is_meta or t.is_nested:
+        return "quantized, meta and nested tensors are not supported"
+    if t.dtype in QUANTIZED:
+        return f"dtype {t.dtype} is not supported"
+    if _SUB_BYTE.fullmatch(_dtype_name(t.dtype)) and not t.is_contiguous():
+        return f"torch cannot copy a non-contiguous {t.dtype} tensor (to read its bytes); store a contiguous one"
+    return None
 
 
 def _numpy_leaf(a: np.ndarray, path: str) -> Leaf:

@@ -1560,23 +1560,27 @@ def test_restore_refused_for_an_ema_of_another_shape_changes_nothing(fast_dir: P
 
 def test_async_snapshot_refuses_what_a_save_refuses(fast_dir: Path) -> None:
     """The async snapshot of a state a save refuses (a container that contains itself, nesting past the limit, a
-    meta tensor, a sub-byte dtype torch cannot copy) raises the same UnsupportedTypeError naming the key path as
-    a synchronous save, not the staging copy's RecursionError or NotImplementedError."""
+    meta tensor, a sub-byte dtype torch cannot copy, a sparse tensor, a lazy module's uninitialized parameter)
+    raises the same UnsupportedTypeError naming the key path as a synchronous save, not the staging copy's
+    RecursionError or NotImplementedError, and at once (before, a sparse tensor or a tensor subclass was left to
+    the background save, whose error came a step later)."""
     cycle: dict[str, Any] = {"name": "run"}
     cycle["self"] = cycle
     deep: Any = 0
     for _ in range(2000):
         deep = [deep]
     odd = torch.arange(10, dtype=torch.uint8).reshape(5, 2).view(torch.uint4)[1:2, 0]
-    for n, value in enumerate([cycle, deep, torch.empty(3, device="meta"), odd]):
+    lazy = torch.nn.LazyLinear(3).weight
+    for n, value in enumerate([cycle, deep, torch.empty(3, device="meta"), odd, torch.eye(3).to_sparse(), lazy]):
         errors = []
         for async_save in (False, True):
             with deltackpt.Checkpointer(fast_dir / f"s{n}{async_save}", model=torch.nn.Linear(2, 2),
                                         extra={"cfg": value}, async_save=async_save, handle_signals=False) as ck:
                 with pytest.raises(deltackpt.UnsupportedTypeError, match=r"cannot store extra\.cfg") as exc:
-                    ck.save(1, wait=True)
+                    ck.save(1)
                 errors.append(str(exc.value))
         assert errors[0] == errors[1]
+    assert "lazy module" in errors[0] and "forward pass" in errors[0]
 
 
 def test_restore_does_not_pass_over_a_failing_registered_decoder(fast_dir: Path) -> None:
