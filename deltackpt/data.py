@@ -331,7 +331,9 @@ class ResumableLoader:
         if not isinstance(loader, DataLoader):
             raise TypeError(f"ResumableLoader wraps a torch DataLoader, got {type(loader).__name__}")
         if isinstance(loader.dataset, IterableDataset):
-            raise TypeError("ResumableLoader needs a map-style dataset; an IterableDataset has no sampler")
+            raise TypeError("ResumableLoader needs a map-style dataset; an IterableDataset has no sampler (pass a "
+                            "loader with state_dict()/load_state_dict(), such as torchdata's StatefulDataLoader, as "
+                            "data= instead)")
         if getattr(loader, "in_order", True) is False:
             raise ValueError(
                 "ResumableLoader needs in_order=True: with out-of-order batches the consumed samples are no "

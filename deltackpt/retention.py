@@ -49,7 +49,7 @@ class Retention:
     best_k        how many "best" checkpoints to keep (default 1)
     keep_within   keep every checkpoint younger than this many seconds
     full_last     if set, only the N most recent checkpoints keep the full training state; older kept ones are
-                  thinned to model weights only (for evaluation and rollback)
+                  thinned to model weights only (for evaluation; training cannot resume from one)
     """
 
     keep_last: int | None = None
