@@ -803,16 +803,33 @@ def retain(root: str | os.PathLike[str], retention: Retention, *, dry_run: bool 
 
 
 def _delete_ids(root: Path, ids: Sequence[str]) -> None:
-    """Delete the meta checkpoints ``ids`` (so their steps are gone at once), then the rank checkpoints they name."""
+    """Delete the meta checkpoints ``ids`` (so their steps are gone at once), then the rank checkpoints they name.
+    The rank stores they name are opened and listed first: one that cannot be (a lost index) is refused before a
+    step is deleted, rather than after its meta checkpoint is gone."""
     named: set[tuple[int, str]] = set()
     with _existing(root / "meta", "DCP checkpoints") as meta:
+        names: dict[str, set[tuple[int, str]]] = {}
         for cid in ids:
             try:
-                named |= _named(meta, cid)
-                meta.delete(id=cid)
+                names[cid] = _named(meta, cid)
             except CheckpointNotFoundError:
                 continue  # deleted meanwhile (another process's retention): its rank checkpoints are its to delete
+        _check_rank_stores(root, set().union(set(), *names.values()))
+        for cid, theirs in names.items():
+            try:
+                meta.delete(id=cid)
+            except CheckpointNotFoundError:
+                continue  # (as above)
+            named |= theirs
     _delete_rank_checkpoints(root, named)
+
+
+def _check_rank_stores(root: Path, which: set[tuple[int, str]]) -> None:
+    """Raise where a rank store that ``which`` names is there but cannot be opened and listed."""
+    for rank in sorted({r for r, _ in which}):
+        if (_rank_path(root, rank) / "STORE").exists():
+            with _existing(_rank_path(root, rank), f"rank {rank}'s shards", readonly=True) as store:
+                store.list()
 
 
 def prune(root: str | os.PathLike[str]) -> int:

@@ -372,6 +372,33 @@ def test_missing_checkpoints_are_named(tmp_path: Path) -> None:
     assert os.path.isdir(root / "rank-00000")
 
 
+@pytest.mark.parametrize("how", ["delete", "retain"])
+def test_deleting_steps_with_a_rank_store_that_cannot_be_read_deletes_nothing(tmp_path: Path, how: str) -> None:
+    """A step's delete (``deltackpt dcp ROOT --rm``, ``keep ROOT``) whose rank store lost its index is refused
+    before anything is deleted. Before, the meta checkpoints went first, then the rank store raised: the
+    command failed, and the steps were gone."""
+    from conftest import dir_snapshot
+
+    from deltackpt import distributed
+
+    root = tmp_path / "ckpt"
+    w = DeltaStorageWriter(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (1, 2, 3):
+            w.step = step
+            dcp.save({"x": torch.full((100,), float(step))}, storage_writer=w)
+    w.close()
+    (root / "rank-00000" / "index" / "data.mdb").unlink()
+    before = dir_snapshot(root)
+    with pytest.raises(deltackpt.CorruptIndexError, match="rank-00000"):
+        if how == "delete":
+            distributed.delete(root, 1)
+        else:
+            distributed.retain(root, deltackpt.Retention(keep_last=1))
+    assert dir_snapshot(root) == before and distributed.steps(root) == [1, 2, 3]
+
+
 def test_steps_and_delete(tmp_path: Path) -> None:
     from deltackpt import distributed
 
