@@ -577,7 +577,11 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
             continue
         live_bytes = sum(loc.frame_len for _, loc in live_entries)
         frames = size - packs.PACK_HEADER.size  # (a pack whose frames are all live is not sparse, at 1.0 too)
-        if frames > 0 and live_bytes / frames < repack_below:
+        # A pack that lost its tail (live frames past its end) goes to the repack too, whose copy reports the lost
+        # frames as damage (damaged_packs), rather than being passed over without a word: its lost frames counted
+        # as live bytes, so it never looked sparse.
+        lost = any(loc.offset + loc.frame_len > size for _, loc in live_entries)
+        if frames > 0 and (lost or live_bytes / frames < repack_below):
             to_repack.append(pack_id)
     # Live chunks whose entry names a pack that does not exist: the pack was lost, or the entry is damaged (one
     # flipped bit in its pack id) and the frame is in another pack, maybe one gc is about to free. The entry has

@@ -1162,20 +1162,28 @@ def test_damaged_parent_does_not_spread_into_new_saves(store_path: Path) -> None
             s.load(2)
 
 
-@pytest.mark.parametrize("header", [False, True], ids=["payload", "header"])
-def test_gc_leaves_a_sparse_pack_with_a_damaged_live_frame_and_goes_on(store_path: Path, header: bool) -> None:
+@pytest.mark.parametrize("damage", ["payload", "header", "tail_lost"])
+def test_gc_leaves_a_sparse_pack_with_a_damaged_live_frame_and_goes_on(store_path: Path, damage: str) -> None:
     """Repacking copies live frames; a damaged one is not copied (the damage would spread into the new pack)
     and does not fail gc either: that pack stays as it is, named in the report, while everything else gc does
     (dropping dead chunks) is done. The checkpoint that needs the frame still reports the damage; the others
-    still load."""
+    still load. A pack that lost its tail, live frames with it, is repacked and reported the same way (before,
+    its lost frames counted as live bytes: it never looked sparse, and gc passed over it without a word)."""
+    header = damage == "header"
     a, b, c = (_rand(3 * CS, seed) for seed in range(3))
     with _open(store_path) as s:
         s.save({"a": a}, step=1)
         s.save({"a": a, "b": b}, step=2)
+    with _open(store_path) as s:  # (c in a pack of its own)
         s.save({"c": c}, step=3)
         s.delete(step=2)  # b's chunks die: the pack is sparse
         (_, loc), *_ = _chunks_of(s, 1)["a"]
-    _flip(_pack_path(store_path, loc), loc.offset + loc.frame_len - 1)
+        if damage == "tail_lost":  # the pack ends inside a's first frame: its later frames are gone too
+            loc = max((c[1] for c in _chunks_of(s, 1)["a"]), key=lambda loc: loc.offset)
+    if damage == "tail_lost":
+        os.truncate(_pack_path(store_path, loc), loc.offset + 10)
+    else:
+        _flip(_pack_path(store_path, loc), loc.offset + loc.frame_len - 1)
     if header:  # garbage over the header that reads as an unknown version (the length is out of range too)
         with open(_pack_path(store_path, loc), "r+b") as f:
             f.seek(loc.offset + 4)
