@@ -502,7 +502,7 @@ def cmd_du(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s, progress("verify") as bar:
-        which = _which(args.checkpoint, s) if args.checkpoint else {}
+        which = _which(args.checkpoint, s) if args.checkpoint is not None else {}  # ("" is no checkpoint)
         if args.checkpoint == "latest":
             which = {"id": s.info().id}
         report = s.verify(progress=bar, **which)
@@ -546,7 +546,8 @@ def _gc_problems(r: maintenance.GcReport, where: str, verify: str) -> int:
     return 1 if r.repack_stopped or r.damaged_packs else 0
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)([smhdw]?)")
+#: a duration (a negative one is well-formed: Retention refuses it as out of range, status 1)
+_DURATION = re.compile(r"(-?(?:\d+(?:\.\d*)?|\.\d+))([smhdw]?)")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -744,9 +745,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         def write(tmp: Path) -> None:
             torch.save(state, tmp)
     else:
-        raise DeltackptError(f"cannot export to {dest.name}: use a .pt or .safetensors file name")
-    if dest.is_dir():
-        raise DeltackptError(f"cannot export to {dest}: it is a directory")
+        raise DeltackptError(f"cannot export to {args.file}: use a .pt or .safetensors file name")
+    if dest.is_dir() or args.file.endswith(os.sep):  # (Path drops a trailing /, which names a directory)
+        raise DeltackptError(f"cannot export to {args.file}: it is a directory")
     parent = Path(os.path.realpath(dest)).parent
     if not parent.is_dir():  # (checked here: the writers' own messages call a file "a missing directory")
         what = "is not a directory" if parent.exists() else "does not exist"

@@ -724,6 +724,7 @@ def test_keep_applies_a_retention_policy_and_dry_run_changes_nothing(capsys: pyt
     (["--no-tagged"], "give a rule that deletes"),
     (["--last", "0"], "keep_last must be a positive int"),
     (["--best-k", "2", "--last", "1"], "--best-k needs --best METRIC:min|max"),
+    (["--within=-5m"], "keep_within must be a finite number of seconds >= 0"),  # (before: a usage error, 2)
 ])
 def test_keep_refuses_a_policy_that_deletes_nothing_or_is_bad(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                               three: dict[str, Any], argv: list[str],
@@ -1120,7 +1121,7 @@ def test_unknown_step(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_
     assert ls_pairs(capsys, store_path) == sorted(three["ids"].items())
 
 
-@pytest.mark.parametrize("bad", ["../x", "..", "/etc/passwd", "0123456789ABCDEF", "0123456789abcdef0", "lates"])
+@pytest.mark.parametrize("bad", ["../x", "..", "/etc/passwd", "0123456789ABCDEF", "0123456789abcdef0", "lates", ""])
 @pytest.mark.parametrize("args", _CHECKPOINT_COMMANDS, ids=lambda a: a[0])
 def test_bad_checkpoint_id(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path, args: list[str],
                            bad: str, three: dict[str, Any]) -> None:
@@ -1356,6 +1357,15 @@ def test_export_under_a_regular_file_says_so(capsys: pytest.CaptureFixture[str],
     assert rc == 1
     assert_one_line_error(err, f"{tmp_path / 'missing'} does not exist")
     assert not (tmp_path / "missing").exists() and (tmp_path / "plain").read_text() == ""
+    # a trailing / names a directory (before, o.pt/ wrote the file o.pt); a refused name is named as given
+    # (before, "." and a directory were named by their last component, "" for ".")
+    for dest, needle in ((f"{tmp_path / 'o.pt'}/", f"cannot export to {tmp_path / 'o.pt'}/: it is a directory"),
+                         (".", "cannot export to .: use a .pt or .safetensors file name"),
+                         (str(tmp_path), f"cannot export to {tmp_path}: use a .pt")):
+        rc, _, err = cli(capsys, "export", store_path, "1", dest)
+        assert rc == 1
+        assert_one_line_error(err, needle)
+    assert not (tmp_path / "o.pt").exists()
     for cmd in ("ls", "du"):
         rc, _, err = cli(capsys, cmd, "")
         assert rc == 1
