@@ -578,8 +578,9 @@ def cmd_keep(args: argparse.Namespace) -> int:
         raise ValueError("give a rule that deletes: --last, --every, --within or --best (the others only keep)")
     verb = "would delete" if args.dry_run else "deleted"
     root = Path(args.store)
-    parent = root.resolve().parent if args.store else root
-    if (parent / "meta" / "STORE").exists() and re.fullmatch(r"meta|rank-\d{5,}", root.resolve().name):
+    real = Path(os.path.realpath(root))  # (not Path.resolve(): a symbolic link loop is the store open's to name)
+    parent = real.parent if args.store else root
+    if (parent / "meta" / "STORE").exists() and re.fullmatch(r"meta|rank-\d{5,}", real.name):
         raise DeltackptError(f"{args.store} is a store of the sharded (DCP) root {parent}: thinning it alone would "
                              f"break the steps that name its checkpoints; 'deltackpt keep {parent}' thins the "
                              "root's steps")

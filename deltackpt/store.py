@@ -2061,6 +2061,8 @@ def read_store_file(path: Path) -> int:
     cfg_path = path / "STORE"
     try:
         cfg = json.loads(cfg_path.read_text())
+        if type(cfg) is not dict:
+            raise ValueError(f"a JSON {type(cfg).__name__}, not an object")
         fmt, version, cs = cfg["format"], cfg["version"], cfg["chunk_size"]
         if type(version) is not int or version < 1 or type(cs) is not int:  # ("1", 1.9, true: damage)
             raise ValueError(f"version {version!r:.40}, chunk_size {cs!r:.40}")

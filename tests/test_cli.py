@@ -1086,22 +1086,27 @@ def test_resume_info_plain_store(capsys: pytest.CaptureFixture[str], store_path:
 
 _READ_COMMANDS = [
     ["ls"], ["show", "1"], ["diff", "1", "2"], ["get", "1", "w"], ["log"], ["du"], ["verify"], ["verify", "1"],
-    ["rm", "1"], ["gc"], ["repair"], ["export", "1", "OUT"], ["resume-info"],
+    ["rm", "1"], ["gc"], ["repair"], ["export", "1", "OUT"], ["resume-info"], ["keep", "--last", "1"],
 ]
 
 
-@pytest.mark.parametrize("exists", [False, True], ids=["missing", "empty-dir"])
+@pytest.mark.parametrize("exists", [False, True, "loop"], ids=["missing", "empty-dir", "link-loop"])
 @pytest.mark.parametrize("args", _READ_COMMANDS, ids=lambda a: "-".join(a))
-def test_not_a_store(capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], exists: bool) -> None:
+def test_not_a_store(capsys: pytest.CaptureFixture[str], tmp_path: Path, args: list[str], exists: Any) -> None:
+    """Every command names a path that holds no store the same way (before, keep on a symbolic link loop
+    printed pathlib's 'Symlink loop from ...')."""
     path = tmp_path / "nothing"
-    if exists:
+    if exists == "loop":
+        (tmp_path / "other").symlink_to(path)
+        path.symlink_to(tmp_path / "other")
+    elif exists:
         path.mkdir()
     dest = tmp_path / "out.pt"
     argv = [args[0], path, *(dest if a == "OUT" else a for a in args[1:])]
     rc, out, err = cli(capsys, *argv)
     assert rc == 1 and out == ""
     assert_one_line_error(err, "not a deltackpt store")
-    assert path.exists() == exists and not (path / "STORE").exists()
+    assert path.exists() == (exists is True) and not (path / "STORE").exists()
     assert not dest.exists()
 
 
