@@ -791,6 +791,9 @@ def cmd_import(args: argparse.Namespace) -> int:
                 warnings.simplefilter("ignore", UserWarning)
                 state = torch.load(src, map_location="cpu", weights_only=True)
         except Exception as exc:
+            if not _like_torch_save(src):  # (torch's own words for that are an unpickler's: "101")
+                raise DeltackptError(f"{src} is not a torch.save file (neither its zip format nor a legacy "
+                                     "pickle)") from None
             raise DeltackptError(
                 f"{src} cannot be read with torch.load(weights_only=True): {_weights_only_reason(exc)} "
                 "(deltackpt never unpickles arbitrary objects)"
@@ -810,6 +813,16 @@ def cmd_import(args: argparse.Namespace) -> int:
 def _first_line(exc: BaseException) -> str:
     text = _ANSI.sub("", str(exc)).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _like_torch_save(path: Path) -> bool:
+    """Whether the file starts as torch.save writes: a zip archive, or (before torch 1.6) a pickle."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return True  # (the load's own error names that)
+    return head.startswith((b"PK\x03\x04", b"\x80"))
 
 
 def _weights_only_reason(exc: BaseException) -> str:

@@ -988,6 +988,22 @@ def test_import_damaged_safetensors_is_a_one_line_error(capsys: pytest.CaptureFi
     assert dir_snapshot(store_path) == before
 
 
+@pytest.mark.parametrize("content", [b"hello world\n", b"", b"PK\x03\x04 not really a zip"])
+def test_import_of_a_file_torch_save_did_not_write_says_so(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                           tmp_path: Path, three: dict[str, Any],
+                                                           content: bytes) -> None:
+    """A text file (or an empty one) given to import is named as no torch.save file; before, the message was
+    torch's unpickler's '101'. A file that starts as a zip archive gets torch's reason."""
+    src = tmp_path / "in.pt"
+    src.write_bytes(content)
+    before = dir_snapshot(store_path)
+    rc, out, err = cli(capsys, "import", store_path, src, "--step", 9)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "is not a torch.save file" if not content.startswith(b"PK") else
+                          "cannot be read with torch.load(weights_only=True)")
+    assert dir_snapshot(store_path) == before
+
+
 # -- resume-info -----------------------------------------------------------------------------------------
 
 
