@@ -1343,6 +1343,8 @@ class Checkpointer:
         for i, (sig, handler) in enumerate(_forward):  # handed over by a checkpointer stepped on another thread
             if sig == signum:
                 del _forward[i]
+                if handler is signal.default_int_handler:  # Python's Ctrl-C: its KeyboardInterrupt would end the
+                    handler = signal.SIG_DFL  # main thread only, and the loop's thread would train on
                 _pass_to(handler, signum, frame, kill=True)
                 return
         if os.getpid() != self._pid:  # inherited by a forked child (a Pool's, a DataLoader's worker): nothing
