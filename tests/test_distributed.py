@@ -382,13 +382,7 @@ def test_deleting_steps_with_a_rank_store_that_cannot_be_read_deletes_nothing(tm
     from deltackpt import distributed
 
     root = tmp_path / "ckpt"
-    w = DeltaStorageWriter(root)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for step in (1, 2, 3):
-            w.step = step
-            dcp.save({"x": torch.full((100,), float(step))}, storage_writer=w)
-    w.close()
+    _save_steps(root, (1, 2, 3))
     (root / "rank-00000" / "index" / "data.mdb").unlink()
     before = dir_snapshot(root)
     with pytest.raises(deltackpt.CorruptIndexError, match="rank-00000"):
