@@ -104,6 +104,9 @@ def _pass_to(handler: Any, signum: int, frame: Any, *, kill: bool = False) -> No
         raise SystemExit(128 + signum)
 
 
+#: seconds a loop's thread that handed a process-ending signal to the main thread waits for the end
+_ENDING_WAIT = 30.0
+
 #: checkpointers with async saves, for :func:`_finish_saves_at_exit`
 _async: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 _exit_hook = threading.Lock()
@@ -1389,6 +1392,7 @@ class Checkpointer:
         128 + signal; a handler that returns, or SIG_IGN, lets the run go on, still watching."""
         signals = list(_delivered) or [signum]
         _end_round()
+        ending = False  # a signal handed to the main thread whose default action ends the process
         for sig in signals:
             handler = beneath[sig] if beneath is not None and sig in beneath else self._beneath(sig)
             if threading.current_thread() is not threading.main_thread():
@@ -1397,8 +1401,13 @@ class Checkpointer:
                     # to the main thread, which runs the handler installed (it passes the signal on) at once, even
                     # in a join() of this thread (a signal raised here would interrupt nothing there)
                     signal.pthread_kill(threading.main_thread().ident or 0, sig)
+                    ending |= handler is signal.default_int_handler or not callable(handler)
                 continue
             _pass_to(handler, sig, None)
+        if ending:
+            # this (the loop's) thread waits for the end rather than train on while the main thread gets to run
+            # the handler (a step or more on a busy machine); bounded, should the main thread be held up for good
+            threading.Event().wait(_ENDING_WAIT)
 
 
 __all__ = ["Checkpointer", "rng_state", "set_rng_state"]
