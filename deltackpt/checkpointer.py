@@ -112,6 +112,9 @@ _async: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 _exit_hook = threading.Lock()
 _exit_hooked = False
 
+#: the checkpointer whose restore last put back the process's RNG states, and the step they came from
+_rng_owner: tuple[weakref.ref[Checkpointer], int] | None = None
+
 
 def _finish_saves_at_exit() -> None:
     """Wait for every async save still in flight when the main thread ends (no ``close()``: an exception, a
@@ -568,6 +571,16 @@ def _checkpointer_layout(state: Any) -> bool:
     return isinstance(state, Mapping) and "step" in state and "model" in state
 
 
+def _caller_level() -> int:
+    """The ``warnings.warn`` stacklevel, for the function that calls this, of the first frame outside deltackpt
+    (the training script's call, however deep inside the package the warning is decided)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _has_rng(state: Mapping[str, Any]) -> bool:
     """Whether a captured state (or its skeleton) holds the RNG states :func:`set_rng_state` puts back."""
     rng = state.get("rng")
@@ -770,6 +783,9 @@ class Checkpointer:
         the handler installed before (default action: exit with status 128+signal).
     map_location: passed to :meth:`Store.load` by :meth:`restore` (default ``"cpu"``; ``load_state_dict``
         moves values to the parameters' devices).
+    rng: save the process's RNG states (Python, NumPy, torch CPU and CUDA) and put them back on restore. The
+        states are the process's, not this checkpointer's: of several checkpointers of one loop, give all but
+        one ``rng=False``, or a restore of one to another step than the other's winds them to that step.
     """
 
     def __init__(
@@ -788,10 +804,12 @@ class Checkpointer:
         gc: bool = True,
         handle_signals: bool = True,
         map_location: Any = "cpu",
+        rng: bool = True,
     ) -> None:
         if type(every_n_steps) is not int or every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
-        for name, value in (("async_save", async_save), ("gc", gc), ("handle_signals", handle_signals)):
+        for name, value in (("async_save", async_save), ("gc", gc), ("handle_signals", handle_signals),
+                            ("rng", rng)):
             config.boolean(name, value)
         if extra is not None and not isinstance(extra, Mapping):
             raise TypeError(f"extra must be a dict of names to values or stateful objects, got "
@@ -820,6 +838,7 @@ class Checkpointer:
         self.gc = gc
         self._dropped_bytes = 0  # bytes written by the checkpoints retention deleted or thinned since the last gc
         self.map_location = map_location
+        self.rng = rng
         self.last_saved_step: int | None = None
         self.last_info: CheckpointInfo | None = None
         self._staging = _Staging()
@@ -848,7 +867,7 @@ class Checkpointer:
         extra: dict[str, Any] = {}
         for k, v in self.extra.items():
             extra[k] = v.state_dict() if _stateful(v) else v
-        return {
+        state = {
             "step": step,
             "model": _group_state(self.model),
             "optimizer": _group_state(self.optimizer),
@@ -856,8 +875,10 @@ class Checkpointer:
             "scaler": _group_state(self.scaler),
             "data": self.data.state_dict() if self.data is not None else None,
             "extra": extra,
-            "rng": rng_state(),
         }
+        if self.rng:
+            state["rng"] = rng_state()
+        return state
 
     def _check(self, state: Any, live_model: Any = None, *, strict: bool = True) -> list[str]:
         """Raise unless ``state`` (a captured state, or its skeleton with tensor entries in place of tensors)
@@ -907,7 +928,7 @@ class Checkpointer:
                 _fit_check(v, saved_extra[k], f"extra[{k!r}]")
             elif not _stateful(v):
                 _extra_check(v, saved_extra[k], f"extra[{k!r}]")
-        if not _has_rng(state):
+        if self.rng and not _has_rng(state):
             if strict:
                 raise DeltackptError("the checkpoint holds no RNG states ('rng' with 'python', 'numpy' and 'torch')")
             lacking.append("rng")
@@ -936,9 +957,24 @@ class Checkpointer:
                 v.load_state_dict(saved_extra[k])
             else:  # (into the run's own tensors and containers, which its training loop holds)
                 self.extra[k] = _put_back(v, saved_extra[k])
-        if strict or _has_rng(state):
-            set_rng_state(state["rng"])
+        if self.rng and (strict or _has_rng(state)):
+            self._put_rng_back(state["rng"], int(state["step"]))
         return int(state["step"])
+
+    def _put_rng_back(self, rng: Mapping[str, Any], step: int) -> None:
+        """Set the process's RNG states from a checkpoint of ``step``, warning when another open checkpointer
+        put back those of another step before (a loop's second checkpointer, whose own restore of an older step
+        would wind them back silently: every random draw after the resume would repeat earlier ones)."""
+        global _rng_owner
+        before = _rng_owner[0]() if _rng_owner is not None else None
+        if before is not None and before is not self and not before._closed and _rng_owner[1] != step:
+            warnings.warn(
+                f"deltackpt: restoring step {step} from {self.store.path} winds the process's RNG states back to "
+                f"that step, over those of step {_rng_owner[1]} restored from {before.store.path}; random draws "
+                "after the resume will differ from the uninterrupted run's. Give all but one of a loop's "
+                "checkpointers rng=False", RuntimeWarning, stacklevel=_caller_level())
+        set_rng_state(rng)
+        _rng_owner = (weakref.ref(self), step)
 
     def _fits(self, data_state: Any) -> bool:
         """Whether this run's loader takes ``data_state`` (one without ``check_state_dict`` is assumed to)."""

@@ -1910,6 +1910,47 @@ def test_a_checkpoint_without_rng_states_is_refused_before_anything_is_restored(
         assert torch.equal(rng_before, torch.get_rng_state())
 
 
+def _two_checkpointer_run(root: Path, start: int, end: int, *, side_rng: bool) -> list[float]:
+    """A loop with a model checkpointer saving every step and an EMA one every 2 (``side_rng`` for the EMA's
+    ``rng=``): restore both if ``start``, then train to ``end``; the draws of the loop (dropout, say)."""
+    model, opt = _small()
+    ema = torch.optim.swa_utils.AveragedModel(model)
+    draws = []
+    with Checkpointer(root / "main", model=model, optimizer=opt, async_save=False, handle_signals=False) as main, \
+            Checkpointer(root / "ema", model=ema, every_n_steps=2, async_save=False, handle_signals=False,
+                         rng=side_rng) as side:
+        if start:
+            assert main.restore() == start
+            assert side.restore() == start - start % 2
+        for step in range(start + 1, end + 1):
+            draws.append(torch.rand(()).item())
+            _train_step(model, opt)
+            ema.update_parameters(model)
+            main.step(step)
+            side.step(step)
+    return draws
+
+
+def test_a_second_checkpointer_restored_to_another_step_warns_and_rng_false_resumes_exactly(fast_dir: Path) -> None:
+    """The RNG states are the process's. Two checkpointers of one loop restored to different steps (an EMA saved
+    every 2 steps, a model every step; stopped at step 3): the EMA's restore wound them back to step 2, silently,
+    and every draw after the resume repeated earlier ones. That restore now warns; with ``rng=False`` the EMA's
+    checkpointer neither saves nor restores them, and the resumed run draws as the uninterrupted one."""
+    ref = _two_checkpointer_run(fast_dir / "ref", 0, 6, side_rng=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = _two_checkpointer_run(fast_dir / "a", 0, 3, side_rng=False)
+        assert first + _two_checkpointer_run(fast_dir / "a", 3, 6, side_rng=False) == ref
+    _two_checkpointer_run(fast_dir / "b", 0, 3, side_rng=True)
+    with pytest.warns(RuntimeWarning, match=r"step 2 from .*ema winds the process's RNG states back.* over those "
+                                            r"of step 3 .*rng=False") as caught:
+        rest = _two_checkpointer_run(fast_dir / "b", 3, 6, side_rng=True)
+    assert caught[0].filename == __file__  # (pointed at the restore() call, not inside deltackpt)
+    assert first + rest != ref
+    with Store(fast_dir / "a" / "ema") as store:
+        assert "rng" not in store.load(step=2)
+
+
 def test_a_resumed_run_writes_a_damaged_chunk_again_rather_than_deduplicating_onto_it(fast_dir: Path) -> None:
     """Chunks only the newest checkpoint holds are damaged: restore() resumes from the one before, and the rerun
     of that step saves the same bytes. The save writes the damaged chunks again, standalone (it deduplicated
