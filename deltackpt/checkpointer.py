@@ -775,10 +775,11 @@ class Checkpointer:
     async_save: snapshot in :meth:`step` and save in a background thread (at most one save in flight).
     retention: a :class:`Retention` policy applied after each committed save.
     gc: with a retention policy, reclaim the space of what it deleted or thinned: after a save whose retention
-        brings the bytes those checkpoints wrote (since the last gc) to a quarter of what the kept ones wrote,
-        and at least 64 MiB, run :meth:`Store.gc` right there (on the save thread: in the background when
-        ``async_save``), except after the save at a signal (the process is about to end). False leaves that to
-        you (``deltackpt gc STORE`` from another process, say).
+        brings the bytes that the checkpoints deleted or thinned since the store's last gc wrote (the store
+        counts them, whichever process deleted them: a job restarted often adds up) to a quarter of what the
+        kept ones wrote, and at least 64 MiB, run :meth:`Store.gc` right there (on the save thread: in the
+        background when ``async_save``), except after the save at a signal (the process is about to end). False
+        leaves that to you (``deltackpt gc STORE`` from another process, say).
     handle_signals: on SIGTERM/SIGINT save at the next step boundary, wait for it, then hand the signal to
         the handler installed before (default action: exit with status 128+signal).
     map_location: passed to :meth:`Store.load` by :meth:`restore` (default ``"cpu"``; ``load_state_dict``
@@ -836,7 +837,9 @@ class Checkpointer:
         self.async_save = async_save
         self.retention = retention
         self.gc = gc
-        self._dropped_bytes = 0  # bytes written by the checkpoints retention deleted or thinned since the last gc
+        #: the store's count of bytes dropped since its last gc (Index.dropped_bytes) that stands for none here:
+        #: where a gc failed, so that it is tried again once as much more is dropped, not at every save
+        self._gc_floor = 0
         self.map_location = map_location
         self.rng = rng
         self.last_saved_step: int | None = None
@@ -1138,21 +1141,24 @@ class Checkpointer:
         plan = self.retention.plan(infos)
         by_id = {i.id: i for i in infos}
         for cid in plan.delete:
-            try:
+            with contextlib.suppress(CheckpointNotFoundError):
                 self.store.delete(id=cid)
-            except CheckpointNotFoundError:
-                continue
-            self._dropped_bytes += by_id[cid].written_bytes
         head = self.store._head  # loading a checkpoint to thin it must not change what the run descends from
         try:
-            self._dropped_bytes += sum(by_id[cid].written_bytes for cid in self._thin(plan.thin, by_id))
+            self._thin(plan.thin, by_id)
         finally:
             self.store._head = head
+        if not (collect and self.gc):
+            return
+        # The store counts what deletes and rewrites dropped since its last gc (any process's: a job restarted
+        # every few hundred steps drops less than the threshold in each process, and its garbage added up)
+        dropped = self.store.index.dropped_bytes()
+        self._gc_floor = min(self._gc_floor, dropped)  # (a gc elsewhere zeroed it)
         kept = sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete))
-        if collect and self.gc and self._dropped_bytes >= max(self._gc_min_bytes, kept // 4):
-            self._collect()
+        if dropped - self._gc_floor >= max(self._gc_min_bytes, kept // 4):
+            self._collect(dropped)
 
-    def _collect(self) -> None:
+    def _collect(self, dropped: int) -> None:
         """gc after retention. Its trouble is not the save's: the checkpoint is committed, and training goes on.
         A store another process holds for longer than a moment (its gc, a repair) is tried again at the next
         save; damage gc found is a warning."""
@@ -1161,11 +1167,11 @@ class Checkpointer:
         except StoreLockedError:
             return
         except (DeltackptError, OSError) as exc:
-            self._dropped_bytes = 0  # (tried again once as much more is dropped)
+            self._gc_floor = dropped  # (tried again once as much more is dropped)
             warnings.warn(f"deltackpt: gc after retention failed, what retention deleted still takes its space "
                           f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
             return
-        self._dropped_bytes = 0
+        self._gc_floor = 0
         if report.damaged_packs:
             warnings.warn(f"deltackpt: gc after retention left {len(report.damaged_packs)} pack(s) holding damaged "
                           f"frames in place: {report.damaged_packs[0]}; 'deltackpt verify' names the checkpoints",

@@ -495,6 +495,7 @@ def cmd_du(args: argparse.Namespace) -> int:
              + (f" ({predicted[1] / predicted[2]:.2f}x)" if predicted[2] else "")),
             ("deepest chain (frames a decode reads, <= max_chain + 1)", str(deepest + 1) if n_chunks else "-"),
             ("dead bytes in packs (what gc --repack-below 1 frees)", human(max(0, packs_bytes - frames))),
+            ("written by checkpoints deleted or thinned since the last gc", human(s.index.dropped_bytes())),
         ]
         print(table(rows, ["", ""]))
     return 0

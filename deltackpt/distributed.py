@@ -24,6 +24,7 @@ strings, lists, dicts, ...) and keeps the pickle only for the others; loading a 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -161,7 +162,8 @@ class DeltaStorageWriter(StorageWriter):
     commit: the coordinator deletes the meta checkpoints of the steps it drops (the steps
     are gone at once), and each rank, at its next save, deletes its own checkpoints that no step names any more
     (as :func:`prune` does). With ``gc`` (default), each store is then collected once what was deleted from it
-    wrote at least 64 MiB and a quarter of what it keeps, as a :class:`~deltackpt.Checkpointer` does. A step that
+    since its last gc (the store counts it, across restarts) wrote at least 64 MiB and a quarter of what it
+    keeps, as a :class:`~deltackpt.Checkpointer` does. A step that
     ``keep_every`` keeps for good while saves come more often is saved as a keyframe (:meth:`_kept_for_good`).
     Trouble in retention or gc is a warning, not a failed save: the step is committed before either runs.
     """
@@ -180,7 +182,8 @@ class DeltaStorageWriter(StorageWriter):
         self._gc_min_bytes = config.gc_min_bytes()
         self.store_options = store_options
         self._stores: dict[Path, Store] = {}
-        self._dropped: dict[Path, int] = {}  # per store: bytes its deleted checkpoints wrote since its last gc
+        #: per store: its count of bytes dropped since its last gc that stands for none here (where a gc failed)
+        self._gc_floor: dict[Path, int] = {}
 
     def _store(self, path: Path) -> Store:
         s = self._stores.get(path)
@@ -312,11 +315,8 @@ class DeltaStorageWriter(StorageWriter):
                            allow_network_fs=self.store_options.get("allow_network_fs")) as meta:
                 named = set().union(set(), *(_named(meta, i.id) for i in meta.list()))
             for c in _unnamed(store._listing(), _mine(store, rank, named)):
-                try:
+                with contextlib.suppress(CheckpointNotFoundError):
                     store.delete(id=c.id)
-                except CheckpointNotFoundError:
-                    continue
-                self._dropped[store.path] = self._dropped.get(store.path, 0) + c.written_bytes
             self._collect(store)
         except (DeltackptError, OSError) as exc:
             warnings.warn(f"deltackpt: DCP retention on rank {rank} failed; the checkpoints of dropped steps stay "
@@ -327,18 +327,22 @@ class DeltaStorageWriter(StorageWriter):
         """gc ``store`` once what retention deleted from it is worth a pass (see the class docstring)."""
         from deltackpt.checkpointer import GC_WAIT
 
-        dropped = self._dropped.get(store.path, 0)
-        floor = self._gc_min_bytes
-        if not self.gc or dropped == 0 or dropped < max(floor, sum(i.written_bytes for i in store._listing()) // 4):
+        if not self.gc:
+            return
+        # (the store counts what was deleted since its last gc, across restarts of the job: Checkpointer's rule)
+        dropped = store.index.dropped_bytes()
+        floor = self._gc_floor[store.path] = min(self._gc_floor.get(store.path, 0), dropped)
+        kept = sum(i.written_bytes for i in store._listing())
+        if dropped - floor == 0 or dropped - floor < max(self._gc_min_bytes, kept // 4):
             return
         try:
             report = store.gc(timeout=GC_WAIT)
         except StoreLockedError:
             return  # another process's gc or repair: tried again at the next save
         except (DeltackptError, OSError):
-            self._dropped[store.path] = 0  # (tried again once as much more is dropped)
+            self._gc_floor[store.path] = dropped  # (tried again once as much more is dropped)
             raise
-        self._dropped[store.path] = 0
+        self._gc_floor[store.path] = 0
         if report.damaged_packs:
             warnings.warn(f"deltackpt: gc of {store.path} after DCP retention left {len(report.damaged_packs)} "
                           f"pack(s) holding damaged frames in place: {report.damaged_packs[0]}",
@@ -376,11 +380,8 @@ class DeltaStorageWriter(StorageWriter):
         if self.retention is not None:
             try:
                 for info in _dropped_steps(meta, self.retention):  # gone now; their shards go at the next save
-                    try:
+                    with contextlib.suppress(CheckpointNotFoundError):
                         meta.delete(id=info.id)
-                    except CheckpointNotFoundError:
-                        continue
-                    self._dropped[meta.path] = self._dropped.get(meta.path, 0) + info.written_bytes
                 self._collect(meta)
             except (DeltackptError, OSError) as exc:
                 warnings.warn(f"deltackpt: DCP retention after step {self.step} failed; the step is saved "

@@ -178,6 +178,17 @@ LAST_COMMIT = "LAST_COMMIT"
 _SEQ_LIMIT = 1 << 62
 
 
+#: ``meta`` key of the bytes written by the checkpoints deleted or replaced since the last gc (format.md §6): what
+#: a Checkpointer's gc rule weighs, kept in the store so that it adds up across the processes of a restarted job
+DROPPED = b"dropped"
+
+
+def _dropped_value(raw: bytes | None) -> int:
+    """The ``dropped`` counter from its stored value; 0 for none, and for a value out of shape (it is advisory:
+    damage only delays or brings forward a gc, and the next delete writes it again)."""
+    return _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 and raw[0] < 0x40 else 0
+
+
 def read_last_commit(store: Path) -> int | None:
     """The seq ``LAST_COMMIT`` of the store at ``store`` records; None when there is none, or it cannot be read
     or parsed (damaged, or cut short): the next commit writes it again, and until then nothing is checked."""
@@ -800,6 +811,7 @@ class Index:
                                             f"{REPAIR_HINT}")
                 seq = current.seq
                 self._remove(txn, current)
+                self._add_dropped(txn, current.written_bytes)
             record.seq = seq
             sk = _U64.pack(seq)
             txn.put(sk, record.dumps(), db=self.db_ckpts)
@@ -815,6 +827,11 @@ class Index:
         txn.delete(record.id.encode(), db=self.db_ids)
         txn.delete(_U64.pack(record.step) + sk, db=self.db_steps)
 
+    def _add_dropped(self, txn: lmdb.Transaction, nbytes: int) -> None:
+        """Count a removed checkpoint's written bytes into ``dropped``, in the transaction that removes it."""
+        total = _dropped_value(txn.get(DROPPED, db=self.db_meta)) + max(0, nbytes)
+        txn.put(DROPPED, _U64.pack(min(total, _SEQ_LIMIT - 1)), db=self.db_meta)
+
     def remove_checkpoint(self, record: Record) -> bool:
         """Remove ``record``'s checkpoint; False (and nothing changed) when its id no longer names its seq: a
         rewrite took its place or a repair renumbered it since the caller read it, so the caller reads again."""
@@ -823,8 +840,16 @@ class Index:
             if txn.get(record.id.encode(), db=self.db_ids) != sk:
                 return False
             raw = txn.get(sk, db=self.db_ckpts)
-            self._remove(txn, Record.loads(raw) if raw is not None else record)
+            current = Record.loads(raw) if raw is not None else record
+            self._remove(txn, current)
+            self._add_dropped(txn, current.written_bytes)
         return True
+
+    @_damage_is_corruption
+    def dropped_bytes(self) -> int:
+        """Bytes written by the checkpoints deleted or replaced (rewritten, thinned) since the last gc."""
+        with self.env.begin() as txn:
+            return _dropped_value(txn.get(DROPPED, db=self.db_meta))
 
     @_damage_is_corruption
     def get(self, *, step: int | None = None, id: str | None = None) -> Record | None:
@@ -912,13 +937,17 @@ class Index:
         with self.env.begin() as txn:
             return txn.get(b"format", db=self.db_meta) is not None
 
-    def apply_chunk_changes(self, delete: Iterable[bytes], move: dict[bytes, ChunkLoc]) -> None:
-        """One transaction that drops dead chunk entries and points moved ones at their new frames."""
+    def apply_chunk_changes(self, delete: Iterable[bytes], move: dict[bytes, ChunkLoc], *,
+                            collected: bool = False) -> None:
+        """One transaction that drops dead chunk entries and points moved ones at their new frames; with
+        ``collected`` (gc's, under its exclusive lock: no delete runs meanwhile) it zeroes ``dropped`` too."""
         with self._write() as txn:
             for k in delete:
                 txn.delete(k, db=self.db_chunks)
             for k, loc in move.items():
                 txn.put(k, loc.pack(), db=self.db_chunks)
+            if collected:
+                txn.put(DROPPED, _U64.pack(0), db=self.db_meta)
 
     def rebuild(self, chunks: dict[bytes, ChunkLoc], records: list[Record]) -> None:
         """Replace everything with what ``repair`` found on disk, in one transaction. The records are numbered

@@ -610,7 +610,7 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
             p.unlink()
             report.orphan_manifests += 1
     packs.fsync_dir(mdir)
-    store.index.apply_chunk_changes(dead, {})
+    store.index.apply_chunk_changes(dead, {}, collected=True)
     _unlink_packs(store, to_delete, report)
     tmp = store.path / "tmp"
     for p in tmp.iterdir() if tmp.is_dir() else ():  # (an empty tmp/ lost, say by a cleaner: saves make it again)
