@@ -317,7 +317,8 @@ def _write_all(fd: int, data: bytes | memoryview) -> None:
 
 def open_files_budget() -> int:
     """How many pack files a :class:`PackReader` keeps open at most: a quarter of this process's soft limit on
-    open files, between 16 and 1024. A store holds a pack per gigabyte and per writing session, and a checkpoint
+    open files, between 16 and 1024. A store holds a pack per gigabyte, per writing session and per gc (each
+    seals the pack being written; a pack at least half live stays), and a checkpoint
     that dedups against many sessions' packs, or ``verify`` of a large store, reads from more packs than a
     common limit of 1024 open files allows."""
     try:
