@@ -2493,3 +2493,28 @@ def test_an_enabled_scaler_refuses_a_disabled_ones_state_before_the_model_change
         assert ck.restore() == 1
     assert scaler.get_scale() == 512.0
     assert_bitwise(model.state_dict(), fresh.state_dict())
+
+
+def _draws() -> tuple[float, float, list[float]]:
+    return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+
+def test_restore_puts_back_python_numpy_and_torch_rngs(tmp_path: Path) -> None:
+    """restore() puts back every RNG a training loop draws from: Python's, NumPy's global one and torch's (the
+    SIGKILL resume test's loop draws from torch's only)."""
+    model = torch.nn.Linear(4, 2)
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    with Checkpointer(tmp_path / "store", model=model, async_save=False, handle_signals=False) as ckpt:
+        ckpt.save(1)
+        expected = _draws()
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
+    with Checkpointer(tmp_path / "store", model=torch.nn.Linear(4, 2), handle_signals=False) as ckpt:
+        assert ckpt.restore() == 1
+        got = _draws()
+    assert got[0] == expected[0], "python RNG not restored"
+    assert got[1] == expected[1], "numpy RNG not restored"
+    assert got[2] == expected[2], "torch RNG not restored"

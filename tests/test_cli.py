@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 import deltackpt
 from deltackpt.cli import human, main
+from deltackpt.index import chunk_key
 
 CS = SMALL_CHUNK
 ERROR_PREFIX = "deltackpt: error: "
@@ -1393,3 +1394,29 @@ def test_export_under_a_regular_file_says_so(capsys: pytest.CaptureFixture[str],
         assert_one_line_error(err, "the store path is empty")
 
 
+def test_repair_exits_1_for_a_damaged_pack_even_when_every_checkpoint_is_whole(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A pack damaged where only a deleted checkpoint's chunk is (every checkpoint whole): repair says so and
+    exits 1."""
+    path = tmp_path / "store"
+    g = torch.Generator().manual_seed(0)
+    with deltackpt.Store(path, chunk_size=SMALL_CHUNK, threads=1) as s:
+        s.save({"w": torch.randint(0, 256, (SMALL_CHUNK,), dtype=torch.uint8, generator=g)}, step=1)
+        m = s.manifest(1)
+        (_, d, n), = m.chunk_keys(m.tensors[0])
+        loc = s.index.lookup_chunks([chunk_key(d, n)])[chunk_key(d, n)]
+        s.save({"w": torch.randint(0, 256, (SMALL_CHUNK,), dtype=torch.uint8, generator=g)}, step=2, keyframe=True)
+        s.delete(1)  # step 1's chunk is dead, not yet gc'd
+    with open(path / "packs" / f"{loc.pack_id}.pack", "r+b") as f:
+        f.seek(loc.offset + loc.frame_len - 1)
+        b = f.read(1)
+        f.seek(loc.offset + loc.frame_len - 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    capsys.readouterr()
+    rc = main(["repair", str(path)])
+    out = capsys.readouterr().out
+    assert "is damaged" in out, out
+    assert rc == 1, out
+    with deltackpt.Store(path) as s:
+        assert [i.step for i in s.list()] == [2]
+        s.load(2)

@@ -1943,3 +1943,49 @@ def test_a_format_record_of_many_digits_is_index_damage(store_path: Path) -> Non
     _edit_index(store_path, "meta", lambda txn, db: txn.put(b"format", b"9" * 5000))
     with pytest.raises(CorruptIndexError, match="format record is b'9999"):
         _open(store_path)
+
+
+def _with_flags(frame: bytes, flags: int) -> bytes:
+    head = bytearray(frame[: codec.CHECKED])
+    head[7] = flags
+    payload = frame[codec.HEADER_SIZE:]
+    return bytes(head) + struct.pack("<Q", codec.frame_checksum(bytes(head), payload)) + payload
+
+
+@pytest.mark.parametrize("flags", [1, 0x80])
+def test_a_frame_with_nonzero_flags_is_refused(flags: int) -> None:
+    """Frame header byte 7, flags, is 0 and readers reject other values (format.md §3): a frame with a valid
+    checksum and a flag set (a newer writer's feature bit) is not decoded as if the flag were absent."""
+    raw = bytes(range(256)) * 16
+    digest = kernel.digest(raw)
+    frame = codec.Encoder().encode(raw, digest, 4)
+    assert bytes(codec.decode(frame, expect_digest=digest, expect_len=len(raw))) == raw
+    bad = _with_flags(frame, flags)
+    with pytest.raises(CorruptChunkError):
+        codec.parse_header(bad)
+    with pytest.raises(CorruptChunkError):
+        codec.check_frame(bad)
+    with pytest.raises(CorruptChunkError):
+        codec.decode(bad, expect_digest=digest, expect_len=len(raw))
+
+
+def test_a_damaged_base_payload_is_named_in_the_dependents_error(tmp_path: Path) -> None:
+    """Damage to a base frame found while applying a chain (its payload checksum fails in the kernel) is
+    reported for the chunk read, naming the base: 'its delta base <id> is damaged' (codec.decode_chain)."""
+    store_path = tmp_path / "store"
+    with _open(store_path) as s:
+        _nudged_history(s, 3)
+        all_locs = dict(s.index.iter_chunks())
+        deltas = [(cid, loc) for cid, loc in _chunks_of(s, 2)["x"] if loc.codec == codec.DELTA]
+    assert deltas
+    dep_cid, dep_loc = deltas[0]
+    dep_key = next(k for k in all_locs if codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big")) == dep_cid)
+    base_key = dep_loc.base + dep_key[16:]
+    base_loc = all_locs[base_key]
+    base_cid = codec.chunk_hex(base_key[:16], int.from_bytes(base_key[16:], "big"))
+    _flip(_pack_path(store_path, base_loc), base_loc.offset + base_loc.frame_len - 3)  # payload: checksum fails
+    with _open(store_path) as s:
+        with pytest.raises(CorruptChunkError) as ei:
+            s.read_chunk(dep_key, all_locs[dep_key])
+    assert ei.value.chunk_id == dep_cid
+    assert f"its delta base {base_cid} is damaged" in str(ei.value), str(ei.value)

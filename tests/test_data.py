@@ -547,3 +547,25 @@ def test_a_seed_a_generator_cannot_take_is_refused_at_once(seed: int) -> None:
     failed epochs later (or at the first iteration)."""
     with pytest.raises(ValueError, match="seed must be in"):
         ResumableSampler(10, seed=seed)
+
+
+def test_a_users_generator_is_drawn_once_per_epoch_like_a_plain_dataloader() -> None:
+    """A plain DataLoader draws its workers' base seed from its generator at each epoch start, so each epoch's
+    workers (augmentations) differ. A ResumableLoader over it must do the same: after three epochs the
+    generator is where the plain DataLoader's is. (The existing test compares a resumed run with an
+    uninterrupted one only: a loader that never advanced the generator passed it, every epoch then repeating
+    the same worker seeds.)"""
+    ds = TensorDataset(torch.arange(10))
+    plain_gen = torch.Generator().manual_seed(7)
+    plain = DataLoader(ds, sampler=SequentialSampler(ds), batch_size=3, generator=plain_gen)
+    for _ in range(3):
+        for _ in plain:
+            pass
+    gen = torch.Generator().manual_seed(7)
+    start = gen.get_state()
+    loader = ResumableLoader(DataLoader(ds, sampler=ResumableSampler(ds, seed=3), batch_size=3, generator=gen))
+    it = loader.batches(max_epochs=3)
+    n = sum(1 for _ in it)
+    assert n == 12
+    assert not torch.equal(gen.get_state(), start), "the user's generator was never drawn from"
+    assert torch.equal(gen.get_state(), plain_gen.get_state())

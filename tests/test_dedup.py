@@ -11,7 +11,8 @@ import zstandard
 from conftest import SMALL_CHUNK, assert_same_state, dir_size, pack_files, tensor_bytes
 
 import deltackpt
-from deltackpt import packs
+from deltackpt import codec, packs
+from deltackpt.index import chunk_key
 
 BIG_CHUNK = 64 * 1024
 
@@ -426,3 +427,61 @@ def test_verify_decodes_a_delta_chain_once(tmp_path: Path, monkeypatch: pytest.M
         report = s.verify()
         assert report.ok and report.checkpoints == 8
         assert len(calls) == len(locs) and sum(calls) == len(locs), (len(calls), sum(calls), len(locs))
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2])
+def test_depth_bound_when_the_keyframe_turn_never_comes(tmp_path: Path, offset: int) -> None:
+    """A chunk's keyframe turn is (phase + position) % (max_chain + 1) == 0 with phase = generation + the index of the
+    tensor's first chunk in the checkpoint. When tensors are added before it at each save so that its phase stays the
+    same modulo max_chain + 1, its turn never comes, and only the depth check (`loc.depth + 1 <= max_chain`) keeps
+    chains within max_chain. The existing chain tests save the same layout at every step, where the keyframe turns
+    alone bound the depth: an off-by-one in the depth check went unnoticed (at max_chain=64 it writes 66-frame
+    chains that readers refuse)."""
+    g = torch.Generator().manual_seed(offset)
+    x = torch.randn(SMALL_CHUNK // 4, generator=g)
+    history = {}
+    with deltackpt.Store(tmp_path / "s", chunk_size=SMALL_CHUNK, max_chain=2, predict=False) as s:
+        for step in range(1, 10):
+            x = x.clone()
+            x[step * 7 : step * 7 + 3] += 1.0  # a small change: deltas win
+            # 2 more one-chunk tensors before x at each save: generation + 1 and first index + 2 keep
+            # its phase constant mod (2 + 1)
+            n_before = offset + (step - 1) * 2
+            state = {f"a{j:03d}": torch.randint(0, 1 << 30, (SMALL_CHUNK // 4,), generator=g, dtype=torch.int32)
+                     for j in range(n_before)}
+            state["x"] = x
+            s.save(state, step=step)
+            history[step] = state
+        depths = [loc.depth for _, loc in s.index.iter_chunks()]
+        assert max(depths) <= 2, sorted(depths)[-5:]
+        for step, state in history.items():
+            assert_same_state(state, s.load(step))
+
+
+def test_keyframes_are_spread_over_the_saves(tmp_path: Path) -> None:
+    """Keyframes are staggered, (phase + position) % (max_chain + 1) == 0, so that every checkpoint restores in
+    about the same time: without it every chunk of a tensor is a delta for max_chain saves, then all are
+    keyframes at once."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9 * SMALL_CHUNK // 4, generator=g)
+    with deltackpt.Store(tmp_path / "s", chunk_size=SMALL_CHUNK, max_chain=2, predict=False) as s:
+        for step in range(1, 8):
+            x = x.clone()
+            x[:: SMALL_CHUNK // 4] += 1.0  # one element of every chunk changes: every chunk is written, deltas win
+            s.save({"x": x}, step=step)
+        for step in range(2, 8):
+            m = s.manifest(step)
+            keys = [chunk_key(d, n) for _, d, n in m.chunk_keys(m.tensors[0])]
+            locs = s.index.lookup_chunks(keys)
+            depths = [locs[k].depth for k in keys]
+            assert 0 < sum(d == 0 for d in depths) < len(keys), (step, depths)
+            assert any(locs[k].codec == codec.DELTA for k in keys)
+
+
+def test_a_fully_live_pack_is_not_repacked_at_repack_below_1(tmp_path: Path) -> None:
+    """A pack whose frames are all live is not sparse, at repack_below=1.0 too: gc does not copy it again at
+    every run."""
+    with deltackpt.Store(tmp_path / "s", chunk_size=4096) as s:
+        s.save({"w": torch.randn(5000, generator=torch.Generator().manual_seed(0))}, step=1)
+        r = s.gc(repack_below=1.0)
+        assert r.repacked_packs == 0 and r.moved_chunks == 0, r

@@ -195,3 +195,24 @@ def test_export_is_durable_before_it_replaces_an_earlier_one(tmp_path: Path, tra
     tmp = trace.events[i][1]
     assert ("fsync", tmp) in trace.events[:i], "the export was not fsynced before it replaced the earlier one"
     assert trace.fsynced_after(tmp_path, i)
+
+
+def test_pack_is_fsynced_before_the_manifest_is_renamed_into_place(tmp_path: Path, trace: Trace) -> None:
+    """A save's order (format.md §7): frames appended to a pack, the pack fsynced, the manifest renamed into
+    ``manifests/``, the LMDB commit. The pack is durable before the manifest naming its frames is in place: a
+    repair after a power loss restores the manifests it finds."""
+    root = tmp_path / "store"
+    with Store(root, chunk_size=4096) as st:
+        st.save({"w": torch.arange(5000, dtype=torch.float32)}, step=1)
+        trace.events.clear()
+        st.save({"w": torch.arange(5000, dtype=torch.float32) + 1}, step=2)
+    renames = [i for i, e in enumerate(trace.events)
+               if e[0] in ("rename", "replace", "link") and e[-1].startswith(str(root / "manifests"))]
+    assert renames, trace.events
+    packs_written = {e[1] for e in trace.events if e[0] == "write" and e[1].endswith(".pack")}
+    assert packs_written, trace.events
+    for p in packs_written:
+        last_write = trace.index("write", p)
+        fsyncs = [i for i, e in enumerate(trace.events) if e == ("fsync", p) and i > last_write]
+        assert fsyncs and fsyncs[0] < renames[0], (
+            f"pack {p} made durable only after the manifest was renamed into manifests/: {trace.events}")

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 import deltackpt
 from deltackpt import _pykernel, checkpointer, codec, kernel, maintenance, predict, scratch
 from deltackpt.errors import CorruptChunkError, CorruptionError, FormatVersionError
-from deltackpt.index import chunk_key, chunk_keys
+from deltackpt.index import ChunkLoc, chunk_key, chunk_keys
 
 CHUNK = 1 << 14
 
@@ -1092,3 +1092,35 @@ def test_a_rewrite_between_two_saves_leaves_the_next_saves_bases_cached(tmp_path
         s.save(state, step=4)
         assert s._base_cache.misses == misses
         assert_same_state(state, s.load(4))
+
+
+def test_a_forged_prediction_input_is_named_by_verify(tmp_path: Path) -> None:
+    """verify hashes a chunk that it decoded first as another chunk's prediction input (its memo). Each input of
+    a predicted chunk is replaced by a frame with a valid checksum and the input's chunk id but other bytes (a
+    raw frame appended to its pack, its index entry re-pointed): verify names every one."""
+    store_path = tmp_path / "s"
+    with deltackpt.Store(store_path, chunk_size=CHUNK, max_chain=2) as s:
+        _train(4, store=s)
+        _, refs = _predicted_chunk(s)
+        raw = {r: bytes(s.read_chunk(r, s.index.lookup_chunks([r])[r])) for r in refs}
+        locs = s.index.lookup_chunks(refs)
+    forged: dict[bytes, ChunkLoc] = {}
+    for r in dict.fromkeys(refs):
+        loc = locs[r]
+        body = bytearray(raw[r])
+        body[0] ^= 0x01  # one bit of the first float's mantissa
+        frame = codec._frame(codec.RAW, 4, len(body), r[:16], codec.NO_BASE, bytes(body))
+        path = store_path / "packs" / f"{loc.pack_id}.pack"
+        offset = path.stat().st_size
+        with open(path, "ab") as f:
+            f.write(frame)
+        forged[r] = ChunkLoc(loc.pack_id, offset, len(frame), codec.RAW, 0, codec.NO_BASE)
+
+    with deltackpt.Store(store_path) as s, s.index.env.begin(write=True) as txn:
+        for r, loc in forged.items():
+            txn.put(r, loc.pack(), db=s.index.db_chunks)
+    with deltackpt.Store(store_path) as s:
+        report = s.verify()
+        named = {p.chunk_id for p in report.problems}
+        for r in forged:
+            assert codec.chunk_hex(r[:16], int.from_bytes(r[16:], "big")) in named, [str(p) for p in report.problems]

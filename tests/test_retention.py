@@ -677,3 +677,37 @@ def test_store_retain_applies_a_policy_now(tmp_path: Path) -> None:
         for i in s.list():
             assert torch.equal(s.load(id=i.id)["w"], states[i.step]["w"])
         assert s.retain(policy) == []
+
+
+def _infos(steps: list[int], metas: list[Any] | None = None) -> list[CheckpointInfo]:
+    metas = metas or [None] * len(steps)
+    return [CheckpointInfo(f"{i:016x}", s, NOW, None, 0, 0, m, i + 1) for i, (s, m) in enumerate(zip(steps, metas))]
+
+
+def test_keep_every_keeps_step_zero() -> None:
+    """0 is a multiple of every keep_every: the initial (step 0) checkpoint is kept for good. (The property test's
+    histories start at step 0 only sometimes, and with 30 examples a rule that drops step 0 went unnoticed.)"""
+    infos = _infos([0, 1, 2, 3, 4, 5, 6])
+    plan = Retention(keep_every=5).plan(infos, now=NOW)
+    kept = sorted(i.step for i in infos if i.id in plan.keep)
+    assert kept == [0, 5, 6], kept
+
+
+def test_keep_best_prefers_the_newer_of_tied_checkpoints() -> None:
+    """README: keep_best keeps the best_k best, 'the newer one first on a tie'."""
+    infos = _infos([1, 2, 3, 4], [{"loss": 1.0}, {"loss": 1.0}, {"loss": 2.0}, {"loss": 3.0}])
+    plan = Retention(keep_best=("loss", "min"), best_k=1, keep_last=1).plan(infos, now=NOW)
+    kept = sorted(i.step for i in infos if i.id in plan.keep)
+    assert kept == [2, 4], kept
+    plan = Retention(keep_best=("loss", "max"), best_k=1, keep_last=1).plan(
+        _infos([1, 2, 3], [{"loss": 5.0}, {"loss": 5.0}, {"loss": 0.0}]), now=NOW)
+    assert sorted(int(c, 16) for c in plan.keep) == [1, 2], plan  # ids 0x1 (step 2) and 0x2 (step 3)
+
+
+def test_keep_within_is_inclusive() -> None:
+    """keep_within=N keeps a checkpoint exactly N seconds old (the rule's boundary, which the property test's
+    oracle also draws: it found a `<` there only after 223 s of search)."""
+    infos = [CheckpointInfo(f"{i:016x}", i, NOW - age, None, 0, 0, None, i + 1)
+             for i, age in enumerate([100.0, 50.0, 0.0])]
+    plan = Retention(keep_within=100.0).plan(infos, now=NOW)
+    assert plan.delete == [], plan
