@@ -112,8 +112,8 @@ _async: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 _exit_hook = threading.Lock()
 _exit_hooked = False
 
-#: the checkpointer whose restore last put back the process's RNG states, and the step they came from
-_rng_owner: tuple[weakref.ref[Checkpointer], int] | None = None
+#: the checkpointer whose restore last put back the process's RNG states (this process's: reset in a forked child)
+_rng_owner: weakref.ref[Checkpointer] | None = None
 
 
 def _finish_saves_at_exit() -> None:
@@ -219,8 +219,11 @@ def _dataloader_worker() -> bool:
 
 def _forget_saves_after_fork() -> None:
     """A forked child (a DataLoader's or a Pool's worker) inherits the parent's saves in flight, but not the threads
-    running them: its exit must not wait for them (it used to, forever)."""
+    running them: its exit must not wait for them (it used to, forever). Nor is the parent's restore of the RNG
+    states one of the child's checkpointers could wind back."""
+    global _rng_owner
     _async.clear()
+    _rng_owner = None
 
 
 os.register_at_fork(after_in_child=_forget_saves_after_fork)
@@ -965,19 +968,23 @@ class Checkpointer:
         return int(state["step"])
 
     def _put_rng_back(self, rng: Mapping[str, Any], step: int) -> None:
-        """Set the process's RNG states from a checkpoint of ``step``, warning when another open checkpointer
-        put back those of another step before (a loop's second checkpointer, whose own restore of an older step
-        would wind them back silently: every random draw after the resume would repeat earlier ones)."""
+        """Set the process's RNG states from a checkpoint of ``step``, warning when another open checkpointer of
+        another store put back RNG states before and is at another step (restored or saved since): a loop's
+        second checkpointer, whose restore of an older step would wind them back silently, and every random
+        draw after the resume would repeat earlier ones. (A checkpointer made again on the same store, the first
+        left open, is the same run's.)"""
         global _rng_owner
-        before = _rng_owner[0]() if _rng_owner is not None else None
-        if before is not None and before is not self and not before._closed and _rng_owner[1] != step:
+        before = _rng_owner() if _rng_owner is not None else None
+        if (before is not None and before is not self and not before._closed and before.store.path != self.store.path
+                and before.last_saved_step is not None and before.last_saved_step != step):
             warnings.warn(
-                f"deltackpt: restoring step {step} from {self.store.path} winds the process's RNG states back to "
-                f"that step, over those of step {_rng_owner[1]} restored from {before.store.path}; random draws "
-                "after the resume will differ from the uninterrupted run's. Give all but one of a loop's "
-                "checkpointers rng=False", RuntimeWarning, stacklevel=_caller_level())
+                f"deltackpt: restoring step {step} from {self.store.path} sets the process's RNG states to that "
+                f"step's, while the checkpointer of {before.store.path} restored them at, or has saved since, step "
+                f"{before.last_saved_step}: random draws after the resume will differ from the uninterrupted "
+                "run's. Give all but one of a loop's checkpointers rng=False", RuntimeWarning,
+                stacklevel=_caller_level())
         set_rng_state(rng)
-        _rng_owner = (weakref.ref(self), step)
+        _rng_owner = weakref.ref(self)
 
     def _fits(self, data_state: Any) -> bool:
         """Whether this run's loader takes ``data_state`` (one without ``check_state_dict`` is assumed to)."""
@@ -1019,7 +1026,7 @@ class Checkpointer:
 
         def damaged(info: CheckpointInfo, exc: CorruptionError) -> None:
             warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) is damaged, trying the ones "
-                          f"before it: {exc}", RuntimeWarning, stacklevel=4)
+                          f"before it: {exc}", RuntimeWarning, stacklevel=_caller_level())
             # The rerun of its steps saves the same bytes again. The load stopped at the first chunk it could not
             # decode; every damaged frame the checkpoint reaches is found, and the store's saves then write those
             # chunks again instead of deduplicating onto them (the new checkpoints would be damaged too).
@@ -1050,7 +1057,7 @@ class Checkpointer:
         restored = self._apply(state, strict=strict)
         if lacking:
             warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) holds no {', '.join(lacking)}: "
-                          "left as they are", RuntimeWarning, stacklevel=3)
+                          "left as they are", RuntimeWarning, stacklevel=_caller_level())
         self.last_saved_step = restored
         return restored
 
@@ -1155,7 +1162,7 @@ class Checkpointer:
         dropped = self.store.index.dropped_bytes()
         self._gc_floor = min(self._gc_floor, dropped)  # (a gc elsewhere zeroed it)
         kept = sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete))
-        if dropped - self._gc_floor >= max(self._gc_min_bytes, kept // 4):
+        if dropped > self._gc_floor and dropped - self._gc_floor >= max(self._gc_min_bytes, kept // 4):
             self._collect(dropped)
 
     def _collect(self, dropped: int) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from deltackpt import codec, maintenance, manifest, packs, tree
-from deltackpt.checkpointer import newest_restorable
+from deltackpt.checkpointer import _has_rng, newest_restorable
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
@@ -924,6 +924,9 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
                 detail = _settings(value)
             rows.append((part, _escaped(detail)))  # (keys and values are the run's: a newline, an escape)
         print(table(rows, ["part", "holds"]))
+        if not state.get("thinned") and not _has_rng(state):
+            print("note: it holds no RNG states (saved with rng=False): a Checkpointer restores it with rng=False, or "
+                  "with restore(strict=False), which leaves the RNGs as they are")
         if latest.metadata:
             print(f"metadata: {_meta_str(latest.metadata)}")
     return 0

@@ -1942,13 +1942,45 @@ def test_a_second_checkpointer_restored_to_another_step_warns_and_rng_false_resu
         first = _two_checkpointer_run(fast_dir / "a", 0, 3, side_rng=False)
         assert first + _two_checkpointer_run(fast_dir / "a", 3, 6, side_rng=False) == ref
     _two_checkpointer_run(fast_dir / "b", 0, 3, side_rng=True)
-    with pytest.warns(RuntimeWarning, match=r"step 2 from .*ema winds the process's RNG states back.* over those "
-                                            r"of step 3 .*rng=False") as caught:
+    with pytest.warns(RuntimeWarning, match=r"step 2 from .*ema sets the process's RNG states to that step's, while "
+                                            r"the checkpointer of .*main restored them at, or has saved since, step 3"
+                                            r".*rng=False") as caught:
         rest = _two_checkpointer_run(fast_dir / "b", 3, 6, side_rng=True)
     assert caught[0].filename == __file__  # (pointed at the restore() call, not inside deltackpt)
     assert first + rest != ref
     with Store(fast_dir / "a" / "ema") as store:
         assert "rng" not in store.load(step=2)
+
+
+def test_no_rng_warning_for_a_checkpointer_made_again_on_its_store_or_in_a_forked_child(fast_dir: Path) -> None:
+    """The warning is for two checkpointers of one loop at different steps. A loop that makes its checkpointer
+    again on the same store (a notebook cell run again, the first one left open) is the same run; nor does a
+    forked child (a worker with a checkpointer of its own) inherit the parent's restore."""
+    model, opt = _small()
+    with Checkpointer(fast_dir / "a", model=model, optimizer=opt, async_save=False, handle_signals=False) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.step(step)
+    with Checkpointer(fast_dir / "b", model=model, async_save=False, handle_signals=False) as ckpt:
+        ckpt.step(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = Checkpointer(fast_dir / "a", model=model, optimizer=opt, handle_signals=False)
+        assert first.restore(step=1) == 1
+        again = Checkpointer(fast_dir / "a", model=model, optimizer=opt, handle_signals=False)
+        assert again.restore() == 3
+        pid = os.fork()
+        if pid == 0:  # the child: its only checkpointer, of another store, at another step
+            code = 1
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    with Checkpointer(fast_dir / "b", model=model, handle_signals=False) as child:
+                        code = 0 if child.restore() == 2 else 2
+            finally:
+                os._exit(code)
+        assert os.waitpid(pid, 0)[1] == 0
+        again.close()
+        first.close()
 
 
 def test_a_resumed_run_writes_a_damaged_chunk_again_rather_than_deduplicating_onto_it(fast_dir: Path) -> None:
@@ -2385,6 +2417,27 @@ def test_retention_gives_the_space_back_across_restarts(fast_dir: Path, monkeypa
         # no more than the threshold and what the last saves wrote is left to collect
         assert s.gc().freed_bytes < (5 << 20) + 2 * ckpt.last_info.written_bytes
     assert _pack_bytes(path) < written / 2
+
+
+def test_no_gc_after_retention_when_nothing_was_dropped(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With DELTACKPT_GC_MIN_BYTES=0 and saves of an unchanged model (0 bytes written, so nothing kept or
+    dropped weighs anything), gc ran at every save: 0 >= max(0, 0 // 4). It runs only once something was
+    dropped."""
+    monkeypatch.setenv("DELTACKPT_GC_MIN_BYTES", "0")
+    runs = []
+    real_gc = Store.gc
+
+    def counted(self: Store, **kw: Any) -> Any:
+        runs.append(self.index.dropped_bytes())
+        return real_gc(self, **kw)
+
+    monkeypatch.setattr(Store, "gc", counted)
+    model, _ = _small()
+    with Checkpointer(fast_dir / "store", model=model, async_save=False, handle_signals=False,
+                      retention=Retention(keep_last=1)) as ckpt:
+        for step in range(1, 8):
+            ckpt.step(step)
+    assert len(runs) <= 1 and all(runs), runs
 
 
 def test_the_store_counts_what_deletes_and_rewrites_drop_until_gc(fast_dir: Path) -> None:

@@ -1039,6 +1039,24 @@ def test_resume_info_checkpointer_store(capsys: pytest.CaptureFixture[str], stor
     # it is the step a Checkpointer would resume from
     with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(4, 3), handle_signals=False) as ck2:
         assert ck2.restore() == 5
+    assert "RNG" not in out
+
+
+def test_resume_info_says_a_checkpoint_holds_no_rng_states(capsys: pytest.CaptureFixture[str],
+                                                          store_path: Path) -> None:
+    """A checkpoint saved with rng=False, which a default Checkpointer's restore() refuses: resume-info says so
+    and how it restores."""
+    model = torch.nn.Linear(4, 3)
+    with deltackpt.Checkpointer(store_path, model=model, async_save=False, handle_signals=False, rng=False) as ck:
+        ck.save(3)
+    rc, out, err = cli(capsys, "resume-info", store_path)
+    assert rc == 0 and err == ""
+    assert "note: it holds no RNG states (saved with rng=False): a Checkpointer restores it with rng=False" in out
+    with deltackpt.Checkpointer(store_path, model=model, handle_signals=False) as ck:
+        with pytest.raises(deltackpt.DeltackptError, match="no RNG states"):
+            ck.restore()
+    with deltackpt.Checkpointer(store_path, model=model, handle_signals=False, rng=False) as ck:
+        assert ck.restore() == 3
 
 
 def test_resume_info_verify_passes_over_damage_as_restore_does(capsys: pytest.CaptureFixture[str],
