@@ -975,8 +975,9 @@ class Checkpointer:
         left open, is the same run's.)"""
         global _rng_owner
         before = _rng_owner() if _rng_owner is not None else None
-        if (before is not None and before is not self and not before._closed and before.store.path != self.store.path
-                and before.last_saved_step is not None and before.last_saved_step != step):
+        if (before is not None and before is not self and not before._closed
+                and before.last_saved_step is not None and before.last_saved_step != step
+                and before.store.path.resolve() != self.store.path.resolve()):
             warnings.warn(
                 f"deltackpt: restoring step {step} from {self.store.path} sets the process's RNG states to that "
                 f"step's, while the checkpointer of {before.store.path} restored them at, or has saved since, step "
