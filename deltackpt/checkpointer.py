@@ -607,7 +607,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate((py[0], tuple(py[1]), py[2]))
     np_state = state["numpy"]
     np.random.set_state(tuple(np_state))  # type: ignore[arg-type]
-    torch.set_rng_state(state["torch"])
+    # (torch takes a CPU ByteTensor: a restore with map_location="cuda" loaded the states onto the GPU)
+    torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         cuda = state["cuda"]
         if len(cuda) != torch.cuda.device_count():
@@ -616,7 +617,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
                 f"{torch.cuda.device_count()}; restoring the common ones", RuntimeWarning, stacklevel=3,
             )
         for i, s in enumerate(cuda[: torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s, i)
+            torch.cuda.set_rng_state(s.cpu(), i)
 
 
 class _Staging:
@@ -630,6 +631,9 @@ class _Staging:
     def __init__(self) -> None:
         self._buffers: dict[tuple[Any, ...], torch.Tensor | np.ndarray] = {}
         self._used: set[tuple[Any, ...]] = set()
+        #: the device each staged tensor of the last snapshot was copied from, where not the CPU (by ``id`` of the
+        #: staged tensor, which the snapshot holds): the save records it, as a save of the tensor itself does
+        self.devices: dict[int, str] = {}
 
     @property
     def nbytes(self) -> int:
@@ -638,8 +642,9 @@ class _Staging:
 
     def _buffer_for(self, path: tuple[Any, ...], src: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
-        if not (isinstance(buf, torch.Tensor) and buf.dtype == src.dtype and buf.shape == src.shape):
-            pin = src.device.type == "cuda"
+        pin = src.device.type == "cuda"
+        if not (isinstance(buf, torch.Tensor) and buf.dtype == src.dtype and buf.shape == src.shape
+                and (not pin or buf.is_pinned())):  # (a CPU tensor's buffer, for a tensor moved to the GPU since)
             buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=pin)
             self._buffers[path] = buf
         return buf
@@ -647,6 +652,7 @@ class _Staging:
     def snapshot(self, state: Any) -> Any:
         """Copy ``state`` (containers rebuilt, tensors and arrays copied into staging) and return the copy."""
         self._used = set()
+        self.devices = {}
         seen: dict[Hashable, Any] = {}  # by tree.alias_key: tied tensors get one buffer and stay one leaf
         # ... and the sources those keys name, alive until the copy ends: an alias key holds a memory address,
         # and a registered type's encoder may return a new array that is freed once copied, whose address the
@@ -689,6 +695,8 @@ class _Staging:
                     out = torch.nn.Parameter(buf, obj.requires_grad)
                 elif obj.requires_grad:  # saved and restored with the flag, as a synchronous save keeps it
                     out = buf.detach().requires_grad_()
+                if src.device.type != "cpu":
+                    self.devices[id(out)] = str(src.device)
                 seen[key] = out
                 sources.append(obj)
                 return out
@@ -1111,7 +1119,8 @@ class Checkpointer:
             self._run_save(state, step, meta, keyframe, pairs, stopping, whole)
         else:
             snap = self._staging.snapshot(state)
-            self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs, stopping, whole)
+            self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs, stopping, whole,
+                                                   self._staging.devices)
             self._inflight_step, self._inflight_prev = step, (self.last_saved_step, self.last_info)
             self.last_saved_step = step  # (step() of it again must not start a second save)
             if wait:
@@ -1129,8 +1138,10 @@ class Checkpointer:
                 and step % r.keep_every == 0)
 
     def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None, keyframe: bool = False,
-                  pairs: dict[str, str] | None = None, stopping: bool = False, whole: bool = False) -> CheckpointInfo:
-        info = self.store.save(state, step=step, metadata=meta, keyframe=keyframe, _pairs=pairs, _self_contained=whole)
+                  pairs: dict[str, str] | None = None, stopping: bool = False, whole: bool = False,
+                  devices: dict[int, str] | None = None) -> CheckpointInfo:
+        info = self.store.save(state, step=step, metadata=meta, keyframe=keyframe, _pairs=pairs, _self_contained=whole,
+                               _devices=devices)
         # committed: an error of the retention below does not make it unsaved (async: set at submit already,
         # and no later save starts before this one is waited for)
         self.last_info, self.last_saved_step = info, step

@@ -337,7 +337,9 @@ def _copy_back(copies: Sequence[tuple[Any, Any]]) -> None:
     with torch.no_grad():
         for obj, staging in copies:
             if isinstance(obj, torch.Tensor):
-                obj.copy_(staging, non_blocking=True)
+                # (asynchronous only to CUDA, from pinned memory, and waited for below: another accelerator's
+                # non-blocking copy from pageable memory may read it after it is freed, pytorch#139550)
+                obj.copy_(staging, non_blocking=obj.device.type == "cuda")
                 devices.add(obj.device)
             else:
                 obj[...] = staging
@@ -861,6 +863,7 @@ class Store:
         _pairs: Mapping[str, str] | None = None,
         _flat: tuple[str, Mapping[str, Any]] | None = None,
         _self_contained: bool = False,
+        _devices: Mapping[int, str] | None = None,
     ) -> CheckpointInfo:
         """Durably store ``state`` as a checkpoint at ``step`` and return its info.
 
@@ -875,12 +878,17 @@ class Store:
 
         ``_self_contained`` (with ``keyframe``; a step retention keeps for good): chunks of the state that the
         store holds only as delta or predicted frames are written again standalone too, as a rewrite does, so
-        the checkpoint keeps no older checkpoint's frames alive.
+        the checkpoint keeps no older checkpoint's frames alive. ``_devices`` (by ``id`` of a tensor of
+        ``state``): the device to record for it, where it is a host copy of a tensor there (an async save's
+        staging buffer), so that loads put it back where it was.
         """
         self._writable("save")
         step = _check_step(step)
         allow_pickle, keyframe = config.boolean("allow_pickle", allow_pickle), config.boolean("keyframe", keyframe)
         skeleton, leaves = tree.flatten(state, allow_pickle=allow_pickle)
+        if _devices:
+            for leaf in leaves:
+                leaf.device = _devices.get(id(leaf.obj), leaf.device)
         metadata = _check_metadata(metadata)
         meta_node = tree.encode_plain(metadata) if metadata is not None else None
         if parent is not None:
@@ -1492,7 +1500,7 @@ class Store:
             self._read_into(m, jobs, verify=verify)
         _copy_back(copies)
         for i, out, dev in finals:
-            objs[i] = out.to(dev, non_blocking=True)
+            objs[i] = out.to(dev, non_blocking=dev.type == "cuda")  # (pinned for CUDA only: _copy_back)
         synchronize_cuda(dev for _, _, dev in finals)
         for i, t in enumerate(m.tensors):
             if t.kind == "torch" and i not in given:

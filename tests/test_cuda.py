@@ -120,3 +120,37 @@ def test_a_state_spread_over_two_gpus_saves_async_and_loads_back_exactly(tmp_pat
         for k in state:
             assert out["model"][k] is offered[k] and offered[k].device == state[k].device
             assert torch.equal(offered[k].cpu(), want[k]), k
+
+
+@cuda
+def test_an_async_save_records_the_device_its_tensors_were_on(tmp_path: Path) -> None:
+    """An async save stores the pinned host copies of CUDA tensors; the checkpoint records the device they were
+    copied from, as a synchronous save does (it recorded "cpu", and loads put them on the CPU)."""
+    model = torch.nn.Linear(16, 8).cuda()
+    for async_save, path in ((False, tmp_path / "sync"), (True, tmp_path / "async")):
+        with deltackpt.Checkpointer(path, model=model, async_save=async_save, handle_signals=False) as ckpt:
+            ckpt.save(1, wait=True)
+        with deltackpt.Store(path) as s:
+            m = s.manifest(1)
+            assert {t.device for t in m.tensors if t.key.startswith("model")} == {"cuda:0"}, async_save
+            loaded = s.load(1)["model"]
+            assert all(v.device.type == "cuda" for v in loaded.values())
+            assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.items())
+
+
+@cuda
+def test_restore_with_map_location_on_the_gpu_puts_the_rng_states_back(tmp_path: Path) -> None:
+    """Checkpointer(map_location="cuda") loads the whole checkpoint there, the RNG states too, which torch sets
+    only from CPU tensors: restore() raised TypeError after the model and optimizer were restored."""
+    model = torch.nn.Linear(4, 2).cuda()
+    torch.manual_seed(5)
+    torch.cuda.manual_seed(6)
+    with deltackpt.Checkpointer(tmp_path / "s", model=model, async_save=False, handle_signals=False) as ckpt:
+        ckpt.save(1)
+        expected = torch.rand(3), torch.rand(3, device="cuda")
+    torch.manual_seed(50)
+    torch.cuda.manual_seed(60)
+    with deltackpt.Checkpointer(tmp_path / "s", model=model, handle_signals=False, map_location="cuda") as ckpt:
+        assert ckpt.restore() == 1
+        got = torch.rand(3), torch.rand(3, device="cuda")
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
