@@ -47,7 +47,15 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.retention import THINNED_KEY, Retention
-from deltackpt.store import CheckpointInfo, Store, _byte_view, _check_metadata, _check_step, synchronize_cuda
+from deltackpt.store import (
+    CheckpointInfo,
+    Store,
+    _byte_view,
+    _check_map_location,
+    _check_metadata,
+    _check_step,
+    synchronize_cuda,
+)
 from deltackpt.tree import (
     Encoded,
     alias_key,
@@ -826,6 +834,7 @@ class Checkpointer:
         if extra is not None and not isinstance(extra, Mapping):
             raise TypeError(f"extra must be a dict of names to values or stateful objects, got "
                             f"{type(extra).__name__}")
+        _check_map_location(map_location)  # (when it is made, not at a restart's first restore)
         if retention is not None and not isinstance(retention, Retention):
             raise TypeError(f"retention must be a deltackpt.Retention or None, got {type(retention).__name__} "
                             f"{retention!r} (Retention(keep_last=3), say)")

@@ -1859,13 +1859,17 @@ def test_a_retention_of_the_wrong_type_is_refused_before_any_save(fast_dir: Path
 
 def test_a_refused_checkpointer_creates_no_store(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Arguments are checked before the store is opened: a DataLoader passed as data= (it has no position to
-    save), an optimizer without state_dict, a bad interval or retention, a bad DELTACKPT_GC_MIN_BYTES leave no
-    store behind (and no file of one open: before, the last created the store and kept its index open)."""
+    save), an optimizer without state_dict, a bad interval, retention, map_location (checked at the first restore
+    of a checkpoint before) or rng, a bad DELTACKPT_GC_MIN_BYTES leave no store behind (and no file of one open:
+    before, the last created the store and kept its index open)."""
     loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
     for kwargs, error in (({"data": loader}, "wrap a DataLoader in deltackpt.data.ResumableLoader"),
                           ({"optimizer": object()}, "object has no state_dict"),
                           ({"every_n_steps": 0}, "every_n_steps must be"),
                           ({"retention": 3}, "retention must be"),
+                          ({"map_location": "garbage"}, "map_location 'garbage' is not a device torch knows"),
+                          ({"map_location": 3.5}, "map_location must be None, a device"),
+                          ({"rng": "no"}, "rng"),
                           ({"env": "-1"}, "DELTACKPT_GC_MIN_BYTES")):
         if "env" in kwargs:
             monkeypatch.setenv("DELTACKPT_GC_MIN_BYTES", kwargs.pop("env"))
