@@ -1217,7 +1217,7 @@ class Checkpointer:
             if cid in self._unthinnable:
                 continue  # found damaged at an earlier save: not loaded again at every save
             try:
-                layout = self.store.manifest(id=cid)
+                layout = m = self.store.manifest(id=cid)
                 with contextlib.suppress(Exception):  # (a registered type not built from tensor entries: load it)
                     layout = layout.skeleton()
                 if not isinstance(layout, manifest.Manifest) and not _checkpointer_layout(layout):
@@ -1228,7 +1228,11 @@ class Checkpointer:
                 meta = dict(info.metadata or {})
                 meta[THINNED_KEY] = True
                 thinned = {"step": full.get("step"), "model": full.get("model"), "thinned": True}
-                self.store.rewrite(thinned, id=cid, metadata=meta)  # keeps its place: "latest" stays the newest
+                # loaded onto the CPU, but recorded on the devices they were saved from (a GPU model's weights)
+                stored = {t.key: t.device for t in m.tensors if t.device != "cpu"}
+                devices = {id(leaf.obj): stored[leaf.path] for leaf in flatten(thinned)[1] if leaf.path in stored}
+                # keeps its place: "latest" stays the newest
+                self.store.rewrite(thinned, id=cid, metadata=meta, _devices=devices)
                 thinned_ids.append(cid)
             except CheckpointNotFoundError:
                 continue

@@ -994,7 +994,8 @@ class Store:
         except Exception:
             return True
 
-    def rewrite(self, state: Any, *, id: str, metadata: Mapping[str, Any] | None = None) -> CheckpointInfo:
+    def rewrite(self, state: Any, *, id: str, metadata: Mapping[str, Any] | None = None,
+                _devices: Mapping[int, str] | None = None) -> CheckpointInfo:
         """Replace checkpoint ``id`` by ``state`` (same step and parent, same place in commit order). The new
         checkpoint keeps the old one's metadata unless ``metadata`` is given (``{}`` clears it), and takes a new
         id; the old id still resolves to it (:meth:`load`, :meth:`info` with ``id=``).
@@ -1010,7 +1011,7 @@ class Store:
         head, last = self._head, self._last_manifest
         if metadata is None:
             metadata = CheckpointInfo.from_record(old).metadata
-        info = self.save(state, old.step, metadata, parent=old.parent, _replace=old)
+        info = self.save(state, old.step, metadata, parent=old.parent, _replace=old, _devices=_devices)
         self._head = head if head != id else info.id
         self._last_manifest = last
         return info

@@ -38,7 +38,7 @@ import pytest
 import torch
 
 import deltackpt
-from deltackpt import Checkpointer, Retention, Store, UnsupportedTypeError, codec
+from deltackpt import Checkpointer, Retention, Store, UnsupportedTypeError, codec, manifest
 from deltackpt.index import chunk_key, chunk_keys
 
 HERE = Path(__file__).resolve().parent
@@ -1822,6 +1822,36 @@ def test_thinning_keeps_checkpoints_a_checkpointer_did_not_write_whole(fast_dir:
         assert_bitwise(pretrained, ckpt.store.load(0))
         assert_bitwise([torch.arange(5.0)], ckpt.store.load(1))
         assert not any(i.metadata.get("thinned") for s, i in infos.items() if s < 2)
+
+
+def test_thinning_keeps_the_device_the_weights_were_saved_from(fast_dir: Path) -> None:
+    """Thinning loads a checkpoint onto the CPU and rewrites its weights: the thinned checkpoint still records
+    the device they were saved from (a GPU model's weights came back as "cpu" tensors, and loads put them on the
+    CPU). No GPU is needed: the checkpoint's manifest is edited to record cuda:0, as a GPU save writes it."""
+    model, opt = _small()
+    with Checkpointer(fast_dir / "store", model=model, optimizer=opt, async_save=False, handle_signals=False,
+                      retention=Retention(keep_last=3, full_last=1)) as ckpt:
+        _train_step(model, opt)
+        ckpt.step(1)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        s = ckpt.store
+        info = s.info(1)
+        rec, m = s.index.get(id=info.id), s.manifest(id=info.id)
+        for t in m.tensors:
+            if t.key.startswith("model."):
+                t.device = "cuda:0"
+        data = m.to_bytes()
+        (fast_dir / "store" / "manifests" / f"{info.id}.manifest").write_bytes(data)
+        rec.manifest_checksum = manifest.checksum_of(data)
+        s.index.commit_checkpoint(rec, {}, replace=rec)
+        for step in (2, 3):
+            _train_step(model, opt)
+            ckpt.step(step)
+        thinned = s.info(1)
+        assert thinned.metadata == {"thinned": True}
+        devices = {t.key: t.device for t in s.manifest(id=thinned.id).tensors}
+        assert devices == {"model.weight": "cuda:0", "model.bias": "cuda:0"}, devices
+        assert_bitwise(weights, s.load(1, map_location="cpu")["model"])
 
 
 def test_retention_passes_over_a_damaged_checkpoint_it_would_thin(fast_dir: Path) -> None:
