@@ -74,6 +74,37 @@ _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: the next save
 GC_WAIT = 1.0
 
+class _GcAfterRetention:
+    """The rule that runs gc after retention, for :class:`Checkpointer` and the DCP writer: once the bytes that
+    the checkpoints deleted or thinned since a store's last gc wrote (the store counts them, whichever process
+    deleted them: :meth:`Index.dropped_bytes`) reach a quarter of what the kept ones wrote, and at least
+    ``DELTACKPT_GC_MIN_BYTES`` (read when this is made). A gc that failed is tried again once as much more is
+    dropped, not at every save."""
+
+    def __init__(self) -> None:
+        self.min_bytes = config.gc_min_bytes()
+        #: per store: the count that stands for none here (where a gc failed; 0 after one ran)
+        self._floor: dict[os.PathLike[str], int] = {}
+
+    def collect(self, store: Store, kept: int) -> maintenance.GcReport | None:
+        """gc ``store`` if it is due (``kept``: the bytes the kept checkpoints wrote); None when it is not, or
+        another process holds the store for longer than :data:`GC_WAIT` (tried again at the next save). Raises
+        what gc raises."""
+        dropped = store.index.dropped_bytes()
+        floor = self._floor[store.path] = min(self._floor.get(store.path, 0), dropped)  # (a gc elsewhere zeroed it)
+        if dropped <= floor or dropped - floor < max(self.min_bytes, kept // 4):
+            return None
+        try:
+            report = store.gc(timeout=GC_WAIT)
+        except StoreLockedError:
+            return None
+        except (DeltackptError, OSError):
+            self._floor[store.path] = dropped
+            raise
+        self._floor[store.path] = 0
+        return report
+
+
 #: checkpointers a signal flagged that have not saved yet, and the step each that did saved at (see "signals")
 _stopping: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 _stopped: weakref.WeakKeyDictionary[Checkpointer, int] = weakref.WeakKeyDictionary()
@@ -848,7 +879,7 @@ class Checkpointer:
                 "in deltackpt.data.ResumableLoader"
             )
         self.data = data
-        self._gc_min_bytes = config.gc_min_bytes()  # (a bad DELTACKPT_GC_MIN_BYTES is refused here, not at a save)
+        self._gc_rule = _GcAfterRetention()  # (a bad DELTACKPT_GC_MIN_BYTES is refused here, not at a save)
         # (opened once the arguments are known to be good: a refused Checkpointer creates no store)
         self._owns_store = not isinstance(path_or_store, Store)
         self.store = Store(path_or_store) if self._owns_store else path_or_store  # type: ignore[arg-type]
@@ -857,9 +888,6 @@ class Checkpointer:
         self.async_save = async_save
         self.retention = retention
         self.gc = gc
-        #: the store's count of bytes dropped since its last gc (Index.dropped_bytes) that stands for none here:
-        #: where a gc failed, so that it is tried again once as much more is dropped, not at every save
-        self._gc_floor = 0
         self.map_location = map_location
         self.rng = rng
         self.last_saved_step: int | None = None
@@ -1176,42 +1204,29 @@ class Checkpointer:
             self._thin(plan.thin, by_id)
         finally:
             self.store._head = head
-        if not (collect and self.gc):
-            return
-        # The store counts what deletes and rewrites dropped since its last gc (any process's: a job restarted
-        # every few hundred steps drops less than the threshold in each process, and its garbage added up)
-        dropped = self.store.index.dropped_bytes()
-        self._gc_floor = min(self._gc_floor, dropped)  # (a gc elsewhere zeroed it)
-        kept = sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete))
-        if dropped > self._gc_floor and dropped - self._gc_floor >= max(self._gc_min_bytes, kept // 4):
-            self._collect(dropped)
+        if collect and self.gc:
+            self._collect(sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete)))
 
-    def _collect(self, dropped: int) -> None:
-        """gc after retention. Its trouble is not the save's: the checkpoint is committed, and training goes on.
-        A store another process holds for longer than a moment (its gc, a repair) is tried again at the next
-        save; damage gc found is a warning."""
+    def _collect(self, kept: int) -> None:
+        """gc after retention, when due (:class:`_GcAfterRetention`). Its trouble is not the save's: the
+        checkpoint is committed, and training goes on. A store another process holds for longer than a moment
+        (its gc, a repair) is tried again at the next save; damage gc found is a warning."""
         try:
-            report = self.store.gc(timeout=GC_WAIT)
-        except StoreLockedError:
-            return
+            report = self._gc_rule.collect(self.store, kept)
         except (DeltackptError, OSError) as exc:
-            self._gc_floor = dropped  # (tried again once as much more is dropped)
             warnings.warn(f"deltackpt: gc after retention failed, what retention deleted still takes its space "
                           f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
             return
-        self._gc_floor = 0
-        if report.damaged_packs:
+        if report is not None and report.damaged_packs:
             warnings.warn(f"deltackpt: gc after retention left {len(report.damaged_packs)} pack(s) holding damaged "
                           f"frames in place: {report.damaged_packs[0]}; 'deltackpt verify' names the checkpoints",
                           RuntimeWarning, stacklevel=2)
 
-    def _thin(self, ids: list[str], by_id: dict[str, CheckpointInfo]) -> list[str]:
+    def _thin(self, ids: list[str], by_id: dict[str, CheckpointInfo]) -> None:
         """Rewrite the checkpoints ``ids`` with their step and model weights only. Only checkpoints a Checkpointer
         wrote (a dict with ``step`` and ``model`` entries) are thinned: any other (a ``Store.save``, an import)
         has no weights this could tell apart, and is kept whole. A damaged one is kept as it is, with a
-        warning: the deletes after this still run, and this checkpointer does not try it again. Returns the ids
-        it thinned."""
-        thinned_ids: list[str] = []
+        warning: the deletes after this still run, and this checkpointer does not try it again."""
         for cid in ids:
             info = by_id[cid]
             if cid in self._unthinnable:
@@ -1233,14 +1248,12 @@ class Checkpointer:
                 devices = {id(leaf.obj): stored[leaf.path] for leaf in flatten(thinned)[1] if leaf.path in stored}
                 # keeps its place: "latest" stays the newest
                 self.store.rewrite(thinned, id=cid, metadata=meta, _devices=devices)
-                thinned_ids.append(cid)
             except CheckpointNotFoundError:
                 continue
             except CorruptionError as exc:
                 self._unthinnable.add(cid)
                 warnings.warn(f"deltackpt: retention cannot thin checkpoint {cid} (step {info.step}), which is "
                               f"damaged; it stays as it is: {exc}", RuntimeWarning, stacklevel=2)
-        return thinned_ids
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the save in flight (if any) is committed; raise its error."""

@@ -65,7 +65,6 @@ from deltackpt.errors import (
     CorruptManifestError,
     DeltackptError,
     FormatVersionError,
-    StoreLockedError,
     UnsafeLoadError,
     UnsupportedTypeError,
 )
@@ -179,11 +178,11 @@ class DeltaStorageWriter(StorageWriter):
         self.metadata = metadata
         self.retention = retention
         self.gc = bool(gc)
-        self._gc_min_bytes = config.gc_min_bytes()
+        from deltackpt.checkpointer import _GcAfterRetention
+
+        self._gc_rule = _GcAfterRetention()
         self.store_options = store_options
         self._stores: dict[Path, Store] = {}
-        #: per store: its count of bytes dropped since its last gc that stands for none here (where a gc failed)
-        self._gc_floor: dict[Path, int] = {}
 
     def _store(self, path: Path) -> Store:
         s = self._stores.get(path)
@@ -325,25 +324,10 @@ class DeltaStorageWriter(StorageWriter):
 
     def _collect(self, store: Store) -> None:
         """gc ``store`` once what retention deleted from it is worth a pass (see the class docstring)."""
-        from deltackpt.checkpointer import GC_WAIT
-
         if not self.gc:
             return
-        # (the store counts what was deleted since its last gc, across restarts of the job: Checkpointer's rule)
-        dropped = store.index.dropped_bytes()
-        floor = self._gc_floor[store.path] = min(self._gc_floor.get(store.path, 0), dropped)
-        kept = sum(i.written_bytes for i in store._listing())
-        if dropped - floor == 0 or dropped - floor < max(self._gc_min_bytes, kept // 4):
-            return
-        try:
-            report = store.gc(timeout=GC_WAIT)
-        except StoreLockedError:
-            return  # another process's gc or repair: tried again at the next save
-        except (DeltackptError, OSError):
-            self._gc_floor[store.path] = dropped  # (tried again once as much more is dropped)
-            raise
-        self._gc_floor[store.path] = 0
-        if report.damaged_packs:
+        report = self._gc_rule.collect(store, sum(i.written_bytes for i in store._listing()))
+        if report is not None and report.damaged_packs:
             warnings.warn(f"deltackpt: gc of {store.path} after DCP retention left {len(report.damaged_packs)} "
                           f"pack(s) holding damaged frames in place: {report.damaged_packs[0]}",
                           RuntimeWarning, stacklevel=2)
