@@ -532,6 +532,11 @@ def _group_load(g: Any, state: Any) -> None:
     if g is None:
         return
     for _, member, saved in _with_states(g, state):
+        if isinstance(member, torch.nn.Module) and type(saved) is OrderedDict and not hasattr(saved, "_metadata"):
+            # A checkpoint of a version before stores kept a state_dict()'s module versions. Without them
+            # load_state_dict takes every module's state for a legacy one and migrates it; the job saved it
+            # from modules of the versions this code has, the best guess there is.
+            saved._metadata = getattr(member.state_dict(), "_metadata", None)  # type: ignore[attr-defined]
         member.load_state_dict(saved)
 
 
@@ -577,7 +582,8 @@ def _put_back(live: Any, saved: Any) -> Any:
     checkpoint lacks stay), a list too; a tuple keeps its tensors. Anything else is replaced by ``saved``."""
     if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor) and live.shape == saved.shape:
         if saved is not live:
-            with torch.no_grad():
+            # (a tensor made in inference mode, an EMA's say, can be written only in inference mode)
+            with torch.inference_mode() if live.is_inference() else torch.no_grad():
                 live.copy_(saved)
         return live
     if type(live) is np.ndarray and type(saved) is np.ndarray and live.shape == saved.shape and live.flags.writeable:
@@ -757,6 +763,8 @@ class _Staging:
                 out = obj.copy()  # same type, order and default factory; values replaced below
                 for k, v in obj.items():
                     out[k] = copy(v, (*path, k))
+                if t is OrderedDict and hasattr(obj, "_metadata"):  # (a state_dict()'s module versions)
+                    out._metadata = copy(obj._metadata, (*path, _METADATA))  # type: ignore[attr-defined]
                 return out
             if t is list or t is tuple or t is deque:
                 items = [copy(v, (*path, i)) for i, v in enumerate(obj)]
@@ -777,6 +785,10 @@ class _Staging:
         for path in set(self._buffers) - self._used:  # tensors that left the state: free their buffers
             del self._buffers[path]
         return snap
+
+
+#: the path step under which a snapshot copies an OrderedDict's ``_metadata`` (no dict key can equal it)
+_METADATA = object()
 
 
 def newest_restorable(

@@ -78,7 +78,7 @@ from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
 
 __all__ = ["ResumableLoader", "ResumableSampler"]
 
@@ -350,9 +350,11 @@ class ResumableLoader:
                 "batch_size= with a ResumableSampler as sampler="
             )
         if not isinstance(sampler, ResumableSampler):
+            order = ("shuffle=False, for the dataset's order" if isinstance(sampler, SequentialSampler)
+                     else "shuffle=True, seed=...")
             raise TypeError(
                 f"the DataLoader's sampler is a {type(sampler).__name__}; build it with "
-                "sampler=deltackpt.data.ResumableSampler(dataset, ...)"
+                f"sampler=deltackpt.data.ResumableSampler(dataset, {order})"
             )
         self.loader = loader
         self.sampler = sampler

@@ -12,7 +12,8 @@ trusting a byte.
 Layout of ``manifests/<id>.manifest`` (little-endian)::
 
     0    8   magic b"DCKMANIF"
-    8    4   format version (1; 2 when the state skeleton holds a version-2 node, see :func:`tree.format_version`)
+    8    4   format version (1; 2 or 3 when the state skeleton holds a node of that version, see
+             :func:`tree.format_version`)
     12   4   flags (0)
     16   8   header length H
     24   8   chunk count N
@@ -53,7 +54,7 @@ from deltackpt.packs import fsync_dir
 
 MAGIC = b"DCKMANIF"
 #: the newest manifest version this code reads and writes; a manifest records the oldest one its content needs
-MANIFEST_VERSION = 2
+MANIFEST_VERSION = 3
 _HEAD = struct.Struct("<8sIIQQ")
 FLAG_ZERO = 1
 _ID = re.compile(r"^[0-9a-f]{16}$")
@@ -98,8 +99,8 @@ def check_fields(d: dict[str, Any]) -> None:
         if name in d:
             _count(d[name], name)
     if d.get("metadata") is not None:
-        if tree.format_version(d["metadata"]) > 1:
-            raise ValueError("metadata holds a version-2 node (checkpoint metadata is of version-1 kinds only)")
+        if (v := tree.format_version(d["metadata"])) > 1:
+            raise ValueError(f"metadata holds a version-{v} node (checkpoint metadata is of version-1 kinds only)")
         _check_plain(d["metadata"])
     if "extra" in d:
         extra = d["extra"]
@@ -332,7 +333,8 @@ def parse(data: bytes, *, where: str) -> Manifest:
             raise ValueError(f"unknown header fields {unknown!r:.80}")
         check_fields(h)
         if tree.format_version(h["tree"]) > version:
-            raise ValueError(f"its state skeleton holds version-2 nodes in a version-{version} manifest")
+            raise ValueError(f"its state skeleton holds version-{tree.format_version(h['tree'])} nodes in a "
+                             f"version-{version} manifest")
         if type(h["tensors"]) is not list:
             raise ValueError("tensors is not a list")
         tensors = [_entry(t) for t in h["tensors"]]

@@ -754,6 +754,8 @@ class Store:
     def _record(self, step: int | None = None, id: str | None = None) -> Record:
         if id is not None:
             manifest.check_id(id)
+        if type(step) is str:  # (a checkpoint id given where the step goes: info(info.id))
+            raise TypeError(f"step must be an int, got str {step!r:.40}; pass a checkpoint id as id=")
         if step is not None:
             step = _check_step(step)
         rec = self.index.get(step=step, id=id)

@@ -235,6 +235,17 @@ class _Flattener:
             self._seen[key] = idx
         return ["T" if is_torch else "A", idx]
 
+    def attribute(self, value: Any, path: str, name: str) -> list[Any]:
+        """The node of attribute ``name`` of the container at ``path`` (a module ``state_dict()``'s
+        ``_metadata``: the version of each module, which ``load_state_dict`` hands to the modules' migrations):
+        any value the state could hold but arrays."""
+        inner = _Flattener(self.allow_pickle)
+        node = inner.node(value, f"{path}.{name}" if path else name)
+        if inner.leaves:
+            raise UnsupportedTypeError(f"cannot store {path or '<root>'}: its {name} attribute holds a tensor or array "
+                                       f"({inner.leaves[0].path})")
+        return node
+
     def plain(self, value: Any, path: str, what: str, depth: int = 0) -> list[Any]:
         """The node of a dict key or set element: a hashable plain value (str, int, None, bool, float,
         complex, bytes, a numpy scalar, a torch dtype or device, or a tuple or frozenset of those)."""
@@ -312,6 +323,8 @@ class _Flattener:
                         "(or convert it to a dict)"
                     )
                 return ["D", name, keys, vals]
+            if t is OrderedDict and (meta := getattr(obj, "_metadata", None)) is not None:
+                return ["o", keys, vals, self.attribute(meta, path, "_metadata")]
             return ["d" if t is dict else "o" if t is OrderedDict else "C", keys, vals]
         if t is list or t is tuple:
             tag = "l" if t is list else "t"
@@ -349,7 +362,8 @@ class _Flattener:
             return ["p", base64.b64encode(data).decode()]
         raise UnsupportedTypeError(
             f"cannot store {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__} "
-            "(register it with deltackpt.register_type, or opt in with allow_pickle=True)"
+            "(register it with deltackpt.register_type; Store.save and Store.load also take allow_pickle=True, "
+            "a Checkpointer does not)"
         )
 
 
@@ -617,8 +631,10 @@ def flatten(state: Any, *, allow_pickle: bool = False, opaque: bool = False) -> 
 
 
 def format_version(skeleton: Any) -> int:
-    """The manifest format version a skeleton needs: 2 when it holds a version-2 node (:data:`V2_TAGS`, or a
-    dict key other than str and int), else 1, so that states of version-1 kinds stay readable by version 1."""
+    """The manifest format version a skeleton needs: 3 when an ``o`` node carries a module ``state_dict()``'s
+    ``_metadata``; else 2 when it holds a version-2 node (:data:`V2_TAGS`, or a dict key other than str and int);
+    else 1, so that states of older kinds stay readable by older readers."""
+    version = 1
     stack = [skeleton]
     while stack:
         n = stack.pop()
@@ -627,17 +643,21 @@ def format_version(skeleton: Any) -> int:
         tag = n[0]
         if type(tag) is not str:
             continue  # (malformed: for the decoder to refuse)
+        if tag == "o" and len(n) == 4:
+            return 3
         if tag in V2_TAGS:
-            return 2
-        if tag in ("d", "o") and len(n) == 3 and type(n[1]) is type(n[2]) is list:
+            version = 2
+        if tag in ("d", "o", "C") and len(n) == 3 and type(n[1]) is type(n[2]) is list:
             if any(type(k) is not list or not k or k[0] not in ("s", "i") for k in n[1]):
-                return 2
+                version = 2
             stack.extend(n[2])
-        elif tag in ("l", "t") and len(n) == 2 and type(n[1]) is list:
+        elif tag == "D" and len(n) == 4 and type(n[3]) is list:
+            stack.extend(n[3])
+        elif tag in ("l", "t", "q") and len(n) >= 2 and type(n[1]) is list:
             stack.extend(n[1])
         elif tag == "x" and len(n) == 3:
             stack.append(n[2])
-    return 1
+    return version
 
 
 def encode_plain(value: Any) -> list[Any]:
@@ -657,8 +677,8 @@ def encode_plain(value: Any) -> list[Any]:
     if format_version(skeleton) > 1:
         raise UnsupportedTypeError(
             "metadata may hold None, bool, int, float, str, bytes, lists, tuples, and dicts with str or int keys "
-            "(and torch dtypes, devices and sizes, numpy scalars); convert sets, Counters, deques, defaultdicts "
-            "and complex numbers"
+            "(and torch dtypes, devices and sizes, numpy scalars); convert sets, Counters, deques, defaultdicts, "
+            "complex numbers and module state_dict()s (whose _metadata attribute is not kept there)"
         )
     return skeleton
 
@@ -787,7 +807,12 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool | str) -> Any:
         if tag == "d":
             return dict(zip(keys, vals))
         if tag == "o":
-            return OrderedDict(zip(keys, vals))
+            od = OrderedDict(zip(keys, vals))
+            if len(n) != 3:  # version 3: a module state_dict()'s _metadata (holds no arrays: no leaves to name)
+                if len(n) != 4:
+                    raise ValueError("OrderedDict node")
+                od._metadata = _build(n[3], [], allow_pickle)  # type: ignore[attr-defined]
+            return od
         if tag == "C":
             return Counter(dict(zip(keys, vals)))
         if n[1] is not None and n[1] not in DEFAULT_FACTORIES:

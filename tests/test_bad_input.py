@@ -453,7 +453,7 @@ def test_damaged_manifest_changes_nothing_else(store_path: Path) -> None:
         assert_same_state(states[3], s.load(3))
 
 
-@pytest.mark.parametrize("version", [0, 3, 2**31])
+@pytest.mark.parametrize("version", [0, 4, 2**31])
 def test_manifest_of_an_unknown_version_is_a_format_version_error(store: deltackpt.Store, version: int) -> None:
     import xxhash
 
@@ -464,7 +464,7 @@ def test_manifest_of_an_unknown_version_is_a_format_version_error(store: deltack
     assert int.from_bytes(data[8:12], "little") == 2
     manifest.parse(data, where="m")  # version 2: read
     body = data[:8] + version.to_bytes(4, "little") + data[12:-16]
-    with pytest.raises(deltackpt.FormatVersionError, match=f"format version {version} .this reader: 1 to 2"):
+    with pytest.raises(deltackpt.FormatVersionError, match=f"format version {version} .this reader: 1 to 3"):
         manifest.parse(body + xxhash.xxh3_128_digest(body), where="m")
 
 
@@ -831,3 +831,11 @@ def test_other_arguments_are_checked_before_anything_runs(store: deltackpt.Store
     with pytest.raises(ValueError, match="DELTACKPT_CHUNK_SIZE must be a power of two"):
         deltackpt.Store(tmp_path / "new")
     assert not (tmp_path / "new").exists()
+
+
+def test_an_id_given_as_the_step_is_refused_with_the_keyword_to_use(store: deltackpt.Store) -> None:
+    info = store.save({"w": torch.ones(3)}, step=1)
+    for call in (store.info, store.load, store.manifest):
+        with pytest.raises(TypeError, match=f"got str '{info.id}'; pass a checkpoint id as id="):
+            call(info.id)
+    assert store.info(id=info.id) == info

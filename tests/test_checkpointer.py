@@ -2605,3 +2605,90 @@ def test_restore_puts_back_python_numpy_and_torch_rngs(tmp_path: Path) -> None:
     assert got[0] == expected[0], "python RNG not restored"
     assert got[1] == expected[1], "numpy RNG not restored"
     assert got[2] == expected[2], "torch RNG not restored"
+
+
+class _Versioned(torch.nn.Module):
+    """A module whose state layout changed in version 2, migrating older states as torch documents it: version 1
+    stored ``log_scale``, version 2 stores ``scale`` (a state of no version is taken for version 1)."""
+
+    _version = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(3.0))
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: dict[str, Any], *args: Any) -> None:
+        if (local_metadata.get("version") or 1) < 2:
+            state_dict[prefix + "scale"] = state_dict[prefix + "scale"].exp()
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_restore_hands_load_state_dict_the_module_versions_that_torch_save_keeps(fast_dir: Path,
+                                                                                 async_save: bool) -> None:
+    """A module ``state_dict()`` carries each module's version (its ``_metadata``), which ``load_state_dict``
+    hands to the modules' migrations; ``torch.save`` keeps it. Without it a current state is taken for a legacy
+    one and migrated: a quantization observer's ``eps`` becomes float32's, a versioned module's value is
+    converted again. A restore gives the same values as ``torch.load``, sync or async."""
+    from torch.ao.quantization import MinMaxObserver
+
+    def build() -> torch.nn.Module:
+        model = torch.nn.Module()
+        model.obs = MinMaxObserver(eps=1e-3)
+        model.v = _Versioned()
+        return model
+
+    model = build()
+    with deltackpt.Checkpointer(fast_dir / "s", model=model, async_save=async_save, handle_signals=False) as ck:
+        ck.save(1)
+    torch.save(model.state_dict(), fast_dir / "ref.pt")
+    expected = build()
+    expected.load_state_dict(torch.load(fast_dir / "ref.pt", weights_only=True))
+    assert expected.obs.eps.item() == pytest.approx(1e-3) and expected.v.scale.item() == 3.0
+
+    restored = build()
+    with torch.no_grad():
+        restored.obs.eps.fill_(0.5)
+        restored.v.scale.fill_(0.0)
+    with deltackpt.Checkpointer(fast_dir / "s", model=restored, handle_signals=False) as ck:
+        assert ck.restore() == 1
+    assert torch.equal(restored.obs.eps, expected.obs.eps)
+    assert torch.equal(restored.v.scale, expected.v.scale)
+    with Store(fast_dir / "s") as s:
+        assert s.load()["model"]._metadata == model.state_dict()._metadata
+
+
+def test_restore_of_a_checkpoint_without_module_versions_takes_this_runs(fast_dir: Path) -> None:
+    """A checkpoint whose model state has no module versions (as stores wrote before they kept them: here the
+    model's ``state_dict()`` without its ``_metadata``) restores with the versions of the modules it is restored
+    into, not as a legacy state."""
+    model = _Versioned()
+    full = model.state_dict
+    model.state_dict = lambda *a, **k: collections.OrderedDict(full(*a, **k))  # type: ignore[method-assign]
+    with deltackpt.Checkpointer(fast_dir / "s", model=model, async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    with Store(fast_dir / "s") as s:
+        assert not hasattr(s.load()["model"], "_metadata")
+    restored = _Versioned()
+    with torch.no_grad():
+        restored.scale.fill_(0.0)
+    with deltackpt.Checkpointer(fast_dir / "s", model=restored, handle_signals=False) as ck:
+        assert ck.restore() == 1
+    assert restored.scale.item() == 3.0  # (not exp(3): migrated as a version-1 state)
+
+
+def test_restore_writes_into_extra_tensors_made_in_inference_mode(fast_dir: Path) -> None:
+    """An ``extra`` tensor made under ``torch.inference_mode()`` (an EMA of the weights, say) can be written only
+    in inference mode: the restore puts the checkpoint's values into it (it raised torch's error once the model
+    was restored)."""
+    model = torch.nn.Linear(2, 2)
+    with torch.inference_mode():
+        ema = {k: v.clone() * 3 for k, v in model.state_dict().items()}
+    with Checkpointer(fast_dir / "s", model=model, extra={"ema": ema}, async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    with torch.inference_mode():
+        held = {k: torch.zeros_like(v) for k, v in ema.items()}
+    with Checkpointer(fast_dir / "s", model=torch.nn.Linear(2, 2), extra={"ema": held}, handle_signals=False) as ck:
+        assert ck.restore() == 1
+        assert ck.extra["ema"] is held
+    assert all(torch.equal(held[k], ema[k]) and held[k].is_inference() for k in ema)

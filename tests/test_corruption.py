@@ -982,19 +982,23 @@ def test_a_predicted_frame_of_another_width_is_damage() -> None:
         codec.parse_header(frame)
 
 
-@pytest.mark.parametrize("damage", ["flag bit", "version"])
+@pytest.mark.parametrize("damage", ["flag bit", "version", "version 3"])
 def test_manifest_reserved_flags_and_a_version_below_its_nodes_are_damage(store_path: Path, damage: str) -> None:
     """A chunk flag with a reserved bit set, or a manifest whose skeleton holds version-2 nodes (a set) while its
-    header says version 1, is damage (format.md §5), checksums made to match: both were read as if valid."""
+    header says version 1, or module versions (version 3) while it says 2, is damage (format.md §5), checksums
+    made to match: all were read as if valid (the module versions dropped)."""
     from deltackpt import manifest
 
+    state: dict[str, Any] = {"w": torch.ones(5000), "tags": {"a", "b"}}
+    if damage == "version 3":
+        state["model"] = torch.nn.Linear(2, 2).state_dict()
     with _open(store_path) as s:
-        info = s.save({"w": torch.ones(5000), "tags": {"a", "b"}}, step=1)
+        info = s.save(state, step=1)
     mpath = store_path / "manifests" / f"{info.id}.manifest"
     raw = bytearray(mpath.read_bytes())
-    assert struct.unpack_from("<I", raw, 8)[0] == 2
-    if damage == "version":
-        struct.pack_into("<I", raw, 8, 1)
+    assert struct.unpack_from("<I", raw, 8)[0] == (3 if damage == "version 3" else 2)
+    if damage.startswith("version"):
+        struct.pack_into("<I", raw, 8, 2 if damage == "version 3" else 1)
     else:
         raw[-17] |= 0x04  # the last chunk's flags
     body = bytes(raw[:-16])
@@ -1002,9 +1006,10 @@ def test_manifest_reserved_flags_and_a_version_below_its_nodes_are_damage(store_
     mpath.write_bytes(damaged)
     _set_record(store_path, 1, lambda r: r.update(manifest_checksum=manifest.checksum_of(damaged)))
     with _open(store_path) as s:
-        with pytest.raises(CorruptManifestError, match="reserved bit" if damage == "flag bit" else "version-2 nodes"):
+        what = {"flag bit": "reserved bit", "version": "version-2 nodes", "version 3": "version-3 nodes"}[damage]
+        with pytest.raises(CorruptManifestError, match=what):
             s.load(1)
-        assert any("reserved bit" in p.message or "version-2" in p.message for p in s.verify().problems)
+        assert any(what in p.message for p in s.verify().problems)
 
 
 @pytest.mark.parametrize("codec_id", [codec.RAW, codec.ZSTD, codec.PLANES_ZSTD])

@@ -454,8 +454,10 @@ def test_load_rejects_a_state_for_other_data() -> None:
 
 def test_wrapper_rejects_what_it_cannot_count() -> None:
     ds = TensorDataset(torch.arange(N))
-    with pytest.raises(TypeError, match="ResumableSampler"):
-        ResumableLoader(DataLoader(ds, batch_size=4))
+    with pytest.raises(TypeError, match=r"ResumableSampler\(dataset, shuffle=False, for the dataset's order\)"):
+        ResumableLoader(DataLoader(ds, batch_size=4))  # (following the hint keeps the order it had)
+    with pytest.raises(TypeError, match=r"RandomSampler.*ResumableSampler\(dataset, shuffle=True, seed=...\)"):
+        ResumableLoader(DataLoader(ds, batch_size=4, shuffle=True))
     with pytest.raises(TypeError, match="custom batch sampler"):
 
         class Buckets(BatchSampler):

@@ -1338,3 +1338,37 @@ def test_register_type_refuses_types_deltackpt_stores_itself(cls: Any) -> None:
     with pytest.raises(TypeError):
         deltackpt.register_type(cls, "tests.builtin", lambda x: x, lambda x: x)
     assert "tests.builtin" not in tree._HOOKS_BY_NAME
+
+
+def test_module_state_dict_keeps_its_module_versions(store: deltackpt.Store) -> None:
+    """A module ``state_dict()``'s ``_metadata`` (each module's version, which ``load_state_dict`` hands to the
+    modules' migrations) loads back as ``torch.load`` gives it, from a manifest of version 3; a state without
+    one stays readable by version-2 readers, and an OrderedDict without one loads without one."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    sd = model.state_dict()
+    info = store.save({"model": sd, "plain": OrderedDict(a=1)}, step=1)
+    out = store.load(1)
+    assert out["model"]._metadata == sd._metadata and type(out["model"]._metadata) is OrderedDict
+    assert not hasattr(out["plain"], "_metadata")
+    manifests = store.path / "manifests"
+    assert struct.unpack_from("<I", (manifests / f"{info.id}.manifest").read_bytes(), 8)[0] == 3
+    other = store.save({"model": OrderedDict(sd)}, step=2)
+    assert struct.unpack_from("<I", (manifests / f"{other.id}.manifest").read_bytes(), 8)[0] == 1
+    assert not hasattr(store.load(2)["model"], "_metadata")
+
+
+def test_module_versions_holding_a_tensor_are_refused(store: deltackpt.Store) -> None:
+    sd = torch.nn.Linear(3, 2).state_dict()
+    sd._metadata[""]["scale"] = torch.ones(2)  # type: ignore[attr-defined]
+    with pytest.raises(UnsupportedTypeError, match=r"model: its _metadata attribute holds a tensor .*model\._metadata"):
+        store.save({"model": sd}, step=1)
+    assert store.list() == []
+
+
+@pytest.mark.parametrize("node", [
+    ["o", [["s", "a"]], [["i", "1"]], ["N"], ["N"]],  # one element too many
+    ["o", [["s", "a"]], [["i", "1"]], ["d", [["s", ""]], [["T", 0]]]],  # module versions naming a tensor entry
+])
+def test_malformed_module_versions_are_damage(node: list[Any]) -> None:
+    with pytest.raises(deltackpt.CorruptManifestError, match="malformed state skeleton"):
+        tree.check_skeleton(node, [])
