@@ -181,6 +181,7 @@ class DeltaStorageWriter(StorageWriter):
         from deltackpt.checkpointer import _GcAfterRetention
 
         self._gc_rule = _GcAfterRetention()
+        self._named_memo: dict[str, set[tuple[int, str]]] = {}  # meta checkpoint id -> what it names
         self.store_options = store_options
         self._stores: dict[Path, Store] = {}
 
@@ -312,7 +313,12 @@ class DeltaStorageWriter(StorageWriter):
                 return
             with _existing(self.root / "meta", "DCP checkpoints", readonly=True,
                            allow_network_fs=self.store_options.get("allow_network_fs")) as meta:
-                named = set().union(set(), *(_named(meta, i.id) for i in meta.list()))
+                # (each meta checkpoint's manifest read once per writer: a manifest never changes, and reading
+                # every kept one at every save made retention's cost grow with the square of the kept steps)
+                ids = [i.id for i in meta.list()]
+                memo = self._named_memo
+                self._named_memo = {i: memo[i] if i in memo else _named(meta, i) for i in ids}
+                named = set().union(set(), *self._named_memo.values())
             for c in _unnamed(store._listing(), _mine(store, rank, named)):
                 with contextlib.suppress(CheckpointNotFoundError):
                     store.delete(id=c.id)
@@ -852,7 +858,9 @@ def _mine(store: Store, rank: int, named: set[tuple[int, str]]) -> set[str]:
     """The ids of rank ``rank``'s checkpoints that ``named`` names, with those of the checkpoints that replaced
     them (a rank checkpoint that a rewrite replaced is named by its old id: the new one is named too)."""
     mine = {k for r, k in named if r == rank}
-    return mine | {c.id for c in (_resolved(store, k) for k in list(mine)) if c is not None}
+    store._refresh()
+    moved = store._moved()  # (one pass over the records: store.info of each named id scanned them all)
+    return mine | {moved[k] for k in mine if k in moved}
 
 
 def _unnamed(infos: list[Any], mine: set[str], *, orphans: bool = False) -> list[Any]:

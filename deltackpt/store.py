@@ -792,11 +792,16 @@ class Store:
         return None if rec is None else rec.id
 
     def _replacing(self, old_id: str) -> Record | None:
-        """The checkpoint that took the place of ``old_id`` in a :meth:`rewrite` (rarely asked: a scan)."""
-        for rec in self.index.records():
-            if old_id in rec.extra.get("replaces", ()):
-                return rec
-        return None
+        """The checkpoint that took the place of ``old_id`` in a :meth:`rewrite`. Asked of every checkpoint
+        whose parent retention deleted, so it scans the records through the listing's memo (decoding only those
+        not seen before: decoding every record took 1.8 s at 10,000 kept)."""
+        new = self._moved().get(old_id)
+        return None if new is None else self.index.get(id=new)
+
+    def _moved(self) -> dict[str, str]:
+        """Old id -> the id of the checkpoint a :meth:`rewrite` put in its place, for every retained rewrite
+        (the index as last refreshed)."""
+        return {old: info.id for info, replaces in self._rows() for old in replaces}
 
     def _info(self, rec: Record) -> CheckpointInfo:
         """``rec`` as users see it: a parent that was rewritten is named by its current id."""
@@ -813,8 +818,17 @@ class Store:
         """:meth:`list`, its infos shared with earlier listings of this handle (their metadata too): for readers
         that change nothing, such as retention after every save."""
         self._refresh()
-        # A Checkpointer with a retention policy lists after every save: the records listed before are taken
-        # from the last listing when their bytes are the same (decoding one took 12 us: 30 ms at 2,500 kept)
+        rows = self._rows()
+        ids = {info.id for info, _ in rows}
+        moved = {old: info.id for info, replaces in rows for old in replaces}
+        return [info if info.parent in ids or info.parent not in moved
+                else dataclasses.replace(info, parent=moved[info.parent]) for info, _ in rows]
+
+    def _rows(self) -> list[tuple[CheckpointInfo, tuple[str, ...]]]:
+        """Every record, oldest commit first, as (info with its parent as recorded, ids it replaced).
+
+        A Checkpointer with a retention policy lists after every save: the records listed before are taken from
+        the last listing when their bytes are the same (decoding one took 12 us: 30 ms at 2,500 kept)."""
         memo, listed = self._listed, {}
         rows: list[tuple[CheckpointInfo, tuple[str, ...]]] = []
         for key, raw in self.index.raw_records():
@@ -825,10 +839,7 @@ class Store:
             listed[(key, raw)] = row
             rows.append(row)
         self._listed = listed
-        ids = {info.id for info, _ in rows}
-        moved = {old: info.id for info, replaces in rows for old in replaces}
-        return [info if info.parent in ids or info.parent not in moved
-                else dataclasses.replace(info, parent=moved[info.parent]) for info, _ in rows]
+        return rows
 
     def info(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:
         """The checkpoint at ``step`` (the newest one with that step), or with ``id`` (also an id it replaced in

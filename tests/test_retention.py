@@ -711,3 +711,32 @@ def test_keep_within_is_inclusive() -> None:
              for i, age in enumerate([100.0, 50.0, 0.0])]
     plan = Retention(keep_within=100.0).plan(infos, now=NOW)
     assert plan.delete == [], plan
+
+
+def test_lookups_after_retention_decode_each_record_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After retention most kept checkpoints' parents are gone, and naming a parent asks whether a rewrite
+    replaced it: that went through every record, decoded, for each checkpoint looked up (1.8 s a lookup at
+    10,000 kept). Lookups now read the records through the listing's memo, decoding each once per handle; a
+    rewrite's replacement is still found by its old id and named as the parent."""
+    from deltackpt import index as index_module
+    from deltackpt import store as store_module
+
+    with Store(tmp_path / "s") as s:
+        for step in range(40):
+            s.save({"w": torch.full((8,), float(step))}, step=step)
+        s.retain(Retention(keep_last=2, keep_every=4))
+        kept = [i.step for i in s.list()]
+        assert len(kept) >= 10 and kept[-2:] == [38, 39]
+        old = s.info(38)
+        s.rewrite({"w": torch.zeros(8)}, id=old.id)
+        decoded = []
+        real = index_module.record_at
+        for module in (index_module, store_module):
+            monkeypatch.setattr(module, "record_at", lambda *a: decoded.append(a[0]) or real(*a))
+        for _ in range(3):
+            infos = [s.info(step) for step in kept]
+        # each lookup decodes its record and its parent's (when kept); every record once more at most
+        assert len(decoded) <= 2 * 3 * len(kept) + len(kept) + 1
+        new = s.info(38)
+        assert new.id != old.id and s.info(id=old.id) == new
+        assert infos[-1].parent == new.id == s.info(39).parent  # (the rewritten parent, by its new id)
