@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import deltackpt
-from deltackpt import CorruptChunkError, CorruptManifestError, codec, kernel, maintenance
-from deltackpt.errors import CorruptIndexError
+from deltackpt import CorruptChunkError, CorruptManifestError, codec, kernel, maintenance, manifest, predict, tree
+from deltackpt.errors import CorruptIndexError, FormatVersionError
 from deltackpt.index import ChunkLoc, chunk_key
 
 CS = SMALL_CHUNK
@@ -1994,3 +1994,105 @@ def test_a_damaged_base_payload_is_named_in_the_dependents_error(tmp_path: Path)
             s.read_chunk(dep_key, all_locs[dep_key])
     assert ei.value.chunk_id == dep_cid
     assert f"its delta base {base_cid} is damaged" in str(ei.value), str(ei.value)
+
+
+def _sealed(frame: bytearray) -> bytes:
+    """``frame`` with its checksum made to match its (edited) header and payload."""
+    struct.pack_into("<Q", frame, 56, codec.frame_checksum(bytes(frame[:56]), bytes(frame[64:])))
+    return bytes(frame)
+
+
+def _zstd_frame() -> tuple[bytearray, bytes]:
+    text = b"deltackpt " * 100
+    frame = codec.Encoder(1).encode(text, kernel.digest(text), 1)
+    assert codec.parse_header(frame).codec == codec.ZSTD
+    return bytearray(frame), text
+
+
+def test_frame_version_zero_is_damage_not_a_frame() -> None:
+    """Versions are 1, 2, 3: a version byte of 0 (checksum made to match) is refused, not read as version 1."""
+    frame, raw = _zstd_frame()
+    frame[4] = 0
+    bad = _sealed(frame)
+    with pytest.raises((CorruptChunkError, FormatVersionError)):
+        codec.parse_header(bad)
+    with pytest.raises((CorruptChunkError, FormatVersionError)):
+        codec.decode(bad, expect_digest=kernel.digest(raw), expect_len=len(raw))
+
+
+def test_a_raw_frame_storing_another_length_than_it_holds_is_damage() -> None:
+    noise = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8).tobytes()
+    frame = bytearray(codec.Encoder(1).encode(noise, kernel.digest(noise), 1))
+    assert codec.parse_header(frame).codec == codec.RAW
+    forged = bytearray(frame[:-8])  # a raw frame whose payload is 8 bytes short of its raw length
+    struct.pack_into("<Q", forged, 16, len(noise) - 8)
+    with pytest.raises(CorruptChunkError, match="raw frame stores 992 bytes for 1000"):
+        codec.parse_header(_sealed(forged))
+
+
+def test_a_predicted_frame_record_longer_than_its_payload_is_damage() -> None:
+    rec = predict.Prediction(predict.SECOND_MOMENT, (b"m" * 16, b"n" * 16), (1.0, 0.0, 1.0, 0.0)).pack()
+    assert codec.prediction_record(struct.pack("<I", len(rec)) + rec, None, codec.PREDICTED_VERSION)
+    for extra in (1, 2, 4):  # the u32 length reaches past the payload's end by fewer than its own 4 bytes
+        with pytest.raises(CorruptChunkError, match="overruns its payload"):
+            codec.prediction_record(struct.pack("<I", len(rec) + extra) + rec, None, codec.PREDICTED_VERSION)
+
+
+def test_a_frame_with_another_magic_is_damage_even_with_a_matching_checksum() -> None:
+    """The magic is what a scan resynchronises on after damage: a header without it is no frame, whatever its
+    checksum says (a repair must not index it, a load must not decode it)."""
+    frame, raw = _zstd_frame()
+    frame[0:4] = b"XCKF"
+    bad = _sealed(frame)
+    with pytest.raises(CorruptChunkError, match="bad frame magic"):
+        codec.parse_header(bad)
+    with pytest.raises(CorruptChunkError, match="bad frame magic"):
+        codec.decode(bad, expect_digest=kernel.digest(raw), expect_len=len(raw))
+
+
+def test_an_index_of_a_newer_format_is_refused_as_newer(store_path: Path) -> None:
+    """An index whose format record names a version past this reader's (a newer deltackpt's) is refused with
+    FormatVersionError before anything is read or written through it: its records may mean something else."""
+    with _open(store_path) as s:
+        s.save({"w": torch.ones(3)}, step=1)
+    _edit_index(store_path, "meta", lambda txn, db: txn.put(b"format", b"2"))
+    with pytest.raises(FormatVersionError, match="index format 2 is newer"):
+        _open(store_path)
+
+
+def test_a_manifest_the_index_did_not_record_is_refused(store_path: Path) -> None:
+    """The index keeps each manifest's checksum: a manifest file replaced by another intact one of the same
+    checkpoint id (an older copy put back, a rewrite's leftover) is refused, not loaded as that checkpoint."""
+    with _open(store_path) as s:
+        a = s.save({"w": torch.ones(3)}, step=1)
+        rec = s.index.get(id=a.id)
+    good = manifest.read(store_path / "manifests", a.id, expect_checksum=rec.manifest_checksum)
+    assert good.id == a.id
+    with pytest.raises(CorruptManifestError, match="does not match the checksum the index recorded"):
+        manifest.read(store_path / "manifests", a.id, expect_checksum="0" * 32)
+
+
+def test_a_manifest_file_holding_another_checkpoint_is_refused(store_path: Path) -> None:
+    """``manifests/<id>.manifest`` must hold checkpoint ``id``: a manifest copied under another id's name (the
+    repair reads manifests without an index checksum to compare) is damage, not a second checkpoint."""
+    with _open(store_path) as s:
+        a = s.save({"w": torch.ones(3)}, step=1)
+    other = "0123456789abcdef"
+    assert other != a.id
+    shutil.copy(store_path / "manifests" / f"{a.id}.manifest", store_path / "manifests" / f"{other}.manifest")
+    with pytest.raises(CorruptManifestError, match=f"{other}.manifest holds checkpoint {a.id}"):
+        manifest.read(store_path / "manifests", other)
+
+
+@pytest.mark.parametrize("name", ["O", "<M8[D]", "<m8[s]", "<U3", "S2", "V8", "[('a', '<i4')]"])
+def test_numpy_dtypes_of_kinds_saves_refuse_are_manifest_damage(name: str) -> None:
+    """Saves store numpy arrays of kinds b, i, u, f, c only: a manifest naming an object, datetime, string or
+    void dtype is damage (an object dtype would have a load build an array of PyObject pointers from chunk
+    bytes)."""
+    with pytest.raises(CorruptManifestError, match="numpy dtype"):
+        tree.numpy_dtype(name)
+
+
+@pytest.mark.parametrize("name", ["<f4", "<i8", "|u1", "|b1", "<c16"])
+def test_numpy_dtypes_saves_write_are_accepted(name: str) -> None:
+    assert tree.numpy_dtype(name).kind in "biufc"

@@ -216,3 +216,34 @@ def test_pack_is_fsynced_before_the_manifest_is_renamed_into_place(tmp_path: Pat
         fsyncs = [i for i, e in enumerate(trace.events) if e == ("fsync", p) and i > last_write]
         assert fsyncs and fsyncs[0] < renames[0], (
             f"pack {p} made durable only after the manifest was renamed into manifests/: {trace.events}")
+
+
+def test_a_new_packs_directory_entry_is_durable_before_the_manifest_naming_it(tmp_path: Path, trace: Trace) -> None:
+    """fsync of a new pack makes its bytes durable, not its name in ``packs/`` (format.md §7): the directory is
+    fsynced too, before the manifest that references the pack's frames is renamed into place. Without it a power
+    loss can leave a committed checkpoint whose pack file is gone."""
+    root = tmp_path / "store"
+    with Store(root, chunk_size=4096) as st:
+        trace.events.clear()
+        st.save({"w": torch.arange(5000, dtype=torch.float32)}, step=1)  # the handle's first pack
+    renames = [i for i, e in enumerate(trace.events)
+               if e[0] in ("rename", "replace", "link") and e[-1].startswith(str(root / "manifests"))]
+    assert renames, trace.events
+    assert ("fsync", str(root / "packs")) in trace.events[: renames[0]], (
+        f"packs/ was not fsynced before the manifest was renamed into place: {trace.events}")
+
+
+def test_a_manifest_is_durable_in_its_file_and_its_directory_when_save_returns(tmp_path: Path, trace: Trace) -> None:
+    """The manifest's bytes are fsynced before the rename that puts it in place, and ``manifests/`` after it
+    (format.md §7): the index commit that follows must not name a checkpoint whose manifest a power loss can
+    take away (a repair would then drop it, and gc free its chunks)."""
+    import os
+
+    root = tmp_path / "store"
+    with Store(root, chunk_size=4096) as st:
+        trace.events.clear()
+        st.save({"w": torch.arange(5000, dtype=torch.float32)}, step=1)
+    (i, src), = [(i, e[1]) for i, e in enumerate(trace.events)
+                 if e[0] in ("rename", "replace", "link") and e[-1].startswith(str(root / "manifests"))]
+    assert ("fsync", os.path.realpath(src)) in trace.events[:i], f"the manifest was renamed unsynced: {trace.events}"
+    assert trace.fsynced_after(root / "manifests", i), f"manifests/ was not fsynced after the rename: {trace.events}"

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltackpt import packs
+from deltackpt import codec, kernel, packs
 from deltackpt.packs import PackReader, PackWriter
 
 OPS = st.lists(
@@ -189,3 +189,74 @@ def test_a_store_with_more_packs_than_open_files_allowed(tmp_path: Path) -> None
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "s")], capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(Path(deltackpt.__file__).parent.parent)})
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _frame(seed: int, n: int = 3000) -> bytes:
+    raw = np.random.default_rng(seed).standard_normal(n // 4).astype(np.float32).tobytes()
+    return codec.Encoder(1).encode(raw, kernel.digest(raw), 4)
+
+
+def _pack(tmp_path: Path, *frames: bytes, tail: bytes = b"") -> tuple[Path, list[int]]:
+    """A pack holding ``frames`` then ``tail``; also the offset of each frame and of the tail."""
+    data = bytearray(packs.PACK_HEADER.pack(packs.PACK_MAGIC, packs.PACK_VERSION, 0))
+    offsets = []
+    for f in frames:
+        offsets.append(len(data))
+        data += f
+    offsets.append(len(data))
+    path = tmp_path / f"{'ab' * 16}.pack"
+    path.write_bytes(bytes(data) + tail)
+    return path, offsets
+
+
+def _scan(path: Path) -> tuple[list[int], list[int]]:
+    damaged: list[int] = []
+    return [off for off, _ in packs.scan(path, damaged)], damaged
+
+
+def test_scan_reports_a_damaged_last_frame_that_ends_at_the_end_of_the_pack(tmp_path: Path) -> None:
+    """A complete last frame that fails its checksum is damage (a crash tears a frame short, it does not flip
+    a byte of one that is all there): repair reports the pack as damaged."""
+    f1, f2 = _frame(1), _frame(2)
+    path, offs = _pack(tmp_path, f1, f2)
+    assert _scan(path) == (offs[:2], [])
+    data = bytearray(path.read_bytes())
+    data[offs[1] + codec.HEADER_SIZE + 20] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert _scan(path) == ([offs[0]], [offs[1]])
+
+
+def test_scan_does_not_report_a_torn_last_frame(tmp_path: Path) -> None:
+    f1, f2 = _frame(1), _frame(2)
+    for cut in (1, codec.HEADER_SIZE - 1, codec.HEADER_SIZE + 1, len(f2) - 1):
+        path, offs = _pack(tmp_path, f1, f2[:cut])
+        assert _scan(path) == ([offs[0]], []), cut
+
+
+@pytest.mark.parametrize("size", [codec.HEADER_SIZE, codec.HEADER_SIZE + 7])
+def test_scan_reports_a_tail_of_garbage_as_long_as_a_header(tmp_path: Path, size: int) -> None:
+    """Bytes that do not parse as a header yet are at least a header long were no torn append: damage."""
+    path, offs = _pack(tmp_path, _frame(1), tail=b"\xee" * size)
+    assert _scan(path) == ([offs[0]], [offs[1]])
+
+
+def test_scan_finds_a_frame_of_an_empty_chunk_at_the_end(tmp_path: Path) -> None:
+    """A frame is at least its 64-byte header: one of exactly that size at the end of a pack is read too."""
+    empty = codec.Encoder(1).encode(b"", kernel.digest(b""), 1)
+    assert len(empty) == codec.HEADER_SIZE
+    path, offs = _pack(tmp_path, _frame(1), empty)
+    assert _scan(path) == (offs[:2], [])
+
+
+def test_a_pack_that_reached_max_size_takes_no_more_frames(tmp_path: Path) -> None:
+    """A pack whose size reached ``max_size`` exactly is full: the next frame starts a new pack (packs stay within
+    max_size plus at most one frame)."""
+    w = packs.PackWriter(tmp_path, max_size=packs.PACK_HEADER.size + 100)
+    try:
+        p1, off1 = w.append(b"a" * 100)
+        p2, off2 = w.append(b"b" * 100)
+        w.sync()
+    finally:
+        w.close()
+    assert (off1, off2) == (packs.PACK_HEADER.size, packs.PACK_HEADER.size) and p1 != p2
+    assert (tmp_path / f"{p1}.pack").stat().st_size == packs.PACK_HEADER.size + 100

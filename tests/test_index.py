@@ -1,0 +1,83 @@
+"""Proposed: the index's record and chunk-entry parsers on their own (a new tests/test_index.py, or next to
+test_index_chunk_entries_of_any_value_are_typed_errors in tests/test_corruption.py). The hypothesis tests there
+replace a whole value by arbitrary JSON or bytes; these pin the range checks at their edges."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from deltackpt import index
+from deltackpt.errors import CorruptIndexError
+from deltackpt.index import ChunkLoc, Record, chunk_key
+
+DIGEST = bytes(range(16))
+
+
+def _loc(offset: int = 16, frame_len: int = 200) -> bytes:
+    return ChunkLoc("ab" * 16, offset, frame_len, 1, 0, bytes(16)).pack()
+
+
+def test_a_chunk_entry_within_its_bounds_unpacks() -> None:
+    key = chunk_key(DIGEST, 4096)
+    hi = index.max_frame_len(4096)
+    assert ChunkLoc.unpack(_loc(16, hi), key).frame_len == hi
+    assert ChunkLoc.unpack(_loc(16, 64), key).offset == 16
+
+
+@pytest.mark.parametrize("raw_len", [0, 4096, 1 << 20])
+def test_a_chunk_entry_longer_than_any_frame_of_its_chunk_is_damage(raw_len: int) -> None:
+    """A frame of a chunk of ``raw_len`` bytes is at most a raw frame plus slack: a damaged length must not make
+    a read reserve (and read) up to 4 GiB for a 4 KiB chunk."""
+    key = chunk_key(DIGEST, raw_len)
+    for frame_len in (index.max_frame_len(raw_len) + 1, 0xFFFFFFFF):
+        with pytest.raises(CorruptIndexError, match="is damaged"):
+            ChunkLoc.unpack(_loc(16, frame_len), key)
+
+
+def test_a_chunk_entry_of_another_size_is_damage() -> None:
+    raw = _loc()
+    for bad in (raw[:-1], raw + b"\0"):
+        with pytest.raises(CorruptIndexError, match="chunk location record has"):
+            ChunkLoc.unpack(bad, chunk_key(DIGEST, 4096))
+
+
+def _record(**change: object) -> bytes:
+    rec = Record(id="0123456789abcdef", step=1, created=1.0, parent=None, manifest_checksum="0" * 32,
+                 logical_bytes=10, written_bytes=10, seq=5)
+    for k, v in change.items():
+        setattr(rec, k, v)
+    return rec.dumps()
+
+
+def test_a_good_record_loads() -> None:
+    assert Record.loads(_record()).seq == 5
+
+
+@pytest.mark.parametrize("checksum", ["0" * 31, "0" * 33, "G" * 32, "A" * 32, " " + "0" * 31])
+def test_a_record_whose_manifest_checksum_is_not_32_hex_digits_is_damage(checksum: str) -> None:
+    with pytest.raises(CorruptIndexError, match="manifest_checksum is"):
+        Record.loads(_record(manifest_checksum=checksum))
+
+
+@pytest.mark.parametrize("seq", [-1, 1 << 64, 1 << 70])
+def test_a_record_whose_seq_is_no_u64_is_damage(seq: int) -> None:
+    with pytest.raises(CorruptIndexError, match="seq is"):
+        Record.loads(_record(seq=seq))
+
+
+def test_a_record_stored_under_another_seq_is_damage() -> None:
+    raw = _record(seq=5)
+    assert index.record_at(struct.pack(">Q", 5), raw).seq == 5
+    with pytest.raises(CorruptIndexError, match="is stored under seq 6"):
+        index.record_at(struct.pack(">Q", 6), raw)
+
+
+@pytest.mark.parametrize("text", [f"{1 << 62:020d}\n", f"{(1 << 64) - 1:020d}\n"])
+def test_a_last_commit_past_any_real_seq_is_not_trusted(tmp_path: Path, text: str) -> None:
+    (tmp_path / index.LAST_COMMIT).write_text(text)
+    assert index.read_last_commit(tmp_path) is None
+    (tmp_path / index.LAST_COMMIT).write_text(f"{(1 << 62) - 1:020d}\n")
+    assert index.read_last_commit(tmp_path) == (1 << 62) - 1

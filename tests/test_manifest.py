@@ -1,0 +1,90 @@
+"""Proposed: manifest.parse on its own (a new tests/test_manifest.py, or the "manifests" part of
+tests/test_corruption.py): each field a damaged or foreign manifest can get wrong is refused as
+CorruptManifestError even with its checksum made to match, before a load trusts it."""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import pytest
+import torch
+import xxhash
+
+import deltackpt
+from deltackpt import CorruptManifestError, manifest
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    path = tmp_path_factory.mktemp("m") / "store"
+    with deltackpt.Store(path, chunk_size=4096) as s:
+        info = s.save({"w": torch.randn(3000), "n": torch.arange(8)}, step=1)
+    return (path / "manifests" / f"{info.id}.manifest").read_bytes()
+
+
+def _sealed(body: bytes | bytearray) -> bytes:
+    return bytes(body) + xxhash.xxh3_128_digest(bytes(body))
+
+
+def _with_header(data: bytes, edit: Any) -> bytes:
+    """``data`` with its JSON header edited by ``edit(header)`` (lengths and checksum made to match)."""
+    hlen, n = struct.unpack_from("<QQ", data, 16)
+    header = json.loads(data[32 : 32 + hlen])
+    edit(header)
+    head = json.dumps(header).encode()
+    return _sealed(data[:16] + struct.pack("<QQ", len(head), n) + head + data[32 + hlen : -16])
+
+
+def _entry(header: dict[str, Any], key: str) -> dict[str, Any]:
+    return next(t for t in header["tensors"] if t["key"] == key)
+
+
+def test_the_unedited_manifest_parses(good: bytes) -> None:
+    m = manifest.parse(good, where="x")
+    assert [t.key for t in m.tensors] == ["w", "n"]
+    assert manifest.parse(_with_header(good, lambda h: None), where="x").id == m.id
+
+
+def test_a_manifest_with_another_magic_is_damage(good: bytes) -> None:
+    with pytest.raises(CorruptManifestError, match="bad magic"):
+        manifest.parse(_sealed(b"XCKMANIF" + good[8:-16]), where="x")
+
+
+@pytest.mark.parametrize("created", [manifest.MAX_CREATED * 2, -manifest.MAX_CREATED * 2, 1e300])
+def test_a_created_time_past_the_last_day_is_damage(good: bytes, created: float) -> None:
+    with pytest.raises(CorruptManifestError, match="created is"):
+        manifest.parse(_with_header(good, lambda h: h.update(created=created)), where="x")
+
+
+def test_unknown_header_fields_are_damage(good: bytes) -> None:
+    with pytest.raises(CorruptManifestError, match="unknown header fields"):
+        manifest.parse(_with_header(good, lambda h: h.update(sizes=[1])), where="x")
+
+
+@pytest.mark.parametrize("width", [0, 3, 16])
+def test_a_tensor_entry_of_another_plane_width_is_damage(good: bytes, width: int) -> None:
+    with pytest.raises(CorruptManifestError, match=f"width {width}"):
+        manifest.parse(_with_header(good, lambda h: _entry(h, "w").update(width=width)), where="x")
+
+
+def test_a_tensor_entry_whose_bytes_do_not_match_its_shape_is_damage(good: bytes) -> None:
+    """12000 bytes of float32 are 3000 elements: a shape of 2999 (the chunk range still consistent) would have
+    a load view 12000 bytes as 11996."""
+    with pytest.raises(CorruptManifestError, match="12000 bytes for shape \\[2999\\]"):
+        manifest.parse(_with_header(good, lambda h: _entry(h, "w").update(shape=[2999])), where="x")
+
+
+def test_a_tensor_whose_chunk_range_runs_past_the_table_is_damage(good: bytes) -> None:
+    """"w" (12000 bytes in 4096-byte chunks) owns 3 chunks; moved to start at the table's last one it would read
+    past the chunk-id table."""
+    m = manifest.parse(good, where="x")
+    n = len(m.flags)
+    with pytest.raises(CorruptManifestError, match="inconsistent chunk range"):
+        manifest.parse(_with_header(good, lambda h: _entry(h, "w").update(first=n - 1)), where="x")
+
+
+def test_a_tensor_whose_chunk_count_disagrees_with_its_bytes_is_damage(good: bytes) -> None:
+    with pytest.raises(CorruptManifestError, match="inconsistent chunk range"):
+        manifest.parse(_with_header(good, lambda h: _entry(h, "w").update(count=2)), where="x")
