@@ -444,7 +444,8 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                 unexpected = [k for k in saved if k not in mine]
                 if missing or unexpected:
                     raise ShapeMismatchError(f"{where} does not match the checkpoint: missing in the checkpoint "
-                                             f"{missing[:5]}, not in this run {unexpected[:5]}")
+                                             f"{missing[:5]}, not in this run {unexpected[:5]}"
+                                             f"{_wrapper_hint(list(mine), list(saved))}")
         elif isinstance(member, torch.optim.Optimizer) and isinstance(saved, Mapping):
             groups = saved.get("param_groups")
             if (not isinstance(groups, (list, tuple)) or getattr(member, "_optimizer_load_state_dict_pre_hooks", None)
@@ -514,6 +515,21 @@ def _one_scheduler_check(member: Any, saved: Any, where: str) -> None:
         if key == "_schedulers":
             for i, (m, t) in enumerate(zip(mine, theirs)):
                 _one_scheduler_check(m, t, f"{where}._schedulers[{i}]")
+
+
+#: what wrapping a model adds to its state_dict() keys, and who adds it
+_WRAPPER_PREFIXES = {"_orig_mod.": ("torch.compile", "_orig_mod"),
+                     "module.": ("DistributedDataParallel or DataParallel", "module")}
+
+
+def _wrapper_hint(mine: list[str], saved: list[str]) -> str:
+    """Why the keys differ, when they differ only by a wrapper's prefix: "; the checkpoint's keys ..." or ""."""
+    for prefix, (who, attr) in _WRAPPER_PREFIXES.items():
+        for keys, other, whose in ((saved, mine, "the checkpoint's"), (mine, saved, "this run's")):
+            if keys and all(k.startswith(prefix) for k in keys) and {k[len(prefix):] for k in keys} == set(other):
+                return (f"; {whose} keys all start with {prefix!r}, as {who} names them: give the Checkpointer "
+                        f"the model wrapped as in the run that saved, or unwrapped in both (model.{attr})")
+    return ""
 
 
 def _scaler_check(g: Any, state: Any) -> None:

@@ -2692,3 +2692,28 @@ def test_restore_writes_into_extra_tensors_made_in_inference_mode(fast_dir: Path
         assert ck.restore() == 1
         assert ck.extra["ema"] is held
     assert all(torch.equal(held[k], ema[k]) and held[k].is_inference() for k in ema)
+
+
+@pytest.mark.parametrize("wrapper", ["compile", "data_parallel"])
+@pytest.mark.parametrize("saved_wrapped", [True, False])
+def test_a_restore_refused_for_a_wrappers_key_prefix_says_so(fast_dir: Path, wrapper: str,
+                                                              saved_wrapped: bool) -> None:
+    """A model saved wrapped (torch.compile: ``_orig_mod.`` keys; DataParallel and DDP: ``module.``) and
+    restored unwrapped, or the other way round, is refused before anything changes, naming the prefix."""
+    def build(wrapped: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        if not wrapped:
+            return model
+        return torch.compile(model) if wrapper == "compile" else torch.nn.DataParallel(model)
+
+    with Checkpointer(fast_dir / "s", model=build(saved_wrapped), async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    prefix = "_orig_mod." if wrapper == "compile" else "module."
+    whose = "the checkpoint's" if saved_wrapped else "this run's"
+    other = build(not saved_wrapped)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with Checkpointer(fast_dir / "s", model=other, handle_signals=False) as ck:
+        with pytest.raises(deltackpt.ShapeMismatchError, match=f"{whose} keys all start with '{prefix}'"):
+            ck.restore()
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
