@@ -4,7 +4,8 @@
 changes a little every step, as a long run saving often does) and times, at a few history lengths, opening the
 store, ``list()`` (the first one of a handle, which decodes every record, and one after a save, which decodes
 only the new record: what a Checkpointer's retention does after each save), one more ``save``, and loading
-the latest and the oldest checkpoint. Each figure is the median of 5 repetitions. Only gc and verify scan the
+the latest and the oldest checkpoint. Each figure is the median of 5 repetitions. At the end it applies a
+retention policy that keeps the 10 newest (one pass, timed once) and runs gc. Only gc and verify scan the
 whole history, and a first ``list()`` reads every record, so everything else here should stay flat.
 """
 
@@ -80,6 +81,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"list after a save {t_relist * 1e3:.1f} ms, "
                       f"save {t_save * 1e3:.1f} ms, load latest {t_latest * 1e3:.1f} ms, "
                       f"load oldest {t_oldest * 1e3:.1f} ms", flush=True)
+        # a first policy applied to the whole history, as `deltackpt keep STORE --last 10` does, then its gc
+        kept = len(store)
+        t0 = time.perf_counter()
+        dropped = store.retain(deltackpt.Retention(keep_last=10))
+        t_retain = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        store.gc()
+        t_gc = time.perf_counter() - t0
         store.close()
     finally:
         if args.dir is None:
@@ -88,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for step, *ts in rows:
         print(f"| {step} | " + " | ".join(f"{t * 1e3:.1f} ms" for t in ts) + " |")
+    print(f"\nretain(keep_last=10) of {kept} checkpoints: {len(dropped)} deleted in {t_retain:.3f} s; "
+          f"then gc {t_gc:.3f} s")
     return 0
 
 

@@ -1215,7 +1215,7 @@ class Checkpointer:
         return info
 
     def _apply_retention(self, collect: bool = True) -> None:
-        """Runs after a commit: deletes first (each a quick index commit), then thinning (a load and a rewrite
+        """Runs after a commit: deletes first (one quick index commit), then thinning (a load and a rewrite
         of each checkpoint to thin), so a process killed while it thins has done the deletes. A checkpoint that
         another process deletes meanwhile (its retention, an operator's ``deltackpt rm``) is passed over. One
         that another process thinned meanwhile is thinned or deleted as this policy says: ``delete(id=)``
@@ -1224,9 +1224,7 @@ class Checkpointer:
         infos = self.store._listing()
         plan = self.retention.plan(infos)
         by_id = {i.id: i for i in infos}
-        for cid in plan.delete:
-            with contextlib.suppress(CheckpointNotFoundError):
-                self.store.delete(id=cid)
+        self.store._delete([(None, cid) for cid in plan.delete], missing_ok=True)  # (one index commit)
         head = self.store._head  # loading a checkpoint to thin it must not change what the run descends from
         try:
             self._thin(plan.thin, by_id)

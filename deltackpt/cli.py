@@ -519,7 +519,7 @@ def cmd_rm(args: argparse.Namespace) -> int:
         # every argument resolved before anything is deleted: a bad or missing one fails the call, which then
         # deleted nothing (one named twice is deleted once)
         ids = list(dict.fromkeys(s.info(**_which(c, s)).id for c in args.checkpoint))
-        deleted = [s.delete(id=i) for i in ids]
+        deleted = list(s._delete([(None, i) for i in ids]).values())  # (one commit: all of them or none)
     for info in deleted:
         print(f"deleted checkpoint {info.id} (step {info.step})")
     print("run 'deltackpt gc' to reclaim space")

@@ -24,7 +24,6 @@ strings, lists, dicts, ...) and keeps the pickle only for the others; loading a 
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -319,9 +318,8 @@ class DeltaStorageWriter(StorageWriter):
                 memo = self._named_memo
                 self._named_memo = {i: memo[i] if i in memo else _named(meta, i) for i in ids}
                 named = set().union(set(), *self._named_memo.values())
-            for c in _unnamed(store._listing(), _mine(store, rank, named)):
-                with contextlib.suppress(CheckpointNotFoundError):
-                    store.delete(id=c.id)
+            store._delete([(None, c.id) for c in _unnamed(store._listing(), _mine(store, rank, named))],
+                          missing_ok=True)
             self._collect(store)
         except (DeltackptError, OSError) as exc:
             warnings.warn(f"deltackpt: DCP retention on rank {rank} failed; the checkpoints of dropped steps stay "
@@ -369,9 +367,8 @@ class DeltaStorageWriter(StorageWriter):
         meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
         if self.retention is not None:
             try:
-                for info in _dropped_steps(meta, self.retention):  # gone now; their shards go at the next save
-                    with contextlib.suppress(CheckpointNotFoundError):
-                        meta.delete(id=info.id)
+                # gone now; their shards go at the next save
+                meta._delete([(None, info.id) for info in _dropped_steps(meta, self.retention)], missing_ok=True)
                 self._collect(meta)
             except (DeltackptError, OSError) as exc:
                 warnings.warn(f"deltackpt: DCP retention after step {self.step} failed; the step is saved "
@@ -806,12 +803,9 @@ def _delete_ids(root: Path, ids: Sequence[str]) -> None:
             except CheckpointNotFoundError:
                 continue  # deleted meanwhile (another process's retention): its rank checkpoints are its to delete
         _check_rank_stores(root, set().union(set(), *names.values()))
-        for cid, theirs in names.items():
-            try:
-                meta.delete(id=cid)
-            except CheckpointNotFoundError:
-                continue  # (as above)
-            named |= theirs
+        order = list(names)
+        for pos in meta._delete([(None, cid) for cid in order], missing_ok=True):  # (passed over: as above)
+            named |= names[order[pos]]
     _delete_rank_checkpoints(root, named)
 
 
@@ -948,9 +942,5 @@ def _delete_rank_checkpoints(root: Path, which: set[tuple[int, str]]) -> None:
         if not (_rank_path(root, rank) / "STORE").exists():
             continue  # the rank's store is gone (removed by hand): so are its checkpoints
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards") as store:
-            for r, ckpt in which:
-                if r == rank:
-                    try:
-                        store.delete(id=ckpt)
-                    except CheckpointNotFoundError:
-                        pass  # deleted already (an interrupted delete)
+            # (one deleted already, by an interrupted delete, is passed over)
+            store._delete([(None, ckpt) for r, ckpt in sorted(which) if r == rank], missing_ok=True)

@@ -35,7 +35,7 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator, Set
+from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -835,15 +835,28 @@ class Index:
     def remove_checkpoint(self, record: Record) -> bool:
         """Remove ``record``'s checkpoint; False (and nothing changed) when its id no longer names its seq: a
         rewrite took its place or a repair renumbered it since the caller read it, so the caller reads again."""
+        return not self.remove_checkpoints([record])
+
+    def remove_checkpoints(self, records: Sequence[Record]) -> list[Record]:
+        """Remove the checkpoints of ``records`` in one transaction, each as :meth:`remove_checkpoint` does, and
+        return those it left: the records whose id no longer names their seq (nothing of theirs changed)."""
+        stale: list[Record] = []
+        if not records:
+            return stale
         with self._write() as txn:
-            sk = _U64.pack(record.seq)
-            if txn.get(record.id.encode(), db=self.db_ids) != sk:
-                return False
-            raw = txn.get(sk, db=self.db_ckpts)
-            current = Record.loads(raw) if raw is not None else record
-            self._remove(txn, current)
-            self._add_dropped(txn, current.written_bytes)
-        return True
+            removed: int | None = None  # the bytes they wrote, once one is removed
+            for record in records:
+                sk = _U64.pack(record.seq)
+                if txn.get(record.id.encode(), db=self.db_ids) != sk:
+                    stale.append(record)
+                    continue
+                raw = txn.get(sk, db=self.db_ckpts)
+                current = Record.loads(raw) if raw is not None else record
+                self._remove(txn, current)
+                removed = (removed or 0) + max(0, current.written_bytes)
+            if removed is not None:
+                self._add_dropped(txn, removed)
+        return stale
 
     @_damage_is_corruption
     def dropped_bytes(self) -> int:

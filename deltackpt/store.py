@@ -1946,21 +1946,53 @@ class Store:
         self._writable("delete")
         if step is None and id is None:
             raise ValueError("delete needs a step or an id")
+        return self._delete([(step, id)])[0]
+
+    def _delete(self, which: Sequence[tuple[int | None, str | None]], *, missing_ok: bool = False
+                ) -> dict[int, CheckpointInfo]:
+        """Delete the checkpoints ``which`` names ((step, id) pairs, as :meth:`delete` takes them) in one index
+        commit, then unlink their manifests with one directory fsync. Returns the checkpoint deleted for each
+        position of ``which`` (one named twice is deleted once). One that is not there raises
+        CheckpointNotFoundError before anything is deleted, or with ``missing_ok`` is passed over (another process
+        deleted it). Retention deleting 10,000 checkpoints one commit each took 86 s (an fsynced index commit and
+        a directory fsync apiece)."""
+        self._writable("delete")
+        removed: dict[int, Record] = {}  # seq -> record
+        where: dict[int, int] = {}  # position in which -> seq
         # Under gc.lock (shared, as saves): a repair, which rebuilds the index from the manifests it finds, never
-        # runs between this commit and the manifest's unlink.
+        # runs between this commit and the manifests' unlinks.
         with self._gc_lock():
+            todo = list(range(len(which)))
             for _ in range(16):
-                rec = self._record(step, id)
-                if self.index.remove_checkpoint(rec):  # the commit point of a delete
+                asked: dict[int, Record] = {}  # seq -> record
+                for pos in todo:
+                    try:
+                        rec = self._record(*which[pos])
+                    except CheckpointNotFoundError:
+                        if missing_ok:
+                            where.pop(pos, None)
+                            continue
+                        raise
+                    where[pos] = rec.seq
+                    if rec.seq not in removed:
+                        asked.setdefault(rec.seq, rec)
+                stale = {r.seq for r in self.index.remove_checkpoints(list(asked.values()))}  # the commit point
+                removed.update((seq, r) for seq, r in asked.items() if seq not in stale)
+                # a rewrite (retention thinning one, in another process) took a place meanwhile: read those again
+                todo = [pos for pos in todo if where.get(pos) in stale]
+                if not todo:
                     break
-                # a rewrite (retention thinning it, in another process) took its place meanwhile: read again
             else:
+                step, id = which[todo[0]]
                 raise DeltackptError(f"checkpoint {id if id is not None else f'at step {step}'} in {self.path} kept "
                                      "changing while it was being deleted")
-            if self._head == rec.id:
+            if any(r.id == self._head for r in removed.values()):
                 self._head = None
-            self._unlink_manifest(rec.id)
-        return CheckpointInfo.from_record(rec)
+            for rec in removed.values():
+                self._unlink_manifest(rec.id, sync=False)
+            if removed:
+                fsync_dir(self._manifests_dir)
+        return {pos: CheckpointInfo.from_record(removed[seq]) for pos, seq in where.items() if seq in removed}
 
     def retain(self, retention: Retention, *, dry_run: bool = False) -> list[CheckpointInfo]:
         """Apply ``retention`` now (what ``deltackpt keep`` does; a :class:`~deltackpt.Checkpointer` does it after
@@ -1973,22 +2005,19 @@ class Store:
             self._writable("retain")
         infos = self._listing()
         drop = set(retention.plan(infos).delete)
-        dropped = []
-        for info in infos:
-            if info.id not in drop:
-                continue
-            if not dry_run:
-                try:
-                    self.delete(id=info.id)
-                except CheckpointNotFoundError:
-                    continue
-            dropped.append(info)
-        return dropped
+        dropped = [info for info in infos if info.id in drop]
+        if dry_run:
+            return dropped
+        # (one commit for all: a checkpoint another process deleted meanwhile is passed over, one it rewrote
+        # followed to its replacement, as delete(id=) does)
+        deleted = self._delete([(None, i.id) for i in dropped], missing_ok=True)
+        return [info for pos, info in enumerate(dropped) if pos in deleted]
 
-    def _unlink_manifest(self, checkpoint_id: str) -> None:
+    def _unlink_manifest(self, checkpoint_id: str, *, sync: bool = True) -> None:
         try:
             manifest.path_for(self._manifests_dir, checkpoint_id).unlink()
-            fsync_dir(self._manifests_dir)
+            if sync:
+                fsync_dir(self._manifests_dir)
         except FileNotFoundError:
             pass
 

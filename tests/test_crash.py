@@ -359,6 +359,27 @@ def test_restore_after_a_delete_died_at_its_commit(tmp_path: Path, die_after_met
         ck.close()
 
 
+def test_keep_killed_at_its_commit_has_deleted_all_it_drops(tmp_path: Path, die_after_meta: Path) -> None:
+    """`deltackpt keep` deletes every checkpoint it drops in one index commit, then unlinks their manifests.
+    Killed right at that commit, it has deleted all ten (not some), the two it keeps load, and gc removes the
+    manifests it left behind."""
+    d = tmp_path / "store"
+    states = {s: {"w": torch.full((CS // 2,), float(s))} for s in range(1, 13)}
+    with Store(d, chunk_size=CS) as st:
+        for s, state in states.items():
+            st.save(state, step=s)
+    _run_killed_at_commit(die_after_meta, "import sys\nfrom deltackpt.cli import main\n"
+                                          f"sys.exit(main(['keep', {str(d)!r}, '--last', '2']))\n")
+    assert len(list((d / "manifests").glob("*.manifest"))) == 12, "the child was killed before its unlinks"
+    with Store(d) as st:
+        assert [i.step for i in st.list()] == [11, 12]
+        for s in (11, 12):
+            cw.assert_same(states[s], st.load(s), f"step {s}")
+        assert st.gc().orphan_manifests == 10
+        assert len(list((d / "manifests").glob("*.manifest"))) == 2
+        _verify_ok(st, "after gc")
+
+
 _KILL_AFTER = """
 import os, signal
 def kill_after(obj, name):

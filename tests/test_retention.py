@@ -684,6 +684,24 @@ def _infos(steps: list[int], metas: list[Any] | None = None) -> list[CheckpointI
     return [CheckpointInfo(f"{i:016x}", s, NOW, None, 0, 0, m, i + 1) for i, (s, m) in enumerate(zip(steps, metas))]
 
 
+def test_retention_deletes_in_one_index_commit(store_path: Path) -> None:
+    """Store.retain and a Checkpointer's retention delete all they drop in one index commit (LMDB's transaction
+    id counts the commits): one commit per checkpoint cost 8.7 ms each, 86 s to apply a policy to 10,000."""
+    with Store(store_path) as store:
+        for s in range(1, 31):
+            store.save({"w": torch.full((64,), float(s))}, step=s)
+        before = store.index.env.info()["last_txnid"]
+        dropped = store.retain(Retention(keep_last=3))
+        assert store.index.env.info()["last_txnid"] == before + 1
+        assert [i.step for i in dropped] == list(range(1, 28))
+        assert [i.step for i in store.list()] == [28, 29, 30]
+        assert sorted(p.stem for p in (store_path / "manifests").glob("*.manifest")) == sorted(
+            i.id for i in store.list())
+        assert store.retain(Retention(keep_last=3)) == []
+        assert store.index.env.info()["last_txnid"] == before + 1, "nothing to delete, nothing committed"
+        assert float(store.load(28)["w"][0]) == 28.0
+
+
 def test_keep_every_keeps_step_zero() -> None:
     """0 is a multiple of every keep_every: the initial (step 0) checkpoint is kept for good. (The property test's
     histories start at step 0 only sometimes, and with 30 examples a rule that drops step 0 went unnoticed.)"""
