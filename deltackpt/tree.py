@@ -78,6 +78,19 @@ _HOOKS_BY_TYPE: dict[type, _TypeHook] = {}
 _HOOKS_BY_NAME: dict[str, _TypeHook] = {}
 
 
+def _stored_natively(cls: type) -> bool:
+    """Whether saves store values of type ``cls`` themselves (no hook of :func:`register_type` may take them)."""
+    if cls in _BUILTIN_TYPES or cls is type(None) or cls in (torch.Tensor, torch.nn.Parameter, np.ndarray,
+                                                              torch.dtype, torch.device):
+        return True
+    if issubclass(cls, np.generic):
+        try:
+            return np.dtype(cls).kind in _NUMPY_KINDS
+        except TypeError:  # (an abstract scalar type, np.floating say: no value is of it)
+            return False
+    return False
+
+
 def register_type(
     cls: type, name: str, encode: Callable[[Any], Any], decode: Callable[[Any], Any]
 ) -> None:
@@ -91,8 +104,9 @@ def register_type(
     """
     if not isinstance(cls, type):
         raise TypeError(f"register_type needs a class, got {cls!r:.60}")
-    if cls in _BUILTIN_TYPES or cls is type(None):
-        raise TypeError(f"{cls.__qualname__} is a type deltackpt stores itself: a hook for it would never be called")
+    if _stored_natively(cls):
+        raise TypeError(f"{cls.__qualname__} is a type deltackpt stores itself: a hook for it would never run, or "
+                        "would take its values away from the store's own encoding (a tensor's chunks, say)")
     if not name or not isinstance(name, str):
         raise ValueError("a registered type needs a non-empty name")
     for what, fn in (("encode", encode), ("decode", decode)):
@@ -139,22 +153,25 @@ def encode_registered(obj: Any) -> Encoded | None:
     return None if hook is None else Encoded(hook.name, hook.encode(obj))
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    """torch dtype from its name, without evaluating anything. Quantized dtypes are refused, as saves refuse them:
-    their tensors hold fewer bytes than elements (``quint4x2``: two per byte), and no writer stores one."""
+def torch_dtype(name: str, *, value: bool = False) -> torch.dtype:
+    """torch dtype from its name, without evaluating anything. Quantized dtypes are refused for tensor entries, as
+    saves refuse their tensors: they hold fewer bytes than elements (``quint4x2``: two per byte), and no writer
+    stores one. A ``dt`` node (``value``: a dtype held as a value, a model config's say) may name one."""
     if not (isinstance(name, str) and name.isidentifier()):
         raise CorruptManifestError(f"malformed torch dtype name {name!r:.60}")
     dt = getattr(torch, name, None)
     if not isinstance(dt, torch.dtype):  # (a dtype of a newer torch, float4_e2m1fn_x2 say: no damage of the store)
         raise UnsupportedTypeError(f"torch dtype {name!r:.60} is unknown to this torch ({torch.__version__}): "
                                    "the checkpoint was written by a newer one")
-    if dt in QUANTIZED:
+    if dt in QUANTIZED and not value:
         raise CorruptManifestError(f"quantized torch dtype {name!r} in a tensor entry (saves refuse them)")
     return dt
 
 
-#: quantized torch dtypes: not storable (their bytes are not the elements'; a quantizer goes with them)
+#: quantized torch dtypes: their tensors are not storable (their bytes are not the elements'; a quantizer goes
+#: with them); as values (``dt`` nodes) they are, from manifest version 3
 QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
+_QUANTIZED_NAMES = frozenset(str(dt).removeprefix("torch.") for dt in QUANTIZED)
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -632,8 +649,9 @@ def flatten(state: Any, *, allow_pickle: bool = False, opaque: bool = False) -> 
 
 def format_version(skeleton: Any) -> int:
     """The manifest format version a skeleton needs: 3 when an ``o`` node carries a module ``state_dict()``'s
-    ``_metadata``; else 2 when it holds a version-2 node (:data:`V2_TAGS`, or a dict key other than str and int);
-    else 1, so that states of older kinds stay readable by older readers."""
+    ``_metadata`` or a ``dt`` node names a quantized dtype (which older readers refuse); else 2 when it holds a
+    version-2 node (:data:`V2_TAGS`, or a dict key other than str and int); else 1, so that states of older kinds
+    stay readable by older readers."""
     version = 1
     stack = [skeleton]
     while stack:
@@ -643,7 +661,7 @@ def format_version(skeleton: Any) -> int:
         tag = n[0]
         if type(tag) is not str:
             continue  # (malformed: for the decoder to refuse)
-        if tag == "o" and len(n) == 4:
+        if (tag == "o" and len(n) == 4) or (tag == "dt" and len(n) == 2 and n[1] in _QUANTIZED_NAMES):
             return 3
         if tag in V2_TAGS:
             version = 2
@@ -677,8 +695,9 @@ def encode_plain(value: Any) -> list[Any]:
     if format_version(skeleton) > 1:
         raise UnsupportedTypeError(
             "metadata may hold None, bool, int, float, str, bytes, lists, tuples, and dicts with str or int keys "
-            "(and torch dtypes, devices and sizes, numpy scalars); convert sets, Counters, deques, defaultdicts, "
-            "complex numbers and module state_dict()s (whose _metadata attribute is not kept there)"
+            "(and torch dtypes other than quantized ones, devices and sizes, numpy scalars); convert sets, Counters, "
+            "deques, defaultdicts, complex numbers, quantized dtypes (to their names) and module state_dict()s "
+            "(whose _metadata attribute is not kept there)"
         )
     return skeleton
 
@@ -842,7 +861,7 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool | str) -> Any:
             raise ValueError(f"a {tag!r} node names tensor entry {i}, whose kind is {kind}")
         return leaf
     if tag == "dt":
-        return torch_dtype(n[1])
+        return torch_dtype(n[1], value=True)
     if tag == "dv":
         if type(n[1]) is not str:
             raise ValueError(f"device node {n[1]!r:.60}")

@@ -1332,12 +1332,33 @@ def test_load_into_a_target_that_cannot_hold_values_is_a_shape_mismatch(store: d
         store.load_into({"a": make()}, step=1)
 
 
-@pytest.mark.parametrize("cls", [list, dict, int, float, str, bytes, tuple, set, type(None), bool, torch.Size, "x"])
+@pytest.mark.parametrize("cls", [list, dict, int, float, str, bytes, tuple, set, type(None), bool, torch.Size, "x",
+                                 torch.Tensor, torch.nn.Parameter, np.ndarray, torch.dtype, torch.device, np.float32,
+                                 np.int64, np.bool_])
 def test_register_type_refuses_types_deltackpt_stores_itself(cls: Any) -> None:
-    """Their hooks would never be called (the state loaded as the plain value, silently)."""
-    with pytest.raises(TypeError):
+    """Their hooks would never be called (the state loaded as the plain value, silently), or, for tensors, arrays,
+    dtypes, devices and numpy scalars (checked before the types that hooks may take), would take every value of
+    the type away from the store's own encoding: a hook for torch.Tensor wrote every tensor into the manifest."""
+    with pytest.raises(TypeError, match="stores itself" if isinstance(cls, type) else "needs a class"):
         deltackpt.register_type(cls, "tests.builtin", lambda x: x, lambda x: x)
     assert "tests.builtin" not in tree._HOOKS_BY_NAME
+
+
+def test_quantized_dtypes_as_values_round_trip(store: deltackpt.Store) -> None:
+    """A quantized dtype held as a value (a quantization config's) is stored, in a version-3 manifest: it used to
+    be saved and then refused by every load as damage, so a Checkpointer holding one could never restore. In
+    metadata (which every version reads) it is refused before anything is written."""
+    state = {"w": torch.randn(3000), "cfg": {"dtype": torch.qint8, "all": [torch.quint8, torch.qint32,
+                                                                            torch.quint4x2, torch.quint2x4]}}
+    store.save(state, step=1)
+    assert _manifest_version(store, 1) == 3
+    out = store.load(1)
+    assert out["cfg"] == state["cfg"] and torch.equal(out["w"], state["w"])
+    store.save({"cfg": torch.float16}, step=2)
+    assert _manifest_version(store, 2) == 1
+    with pytest.raises(UnsupportedTypeError, match="quantized dtypes"):
+        store.save({"w": torch.ones(3)}, step=3, metadata={"dtype": torch.qint8})
+    assert [i.step for i in store.list()] == [1, 2] and store.verify().ok
 
 
 def test_module_state_dict_keeps_its_module_versions(store: deltackpt.Store) -> None:
