@@ -622,11 +622,28 @@ def _put_back(live: Any, saved: Any) -> Any:
     return saved
 
 
+@contextlib.contextmanager
+def _naming(info: CheckpointInfo) -> Iterator[None]:
+    """Refusals raised inside (this run and the checkpoint do not fit) name the checkpoint, which a restore of
+    the latest chose: "checkpoint <id> (step <n>): ...". Damage and other errors go out as they are."""
+    try:
+        yield
+    except DeltackptError as exc:
+        if (type(exc) in (DeltackptError, ShapeMismatchError, UnsupportedTypeError) and len(exc.args) == 1
+                and isinstance(exc.args[0], str) and not exc.args[0].startswith("checkpoint ")):
+            exc.args = (f"checkpoint {info.id} (step {info.step}): {exc.args[0]}",)
+        raise
+
+
 def _plain_metadata(metadata: Any) -> dict[str, Any] | None:
     """A step's ``metadata`` checked as a save checks it (a mapping of plain values: a tensor loss is refused at
     the step that passes it, not by a background save later) and copied, nested values too: an async save
     stores what it was at ``step()``, whatever the loop does to its dicts meanwhile."""
     meta = _check_metadata(metadata)
+    if meta is not None and THINNED_KEY in meta:
+        # (retention would take the checkpoint for thinned already, and a restore would pass it over)
+        raise ValueError(f"metadata key {THINNED_KEY!r} is reserved: a Checkpointer marks the checkpoints retention "
+                         "thinned with it; give yours another name")
     return None if meta is None else decode_plain(encode_plain(meta))
 
 
@@ -885,7 +902,11 @@ class Checkpointer:
         map_location: Any = "cpu",
         rng: bool = True,
     ) -> None:
-        if type(every_n_steps) is not int or every_n_steps < 1:
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, (int, np.integer)):
+            raise TypeError(f"every_n_steps must be a positive int, got {type(every_n_steps).__name__} "
+                            f"{every_n_steps!r:.40}")
+        every_n_steps = int(every_n_steps)  # (a numpy int, as steps and Retention take them)
+        if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
         for name, value in (("async_save", async_save), ("gc", gc), ("handle_signals", handle_signals),
                             ("rng", rng)):
@@ -1121,14 +1142,16 @@ class Checkpointer:
             skeleton = None
         live = _group_state(self.model)  # (once: for FSDP a state dict is a gather)
         if skeleton is not None:
-            lacking = self._check(skeleton, live, strict=strict)
+            with _naming(info):
+                lacking = self._check(skeleton, live, strict=strict)
         # the model's own tensors are offered: they are decoded in place, and load_state_dict then copies nothing
         # (and a plain extra entry's tensors: an EMA kept as a dict of tensors is decoded into the run's own)
         into = {"model": live, "extra": _plain_extras(self.extra)}
         state = self.store.load(id=info.id, map_location=self.map_location, into=into)
-        if skeleton is None:
-            lacking = self._check(state, live, strict=strict)
-        restored = self._apply(state, strict=strict)
+        with _naming(info):
+            if skeleton is None:
+                lacking = self._check(state, live, strict=strict)
+            restored = self._apply(state, strict=strict)
         if lacking:
             warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) holds no {', '.join(lacking)}: "
                           "left as they are", RuntimeWarning, stacklevel=_caller_level())

@@ -80,6 +80,8 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
 
+from deltackpt import config
+
 __all__ = ["ResumableLoader", "ResumableSampler"]
 
 STATE_VERSION = 1
@@ -133,11 +135,11 @@ class ResumableSampler(Sampler[int]):
         else:
             n = _int(data_source_or_len, "data_source_or_len (a dataset or its length)")
         self.dataset_len = n
-        self.shuffle = bool(shuffle)
+        self.shuffle = config.boolean("shuffle", shuffle)
         self.seed = _int(seed, "seed", minimum=None)
         if not -(1 << 63) <= self.seed < 1 << 63:  # (each epoch seeds a torch.Generator with seed + epoch)
             raise ValueError(f"seed must be in [-2**63, 2**63), got {self.seed}")
-        self.drop_last = bool(drop_last)
+        self.drop_last = config.boolean("drop_last", drop_last)
         self.num_replicas = _int(num_replicas, "num_replicas", minimum=1)
         self.rank = _int(rank, "rank")
         if self.rank >= self.num_replicas:

@@ -68,7 +68,7 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.retention import Retention, deleting_only
-from deltackpt.store import CheckpointInfo, Store, _check_metadata, _check_step
+from deltackpt.store import CheckpointInfo, Store, _check_metadata, _check_step, check_options
 
 #: version of the layout of DCP metadata in ``root/meta`` checkpoints. 3: the bulk of DCP's metadata is a chunked
 #: document in the meta checkpoint's state (deduplicated from step to step), and its metadata (which every index
@@ -172,11 +172,21 @@ class DeltaStorageWriter(StorageWriter):
         super().__init__()
         if retention is not None:
             deleting_only(retention, _NO_THINNING)
+        # What can be checked is checked here, where a TypeError or ValueError reaches the caller as it is:
+        # inside dcp.save it comes wrapped in torch's CheckpointException, which `except Exception` does not catch.
+        check_options("DeltaStorageWriter", store_options)
+        if step is not None:
+            step = _check_step(step)
+        if metadata is not None:
+            try:
+                tree.encode_plain(_check_metadata(metadata))
+            except UnsupportedTypeError as exc:
+                raise UnsupportedTypeError(f"DeltaStorageWriter metadata: {exc}") from None
         self.root = None if root is None else Path(root)
         self.step = step
         self.metadata = metadata
         self.retention = retention
-        self.gc = bool(gc)
+        self.gc = config.boolean("gc", gc)
         from deltackpt.checkpointer import _GcAfterRetention
 
         self._gc_rule = _GcAfterRetention()
@@ -768,6 +778,7 @@ def delete(root: str | os.PathLike[str], step: int) -> None:
     """Delete the DCP checkpoint of ``step`` (every one, if the step was saved more than once): its meta
     checkpoint first (so the step is gone at once, even if this is interrupted), then the rank checkpoints it
     names. Space returns with ``gc`` of each store; :func:`prune` removes what an interrupted delete left."""
+    step = _check_step(step)  # (before meta.info, whose hint for a str names an id= this function lacks)
     root = Path(root)
     with _existing(root / "meta", "DCP checkpoints") as meta:
         meta.info(step)  # CheckpointNotFoundError naming the step when there is none
@@ -782,6 +793,7 @@ def retain(root: str | os.PathLike[str], retention: Retention, *, dry_run: bool 
     ``keep_best`` and ``keep_tagged`` go by the steps' metadata; ``full_last`` is refused (nothing here can thin
     a step). Space returns with ``gc`` of each store."""
     deleting_only(retention, _NO_THINNING)
+    dry_run = config.boolean("dry_run", dry_run)  # (dry_run=None must not delete)
     root = Path(root)
     with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
         dropped = _dropped_steps(meta, retention)

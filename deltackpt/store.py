@@ -25,6 +25,7 @@ import copy
 import dataclasses
 import fcntl
 import functools
+import inspect
 import json
 import operator
 import os
@@ -464,6 +465,46 @@ def _usable(device: str) -> bool:
     return True
 
 
+def _settings(chunk_size: Any, zstd_level: Any, threads: Any, pack_size: Any, max_chain: Any,
+              delta_cache_bytes: Any, read_threads: Any, predict: Any, readonly: Any, allow_network_fs: Any
+              ) -> tuple[int, int, int, int, int, int, bool, bool]:
+    """:class:`Store`'s settings, checked (TypeError, ValueError) and with the environment's defaults filled in:
+    (zstd_level, threads, read_threads, pack_size, max_chain, delta_cache_bytes, predict, allow_network_fs).
+    ``chunk_size`` is only checked here: a store that exists keeps its own."""
+    if chunk_size is not None:
+        config.check_chunk_size(chunk_size)
+    zstd_level = config.setting("zstd_level", zstd_level, config.zstd_level, "DELTACKPT_ZSTD_LEVEL",
+                                config.MIN_ZSTD_LEVEL, config.MAX_ZSTD_LEVEL)
+    threads = config.setting("threads", threads, config.threads, "DELTACKPT_THREADS", 1, 4096)
+    read_threads = config.setting("read_threads", read_threads, lambda: config.read_threads(threads),
+                                  "DELTACKPT_READ_THREADS", 1, 4096)
+    pack_size = config.setting("pack_size", pack_size, config.pack_size, "DELTACKPT_PACK_SIZE", 1, 1 << 40)
+    max_chain = config.setting("max_chain", max_chain, config.max_chain, "DELTACKPT_MAX_CHAIN", 0,
+                               config.MAX_MAX_CHAIN)
+    cache = config.setting("delta_cache_bytes", delta_cache_bytes, config.delta_cache_bytes,
+                           "DELTACKPT_DELTA_CACHE", 0, 1 << 50)
+    predict = config.flag("predict", predict, config.predict)
+    allow = config.flag("allow_network_fs", allow_network_fs, config.allow_network_fs)
+    if readonly is not None:
+        config.boolean("readonly", readonly)
+    return zstd_level, threads, read_threads, pack_size, max_chain, cache, predict, allow
+
+
+def check_options(what: str, options: Mapping[str, Any]) -> None:
+    """Raise TypeError or ValueError, naming ``what`` (who takes them), for ``options`` that ``Store(path,
+    **options)`` would refuse: an unknown name (a typo) or a bad value. Opens and creates nothing."""
+    names = [p for p in inspect.signature(Store.__init__).parameters if p not in ("self", "path", "_repair")]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise TypeError(f"{what}: unknown store option(s) {', '.join(unknown)} (Store takes {', '.join(names)})")
+    try:
+        _settings(*(options.get(n) for n in ("chunk_size", "zstd_level", "threads", "pack_size", "max_chain",
+                                             "delta_cache_bytes", "read_threads", "predict", "readonly",
+                                             "allow_network_fs")))
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{what}: {exc}") from None
+
+
 class Store:
     """An incremental, content-addressed checkpoint store in a directory.
 
@@ -505,22 +546,11 @@ class Store:
         was lost, which a repair then rebuilds."""
         self.path = Path(path)
         # every setting checked before anything is created
-        self.zstd_level = config.setting("zstd_level", zstd_level, config.zstd_level, "DELTACKPT_ZSTD_LEVEL",
-                                         config.MIN_ZSTD_LEVEL, config.MAX_ZSTD_LEVEL)
-        self.threads = config.setting("threads", threads, config.threads, "DELTACKPT_THREADS", 1, 4096)
-        self.read_threads = config.setting("read_threads", read_threads, lambda: config.read_threads(self.threads),
-                                           "DELTACKPT_READ_THREADS", 1, 4096)
-        pack_size = config.setting("pack_size", pack_size, config.pack_size, "DELTACKPT_PACK_SIZE", 1, 1 << 40)
-        self.max_chain = config.setting("max_chain", max_chain, config.max_chain, "DELTACKPT_MAX_CHAIN", 0,
-                                        config.MAX_MAX_CHAIN)
-        cache = config.setting("delta_cache_bytes", delta_cache_bytes, config.delta_cache_bytes,
-                               "DELTACKPT_DELTA_CACHE", 0, 1 << 50)
-        self.predict = config.flag("predict", predict, config.predict)
-        allow = config.flag("allow_network_fs", allow_network_fs, config.allow_network_fs)
+        (self.zstd_level, self.threads, self.read_threads, pack_size, self.max_chain, cache, self.predict,
+         allow) = _settings(chunk_size, zstd_level, threads, pack_size, max_chain, delta_cache_bytes, read_threads,
+                            predict, readonly, allow_network_fs)
         if not allow:
             check_local(self.path)  # before anything is created
-        if readonly is not None:
-            config.boolean("readonly", readonly)
         why = _why_readonly(self.path)
         if why is not None and readonly is False:
             raise ReadOnlyStoreError(f"store {self.path} is {why}: open it with readonly=True")
@@ -761,7 +791,9 @@ class Store:
         rec = self.index.get(step=step, id=id)
         if rec is None and id is not None:
             rec = self._replacing(id)
-        if rec is None or (step is not None and id is not None and rec.step != step):
+        if rec is not None and step is not None and id is not None and rec.step != step:
+            raise CheckpointNotFoundError(f"checkpoint {id} is at step {rec.step}, not at step {step}, in {self.path}")
+        if rec is None:
             if id is not None:
                 raise CheckpointNotFoundError(f"no checkpoint with id {id} in {self.path}")
             if step is not None:

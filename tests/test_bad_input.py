@@ -707,8 +707,10 @@ def test_what_a_checkpointer_is_given_is_checked_member_by_member(store: deltack
     for kwargs, message in cases:
         with pytest.raises(TypeError, match=message):
             deltackpt.Checkpointer(store, handle_signals=False, **kwargs)
-    with pytest.raises(ValueError, match="every_n_steps must be a positive int, got True"):
-        deltackpt.Checkpointer(store, every_n_steps=True)
+    for bad, error in ((True, TypeError), (2.0, TypeError), (None, TypeError), (0, ValueError)):
+        with pytest.raises(error, match=f"every_n_steps must be a positive int, got .*{bad}"):
+            deltackpt.Checkpointer(store, every_n_steps=bad)
+    assert deltackpt.Checkpointer(store, every_n_steps=np.int64(2), handle_signals=False).every_n_steps == 2
     assert store.list() == []
 
 
@@ -839,3 +841,81 @@ def test_an_id_given_as_the_step_is_refused_with_the_keyword_to_use(store: delta
         with pytest.raises(TypeError, match=f"got str '{info.id}'; pass a checkpoint id as id="):
             call(info.id)
     assert store.info(id=info.id) == info
+
+
+def test_a_checkpointer_refuses_the_metadata_key_it_marks_thinned_checkpoints_with(tmp_path: Path) -> None:
+    """A user's ``{"thinned": ...}`` made retention take the checkpoint for thinned already (never thinning it)
+    and overwrote it with True when it did thin one."""
+    model = torch.nn.Linear(3, 2)
+    ck = deltackpt.Checkpointer(tmp_path / "s", model=model, async_save=False, handle_signals=False)
+    try:
+        for call in (lambda: ck.step(1, metadata={"thinned": False}), lambda: ck.save(1, metadata={"thinned": 0.5})):
+            with pytest.raises(ValueError, match="'thinned' is reserved"):
+                call()
+        assert ck.store.list() == []
+        ck.save(1, metadata={"thinned_at": 3})
+        assert ck.store.info(1).metadata == {"thinned_at": 3}
+    finally:
+        ck.close()
+
+
+def test_switches_of_dcp_and_the_sampler_take_bools_only(tmp_path: Path) -> None:
+    """``distributed.retain(root, policy, dry_run=None)`` deleted steps; ``gc="no"`` and ``shuffle="no"`` meant
+    True."""
+    from deltackpt import distributed
+    from deltackpt.data import ResumableSampler
+
+    with pytest.raises(TypeError, match="dry_run must be True or False, got NoneType"):
+        distributed.retain(tmp_path / "missing", deltackpt.Retention(keep_last=1), dry_run=None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="gc must be True or False"):
+        distributed.DeltaStorageWriter(tmp_path / "r", step=1, gc="no")  # type: ignore[arg-type]
+    for name in ("shuffle", "drop_last"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            ResumableSampler(10, **{name: "no"})
+    assert ResumableSampler(10, shuffle=np.bool_(False)).shuffle is False
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"max_chian": 1}, TypeError, "DeltaStorageWriter: unknown store option.s. max_chian"),
+    ({"zstd_level": 99}, ValueError, "DeltaStorageWriter: zstd_level must be between"),
+    ({"chunk_size": 1000}, ValueError, "DeltaStorageWriter: chunk_size must be a power of two"),
+    ({"predict": "no"}, TypeError, "DeltaStorageWriter: predict must be True or False"),
+    ({"metadata": "x"}, TypeError, "metadata must be a mapping"),
+    ({"metadata": {"t": torch.ones(2)}}, UnsupportedTypeError, "DeltaStorageWriter metadata: .*tensors"),
+    ({"step": True}, TypeError, "step must be an int"),
+    ({"step": -1}, ValueError, "step must be between 0"),
+])
+def test_a_dcp_writer_checks_its_arguments_when_it_is_made(tmp_path: Path, kwargs: dict[str, Any], error: type,
+                                                           match: str) -> None:
+    """Inside ``dcp.save`` the same errors come wrapped in torch's CheckpointException, a BaseException that
+    ``except Exception`` does not catch, with the message on the last line of an embedded traceback."""
+    from deltackpt.distributed import DeltaStorageWriter
+
+    with pytest.raises(error, match=match):
+        DeltaStorageWriter(tmp_path / "root", **{"step": 1, **kwargs})
+    assert not (tmp_path / "root").exists()
+
+
+def test_a_step_and_an_id_that_disagree_are_named(store: deltackpt.Store) -> None:
+    """It said "no checkpoint with id ...", of an id the store holds (at another step)."""
+    store.save({"w": torch.ones(3)}, step=1)
+    other = store.save({"w": torch.zeros(3)}, step=2).id
+    for call in (store.load, store.info, store.manifest, store.delete):
+        with pytest.raises(CheckpointNotFoundError, match=f"checkpoint {other} is at step 2, not at step 1"):
+            call(1, id=other)
+    assert [i.step for i in store.list()] == [1, 2]
+
+
+def test_a_restore_refused_names_the_checkpoint(tmp_path: Path) -> None:
+    """restore() of the latest picks the checkpoint itself: its refusals said "the checkpoint holds no ..."
+    without saying which one."""
+    model = torch.nn.Linear(3, 2)
+    with deltackpt.Checkpointer(tmp_path / "s", model=model, async_save=False, handle_signals=False) as ck:
+        info = ck.save(4) or ck.store.latest()
+    assert info is not None
+    for kwargs, error, what in (({"model": torch.nn.Sequential(model)}, ShapeMismatchError, "model does not match"),
+                                ({"model": model, "extra": {"x": {"a": 1}}}, deltackpt.DeltackptError,
+                                 r"the checkpoint holds no extra\['x'\]")):
+        with deltackpt.Checkpointer(tmp_path / "s", async_save=False, handle_signals=False, **kwargs) as ck:
+            with pytest.raises(error, match=f"^checkpoint {info.id} \\(step 4\\): {what}"):
+                ck.restore()
