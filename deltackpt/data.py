@@ -157,6 +157,13 @@ class ResumableSampler(Sampler[int]):
         self._token = 0  # bumped when an iteration starts or the cursor is moved: older iterations stop
         self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, its global order)
 
+    def _epoch_in_range(self, epoch: int, what: str) -> int:
+        """``epoch``, or ValueError when seed + epoch, which seeds the epoch's order, is past what a
+        ``torch.Generator`` takes (2**64 - 1)."""
+        if self.seed + epoch >= 1 << 64:
+            raise ValueError(f"{what} {epoch} is out of range: seed + epoch must be below 2**64 (seed {self.seed})")
+        return epoch
+
     # -- the order ------------------------------------------------------------------------------------------
     def _order(self, epoch: int) -> torch.Tensor:
         """The global order of ``epoch`` (all ``dataset_len`` indices, int64), before padding and sharding."""
@@ -199,7 +206,7 @@ class ResumableSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Go to the start of ``epoch`` - or, when the cursor is in ``epoch`` already, keep its position."""
-        epoch = _int(epoch, "epoch")
+        epoch = self._epoch_in_range(_int(epoch, "epoch"), "epoch")
         if epoch != self._epoch:
             self._epoch, self._position = epoch, 0
             self._token += 1
@@ -267,7 +274,7 @@ class ResumableSampler(Sampler[int]):
         version = state.get("version", STATE_VERSION)
         if version != STATE_VERSION:
             raise ValueError(f"unknown ResumableSampler state version {version!r} (expected {STATE_VERSION})")
-        if state["len"] != self.dataset_len:
+        if _int(state["len"], "saved dataset length") != self.dataset_len:
             raise ValueError(
                 f"the data position was saved for a dataset of {state['len']} items, but this sampler's "
                 f"dataset has {self.dataset_len}: resuming would repeat or skip samples"
@@ -292,7 +299,7 @@ class ResumableSampler(Sampler[int]):
                 f"the data position was saved with drop_last={bool(state.get('drop_last'))}, but this "
                 f"sampler has drop_last={self.drop_last}"
             )
-        epoch = _int(state["epoch"], "saved epoch")
+        epoch = self._epoch_in_range(_int(state["epoch"], "saved epoch"), "saved epoch")
         position = _int(state["position"], "saved position")
         if position > self.num_samples:
             raise ValueError(f"saved position {position} is past the end of an epoch of {self.num_samples}")

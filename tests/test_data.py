@@ -571,3 +571,18 @@ def test_a_users_generator_is_drawn_once_per_epoch_like_a_plain_dataloader() -> 
     assert n == 12
     assert not torch.equal(gen.get_state(), start), "the user's generator was never drawn from"
     assert torch.equal(gen.get_state(), plain_gen.get_state())
+
+
+def test_a_damaged_data_position_is_refused_by_name() -> None:
+    """A length saved as a str read "saved for a dataset of 20 items, but this sampler's dataset has 20"; an
+    epoch past what seeds a torch.Generator raised a bare OverflowError from torch at the next iteration."""
+    ds = list(range(20))
+    loader = ResumableLoader(DataLoader(ds, batch_size=4, sampler=ResumableSampler(ds)))
+    state = loader.state_dict()
+    with pytest.raises(TypeError, match="saved dataset length must be an int, got str"):
+        loader.load_state_dict({**state, "len": "20"})
+    with pytest.raises(ValueError, match="saved epoch 1180591620717411303424 is out of range"):
+        loader.load_state_dict({**state, "epoch": 2**70})
+    with pytest.raises(ValueError, match="epoch 1180591620717411303424 is out of range"):
+        loader.set_epoch(2**70)
+    assert [len(b) for b in loader] == [4] * 5  # (unchanged: the first epoch from its start)
