@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from deltackpt import codec, maintenance, manifest, packs, tree
-from deltackpt.checkpointer import _has_rng, newest_restorable
+from deltackpt.checkpointer import _checkpointer_layout, _has_rng, newest_restorable
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
@@ -114,6 +114,8 @@ def _open(path: str, *, readonly: bool = False) -> Store:
         if (p / "meta" / "STORE").exists():
             raise DeltackptError(f"{path} is a sharded (DCP) checkpoint root: 'deltackpt dcp {path}' lists its "
                                  f"steps; its stores are {p / 'meta'} and {p / 'rank-*'} (each rank's shards)")
+        if not p.exists():
+            raise DeltackptError(f"{path} does not exist (no store there)")
         if not _holds_checkpoints(p):  # (else the store names what is wrong: STORE lost)
             raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
     return Store(p, readonly=True if readonly else None)
@@ -263,7 +265,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
         if ka[0] != kb[0] or (ka[2] == kb[2] and ka[1] != kb[1]):  # (keys added or removed are leaves' rows)
             counts["containers changed"] += 1
             what = f"type {ka[0]} -> {kb[0]}" if ka[0] != kb[0] else "dict key types"
-            shown = [", ".join(sorted(k[1]))[:40] if ka[0] == kb[0] else k[0] for k in (ka, kb)]
+            # the keys each side stores and the other does not, as Python shows them (1 on one side, True on the other)
+            shown = [_escaped(", ".join(sorted(dict(k[3])[j] for j in k[1] - o[1])))[:40] if ka[0] == kb[0] else k[0]
+                     for k, o in ((ka, kb), (kb, ka))]
             rows.append((_escaped(path) or "<root>", what, "", *shown))
         elif ka[0] == kb[0] and (order := _common_order(ka[3], kb[3])):  # (loads keep the order)
             counts["containers changed"] += 1
@@ -571,10 +575,10 @@ def _best(text: str) -> tuple[str, str]:
 def cmd_keep(args: argparse.Namespace) -> int:
     from deltackpt.retention import Retention
 
-    if args.best_k != 1 and args.best is None:
+    if args.best_k is not None and args.best is None:
         raise ValueError("--best-k needs --best METRIC:min|max to rank by")
     policy = Retention(keep_last=args.last, keep_every=args.every, keep_within=args.within, keep_best=args.best,
-                       best_k=args.best_k, keep_tagged=not args.no_tagged)
+                       best_k=1 if args.best_k is None else args.best_k, keep_tagged=not args.no_tagged)
     if not policy.deletes_anything:
         raise ValueError("give a rule that deletes: --last, --every, --within or --best (the others only keep)")
     verb = "would delete" if args.dry_run else "deleted"
@@ -594,7 +598,7 @@ def cmd_keep(args: argparse.Namespace) -> int:
             print(f"{verb} step {info.step} (committed {when(info.created)}) {_meta_str(info.metadata)}".rstrip())
         print(f"{verb} {len(dropped)} of {total} step(s)")
         stores = distributed.stores(root)
-        verify = f"deltackpt dcp {root} --verify"
+        verify, gc = f"deltackpt dcp {root} --verify", f"deltackpt dcp {root} --gc"
     else:
         with _open(args.store, readonly=args.dry_run) as s:
             total = len(s.list())
@@ -602,11 +606,11 @@ def cmd_keep(args: argparse.Namespace) -> int:
         for info in dropped:
             print(f"{verb} checkpoint {info.id} (step {info.step}) {_meta_str(info.metadata)}".rstrip())
         print(f"{verb} {len(dropped)} of {total} checkpoint(s)")
-        stores, verify = [Path(args.store)], "deltackpt verify"
+        stores, verify, gc = [Path(args.store)], "deltackpt verify", "deltackpt gc"
     if args.gc and not args.dry_run:
         return _gc_stores(stores, verify)
     if dropped and not args.dry_run:
-        print("run 'deltackpt gc' (or this command with --gc) to reclaim space")
+        print(f"run '{gc}' (or this command with --gc) to reclaim space")
     return 0
 
 
@@ -777,6 +781,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_import(args: argparse.Namespace) -> int:
     src = Path(args.file)
+    if not src.is_file():  # (before a reader's words for it: an unpickler's, a format's)
+        raise DeltackptError(f"{src} {'is not a file' if src.exists() else 'does not exist'}")
     if src.suffix == ".safetensors":
         try:
             from safetensors.torch import load_file
@@ -891,11 +897,11 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
         m = s.manifest(id=latest.id)
         # the skeleton with tensor descriptions in place of tensors: plain values without loading any bytes
         state = m.skeleton() if not _has_pickle(m.tree) else None
-        if not isinstance(state, dict) or "model" not in state:
+        if not isinstance(state, dict) or not _checkpointer_layout(state):
             print(f"the newest checkpoint, step {latest.step} (checkpoint {latest.id}, saved "
-                  f"{when(latest.created)}), was not written by a Checkpointer: a Checkpointer's restore() refuses "
-                  "it; Store.load it directly")
-            return 0
+                  f"{when(latest.created)}), was not written by a Checkpointer (no 'step' and 'model' entries): a "
+                  "Checkpointer's restore() refuses it; Store.load it directly")
+            return 1 if args.verify else 0  # (--verify: no checkpoint would restore)
         print(f"a run would resume from step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)})"
               + ("" if args.verify else "; its chunks were not read ('--verify' decodes them and passes over "
                  "damaged checkpoints, as a restore does)"))
@@ -925,8 +931,9 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
             rows.append((part, _escaped(detail)))  # (keys and values are the run's: a newline, an escape)
         print(table(rows, ["part", "holds"]))
         if not state.get("thinned") and not _has_rng(state):
-            print("note: it holds no RNG states (saved with rng=False): a Checkpointer restores it with rng=False, or "
-                  "with restore(strict=False), which leaves the RNGs as they are")
+            print("note: it holds no RNG states (a Checkpointer made with rng=False saved it, or a Store.save of "
+                  "the same layout did): a default restore() refuses it; a Checkpointer restores it with rng=False, "
+                  "or with restore(strict=False), which leaves the RNGs as they are")
         if latest.metadata:
             print(f"metadata: {_meta_str(latest.metadata)}")
     return 0
@@ -994,7 +1001,7 @@ def build_parser() -> argparse.ArgumentParser:
     kp.add_argument("--every", type=int, metavar="N", help="keep steps that are multiples of N")
     kp.add_argument("--within", type=_duration, metavar="AGE", help="keep those younger than AGE (7d, 12h, 3600)")
     kp.add_argument("--best", type=_best, metavar="METRIC:min|max", help="keep the best by a metadata value")
-    kp.add_argument("--best-k", type=int, default=1, metavar="K", help="how many --best keeps (1)")
+    kp.add_argument("--best-k", type=int, default=None, metavar="K", help="how many --best keeps (1)")
     kp.add_argument("--no-tagged", action="store_true", help="do not keep tagged checkpoints for their tag")
     kp.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     kp.add_argument("--gc", action="store_true", help="then reclaim the space (gc every store)")

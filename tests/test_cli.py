@@ -241,6 +241,7 @@ def test_diff_reports_containers_that_changed_type(capsys: pytest.CaptureFixture
         "dd": "type defaultdict(list) -> dict", "q": "type deque(maxlen=2) -> deque(maxlen=9)", "k": "dict key types",
         "od.c": "removed", "od.new": "added", "od": "dict key order"}
     assert "'a', 'b'" in " ".join(rows["od"]) and "'b', 'a'" in " ".join(rows["od"])
+    assert rows["k"][1:] == ["1", "True"]  # (the keys as Python shows them, not as the manifest stores them)
     assert out.splitlines()[-1] == "values the same: 9, removed: 1, added: 2, containers changed: 6"
 
 
@@ -725,6 +726,7 @@ def test_keep_applies_a_retention_policy_and_dry_run_changes_nothing(capsys: pyt
     (["--no-tagged"], "give a rule that deletes"),
     (["--last", "0"], "keep_last must be a positive int"),
     (["--best-k", "2", "--last", "1"], "--best-k needs --best METRIC:min|max"),
+    (["--best-k", "1", "--last", "1"], "--best-k needs --best METRIC:min|max"),
     (["--within=-5m"], "keep_within must be a finite number of seconds >= 0"),  # (before: a usage error, 2)
 ])
 def test_keep_refuses_a_policy_that_deletes_nothing_or_is_bad(capsys: pytest.CaptureFixture[str], store_path: Path,
@@ -1051,7 +1053,8 @@ def test_resume_info_says_a_checkpoint_holds_no_rng_states(capsys: pytest.Captur
         ck.save(3)
     rc, out, err = cli(capsys, "resume-info", store_path)
     assert rc == 0 and err == ""
-    assert "note: it holds no RNG states (saved with rng=False): a Checkpointer restores it with rng=False" in out
+    assert "note: it holds no RNG states (a Checkpointer made with rng=False saved it, or a Store.save of the same " \
+           "layout did): a default restore() refuses it; a Checkpointer restores it with rng=False" in out
     with deltackpt.Checkpointer(store_path, model=model, handle_signals=False) as ck:
         with pytest.raises(deltackpt.DeltackptError, match="no RNG states"):
             ck.restore()
@@ -1110,11 +1113,18 @@ def test_resume_info_plain_store(capsys: pytest.CaptureFixture[str], store_path:
     rc, out, _ = cli(capsys, "resume-info", store_path)
     assert rc == 0
     assert out.startswith(f"the newest checkpoint, step 3 (checkpoint {three['ids'][3]}, saved ")
-    assert "was not written by a Checkpointer: a Checkpointer's restore() refuses it" in out
+    assert "was not written by a Checkpointer (no 'step' and 'model' entries): a Checkpointer's restore() refuses " \
+           "it" in out
     assert "would resume" not in out
     with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(2, 2), handle_signals=False) as ck:
         with pytest.raises(deltackpt.DeltackptError, match="not written by a Checkpointer"):
             ck.restore()
+    # a state with a model but no step (the README's own Store example layout, less its step) is no exception,
+    # and --verify, which says whether a restore would succeed, fails for it
+    with deltackpt.Store(store_path) as s:
+        s.save({"model": torch.nn.Linear(2, 2).state_dict()}, step=4)
+    rc, out, _ = cli(capsys, "resume-info", store_path, "--verify")
+    assert rc == 1 and "was not written by a Checkpointer" in out and "would resume" not in out
 
 
 # -- errors -----------------------------------------------------------------------------------------------
@@ -1438,3 +1448,20 @@ def test_repair_exits_1_for_a_damaged_pack_even_when_every_checkpoint_is_whole(
     with deltackpt.Store(path) as s:
         assert [i.step for i in s.list()] == [2]
         s.load(2)
+
+
+def test_a_missing_store_or_import_file_is_named_missing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`ls` of a path that does not exist said it is "not a deltackpt store (no STORE file)"; `import` of a
+    missing file said it "cannot be read with torch.load(weights_only=True) ... (deltackpt never unpickles
+    arbitrary objects)"."""
+    rc, _, err = cli(capsys, "ls", tmp_path / "nowhere")
+    assert rc == 1
+    assert_one_line_error(err, f"{tmp_path / 'nowhere'} does not exist (no store there)")
+    for name in ("missing.pt", "missing.safetensors"):
+        rc, _, err = cli(capsys, "import", tmp_path / "s", tmp_path / name, "--step", "1")
+        assert rc == 1
+        assert_one_line_error(err, f"{tmp_path / name} does not exist")
+    rc, _, err = cli(capsys, "import", tmp_path / "s", tmp_path, "--step", "1")
+    assert rc == 1
+    assert_one_line_error(err, f"{tmp_path} is not a file")
+    assert not (tmp_path / "s").exists() and not (tmp_path / "nowhere").exists()

@@ -1103,9 +1103,13 @@ def test_keep_on_a_dcp_root_deletes_steps_and_their_shards(tmp_path: Path,
     out = capsys.readouterr().out
     assert re.findall(r"would delete step (\d+)", out) == ["0", "2", "3"] and "3 of 6 step(s)" in out
     assert dir_snapshot(root) == before
+    assert main(["keep", str(root), "--last", "2", "--best", "loss:min"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"deleted step (\d+)", out) == ["0", "2", "3"]
+    assert f"run 'deltackpt dcp {root} --gc' (or this command with --gc)" in out  # (plain gc refuses a root)
     assert main(["keep", str(root), "--last", "2", "--best", "loss:min", "--gc"]) == 0
     out = capsys.readouterr().out
-    assert re.findall(r"deleted step (\d+)", out) == ["0", "2", "3"] and "gc rank-00000: freed" in out
+    assert "deleted 0 of 3 step(s)" in out and "gc rank-00000: freed" in out
     assert distributed.steps(root) == [1, 4, 5]
     with deltackpt.Store(root / "rank-00000") as st:
         assert [c.step for c in st.list()] == [1, 4, 5]
