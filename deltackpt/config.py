@@ -107,8 +107,9 @@ def allow_network_fs() -> bool:
 
 
 def check_chunk_size(value: int, what: str = "chunk_size") -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):  # (numpy ints too, as other settings)
         raise TypeError(f"{what} must be an int, got {type(value).__name__}")
+    value = int(value)
     if value < MIN_CHUNK_SIZE or value > MAX_CHUNK_SIZE or value & (value - 1):
         raise ValueError(
             f"{what} must be a power of two between {MIN_CHUNK_SIZE} and {MAX_CHUNK_SIZE}, got {value}"

@@ -314,9 +314,12 @@ def test_bad_chunk_size_creates_nothing(tmp_path: Path, cs: int) -> None:
 
 
 def test_chunk_size_wrong_type(tmp_path: Path) -> None:
-    with pytest.raises(TypeError):
-        deltackpt.Store(tmp_path / "s", chunk_size=4096.0)  # type: ignore[arg-type]
+    for bad in (4096.0, True, "4096"):
+        with pytest.raises(TypeError, match="chunk_size must be an int"):
+            deltackpt.Store(tmp_path / "s", chunk_size=bad)  # type: ignore[arg-type]
     assert not (tmp_path / "s" / "STORE").exists()
+    with deltackpt.Store(tmp_path / "s", chunk_size=np.int64(8192)) as s:  # (numpy ints, as the other settings)
+        assert s.chunk_size == 8192 and type(s.chunk_size) is int
 
 
 @pytest.mark.parametrize("kwargs, error", [
