@@ -1986,44 +1986,49 @@ class Store:
         commit, then unlink their manifests with one directory fsync. Returns the checkpoint deleted for each
         position of ``which`` (one named twice is deleted once). One that is not there raises
         CheckpointNotFoundError before anything is deleted, or with ``missing_ok`` is passed over (another process
-        deleted it). Retention deleting 10,000 checkpoints one commit each took 86 s (an fsynced index commit and
-        a directory fsync apiece)."""
+        deleted it). A rewrite (retention thinning one, in another process) racing the commit leaves its checkpoint
+        to a second commit, which deletes what took its place; one another process deleted by then is passed
+        over. Retention deleting 10,000 checkpoints one commit each took 86 s (an fsynced index commit and a
+        directory fsync apiece)."""
         self._writable("delete")
+        if not which:
+            return {}  # (no lock: retention after a save that drops nothing must not wait behind a gc)
         removed: dict[int, Record] = {}  # seq -> record
         where: dict[int, int] = {}  # position in which -> seq
         # Under gc.lock (shared, as saves): a repair, which rebuilds the index from the manifests it finds, never
-        # runs between this commit and the manifests' unlinks.
+        # runs between a commit and the manifests' unlinks.
         with self._gc_lock():
-            todo = list(range(len(which)))
-            for _ in range(16):
-                asked: dict[int, Record] = {}  # seq -> record
-                for pos in todo:
-                    try:
-                        rec = self._record(*which[pos])
-                    except CheckpointNotFoundError:
-                        if missing_ok:
-                            where.pop(pos, None)
-                            continue
-                        raise
-                    where[pos] = rec.seq
-                    if rec.seq not in removed:
-                        asked.setdefault(rec.seq, rec)
-                stale = {r.seq for r in self.index.remove_checkpoints(list(asked.values()))}  # the commit point
-                removed.update((seq, r) for seq, r in asked.items() if seq not in stale)
-                # a rewrite (retention thinning one, in another process) took a place meanwhile: read those again
-                todo = [pos for pos in todo if where.get(pos) in stale]
-                if not todo:
-                    break
-            else:
-                step, id = which[todo[0]]
-                raise DeltackptError(f"checkpoint {id if id is not None else f'at step {step}'} in {self.path} kept "
-                                     "changing while it was being deleted")
-            if any(r.id == self._head for r in removed.values()):
-                self._head = None
-            for rec in removed.values():
-                self._unlink_manifest(rec.id, sync=False)
-            if removed:
-                fsync_dir(self._manifests_dir)
+            try:
+                todo = list(range(len(which)))
+                for attempt in range(16):
+                    asked: dict[int, Record] = {}  # seq -> record
+                    for pos in todo:
+                        try:
+                            rec = self._record(*which[pos])
+                        except CheckpointNotFoundError:
+                            if missing_ok or attempt:  # (found at the first read: deleted meanwhile by another)
+                                where.pop(pos, None)
+                                continue
+                            raise
+                        where[pos] = rec.seq
+                        if rec.seq not in removed:
+                            asked.setdefault(rec.seq, rec)
+                    stale = {r.seq for r in self.index.remove_checkpoints(list(asked.values()))}  # commit point
+                    removed.update((seq, r) for seq, r in asked.items() if seq not in stale)
+                    todo = [pos for pos in todo if where.get(pos) in stale]  # (read those again)
+                    if not todo:
+                        break
+                else:
+                    step, id = which[todo[0]]
+                    raise DeltackptError(f"checkpoint {id if id is not None else f'at step {step}'} in {self.path} "
+                                         "kept changing while it was being deleted")
+            finally:  # (what a commit removed loses its manifest, whatever came after)
+                if any(r.id == self._head for r in removed.values()):
+                    self._head = None
+                for rec in removed.values():
+                    self._unlink_manifest(rec.id, sync=False)
+                if removed:
+                    fsync_dir(self._manifests_dir)
         return {pos: CheckpointInfo.from_record(removed[seq]) for pos, seq in where.items() if seq in removed}
 
     def retain(self, retention: Retention, *, dry_run: bool = False) -> list[CheckpointInfo]:

@@ -733,3 +733,52 @@ def test_gc_refuses_a_handle_open_for_repair_until_it_repaired(tmp_path: Path) -
         s.gc()
         for step, state in kept.items():
             assert torch.equal(s.load(step)["w"], state["w"])
+
+
+def test_a_batched_delete_passes_over_one_another_process_deleted_meanwhile(tmp_path: Path) -> None:
+    """`deltackpt rm A B` deletes both in one commit. When another process deletes B between the read and that
+    commit, the commit removes A and leaves B (its id no longer names the seq read); B is then gone, which is what
+    was asked. It raised CheckpointNotFoundError for B after A's commit, leaving A's manifest behind."""
+    from unittest import mock
+
+    d = tmp_path / "store"
+    with Store(d, chunk_size=CS) as a, Store(d, chunk_size=CS) as b:
+        ids = [a.save({"w": torch.full((CS // 4,), float(s))}, step=s).id for s in (1, 2, 3)]
+        real = a.index.remove_checkpoints
+        commits: list[int] = []
+
+        def racing(records: Any) -> Any:
+            if not commits:
+                b.delete(id=ids[1])
+            commits.append(len(records))
+            return real(records)
+
+        with mock.patch.object(a.index, "remove_checkpoints", side_effect=racing):
+            deleted = a._delete([(None, ids[0]), (None, ids[1])])
+        assert {p: i.id for p, i in deleted.items()} == {0: ids[0]}
+        assert [i.id for i in a.list()] == [ids[2]]
+        assert sorted(p.stem for p in (d / "manifests").glob("*.manifest")) == [ids[2]]
+        assert a.verify().ok and float(a.load(3)["w"][0]) == 3.0
+
+
+def test_retention_that_deletes_nothing_does_not_wait_for_a_gc(tmp_path: Path) -> None:
+    """A Checkpointer applies its retention after every save; when it drops nothing it takes no lock, so a save
+    does not wait out another process's gc (which holds gc.lock exclusively)."""
+    import fcntl
+
+    from deltackpt import Retention
+
+    d = tmp_path / "store"
+    with Store(d, chunk_size=CS) as st:
+        for s in (1, 2):
+            st.save({"w": torch.full((CS // 4,), float(s))}, step=s)
+        fd = os.open(d / "gc.lock", os.O_RDWR)  # (another open file description: flock conflicts in-process too)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            out: list[Any] = []
+            t = threading.Thread(target=lambda: out.append(st.retain(Retention(keep_last=5))), daemon=True)
+            t.start()
+            t.join(10)
+            assert not t.is_alive() and out == [[]], "retention that deletes nothing waited for the gc lock"
+        finally:
+            os.close(fd)
