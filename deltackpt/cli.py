@@ -114,8 +114,8 @@ def _open(path: str, *, readonly: bool = False) -> Store:
         if (p / "meta" / "STORE").exists():
             raise DeltackptError(f"{path} is a sharded (DCP) checkpoint root: 'deltackpt dcp {path}' lists its "
                                  f"steps; its stores are {p / 'meta'} and {p / 'rank-*'} (each rank's shards)")
-        if not p.exists():
-            raise DeltackptError(f"{path} does not exist (no store there)")
+        if not os.path.lexists(p):  # (a symbolic link loop exists, as a link: the message below names it)
+            raise DeltackptError(f"{path} is not a deltackpt store: it does not exist")
         if not _holds_checkpoints(p):  # (else the store names what is wrong: STORE lost)
             raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
     return Store(p, readonly=True if readonly else None)

@@ -922,7 +922,8 @@ def _restore_store_file(root: Path) -> None:
         return  # intact, as far as the manifests can tell
     if len(sizes) != 1:
         raise DeltackptError(
-            f"{root} is not a deltackpt store (no readable STORE file)" if not sizes else
+            (f"{root} is not a deltackpt store: it does not exist" if not os.path.lexists(root) else
+             f"{root} is not a deltackpt store (no readable STORE file)") if not sizes else
             f"{root} lost its STORE file (or it is damaged) and its manifests name several chunk sizes "
             f"{sorted(sizes)}")
     if (root / "STORE").exists():

@@ -1150,7 +1150,7 @@ def test_not_a_store(capsys: pytest.CaptureFixture[str], tmp_path: Path, args: l
     argv = [args[0], path, *(dest if a == "OUT" else a for a in args[1:])]
     rc, out, err = cli(capsys, *argv)
     assert rc == 1 and out == ""
-    assert_one_line_error(err, "not a deltackpt store")
+    assert_one_line_error(err, "not a deltackpt store" + (": it does not exist" if exists is False else ""))
     assert path.exists() == (exists is True) and not (path / "STORE").exists()
     assert not dest.exists()
 
@@ -1456,7 +1456,7 @@ def test_a_missing_store_or_import_file_is_named_missing(capsys: pytest.CaptureF
     arbitrary objects)"."""
     rc, _, err = cli(capsys, "ls", tmp_path / "nowhere")
     assert rc == 1
-    assert_one_line_error(err, f"{tmp_path / 'nowhere'} does not exist (no store there)")
+    assert_one_line_error(err, f"{tmp_path / 'nowhere'} is not a deltackpt store: it does not exist")
     for name in ("missing.pt", "missing.safetensors"):
         rc, _, err = cli(capsys, "import", tmp_path / "s", tmp_path / name, "--step", "1")
         assert rc == 1
