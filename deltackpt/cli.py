@@ -531,6 +531,8 @@ def cmd_rm(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    if not 0 <= args.repack_below <= 1:  # (before the store is opened; nan too)
+        raise ValueError(f"--repack-below must be a fraction between 0 and 1, got {args.repack_below}")
     with _open(args.store) as s, progress("gc") as bar:
         r = s.gc(repack_below=args.repack_below, progress=bar)
     print(f"dropped {r.dead_chunks} dead chunk(s); deleted {r.deleted_packs} pack(s), repacked "
@@ -572,13 +574,24 @@ def _best(text: str) -> tuple[str, str]:
     return metric, how
 
 
+#: Retention's fields, as `deltackpt keep` names them
+_POLICY_FLAGS = {"keep_last": "--last", "keep_every": "--every", "keep_within": "--within", "keep_best": "--best",
+                 "best_k": "--best-k"}
+
+
 def cmd_keep(args: argparse.Namespace) -> int:
     from deltackpt.retention import Retention
 
     if args.best_k is not None and args.best is None:
         raise ValueError("--best-k needs --best METRIC:min|max to rank by")
-    policy = Retention(keep_last=args.last, keep_every=args.every, keep_within=args.within, keep_best=args.best,
-                       best_k=1 if args.best_k is None else args.best_k, keep_tagged=not args.no_tagged)
+    try:
+        policy = Retention(keep_last=args.last, keep_every=args.every, keep_within=args.within, keep_best=args.best,
+                           best_k=1 if args.best_k is None else args.best_k, keep_tagged=not args.no_tagged)
+    except (TypeError, ValueError) as exc:  # (named by the flags given, not by Retention's fields)
+        message = str(exc)
+        for field, flag in _POLICY_FLAGS.items():
+            message = message.replace(f"Retention.{field}", flag)
+        raise type(exc)(message) from None
     if not policy.deletes_anything:
         raise ValueError("give a rule that deletes: --last, --every, --within or --best (the others only keep)")
     verb = "would delete" if args.dry_run else "deleted"

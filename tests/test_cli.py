@@ -146,7 +146,7 @@ def test_gc_refuses_a_repack_fraction_outside_0_to_1(capsys: pytest.CaptureFixtu
     for bad in ("1.5", "-0.1", "nan"):
         rc, out, err = cli(capsys, "gc", store_path, "--repack-below", bad)
         assert rc == 1 and out == ""
-        assert_one_line_error(err, "repack_below must be a fraction between 0 and 1")
+        assert_one_line_error(err, f"--repack-below must be a fraction between 0 and 1, got {float(bad)}")
     assert dir_snapshot(store_path) == before
 
 
@@ -724,10 +724,12 @@ def test_keep_applies_a_retention_policy_and_dry_run_changes_nothing(capsys: pyt
 @pytest.mark.parametrize("argv, needle", [
     ([], "give a rule that deletes"),
     (["--no-tagged"], "give a rule that deletes"),
-    (["--last", "0"], "keep_last must be a positive int"),
+    (["--last", "0"], "--last must be a positive int, got 0"),  # (the flag given, not Retention's field)
+    (["--every", "-3"], "--every must be a positive int, got -3"),
+    (["--best", "loss:min", "--best-k", "0"], "--best-k must be a positive int, got 0"),
     (["--best-k", "2", "--last", "1"], "--best-k needs --best METRIC:min|max"),
     (["--best-k", "1", "--last", "1"], "--best-k needs --best METRIC:min|max"),
-    (["--within=-5m"], "keep_within must be a finite number of seconds >= 0"),  # (before: a usage error, 2)
+    (["--within=-5m"], "--within must be a finite number of seconds >= 0"),  # (before: a usage error, 2)
 ])
 def test_keep_refuses_a_policy_that_deletes_nothing_or_is_bad(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                               three: dict[str, Any], argv: list[str],
