@@ -644,6 +644,9 @@ def cmd_dcp(args: argparse.Namespace) -> int:
     root = Path(args.store)
     if not root.is_dir():  # (as "no deltackpt store" for a directory without one, not a bare [Errno 2])
         raise DeltackptError(f"DCP checkpoints: {root} is {'not a directory' if root.exists() else 'missing'}")
+    if (root / "STORE").exists():
+        raise DeltackptError(f"{root} is a deltackpt store, not a sharded (DCP) checkpoint root: 'deltackpt ls "
+                             f"{root}' lists its checkpoints")
     if args.rm:
         missing = sorted(set(args.rm) - set(distributed.steps(root)))
         if missing:  # refused before any step is deleted
@@ -684,6 +687,10 @@ def cmd_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
+    root = Path(args.store)
+    if args.store and not (root / "STORE").exists() and (root / "meta" / "STORE").exists():
+        raise DeltackptError(f"{args.store} is a sharded (DCP) checkpoint root: repair its stores one by one, "
+                             f"'deltackpt repair {root / 'meta'}' and each of {root / 'rank-*'}")
     store = maintenance.open_for_repair(args.store)
     with store as s, progress("repair") as bar:
         r = s.repair(progress=bar)

@@ -477,6 +477,8 @@ def test_ranks_of_one_host_share_its_cpus(tmp_path: Path, monkeypatch: pytest.Mo
 
 
 def test_the_cli_points_from_a_dcp_root_to_its_stores(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from conftest import dir_snapshot
+
     from deltackpt.cli import main
 
     root = tmp_path / "ckpt"
@@ -488,6 +490,14 @@ def test_the_cli_points_from_a_dcp_root_to_its_stores(tmp_path: Path, capsys: py
     assert main(["ls", str(root / "meta")]) == 0
     assert "7" in capsys.readouterr().out
     assert not (root / "STORE").exists()
+    # repair of the root names its stores (it said "not a deltackpt store (no readable STORE file)"), and dcp of
+    # a plain store says it is one (it said "no deltackpt store at STORE/meta")
+    before = dir_snapshot(root)
+    assert main(["repair", str(root)]) == 1
+    assert f"repair its stores one by one, 'deltackpt repair {root / 'meta'}'" in capsys.readouterr().err
+    assert main(["dcp", str(root / "meta")]) == 1
+    assert "is a deltackpt store, not a sharded (DCP) checkpoint root" in capsys.readouterr().err
+    assert dir_snapshot(root) == before
 
 
 def test_the_dcp_command_lists_deletes_prunes_and_collects(tmp_path: Path,
