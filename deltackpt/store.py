@@ -2039,7 +2039,7 @@ class Store:
         deleting_only(retention, "Store.retain does not thin checkpoints: a Checkpointer's retention does")
         dry_run = config.boolean("dry_run", dry_run)
         if not dry_run:
-            self._writable("retain")
+            self._writable("apply a retention policy (delete checkpoints)")
         infos = self._listing()
         drop = set(retention.plan(infos).delete)
         dropped = [info for info in infos if info.id in drop]

@@ -54,7 +54,8 @@ def test_readonly_handle_reads_everything_and_writes_nothing(saved: tuple[Path, 
         assert torch.equal(target["w"], states[1]["w"])
         assert s.verify().ok
         for what, op in [("save", lambda: s.save(states[0], step=9)), ("delete", lambda: s.delete(step=0)),
-                         ("gc", s.gc), ("repair", s.repair)]:
+                         ("gc", s.gc), ("repair", s.repair),
+                         ("apply a retention policy", lambda: s.retain(deltackpt.Retention(keep_last=1)))]:
             with pytest.raises(ReadOnlyStoreError, match=f"cannot {what}"):
                 op()
     assert _content(path) == before
