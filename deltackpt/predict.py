@@ -54,10 +54,6 @@ FIRST_V3_PREDICTOR = MOMENTUM_PARAM
 _PREFIX_HEAD = struct.Struct("<BBHI")  # predictor, refs, coefficients, reserved (0)
 #: elements the encoder fits the parameter coefficients on (an evenly spaced sample of the chunk)
 FIT_SAMPLE = 1 << 15
-#: tensors smaller than this take no part in predictions (:func:`plan`): a biases' or norms' share of a state's
-#: bytes is tiny, and what a prediction costs per tensor (pairing, fitting, ordering the writes) is not: a state of
-#: many small tensors saved 20-30% slower with them, for no fewer bytes
-MIN_BYTES = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,9 +263,8 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
 
     With ``pairs``, a float32 tensor outside optimizer states that averages a paired parameter (an EMA copy of
     the model: its key path, without wrapper components, ends in the parameter's name within its model, it has
-    the parameter's shape, and it is the only such tensor) gets an average role (:attr:`Role.average`).
-    Tensors of fewer than :data:`MIN_BYTES` bytes get none (nor are they paired)."""
-    roles, outside = _plan(state, [leaf for leaf in leaves if leaf.nbytes >= MIN_BYTES], pairs)
+    the parameter's shape, and it is the only such tensor) gets an average role (:attr:`Role.average`)."""
+    roles, outside = _plan(state, list(leaves), pairs)
     if pairs:
         roles.update(_averages(outside, pairs, roles))
     return roles
@@ -373,12 +368,11 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
     ``exp_avg_sq`` shard gets the adam-v role, and, when the parameter has a name, each float32 shard of the same
     offsets and shape outside the optimizer state whose fqn is that name or ends in ``.`` + name (without wrapper
     components) the adam-param role; likewise a ``momentum_buffer`` shard (SGD or RMSprop with momentum) gives
-    such shards the momentum-param role. As with :func:`plan`, only performance depends on these pairings, and shards
-    of fewer than :data:`MIN_BYTES` bytes get no role."""
+    such shards the momentum-param role. As with :func:`plan`, only performance depends on these pairings."""
     lead = under + "."
     shards: dict[str, Any] = {}  # "fqn@offsets" -> leaf
     for leaf in leaves:
-        if leaf.path.startswith(lead) and _is_f32(leaf) and leaf.nbytes >= MIN_BYTES:
+        if leaf.path.startswith(lead) and _is_f32(leaf):
             shards[leaf.path[len(lead):]] = leaf
     # (optimizer prefix, "" for one saved at the top, and param id) -> (the parameter's name or None, its group)
     groups: dict[tuple[str, str], tuple[str | None, Mapping[str, Any]]] = {}

@@ -41,8 +41,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "plumbing: a test of process plumbing (signal handlers, exit hooks, the "
                             "command line's entry points and pipes, process groups of DCP ranks); see "
                             "pytest_collection_modifyitems")
-    config.addinivalue_line("markers", "predict_min_bytes: keep predict.MIN_BYTES at its default (the suite "
-                            "otherwise predicts tensors of every size)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -89,14 +87,6 @@ def _encode_where(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
     run) sends every chunk to the pool instead, so both paths run under every kind of test."""
     if zlib.crc32(request.node.nodeid.encode()) % 2:
         monkeypatch.setattr(deltackpt.store, "_INLINE_BELOW", 0)
-
-
-@pytest.fixture(autouse=True)
-def _predict_small_tensors(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Saves leave tensors under 4 KiB out of predictions (``predict.MIN_BYTES``); the suite's states are small, so
-    its tests predict every tensor, except those marked ``predict_min_bytes`` (which keep the default)."""
-    if request.node.get_closest_marker("predict_min_bytes") is None:
-        monkeypatch.setattr(deltackpt.predict, "MIN_BYTES", 0)
 
 
 @pytest.fixture

@@ -223,23 +223,6 @@ def test_plan_pairs_parameters_with_their_optimizer_state() -> None:
     assert "model.0.weight" in roles and "model.2.bias" not in roles and "model.extra" not in roles
 
 
-@pytest.mark.predict_min_bytes
-def test_plan_leaves_tensors_under_min_bytes_out() -> None:
-    """By default tensors under ``MIN_BYTES`` (a bias, a norm's weight) take no part in predictions, as
-    parameter or as optimizer state, and are not paired with anything; larger ones of the same state are."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(8, 8))  # 8 KiB, 128 B, 256 B, 32 B
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for p in model.parameters():
-        p.grad = torch.randn_like(p)
-    opt.step()
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-    _, leaves = deltackpt.tree.flatten(state)
-    assert predict.MIN_BYTES == 4096
-    roles = predict.plan(state, leaves)
-    assert set(roles) == {"model.0.weight", "optimizer.state[0].exp_avg_sq"}
-
-
 def test_plan_pairs_momentum_buffers_and_ignores_other_optimizers_and_dtypes() -> None:
     sgd = _train(1, optimizer="sgd")[1]
     _, leaves = deltackpt.tree.flatten(sgd)
