@@ -832,14 +832,10 @@ class Index:
         total = _dropped_value(txn.get(DROPPED, db=self.db_meta)) + max(0, nbytes)
         txn.put(DROPPED, _U64.pack(min(total, _SEQ_LIMIT - 1)), db=self.db_meta)
 
-    def remove_checkpoint(self, record: Record) -> bool:
-        """Remove ``record``'s checkpoint; False (and nothing changed) when its id no longer names its seq: a
-        rewrite took its place or a repair renumbered it since the caller read it, so the caller reads again."""
-        return not self.remove_checkpoints([record])
-
     def remove_checkpoints(self, records: Sequence[Record]) -> list[Record]:
-        """Remove the checkpoints of ``records`` in one transaction, each as :meth:`remove_checkpoint` does, and
-        return those it left: the records whose id no longer names their seq (nothing of theirs changed)."""
+        """Remove the checkpoints of ``records`` in one transaction and return those it left: the records whose
+        id no longer names their seq (a rewrite took its place or a repair renumbered it since the caller read
+        it; nothing of theirs changed, and the caller reads them again)."""
         stale: list[Record] = []
         if not records:
             return stale

@@ -465,9 +465,9 @@ def _usable(device: str) -> bool:
     return True
 
 
-def _settings(chunk_size: Any, zstd_level: Any, threads: Any, pack_size: Any, max_chain: Any,
-              delta_cache_bytes: Any, read_threads: Any, predict: Any, readonly: Any, allow_network_fs: Any
-              ) -> tuple[int, int, int, int, int, int, bool, bool]:
+def _settings(*, chunk_size: Any = None, zstd_level: Any = None, threads: Any = None, allow_network_fs: Any = None,
+              pack_size: Any = None, max_chain: Any = None, delta_cache_bytes: Any = None, read_threads: Any = None,
+              predict: Any = None, readonly: Any = None) -> tuple[int, int, int, int, int, int, bool, bool]:
     """:class:`Store`'s settings, checked (TypeError, ValueError) and with the environment's defaults filled in:
     (zstd_level, threads, read_threads, pack_size, max_chain, delta_cache_bytes, predict, allow_network_fs).
     ``chunk_size`` is only checked here: a store that exists keeps its own."""
@@ -498,9 +498,7 @@ def check_options(what: str, options: Mapping[str, Any]) -> None:
     if unknown:
         raise TypeError(f"{what}: unknown store option(s) {', '.join(unknown)} (Store takes {', '.join(names)})")
     try:
-        _settings(*(options.get(n) for n in ("chunk_size", "zstd_level", "threads", "pack_size", "max_chain",
-                                             "delta_cache_bytes", "read_threads", "predict", "readonly",
-                                             "allow_network_fs")))
+        _settings(**options)  # (its keywords are Store's settings)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{what}: {exc}") from None
 
@@ -547,8 +545,9 @@ class Store:
         self.path = Path(path)
         # every setting checked before anything is created
         (self.zstd_level, self.threads, self.read_threads, pack_size, self.max_chain, cache, self.predict,
-         allow) = _settings(chunk_size, zstd_level, threads, pack_size, max_chain, delta_cache_bytes, read_threads,
-                            predict, readonly, allow_network_fs)
+         allow) = _settings(chunk_size=chunk_size, zstd_level=zstd_level, threads=threads, pack_size=pack_size,
+                            max_chain=max_chain, delta_cache_bytes=delta_cache_bytes, read_threads=read_threads,
+                            predict=predict, readonly=readonly, allow_network_fs=allow_network_fs)
         if not allow:
             check_local(self.path)  # before anything is created
         why = _why_readonly(self.path)
@@ -833,7 +832,7 @@ class Store:
     def _moved(self) -> dict[str, str]:
         """Old id -> the id of the checkpoint a :meth:`rewrite` put in its place, for every retained rewrite
         (the index as last refreshed)."""
-        return {old: info.id for info, replaces in self._rows() for old in replaces}
+        return _moved_in(self._rows())
 
     def _info(self, rec: Record) -> CheckpointInfo:
         """``rec`` as users see it: a parent that was rewritten is named by its current id."""
@@ -852,7 +851,7 @@ class Store:
         self._refresh()
         rows = self._rows()
         ids = {info.id for info, _ in rows}
-        moved = {old: info.id for info, replaces in rows for old in replaces}
+        moved = _moved_in(rows)
         return [info if info.parent in ids or info.parent not in moved
                 else dataclasses.replace(info, parent=moved[info.parent]) for info, _ in rows]
 
@@ -2288,6 +2287,11 @@ def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor | np.
             dropped.add(j)
             out.pop(items[j][0], None)
     return out
+
+
+def _moved_in(rows: Iterable[tuple[CheckpointInfo, tuple[str, ...]]]) -> dict[str, str]:
+    """Old id -> the id of the checkpoint that replaced it, from :meth:`Store._rows`."""
+    return {old: info.id for info, replaces in rows for old in replaces}
 
 
 def _role(path: str) -> str:
