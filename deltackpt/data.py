@@ -158,9 +158,9 @@ class ResumableSampler(Sampler[int]):
         self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, its global order)
 
     def _epoch_in_range(self, epoch: int, what: str) -> int:
-        """``epoch``, or ValueError when seed + epoch, which seeds the epoch's order, is past what a
-        ``torch.Generator`` takes (2**64 - 1)."""
-        if self.seed + epoch >= 1 << 64:
+        """``epoch``, or ValueError when seed + epoch, which seeds a shuffled epoch's order, is past what a
+        ``torch.Generator`` takes (2**64 - 1). Without shuffling no generator is seeded and any epoch goes."""
+        if self.shuffle and self.seed + epoch >= 1 << 64:
             raise ValueError(f"{what} {epoch} is out of range: seed + epoch must be below 2**64 (seed {self.seed})")
         return epoch
 
@@ -180,7 +180,7 @@ class ResumableSampler(Sampler[int]):
 
     def indices(self, epoch: int) -> torch.Tensor:
         """This rank's ``num_samples`` indices of ``epoch``, in order (an int64 tensor)."""
-        epoch = _int(epoch, "epoch")
+        epoch = self._epoch_in_range(_int(epoch, "epoch"), "epoch")
         order = self._order(epoch)
         if self.num_replicas == 1:
             return order

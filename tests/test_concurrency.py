@@ -352,6 +352,34 @@ def test_delete_racing_a_rewrite_deletes_the_rewritten_checkpoint(tmp_path: Path
         assert a.verify().ok and float(a.load(3)["w"][0]) == 3.0
 
 
+def test_retain_racing_a_rewrite_returns_what_it_deleted(tmp_path: Path) -> None:
+    """Retention that follows a checkpoint to its rewrite (another handle thinned it between the listing and the
+    commit) deletes the rewrite and returns its info, not the listing's: the old id no longer names anything."""
+    from unittest import mock
+
+    import torch
+
+    from deltackpt import Retention
+
+    d = tmp_path / "store"
+    with Store(d, chunk_size=CS) as a, Store(d, chunk_size=CS) as b:
+        ids = [a.save({"w": torch.full((CS,), float(s))}, step=s).id for s in (1, 2, 3)]
+        real = a._record
+        raced: list[str] = []
+
+        def record_then_rewrite(*args: Any, **kwargs: Any) -> Any:
+            if not raced:  # before the delete's first read, the other handle thins checkpoint 2
+                raced.append(b.rewrite({"w": torch.zeros(4)}, id=ids[1], metadata={"thinned": True}).id)
+            return real(*args, **kwargs)
+
+        with mock.patch.object(a, "_record", side_effect=record_then_rewrite):
+            gone = a.retain(Retention(keep_last=1))
+        assert raced[0] != ids[1]
+        assert [(i.id, i.step) for i in gone] == [(ids[0], 1), (raced[0], 2)]
+        assert gone[1].metadata == {"thinned": True}
+        assert [i.id for i in a.list()] == [ids[2]]
+
+
 def _deleted_packs_open(store: Path) -> list[str]:
     """Pack files of ``store`` this process holds open although they were deleted (Linux /proc)."""
     out = []

@@ -586,3 +586,19 @@ def test_a_damaged_data_position_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="epoch 1180591620717411303424 is out of range"):
         loader.set_epoch(2**70)
     assert [len(b) for b in loader] == [4] * 5  # (unchanged: the first epoch from its start)
+    with pytest.raises(ValueError, match="epoch 18446744073709551616 is out of range"):
+        ResumableSampler(ds).indices(2**64)  # a bare OverflowError from torch before
+
+
+def test_an_unshuffled_sampler_takes_any_epoch() -> None:
+    """Without shuffling no generator is seeded, so no epoch is out of a generator's range."""
+    ds = list(range(6))
+    sampler = ResumableSampler(ds, shuffle=False)
+    sampler.set_epoch(2**70)
+    assert list(sampler) == list(range(6))
+    assert sampler.indices(2**70).tolist() == list(range(6))
+    loader = ResumableLoader(DataLoader(ds, batch_size=2, sampler=ResumableSampler(ds, shuffle=False)))
+    loader.set_epoch(2**70)
+    other = ResumableLoader(DataLoader(ds, batch_size=2, sampler=ResumableSampler(ds, shuffle=False)))
+    other.load_state_dict(loader.state_dict())
+    assert [b.tolist() for b in other] == [[0, 1], [2, 3], [4, 5]]
