@@ -315,6 +315,11 @@ class _Shared:
                     f"cannot open the index of store {path.parent} for writing: {exc}: a file of {path} is not "
                     "writable by this user (LMDB's lock.mdb, another user's, say); give this user write access to "
                     "the store's files") from exc
+            if "already open in this process" in str(exc):  # the user's own LMDB handle on it: no damage
+                raise DeltackptError(
+                    f"cannot open the index of store {path.parent}: this process holds it open through an LMDB "
+                    "handle of its own (lmdb.open of its index directory), and LMDB allows one per process; close "
+                    "that handle first (deltackpt's Store handles of one store share theirs)") from exc
             if create:  # a new store's index: nothing there to be damaged, the writes failed (EIO for ENOSPC too)
                 raise IndexWriteError(errno.EIO, f"could not create the index of store {path.parent}: "
                                       f"{type(exc).__name__}: {exc}") from exc

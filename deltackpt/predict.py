@@ -99,8 +99,10 @@ def valid_coefs(coefs: Iterable[float]) -> bool:
 
 
 def _f64(buf: Any, step: int = 1) -> np.ndarray:
-    """Every ``step``-th float32 element of ``buf``, widened to float64."""
-    return np.frombuffer(memoryview(buf).cast("B"), dtype="<f4")[::step].astype(np.float64)
+    """Every ``step``-th float32 element of ``buf``, widened to float64 (a signalling NaN quietly: numpy's cast
+    warns of it, and a state may hold one)."""
+    with np.errstate(invalid="ignore"):
+        return np.frombuffer(memoryview(buf).cast("B"), dtype="<f4")[::step].astype(np.float64)
 
 
 def predict(p: Prediction, base: Any, refs: list[Any], out: np.ndarray) -> None:

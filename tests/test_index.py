@@ -81,3 +81,26 @@ def test_a_last_commit_past_any_real_seq_is_not_trusted(tmp_path: Path, text: st
     assert index.read_last_commit(tmp_path) is None
     (tmp_path / index.LAST_COMMIT).write_text(f"{(1 << 62) - 1:020d}\n")
     assert index.read_last_commit(tmp_path) == (1 << 62) - 1
+
+
+def test_an_index_held_open_by_another_lmdb_handle_is_not_called_damage(tmp_path: Path) -> None:
+    """LMDB allows one handle per environment per process: a user's own ``lmdb.open`` of a store's index made
+    opening the store raise CorruptIndexError advising a repair, which would rebuild an index that is fine."""
+    import lmdb
+    import torch
+
+    import deltackpt
+    from deltackpt.errors import CorruptionError, DeltackptError
+
+    with deltackpt.Store(tmp_path / "s") as s:
+        s.save({"w": torch.ones(3)}, step=1)
+    env = lmdb.open(str(tmp_path / "s" / "index"), readonly=True, max_dbs=8)
+    try:
+        with pytest.raises(DeltackptError, match="an LMDB handle of its own") as info:
+            deltackpt.Store(tmp_path / "s")
+        assert not isinstance(info.value, CorruptionError)
+        assert "repair" not in str(info.value)
+    finally:
+        env.close()
+    with deltackpt.Store(tmp_path / "s") as s:  # (closed: the store opens)
+        assert s.load(1)["w"].tolist() == [1.0, 1.0, 1.0]
