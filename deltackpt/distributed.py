@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from deltackpt import config, tree
+from deltackpt import config, manifest, tree
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptManifestError,
@@ -86,16 +86,20 @@ BLOB_MIN = 4096
 
 @dataclass(frozen=True)
 class _Slot:
-    """A save plan's storage data: the rank whose store the plan's items go to."""
+    """A save plan's storage data: the rank whose store the plan's items go to, and the step the coordinator
+    commits (each rank checks it saves the same)."""
 
     rank: int
+    step: int | None = None
 
 
 @dataclass(frozen=True)
 class _Chosen:
-    """A load plan's storage data: the meta checkpoint whose DCP metadata the rank planned its reads from."""
+    """A load plan's storage data: the meta checkpoint whose DCP metadata the rank planned its reads from, and
+    what the rank asked for (its reader's step and id)."""
 
     checkpoint: str | None
+    asked: tuple[int | None, str | None] = (None, None)
 
 
 @dataclass(frozen=True)
@@ -135,10 +139,17 @@ def _is_root(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / "meta" / "STORE").exists()
 
 
+#: what :func:`_existing` calls a root's meta store
+_META = "DCP checkpoints"
+
+
 def _existing(path: Path, what: str, *, readonly: bool = False, allow_network_fs: bool | None = None) -> Store:
     """The existing store at ``path`` (``what`` names it in the error when there is none); ``readonly`` for
     readers, which then change nothing and work on a read-only mount."""
     if not (path / "STORE").exists():
+        if what == _META and (path.parent / "STORE").exists():  # a plain store, or one rank's, given as the root
+            raise CheckpointNotFoundError(f"{path.parent} is a deltackpt store, not a sharded (DCP) checkpoint root "
+                                          "(which holds meta/ and rank-NNNNN/ stores)")
         raise CheckpointNotFoundError(f"{what}: no deltackpt store at {path}")
     return Store(path, threads=_threads_per_rank(), readonly=True if readonly else None,
                  allow_network_fs=allow_network_fs)
@@ -246,7 +257,7 @@ class DeltaStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [replace(p, storage_data=_Slot(rank)) for rank, p in enumerate(plans)]
+        return [replace(p, storage_data=_Slot(rank, self.step)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         assert self.root is not None and self.step is not None
@@ -257,6 +268,10 @@ class DeltaStorageWriter(StorageWriter):
             fut.set_result([])
             return fut
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _Slot) else 0
+        step = plan.storage_data.step if isinstance(plan.storage_data, _Slot) else None
+        if step is not None and step != self.step:  # (before anything is written)
+            raise ValueError(f"rank {rank} saves step {self.step}, but the coordinator commits step {step}: set "
+                             "writer.step to the same step on every rank")
         tensors: dict[str, torch.Tensor] = {}
         pickled: dict[str, np.ndarray] = {}
         blobs: dict[str, np.ndarray] = {}
@@ -320,7 +335,7 @@ class DeltaStorageWriter(StorageWriter):
         try:
             if not (self.root / "meta" / "STORE").exists():
                 return
-            with _existing(self.root / "meta", "DCP checkpoints", readonly=True,
+            with _existing(self.root / "meta", _META, readonly=True,
                            allow_network_fs=self.store_options.get("allow_network_fs")) as meta:
                 # (each meta checkpoint's manifest read once per writer: a manifest never changes, and reading
                 # every kept one at every save made retention's cost grow with the square of the kept steps)
@@ -373,6 +388,7 @@ class DeltaStorageWriter(StorageWriter):
             tree.encode_plain(head)
         except UnsupportedTypeError as exc:
             raise UnsupportedTypeError(f"DCP metadata of step {self.step}: {exc}") from None
+        _check_saved_here(self.root, self.step, head["checkpoints"])
         meta = self._store(self.root / "meta")
         meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
         if self.retention is not None:
@@ -390,6 +406,22 @@ class DeltaStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _is_root(checkpoint_id)
+
+
+def _check_saved_here(root: Path, step: int, checkpoints: list[list[Any]]) -> None:
+    """Refuse to commit ``step`` unless each rank checkpoint it names (``[rank, id]``) is in that rank's store
+    under ``root``, its manifest there (written before the rank's index commit, so present once its save
+    returned): a rank that saved into another directory (a relative root and another working directory, a
+    node-local disk) would leave the newest step unloadable. One stat per rank checkpoint."""
+    away = [(rank, ckpt) for rank, ckpt in checkpoints
+            if not manifest.path_for(_rank_path(root, rank) / "manifests", ckpt).exists()]
+    if away:
+        rank, ckpt = away[0]
+        more = f" (and {len(away) - 1} other rank(s))" if len(away) > 1 else ""
+        raise DeltackptError(
+            f"DCP step {step} is not committed: rank {rank}'s shards (checkpoint {ckpt}) are not in "
+            f"{_rank_path(root, rank)}{more}; every rank must save into the same root, on a filesystem all ranks "
+            "share (a relative root resolves against each process's working directory)")
 
 
 def _threads_per_rank() -> int:
@@ -522,7 +554,7 @@ class DeltaStorageReader(StorageReader):
     def read_metadata(self) -> Metadata:
         if self.root is None:
             raise ValueError("DeltaStorageReader needs a root directory (or a checkpoint_id to dcp.load)")
-        with _existing(self.root / "meta", "DCP checkpoints", readonly=True,
+        with _existing(self.root / "meta", _META, readonly=True,
                        allow_network_fs=self.allow_network_fs) as meta:
             info = meta.info(self.step, id=self.id) if self.step is not None or self.id is not None else meta.latest()
             if info is None:
@@ -551,12 +583,21 @@ class DeltaStorageReader(StorageReader):
                         if isinstance(md, TensorStorageMetadata)}
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return replace(plan, storage_data=_Chosen(self._chosen))
+        return replace(plan, storage_data=_Chosen(self._chosen, (self.step, self.id)))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         # Every rank read the metadata of a step on its own: without a fixed step, one that committed between
         # two ranks' reads would have them load different steps, a state mixed of both
         chosen = {p.storage_data.checkpoint for p in plans if isinstance(p.storage_data, _Chosen)}
+        asked = {rank: p.storage_data.asked for rank, p in enumerate(plans) if isinstance(p.storage_data, _Chosen)}
+        if len(set(asked.values())) > 1:
+            def what(a: tuple[int | None, str | None]) -> str:
+                return f"id={a[1]}" if a[1] is not None else f"step={a[0]}" if a[0] is not None else "the newest"
+
+            (r0, a0), (r1, a1) = next((x, y) for x, y in zip(asked.items(), list(asked.items())[1:]) if x[1] != y[1])
+            raise DeltackptError(f"the loading ranks asked for different DCP checkpoints in {self.root}: rank {r0} "
+                                 f"{what(a0)}, rank {r1} {what(a1)}; give every rank's DeltaStorageReader the same "
+                                 "step (or id)")
         if len(chosen) > 1:
             raise DeltackptError(
                 f"the loading ranks read the metadata of different DCP checkpoints in {self.root} (a save "
@@ -672,7 +713,7 @@ def _byte_span(shard: torch.Tensor, offsets: Sequence[int], lengths: Sequence[in
 
 def steps(root: str | os.PathLike[str]) -> list[int]:
     """The steps of the DCP checkpoints under ``root``, oldest first."""
-    with _existing(Path(root) / "meta", "DCP checkpoints", readonly=True) as meta:
+    with _existing(Path(root) / "meta", _META, readonly=True) as meta:
         return [c.step for c in meta.list()]
 
 
@@ -761,7 +802,7 @@ def verify_names(root: str | os.PathLike[str]) -> list[str]:
 
 def _named_steps(root: Path) -> list[tuple[Any, set[tuple[int, str]]]]:
     """Every DCP checkpoint under ``root`` (oldest commit first) with the rank checkpoints it names."""
-    with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
+    with _existing(root / "meta", _META, readonly=True) as meta:
         return [(i, _named(meta, i.id)) for i in meta.list()]
 
 
@@ -780,7 +821,7 @@ def delete(root: str | os.PathLike[str], step: int) -> None:
     names. Space returns with ``gc`` of each store; :func:`prune` removes what an interrupted delete left."""
     step = _check_step(step)  # (before meta.info, whose hint for a str names an id= this function lacks)
     root = Path(root)
-    with _existing(root / "meta", "DCP checkpoints") as meta:
+    with _existing(root / "meta", _META) as meta:
         meta.info(step)  # CheckpointNotFoundError naming the step when there is none
         ids = [c.id for c in meta.list() if c.step == step]
     _delete_ids(root, ids)
@@ -795,7 +836,7 @@ def retain(root: str | os.PathLike[str], retention: Retention, *, dry_run: bool 
     deleting_only(retention, _NO_THINNING)
     dry_run = config.boolean("dry_run", dry_run)  # (dry_run=None must not delete)
     root = Path(root)
-    with _existing(root / "meta", "DCP checkpoints", readonly=True) as meta:
+    with _existing(root / "meta", _META, readonly=True) as meta:
         dropped = _dropped_steps(meta, retention)
     if not dry_run:
         _delete_ids(root, [i.id for i in dropped])
@@ -807,7 +848,7 @@ def _delete_ids(root: Path, ids: Sequence[str]) -> None:
     The rank stores they name are opened and listed first: one that cannot be (a lost index) is refused before a
     step is deleted, rather than after its meta checkpoint is gone."""
     named: set[tuple[int, str]] = set()
-    with _existing(root / "meta", "DCP checkpoints") as meta:
+    with _existing(root / "meta", _META) as meta:
         names: dict[str, set[tuple[int, str]]] = {}
         for cid in ids:
             try:
@@ -856,7 +897,7 @@ def prune(root: str | os.PathLike[str]) -> int:
 
 def _all_named(root: Path) -> set[tuple[int, str]]:
     """Every (rank, rank checkpoint id) that a DCP checkpoint under ``root`` names."""
-    with _existing(root / "meta", "DCP checkpoints") as meta:
+    with _existing(root / "meta", _META) as meta:
         return set().union(set(), *(_named(meta, i.id) for i in meta.list()))
 
 

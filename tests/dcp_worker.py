@@ -12,6 +12,9 @@ step, which tests/test_distributed.py checks loads against.
 - ``no-dist``: every rank saves a tensor of its own with ``no_dist=True``, and prints whether it was warned;
 - ``load-race``: ``load``, with rank 0 creating ROOT.read once it has read the newest step's metadata and rank 1
   waiting for ROOT.go before reading it (a test commits a step in between);
+- ``misuse``: ``misuse RANK WORLD ROOT INIT KIND``, a save or load whose ranks disagree, printing what it raised:
+  KIND ``roots`` (each rank saves step 1 into ROOT-rRANK), ``steps`` (rank r saves step 1 + r into ROOT),
+  ``loads`` (steps 1 and 2 saved, then rank r loads step 1 + r);
 - ``retain``: saves the states of steps STEP to STEP + COUNT - 1 (``retain RANK WORLD ROOT INIT STEP COUNT``)
   through one writer with ``Retention(keep_last=2)``, gc after every retention that deleted anything (the
   threshold lowered to 0), printing ``saved N`` after each step (a test kills the ranks at some point).
@@ -85,6 +88,27 @@ def main() -> int:
                 print(f"saved {step}", flush=True)
             writer.close()
             return 0
+        if mode == "misuse":
+            kind = sys.argv[6]
+            if kind == "loads":
+                for step in (1, 2):
+                    w = DeltaStorageWriter(root, step=step)
+                    dcp.save({"x": torch.full((8,), float(step))}, storage_writer=w)
+                    w.close()
+            try:
+                if kind == "loads":
+                    dcp.load({"x": torch.zeros(8)}, storage_reader=DeltaStorageReader(root, 1 + rank))
+                else:
+                    w = DeltaStorageWriter(f"{root}-r{rank}" if kind == "roots" else root,
+                                           step=1 + rank if kind == "steps" else 1)
+                    dcp.save({"x": torch.full((8,), float(rank)), f"mine{rank}": torch.ones(4)}, storage_writer=w)
+                    w.close()
+            except BaseException as exc:  # (DCP wraps the ranks' failures in a CheckpointException)
+                print(f"refused: {exc}", flush=True)
+            else:
+                print("done", flush=True)
+            # (no destroy_process_group: after a failed collective gloo's teardown can abort the process)
+            os._exit(0)
         if mode == "replicated":
             step = int(sys.argv[6])
             writer = DeltaStorageWriter(root, step=step)

@@ -23,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import deltackpt
+from deltackpt import distributed
 from deltackpt.distributed import DeltaStorageReader, DeltaStorageWriter
 from deltackpt.errors import FormatVersionError
 
@@ -150,6 +151,46 @@ def test_ranks_that_save_alone_into_one_root_are_warned(tmp_path: Path) -> None:
     out = ranks("no-dist", tmp_path / "root", tmp_path)
     assert all(r.returncode == 0 for r in out), [r.stderr[-2000:] for r in out]
     assert [r.stdout.split()[-1] for r in out] == ["quiet", "warned"]
+
+
+def test_ranks_that_disagree_on_the_root_or_the_step_commit_nothing(tmp_path: Path) -> None:
+    """Ranks saving into different roots (a relative root and other working directories, node-local disks) each
+    returned from dcp.save, and the coordinator committed a step naming a rank checkpoint its root lacks: the
+    newest step could not load. Ranks saving different steps were committed as the coordinator's step. Both
+    are refused now, and the coordinator's root holds no step."""
+    root = tmp_path / "ckpt"
+    for kind, words in (("roots", "is not committed: rank 1's shards"),
+                        ("steps", "rank 1 saves step 2, but the coordinator commits step 1")):
+        results = ranks("misuse", root, tmp_path, 2, kind)
+        for r in results:
+            assert r.returncode == 0, r.stderr[-3000:]
+        assert any(words in r.stdout for r in results), [r.stdout for r in results]
+        assert all(r.stdout.startswith("refused:") for r in results), [r.stdout for r in results]
+        coordinator = root.parent / f"{root.name}-r0" if kind == "roots" else root
+        assert not (coordinator / "meta" / "STORE").exists() or distributed.steps(coordinator) == []
+
+
+def test_loading_ranks_that_ask_for_different_steps_are_told_so(tmp_path: Path) -> None:
+    """The message said a save had committed while the ranks read the newest, and named neither step."""
+    results = ranks("misuse", tmp_path / "ckpt", tmp_path, 2, "loads")
+    for r in results:
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert any("asked for different DCP checkpoints" in r.stdout and "rank 0 step=1, rank 1 step=2" in r.stdout
+               for r in results), [r.stdout for r in results]
+
+
+def test_a_plain_store_given_as_a_root_is_named_so(tmp_path: Path) -> None:
+    """distributed.steps(), summary() and DeltaStorageReader said "no deltackpt store at X/meta" of a plain
+    store or a rank's store; they say what it is, as the writer and the dcp command do."""
+    with deltackpt.Store(tmp_path / "plain") as s:
+        s.save({"x": torch.ones(3)}, step=1)
+    for call in (lambda: distributed.steps(tmp_path / "plain"), lambda: distributed.summary(tmp_path / "plain"),
+                 lambda: DeltaStorageReader(tmp_path / "plain").read_metadata()):
+        with pytest.raises(deltackpt.CheckpointNotFoundError,
+                           match="plain is a deltackpt store, not a sharded \\(DCP\\) checkpoint root"):
+            call()
+    with pytest.raises(deltackpt.CheckpointNotFoundError, match="no deltackpt store at .*nothing/meta"):
+        distributed.steps(tmp_path / "nothing")
 
 
 def test_large_bytes_values_are_chunked_and_plain_values_stay_out_of_the_index(tmp_path: Path) -> None:
