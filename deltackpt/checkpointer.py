@@ -670,8 +670,11 @@ def _has_rng(state: Mapping[str, Any]) -> bool:
 
 def rng_state() -> dict[str, Any]:
     """The RNG states a resumed run needs: Python, NumPy's global generator, torch CPU and every CUDA device."""
+    version, words, gauss = random.getstate()
     state: dict[str, Any] = {
-        "python": random.getstate(),
+        # (the 625 words as an array: as a tuple of ints they took 11 KB of every save's manifest, written whole;
+        # as an array they are a chunk, deduplicated while Python's generator is not drawn from)
+        "python": (version, np.array(words, dtype=np.uint32), gauss),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
@@ -682,7 +685,9 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     py = state["python"]
-    random.setstate((py[0], tuple(py[1]), py[2]))
+    # (an array, or a tuple of ints in checkpoints of earlier versions)
+    words = py[1].tolist() if isinstance(py[1], np.ndarray) else py[1]
+    random.setstate((py[0], tuple(words), py[2]))
     np_state = state["numpy"]
     np.random.set_state(tuple(np_state))  # type: ignore[arg-type]
     # (torch takes a CPU ByteTensor: a restore with map_location="cuda" loaded the states onto the GPU)

@@ -149,12 +149,15 @@ def demo(steps: int, keep: str | None) -> int:
             for info in infos:
                 buf = io.BytesIO()
                 torch.save(store.load(id=info.id), buf)
-                total_ckpt += info.written_bytes
+                # the frames the save added to packs (written_bytes) and its manifest, which each save writes whole
+                wrote = info.written_bytes + (root / "ref-store" / "manifests" / f"{info.id}.manifest").stat().st_size
+                total_ckpt += wrote
                 total_torch += buf.tell()
                 if info.step <= 3 or info.step % 5 == 0 or info is infos[-1]:
-                    rows.append((info.step, human(info.logical_bytes), human(buf.tell()), human(info.written_bytes),
-                                 f"{info.written_bytes / buf.tell():.2f}"))
-        print(table(rows, ["step", "state", "torch.save", "deltackpt wrote", "ratio"], right={0, 1, 2, 3, 4}))
+                    rows.append((info.step, human(info.logical_bytes), human(buf.tell()), human(wrote),
+                                 f"{wrote / buf.tell():.2f}"))
+        print(table(rows, ["step", "state", "torch.save", "deltackpt wrote (frames + manifest)", "ratio"],
+                    right={0, 1, 2, 3, 4}))
         print(f"\n   all {len(infos)} checkpoints: torch.save {human(total_torch)}, deltackpt {human(total_ckpt)} "
               f"({total_ckpt / total_torch:.2f} of torch.save)")
         ok = weights_ok and opt_ok and losses_ok

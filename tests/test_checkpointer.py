@@ -2607,6 +2607,35 @@ def test_restore_puts_back_python_numpy_and_torch_rngs(tmp_path: Path) -> None:
     assert got[2] == expected[2], "torch RNG not restored"
 
 
+def test_pythons_rng_state_is_an_array_and_a_tuple_of_ints_still_restores(tmp_path: Path) -> None:
+    """Python's generator state (625 words) was a tuple of ints in the manifest, about 11 KB of every save's
+    manifest, written whole; it is a uint32 array now, chunked and deduplicated while the generator is not drawn
+    from. Checkpoints holding the tuple restore as before."""
+    model = torch.nn.Linear(4, 2)
+    random.seed(5)
+    store = tmp_path / "store"
+    with Checkpointer(store, model=model, async_save=False, handle_signals=False) as ckpt:
+        ckpt.save(1)
+        ckpt.save(2)  # (Python's generator not drawn from in between)
+        state = ckpt.capture(3)
+    expected = random.random()
+    py = state["rng"]["python"]
+    assert isinstance(py[1], np.ndarray) and py[1].dtype == np.uint32 and py[1].shape == (625,)
+    with deltackpt.Store(store) as s:
+        manifests = {i.step: (store / "manifests" / f"{i.id}.manifest").stat().st_size for i in s.list()}
+        assert s.info(2).written_bytes == 0  # nothing changed: not even the generator's words
+        old = dict(state, rng=dict(state["rng"], python=(py[0], tuple(int(w) for w in py[1]), py[2])))
+        s.save(old, step=3)  # a checkpoint of an earlier version's layout
+        manifests[3] = (store / "manifests" / f"{s.info(3).id}.manifest").stat().st_size
+    assert manifests[3] - manifests[2] > 8000, manifests  # the tuple's cost, which arrays no longer pay
+    random.seed(99)
+    with Checkpointer(store, model=torch.nn.Linear(4, 2), async_save=False, handle_signals=False) as ckpt:
+        assert ckpt.restore(3) == 3
+        assert random.random() == expected
+        assert ckpt.restore(2) == 2
+        assert random.random() == expected
+
+
 class _Versioned(torch.nn.Module):
     """A module whose state layout changed in version 2, migrating older states as torch documents it: version 1
     stored ``log_scale``, version 2 stores ``scale`` (a state of no version is taken for version 1)."""
