@@ -590,7 +590,7 @@ class DeltaStorageReader(StorageReader):
         # two ranks' reads would have them load different steps, a state mixed of both
         chosen = {p.storage_data.checkpoint for p in plans if isinstance(p.storage_data, _Chosen)}
         asked = {rank: p.storage_data.asked for rank, p in enumerate(plans) if isinstance(p.storage_data, _Chosen)}
-        if len(set(asked.values())) > 1:
+        if len(chosen) > 1 and len(set(asked.values())) > 1:  # (asked alike or not: one checkpoint is a load)
             def what(a: tuple[int | None, str | None]) -> str:
                 return f"id={a[1]}" if a[1] is not None else f"step={a[0]}" if a[0] is not None else "the newest"
 
