@@ -170,8 +170,14 @@ def _finish_saves_at_exit() -> None:
         try:
             fut.result()
         except BaseException as exc:  # reported here: nobody is left to raise it to
-            sys.stderr.write(f"deltackpt: the background save of step {ckpt._inflight_step} to {ckpt.store.path} "
-                             f"failed as the interpreter exited: {type(exc).__name__}: {exc}\n")
+            if fut.done() and not fut.cancelled() and fut.exception() is exc:
+                sys.stderr.write(f"deltackpt: the background save of step {ckpt._inflight_step} to "
+                                 f"{ckpt.store.path} failed as the interpreter exited: {type(exc).__name__}: {exc}\n")
+            else:  # the wait was interrupted (a second Ctrl-C), not the save, which goes on: the exit waits for it
+                sys.stderr.write(f"deltackpt: the wait at exit for the background save of step {ckpt._inflight_step}"
+                                 f" to {ckpt.store.path} was interrupted ({type(exc).__name__}); the save goes on "
+                                 "until it commits (killing the process abandons it, and the store keeps the "
+                                 "checkpoints before it)\n")
 
 
 class _WorkersIgnoreStopSignals:
@@ -1170,7 +1176,8 @@ class Checkpointer:
         ``metadata`` goes with this step's save, when there is one (a metric for ``Retention(keep_best=)``,
         a tag), and is dropped otherwise. Raises the error of a failed background save. After a SIGTERM/SIGINT
         it saves (whatever the interval; a keyframe save, so that the restart restores from one frame per
-        chunk), waits for the save, then passes the signal on.
+        chunk), waits for the save, then passes the signal on; a signal that arrives during this step's own save
+        makes this step the one it passes the signal on after.
         """
         step = _check_step(step)
         metadata = _plain_metadata(metadata)  # (at every step, not only at those that save)
@@ -1189,6 +1196,12 @@ class Checkpointer:
             return True
         if step % self.every_n_steps == 0 and step != self.last_saved_step:
             self.save(step, metadata=metadata)
+            if self._signal is not None:
+                # the signal came during this save (or the wait for the one before it): this step is the boundary.
+                # Its save is not a keyframe, but training another step and saving it again would spend the grace
+                # period on what this save already holds
+                self.wait()
+                self._saved_at_signal(step)
             return True
         return False
 
@@ -1351,20 +1364,25 @@ class Checkpointer:
         self._closed = True
         pending = self._signal if self._signal is not None else self._stopped_by if self in _stopped else None
         beneath = {sig: self._beneath(sig) for sig in {*_delivered, pending}} if pending is not None else None
+        failure: BaseException | None = None  # the last save's error: raised, after the signal is passed on
         try:
-            self.wait()
-        finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-            self._staging = _Staging()  # its buffers are a copy of the whole state: give the memory back
-            self._restore_signals()
-            if self._owns_store:
-                self.store.close()
+            try:
+                self.wait()
+            finally:
+                if self._executor is not None:
+                    self._executor.shutdown(wait=True)
+                self._staging = _Staging()  # its buffers are a copy of the whole state: give the memory back
+                self._restore_signals()
+                if self._owns_store:
+                    self.store.close()
+        except BaseException as exc:
+            failure = exc
         self._signal = None
         _stopping.discard(self)
         _stopped.pop(self, None)
         if pending is not None and not any(c._signal == pending for c in _stopping):
-            error = sys.exc_info()[1]  # (closed by a with block or a finally clause that an error is leaving)
+            # (closed by a with block or a finally clause that an error is leaving, or the last save failed)
+            error = failure if failure is not None else sys.exc_info()[1]
             try:
                 self._pass_signal_on(pending, beneath)
             except SystemExit:
@@ -1374,6 +1392,8 @@ class Checkpointer:
                                      " after this error:\n")
                     traceback.print_exception(type(error), error, error.__traceback__)
                 raise
+        if failure is not None:
+            raise failure
 
     def __enter__(self) -> Checkpointer:
         return self
