@@ -1179,8 +1179,9 @@ class Checkpointer:
         chunk), waits for the save, then passes the signal on; a signal that arrives during this step's own save
         makes this step the one it passes the signal on after.
         """
+        self._check_open()  # (at every step, not only at those that save)
         step = _check_step(step)
-        metadata = _plain_metadata(metadata)  # (at every step, not only at those that save)
+        metadata = _plain_metadata(metadata)
         self._raise_background_error()
         if self in _stopped:  # saved at a signal already, at an earlier step
             if max(_stopped.values()) > _stopped[self]:

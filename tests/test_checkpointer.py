@@ -2840,3 +2840,17 @@ def test_a_restore_refused_for_a_wrappers_key_prefix_says_so(fast_dir: Path, wra
         with pytest.raises(deltackpt.ShapeMismatchError, match=f"{whose} keys all start with '{prefix}'"):
             ck.restore()
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+def test_step_on_a_closed_checkpointer_raises_at_every_step(fast_dir: Path) -> None:
+    """step() raised 'the checkpointer is closed' at a step it would save at, and returned False at the others,
+    so a loop stepping a closed checkpointer learned of it only at its next save."""
+    ckpt = Checkpointer(fast_dir / "store", model=torch.nn.Linear(4, 2), every_n_steps=10, async_save=False)
+    ckpt.step(10)
+    ckpt.close()
+    ckpt.close()  # (twice is harmless)
+    for step in (11, 20):
+        with pytest.raises(deltackpt.DeltackptError, match="the checkpointer is closed"):
+            ckpt.step(step)
+    with Store(fast_dir / "store") as store:
+        assert [i.step for i in store.list()] == [10]
