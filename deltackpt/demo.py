@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import deltackpt
+from deltackpt import manifest
 from deltackpt.cli import human, table
 from deltackpt.data import ResumableLoader, ResumableSampler
 
@@ -150,7 +151,7 @@ def demo(steps: int, keep: str | None) -> int:
                 buf = io.BytesIO()
                 torch.save(store.load(id=info.id), buf)
                 # the frames the save added to packs (written_bytes) and its manifest, which each save writes whole
-                wrote = info.written_bytes + (root / "ref-store" / "manifests" / f"{info.id}.manifest").stat().st_size
+                wrote = info.written_bytes + manifest.path_for(root / "ref-store" / "manifests", info.id).stat().st_size
                 total_ckpt += wrote
                 total_torch += buf.tell()
                 if info.step <= 3 or info.step % 5 == 0 or info is infos[-1]:

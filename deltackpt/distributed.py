@@ -139,20 +139,22 @@ def _is_root(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / "meta" / "STORE").exists()
 
 
-#: what :func:`_existing` calls a root's meta store
-_META = "DCP checkpoints"
-
-
 def _existing(path: Path, what: str, *, readonly: bool = False, allow_network_fs: bool | None = None) -> Store:
     """The existing store at ``path`` (``what`` names it in the error when there is none); ``readonly`` for
     readers, which then change nothing and work on a read-only mount."""
     if not (path / "STORE").exists():
-        if what == _META and (path.parent / "STORE").exists():  # a plain store, or one rank's, given as the root
-            raise CheckpointNotFoundError(f"{path.parent} is a deltackpt store, not a sharded (DCP) checkpoint root "
-                                          "(which holds meta/ and rank-NNNNN/ stores)")
         raise CheckpointNotFoundError(f"{what}: no deltackpt store at {path}")
     return Store(path, threads=_threads_per_rank(), readonly=True if readonly else None,
                  allow_network_fs=allow_network_fs)
+
+
+def _meta_store(root: Path, *, readonly: bool = False, allow_network_fs: bool | None = None) -> Store:
+    """The meta store of the DCP root ``root`` (:func:`_existing`); a plain store, or one rank's, given as the
+    root is named as such."""
+    if not (root / "meta" / "STORE").exists() and (root / "STORE").exists():
+        raise CheckpointNotFoundError(f"{root} is a deltackpt store, not a sharded (DCP) checkpoint root (which "
+                                      "holds meta/ and rank-NNNNN/ stores)")
+    return _existing(root / "meta", "DCP checkpoints", readonly=readonly, allow_network_fs=allow_network_fs)
 
 
 class DeltaStorageWriter(StorageWriter):
@@ -335,7 +337,7 @@ class DeltaStorageWriter(StorageWriter):
         try:
             if not (self.root / "meta" / "STORE").exists():
                 return
-            with _existing(self.root / "meta", _META, readonly=True,
+            with _meta_store(self.root, readonly=True,
                            allow_network_fs=self.store_options.get("allow_network_fs")) as meta:
                 # (each meta checkpoint's manifest read once per writer: a manifest never changes, and reading
                 # every kept one at every save made retention's cost grow with the square of the kept steps)
@@ -554,7 +556,7 @@ class DeltaStorageReader(StorageReader):
     def read_metadata(self) -> Metadata:
         if self.root is None:
             raise ValueError("DeltaStorageReader needs a root directory (or a checkpoint_id to dcp.load)")
-        with _existing(self.root / "meta", _META, readonly=True,
+        with _meta_store(self.root, readonly=True,
                        allow_network_fs=self.allow_network_fs) as meta:
             info = meta.info(self.step, id=self.id) if self.step is not None or self.id is not None else meta.latest()
             if info is None:
@@ -591,13 +593,15 @@ class DeltaStorageReader(StorageReader):
         chosen = {p.storage_data.checkpoint for p in plans if isinstance(p.storage_data, _Chosen)}
         asked = {rank: p.storage_data.asked for rank, p in enumerate(plans) if isinstance(p.storage_data, _Chosen)}
         if len(chosen) > 1 and len(set(asked.values())) > 1:  # (asked alike or not: one checkpoint is a load)
-            def what(a: tuple[int | None, str | None]) -> str:
-                return f"id={a[1]}" if a[1] is not None else f"step={a[0]}" if a[0] is not None else "the newest"
+            def what(rank: int) -> str:
+                step, id = asked[rank]
+                return f"id={id}" if id is not None else f"step={step}" if step is not None else "the newest"
 
-            (r0, a0), (r1, a1) = next((x, y) for x, y in zip(asked.items(), list(asked.items())[1:]) if x[1] != y[1])
-            raise DeltackptError(f"the loading ranks asked for different DCP checkpoints in {self.root}: rank {r0} "
-                                 f"{what(a0)}, rank {r1} {what(a1)}; give every rank's DeltaStorageReader the same "
-                                 "step (or id)")
+            first = min(asked)
+            other = min(r for r in asked if asked[r] != asked[first])
+            raise DeltackptError(f"the loading ranks asked for different DCP checkpoints in {self.root}: rank {first} "
+                                 f"{what(first)}, rank {other} {what(other)}; give every rank's DeltaStorageReader the "
+                                 "same step (or id)")
         if len(chosen) > 1:
             raise DeltackptError(
                 f"the loading ranks read the metadata of different DCP checkpoints in {self.root} (a save "
@@ -713,7 +717,7 @@ def _byte_span(shard: torch.Tensor, offsets: Sequence[int], lengths: Sequence[in
 
 def steps(root: str | os.PathLike[str]) -> list[int]:
     """The steps of the DCP checkpoints under ``root``, oldest first."""
-    with _existing(Path(root) / "meta", _META, readonly=True) as meta:
+    with _meta_store(Path(root), readonly=True) as meta:
         return [c.step for c in meta.list()]
 
 
@@ -802,7 +806,7 @@ def verify_names(root: str | os.PathLike[str]) -> list[str]:
 
 def _named_steps(root: Path) -> list[tuple[Any, set[tuple[int, str]]]]:
     """Every DCP checkpoint under ``root`` (oldest commit first) with the rank checkpoints it names."""
-    with _existing(root / "meta", _META, readonly=True) as meta:
+    with _meta_store(root, readonly=True) as meta:
         return [(i, _named(meta, i.id)) for i in meta.list()]
 
 
@@ -821,7 +825,7 @@ def delete(root: str | os.PathLike[str], step: int) -> None:
     names. Space returns with ``gc`` of each store; :func:`prune` removes what an interrupted delete left."""
     step = _check_step(step)  # (before meta.info, whose hint for a str names an id= this function lacks)
     root = Path(root)
-    with _existing(root / "meta", _META) as meta:
+    with _meta_store(root) as meta:
         meta.info(step)  # CheckpointNotFoundError naming the step when there is none
         ids = [c.id for c in meta.list() if c.step == step]
     _delete_ids(root, ids)
@@ -836,7 +840,7 @@ def retain(root: str | os.PathLike[str], retention: Retention, *, dry_run: bool 
     deleting_only(retention, _NO_THINNING)
     dry_run = config.boolean("dry_run", dry_run)  # (dry_run=None must not delete)
     root = Path(root)
-    with _existing(root / "meta", _META, readonly=True) as meta:
+    with _meta_store(root, readonly=True) as meta:
         dropped = _dropped_steps(meta, retention)
     if not dry_run:
         _delete_ids(root, [i.id for i in dropped])
@@ -848,7 +852,7 @@ def _delete_ids(root: Path, ids: Sequence[str]) -> None:
     The rank stores they name are opened and listed first: one that cannot be (a lost index) is refused before a
     step is deleted, rather than after its meta checkpoint is gone."""
     named: set[tuple[int, str]] = set()
-    with _existing(root / "meta", _META) as meta:
+    with _meta_store(root) as meta:
         names: dict[str, set[tuple[int, str]]] = {}
         for cid in ids:
             try:
@@ -897,7 +901,7 @@ def prune(root: str | os.PathLike[str]) -> int:
 
 def _all_named(root: Path) -> set[tuple[int, str]]:
     """Every (rank, rank checkpoint id) that a DCP checkpoint under ``root`` names."""
-    with _existing(root / "meta", _META) as meta:
+    with _meta_store(root) as meta:
         return set().union(set(), *(_named(meta, i.id) for i in meta.list()))
 
 

@@ -845,7 +845,7 @@ class Index:
         if not records:
             return stale
         with self._write() as txn:
-            removed: int | None = None  # the bytes they wrote, once one is removed
+            removed = 0  # the bytes the removed ones wrote
             for record in records:
                 sk = _U64.pack(record.seq)
                 if txn.get(record.id.encode(), db=self.db_ids) != sk:
@@ -854,8 +854,8 @@ class Index:
                 raw = txn.get(sk, db=self.db_ckpts)
                 current = Record.loads(raw) if raw is not None else record
                 self._remove(txn, current)
-                removed = (removed or 0) + max(0, current.written_bytes)
-            if removed is not None:
+                removed += max(0, current.written_bytes)
+            if len(stale) < len(records):
                 self._add_dropped(txn, removed)
         return stale
 

@@ -2047,11 +2047,8 @@ class Store:
         # (one commit for all: a checkpoint another process deleted meanwhile is passed over, one it rewrote
         # followed to its replacement, as delete(id=) does)
         deleted = self._delete([(None, i.id) for i in dropped], missing_ok=True)
-        out: dict[int | None, CheckpointInfo] = {}  # (what was deleted: a rewrite's replacement under its own id)
-        for pos in range(len(dropped)):
-            if pos in deleted:
-                out.setdefault(deleted[pos].seq, deleted[pos])
-        return list(out.values())
+        # what was deleted (a rewrite's replacement under its own id), once each, in the listing's order
+        return list({info.seq: info for _, info in sorted(deleted.items())}.values())
 
     def _unlink_manifest(self, checkpoint_id: str, *, sync: bool = True) -> None:
         try:

@@ -9,6 +9,7 @@ any checkpoint bit for bit.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import random
@@ -322,27 +323,40 @@ def test_a_child_forked_mid_save_holds_no_lock_once_its_parent_is_killed(tmp_pat
             time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def _thinned_when_read(a: Store, b: Store, cid: str, *, after_read: bool) -> Iterator[list[str]]:
+    """While it lasts, handle ``b`` rewrites (thins) checkpoint ``cid`` at ``a``'s first record read, just
+    before it or (``after_read``) just after; yields the list that then holds the rewrite's id."""
+    from unittest import mock
+
+    real = a._record
+    raced: list[str] = []
+
+    def thin() -> None:
+        if not raced:
+            raced.append(b.rewrite({"w": torch.zeros(4)}, id=cid, metadata={"thinned": True}).id)
+
+    def read(*args: Any, **kwargs: Any) -> Any:
+        if not after_read:
+            thin()
+        rec = real(*args, **kwargs)
+        if after_read:
+            thin()
+        return rec
+
+    with mock.patch.object(a, "_record", side_effect=read):
+        yield raced
+
+
 def test_delete_racing_a_rewrite_deletes_the_rewritten_checkpoint(tmp_path: Path) -> None:
     """A delete that read a checkpoint's record just before another handle rewrote it (retention thinning it in
     another process) must not remove by the stale record: the rewrite took the old one's seq, so that would
     delete the new record and leave its id dangling. The delete reads again and deletes what took its place."""
-    from unittest import mock
-
-    import torch
-
     d = tmp_path / "store"
     with Store(d, chunk_size=CS) as a, Store(d, chunk_size=CS) as b:
         ids = [a.save({"w": torch.full((CS,), float(s))}, step=s).id for s in (1, 2, 3)]
-        real = a._record
-        raced: list[str] = []
-
-        def record_then_rewrite(*args: Any, **kwargs: Any) -> Any:
-            rec = real(*args, **kwargs)
-            if not raced:  # between the delete's read and its commit, the other handle thins checkpoint 2
-                raced.append(b.rewrite({"w": torch.zeros(4)}, id=ids[1], metadata={"thinned": True}).id)
-            return rec
-
-        with mock.patch.object(a, "_record", side_effect=record_then_rewrite):
+        # between the delete's read and its commit, the other handle thins checkpoint 2
+        with _thinned_when_read(a, b, ids[1], after_read=True) as raced:
             a.delete(id=ids[1])
         assert [i.id for i in a.list()] == [ids[0], ids[2]]
         with a.index.env.begin() as txn:  # no id is left naming a record that is gone
@@ -355,24 +369,13 @@ def test_delete_racing_a_rewrite_deletes_the_rewritten_checkpoint(tmp_path: Path
 def test_retain_racing_a_rewrite_returns_what_it_deleted(tmp_path: Path) -> None:
     """Retention that follows a checkpoint to its rewrite (another handle thinned it between the listing and the
     commit) deletes the rewrite and returns its info, not the listing's: the old id no longer names anything."""
-    from unittest import mock
-
-    import torch
-
     from deltackpt import Retention
 
     d = tmp_path / "store"
     with Store(d, chunk_size=CS) as a, Store(d, chunk_size=CS) as b:
         ids = [a.save({"w": torch.full((CS,), float(s))}, step=s).id for s in (1, 2, 3)]
-        real = a._record
-        raced: list[str] = []
-
-        def record_then_rewrite(*args: Any, **kwargs: Any) -> Any:
-            if not raced:  # before the delete's first read, the other handle thins checkpoint 2
-                raced.append(b.rewrite({"w": torch.zeros(4)}, id=ids[1], metadata={"thinned": True}).id)
-            return real(*args, **kwargs)
-
-        with mock.patch.object(a, "_record", side_effect=record_then_rewrite):
+        # before the delete's first read, the other handle thins checkpoint 2
+        with _thinned_when_read(a, b, ids[1], after_read=False) as raced:
             gone = a.retain(Retention(keep_last=1))
         assert raced[0] != ids[1]
         assert [(i.id, i.step) for i in gone] == [(ids[0], 1), (raced[0], 2)]
