@@ -32,6 +32,7 @@ import weakref
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -709,6 +710,22 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
             torch.cuda.set_rng_state(s.cpu(), i)
 
 
+@dataclass
+class _Pass:
+    """What one :meth:`_Staging.snapshot` carries down the state. A method that recurses with it, not a nested
+    function calling itself: that is a reference cycle (the function and its closure cell), which kept every
+    staging buffer and the state's own tensors alive after ``close()`` until the cyclic collector next ran."""
+
+    registered: Any  #: registered_types() at the start of the copy
+    #: by tree.alias_key: tied tensors get one buffer and stay one leaf ...
+    seen: dict[Hashable, Any] = field(default_factory=dict)
+    #: ... and the sources those keys name, alive until the copy ends: an alias key holds a memory address, and a
+    #: registered type's encoder may return a new array that is freed once copied, whose address the next one's
+    #: could then take (and be taken for the same tensor)
+    sources: list[Any] = field(default_factory=list)
+    devices: set[torch.device] = field(default_factory=set)  #: the devices copies were queued from
+
+
 class _Staging:
     """Reusable host buffers holding a consistent copy of the state while a background save reads it.
 
@@ -742,93 +759,87 @@ class _Staging:
         """Copy ``state`` (containers rebuilt, tensors and arrays copied into staging) and return the copy."""
         self._used = set()
         self.devices = {}
-        seen: dict[Hashable, Any] = {}  # by tree.alias_key: tied tensors get one buffer and stay one leaf
-        # ... and the sources those keys name, alive until the copy ends: an alias key holds a memory address,
-        # and a registered type's encoder may return a new array that is freed once copied, whose address the
-        # next one's could then take (and be taken for the same tensor)
-        sources: list[Any] = []
-        devices: set[torch.device] = set()  # the devices copies were queued from
-
-        def copy(obj: Any, path: tuple[Any, ...]) -> Any:  # path: the keys down to obj (no string collisions)
-            if type(obj) in registered:  # (before tensors: a registered tensor subclass is encoded)
-                encoded = encode_registered(obj)  # encoded now, its tensors copied like any other
-                return Encoded(encoded.name, copy(encoded.value, path))
-            if isinstance(obj, torch.Tensor):
-                # (refused at the step, as a sync save refuses it, not by the background save; the rest of what
-                # unstorable() checks fails the copy below, and costs ~10 us a tensor to ask first)
-                why = (unstorable(obj) if type(obj) not in (torch.Tensor, torch.nn.Parameter)
-                       or obj.layout != torch.strided else None)
-                if why is not None:
-                    where = functools.reduce(child_path, path, "") or "<root>"
-                    raise UnsupportedTypeError(f"cannot store {where}: {why}")
-                key = alias_key(obj)
-                if key in seen:
-                    return seen[key]
-                src = obj.detach()
-                try:
-                    buf = self._buffer_for(path, src)
-                    src_bytes = _byte_view(src) if src.device.type == "cpu" else None
-                    if src_bytes is not None and src.dtype == buf.dtype:
-                        # one plain memcpy: torch's multi-threaded copy_ competes with the training loop's threads
-                        np.copyto(_byte_view(buf).numpy(), src_bytes.numpy())  # type: ignore[union-attr]
-                    else:
-                        with torch.no_grad():
-                            buf.copy_(src, non_blocking=src.device.type == "cuda")
-                except NotImplementedError as exc:  # (a sub-byte dtype torch cannot copy; not an out-of-memory)
-                    where = functools.reduce(child_path, path, "") or "<root>"
-                    raise UnsupportedTypeError(f"cannot store {where}: torch cannot read its bytes: {exc}") from exc
-                devices.add(src.device)
-                self._used.add(path)
-                out: Any = buf
-                if isinstance(obj, torch.nn.Parameter):
-                    out = torch.nn.Parameter(buf, obj.requires_grad)
-                elif obj.requires_grad:  # saved and restored with the flag, as a synchronous save keeps it
-                    out = buf.detach().requires_grad_()
-                if src.device.type != "cpu":
-                    self.devices[id(out)] = str(src.device)
-                seen[key] = out
-                sources.append(obj)
-                return out
-            if isinstance(obj, np.ndarray):
-                key = alias_key(obj)
-                if key in seen:
-                    return seen[key]
-                nbuf = self._buffers.get(path)
-                if not (isinstance(nbuf, np.ndarray) and nbuf.dtype == obj.dtype and nbuf.shape == obj.shape):
-                    nbuf = np.empty_like(obj, order="C")
-                    self._buffers[path] = nbuf
-                np.copyto(nbuf, obj)
-                self._used.add(path)
-                seen[key] = nbuf
-                sources.append(obj)
-                return nbuf
-            t = type(obj)
-            if t is dict or t is OrderedDict or t is Counter or t is defaultdict:
-                out = obj.copy()  # same type, order and default factory; values replaced below
-                for k, v in obj.items():
-                    out[k] = copy(v, (*path, k))
-                if t is OrderedDict and hasattr(obj, "_metadata"):  # (a state_dict()'s module versions)
-                    out._metadata = copy(obj._metadata, (*path, _METADATA))  # type: ignore[attr-defined]
-                return out
-            if t is list or t is tuple or t is deque:
-                items = [copy(v, (*path, i)) for i, v in enumerate(obj)]
-                return items if t is list else tuple(items) if t is tuple else deque(items, maxlen=obj.maxlen)
-            if t is set:
-                return set(obj)  # elements are plain values; a copy keeps the save from seeing later changes
-            return obj
-
-        registered = registered_types()
+        run = _Pass(registered_types())
         try:
-            snap = copy(state, ())
+            snap = self._copy(state, (), run)
         except Exception:
             # a state a save refuses (a reference cycle, nesting past any limit, a meta or nested tensor): the
             # UnsupportedTypeError naming the key path that a synchronous save raises, not the copy's own error
             flatten(state)
             raise
-        synchronize_cuda(devices)  # (every device: a model spread over several GPUs)
+        synchronize_cuda(run.devices)  # (every device: a model spread over several GPUs)
         for path in set(self._buffers) - self._used:  # tensors that left the state: free their buffers
             del self._buffers[path]
         return snap
+
+    def _copy(self, obj: Any, path: tuple[Any, ...], run: _Pass) -> Any:
+        """The copy of ``obj`` at ``path`` (the keys down to it: no string collisions) for :meth:`snapshot`."""
+        if type(obj) in run.registered:  # (before tensors: a registered tensor subclass is encoded)
+            encoded = encode_registered(obj)  # encoded now, its tensors copied like any other
+            return Encoded(encoded.name, self._copy(encoded.value, path, run))
+        if isinstance(obj, torch.Tensor):
+            # (refused at the step, as a sync save refuses it, not by the background save; the rest of what
+            # unstorable() checks fails the copy below, and costs ~10 us a tensor to ask first)
+            why = (unstorable(obj) if type(obj) not in (torch.Tensor, torch.nn.Parameter)
+                   or obj.layout != torch.strided else None)
+            if why is not None:
+                where = functools.reduce(child_path, path, "") or "<root>"
+                raise UnsupportedTypeError(f"cannot store {where}: {why}")
+            key = alias_key(obj)
+            if key in run.seen:
+                return run.seen[key]
+            src = obj.detach()
+            try:
+                buf = self._buffer_for(path, src)
+                src_bytes = _byte_view(src) if src.device.type == "cpu" else None
+                if src_bytes is not None and src.dtype == buf.dtype:
+                    # one plain memcpy: torch's multi-threaded copy_ competes with the training loop's threads
+                    np.copyto(_byte_view(buf).numpy(), src_bytes.numpy())  # type: ignore[union-attr]
+                else:
+                    with torch.no_grad():
+                        buf.copy_(src, non_blocking=src.device.type == "cuda")
+            except NotImplementedError as exc:  # (a sub-byte dtype torch cannot copy; not an out-of-memory)
+                where = functools.reduce(child_path, path, "") or "<root>"
+                raise UnsupportedTypeError(f"cannot store {where}: torch cannot read its bytes: {exc}") from exc
+            run.devices.add(src.device)
+            self._used.add(path)
+            out: Any = buf
+            if isinstance(obj, torch.nn.Parameter):
+                out = torch.nn.Parameter(buf, obj.requires_grad)
+            elif obj.requires_grad:  # saved and restored with the flag, as a synchronous save keeps it
+                out = buf.detach().requires_grad_()
+            if src.device.type != "cpu":
+                self.devices[id(out)] = str(src.device)
+            run.seen[key] = out
+            run.sources.append(obj)
+            return out
+        if isinstance(obj, np.ndarray):
+            key = alias_key(obj)
+            if key in run.seen:
+                return run.seen[key]
+            nbuf = self._buffers.get(path)
+            if not (isinstance(nbuf, np.ndarray) and nbuf.dtype == obj.dtype and nbuf.shape == obj.shape):
+                nbuf = np.empty_like(obj, order="C")
+                self._buffers[path] = nbuf
+            np.copyto(nbuf, obj)
+            self._used.add(path)
+            run.seen[key] = nbuf
+            run.sources.append(obj)
+            return nbuf
+        t = type(obj)
+        if t is dict or t is OrderedDict or t is Counter or t is defaultdict:
+            out = obj.copy()  # same type, order and default factory; values replaced below
+            for k, v in obj.items():
+                out[k] = self._copy(v, (*path, k), run)
+            if t is OrderedDict and hasattr(obj, "_metadata"):  # (a state_dict()'s module versions)
+                out._metadata = self._copy(obj._metadata, (*path, _METADATA), run)  # type: ignore[attr-defined]
+            return out
+        if t is list or t is tuple or t is deque:
+            items = [self._copy(v, (*path, i), run) for i, v in enumerate(obj)]
+            return items if t is list else tuple(items) if t is tuple else deque(items, maxlen=obj.maxlen)
+        if t is set:
+            return set(obj)  # elements are plain values; a copy keeps the save from seeing later changes
+        return obj
 
 
 #: the path step under which a snapshot copies an OrderedDict's ``_metadata`` (no dict key can equal it)

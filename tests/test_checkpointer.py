@@ -579,6 +579,37 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def test_close_frees_staging_without_the_cyclic_collector(fast_dir: Path) -> None:
+    """close() gives the staging copy back at once: nothing but the checkpointer holds its buffers (a snapshot
+    once left them in a reference cycle, freed only when the cyclic collector next ran), nor the state's own
+    tensors."""
+    import weakref
+
+    model, opt = _small()
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, every_n_steps=1, async_save=True,
+                            handle_signals=False)
+        x = torch.randn(4, 8)
+        for step in range(1, 4):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            assert ckpt.step(step)
+        ckpt.wait()
+        buffers = [weakref.ref(b) for b in ckpt._staging._buffers.values() if isinstance(b, torch.Tensor)]
+        assert buffers and all(r() is not None for r in buffers)
+        ckpt.close()
+        alive = sum(r() is not None for r in buffers)
+        assert alive == 0, f"{alive} of {len(buffers)} staging buffers outlive close() until a gc.collect()"
+        assert ckpt.staging_bytes == 0
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def test_staging_is_bounded(fast_dir: Path) -> None:
     """1000 async saves of a state of unchanging shapes: the staging buffers are allocated once, the store
     keeps 3 checkpoints, and neither the Python heap (allocated blocks) nor the RSS grows with the saves."""
