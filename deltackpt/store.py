@@ -69,6 +69,11 @@ STORE_FORMAT = "deltackpt-store"
 STORE_VERSION = 1
 MAX_STEP = (1 << 63) - 1
 _INFLIGHT_PER_THREAD = 3
+#: what the chunks a save has in flight, or a load's or verify's read workers, may hold at once besides the state
+#: itself: each chunk in flight holds up to about four chunk-sized buffers (its bytes, the encoder's or decoder's
+#: byte planes, the frame: a save of one 1 GiB chunk took 3.7 GiB above the state, a load 1.8), so with very
+#: large chunks fewer run at once; at the default 1 MiB this bounds nothing
+_CHUNK_WORK_BYTES = 2 << 30
 #: chunks smaller than this are encoded on the saving thread: handing a 4 KiB chunk to a worker (a future, a
 #: queue and two GIL handoffs) costs more than encoding it (docs/performance.md, "Many small tensors")
 _INLINE_BELOW = 64 << 10
@@ -503,6 +508,11 @@ def check_options(what: str, options: Mapping[str, Any]) -> None:
         raise type(exc)(f"{what}: {exc}") from None
 
 
+def _concurrent_chunks(chunk_size: int, most: int) -> int:
+    """How many chunks of ``chunk_size`` may be worked on at once, of ``most`` (at least one)."""
+    return max(1, min(most, _CHUNK_WORK_BYTES // (4 * chunk_size)))
+
+
 class Store:
     """An incremental, content-addressed checkpoint store in a directory.
 
@@ -697,7 +707,7 @@ class Store:
                     pools = self._pools_of = (
                         os.getpid(),
                         ThreadPoolExecutor(self.threads, thread_name_prefix="deltackpt"),
-                        ThreadPoolExecutor(self.read_threads, thread_name_prefix="deltackpt-read"),
+                        ThreadPoolExecutor(self._read_workers, thread_name_prefix="deltackpt-read"),
                     )
         return pools[1], pools[2]
 
@@ -715,7 +725,12 @@ class Store:
 
     @property
     def read_pool(self) -> ThreadPoolExecutor:
+        """The read workers: ``read_threads`` of them, fewer for chunks too large for that many in memory."""
         return self._pools()[1]
+
+    @property
+    def _read_workers(self) -> int:
+        return _concurrent_chunks(self.chunk_size, self.read_threads)
 
     @contextmanager
     def _gc_lock(self, exclusive: bool = False, timeout: float | None = None) -> Iterator[None]:
@@ -1113,7 +1128,7 @@ class Store:
         # this state holds it too): the cache then holds about one state during a save, not the parent's and this
         # save's chunks together, and the bases still to be read are not the least recently used when it is full.
         reads: collections.Counter[bytes] = collections.Counter()
-        limit = self.threads * _INFLIGHT_PER_THREAD
+        limit = _concurrent_chunks(cs, self.threads * _INFLIGHT_PER_THREAD)
         written = 0
         first = 0
         # tensors with a predictor role and their first moments (on the CPU): (bytes, digests, zero flags)
@@ -1766,7 +1781,7 @@ class Store:
         failed: list[tuple[int, BaseException]] = []
         todo = collections.deque(enumerate(items))  # popleft is atomic
         workers: list[Future[None]] = []
-        most = min(self.read_threads, len(items))
+        most = min(self._read_workers, len(items))
         lock = threading.Lock()
 
         def more() -> None:

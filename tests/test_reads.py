@@ -115,6 +115,31 @@ def test_read_each_starts_one_worker_per_cpu_and_grows_while_reads_wait(tmp_path
         assert len(seen) <= 2
 
 
+@pytest.mark.parametrize("chunk_size", [CS, 256 << 20, 1 << 30])
+def test_read_workers_shrink_for_chunks_too_large_for_that_many(tmp_path: Path, chunk_size: int) -> None:
+    """Each chunk a read worker decodes holds a few chunk-sized buffers: with very large chunks fewer workers
+    read at once (1 GiB chunks: one; 256 MiB: two), with the default ones all ``read_threads``. Loads and verify
+    still work, and read_each starts no more workers than the pool has."""
+    seen: set[int] = set()
+    state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3)}
+    with deltackpt.Store(tmp_path / "s", chunk_size=chunk_size, threads=2, read_threads=8) as s:
+        want = {CS: 8, 256 << 20: 2, 1 << 30: 1}[chunk_size]
+        assert s.read_pool._max_workers == want
+
+        def fn(i: int) -> int:
+            seen.add(threading.get_ident())
+            store_module._worker.before_blocking()  # as a read about to wait on the disk: asks for another
+            time.sleep(0.002)
+            return i
+
+        assert s.read_each(fn, list(range(40))) == list(range(40))
+        assert len(seen) <= want
+        s.save(state, step=1)
+        assert_same_state(s.load(step=1), state)
+        report = s.verify()
+        assert report.problems == [] and report.chunks == 2
+
+
 @pytest.fixture
 def frame(tmp_path: Path) -> tuple[Path, int, int]:
     """(pack file, offset, length) of the frame of a one-chunk tensor saved into a new store."""
