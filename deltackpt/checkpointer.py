@@ -47,7 +47,7 @@ from deltackpt.errors import (
     StoreLockedError,
     UnsupportedTypeError,
 )
-from deltackpt.retention import THINNED_KEY, Retention
+from deltackpt.retention import THINNED_KEY, Retention, unranked_metric
 from deltackpt.store import (
     CheckpointInfo,
     Store,
@@ -958,6 +958,7 @@ class Checkpointer:
         self.every_n_steps = every_n_steps
         self.async_save = async_save
         self.retention = retention
+        self._warned_metric = False  # (a keep_best metric no checkpoint records: said once)
         self.gc = gc
         self.map_location = map_location
         self.rng = rng
@@ -1275,6 +1276,12 @@ class Checkpointer:
         follows a rewrite to its replacement."""
         assert self.retention is not None
         infos = self.store._listing()
+        missing = unranked_metric(self.retention, infos)
+        if missing is not None and missing[1] and not self._warned_metric:  # (other metrics, not this one: a typo?)
+            self._warned_metric = True
+            warnings.warn(f"deltackpt: Retention(keep_best) ranks by {missing[0]!r}, which no checkpoint's metadata "
+                          f"records as a number (they record {', '.join(map(repr, missing[1]))}); only the other "
+                          "rules keep checkpoints", RuntimeWarning, stacklevel=3)
         plan = self.retention.plan(infos)
         by_id = {i.id: i for i in infos}
         self.store._delete([(None, cid) for cid in plan.delete], missing_ok=True)  # (one index commit)

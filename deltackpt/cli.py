@@ -605,7 +605,9 @@ def cmd_keep(args: argparse.Namespace) -> int:
     if not (root / "STORE").exists() and (root / "meta" / "STORE").exists():  # a DCP root: its steps
         from deltackpt import distributed
 
-        total = len(distributed.steps(root))
+        listed = distributed.summary(root)  # (the steps with the metadata their writers were given)
+        _check_metric(policy, listed)
+        total = len(listed)
         dropped = distributed.retain(root, policy, dry_run=args.dry_run)
         for info in dropped:
             print(f"{verb} step {info.step} (committed {when(info.created)}) {_meta_str(info.metadata)}".rstrip())
@@ -614,7 +616,9 @@ def cmd_keep(args: argparse.Namespace) -> int:
         verify, gc = f"deltackpt dcp {root} --verify", f"deltackpt dcp {root} --gc"
     else:
         with _open(args.store, readonly=args.dry_run) as s:
-            total = len(s.list())
+            infos = s.list()
+            _check_metric(policy, infos)
+            total = len(infos)
             dropped = s.retain(policy, dry_run=args.dry_run)
         for info in dropped:
             print(f"{verb} checkpoint {info.id} (step {info.step}) {_meta_str(info.metadata)}".rstrip())
@@ -625,6 +629,19 @@ def cmd_keep(args: argparse.Namespace) -> int:
     if dropped and not args.dry_run:
         print(f"run '{gc}' (or this command with --gc) to reclaim space")
     return 0
+
+
+def _check_metric(policy: Any, infos: Sequence[Any]) -> None:
+    """Refuse ``--best METRIC`` when no checkpoint records METRIC: a misspelt name would otherwise delete every
+    checkpoint the other rules do not keep, the best one included."""
+    from deltackpt.retention import unranked_metric
+
+    missing = unranked_metric(policy, infos)
+    if missing is not None and infos:
+        metric, found = missing
+        recorded = f"numbers they record: {', '.join(map(repr, found))}" if found else "they record no numbers"
+        raise DeltackptError(f"--best {metric}: no checkpoint records {metric!r} as a number ({recorded}); "
+                             "nothing deleted")
 
 
 def _gc_stores(stores: Sequence[Path], verify: str) -> int:

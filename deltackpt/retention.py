@@ -134,6 +134,23 @@ class Retention:
         )
 
 
+def unranked_metric(retention: Retention, infos: Sequence[Any]) -> tuple[str, list[str]] | None:
+    """When ``retention`` ranks by a ``keep_best`` metric that none of ``infos`` (anything with ``metadata``:
+    checkpoints, DCP steps) records as a number: that
+    metric, and the metadata keys they do record numbers under (a misspelt metric is then likely: the best
+    checkpoint it was meant to keep is not kept, and only the other rules keep anything). None otherwise."""
+    if retention.keep_best is None:
+        return None
+    metric = retention.keep_best[0]
+    found: set[str] = set()
+    for info in infos:
+        if isinstance(info.metadata, dict):
+            for key, value in info.metadata.items():
+                if isinstance(key, str) and _score(value) is not None:
+                    found.add(key)
+    return None if metric in found else (metric, sorted(found))
+
+
 def deleting_only(retention: Any, why: str) -> Retention:
     """``retention`` checked for a caller that deletes but cannot thin (``Store.retain``, DCP steps): a
     :class:`Retention` without ``full_last``; ``why`` ends the ValueError that refuses one with it."""

@@ -1877,6 +1877,25 @@ def test_step_metadata_goes_with_the_save_it_makes(tmp_path: Path, async_save: b
     assert [(i.step, i.metadata) for i in infos] == [(8, {"loss": 0.5}), (12, {"loss": 4.5})]
 
 
+def test_keep_best_by_a_metric_no_checkpoint_records_warns_once(tmp_path: Path) -> None:
+    """A keep_best metric that no checkpoint records while others are recorded (a typo: 'val-loss' for
+    'val_loss') keeps nothing by itself: one RuntimeWarning says so, naming what is recorded. Before any
+    metric is recorded (evaluation not run yet) nothing is said."""
+    model, opt = _small()
+    with Checkpointer(tmp_path / "s", model=model, optimizer=opt, handle_signals=False,
+                      retention=Retention(keep_last=2, keep_best=("val-loss", "min"))) as ckpt:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ckpt.step(1)
+            for n in range(2, 6):
+                ckpt.step(n, metadata={"val_loss": float(n)})
+            ckpt.wait()  # (retention runs after each save, in the background with async saves)
+        said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(said) == 1, said
+        assert "ranks by 'val-loss'" in said[0] and "'val_loss'" in said[0]
+        assert [i.step for i in ckpt.store.list()] == [4, 5]
+
+
 def test_an_async_save_stores_the_metadata_as_it_was_at_its_step(tmp_path: Path) -> None:
     """Nested metadata is copied at ``step()``: a loop that updates its own dict of results right after (as the
     next evaluation does) does not change what the background save stores. Before, only the top level was

@@ -721,6 +721,23 @@ def test_keep_applies_a_retention_policy_and_dry_run_changes_nothing(capsys: pyt
             assert_same_state(s.load(id=i.id), states[i.step])
 
 
+def test_keep_refuses_a_best_metric_no_checkpoint_records(capsys: pytest.CaptureFixture[str],
+                                                          store_path: Path) -> None:
+    """``--best`` with a metric no checkpoint records (a typo) would keep only what the other rules keep,
+    deleting the best checkpoint too: refused, naming the metrics recorded, and nothing is deleted."""
+    with open_store(store_path) as s:
+        for i in range(5):
+            s.save({"w": rand(CS, i)}, step=i, metadata={"val_loss": 0.5 if i == 1 else 5.0 - i, "note": "x"})
+    before = dir_snapshot(store_path)
+    rc, out, err = cli(capsys, "keep", store_path, "--last", "1", "--best", "val-loss:min")
+    assert rc == 1 and out == ""
+    assert "no checkpoint records 'val-loss' as a number (numbers they record: 'val_loss'); nothing deleted" in err
+    assert dir_snapshot(store_path) == before
+    rc, out, err = cli(capsys, "keep", store_path, "--last", "1", "--best", "val_loss:min")
+    assert rc == 0 and "deleted 3 of 5" in out
+    assert [step for step, _ in ls_pairs(capsys, store_path)] == [1, 4]
+
+
 @pytest.mark.parametrize("argv, needle", [
     ([], "give a rule that deletes"),
     (["--no-tagged"], "give a rule that deletes"),

@@ -1150,6 +1150,9 @@ def test_keep_on_a_dcp_root_deletes_steps_and_their_shards(tmp_path: Path,
     w.close()
     before = dir_snapshot(root)
     capsys.readouterr()
+    assert main(["keep", str(root), "--last", "2", "--best", "lost:min"]) == 1  # a metric no step records
+    assert "no checkpoint records 'lost' as a number (numbers they record: 'loss')" in capsys.readouterr().err
+    assert dir_snapshot(root) == before
     assert main(["keep", str(root), "--last", "2", "--best", "loss:min", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert re.findall(r"would delete step (\d+)", out) == ["0", "2", "3"] and "3 of 6 step(s)" in out
