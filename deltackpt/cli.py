@@ -116,6 +116,8 @@ def _open(path: str, *, readonly: bool = False) -> Store:
                                  f"steps; its stores are {p / 'meta'} and {p / 'rank-*'} (each rank's shards)")
         if not os.path.lexists(p):  # (a symbolic link loop exists, as a link: the message below names it)
             raise DeltackptError(f"{path} is not a deltackpt store: it does not exist")
+        if os.path.exists(p) and not p.is_dir():
+            raise DeltackptError(f"{path} is not a deltackpt store: it is not a directory")
         if not _holds_checkpoints(p):  # (else the store names what is wrong: STORE lost)
             raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
     return Store(p, readonly=True if readonly else None)
@@ -391,8 +393,9 @@ def _undecoded(node: Any) -> str:
 
 
 def _stats(value: torch.Tensor | Any) -> str:
-    """Summary statistics of a tensor or array for ``deltackpt get``: min, max, mean and std of its finite values
-    and how many are not finite (floats), min and max (integers, exact), how many are true (bools)."""
+    """Summary statistics of a tensor or array for ``deltackpt get``: min, max, mean and std (population:
+    ddof=0) of its finite values and how many are not finite (floats), min and max (integers, exact), how many
+    are true (bools)."""
     if value.size == 0 if isinstance(value, np.ndarray) else value.numel() == 0:
         return "  (empty)"
     try:
@@ -442,9 +445,9 @@ def cmd_log(args: argparse.Namespace) -> int:
             if i.parent is None:
                 parent = "-"
             elif i.parent in by_id:
-                parent = f"{by_id[i.parent].step} ({i.parent[:8]})"
+                parent = f"{by_id[i.parent].step} ({i.parent})"
             else:
-                parent = f"deleted ({i.parent[:8]})"
+                parent = f"deleted ({i.parent})"
             mark = "branch" if i.parent is not None and first_child[i.parent] != i.id else ""
             rows.append((i.step, i.id, parent, when(i.created), human(i.written_bytes), mark))
         print(table(rows, ["step", "id", "parent", "created", "written", "lineage"], right={0, 4}))
@@ -480,7 +483,9 @@ def cmd_du(args: argparse.Namespace) -> int:
                 row[1] += raw
                 row[2] += loc.frame_len
                 deepest = max(deepest, loc.depth)
-        packs_bytes = sum(p.stat().st_size for p in packs.pack_files(s.path / "packs").values())
+        pack_sizes = [p.stat().st_size for p in packs.pack_files(s.path / "packs").values()]
+        packs_bytes = sum(pack_sizes)
+        headers = packs.PACK_HEADER.size * len(pack_sizes)  # (a pack's header is not dead: gc keeps it too)
         man_bytes = sum(p.stat().st_size for p in (s.path / "manifests").glob("*.manifest") if p.is_file())
         on_disk = packs_bytes + man_bytes
         rows = [
@@ -498,7 +503,7 @@ def cmd_du(args: argparse.Namespace) -> int:
              f"{predicted[0]} of {n_chunks}, {human(predicted[2])} for {human(predicted[1])} raw"
              + (f" ({predicted[1] / predicted[2]:.2f}x)" if predicted[2] else "")),
             ("deepest chain (frames a decode reads, <= max_chain + 1)", str(deepest + 1) if n_chunks else "-"),
-            ("dead bytes in packs (what gc --repack-below 1 frees)", human(max(0, packs_bytes - frames))),
+            ("dead bytes in packs (what gc --repack-below 1 frees)", human(max(0, packs_bytes - headers - frames))),
             ("written by checkpoints deleted or thinned since the last gc", human(s.index.dropped_bytes())),
         ]
         print(table(rows, ["", ""]))
@@ -660,7 +665,8 @@ def cmd_dcp(args: argparse.Namespace) -> int:
 
     root = Path(args.store)
     if not root.is_dir():  # (as "no deltackpt store" for a directory without one, not a bare [Errno 2])
-        raise DeltackptError(f"DCP checkpoints: {root} is {'not a directory' if root.exists() else 'missing'}")
+        raise DeltackptError(f"{root} is not a sharded (DCP) checkpoint root: "
+                             f"{'it is not a directory' if root.exists() else 'it does not exist'}")
     if (root / "STORE").exists():
         raise DeltackptError(f"{root} is a deltackpt store, not a sharded (DCP) checkpoint root: 'deltackpt ls "
                              f"{root}' lists its checkpoints")
@@ -996,9 +1002,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltackpt", description="Inspect and maintain a deltackpt checkpoint store.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> argparse.ArgumentParser:
+    def add(name: str, fn: Callable[[argparse.Namespace], int], help: str,
+            store: str = "store directory") -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
-        sp.add_argument("store", help="store directory")
+        sp.add_argument("store", help=store)
         sp.set_defaults(fn=fn)
         return sp
 
@@ -1021,11 +1028,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add("rm", cmd_rm, "delete checkpoints").add_argument("checkpoint", nargs="+", help="steps or ids")
     gc = add("gc", cmd_gc, "reclaim space no retained checkpoint uses")
-    gc.add_argument("--repack-below", type=float, default=0.5, help="repack packs less live than this (0.5)")
+    gc.add_argument("--repack-below", type=float, default=0.5, metavar="F",
+                    help="repack packs whose live fraction is below F, between 0 and 1 (0.5)")
     add("repair", cmd_repair, "rebuild the index from packs and manifests")
-    ex = add("export", cmd_export, "write a checkpoint as .pt or .safetensors")
+    ex = add("export", cmd_export, "write a checkpoint as .pt (.pth) or .safetensors")
     ex.add_argument("checkpoint", help="step, 'latest' or id")
-    ex.add_argument("file", help="destination (.pt or .safetensors)")
+    ex.add_argument("file", help="destination (.pt, .pth or .safetensors)")
     im = add("import", cmd_import, "store a .pt (weights_only) or .safetensors file as a checkpoint")
     im.add_argument("file", help="source file")
     im.add_argument("--step", type=int, required=True, help="step to record")
@@ -1033,7 +1041,7 @@ def build_parser() -> argparse.ArgumentParser:
     ri.add_argument("--verify", action="store_true",
                     help="decode the checkpoints as a restore does, passing over damaged ones (reads their chunks)")
     kp = add("keep", cmd_keep, "apply a retention policy now: delete the checkpoints (or a DCP root's steps) it "
-             "does not keep")
+             "does not keep", store="store directory, or a sharded (DCP) checkpoint root")
     kp.add_argument("--last", type=int, metavar="N", help="keep the N newest")
     kp.add_argument("--every", type=int, metavar="N", help="keep steps that are multiples of N")
     kp.add_argument("--within", type=_duration, metavar="AGE", help="keep those younger than AGE (7d, 12h, 3600)")
@@ -1042,7 +1050,8 @@ def build_parser() -> argparse.ArgumentParser:
     kp.add_argument("--no-tagged", action="store_true", help="do not keep tagged checkpoints for their tag")
     kp.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     kp.add_argument("--gc", action="store_true", help="then reclaim the space (gc every store)")
-    dc = add("dcp", cmd_dcp, "list (and delete, prune, gc) the steps of a sharded torch.distributed.checkpoint root")
+    dc = add("dcp", cmd_dcp, "list (and delete, prune, gc) the steps of a sharded torch.distributed.checkpoint root",
+             store="the sharded (DCP) checkpoint root (holding meta/ and rank-NNNNN/ stores)")
     dc.add_argument("--rm", type=int, nargs="+", default=[], metavar="STEP", help="delete these steps first")
     dc.add_argument("--prune", action="store_true", help="delete shards of saves that never committed")
     dc.add_argument("--gc", action="store_true", help="then gc every store of the root")

@@ -379,7 +379,12 @@ def _live_keys(store: Store, records: list[Record], *, read_headers: bool = True
             m = store._manifest(rec)
         except CheckpointNotFoundError:
             continue  # deleted by another process since gc listed it: its chunks are not live
-        # any other error (a damaged manifest) aborts gc: never free what it may reference
+        except CorruptManifestError as exc:  # aborts gc: never free what it may reference; say how to go on
+            raise CorruptManifestError(
+                f"{exc}; gc frees nothing while it cannot tell what checkpoint {rec.id} (step {rec.step}) needs: "
+                f"'deltackpt rm STORE {rec.id}' gives that checkpoint up, or {REPAIR_HINT} from the manifests "
+                "when the index is what is out of date; then run gc again") from None
+        # any other error (a read error) aborts gc too
         live.update(chunk_keys(*m.stored_chunks()))
     # what live chunks reference is live too (transitively): delta bases, and the bases and inputs of predicted
     # frames. A predicted frame whose record is damaged cannot be decoded, so what it names is no longer needed

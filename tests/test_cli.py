@@ -150,6 +150,29 @@ def test_gc_refuses_a_repack_fraction_outside_0_to_1(capsys: pytest.CaptureFixtu
     assert dir_snapshot(store_path) == before
 
 
+def test_gc_on_a_damaged_manifest_says_how_to_go_on(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """gc cannot tell what a checkpoint whose manifest is damaged needs, so it frees nothing; its error names
+    the checkpoint and the way on (rm it, or repair a stale index), and after `rm` gc runs."""
+    with open_store(store_path) as s:
+        a = s.save({"w": rand(CS, 1)}, step=1)
+        b = s.save({"w": rand(CS, 2)}, step=2)
+    shutil.copyfile(store_path / "manifests" / f"{a.id}.manifest", store_path / "manifests" / f"{b.id}.manifest")
+    before = dir_snapshot(store_path)
+    rc, out, err = cli(capsys, "gc", store_path)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, f"manifest of checkpoint {b.id} does not match the checksum the index recorded; gc "
+                               f"frees nothing while it cannot tell what checkpoint {b.id} (step 2) needs: "
+                               f"'deltackpt rm STORE {b.id}' gives that checkpoint up")
+    assert dir_snapshot(store_path) == before
+    rc, _, _ = cli(capsys, "rm", store_path, b.id)
+    assert rc == 0
+    rc, out, err = cli(capsys, "gc", store_path)
+    assert rc == 0 and "freed" in out
+    with open_store(store_path) as s:
+        assert [i.step for i in s.list()] == [1]
+        assert_same_state(s.load(1), {"w": rand(CS, 1)})
+
+
 def test_show_names_every_path_of_a_tied_tensor(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     emb = torch.nn.Embedding(10, 4)
     head = torch.nn.Linear(4, 10, bias=False)
@@ -340,15 +363,16 @@ def test_show_prints_each_tensor(capsys: pytest.CaptureFixture[str], store_path:
 
 def test_log_marks_branch_after_rollback(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     """A checkpoint saved after a rollback is marked as a branch; its parent's first child, which continues
-    the line, is not (both were marked once)."""
+    the line, is not (both were marked once). Parents are shown by their full id, which other commands take."""
     with open_store(store_path) as s:
         ids = {step: s.save({"w": rand(CS, step)}, step=step).id for step in (1, 2, 3)}
     with open_store(store_path) as s:
         s.load(1)
         ids[4] = s.save({"w": rand(CS, 4)}, step=4).id
 
+    cid = r"[0-9a-f]{16}"
     row_re = re.compile(
-        r"^\s*(\d+)\s+([0-9a-f]{16})\s+(-|\d+ \([0-9a-f]{8}\)|deleted \([0-9a-f]{8}\))\s+\S+ \S+\s+\S+ \S+\s*(branch)?$"
+        rf"^\s*(\d+)\s+({cid})\s+(-|\d+ \({cid}\)|deleted \({cid}\))\s+\S+ \S+\s+\S+ \S+\s*(branch)?$"
     )
 
     def log() -> dict[int, tuple[str, str, bool]]:
@@ -363,13 +387,15 @@ def test_log_marks_branch_after_rollback(capsys: pytest.CaptureFixture[str], sto
             rows[int(m[1])] = (m[2], m[3], m[4] == "branch")
         return rows
 
-    short = {k: v[:8] for k, v in ids.items()}
+    short = ids  # (full ids: what show, diff and rm accept)
     assert log() == {
         1: (ids[1], "-", False),
         2: (ids[2], f"1 ({short[1]})", False),
         3: (ids[3], f"2 ({short[2]})", False),
         4: (ids[4], f"1 ({short[1]})", True),
     }
+    rc, out, _ = cli(capsys, "show", store_path, short[1])
+    assert rc == 0 and out
     rc, _, _ = cli(capsys, "rm", store_path, 1)
     assert rc == 0
     assert log() == {
@@ -408,7 +434,7 @@ def test_du_counts_and_ratios(capsys: pytest.CaptureFixture[str], store_path: Pa
     on_disk = sum(p.stat().st_size for p in pack_files(store_path))
     on_disk += sum(p.stat().st_size for p in (store_path / "manifests").glob("*.manifest"))
     assert du["overall (logical / on disk)"] == f"{9 * CS / on_disk:.2f}x"
-    assert "dead bytes in packs (what gc --repack-below 1 frees)" in du
+    assert du["dead bytes in packs (what gc --repack-below 1 frees)"] == "0 B"  # (pack headers are not dead)
     assert du["delta frames (of all chunks)"].startswith("0 of 3,")
     assert du["deepest chain (frames a decode reads, <= max_chain + 1)"] == "1"
 
@@ -1472,7 +1498,8 @@ def test_repair_exits_1_for_a_damaged_pack_even_when_every_checkpoint_is_whole(
 def test_a_missing_store_or_import_file_is_named_missing(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """`ls` of a path that does not exist said it is "not a deltackpt store (no STORE file)"; `import` of a
     missing file said it "cannot be read with torch.load(weights_only=True) ... (deltackpt never unpickles
-    arbitrary objects)"."""
+    arbitrary objects)"; `ls` of a file said "no STORE file", `dcp` of a missing root "DCP checkpoints: X is
+    missing"."""
     rc, _, err = cli(capsys, "ls", tmp_path / "nowhere")
     assert rc == 1
     assert_one_line_error(err, f"{tmp_path / 'nowhere'} is not a deltackpt store: it does not exist")
@@ -1484,3 +1511,13 @@ def test_a_missing_store_or_import_file_is_named_missing(capsys: pytest.CaptureF
     assert rc == 1
     assert_one_line_error(err, f"{tmp_path} is not a file")
     assert not (tmp_path / "s").exists() and not (tmp_path / "nowhere").exists()
+    (tmp_path / "afile").write_text("x")
+    rc, _, err = cli(capsys, "ls", tmp_path / "afile")
+    assert rc == 1
+    assert_one_line_error(err, f"{tmp_path / 'afile'} is not a deltackpt store: it is not a directory")
+    rc, _, err = cli(capsys, "dcp", tmp_path / "nowhere")
+    assert rc == 1
+    assert_one_line_error(err, f"{tmp_path / 'nowhere'} is not a sharded (DCP) checkpoint root: it does not exist")
+    rc, _, err = cli(capsys, "dcp", tmp_path / "afile")
+    assert rc == 1
+    assert_one_line_error(err, f"{tmp_path / 'afile'} is not a sharded (DCP) checkpoint root: it is not a directory")
