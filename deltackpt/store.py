@@ -1783,6 +1783,10 @@ class Store:
         workers: list[Future[None]] = []
         most = min(self._read_workers, len(items))
         lock = threading.Lock()
+        # more() for work() to find, in a list emptied when this returns: the two closures would otherwise refer to
+        # each other, a reference cycle keeping fn (and the caller's buffers it holds) and the results alive
+        # until the cyclic collector next runs
+        hook: list[Callable[[], None]] = []
 
         def more() -> None:
             """A worker is about to wait on the disk: another takes its place (up to ``read_threads``)."""
@@ -1795,7 +1799,7 @@ class Store:
                             pass
 
         def work() -> None:
-            _worker.before_blocking = more
+            _worker.before_blocking = hook[0] if hook else None
             try:
                 while not failed:
                     try:
@@ -1809,20 +1813,24 @@ class Store:
             finally:
                 _worker.before_blocking = None
 
-        with lock:
-            with contextlib.suppress(RuntimeError):  # the interpreter is exiting (a load from an atexit handler)
-                workers.extend(self.read_pool.submit(work) for _ in range(min(self.threads, most)))
-        if not workers:  # ... then this thread does the work (outside the lock, which more() takes)
-            workers.append(_Done.run(work))  # type: ignore[arg-type]
-        done = 0
+        hook.append(more)
         try:
-            while done < len(workers):  # workers can be added until the last one ends
-                workers[done].result()
-                done += 1
-        except BaseException:  # (a KeyboardInterrupt in the wait): no worker may go on writing into the caller's
-            failed.append((len(items), _STOPPED))  # tensors once this returns (nor past the gc lock it holds)
-            _outwait(workers)
-            raise
+            with lock:
+                with contextlib.suppress(RuntimeError):  # the interpreter is exiting (a load from an atexit handler)
+                    workers.extend(self.read_pool.submit(work) for _ in range(min(self.threads, most)))
+            if not workers:  # ... then this thread does the work (outside the lock, which more() takes)
+                workers.append(_Done.run(work))  # type: ignore[arg-type]
+            done = 0
+            try:
+                while done < len(workers):  # workers can be added until the last one ends
+                    workers[done].result()
+                    done += 1
+            except BaseException:  # (a KeyboardInterrupt in the wait): no worker may go on writing into the
+                failed.append((len(items), _STOPPED))  # caller's tensors once this returns (nor past its gc lock)
+                _outwait(workers)
+                raise
+        finally:
+            hook.clear()  # (every worker has ended)
         if failed:
             i, exc = min(failed, key=lambda f: f[0])
             raise (named(items[i], exc) if named is not None else exc)

@@ -140,6 +140,38 @@ def test_read_workers_shrink_for_chunks_too_large_for_that_many(tmp_path: Path, 
         assert report.problems == [] and report.chunks == 2
 
 
+def test_a_load_leaves_no_reference_cycle_behind(tmp_path: Path) -> None:
+    """What a load returns, and what it decoded on the way (prediction inputs, scratch buffers), is freed when
+    the caller drops it: read_each's two worker closures once referred to each other, a reference cycle that
+    held the items (views of the outputs) until the cyclic collector next ran (an every-step checkpoint of
+    631 MB kept 640 MB resident after the state was dropped). Here a collection after the load and the drop
+    finds nothing of the load's to collect."""
+    import gc
+    import types
+
+    g = torch.Generator().manual_seed(3)
+    state = {f"t{i}": torch.randn(3 * CS // 4, generator=g) for i in range(6)}
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with deltackpt.Store(tmp_path / "s", chunk_size=CS, threads=2) as s:
+            s.save(state, step=1)
+            gc.collect()
+            got = s.load(step=1)
+            assert_same_state(got, state)
+            del got
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            left = sorted({o.__qualname__ for o in gc.garbage if isinstance(o, types.FunctionType)})
+        assert left == []
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if was_enabled:
+            gc.enable()
+
+
 @pytest.fixture
 def frame(tmp_path: Path) -> tuple[Path, int, int]:
     """(pack file, offset, length) of the frame of a one-chunk tensor saved into a new store."""
