@@ -610,6 +610,67 @@ def test_close_frees_staging_without_the_cyclic_collector(fast_dir: Path) -> Non
             gc.enable()
 
 
+def _deltackpt_garbage() -> list[str]:
+    """What a collection finds unreachable that deltackpt made: its functions (closures in a reference cycle),
+    objects of its classes, frames of its code. (Collects with DEBUG_SAVEALL, then frees what it saved.)"""
+    import types
+
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        gc.collect()
+        found = []
+        for o in gc.garbage:
+            if isinstance(o, types.FunctionType):
+                name, module = o.__qualname__, o.__module__ or ""
+            elif isinstance(o, types.FrameType):
+                name, module = o.f_code.co_qualname, o.f_globals.get("__name__", "")
+            else:
+                name, module = type(o).__qualname__, type(o).__module__
+            if module.split(".")[0] == "deltackpt":
+                found.append(f"{module}.{name}")
+        return sorted(set(found))
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.collect()
+
+
+def test_saves_loads_and_maintenance_leave_no_reference_cycles(tmp_path: Path) -> None:
+    """Saves (sync and async, with retention), loads (bare, into a model, of an older step), verify, delete,
+    gc and restore free what they allocated when they return or when the caller drops it, without the cyclic
+    collector: a reference cycle through one of deltackpt's closures held a load's outputs, and another an
+    async checkpointer's staging copy, until the collector next ran."""
+    model, opt = _small()
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        assert _deltackpt_garbage() == []
+        x = torch.randn(4, 8)
+        with Checkpointer(tmp_path / "c", model=model, optimizer=opt, async_save=True, handle_signals=False,
+                          retention=Retention(keep_last=2)) as ckpt:
+            for n in range(1, 5):
+                model(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                ckpt.step(n)
+            ckpt.wait()
+        assert _deltackpt_garbage() == []
+        with Checkpointer(tmp_path / "c", model=model, optimizer=opt, handle_signals=False) as ckpt:
+            assert ckpt.restore() == 4
+            ckpt.save(5, wait=True)
+        with Store(tmp_path / "c") as s:
+            s.load()
+            s.load(step=3, into={"model": model.state_dict()})
+            s.verify()
+            s.delete(3)
+            s.gc()
+        assert _deltackpt_garbage() == []
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def test_staging_is_bounded(fast_dir: Path) -> None:
     """1000 async saves of a state of unchanging shapes: the staging buffers are allocated once, the store
     keeps 3 checkpoints, and neither the Python heap (allocated blocks) nor the RSS grows with the saves."""
