@@ -31,6 +31,7 @@ import os
 import re
 import resource
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -56,7 +57,7 @@ from deltackpt.errors import (
     NetworkFilesystemError,
     ReadOnlyStoreError,
 )
-from deltackpt.packs import fsync_dir, make_dirs
+from deltackpt.packs import fsync_dir, make_dirs, read_small
 
 INDEX_VERSION = 1
 LOC = struct.Struct("<16sQIBB16s")  # pack id (uuid bytes), offset, frame length, codec, chain depth, base digest
@@ -192,9 +193,8 @@ def _dropped_value(raw: bytes | None) -> int:
 def read_last_commit(store: Path) -> int | None:
     """The seq ``LAST_COMMIT`` of the store at ``store`` records; None when there is none, or it cannot be read
     or parsed (damaged, or cut short): the next commit writes it again, and until then nothing is checked."""
-    try:
-        with open(store / LAST_COMMIT, "rb") as f:
-            text = f.read(64).strip()
+    try:  # (not through a link, nor a FIFO's wait, nor more than a line: the file is the store's own, and small)
+        text = read_small(store / LAST_COMMIT, 64, follow=False).strip()
     except OSError:
         return None
     value = int(text) if 0 < len(text) <= 20 and text.isdigit() else None
@@ -204,11 +204,14 @@ def read_last_commit(store: Path) -> int | None:
 def write_last_commit(store: Path, seq: int) -> None:
     """Record ``seq`` in the store's ``LAST_COMMIT``, after its commit (one write, no fsync: a lost or late write
     only leaves the file behind the index, which the check allows). A failure is ignored for the same reason."""
-    try:
-        fd = os.open(store / LAST_COMMIT, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:  # never through a symbolic link (it would write outside the store), nor waiting on a FIFO
+        fd = os.open(store / LAST_COMMIT, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK,
+                     0o644)
     except OSError:
         return
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return  # (a device, a FIFO with a reader: not the store's file, and not written)
         os.pwrite(fd, f"{seq:020d}\n".encode(), 0)
     except OSError:
         pass

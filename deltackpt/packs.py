@@ -54,18 +54,38 @@ _fork_guard = threading.Lock()
 
 def open_lock(path: Path, flags: int) -> int:
     """``os.open(path, flags)`` (close-on-exec, mode 0644 when created) of a file this process will flock: a
-    child forked while it is open closes it. Give it back with :func:`close_lock`."""
+    child forked while it is open closes it. Give it back with :func:`close_lock`. Opened without blocking, and
+    refused unless a regular file: a FIFO in its place would otherwise block the open until a writer came."""
     with _fork_guard:
         try:
-            fd = os.open(path, flags | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
         except OSError as exc:
-            if exc.errno not in (errno.EISDIR, errno.ELOOP):
+            if exc.errno not in (errno.EISDIR, errno.ELOOP, errno.ENXIO):
                 raise
-            what = "a directory" if exc.errno == errno.EISDIR else "a symbolic link that loops"
+            what = {errno.EISDIR: "a directory", errno.ELOOP: "a symbolic link that loops"}.get(exc.errno, "a FIFO")
             raise CorruptionError(f"the store's lock file {path} is {what}, not a file: move it away (a store "
                                   "makes its lock files again, empty)") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptionError(f"the store's lock file {path} is not a regular file: move it away (a store "
+                                  "makes its lock files again, empty)")
         _lock_fds.add(fd)
     return fd
+
+
+def read_small(path: Path, limit: int, *, follow: bool = True) -> bytes:
+    """The bytes of the small store file ``path`` (``STORE``, ``LAST_COMMIT``). Raises ``OSError`` when it cannot
+    be read, with ``EINVAL`` for anything but a regular file (opened without blocking: a FIFO in its place
+    raises rather than waits for a writer; a device is not read), ``EFBIG`` past ``limit`` bytes (a link to a
+    large file is not read whole), ``ELOOP`` for a symbolic link unless ``follow``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
+    return data
 
 
 def close_lock(fd: int, opened_by: int, *, unlock: bool = True) -> None:

@@ -61,7 +61,16 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key, record_at
-from deltackpt.packs import PackReader, PackWriter, close_lock, flock_within, fsync_dir, make_dirs, open_lock
+from deltackpt.packs import (
+    PackReader,
+    PackWriter,
+    close_lock,
+    flock_within,
+    fsync_dir,
+    make_dirs,
+    open_lock,
+    read_small,
+)
 from deltackpt.retention import Retention, deleting_only
 from deltackpt.scratch import Scratch
 
@@ -2171,7 +2180,7 @@ def read_store_file(path: Path) -> int:
     damaged file: ``deltackpt repair`` writes it again from the manifests)."""
     cfg_path = path / "STORE"
     try:
-        cfg = json.loads(cfg_path.read_text())
+        cfg = json.loads(read_small(cfg_path, 1 << 16))  # (a regular file of at most 64 KiB: no FIFO, no device)
         if type(cfg) is not dict:
             raise ValueError(f"a JSON {type(cfg).__name__}, not an object")
         fmt, version, cs = cfg["format"], cfg["version"], cfg["chunk_size"]

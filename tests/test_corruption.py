@@ -351,6 +351,56 @@ def test_damaged_manifest(store_path: Path, two_ckpts: dict[str, Any], damage: s
         assert s.info(2).id == ids[2]  # the index record is intact
 
 
+_STORE_FILE_PROBE = """
+import sys, deltackpt
+try:
+    with deltackpt.Store(sys.argv[1], readonly=sys.argv[2] == "ro") as s:
+        s.list(); s.load(); s.verify()
+        if sys.argv[2] != "ro":
+            s.save({"w": deltackpt.__version__}, step=9)
+            s.repair()
+    print("ok")
+except deltackpt.DeltackptError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+@pytest.mark.parametrize("what", ["STORE fifo", "STORE -> /dev/zero", "LAST_COMMIT fifo", "LAST_COMMIT link",
+                                  "gc.lock fifo"])
+def test_store_files_that_are_no_regular_file(tmp_path: Path, what: str) -> None:
+    """A FIFO, a device or a link in place of the store's small files: every operation returns (in a child
+    process, under a timeout), with a typed error or working on, and nothing outside the store is written.
+    (Before, a FIFO as STORE, LAST_COMMIT or gc.lock made opening, loading or repair wait forever for a writer,
+    STORE linked to /dev/zero read until memory ran out, and saves and repair wrote LAST_COMMIT through a
+    link, into the file it named.)"""
+    store_path = tmp_path / "s"
+    with _open(store_path) as s:
+        s.save({"w": _rand(CS, 0)}, step=1)
+    name, kind = what.split(" ", 1)
+    victim = store_path / name
+    outside = tmp_path / "outside.txt"
+    outside.write_text("a file of the user's, outside the store\n")
+    victim.unlink(missing_ok=True)
+    if kind == "fifo":
+        os.mkfifo(victim)
+    elif kind == "link":
+        victim.symlink_to(outside)
+    else:
+        victim.symlink_to("/dev/zero")
+    for mode in ("ro", "rw"):
+        done = subprocess.run([sys.executable, "-c", _STORE_FILE_PROBE, str(store_path), mode], capture_output=True,
+                              text=True, timeout=60, cwd=Path(deltackpt.__file__).parent.parent)
+        assert done.returncode == 0, done.stderr
+        out = done.stdout.strip()
+        if name == "STORE":
+            assert out.startswith("DeltackptError") and "not a regular file" in out, out
+        elif name == "gc.lock":
+            assert out.startswith("CorruptionError") and "is not a regular file: move it away" in out, out
+        else:  # (LAST_COMMIT is advisory: a store works on without it)
+            assert out == "ok", out
+    assert outside.read_text() == "a file of the user's, outside the store\n"
+
+
 @pytest.mark.parametrize("what", ["pack", "manifest", "dangling pack link", "pack fifo", "manifest fifo",
                                   "manifest link loop", "pack link loop"])
 def test_pack_or_manifest_that_is_no_file(store_path: Path, what: str) -> None:
