@@ -490,8 +490,8 @@ def _expand_md(fqn: str, d: Any) -> dict[str, Any]:
     if d is None:
         return {"kind": "bytes"}
     name, requires_grad, size, chunks = d
-    dtype = getattr(torch, name, None) if type(name) is str and name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
+    dtype = tree.dtype_named(name)
+    if dtype is None:
         raise ValueError(f"{fqn!r} has dtype {name!r:.40}")
     return {"kind": "tensor", "dtype": dtype, "requires_grad": requires_grad, "size": size, "chunks": chunks}
 

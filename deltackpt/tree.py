@@ -153,14 +153,24 @@ def encode_registered(obj: Any) -> Encoded | None:
     return None if hook is None else Encoded(hook.name, hook.encode(obj))
 
 
+#: torch's dtypes by the name stored for them (``float32``, ``bfloat16``, ...): looked up in this table, not with
+#: getattr(torch, name), where a stored name like ``_dynamo`` would import a submodule (torch's module __getattr__)
+_DTYPES = {name: obj for name, obj in vars(torch).items() if isinstance(obj, torch.dtype)}
+
+
+def dtype_named(name: Any) -> torch.dtype | None:
+    """The torch dtype a stored name names, or None; nothing is imported or evaluated."""
+    return _DTYPES.get(name) if type(name) is str else None
+
+
 def torch_dtype(name: str, *, value: bool = False) -> torch.dtype:
     """torch dtype from its name, without evaluating anything. Quantized dtypes are refused for tensor entries, as
     saves refuse their tensors: they hold fewer bytes than elements (``quint4x2``: two per byte), and no writer
     stores one. A ``dt`` node (``value``: a dtype held as a value, a model config's say) may name one."""
     if not (isinstance(name, str) and name.isidentifier()):
         raise CorruptManifestError(f"malformed torch dtype name {name!r:.60}")
-    dt = getattr(torch, name, None)
-    if not isinstance(dt, torch.dtype):  # (a dtype of a newer torch, float4_e2m1fn_x2 say: no damage of the store)
+    dt = dtype_named(name)
+    if dt is None:  # (a dtype of a newer torch, float4_e2m1fn_x2 say: no damage of the store)
         raise UnsupportedTypeError(f"torch dtype {name!r:.60} is unknown to this torch ({torch.__version__}): "
                                    "the checkpoint was written by a newer one")
     if dt in QUANTIZED and not value:

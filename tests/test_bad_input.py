@@ -577,6 +577,40 @@ def test_a_quantized_dtype_in_a_manifest_is_refused_by_name(tmp_path: Path, dtyp
             s.load(1)
 
 
+_DTYPE_IMPORT_PROBE = """
+import sys
+import deltackpt
+from deltackpt import distributed, tree
+before = set(sys.modules)
+for name in ("_dynamo", "_inductor", "onnx"):
+    try:
+        tree.torch_dtype(name)
+    except deltackpt.UnsupportedTypeError:
+        pass
+    try:
+        distributed._expand_md("w", [name, False, [4], [[[0], [4]]]])
+    except ValueError:
+        pass
+print(sorted(set(sys.modules) - before))
+"""
+
+
+def test_a_stored_dtype_name_imports_nothing(tmp_path: Path) -> None:
+    """A dtype name read from a store is looked up among torch's dtypes: a name like '_dynamo' once went to
+    getattr(torch, name), whose module __getattr__ imported torch._dynamo (820 modules, about a second) before
+    the name was refused. In a fresh process, refusing such names imports no module."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _DTYPE_IMPORT_PROBE], capture_output=True, text=True, timeout=120,
+                          cwd=Path(deltackpt.__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    with pytest.raises(UnsupportedTypeError, match="torch dtype '_dynamo' is unknown"):
+        deltackpt.tree.torch_dtype("_dynamo")
+    assert deltackpt.tree.torch_dtype("bfloat16") is torch.bfloat16
+
+
 @pytest.mark.parametrize("device", ["mps", "mps:0", "xpu:0", "meta",
                                     "cuda:7" if torch.cuda.is_available() else "hpu:0"])
 def test_a_device_this_process_cannot_use_needs_map_location(tmp_path: Path, device: str) -> None:
