@@ -619,9 +619,10 @@ def test_the_dcp_command_with_a_left_over_rank_a_copied_store_and_a_missing_one(
     assert main(["dcp", str(root), "--rm", "1"]) == 0
     assert distributed.steps(root) == [2]
     capsys.readouterr()
-    for where, what in ((tmp_path / "typo", "missing"), (root / "rank-00001" / "STORE", "not a directory")):
+    for where, what in ((tmp_path / "typo", "it does not exist"),
+                        (root / "rank-00001" / "STORE", "it is not a directory")):
         assert main(["dcp", str(where)]) == 1  # a one-line error naming the path, not a bare [Errno 2]
-        assert capsys.readouterr().err == f"deltackpt: error: DCP checkpoints: {where} is {what}\n"
+        assert capsys.readouterr().err == f"deltackpt: error: {where} is not a sharded (DCP) checkpoint root: {what}\n"
     assert not (tmp_path / "typo").exists()
 
 
