@@ -550,7 +550,7 @@ def test_rewritten_checkpoint_keeps_its_place_in_the_lineage(tmp_path: Path) -> 
         s.delete(4)
     log = subprocess.run([sys.executable, "-m", "deltackpt", "log", str(path)], capture_output=True, text=True,
                          check=True).stdout
-    assert "deleted" not in log and f"1 ({second.id[:8]})" in log
+    assert "deleted" not in log and f"1 ({second.id})" in log
     shutil.rmtree(path / "index")
     with maintenance.open_for_repair(path) as s:
         s.repair()
