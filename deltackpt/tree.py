@@ -488,11 +488,12 @@ _LEAVES: tuple[str, ...] = ("<every leaf>",)
 _EVERY_CONTAINER: tuple[str, ...] = ("<every container>",)
 
 
-def _nodes(n: Any, path: str, place: Place, tags: tuple[str, ...]) -> Iterator[tuple[Any, str, Place]]:
+def _nodes(n: Any, path: str, place: Place, tags: tuple[str, ...],
+           attributes: bool = False) -> Iterator[tuple[Any, str, Place]]:
     """``(node, key path, place)`` of every node of ``n`` whose tag is one of ``tags`` (every leaf for
     :data:`_LEAVES`; every container, whose nodes are walked too, for :data:`_EVERY_CONTAINER`), in document order,
-    walking into dicts, sequences and registered types. A malformed skeleton raises
-    :class:`CorruptManifestError`."""
+    walking into dicts, sequences and registered types, and with ``attributes`` into an OrderedDict's
+    ``_metadata`` too (key path ``<path>._metadata``). A malformed skeleton raises :class:`CorruptManifestError`."""
     try:
         tag = n[0]
         if tags is _EVERY_CONTAINER:
@@ -506,12 +507,15 @@ def _nodes(n: Any, path: str, place: Place, tags: tuple[str, ...]) -> Iterator[t
             for k, v in zip(keys, vals):
                 key = _plain_build(k)
                 hash(key)  # a place is a dict key of its own
-                yield from _nodes(v, child_path(path, key), (*place, ("k", key)), tags)
+                yield from _nodes(v, child_path(path, key), (*place, ("k", key)), tags, attributes)
+            if attributes and tag == "o" and len(n) == 4:
+                name = f"{path}._metadata" if path else "_metadata"
+                yield from _nodes(n[3], name, (*place, ("a", "_metadata")), tags, attributes)
         elif tag in ("l", "t", "q"):
             for i, v in enumerate(n[1]):
-                yield from _nodes(v, child_path(path, i), (*place, ("i", i)), tags)
+                yield from _nodes(v, child_path(path, i), (*place, ("i", i)), tags, attributes)
         elif tag == "x":
-            yield from _nodes(n[2], path, (*place, ("x", str(n[1]))), tags)
+            yield from _nodes(n[2], path, (*place, ("x", str(n[1]))), tags, attributes)
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         raise CorruptManifestError(f"malformed state skeleton at {path or '<root>'}: {exc!r}") from None
 
@@ -537,7 +541,7 @@ def pickled_paths(skeleton: Any) -> list[str]:
     """The key paths of the pickled values in ``skeleton`` (saved with ``allow_pickle=True``), in document order,
     so that a load that may not unpickle refuses before it decodes anything. A malformed skeleton raises
     :class:`CorruptManifestError`."""
-    return [path or "<root>" for _, path, _ in _nodes(skeleton, "", (), ("p",))]
+    return [path or "<root>" for _, path, _ in _nodes(skeleton, "", (), ("p",), attributes=True)]
 
 
 #: sub-byte integer dtypes (torch.uint1 ... torch.int7): torch has no copy of a non-contiguous one

@@ -1039,6 +1039,22 @@ def test_a_load_that_may_not_unpickle_refuses_before_it_decodes(store: deltackpt
     assert store.load(1, into={"w": target}, allow_pickle=True)["cfg"][1]["b"].b == 2 and target.any()
 
 
+def test_a_pickled_value_in_a_state_dicts_metadata_is_refused_by_path_before_decoding(
+        store: deltackpt.Store) -> None:
+    """A pickled value can sit in an OrderedDict's ``_metadata`` (a module state_dict()'s): the refusal names it
+    and comes before any tensor is decoded, as for one anywhere else (the check once missed it, decoded
+    everything and then refused without a key path)."""
+    sd = torch.nn.Linear(4, 2).state_dict()
+    sd._metadata[""]["hook"] = argparse.Namespace(a=1)  # type: ignore[attr-defined]
+    store.save({"model": sd}, step=1, allow_pickle=True)
+    target = {"model": OrderedDict((k, torch.zeros_like(v)) for k, v in sd.items())}
+    with pytest.raises(UnsafeLoadError, match=r"holds pickled values .* at 'model\._metadata\.\.hook';"):
+        store.load(1, into=target)
+    assert not any(t.any() for t in target["model"].values())
+    out = store.load(1, allow_pickle=True)["model"]
+    assert out._metadata[""]["hook"].a == 1
+
+
 def test_reopen_in_fresh_directory_roundtrip() -> None:
     """A store written by one handle is read back by a new handle (nothing cached)."""
     with tempfile.TemporaryDirectory() as d:
