@@ -508,6 +508,13 @@ def _expand_planner_data(d: Any) -> Any:
     return tree.decode_plain(d["plain"])
 
 
+def _dims(value: Any, what: str) -> list[int]:
+    """``value`` as a list of dimensions: non-negative ints (not bools), below 2**63."""
+    if type(value) is not list or any(type(v) is not int or not 0 <= v < 1 << 63 for v in value):
+        raise ValueError(f"{what} {value!r:.60}")
+    return value
+
+
 def _decode_md(fqn: str, d: Any, where: str) -> Any:
     try:
         if d["kind"] == "bytes":
@@ -515,10 +522,20 @@ def _decode_md(fqn: str, d: Any, where: str) -> Any:
         if d["kind"] == "tensor":
             if not isinstance(d["dtype"], torch.dtype):
                 raise TypeError("dtype")
+            size = _dims(d["size"], "size")
+            chunks = []
+            for o, n in d["chunks"]:
+                offsets, sizes = _dims(o, "chunk offsets"), _dims(n, "chunk sizes")
+                # a shard lies inside the tensor: DCP would read a negative or outlying one as nothing, silently,
+                # and a reader allocates what the sizes claim
+                if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                        a + b > n for a, b, n in zip(offsets, sizes, size)):
+                    raise ValueError(f"a shard at {list(offsets)} of {list(sizes)} outside the size {list(size)}")
+                chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
             return TensorStorageMetadata(
                 properties=TensorProperties(dtype=d["dtype"], requires_grad=bool(d["requires_grad"])),
-                size=torch.Size(d["size"]),
-                chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in d["chunks"]],
+                size=torch.Size(size),
+                chunks=chunks,
             )
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptManifestError(f"{where}: DCP metadata of {fqn!r} is malformed ({exc})") from None

@@ -1277,3 +1277,33 @@ def test_a_step_saved_twice_loads_by_id_and_retention_reads_checksummed_metadata
     assert [(i.step, i.id) for i in dropped] == [(2, infos[1].id), (3, infos[2].id)]
     assert [(i.step, i.metadata) for i in distributed.summary(root)] == [(1, None), (2, None)]
     assert [i.id for i in distributed.summary(root)] == [infos[0].id, infos[3].id]
+
+
+@pytest.mark.parametrize("sizes", [[-5], [1 << 40], [11], [2, 5]])
+def test_a_shard_outside_its_tensor_in_the_metadata_is_refused(tmp_path: Path, sizes: list[int]) -> None:
+    """A DCP metadata document (well-formed, checksums intact) whose shard lies outside its tensor is damage:
+    the load fails naming it, before anything is allocated. A negative size made dcp.load return with the
+    tensor left as it was; a size of 2**40 elements made the reader allocate 4 TiB (a raw RuntimeError)."""
+    import json
+
+    from deltackpt import tree
+
+    root = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.randn(10)}, storage_writer=DeltaStorageWriter(root, step=1), no_dist=True)
+    with deltackpt.Store(root / "meta") as s:
+        info = s.latest()
+        assert info is not None
+        state, meta = s.load(), tree.decode_plain(s.manifest(id=info.id).metadata)
+        doc = json.loads(bytes(state["dcp_metadata"]).decode())
+        doc["state_dict_metadata"]["w"][3][0][1] = sizes  # the one shard's sizes
+        state["dcp_metadata"] = np.frombuffer(json.dumps(doc).encode(), np.uint8).copy()
+        s.save(state, step=2, metadata=meta)
+    target = {"w": torch.full((10,), 7.0)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointException) as caught:
+            dcp.load(target, storage_reader=DeltaStorageReader(root), no_dist=True)
+    assert "DCP metadata of 'w' is malformed" in str(caught.value) and "step 2" in str(caught.value)
+    assert torch.equal(target["w"], torch.full((10,), 7.0))
