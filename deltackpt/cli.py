@@ -1094,6 +1094,9 @@ def _run(args: argparse.Namespace) -> int:
     except (DeltackptError, OSError, ValueError, TypeError, RuntimeError) as exc:
         print(f"deltackpt: error: {_first_line(exc)}", file=sys.stderr)
         return 1
+    except MemoryError as exc:  # (a tensor larger than this machine's memory: get, export, resume-info --verify)
+        print(f"deltackpt: error: out of memory: {_first_line(exc) or 'an allocation failed'}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -651,7 +651,8 @@ def test_manifest_entries_torch_or_numpy_cannot_build_are_refused_by_the_parser(
                 s.load(1)
 
 
-def test_a_tensor_too_large_to_allocate_is_a_memory_error_naming_it(tmp_path: Path) -> None:
+def test_a_tensor_too_large_to_allocate_is_a_memory_error_naming_it(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     """A stored all-zero tensor of 16 TiB (1 GiB chunks, all zero: no frames) cannot be allocated: MemoryError
     naming the checkpoint and tensor, not torch's RuntimeError."""
     def huge(m: Any) -> None:
@@ -667,6 +668,14 @@ def test_a_tensor_too_large_to_allocate_is_a_memory_error_naming_it(tmp_path: Pa
     with deltackpt.Store(tmp_path / "s") as s:
         with pytest.raises(MemoryError, match=f"checkpoint {cid} .*tensor 'x': cannot allocate its 17592186044416"):
             s.load(1)
+    from deltackpt.cli import main  # the command line says so in one line (get and export printed a traceback)
+
+    for argv in (["get", str(tmp_path / "s"), "1", "x"], ["export", str(tmp_path / "s"), "1", str(tmp_path / "x.pt")]):
+        assert main(argv) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("deltackpt: error: out of memory: ") and "cannot allocate" in err
+        assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert not (tmp_path / "x.pt").exists()
 
 
 def test_a_process_with_an_address_space_limit_saves_and_loads(tmp_path: Path) -> None:
