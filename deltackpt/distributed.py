@@ -529,7 +529,7 @@ def _decode_md(fqn: str, d: Any, where: str) -> Any:
                 # a shard lies inside the tensor: DCP would read a negative or outlying one as nothing, silently,
                 # and a reader allocates what the sizes claim
                 if len(offsets) != len(size) or len(sizes) != len(size) or any(
-                        a + b > n for a, b, n in zip(offsets, sizes, size)):
+                        at + k > dim for at, k, dim in zip(offsets, sizes, size)):
                     raise ValueError(f"a shard at {list(offsets)} of {list(sizes)} outside the size {list(size)}")
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
             return TensorStorageMetadata(

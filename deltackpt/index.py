@@ -57,7 +57,7 @@ from deltackpt.errors import (
     NetworkFilesystemError,
     ReadOnlyStoreError,
 )
-from deltackpt.packs import fsync_dir, make_dirs, read_small
+from deltackpt.packs import fsync_dir, make_dirs, read_file
 
 INDEX_VERSION = 1
 LOC = struct.Struct("<16sQIBB16s")  # pack id (uuid bytes), offset, frame length, codec, chain depth, base digest
@@ -194,7 +194,7 @@ def read_last_commit(store: Path) -> int | None:
     """The seq ``LAST_COMMIT`` of the store at ``store`` records; None when there is none, or it cannot be read
     or parsed (damaged, or cut short): the next commit writes it again, and until then nothing is checked."""
     try:  # (not through a link, nor a FIFO's wait, nor more than a line: the file is the store's own, and small)
-        text = read_small(store / LAST_COMMIT, 64, follow=False).strip()
+        text = read_file(store / LAST_COMMIT, 64, follow=False).strip()
     except OSError:
         return None
     value = int(text) if 0 < len(text) <= 20 and text.isdigit() else None

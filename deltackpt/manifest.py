@@ -28,12 +28,10 @@ i*chunk_size)`` bytes. Its chunk id is (digest, length).
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import os
 import re
-import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +48,7 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
-from deltackpt.packs import fsync_dir
+from deltackpt.packs import fsync_dir, read_file
 
 MAGIC = b"DCKMANIF"
 #: the newest manifest version this code reads and writes; a manifest records the oldest one its content needs
@@ -403,14 +401,9 @@ def write(directory: Path, tmp_dir: Path, manifest: Manifest) -> tuple[Path, str
 
 
 def file_bytes(p: Path) -> bytes:
-    """The bytes of the manifest file ``p``. Raises ``OSError`` when it cannot be read, with ``EINVAL`` for
-    anything but a regular file: it is opened without blocking, so a FIFO in its place raises rather than waits
-    forever for a writer."""
-    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(p))
-        return f.read()
+    """The bytes of the manifest file ``p`` (:func:`deltackpt.packs.read_file`: a regular file, or ``OSError``;
+    a FIFO in its place raises rather than waits forever for a writer)."""
+    return read_file(p)
 
 
 def read(directory: Path, checkpoint_id: str, *, expect_checksum: str | None = None) -> Manifest:

@@ -73,17 +73,17 @@ def open_lock(path: Path, flags: int) -> int:
     return fd
 
 
-def read_small(path: Path, limit: int, *, follow: bool = True) -> bytes:
-    """The bytes of the small store file ``path`` (``STORE``, ``LAST_COMMIT``). Raises ``OSError`` when it cannot
-    be read, with ``EINVAL`` for anything but a regular file (opened without blocking: a FIFO in its place
+def read_file(path: Path, limit: int | None = None, *, follow: bool = True) -> bytes:
+    """The bytes of the store file ``path`` (``STORE``, ``LAST_COMMIT``, a manifest). Raises ``OSError`` when it
+    cannot be read, with ``EINVAL`` for anything but a regular file (opened without blocking: a FIFO in its place
     raises rather than waits for a writer; a device is not read), ``EFBIG`` past ``limit`` bytes (a link to a
     large file is not read whole), ``ELOOP`` for a symbolic link unless ``follow``."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
-        data = f.read(limit + 1)
-    if len(data) > limit:
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
         raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
     return data
 

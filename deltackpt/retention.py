@@ -136,9 +136,9 @@ class Retention:
 
 def unranked_metric(retention: Retention, infos: Sequence[Any]) -> tuple[str, list[str]] | None:
     """When ``retention`` ranks by a ``keep_best`` metric that none of ``infos`` (anything with ``metadata``:
-    checkpoints, DCP steps) records as a number: that
-    metric, and the metadata keys they do record numbers under (a misspelt metric is then likely: the best
-    checkpoint it was meant to keep is not kept, and only the other rules keep anything). None otherwise."""
+    checkpoints, DCP steps) records as a number: that metric, and the metadata keys they do record numbers
+    under (a misspelt metric is then likely: the best checkpoint it was meant to keep is not kept, and only the
+    other rules keep anything). None otherwise."""
     if retention.keep_best is None:
         return None
     metric = retention.keep_best[0]

@@ -69,7 +69,7 @@ from deltackpt.packs import (
     fsync_dir,
     make_dirs,
     open_lock,
-    read_small,
+    read_file,
 )
 from deltackpt.retention import Retention, deleting_only
 from deltackpt.scratch import Scratch
@@ -2180,7 +2180,7 @@ def read_store_file(path: Path) -> int:
     damaged file: ``deltackpt repair`` writes it again from the manifests)."""
     cfg_path = path / "STORE"
     try:
-        cfg = json.loads(read_small(cfg_path, 1 << 16))  # (a regular file of at most 64 KiB: no FIFO, no device)
+        cfg = json.loads(read_file(cfg_path, 1 << 16))  # (a regular file of at most 64 KiB: no FIFO, no device)
         if type(cfg) is not dict:
             raise ValueError(f"a JSON {type(cfg).__name__}, not an object")
         fmt, version, cs = cfg["format"], cfg["version"], cfg["chunk_size"]
