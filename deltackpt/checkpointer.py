@@ -1276,8 +1276,8 @@ class Checkpointer:
         follows a rewrite to its replacement."""
         assert self.retention is not None
         infos = self.store._listing()
-        missing = unranked_metric(self.retention, infos)
-        if missing is not None and missing[1] and not self._warned_metric:  # (other metrics, not this one: a typo?)
+        missing = None if self._warned_metric else unranked_metric(self.retention, infos)
+        if missing is not None and missing[1]:  # (other metrics recorded, not this one: a typo?)
             self._warned_metric = True
             warnings.warn(f"deltackpt: Retention(keep_best) ranks by {missing[0]!r}, which no checkpoint's metadata "
                           f"records as a number (they record {', '.join(map(repr, missing[1]))}); only the other "

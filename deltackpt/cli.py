@@ -19,6 +19,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -610,7 +611,9 @@ def cmd_keep(args: argparse.Namespace) -> int:
     if not (root / "STORE").exists() and (root / "meta" / "STORE").exists():  # a DCP root: its steps
         from deltackpt import distributed
 
-        listed = distributed.summary(root)  # (the steps with the metadata their writers were given)
+        # the steps, with the metadata their writers were given (from the meta store alone: no rank store opened)
+        with distributed._meta_store(root, readonly=True) as meta:
+            listed = [replace(i, metadata=distributed._user_metadata(i.metadata)) for i in meta.list()]
         _check_metric(policy, listed)
         total = len(listed)
         dropped = distributed.retain(root, policy, dry_run=args.dry_run)

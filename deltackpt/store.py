@@ -1830,14 +1830,13 @@ class Store:
             if not workers:  # ... then this thread does the work (outside the lock, which more() takes)
                 workers.append(_Done.run(work))  # type: ignore[arg-type]
             done = 0
-            try:
-                while done < len(workers):  # workers can be added until the last one ends
-                    workers[done].result()
-                    done += 1
-            except BaseException:  # (a KeyboardInterrupt in the wait): no worker may go on writing into the
-                failed.append((len(items), _STOPPED))  # caller's tensors once this returns (nor past its gc lock)
-                _outwait(workers)
-                raise
+            while done < len(workers):  # workers can be added until the last one ends
+                workers[done].result()
+                done += 1
+        except BaseException:  # (a KeyboardInterrupt in the wait): no worker may go on writing into the caller's
+            failed.append((len(items), _STOPPED))  # tensors once this returns (nor past the gc lock it holds)
+            _outwait(workers)
+            raise
         finally:
             hook.clear()  # (every worker has ended)
         if failed:
