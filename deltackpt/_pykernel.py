@@ -110,7 +110,6 @@ EPAYLOAD = -3
 EDIGEST = -4
 _CODECS = (0, 1, 2, 3, 4)  # raw, zstd, planes+zstd, delta, predicted
 _HEADER, _CHECKED = 64, 56
-_WINDOW_MAX = 1 << 27
 
 
 def _unzstd(payload: memoryview, raw_len: int) -> bytes | None:
@@ -120,13 +119,12 @@ def _unzstd(payload: memoryview, raw_len: int) -> bytes | None:
         params = zstandard.get_frame_parameters(payload)
         if params.content_size != raw_len:
             return None
-        # a decompressobj reports bytes after the frame (the C side requires exactly one frame); the declared
-        # content size, checked above, bounds the output
-        dobj = zstandard.ZstdDecompressor(max_window_size=_WINDOW_MAX).decompressobj()
-        data = dobj.decompress(payload)
+        # one pass into an output of the declared content size, checked above (as the C side does: no window
+        # buffer, so the window the frame declares costs nothing); exactly one frame, nothing after it
+        data = zstandard.ZstdDecompressor().decompress(payload, allow_extra_data=False)
     except zstandard.ZstdError:
         return None
-    return data if len(data) == raw_len and dobj.eof and not dobj.unused_data else None
+    return data if len(data) == raw_len else None
 
 
 def decode_frames(

@@ -758,9 +758,7 @@ static struct dck_decoder *dck_decoder_get(size_t need)
         if (d == NULL)
             return NULL;
         d->dctx = ZSTD_createDCtx();
-        if (d->dctx == NULL ||
-            ZSTD_isError(ZSTD_DCtx_setParameter(d->dctx, ZSTD_d_windowLogMax, DCK_ZSTD_WINDOW_LOG_MAX)) ||
-            pthread_setspecific(dck_decoder_key, d) != 0) {
+        if (d->dctx == NULL || pthread_setspecific(dck_decoder_key, d) != 0) {
             dck_decoder_free(d);
             return NULL;
         }

@@ -106,8 +106,6 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
 #define DCK_CODEC_PLANES_ZSTD 2
 #define DCK_CODEC_DELTA 3
 #define DCK_CODEC_PREDICTED 4
-/* Largest zstd window a payload may ask for (log2): bounds the decoder's memory for a damaged frame. */
-#define DCK_ZSTD_WINDOW_LOG_MAX 27
 /* Error codes of dck_decode_frames (besides DCK_EINVAL). */
 #define DCK_ECHECKSUM (-2) /* a frame's checksum does not match its bytes */
 #define DCK_EPAYLOAD (-3)  /* a payload does not decode to exactly raw_len bytes */
@@ -126,10 +124,10 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
  * Effect:  frame k, in order k = 0 .. n-1, must first pass its checksum: XXH3-64 over bytes [0, 56) followed by
  *          the payload [64, frame_lens[k]) equals the u64 at [56, 64) (else DCK_ECHECKSUM). Then its payload
  *          P (the decoded bytes, exactly raw_len of them: RAW is the payload itself and its length must be
- *          raw_len; the others are one zstd frame declaring content size raw_len, window at most
- *          2^DCK_ZSTD_WINDOW_LOG_MAX, where a PREDICTED payload first holds a u32 little-endian length L and L
- *          bytes of prediction record that are skipped here, L + 4 <= payload length; else DCK_EPAYLOAD) is
- *          applied:
+ *          raw_len; the others are one zstd frame declaring content size raw_len, decoded in one pass into
+ *          raw_len bytes, so no window buffer is allocated and the window it declares is not checked; a
+ *          PREDICTED payload first holds a u32 little-endian length L and L bytes of prediction record that are
+ *          skipped here, L + 4 <= payload length; else DCK_EPAYLOAD) is applied:
  *            RAW, ZSTD:    dst = P
  *            PLANES_ZSTD:  dst = merge_planes(P, width)
  *            DELTA:        dst = merge_planes(P, width) XOR dst   (dst holds the base chunk on entry: the caller

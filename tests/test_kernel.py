@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xxhash
+import zstandard
 from conftest import ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -685,6 +686,28 @@ def test_decode_frames_payload_and_digest_errors(mod: types.ModuleType) -> None:
         mod.decode_frames([ok[:40]], [1], [1], out, None)
     with pytest.raises(ValueError):
         mod.decode_frames([ok], [1], [1], out, b"short")
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+def test_decode_frames_ignores_the_declared_window(mod: types.ModuleType) -> None:
+    """A zstd payload is decoded in one pass into the chunk's own bytes, with no window buffer: a frame declaring
+    a window of 2^30 (which no writer makes) decodes on both backends, as format.md section 3 says a one-pass
+    reader does, and costs no more memory."""
+    from deltackpt import codec
+
+    raw = np.frombuffer(bytes(range(256)) * 4096, np.uint8)  # 1 MiB
+    zst = zstandard.ZstdCompressor(level=1, write_content_size=True).compress(raw.tobytes())
+    fhd = zst[4]
+    assert fhd & 0x07 == 0  # no dictionary id, no checksum: the header is descriptor, [window], content size
+    single = bool(fhd & 0x20)
+    blocks = zst[5 + (0 if single else 1) + {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fhd >> 6]:]
+    wide = zst[:4] + bytes([0x80, (30 - 10) << 3]) + len(raw).to_bytes(4, "little") + blocks  # window 2^30
+    assert zstandard.get_frame_parameters(wide).window_size == 1 << 30
+    d = kernel.digest(raw)
+    out = np.zeros(len(raw), np.uint8)
+    frame = codec._frame(codec.ZSTD, 1, len(raw), d, codec.NO_BASE, wide)
+    assert mod.decode_frames([frame], [codec.ZSTD], [1], out, d) == (0, 0)
+    np.testing.assert_array_equal(out, raw)
 
 
 @needs_native
