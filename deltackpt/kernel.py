@@ -46,6 +46,7 @@ Contract (both backends)
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import warnings
 from pathlib import Path
@@ -74,7 +75,15 @@ class StaleBuildError(ImportError):
 
 
 def _load_native() -> Any:
-    from deltackpt import _kernel  # type: ignore[attr-defined]
+    try:
+        _kernel = importlib.import_module("deltackpt._kernel")
+    except ModuleNotFoundError as exc:
+        if exc.name != "deltackpt._kernel":
+            raise
+        raise ImportError(
+            "the compiled kernel deltackpt._kernel is not there: building it needs the xxHash headers and the zstd "
+            "library (apt-get install libxxhash-dev libzstd-dev), then pip install . (or make build in a checkout)"
+        ) from None
 
     if getattr(_kernel, "API_VERSION", None) != API_VERSION:
         raise StaleBuildError(
@@ -110,7 +119,7 @@ def _select() -> tuple[str, Any]:
         warnings.warn(
             f"deltackpt: native kernel unavailable ({exc}); using the slow pure-Python backend",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
         from deltackpt import _pykernel
 

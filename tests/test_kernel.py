@@ -506,6 +506,18 @@ def test_load_native_rejects_stale_builds(monkeypatch: pytest.MonkeyPatch) -> No
     assert kernel._load_native() is good
 
 
+def test_missing_native_kernel_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    # no compiled kernel (installed without the headers, or deleted): the warning, and the error when the native
+    # backend is asked for, say what is missing and how to build it (not "partially initialized module")
+    monkeypatch.setitem(sys.modules, "deltackpt._kernel", None)  # (what an import then finds: nothing)
+    monkeypatch.delenv("DELTACKPT_BACKEND", raising=False)
+    with pytest.warns(RuntimeWarning, match=r"deltackpt\._kernel is not there.*libxxhash-dev"):
+        assert kernel._select() == ("python", ref)
+    monkeypatch.setenv("DELTACKPT_BACKEND", "native")
+    with pytest.raises(ImportError, match=r"deltackpt\._kernel is not there.*libxxhash-dev"):
+        kernel._select()
+
+
 def test_setup_py_hashes_sources_like_kernel() -> None:
     # setup.py duplicates kernel.source_hash (it cannot import the package at build time); run its copy.
     tree = ast.parse((ROOT / "setup.py").read_text())
