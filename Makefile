@@ -5,7 +5,7 @@
 #   make demo    same setup, then the demo (or the kernel benchmark while there is no demo)
 #   make build   (re)build the native kernel in place
 #   make asan    build the kernel with ASan + UBSan into build/asan and run tests/test_kernel.py against it
-#   make lint    ruff check
+#   make lint    ruff check, mypy of the package, mypy --strict of the public API as the README uses it
 #   make bench   kernel throughput table (1 GiB buffer; BENCH_ARGS=--quick for 64 MiB)
 #
 # Setup steps are stamped in .venv/.stamps/ so repeated runs only redo what changed. The extension is always
@@ -94,6 +94,8 @@ bench: build
 
 lint: $(STAMPS)/install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict --follow-imports=silent tests/api_usage_typed.py
 
 # The sanitizer build goes to build/asan beside a minimal copy of the package (kernel modules only, so no
 # torch is imported under ASan); the ASan runtime is preloaded because python itself is not instrumented.

@@ -33,7 +33,7 @@ from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -291,6 +291,19 @@ def _stateful(obj: Any) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+class Stateful(Protocol):
+    """What a :class:`Checkpointer` saves and restores: a model, optimizer, LR scheduler, ``GradScaler``, data
+    loader, or any object with these two methods."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+
+
+#: one stateful object, or several in a list, tuple or dict (``model=[encoder, decoder]``)
+Members = Stateful | Sequence[Stateful] | Mapping[Any, Stateful]
+
+
 def _group(obj: Any, what: str = "object") -> Any:
     """One stateful object, or a list/tuple/dict of them (each member checked: TypeError naming it)."""
     if obj is None:
@@ -480,7 +493,9 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                                              ": saved by another kind of optimizer?")
                 for n, (pid, p) in enumerate(zip(params, lg["params"])):
                     st = states.get(pid) if isinstance(states, Mapping) else None
-                    for k in sorted(_PARAM_SHAPED & set(st)) if isinstance(st, Mapping) else ():
+                    if not isinstance(st, Mapping):
+                        continue
+                    for k in sorted(_PARAM_SHAPED & set(st)):
                         shape = getattr(st[k], "shape", None)
                         if shape is not None and len(shape) > 0 and list(shape) != list(p.shape):
                             raise ShapeMismatchError(
@@ -696,7 +711,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     words = py[1].tolist() if isinstance(py[1], np.ndarray) else py[1]
     random.setstate((py[0], tuple(words), py[2]))
     np_state = state["numpy"]
-    np.random.set_state(tuple(np_state))  # type: ignore[arg-type]
+    np.random.set_state(tuple(np_state))
     # (torch takes a CPU ByteTensor: a restore with map_location="cuda" loaded the states onto the GPU)
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
@@ -774,8 +789,8 @@ class _Staging:
 
     def _copy(self, obj: Any, path: tuple[Any, ...], run: _Pass) -> Any:
         """The copy of ``obj`` at ``path`` (the keys down to it: no string collisions) for :meth:`snapshot`."""
-        if type(obj) in run.registered:  # (before tensors: a registered tensor subclass is encoded)
-            encoded = encode_registered(obj)  # encoded now, its tensors copied like any other
+        # (before tensors: a registered tensor subclass is encoded now, its tensors copied like any other)
+        if type(obj) in run.registered and (encoded := encode_registered(obj)) is not None:
             return Encoded(encoded.name, self._copy(encoded.value, path, run))
         if isinstance(obj, torch.Tensor):
             # (refused at the step, as a sync save refuses it, not by the background save; the rest of what
@@ -832,7 +847,7 @@ class _Staging:
             for k, v in obj.items():
                 out[k] = self._copy(v, (*path, k), run)
             if t is OrderedDict and hasattr(obj, "_metadata"):  # (a state_dict()'s module versions)
-                out._metadata = self._copy(obj._metadata, (*path, _METADATA), run)  # type: ignore[attr-defined]
+                out._metadata = self._copy(obj._metadata, (*path, _METADATA), run)
             return out
         if t is list or t is tuple or t is deque:
             items = [self._copy(v, (*path, i), run) for i, v in enumerate(obj)]
@@ -910,11 +925,11 @@ class Checkpointer:
         self,
         path_or_store: str | os.PathLike[str] | Store,
         *,
-        model: Any = None,
-        optimizer: Any = None,
-        scheduler: Any = None,
-        scaler: Any = None,
-        data: Any = None,
+        model: Members | None = None,
+        optimizer: Members | None = None,
+        scheduler: Members | None = None,
+        scaler: Members | None = None,
+        data: Stateful | None = None,
         extra: dict[str, Any] | None = None,
         every_n_steps: int = 1,
         async_save: bool = True,
@@ -953,7 +968,7 @@ class Checkpointer:
         self._gc_rule = _GcAfterRetention()  # (a bad DELTACKPT_GC_MIN_BYTES is refused here, not at a save)
         # (opened once the arguments are known to be good: a refused Checkpointer creates no store)
         self._owns_store = not isinstance(path_or_store, Store)
-        self.store = Store(path_or_store) if self._owns_store else path_or_store  # type: ignore[arg-type]
+        self.store: Store = path_or_store if isinstance(path_or_store, Store) else Store(path_or_store)
         self.extra = extra if extra is not None else {}
         self.every_n_steps = every_n_steps
         self.async_save = async_save
@@ -1590,4 +1605,4 @@ class Checkpointer:
             threading.Event().wait(_ENDING_WAIT)
 
 
-__all__ = ["Checkpointer", "rng_state", "set_rng_state"]
+__all__ = ["Checkpointer", "Members", "Stateful", "rng_state", "set_rng_state"]

@@ -228,15 +228,17 @@ def cmd_diff(args: argparse.Namespace) -> int:
     for place in list(leaves[0]) + [p for p in leaves[1] if p not in leaves[0]]:
         a, b = leaves[0].get(place), leaves[1].get(place)
         ta, tb = tensors[0].get(place), tensors[1].get(place)
-        path = _escaped((a or b)[0]) or "<root>"  # type: ignore[index]
+        either = a if a is not None else b
+        assert either is not None  # (the place is a leaf of one side at least)
+        path = _escaped(either[0]) or "<root>"
         shown = (_shown(a, ta), _shown(b, tb))
         if ta is not None and tb is not None:
             what, chunks = _tensor_change(ma, ta, mb, tb)
             counts["tensors changed" if what else "tensors the same"] += 1
             if what or args.all:
                 rows.append((path, what or "same", chunks, *shown))
-        elif (a is None or b is None) and (a or b)[1][0] in _CONTAINER_NAMES \
-                and place in prefixes[0 if a is None else 1]:  # type: ignore[index]
+        elif (a is None or b is None) and either[1][0] in _CONTAINER_NAMES \
+                and place in prefixes[0 if a is None else 1]:
             continue  # an empty container the other side fills: its entries are the rows
         elif a is None or b is None:
             kind = "added" if a is None else "removed"
@@ -249,7 +251,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 rows.append((path, kind, "", *shown))
             group = gone[kind, root]
             group[1] += 1
-            group[2] += (ta or tb).nbytes if (ta or tb) is not None else 0
+            entry = ta if ta is not None else tb
+            group[2] += entry.nbytes if entry is not None else 0
             if group[1] > 1:
                 size = f"{group[1]} leaves, {human(group[2])}"
                 rows[group[0]] = (_place_path(root), kind, "", "-" if a is None else size, size if a is None else "-")
@@ -269,9 +272,9 @@ def cmd_diff(args: argparse.Namespace) -> int:
             counts["containers changed"] += 1
             what = f"type {ka[0]} -> {kb[0]}" if ka[0] != kb[0] else "dict key types"
             # the keys each side stores and the other does not, as Python shows them (1 on one side, True on the other)
-            shown = [_escaped(", ".join(sorted(dict(k[3])[j] for j in k[1] - o[1])))[:40] if ka[0] == kb[0] else k[0]
-                     for k, o in ((ka, kb), (kb, ka))]
-            rows.append((_escaped(path) or "<root>", what, "", *shown))
+            keys = [_escaped(", ".join(sorted(dict(k[3])[j] for j in k[1] - o[1])))[:40] if ka[0] == kb[0] else k[0]
+                    for k, o in ((ka, kb), (kb, ka))]
+            rows.append((_escaped(path) or "<root>", what, "", *keys))
         elif ka[0] == kb[0] and (order := _common_order(ka[3], kb[3])):  # (loads keep the order)
             counts["containers changed"] += 1
             rows.append((_escaped(path) or "<root>", "dict key order", "", *(_escaped(o)[:40] for o in order)))
@@ -696,12 +699,13 @@ def cmd_dcp(args: argparse.Namespace) -> int:
                   f"{'OK' if report.ok else f'{len(report.problems)} problem(s)'}")
             rc = rc if report.ok else 1
         names = distributed.verify_names(root)
-        for problem in names:
-            print(problem)
+        for line in names:
+            print(line)
         print(f"verify steps: {'OK' if not names else f'{len(names)} problem(s)'}")
         rc = rc if not names else 1
     steps = distributed.summary(root)
-    rows = [(i.step, i.id, when(i.created), i.ranks, human(i.logical_bytes), human(i.written_bytes)) for i in steps]
+    rows: list[tuple[Any, ...]] = [(i.step, i.id, when(i.created), i.ranks, human(i.logical_bytes),
+                                    human(i.written_bytes)) for i in steps]
     head = ["step", "id", "committed", "ranks", "logical", "written"]
     if any(i.metadata for i in steps):  # what the writer was given per step (a loss, a tag), as ls shows it
         rows = [(*row, _meta_str(i.metadata)) for row, i in zip(rows, steps)]

@@ -166,10 +166,10 @@ class Encoder:
 
     def encode(
         self,
-        raw: memoryview | bytes,
+        raw: memoryview | bytes | np.ndarray,
         digest: bytes,
         width: int,
-        base: memoryview | bytes | None = None,
+        base: memoryview | bytes | np.ndarray | None = None,
         base_digest: bytes | None = None,
         *,
         try_alone: bool = True,
@@ -209,7 +209,7 @@ class Encoder:
         return _frame(best_codec, width, n, digest, base_id, best)
 
     def encode_predicted(
-        self, raw: memoryview | bytes, digest: bytes, width: int, prediction: memoryview | np.ndarray,
+        self, raw: memoryview | bytes | np.ndarray, digest: bytes, width: int, prediction: memoryview | np.ndarray,
         base_digest: bytes, record: bytes,
     ) -> bytes:
         """Return the predicted frame (codec 4) of ``raw``: ``record`` (a packed

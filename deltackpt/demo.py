@@ -33,7 +33,7 @@ from deltackpt.cli import human, table
 from deltackpt.data import ResumableLoader, ResumableSampler
 
 
-def _model() -> torch.nn.Module:
+def _model() -> torch.nn.Sequential:
     return torch.nn.Sequential(
         torch.nn.Embedding(1024, 128),  # frozen below, as in fine-tuning: its chunks dedup across saves
         torch.nn.Flatten(),
@@ -72,7 +72,7 @@ def train(store: str, out: str, steps: int) -> int:
         opt.step()
         sched.step()
         step += 1
-        log.write(f"{step} {loss.item().hex()}\n")
+        log.write(f"{step} {float(loss.item()).hex()}\n")
         log.flush()
         ckpt.step(step)
         print(f"step {step} loss {loss.item():.4f}", flush=True)

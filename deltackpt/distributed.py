@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -290,12 +290,12 @@ class DeltaStorageWriter(StorageWriter):
                     objects[key] = obj
                     kinds.append((item.index, key, "object", 0))
                 else:
-                    data = planner.resolve_data(item)
+                    data = cast(io.BytesIO, planner.resolve_data(item))  # (a bytes item's data: DCP's contract)
                     raw = np.frombuffer(data.getbuffer(), np.uint8).copy()
                     pickled[key] = raw
                     kinds.append((item.index, key, "pickled", raw.nbytes))
             else:
-                t = planner.resolve_data(item).detach()
+                t = cast(torch.Tensor, planner.resolve_data(item)).detach()
                 tensors[key] = t if t.is_contiguous() else t.contiguous()
                 kinds.append((item.index, key, "tensor", t.numel() * t.element_size()))
         store = self._store(_rank_path(self.root, rank))
@@ -376,10 +376,10 @@ class DeltaStorageWriter(StorageWriter):
                        r.storage_data.rank, r.storage_data.key, r.storage_data.kind, r.size_in_bytes] for r in stored],
         }
         sm = metadata.storage_meta
+        checkpoints = [list(rc) for rc in sorted({(r.storage_data.rank, r.storage_data.checkpoint) for r in stored})]
         head = {
             "format": META_FORMAT,
-            "checkpoints": [list(rc) for rc in sorted({(r.storage_data.rank, r.storage_data.checkpoint)
-                                                       for r in stored})],
+            "checkpoints": checkpoints,
             "storage_meta": None if sm is None else {"checkpoint_id": None if sm.checkpoint_id is None
                                                      else str(sm.checkpoint_id),
                                                      "save_id": sm.save_id, "modules": list(sm.modules)},
@@ -390,7 +390,7 @@ class DeltaStorageWriter(StorageWriter):
             tree.encode_plain(head)
         except UnsupportedTypeError as exc:
             raise UnsupportedTypeError(f"DCP metadata of step {self.step}: {exc}") from None
-        _check_saved_here(self.root, self.step, head["checkpoints"])
+        _check_saved_here(self.root, self.step, checkpoints)
         meta = self._store(self.root / "meta")
         meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
         if self.retention is not None:
@@ -1018,3 +1018,7 @@ def _delete_rank_checkpoints(root: Path, which: set[tuple[int, str]]) -> None:
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards") as store:
             # (one deleted already, by an interrupted delete, is passed over)
             store._delete([(None, ckpt) for r, ckpt in sorted(which) if r == rank], missing_ok=True)
+
+
+__all__ = ["DeltaStorageReader", "DeltaStorageWriter", "StepInfo", "delete", "missing_stores", "prune", "retain",
+           "steps", "stores", "summary", "verify_names"]

@@ -148,7 +148,7 @@ class Record:
     @classmethod
     def loads(cls, raw: bytes) -> Record:
         """The record from its JSON, each field checked for its type and range (format.md §6)."""
-        d = None
+        d: Any = None
         try:
             d = json.loads(raw)
             if type(d) is not dict or not d.keys() <= _RECORD_FIELDS:
@@ -184,7 +184,7 @@ _SEQ_LIMIT = 1 << 62
 DROPPED = b"dropped"
 
 
-def _dropped_value(raw: bytes | None) -> int:
+def _dropped_value(raw: bytes | memoryview | None) -> int:
     """The ``dropped`` counter from its stored value; 0 for none, and for a value out of shape (it is advisory:
     damage only delays or brings forward a gc, and the next delete writes it again)."""
     return _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 and raw[0] < 0x40 else 0
@@ -811,9 +811,9 @@ class Index:
                 # it (the order stays), a delete or another rewrite removed it
                 sk = txn.get(replace.id.encode(), db=self.db_ids)
                 raw = txn.get(sk, db=self.db_ckpts) if sk is not None else None
-                if raw is None:
+                if sk is None or raw is None:
                     raise CheckpointNotFoundError(f"checkpoint {replace.id} was deleted or replaced meanwhile")
-                current = record_at(sk, raw)
+                current = record_at(bytes(sk), bytes(raw))
                 if current.id != replace.id:
                     raise CorruptIndexError(f"index entry for id {replace.id} leads to checkpoint {current.id}; "
                                             f"{REPAIR_HINT}")
@@ -855,7 +855,7 @@ class Index:
                     stale.append(record)
                     continue
                 raw = txn.get(sk, db=self.db_ckpts)
-                current = Record.loads(raw) if raw is not None else record
+                current = Record.loads(bytes(raw)) if raw is not None else record
                 self._remove(txn, current)
                 removed += max(0, current.written_bytes)
             if len(stale) < len(records):

@@ -995,3 +995,7 @@ def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
         raise
     store._alone_fd, store._maint_fd, store._alone_pid = fd, mfd, pid
     return store
+
+
+__all__ = ["GcReport", "Problem", "Progress", "RepairReport", "VerifyReport", "find_damaged_frames", "gc",
+           "open_for_repair", "rebuild_index_dir", "repair", "verify"]

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import overload
 
 import numpy as np
 
@@ -437,6 +438,13 @@ class PackReader:
                     closing.append(h.fd)
         for fd in closing:
             os.close(fd)
+
+    @overload
+    def read(self, pack_id: str, offset: int, length: int, into: None = None,
+             before_blocking: Callable[[], None] | None = None) -> bytes: ...
+    @overload
+    def read(self, pack_id: str, offset: int, length: int, into: np.ndarray,
+             before_blocking: Callable[[], None] | None = None) -> np.ndarray: ...
 
     def read(self, pack_id: str, offset: int, length: int, into: np.ndarray | None = None,
              before_blocking: Callable[[], None] | None = None) -> bytes | np.ndarray:

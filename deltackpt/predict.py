@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections import Counter
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +122,7 @@ def fit_param(
     """Coefficients of the parameter predictor for one chunk: ``moments`` (c0..c3, see
     :func:`second_moment_coefs`), then A and B of ``p = A·p' - B·m / (√w + E)`` fitted by least squares on an
     evenly spaced sample, then ``e`` (E). None when the chunk gives nothing to fit (no update, non-finite)."""
-    return _fit_param(*_sample(p_old, p_new, m, m_old, v_old), moments, e, score=False)[0]
+    return _fit_param(_sample(p_old, p_new, m, m_old, v_old), moments, e, score=False)[0]
 
 
 def _sample(*bufs: Any) -> list[np.ndarray]:
@@ -134,11 +134,11 @@ def _sample(*bufs: Any) -> list[np.ndarray]:
 
 
 def _fit_param(
-    po: np.ndarray, pn: np.ndarray, mm: np.ndarray, m1: np.ndarray, v1: np.ndarray,
-    moments: tuple[float, float, float, float], e: float, *, score: bool = True,
+    sample: Sequence[np.ndarray], moments: tuple[float, float, float, float], e: float, *, score: bool = True,
 ) -> tuple[tuple[float, ...] | None, float]:
-    """:func:`fit_param` on samples (:func:`_sample` of p', p, m, m', v'), and (``score``) how far the fitted
+    """:func:`fit_param` on ``sample`` (:func:`_sample` of p', p, m, m', v'), and (``score``) how far the fitted
     prediction misses the sample (median relative error; else 0)."""
+    po, pn, mm, m1, v1 = sample
     with np.errstate(all="ignore"):
         u = mm / (np.sqrt(adam_w(moments, mm, m1, v1)) + e)
         ok = np.isfinite(po) & np.isfinite(pn) & np.isfinite(u)
@@ -210,7 +210,7 @@ def choose_coefs(role: Role, base: Any, new: Any, inputs: list[Any]) -> tuple[fl
                 got: tuple[tuple[float, ...] | None, float] = (moments, _miss(adam_w(moments, mm, m1, v1), vn))
         else:
             e = param_eps(dataclasses.replace(role, beta1=beta1, beta2=beta2, eps=eps))
-            got = _fit_param(*sample, moments, e, score=len(options) > 1)
+            got = _fit_param(sample, moments, e, score=len(options) > 1)
         if got[0] is not None and (best[0] is None or got[1] < best[1]):
             best = got
     return best[0]
@@ -285,10 +285,12 @@ def _averages(outside: list[Any], pairs: Mapping[str, str], roles: Mapping[str, 
     found: list[tuple[str, str]] = []
     for p in sorted(params):
         leaf = by_path.get(p)
+        if leaf is None:
+            continue
         parts = _unwrapped(p).split(".")[1:]  # (the name within the model: the first component is the model's)
         # the longest name that some tensor's path ends in, down to two components (one for a one-part name):
         # ``net.blocks.0.weight`` of a ModuleDict whose copy is ``model.ema.module.blocks.0.weight``
-        for j in range(max(1, len(parts) - 1)) if leaf is not None else ():
+        for j in range(max(1, len(parts) - 1)):
             cands = [c for c in by_name.get(".".join(parts[j:]), ()) if c.shape == leaf.shape]
             if cands:
                 if len(cands) == 1:
@@ -385,7 +387,8 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
         prefix, sep, g = ("." + head).rpartition(".param_groups.")
         if not sep:
             continue
-        group = {name: flat.get(f"{head}.{name}") for name in ("betas", "eps") if f"{head}.{name}" in flat}
+        group: Mapping[str, Any] = {name: flat.get(f"{head}.{name}") for name in ("betas", "eps")
+                                    if f"{head}.{name}" in flat}
         names = flat.get(f"{head}.param_names")
         if not (isinstance(names, (list, tuple)) and len(names) == len(ids)):
             names = ids  # state keyed by name (get_state_dict), or by number without names: second moments only

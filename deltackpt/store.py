@@ -19,6 +19,7 @@ On-disk layout of a store (see ``docs/format.md``)::
 
 from __future__ import annotations
 
+import builtins
 import collections
 import contextlib
 import copy
@@ -40,7 +41,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -61,6 +62,7 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key, record_at
+from deltackpt.manifest import Manifest, TensorEntry
 from deltackpt.packs import (
     PackReader,
     PackWriter,
@@ -73,6 +75,9 @@ from deltackpt.packs import (
 )
 from deltackpt.retention import Retention, deleting_only
 from deltackpt.scratch import Scratch
+
+if TYPE_CHECKING:  # (maintenance imports this module)
+    from deltackpt.maintenance import GcReport, Progress, RepairReport, VerifyReport
 
 STORE_FORMAT = "deltackpt-store"
 STORE_VERSION = 1
@@ -164,7 +169,7 @@ def _check_metadata(metadata: Any) -> dict[str, Any] | None:
     return dict(metadata)
 
 
-def _same_entry(m: manifest.Manifest, a: manifest.TensorEntry, b: manifest.TensorEntry) -> bool:
+def _same_entry(m: Manifest, a: TensorEntry, b: TensorEntry) -> bool:
     """Whether two tensor entries of ``m`` hold the same bytes (the same entry, or equal chunk ids)."""
     return a is b or (a.nbytes == b.nbytes and a.count == b.count and np.array_equal(
         m.digests[a.first : a.first + a.count], m.digests[b.first : b.first + b.count]))
@@ -295,7 +300,7 @@ def _share_memory(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) ->
     except (TypeError, RuntimeError):  # not on the CPU (or a layout numpy cannot view)
         return True
     try:
-        return bool(np.shares_memory(x, y, max_work=1 << 20))
+        return bool(np.shares_memory(x, y, max_work=1 << 20))  # type: ignore[arg-type]  # (stubs: -1 or 0 only)
     except getattr(np, "exceptions", np).TooHardError:  # (numpy < 1.25 has it at the top level)
         return True
 
@@ -382,7 +387,7 @@ class _Pinned:
         return self._buf[:n]
 
 
-def _output(t: manifest.TensorEntry, map_location: Any) -> tuple[torch.Tensor | np.ndarray, torch.device | None]:
+def _output(t: TensorEntry, map_location: Any) -> tuple[torch.Tensor | np.ndarray, torch.device | None]:
     """A new tensor (pinned for CUDA) or array to decode the stored tensor ``t`` into, and for a tensor the device
     it goes to. Its storage holds exactly ``t.nbytes`` bytes (checked: a dtype whose elements are not whole bytes
     would have the kernel write past it)."""
@@ -397,7 +402,7 @@ def _output(t: manifest.TensorEntry, map_location: Any) -> tuple[torch.Tensor | 
     return out, dev
 
 
-def _new_output(rec: Record, t: manifest.TensorEntry,
+def _new_output(rec: Record, t: TensorEntry,
                 map_location: Any) -> tuple[torch.Tensor | np.ndarray, torch.device | None, np.ndarray]:
     """:func:`_output` for a load of checkpoint ``rec``, with its bytes as a uint8 array; an error names the
     checkpoint and the tensor."""
@@ -574,7 +579,7 @@ class Store:
             raise ReadOnlyStoreError(f"store {self.path} is {why}: open it with readonly=True")
         self.readonly = why is not None if readonly is None else bool(readonly)
         self._readonly_why = why or "open read-only"
-        self.index: Index | None = None  # type: ignore[assignment]  # a new store's is opened as it is created
+        self.index: Index = None  # type: ignore[assignment]  # a new store's is opened as it is created
         try:
             self.chunk_size = self._init_layout(chunk_size, allow)
             if self.index is None:
@@ -594,7 +599,7 @@ class Store:
         self._pools_of: tuple[int, ThreadPoolExecutor, ThreadPoolExecutor] | None = None
         self._local = threading.local()
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
-        self._last_manifest: manifest.Manifest | None = None
+        self._last_manifest: Manifest | None = None
         self._pinned = _Pinned()
         #: what the last list() decoded, by record key and bytes: records that did not change are not decoded again
         self._listed: dict[tuple[bytes, bytes], tuple[CheckpointInfo, tuple[str, ...]]] = {}
@@ -824,7 +829,7 @@ class Store:
             raise CheckpointNotFoundError(f"store {self.path} holds no checkpoint")
         return rec
 
-    def _manifest(self, rec: Record) -> manifest.Manifest:
+    def _manifest(self, rec: Record) -> Manifest:
         try:
             m = manifest.read(self._manifests_dir, rec.id, expect_checksum=rec.manifest_checksum)
         except CorruptManifestError:
@@ -864,12 +869,14 @@ class Store:
         now = self._current_id(rec.parent)
         return info if now is None or now == rec.parent else dataclasses.replace(info, parent=now)
 
+    # (the signatures below say builtins.list: in this class's scope, which type checkers read them in, ``list``
+    # is this method)
     def list(self) -> list[CheckpointInfo]:
         """Every retained checkpoint, oldest commit first."""
         # (each its own metadata: what a caller does to one is not what the next listing, or retention, reads)
         return [_detached(info) for info in self._listing()]
 
-    def _listing(self) -> list[CheckpointInfo]:
+    def _listing(self) -> builtins.list[CheckpointInfo]:
         """:meth:`list`, its infos shared with earlier listings of this handle (their metadata too): for readers
         that change nothing, such as retention after every save."""
         self._refresh()
@@ -879,7 +886,7 @@ class Store:
         return [info if info.parent in ids or info.parent not in moved
                 else dataclasses.replace(info, parent=moved[info.parent]) for info, _ in rows]
 
-    def _rows(self) -> list[tuple[CheckpointInfo, tuple[str, ...]]]:
+    def _rows(self) -> builtins.list[tuple[CheckpointInfo, tuple[str, ...]]]:
         """Every record, oldest commit first, as (info with its parent as recorded, ids it replaced).
 
         A Checkpointer with a retention policy lists after every save: the records listed before are taken from
@@ -907,7 +914,7 @@ class Store:
         rec = self.index.get()
         return None if rec is None else self._info(rec)
 
-    def manifest(self, step: int | None = None, *, id: str | None = None) -> manifest.Manifest:
+    def manifest(self, step: int | None = None, *, id: str | None = None) -> Manifest:
         """The parsed, verified manifest of a checkpoint (for inspection tools)."""
         self._refresh()
         return self._manifest(self._record(step, id))
@@ -978,7 +985,7 @@ class Store:
                 if parent is None:
                     raise CheckpointNotFoundError(f"parent checkpoint {named} is not in {self.path}")
             use_delta = parent is not None and self.max_chain > 0 and _replace is None and not keyframe
-            pm = self._parent_manifest(parent) if use_delta else None
+            pm = self._parent_manifest(parent) if use_delta and parent is not None else None
             ref = pm
             if ref is None and parent is not None:  # (a keyframe, a rewrite: the parent still tells, when readable)
                 with contextlib.suppress(CorruptManifestError, FormatVersionError):
@@ -996,7 +1003,7 @@ class Store:
             roles = predict.plan(state, leaves, _pairs) if self.predict and pm is not None else {}
             if _flat is not None and self.predict and pm is not None:  # a DCP rank's shards (distributed.py)
                 roles = {**predict.plan_flat(leaves, _flat[1], _flat[0]), **roles}
-            if roles:  # the betas the parent's update used: see predict.choose_coefs
+            if roles and pm is not None:  # the betas the parent's update used: see predict.choose_coefs
                 roles = predict.with_betas_before(roles, predict.betas_in_skeleton(pm.tree))
             mark = self._writer.mark()
             try:
@@ -1004,7 +1011,7 @@ class Store:
                     leaves, pm, generation, roles, self_contained=whole
                 )
                 self._writer.sync()  # 1. every new frame durable
-                m = manifest.Manifest(
+                m = Manifest(
                     id=ckpt_id,
                     step=step,
                     created=_replace.created if _replace is not None else time.time(),  # a rewrite: same place
@@ -1084,7 +1091,7 @@ class Store:
         self._last_manifest = last
         return info
 
-    def _parent_manifest(self, parent: str) -> manifest.Manifest | None:
+    def _parent_manifest(self, parent: str) -> Manifest | None:
         last = self._last_manifest
         if last is not None and last.id == parent:
             return last
@@ -1092,9 +1099,9 @@ class Store:
         return None if rec is None else self._manifest(rec)
 
     def _write_leaves(
-        self, leaves: list[tree.Leaf], pm: manifest.Manifest | None, generation: int,
+        self, leaves: builtins.list[tree.Leaf], pm: Manifest | None, generation: int,
         roles: Mapping[str, predict.Role] | None = None, *, self_contained: bool = False,
-    ) -> tuple[list[manifest.TensorEntry], np.ndarray, np.ndarray, dict[bytes, ChunkLoc], int, set[bytes]]:
+    ) -> tuple[builtins.list[TensorEntry], np.ndarray, np.ndarray, dict[bytes, ChunkLoc], int, set[bytes]]:
         """Name every chunk of ``leaves``, encode and append the new ones; return the manifest's tensor entries,
         digests and flags, the new chunks' locations, the bytes written and the keys of every stored chunk.
 
@@ -1114,14 +1121,14 @@ class Store:
         # (here or in the parent) takes no part in predictions and has no delta parent, which are found by path:
         # the two tensors' bytes would be mixed up (decodes stay lossless, but a save failed its digest check).
         shared = _shared_paths(leaf.path for leaf in leaves)
-        parents: dict[str, manifest.TensorEntry] = {}
+        parents: dict[str, TensorEntry] = {}
         if pm is not None and pm.chunk_size == cs:
             shared |= _shared_paths(t.key for t in pm.tensors)
             parents = {t.key: t for t in pm.tensors if t.key not in shared}
         roles = {p: r for p, r in (roles or {}).items() if not {p, r.m, r.v} & shared}
         first_moments = {r.m for r in roles.values() if not r.average}
         sources = {r.m for r in roles.values()}  # what predictions read of this save (parameters, for averages)
-        entries: list[manifest.TensorEntry] = []
+        entries: list[TensorEntry] = []
         all_digests: list[np.ndarray] = []
         all_flags: list[np.ndarray] = []
         new_locs: dict[bytes, ChunkLoc] = {}
@@ -1130,7 +1137,7 @@ class Store:
         # (future, key, entry, depth if the frame is a delta, depth if it is a predicted frame, the parent's chunks
         # it reads from the base cache)
         inflight: collections.deque[
-            tuple[Future[bytes] | _Done, bytes, manifest.TensorEntry, int, int, tuple[bytes, ...]]
+            tuple[Future[bytes] | _Done, bytes, TensorEntry, int, int, tuple[bytes, ...]]
         ] = collections.deque()
         # The parent's chunks that encodes submitted or still to come read from the base cache (delta bases,
         # prediction inputs), with how many read each. Once the last has read one it leaves the cache (unless
@@ -1142,7 +1149,7 @@ class Store:
         first = 0
         # tensors with a predictor role and their first moments (on the CPU): (bytes, digests, zero flags)
         hosted: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-        deferred: list[tuple[tree.Leaf, manifest.TensorEntry, int, bytes, tuple[bytes, int]]] = []
+        deferred: list[tuple[tree.Leaf, TensorEntry, int, bytes, tuple[bytes, int]]] = []
 
         def drain(keep: int) -> None:
             nonlocal written
@@ -1169,8 +1176,8 @@ class Store:
                 entry.written += len(frame)
                 written += len(frame)
 
-        def submit(leaf: tree.Leaf, entry: manifest.TensorEntry, i: int, k: bytes, base: tuple[bytes, int] | None,
-                   buf: np.ndarray, prediction: tuple[predict.Role, list[bytes], int] | None = None,
+        def submit(leaf: tree.Leaf, entry: TensorEntry, i: int, k: bytes, base: tuple[bytes, int] | None,
+                   buf: np.ndarray, prediction: tuple[predict.Role, builtins.list[bytes], int] | None = None,
                    read: tuple[bytes, ...] | None = None) -> None:
             """Encode chunk ``i`` on the pool. ``read``: the parent's chunks it reads, counted in ``reads`` already
             (by default its base, counted here)."""
@@ -1205,7 +1212,7 @@ class Store:
                         from None
                 digests, zero = kernel.chunk_digests(buf, cs, self.threads)
                 n = len(zero)
-                entry = manifest.TensorEntry(
+                entry = TensorEntry(
                     key=leaf.path, kind=leaf.kind, dtype=leaf.dtype, shape=list(leaf.shape), nbytes=leaf.nbytes,
                     width=leaf.width, first=first, count=n, requires_grad=leaf.requires_grad,
                     parameter=leaf.parameter, device=leaf.device,
@@ -1292,9 +1299,9 @@ class Store:
     def _prediction_inputs(
         self, role: predict.Role, i: int, k: bytes, base: tuple[bytes, int],
         hosted: Mapping[str, tuple[np.ndarray, np.ndarray, np.ndarray]],
-        parents: Mapping[str, manifest.TensorEntry], pm: manifest.Manifest | None,
+        parents: Mapping[str, TensorEntry], pm: Manifest | None,
         new_locs: Mapping[bytes, ChunkLoc],
-    ) -> tuple[predict.Role, list[bytes], int] | None:
+    ) -> tuple[predict.Role, builtins.list[bytes], int] | None:
         """The keys of the chunks a prediction of chunk ``i`` (key ``k``) would reference, in the record's order
         (this checkpoint's first moment, the parent's first moment, for a parameter the parent's second
         moment), and the chain depth it would have; None when it cannot be predicted within the chain bound or
@@ -1365,9 +1372,9 @@ class Store:
     def _bases(
         self,
         leaf: tree.Leaf,
-        pt: manifest.TensorEntry | None,
-        pm: manifest.Manifest | None,
-        todo: list[tuple[int, bytes]],
+        pt: TensorEntry | None,
+        pm: Manifest | None,
+        todo: builtins.list[tuple[int, bytes]],
         phase: int,
     ) -> dict[int, tuple[bytes, int]]:
         """Delta base (key, depth) for each new chunk position whose parent chunk may serve as one.
@@ -1440,7 +1447,7 @@ class Store:
         :meth:`_delta_mode`). ``checked``: the chunk's bytes as :meth:`_checked` returned them, when the caller
         has them already."""
         raw = checked if checked is not None else self._checked(view, key)
-        base = None
+        base: np.ndarray | memoryview | None = None
         if base_key is not None and mode == "alone":
             base_key = None
         if base_key is not None:
@@ -1477,7 +1484,7 @@ class Store:
         return got if got is not None else self.read_chunk(key)
 
     def _encode_predicted(
-        self, view: memoryview, key: bytes, width: int, base_key: bytes, role: predict.Role, refs: list[bytes],
+        self, view: memoryview, key: bytes, width: int, base_key: bytes, role: predict.Role, refs: builtins.list[bytes],
         m: np.ndarray,
     ) -> bytes:
         """Encode a chunk of a tensor with a predictor role: the predicted frame when it is at most
@@ -1492,7 +1499,7 @@ class Store:
             base = self._raw_of(base_key)
             # the first moment as this save hashed it: its chunk was encoded (and kept) before, else a checked copy
             first = self._base_cache.get(refs[0])
-            inputs = [first if first is not None else self._checked(m, refs[0])]
+            inputs: list[np.ndarray | memoryview] = [first if first is not None else self._checked(m, refs[0])]
             inputs += [inputs[0] if r == refs[0] else self._raw_of(r) for r in refs[1:]]
         except CorruptChunkError:
             return self._encode(view, key, width, None, checked=raw)  # a damaged input must not spread: a keyframe
@@ -1549,14 +1556,14 @@ class Store:
                     "allow_pickle=True only if you trust the store")
             given = _placements(m, into) if into is not None else {}
             objs: list[Any] = []
-            jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []
-            finals: list[tuple[int, torch.Tensor, torch.device]] = []
+            jobs: list[tuple[TensorEntry, np.ndarray]] = []
+            finals: list[tuple[int, Any, torch.device]] = []  # (a tensor: only those have a device)
             copies: list[tuple[Any, Any]] = []
             for n, t in enumerate(m.tensors):
                 target = given.get(n)
                 if target is not None:
-                    out, staging = _decode_target(target)
-                    jobs.append((t, out))
+                    dest, staging = _decode_target(target)
+                    jobs.append((t, dest))
                     if staging is not None:
                         copies.append((target, staging))
                     objs.append(target)
@@ -1591,7 +1598,7 @@ class Store:
         verify: bool = True,
         strict: bool = True,
         spans: Mapping[str, tuple[int, int]] | None = None,
-    ) -> list[str]:
+    ) -> builtins.list[str]:
         """Copy a checkpoint's tensors into the tensors of ``target`` in place, matched by place.
 
         ``target`` is a state tree of the same shape as the saved one (e.g. ``model.state_dict()``). CPU
@@ -1620,7 +1627,7 @@ class Store:
         with self._gc_lock():
             rec = self._record(step, id)
             m = self._manifest(rec)
-            stored: dict[tree.Place, manifest.TensorEntry] = {}
+            stored: dict[tree.Place, TensorEntry] = {}
             stored_paths: dict[tree.Place, str] = {}
             for place, path, i in tree.leaf_refs(m.tree):
                 if not 0 <= i < len(m.tensors):
@@ -1634,12 +1641,12 @@ class Store:
                     f"checkpoint {rec.id} (step {rec.step}) and the target differ: missing in checkpoint "
                     f"{_some(missing)}, not in target {_some(unexpected)}"
                 )
-            jobs: list[tuple[manifest.TensorEntry, np.ndarray]] = []
+            jobs: list[tuple[TensorEntry, np.ndarray]] = []
             job_spans: list[tuple[int, int] | None] = []
             copies: list[tuple[Any, np.ndarray]] = []
-            filled: dict[int, tuple[str, manifest.TensorEntry]] = {}
+            filled: dict[int, tuple[str, TensorEntry]] = {}
             filled_order: list[int] = []
-            filled_from: list[manifest.TensorEntry] = []
+            filled_from: list[TensorEntry] = []
             for place, key, i in wanted:
                 t = stored.get(place)
                 if t is None:
@@ -1657,9 +1664,9 @@ class Store:
                             f"target tensor {key!r} is the tensor at {first_key!r}, and the checkpoint holds two "
                             "different tensors there: the target cannot hold both")
                     continue
-                why = _unfillable(leaf.obj)
-                if why is not None:
-                    raise ShapeMismatchError(f"{key!r}: the target cannot hold the checkpoint's values: {why}")
+                unfit = _unfillable(leaf.obj)
+                if unfit is not None:
+                    raise ShapeMismatchError(f"{key!r}: the target cannot hold the checkpoint's values: {unfit}")
                 filled[i] = (key, t)
                 filled_order.append(i)
                 filled_from.append(t)
@@ -1683,7 +1690,7 @@ class Store:
         self._head = rec.id
         return missing
 
-    def _read_tensors(self, checkpoint_id: str, indices: Sequence[int]) -> list[torch.Tensor | np.ndarray]:
+    def _read_tensors(self, checkpoint_id: str, indices: Sequence[int]) -> builtins.list[torch.Tensor | np.ndarray]:
         """The tensors of checkpoint ``checkpoint_id`` at ``indices`` of its tensor table, decoded (verified) on
         the CPU: the other tensors' chunks are not read (``deltackpt get``)."""
         with self._gc_lock():
@@ -1693,7 +1700,7 @@ class Store:
             self._read_into(m, [(m.tensors[i], o[2]) for i, o in zip(indices, outs)], verify=True)
         return [o[0] for o in outs]
 
-    def _read_into(self, m: manifest.Manifest, jobs: list[tuple[manifest.TensorEntry, np.ndarray]], *,
+    def _read_into(self, m: Manifest, jobs: builtins.list[tuple[TensorEntry, np.ndarray]], *,
                    verify: bool, spans: Sequence[tuple[int, int] | None] | None = None) -> None:
         """Decode the tensors of ``jobs`` (entry, output bytes); ``spans[n]``, when given and not None, limits
         job n to the chunks that overlap that byte range of the tensor, and its output to the range: a chunk the
@@ -1701,7 +1708,7 @@ class Store:
         not written)."""
         self.reader.drop_unlinked()  # packs a gc elsewhere deleted: their space returns once closed
         cs = m.chunk_size
-        work: list[tuple[manifest.TensorEntry, bytes, np.ndarray]] = []
+        work: list[tuple[TensorEntry, bytes, np.ndarray]] = []
         parts: list[tuple[np.ndarray, np.ndarray]] = []  # (in-range part of a chunk decoded aside, its output)
         for n, (t, out) in enumerate(jobs):
             if len(out) != t.nbytes:
@@ -1739,7 +1746,7 @@ class Store:
         later = [item for item in work if locs[item[1]].codec == codec.PREDICTED]
         first = [item for item in work if locs[item[1]].codec != codec.PREDICTED] if later else work
 
-        def named(item: tuple[manifest.TensorEntry, bytes, Any], exc: BaseException) -> BaseException:
+        def named(item: tuple[TensorEntry, bytes, Any], exc: BaseException) -> BaseException:
             """A failure as raised by the load: naming the checkpoint, and the chunk and tensor it was for."""
             if isinstance(exc, FormatVersionError):  # a newer writer's frame (its chunk or one it decodes from)
                 what = str(exc) if str(exc).startswith("chunk ") else f"chunk {_kid(item[1])}: {exc}"
@@ -1750,7 +1757,7 @@ class Store:
                 exc = CorruptChunkError(exc.reason, chunk_id=_kid(item[1]), key=item[0].key)
             return CorruptChunkError(exc.reason, chunk_id=exc.chunk_id, checkpoint=m.id, key=exc.key)
 
-        def decode(item: tuple[manifest.TensorEntry, bytes, np.ndarray]) -> None:
+        def decode(item: tuple[TensorEntry, bytes, np.ndarray]) -> None:
             try:
                 self.read_chunk(item[1], locs[item[1]], out=item[2], verify=verify, bases=chains, scratch=scratch)
             except CorruptChunkError:
@@ -1764,7 +1771,7 @@ class Store:
             return
         decoded = {k: view for _, k, view in first}
         refs = self.read_each(lambda item: self._named_inputs(item[1], locs[item[1]]), later, named)
-        groups: dict[bytes, list[tuple[manifest.TensorEntry, bytes, np.ndarray]]] = {}
+        groups: dict[bytes, list[tuple[TensorEntry, bytes, np.ndarray]]] = {}
         for item, r in zip(later, refs):
             groups.setdefault(r[0] if r else item[1], []).append(item)
         self.read_each(lambda group: self._read_group(group, locs, chains, decoded, verify, scratch),
@@ -1773,7 +1780,7 @@ class Store:
             dest[:] = part
 
     def read_each(self, fn: Callable[[_T], _R], items: Sequence[_T],
-                  named: Callable[[_T, BaseException], BaseException] | None = None) -> list[_R]:
+                  named: Callable[[_T, BaseException], BaseException] | None = None) -> builtins.list[_R]:
         """``[fn(item) for item in items]`` on the read workers, which take items in order from one queue.
 
         One task per worker rather than a future per item: a load has thousands of chunks, and each future
@@ -1844,7 +1851,7 @@ class Store:
             raise (named(items[i], exc) if named is not None else exc)
         return results
 
-    def _read_group(self, group: list[tuple[manifest.TensorEntry, bytes, np.ndarray]], locs: Mapping[bytes, ChunkLoc],
+    def _read_group(self, group: builtins.list[tuple[TensorEntry, bytes, np.ndarray]], locs: Mapping[bytes, ChunkLoc],
                     chains: Mapping[bytes, ChunkLoc], decoded: Mapping[bytes, np.ndarray], verify: bool,
                     scratch: Scratch) -> None:
         """Decode predicted chunks that share inputs, with one memo of their inputs (``decoded``: chunks this
@@ -1957,7 +1964,7 @@ class Store:
                 for buf in memo.values():
                     scratch.give(buf)
 
-    def references(self, key: bytes, loc: ChunkLoc, scratch: Scratch | None = None) -> list[bytes]:
+    def references(self, key: bytes, loc: ChunkLoc, scratch: Scratch | None = None) -> builtins.list[bytes]:
         """Keys of the chunks decoding ``key`` needs directly: a delta's base; a predicted frame's base and
         the chunks its record names (read from the frame, into a buffer of ``scratch`` when given). Raises
         :class:`CorruptChunkError` when a predicted frame's record cannot be read intact."""
@@ -1974,7 +1981,7 @@ class Store:
             if scratch is not None:
                 scratch.give(buf)
 
-    def _named_inputs(self, key: bytes, loc: ChunkLoc) -> list[bytes]:
+    def _named_inputs(self, key: bytes, loc: ChunkLoc) -> builtins.list[bytes]:
         """The chunks the record of the predicted frame at ``loc`` names, first moment first, read from the
         frame's header and record alone (no checksum): a load groups its predicted chunks by them. A record that
         cannot be read names nothing; decoding the chunk then reports the damage."""
@@ -2061,7 +2068,7 @@ class Store:
                     fsync_dir(self._manifests_dir)
         return {pos: CheckpointInfo.from_record(removed[seq]) for pos, seq in where.items() if seq in removed}
 
-    def retain(self, retention: Retention, *, dry_run: bool = False) -> list[CheckpointInfo]:
+    def retain(self, retention: Retention, *, dry_run: bool = False) -> builtins.list[CheckpointInfo]:
         """Apply ``retention`` now (what ``deltackpt keep`` does; a :class:`~deltackpt.Checkpointer` does it after
         each save): delete every checkpoint it does not keep and return those, oldest first (with ``dry_run``,
         those it would delete, deleting nothing). A checkpoint another process deletes meanwhile is passed over.
@@ -2090,7 +2097,8 @@ class Store:
             pass
 
     # -- maintenance ------------------------------------------------------------------------------------------
-    def gc(self, **kwargs: Any) -> Any:
+    def gc(self, *, repack_below: float = 0.5, timeout: float | None = None,
+           progress: Progress | None = None) -> GcReport:
         """Reclaim chunks no retained checkpoint reaches; see :func:`deltackpt.maintenance.gc`."""
         from deltackpt import maintenance
 
@@ -2099,21 +2107,22 @@ class Store:
             # a handle of open_for_repair before its repair: its index may be the empty one a lost index was
             # replaced with, in which gc would find every pack and manifest garbage
             raise DeltackptError(f"store {self.path} is open for repair: run repair() before gc")
-        return maintenance.gc(self, **kwargs)
+        return maintenance.gc(self, repack_below=repack_below, timeout=timeout, progress=progress)
 
-    def verify(self, step: int | None = None, *, id: str | None = None, **kwargs: Any) -> Any:
+    def verify(self, step: int | None = None, *, id: str | None = None,
+               progress: Progress | None = None) -> VerifyReport:
         """Decode and check every chunk of one or all checkpoints; see :func:`deltackpt.maintenance.verify`."""
         from deltackpt import maintenance
 
-        return maintenance.verify(self, step=step, id=id, **kwargs)
+        return maintenance.verify(self, step=step, id=id, progress=progress)
 
-    def repair(self, **kwargs: Any) -> Any:
+    def repair(self, *, progress: Progress | None = None) -> RepairReport:
         """Rebuild the index from packs and manifests; see :func:`deltackpt.maintenance.repair`."""
         from deltackpt import maintenance
 
         self._writable("repair")
         try:
-            return maintenance.repair(self, **kwargs)
+            return maintenance.repair(self, progress=progress)
         except BaseException:
             # A failed repair lets go of the store at once, as close() would (the handle of open_for_repair
             # holds it alone until then): other handles' saves and loads would otherwise wait for as long as this
@@ -2122,8 +2131,8 @@ class Store:
             raise
 
 
-def _parent_refs(role: predict.Role, i: int, k: bytes, parents: Mapping[str, manifest.TensorEntry],
-                 pm: manifest.Manifest | None, nbytes: int | None = None) -> tuple[bytes, ...]:
+def _parent_refs(role: predict.Role, i: int, k: bytes, parents: Mapping[str, TensorEntry],
+                 pm: Manifest | None, nbytes: int | None = None) -> tuple[bytes, ...]:
     """The keys of the parent's chunks a prediction of chunk ``i`` (key ``k``) of a tensor with ``role`` would
     reference: the parent's first moment and, for a parameter, its second moment, at position ``i``. Fewer (a
     prefix) where the parent has no such chunk of the same length, or an all-zero one, or (given ``nbytes``,
@@ -2282,7 +2291,7 @@ def _some(paths: list[str], shown: int = 5) -> str:
     return repr(paths[:shown]) + (f" and {len(paths) - shown} more" if len(paths) > shown else "")
 
 
-def _placements(m: manifest.Manifest, into: Any) -> dict[int, torch.Tensor | np.ndarray]:
+def _placements(m: Manifest, into: Any) -> dict[int, torch.Tensor | np.ndarray]:
     """Which offered tensor each stored tensor of ``m`` is decoded into (by index in the tensor table): the
     first tensor (numpy array, for a stored array) of the same dtype and shape at one of its places in ``into``.
     Memory is filled from one stored tensor only: a tensor offered at two places (tied) while the checkpoint

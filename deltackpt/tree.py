@@ -569,7 +569,7 @@ def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:
 def unstorable(t: torch.Tensor) -> str | None:
     """Why a save cannot store the tensor ``t`` (what follows "cannot store <key path>: "), or None."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
-        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
             return ("it is an uninitialized parameter or buffer of a lazy module (torch.nn.LazyLinear, ...); run a "
                     "forward pass before saving")
         return f"tensor subclass {type(t).__qualname__}"
