@@ -1327,7 +1327,8 @@ class Checkpointer:
         """Rewrite the checkpoints ``ids`` with their step and model weights only. Only checkpoints a Checkpointer
         wrote (a dict with ``step`` and ``model`` entries) are thinned: any other (a ``Store.save``, an import)
         has no weights this could tell apart, and is kept whole. A damaged one is kept as it is, with a
-        warning: the deletes after this still run, and this checkpointer does not try it again."""
+        warning: retention's deletes (done before thinning) stand, the gc after retention still runs, and this
+        checkpointer does not try it again."""
         for cid in ids:
             info = by_id[cid]
             if cid in self._unthinnable:

@@ -24,7 +24,8 @@ Frame layout (little-endian, 64-byte header, then the payload; see ``docs/format
 
 Decoding never allocates more than the raw length the frame records, and that length must equal what the
 caller expects: a zstd payload whose declared content size differs, or that holds more than one zstd frame, is
-rejected before anything is decompressed (see :func:`deltackpt.kernel.decode_frames`).
+rejected (by the native kernel before anything is decompressed, by either backend before any output is written;
+see :func:`deltackpt.kernel.decode_frames`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ REFS_PREFIX = HEADER.size + 4 + RECORD_MAX
 NO_BASE = bytes(16)
 #: Largest raw chunk a frame may declare; bounds any allocation a damaged frame could ask for.
 MAX_RAW = 1 << 31
-_MAX_WINDOW = 1 << 27
 #: A delta frame at most this fraction of the raw size is kept without also trying the standalone encoding.
 DELTA_GOOD_ENOUGH = 0.5
 #: A predicted frame at most this fraction of the raw size is kept without also trying the delta and standalone

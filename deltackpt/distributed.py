@@ -105,7 +105,7 @@ class _Chosen:
 @dataclass(frozen=True)
 class _Stored:
     """Where one DCP item lies: its key in checkpoint ``checkpoint`` of rank ``rank``'s store, how (``kind``:
-    tensor, object, pickled) and its size in bytes."""
+    tensor, blob for large bytes values, object, pickled) and its size in bytes."""
 
     rank: int
     key: str

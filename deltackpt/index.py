@@ -1,13 +1,15 @@
 """The LMDB index: chunk id -> frame location, the checkpoint records, and THE commit point.
 
-Where it sits: ``save`` asks :meth:`Index.lookup_chunks` which chunks are already stored, writes the new ones to
+Where it sits: ``save`` asks :meth:`Index.has_chunks` which chunks are already stored (:meth:`Index.lookup_chunks`
+for a self-contained save, which also needs where they are), writes the new ones to
 packs and its manifest to disk, then calls :meth:`Index.commit_checkpoint`: one LMDB write transaction that
 records the new chunks' locations and the checkpoint. That transaction's commit is the single moment a
 checkpoint comes to exist. ``load`` resolves a step to a record and chunk ids to locations here.
 
 Databases in the environment ``index/``:
 
-``meta``    ``format`` -> store format version, ``seq`` -> last commit sequence number (u64 BE)
+``meta``    ``format`` -> index format version, ``seq`` -> last commit sequence number (u64 BE), ``dropped`` -> bytes
+            written by checkpoints deleted or replaced since the last gc (u64 BE)
 ``chunks``  digest(16) + raw length (u32 BE) -> :data:`LOC` (pack, offset, frame length, codec, depth, base)
 ``ckpts``   seq (u64 BE) -> checkpoint record (JSON, see :class:`Record`)
 ``ids``     checkpoint id (ascii) -> seq
@@ -90,8 +92,10 @@ class ChunkLoc:
     offset: int
     frame_len: int
     codec: int
-    depth: int  # frames a decode reads beyond this one: 0 standalone, base's depth + 1 for a delta
-    base: bytes  # 16 zero bytes unless the frame is a delta
+    # frames a decode reads beyond this one: 0 standalone, base's depth + 1 for a delta, 1 + the deepest of its
+    # base and references for a predicted frame (an upper bound once a rewrite re-points an input)
+    depth: int
+    base: bytes  # 16 zero bytes unless the frame is a delta or predicted frame
 
     def pack(self) -> bytes:
         return LOC.pack(bytes.fromhex(self.pack_id), self.offset, self.frame_len, self.codec, self.depth, self.base)

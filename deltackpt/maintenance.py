@@ -5,10 +5,12 @@ history. ``repair`` holds the store's gc lock exclusively, so no save or load ru
 too while it finds the garbage and while it repacks each pack, letting saves and loads run between two packs.
 One gc or repair runs at a time (``maint.lock``). ``verify`` holds the gc lock shared, like a load.
 
-Crash safety of gc: new packs (repacked live frames) are fsynced first; then one LMDB transaction drops dead
-chunk entries and points moved ones at their new frames (gc's commit point); only after that are old packs,
-orphan manifests and temporary files unlinked. A crash before the commit leaves an unreferenced new pack; a
-crash after it leaves unreferenced old packs; the next gc removes either.
+Crash safety of gc: orphan manifests (of saves killed before their commit, of deletes killed before their
+unlink) are unlinked first, durably, so that no manifest outlives the chunks it names. Then one LMDB
+transaction drops the dead chunk entries, after which packs with no live frame and temporary files are
+unlinked. Each sparse pack is then repacked on its own: its live frames are copied and fsynced, one transaction
+points their entries at the copies (that pack's commit point), and only then is the old pack unlinked. A crash
+at any point leaves at most unreferenced packs or copies, which the next gc removes.
 """
 
 from __future__ import annotations

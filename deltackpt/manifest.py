@@ -17,7 +17,8 @@ Layout of ``manifests/<id>.manifest`` (little-endian)::
     12   4   flags (0)
     16   8   header length H
     24   8   chunk count N
-    32   H   header: UTF-8 JSON (id, step, created, parent, chunk_size, metadata, tree, tensors, sizes)
+    32   H   header: UTF-8 JSON (id, step, created, parent, chunk_size, metadata, logical_bytes, written_bytes,
+             extra, tree, tensors)
     ..   16N chunk digests (canonical XXH3-128), tensor after tensor, chunk after chunk
     ..   N   chunk flags: bit 0 = all-zero chunk (not stored anywhere)
     end  16  XXH3-128 of every byte before it

@@ -7,7 +7,8 @@ fsyncs it before the manifest is written; ``load`` reads frames back by (pack, o
 A pack is ``packs/<32 hex>.pack``: a 16-byte header (magic ``DCKPACK1``, u32 version, u32 zero) and frames
 back to back. Frames are self-describing (see :mod:`deltackpt.codec`), so a pack can be read without the
 index. Packs are never modified in place: only appended to by the one writer that created it (which holds an
-exclusive ``flock`` on it while it may still append), and deleted whole by ``gc`` after their live frames were
+exclusive ``flock`` on it while it may still append, and cuts it back past a mark for the frames of a save that
+did not commit), and deleted whole by ``gc`` after their live frames were
 copied elsewhere. A crash can leave a torn frame at a pack's end; nothing references it and scans stop there.
 """
 
@@ -173,7 +174,8 @@ def make_dirs(path: Path, subdirs: tuple[str, ...] = ()) -> None:
         fsync_dir(path)
 
 
-#: frames smaller than this are gathered and written together, up to this many bytes at a time: one system call
+#: frames smaller than this are gathered and written together, in writes of about this many bytes (less than
+#: twice it): one system call
 #: per 4 KiB frame took a quarter of the first save of 16,500 small tensors (docs/performance.md, "Many small tensors")
 WRITE_BUFFER = 1 << 20
 
@@ -542,8 +544,10 @@ def is_active(path: Path) -> bool:
 def scan(path: Path, damaged: list[int] | None = None) -> Iterator[tuple[int, codec.FrameHeader]]:
     """Yield (offset, header) of every intact frame of a pack.
 
-    A damaged frame is skipped: when its header still parses, by its recorded length; otherwise by searching
-    for the next offset where an intact frame starts. The offsets of damage are appended to ``damaged``.
+    A damaged frame (a header that does not parse, a checksum that fails) is skipped by searching, from the
+    byte after its start, for the next offset where an intact frame starts, whatever length its header records
+    (a frame found inside the damaged one's span is intact all the same: its checksum and digest hold). The
+    offsets of damage are appended to ``damaged``.
     A torn frame at the very end (a crash while appending) is not reported as damage.
     """
     with open(path, "rb") as f:

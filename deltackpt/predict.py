@@ -20,8 +20,10 @@ predictor too, with this checkpoint's parameter as both references (an *average*
 parameters a :class:`~deltackpt.Checkpointer` names).
 
 Exactness is what makes this lossless: the prediction is a pure function of the stored coefficients and the
-referenced chunks' bytes, computed with IEEE-754 float64 operations that are correctly rounded everywhere (numpy
-ufuncs, one operation each: ``+ - * / sqrt``), then rounded once to float32. Encoder and decoder therefore agree
+referenced chunks' bytes, computed by :func:`deltackpt.kernel.predict` (the native kernel's loops, or numpy in
+the reference backend) with IEEE-754 float64 operations that are correctly rounded everywhere (one operation
+each: ``+ - * / sqrt``; subnormal inputs read as zero), then rounded once to float32 (results below 2^-126
+flushed to zero, NaN canonical). Encoder and decoder therefore agree
 bit for bit on every machine, and which coefficients the encoder chose only changes the residual's size. A
 wrong pairing or another optimizer costs one trial compression, never correctness.
 """
@@ -255,8 +257,9 @@ def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = No
     name in its groups' ``param_names``: a state entry is paired with every float32 tensor of its shape outside
     optimizer states whose key path is that name or ends in ``.`` + name (``model.0.weight`` for ``0.weight``; an
     EMA copy saved as ``ema.0.weight`` is paired too, and its predictions stop being tried once they keep losing),
-    both compared without the ``module.`` and ``_orig_mod.`` components that DistributedDataParallel, torch.compile
-    and FSDP wrappers add; state keyed by name names itself. Where a name matches too much, :func:`_pair_by_name`
+    both compared without the wrapper components of :data:`_WRAPPERS` (``module.`` of DistributedDataParallel,
+    ``_orig_mod.`` of torch.compile, ``_fsdp_wrapped_module.`` and ``_checkpoint_wrapped_module.`` of FSDP and
+    activation checkpointing); state keyed by name names itself. Where a name matches too much, :func:`_pair_by_name`
     keeps the likely tensors or leaves the entry to the guess. Otherwise a parameter is paired with the i-th
     remaining optimizer state of its shape when it is the i-th of exactly as many remaining float32 tensors of that
     shape outside optimizer states (model state dicts list parameters in the optimizer's order); shapes with another

@@ -1384,7 +1384,9 @@ class Store:
         keyframe turn ``(phase + position) % (max_chain + 1) == 0``. ``phase`` is the checkpoint's generation
         plus the index of the tensor's first chunk in the checkpoint, so keyframes are spread over all chunks
         of a checkpoint (small one-chunk tensors too) and over checkpoints: every checkpoint restores in about
-        the same time.
+        the same time. (A tensor with a predictor role takes the generation plus a hash of its first moment's
+        key path instead, + 1 for an average: see :meth:`_write_leaves`, which keeps a parameter's chunks and
+        their moments' on the same turn.)
         """
         if pt is None or pm is None or not todo:
             return {}
@@ -1937,8 +1939,9 @@ class Store:
                 raise CorruptChunkError(
                     f"prediction inputs nest deeper than {codec.MAX_CHAIN_FRAMES} (a cycle?)", chunk_id=_kid(k)
                 )
-            # Not re-hashed: this chunk's own digest covers its inputs (a wrong input changes the prediction, so the
-            # result), as it covers delta bases; frame checksums still name a damaged input.
+            # Not re-hashed: this chunk's own digest catches a wrong result, as for delta bases (a wrong input that
+            # leaves the prediction unchanged does no harm: format.md section 3); frame checksums still name a
+            # damaged input (with verify=False they are all that is checked).
             buf = scratch.take(raw_len)
             try:
                 raw = self.read_chunk(k, out=buf, verify=False, bases=bases, memo=memo, known=known, scratch=scratch,

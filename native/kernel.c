@@ -1,6 +1,7 @@
 /*
- * deltackpt native chunk kernel: chunk digests (XXH3-128 + zero flags) and byte-plane split/merge, optionally
- * fused with XOR against a base. Contracts are in kernel.h; this file holds the loops and the thread fan-out.
+ * deltackpt native chunk kernel: chunk digests (XXH3-128 + zero flags), byte-plane split/merge (optionally
+ * fused with XOR against a base), frame decoding (checksum, zstd, merge, XOR) and the float32 predictions.
+ * Contracts are in kernel.h; this file holds the loops and the thread fan-out.
  *
  * Portability: plain C99 + POSIX threads. The byte-plane transposes use SSE2 (baseline on x86-64) when the
  * compiler targets it, and otherwise a scalar loop that compilers vectorise with interleaved loads where the
@@ -8,8 +9,9 @@
  * numpy reference in deltackpt/_pykernel.py. Defining DCK_NO_SIMD forces the scalar path (for testing it).
  *
  * Runtime dispatch (x86-64 with GCC or clang): AVX2 loops are compiled with a function-level target attribute,
- * as xxhash's own xxh_x86dispatch.c does, and run when the CPU has AVX2: XXH3's long-input loop (unless the
- * build already targets AVX2, when the header uses it directly) and the predictions. The predictions also have
+ * as xxhash's own xxh_x86dispatch.c does, and run when the CPU has AVX2: XXH3's long-input and streaming loops
+ * (the latter for frame checksums; unless the build already targets AVX2, when the header uses it directly)
+ * and the predictions. The predictions also have
  * AVX-512 loops: their float64 square roots and divisions bound them, and CPUs with full-width AVX-512 units do
  * more per cycle (on AMD Zen 5 bench/kernel.py measures 2.6x for the parameter predictor, 1.6x for the second
  * moment). The streaming loops (hashes, planes) stay at AVX2: on data from memory wider registers gain nothing
@@ -491,7 +493,7 @@ DCK_INLINE void dck_merge_block(const uint8_t *s, const uint8_t *b, uint8_t *d, 
  * tile of DCK_PLANE_TILE elements is transposed in L1 and then moved as w runs of DCK_PLANE_TILE bytes.
  * Buffers that fit in cache are faster without the extra copy.
  */
-#define DCK_PLANE_TILE 1024                          /* elements per tile (w KiB of stack) */
+#define DCK_PLANE_TILE 1024                          /* elements per tile (a tile buffer is 8 KiB of stack) */
 #define DCK_PLANE_TILE_MIN ((size_t)8 * 1024 * 1024)   /* bytes from which the tiled path is used */
 #define DCK_PLANE_STREAM_MIN ((size_t)32 * 1024 * 1024) /* ... and split writes bypass the cache */
 

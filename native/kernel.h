@@ -7,7 +7,9 @@
  *
  * Conventions shared by all functions:
  * - Buffers are raw bytes. `len` counts bytes. A pointer may be NULL only when its length is 0.
- * - Outputs never overlap inputs (the adapter copies an input that the output overlaps).
+ * - Outputs do not overlap inputs: the adapter reads an input that a plane function's output overlaps from a
+ *   copy, and refuses an overlap for decode_frames and predict. (dck_decode_frames itself merges in place,
+ *   dst being also the XOR base, which its merge loops allow.)
  * - `threads` <= 1, or an input too small to be worth splitting (under DCK_MIN_BYTES_PER_THREAD bytes per
  *   thread), runs inline on the calling thread. Otherwise the work is split statically into contiguous ranges,
  *   one per POSIX thread, the calling thread taking the first; no scratch memory is shared between threads and
@@ -117,8 +119,9 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
  * from many threads at once (each thread keeps its own zstd context and a scratch buffer of raw_len bytes; a
  * scratch buffer over 16 MiB is freed when the call returns).
  *
- * Inputs:  frames[k] points at frame k's bytes (header and payload), frame_lens[k] >= DCK_FRAME_HEADER + the
- *          payload length; codecs[k] and widths[k] (1, 2, 4 or 8) are the frame's header fields, which the caller
+ * Inputs:  frames[k] points at frame k's bytes (header and payload), frame_lens[k] is its whole length,
+ *          DCK_FRAME_HEADER + the payload length S (bytes past the frame would be taken for payload and fail the
+ *          checksum); codecs[k] and widths[k] (1, 2, 4 or 8) are the frame's header fields, which the caller
  *          has parsed and validated (magic, version, lengths, identity). raw_len is every frame's raw length and
  *          dst's size. digest: the expected canonical XXH3-128 of the result, or NULL to skip that check.
  * Effect:  frame k, in order k = 0 .. n-1, must first pass its checksum: XXH3-64 over bytes [0, 56) followed by
@@ -138,7 +141,7 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
  *          the result must hash to it (else DCK_EDIGEST).
  * Returns: 0; or an error code with *bad set to the index of the failing frame (n for DCK_EDIGEST). On error
  *          dst holds unspecified bytes. DCK_EINVAL (nothing read): n < 1, a NULL pointer, an unknown codec or
- *          width, or a frame shorter than its header.
+ *          width, a PREDICTED frame other than frame 0, or a frame shorter than its header.
  */
 int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs, const int *widths,
                       int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad);
@@ -174,11 +177,11 @@ int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, con
                 uint8_t *out, size_t len);
 
 /*
- * Vector loops chosen at run time (x86-64: AVX2 for XXH3's long-input loop, AVX-512 or AVX2 for dck_predict, as
- * the CPU has them). level limits every later call: DCK_SIMD_NONE to the portable loops, DCK_SIMD_AVX2 to those
- * and AVX2, DCK_SIMD_ALL (the default) to any; other values are clamped to that range. Results are the same bits
- * at every level (tests compare them). Returns the previous level. Not to be called while other threads are
- * inside kernel calls.
+ * Vector loops chosen at run time (x86-64: AVX2 for XXH3's long-input and streaming loops, AVX-512 or AVX2 for
+ * dck_predict, as the CPU has them). level limits every later call: DCK_SIMD_NONE to the portable loops,
+ * DCK_SIMD_AVX2 to those and AVX2, DCK_SIMD_ALL (the default) to any; other values are clamped to that range.
+ * Results are the same bits at every level (tests compare them). Returns the previous level. Not to be called
+ * while other threads are inside kernel calls.
  */
 #define DCK_SIMD_NONE 0
 #define DCK_SIMD_AVX2 1
