@@ -1274,8 +1274,8 @@ class Checkpointer:
     def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None, keyframe: bool = False,
                   pairs: dict[str, str] | None = None, stopping: bool = False, whole: bool = False,
                   devices: dict[int, str] | None = None) -> CheckpointInfo:
-        info = self.store.save(state, step=step, metadata=meta, keyframe=keyframe, _pairs=pairs, _self_contained=whole,
-                               _devices=devices)
+        info = self.store._save(state, step=step, metadata=meta, keyframe=keyframe, _pairs=pairs,
+                                _self_contained=whole, _devices=devices)
         # committed: an error of the retention below does not make it unsaved (async: set at submit already,
         # and no later save starts before this one is waited for)
         self.last_info, self.last_saved_step = info, step

@@ -310,8 +310,8 @@ class DeltaStorageWriter(StorageWriter):
                 or (k.endswith(".step")
                     and (isinstance(v, (int, float)) or (type(v) is torch.Tensor and v.numel() == 1))))}
         whole = self._kept_for_good(store, self.step)
-        info = store.save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step,
-                          keyframe=whole, _self_contained=whole, _flat=(_TENSORS, hints) if hints else None)
+        info = store._save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step,
+                           keyframe=whole, _self_contained=whole, _flat=(_TENSORS, hints) if hints else None)
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
                    for index, key, kind, n in kinds]
         if self.retention is not None:

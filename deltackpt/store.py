@@ -924,8 +924,31 @@ class Store:
         return self.index.count()
 
     # -- save ---------------------------------------------------------------------------------------------
-    @collector.paused_during
     def save(
+        self,
+        state: Any,
+        step: int,
+        metadata: Mapping[str, Any] | None = None,
+        *,
+        parent: str | None = None,
+        allow_pickle: bool = False,
+        keyframe: bool = False,
+    ) -> CheckpointInfo:
+        """Durably store ``state`` as a checkpoint at ``step`` and return its info.
+
+        Only chunks the store does not hold yet are written; with deltas on (the default) a changed chunk of a
+        tensor that the parent checkpoint also holds (same key, dtype and shape) may be stored as an XOR delta
+        against the parent's chunk. When this returns the checkpoint survives a crash. ``parent`` (a
+        checkpoint id) is the lineage and delta parent; by default the checkpoint this handle last saved or
+        loaded, else the latest one. ``keyframe=True`` stores every new chunk standalone (no deltas), so the
+        changed tensors of this checkpoint restore from one frame per chunk: for the last save before a
+        planned stop. Raises UnsupportedTypeError (a TypeError naming the key path) before writing anything if
+        the state holds something that cannot be stored.
+        """
+        return self._save(state, step, metadata, parent=parent, allow_pickle=allow_pickle, keyframe=keyframe)
+
+    @collector.paused_during
+    def _save(
         self,
         state: Any,
         step: int,
@@ -940,17 +963,10 @@ class Store:
         _self_contained: bool = False,
         _devices: Mapping[int, str] | None = None,
     ) -> CheckpointInfo:
-        """Durably store ``state`` as a checkpoint at ``step`` and return its info.
+        """:meth:`save`, with what :meth:`rewrite`, a Checkpointer and a DCP writer add.
 
-        Only chunks the store does not hold yet are written; with deltas on (the default) a changed chunk of a
-        tensor that the parent checkpoint also holds (same key, dtype and shape) may be stored as an XOR delta
-        against the parent's chunk. When this returns the checkpoint survives a crash. ``parent`` (a
-        checkpoint id) is the lineage and delta parent; by default the checkpoint this handle last saved or
-        loaded, else the latest one. ``keyframe=True`` stores every new chunk standalone (no deltas), so the
-        changed tensors of this checkpoint restore from one frame per chunk: for the last save before a
-        planned stop. Raises UnsupportedTypeError (a TypeError naming the key path) before writing anything if
-        the state holds something that cannot be stored.
-
+        ``_replace``: the checkpoint a rewrite replaces. ``_pairs`` (optimizer state entry's key path -> its
+        parameter's) and ``_flat`` (a DCP rank's shard hints) tell :mod:`deltackpt.predict` what predicts what.
         ``_self_contained`` (with ``keyframe``; a step retention keeps for good): chunks of the state that the
         store holds only as delta or predicted frames are written again standalone too, as a rewrite does, so
         the checkpoint keeps no older checkpoint's frames alive. ``_devices`` (by ``id`` of a tensor of
@@ -1086,7 +1102,7 @@ class Store:
         head, last = self._head, self._last_manifest
         if metadata is None:
             metadata = CheckpointInfo.from_record(old).metadata
-        info = self.save(state, old.step, metadata, parent=old.parent, _replace=old, _devices=_devices)
+        info = self._save(state, old.step, metadata, parent=old.parent, _replace=old, _devices=_devices)
         self._head = head if head != id else info.id
         self._last_manifest = last
         return info

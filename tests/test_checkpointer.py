@@ -1061,8 +1061,8 @@ ckpt = deltackpt.Checkpointer(sys.argv[1], model=torch.nn.Linear(4, 4), extra=ex
 ckpt.step(1)
 ckpt.wait()
 extra["bad"] = object()  # the last save fails in the background
-real = ckpt.store.save
-ckpt.store.save = lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1]
+real = ckpt.store._save
+ckpt.store._save = lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1]
 ckpt.step(2)
 os.kill(os.getpid(), signal.SIGTERM)  # after the last step(), while its save runs
 if {how!r} == "with":
@@ -1094,14 +1094,14 @@ def test_a_signal_during_a_steps_save_makes_that_step_the_boundary(fast_dir: Pat
 import os, signal, sys, threading, time, torch, deltackpt
 ckpt = deltackpt.Checkpointer(sys.argv[1], model=torch.nn.Linear(4, 4), every_n_steps=5,
                               async_save={mode == "async"!r})
-real = ckpt.store.save
+real = ckpt.store._save
 def slow(*a, **k):
     if k.get("step") == 5:
         if {mode == "sync"!r}:  # (sync: the signal comes inside this save)
             threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
         time.sleep(0.8)  # (async: step(10) waits for this save of step 5 ...)
     return real(*a, **k)
-ckpt.store.save = slow
+ckpt.store._save = slow
 for step in range(1, 30):
     print("trained", step, flush=True)
     if {mode == "async"!r} and step == 10:
@@ -1124,8 +1124,8 @@ def test_an_interrupted_wait_at_exit_is_not_reported_as_a_failed_save(fast_dir: 
     script = """
 import os, signal, sys, threading, time, torch, deltackpt
 ckpt = deltackpt.Checkpointer(sys.argv[1], model=torch.nn.Linear(4, 4))
-real = ckpt.store.save
-ckpt.store.save = lambda *a, **k: (time.sleep(1.5), real(*a, **k))[1]
+real = ckpt.store._save
+ckpt.store._save = lambda *a, **k: (time.sleep(1.5), real(*a, **k))[1]
 def ctrl_c_twice():
     time.sleep(0.4)
     os.kill(os.getpid(), signal.SIGINT)
@@ -1881,13 +1881,13 @@ def test_an_interrupted_wait_keeps_the_save_in_flight(fast_dir: Path, monkeypatc
     model = torch.nn.Linear(64, 64)
     ckpt = Checkpointer(fast_dir, model=model, async_save=True, handle_signals=False)
     release = threading.Event()
-    save = ckpt.store.save
+    save = ckpt.store._save
 
     def held_save(*args: Any, **kwargs: Any) -> Any:
         release.wait(30)  # the background save reads the staging buffers only once released
         return save(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt.store, "save", held_save)
+    monkeypatch.setattr(ckpt.store, "_save", held_save)
 
     class Interrupted(Exception):
         pass
@@ -2364,11 +2364,11 @@ import multiprocessing, sys, threading, time, torch, deltackpt
 model = torch.nn.Linear(64, 64)
 ck = deltackpt.Checkpointer(sys.argv[1], model=model, handle_signals=False)
 release = threading.Event()
-save = ck.store.save
+save = ck.store._save
 def held_save(*args, **kwargs):  # the save stays in flight until the child has been waited for
     release.wait()
     return save(*args, **kwargs)
-ck.store.save = held_save
+ck.store._save = held_save
 ck.step(1)
 child = multiprocessing.get_context("fork").Process(target=int)  # returns at once, as a finished worker does
 child.start()
