@@ -1,6 +1,7 @@
 """Tuning knobs in one place, each overridable by an environment variable.
 
-Where it sits: read by :class:`deltackpt.Store` when it is opened; arguments passed to ``Store`` win over the
+Where it sits: read by :class:`deltackpt.Store` when it is opened (the chunk size only when one is created), and
+``DELTACKPT_GC_MIN_BYTES`` when a :class:`~deltackpt.Checkpointer` or DCP writer is made; arguments win over the
 environment, which wins over these defaults.
 
 ================================  ==========================  ==========================================
@@ -9,7 +10,7 @@ knob                              variable                    default
 chunk size of a new store         ``DELTACKPT_CHUNK_SIZE``    1 MiB (see README, "Choosing the chunk size")
 zstd level                        ``DELTACKPT_ZSTD_LEVEL``    1
 worker threads                    ``DELTACKPT_THREADS``       the CPUs this process may run on
-read threads (loads, verify)      ``DELTACKPT_READ_THREADS``  4 x worker threads, at least 8
+read threads (loads, verify)      ``DELTACKPT_READ_THREADS``  4 x worker threads, 8 to 4096
 pack file roll-over size          ``DELTACKPT_PACK_SIZE``     1 GiB
 longest delta chain (0: no delta) ``DELTACKPT_MAX_CHAIN``     3
 delta base cache                  ``DELTACKPT_DELTA_CACHE``   1 GiB
@@ -68,6 +69,10 @@ def zstd_level() -> int:
     return _env_int("DELTACKPT_ZSTD_LEVEL", DEFAULT_ZSTD_LEVEL)
 
 
+#: the most worker (and read) threads a store takes
+MAX_THREADS = 4096
+
+
 def threads() -> int:
     return _env_int("DELTACKPT_THREADS", cpu_count())
 
@@ -76,7 +81,7 @@ def read_threads(threads: int) -> int:
     """The most read workers: a load starts one per worker thread (decoding from the page cache is CPU-bound)
     and adds one whenever a frame read would wait on the disk, up to this; cold reads on a 2-core VM ran 1.7x
     faster with 8 than with 2. Verify uses this many."""
-    return _env_int("DELTACKPT_READ_THREADS", max(8, 4 * threads))
+    return _env_int("DELTACKPT_READ_THREADS", min(MAX_THREADS, max(8, 4 * threads)))
 
 
 def pack_size() -> int:

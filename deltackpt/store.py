@@ -494,9 +494,9 @@ def _settings(*, chunk_size: Any = None, zstd_level: Any = None, threads: Any = 
         config.check_chunk_size(chunk_size)
     zstd_level = config.setting("zstd_level", zstd_level, config.zstd_level, "DELTACKPT_ZSTD_LEVEL",
                                 config.MIN_ZSTD_LEVEL, config.MAX_ZSTD_LEVEL)
-    threads = config.setting("threads", threads, config.threads, "DELTACKPT_THREADS", 1, 4096)
+    threads = config.setting("threads", threads, config.threads, "DELTACKPT_THREADS", 1, config.MAX_THREADS)
     read_threads = config.setting("read_threads", read_threads, lambda: config.read_threads(threads),
-                                  "DELTACKPT_READ_THREADS", 1, 4096)
+                                  "DELTACKPT_READ_THREADS", 1, config.MAX_THREADS)
     pack_size = config.setting("pack_size", pack_size, config.pack_size, "DELTACKPT_PACK_SIZE", 1, 1 << 40)
     max_chain = config.setting("max_chain", max_chain, config.max_chain, "DELTACKPT_MAX_CHAIN", 0,
                                config.MAX_MAX_CHAIN)

@@ -340,6 +340,17 @@ def test_bad_settings_are_refused_when_the_store_opens_and_create_nothing(tmp_pa
     assert not path.exists()
 
 
+def test_the_read_threads_default_follows_many_threads_within_its_range(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default read threads (4 x threads, at least 8) stop at the largest setting: threads=2000 was refused
+    as "DELTACKPT_READ_THREADS must be between 1 and 4096, got 8000", naming a variable nobody set."""
+    monkeypatch.delenv("DELTACKPT_READ_THREADS", raising=False)
+    with deltackpt.Store(tmp_path / "s", threads=2000) as s:
+        assert (s.threads, s.read_threads) == (2000, 4096)
+    with deltackpt.Store(tmp_path / "s", threads=3) as s:
+        assert s.read_threads == 12
+
+
 @pytest.mark.parametrize("kwargs, env", [
     ({"zstd_level": 100}, {}), ({"threads": 0}, {}), ({"chunk_size": 8192}, {}), ({}, {"DELTACKPT_THREADS": "0"}),
     ({}, {"DELTACKPT_MAX_CHAIN": "99"}),
