@@ -89,8 +89,8 @@ class _GcAfterRetention:
 
     def collect(self, store: Store, kept: int) -> maintenance.GcReport | None:
         """gc ``store`` if it is due (``kept``: the bytes the kept checkpoints wrote); None when it is not, or
-        another process holds the store for longer than :data:`GC_WAIT` (tried again at the next save). Raises
-        what gc raises."""
+        another process holds the store for longer than :data:`GC_WAIT` when gc starts (tried again at the next
+        save; a repack stopped later is in the report, ``repack_stopped``). Raises what gc raises."""
         dropped = store.index.dropped_bytes()
         floor = self._floor[store.path] = min(self._floor.get(store.path, 0), dropped)  # (a gc elsewhere zeroed it)
         if dropped <= floor or dropped - floor < max(self.min_bytes, kept // 4):
@@ -436,13 +436,13 @@ _PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_
 
 
 def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
-    """Raise what ``load_state_dict`` would raise for a saved state that does not fit this run's model (a key
-    missing or unexpected, another shape) or optimizer (another number of parameter groups or of parameters in
-    one), before anything is loaded: a restore decodes into the model's own tensors, and a refusal after that
-    would leave the model holding part of the checkpoint; for torch's own optimizers also another kind of
-    optimizer's hyperparameters, and moments not of their parameter's shape (the parameters in another order).
-    ``state`` may hold tensor entries (a skeleton); ``live``
-    is the group's state dicts when the caller has them (:func:`_group_state`). Where hooks or a member's own
+    """Raise ShapeMismatchError where ``load_state_dict`` would refuse a saved state that does not fit this
+    run's model (a key missing or unexpected, another shape) or optimizer (another number of parameter groups
+    or of parameters in one), before anything is loaded: a restore decodes into the model's own tensors, and a
+    refusal after that would leave the model holding part of the checkpoint; for torch's own optimizers also
+    another kind of optimizer's hyperparameters, and moments not of their parameter's shape (the parameters in
+    another order). ``state`` may hold tensor entries (a skeleton); ``live`` is the group's state dicts when
+    the caller has them (:func:`_group_state`). Where hooks or a member's own
     loading code may accept what looks like a mismatch, it is left to ``load_state_dict``."""
     if g is None:
         return
@@ -691,7 +691,8 @@ def _has_rng(state: Mapping[str, Any]) -> bool:
 
 
 def rng_state() -> dict[str, Any]:
-    """The RNG states a resumed run needs: Python, NumPy's global generator, torch CPU and every CUDA device."""
+    """The RNG states a resumed run needs: Python, NumPy's global generator, torch CPU and, once this process has
+    initialized CUDA, every CUDA device."""
     version, words, gauss = random.getstate()
     state: dict[str, Any] = {
         # (the 625 words as an array: as a tuple of ints they took 11 KB of every save's manifest, written whole;
@@ -909,11 +910,13 @@ class Checkpointer:
     gc: with a retention policy, reclaim the space of what it deleted or thinned: after a save whose retention
         brings the bytes that the checkpoints deleted or thinned since the store's last gc wrote (the store
         counts them, whichever process deleted them: a job restarted often adds up) to a quarter of what the
-        kept ones wrote, and at least 64 MiB, run :meth:`Store.gc` right there (on the save thread: in the
+        kept ones wrote, and at least ``DELTACKPT_GC_MIN_BYTES`` (64 MiB by default; read when the checkpointer
+        is made), run :meth:`Store.gc` right there (on the save thread: in the
         background when ``async_save``), except after the save at a signal (the process is about to end). False
         leaves that to you (``deltackpt gc STORE`` from another process, say).
     handle_signals: on SIGTERM/SIGINT save at the next step boundary, wait for it, then hand the signal to
-        the handler installed before (default action: exit with status 128+signal).
+        the handler installed before (Python's own SIGINT handler raises KeyboardInterrupt; the default action,
+        SIG_DFL, exits with status 128+signal).
     map_location: passed to :meth:`Store.load` by :meth:`restore` (default ``"cpu"``; ``load_state_dict``
         moves values to the parameters' devices).
     rng: save the process's RNG states (Python, NumPy, torch CPU and CUDA) and put them back on restore. The
@@ -1198,7 +1201,8 @@ class Checkpointer:
 
     # -- saving ----------------------------------------------------------------------------------------------
     def step(self, step: int, *, metadata: Mapping[str, Any] | None = None) -> bool:
-        """Tell the checkpointer that ``step`` steps are complete; save if due. Returns True if a save started.
+        """Tell the checkpointer that ``step`` steps are complete; save if due. Returns True if this step is
+        saved: a save started, or (at a signal) the one of this step under way was waited for.
 
         ``metadata`` goes with this step's save, when there is one (a metric for ``Retention(keep_best=)``,
         a tag), and is dropped otherwise. Raises the error of a failed background save. After a SIGTERM/SIGINT
@@ -1310,8 +1314,10 @@ class Checkpointer:
 
     def _collect(self, kept: int) -> None:
         """gc after retention, when due (:class:`_GcAfterRetention`). Its trouble is not the save's: the
-        checkpoint is committed, and training goes on. A store another process holds for longer than a moment
-        (its gc, a repair) is tried again at the next save; damage gc found is a warning."""
+        checkpoint is committed, and training goes on. A store another process holds when gc starts (its gc, a
+        repair) is tried again at the next save; a repack that stops partway (the lock not free within
+        :data:`GC_WAIT` between two packs, a full disk) keeps what it freed, and the packs left are repacked by
+        the next gc, when as much garbage again has built up; damage gc found is a warning."""
         try:
             report = self._gc_rule.collect(self.store, kept)
         except (DeltackptError, OSError) as exc:
@@ -1392,8 +1398,8 @@ class Checkpointer:
         """Wait for the last save and raise its error, if any; restore signal handlers; release the store.
 
         A SIGTERM or SIGINT that arrived after the last :meth:`step` (while the last save ran, say) is passed on
-        then, as :meth:`step` would have: to the handler installed before the checkpointer, by default exiting
-        with status 128 + signal."""
+        then, as :meth:`step` would have: to the handler installed before the checkpointer (Python's SIGINT
+        handler raises KeyboardInterrupt; the default action exits with status 128 + signal)."""
         if self._closed:
             return
         self._closed = True
@@ -1442,7 +1448,8 @@ class Checkpointer:
 
     @property
     def stop_requested(self) -> bool:
-        """True once SIGTERM/SIGINT arrived (with ``handle_signals``)."""
+        """True from the arrival of a SIGTERM/SIGINT (with ``handle_signals``) until this checkpointer has saved
+        for it and passed it on (then False again, if the handler it went to returned or ignored it)."""
         return self._signal is not None or self in _stopped
 
     @property
@@ -1473,7 +1480,8 @@ class Checkpointer:
 
     def protect_workers(self, *loaders: Any) -> None:
         """Make the workers of these DataLoaders (an evaluation loader, say; the one given as ``data`` already
-        is) ignore SIGTERM and SIGINT until :meth:`close`, so that a stop signal sent to the whole job does not
+        is) ignore SIGINT, and SIGTERM until :meth:`close` (workers still running then keep ignoring SIGINT),
+        so that a stop signal sent to the whole job does not
         end them and make the DataLoader raise before the step boundary where this checkpointer saves. It wraps
         each loader's ``worker_init_fn``, which runs when workers start: a loader with ``persistent_workers``
         whose workers already run gets it at its next start. Nothing is done when this checkpointer does not
@@ -1585,7 +1593,8 @@ class Checkpointer:
     def _pass_signal_on(self, signum: int, beneath: Mapping[int, Any] | None = None) -> None:
         """Hand the signals that arrived (``signum`` at least), in order, to the handler beneath the
         checkpointers (``beneath``, when close() found them already). The default action exits with status
-        128 + signal; a handler that returns, or SIG_IGN, lets the run go on, still watching."""
+        128 + signal (Python's SIGINT handler raises KeyboardInterrupt); a handler that returns, or SIG_IGN,
+        lets the run go on, still watching."""
         signals = list(_delivered) or [signum]
         _end_round()
         ending = False  # a signal handed to the main thread whose default action ends the process

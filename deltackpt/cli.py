@@ -3,7 +3,8 @@
 Where it sits: a thin layer over :class:`deltackpt.Store` and :mod:`deltackpt.maintenance`; it owns argument
 parsing, tables, progress bars and exit codes, nothing else. Every subcommand takes the store directory first.
 A checkpoint is named by its step (the newest checkpoint with that step), ``latest``, or its 16-hex id.
-On failure it prints one line ``deltackpt: error: ...`` to stderr and exits 1 (2 for usage errors).
+On failure it prints one line ``deltackpt: error: ...`` to stderr and exits 1 (2 for usage errors; 130 when
+interrupted, 141 when the output pipe closes early).
 """
 
 from __future__ import annotations
@@ -1033,7 +1034,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("verify", cmd_verify, "decode and check every chunk (exit 1 on damage)").add_argument(
         "checkpoint", nargs="?", help="step, 'latest' or id (default: all)"
     )
-    add("rm", cmd_rm, "delete checkpoints").add_argument("checkpoint", nargs="+", help="steps or ids")
+    add("rm", cmd_rm, "delete checkpoints").add_argument("checkpoint", nargs="+", help="steps, 'latest' or ids")
     gc = add("gc", cmd_gc, "reclaim space no retained checkpoint uses")
     gc.add_argument("--repack-below", type=float, default=0.5, metavar="F",
                     help="repack packs whose live fraction is below F, between 0 and 1 (0.5)")
@@ -1060,7 +1061,8 @@ def build_parser() -> argparse.ArgumentParser:
     dc = add("dcp", cmd_dcp, "list (and delete, prune, gc) the steps of a sharded torch.distributed.checkpoint root",
              store="the sharded (DCP) checkpoint root (holding meta/ and rank-NNNNN/ stores)")
     dc.add_argument("--rm", type=int, nargs="+", default=[], metavar="STEP", help="delete these steps first")
-    dc.add_argument("--prune", action="store_true", help="delete shards of saves that never committed")
+    dc.add_argument("--prune", action="store_true",
+                    help="delete rank checkpoints no step names (of saves that never committed, interrupted deletes)")
     dc.add_argument("--gc", action="store_true", help="then gc every store of the root")
     dc.add_argument("--verify", action="store_true", help="then verify every store of the root (exit 1 on damage)")
     return p

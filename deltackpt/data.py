@@ -59,7 +59,8 @@ Semantics worth knowing:
   depends on the batches it handled before), as with any DataLoader.
 * ``load_state_dict`` raises ValueError when the state was saved for another dataset length, seed, shuffle
   or sharding - and when this torch orders the saved epoch differently (the state holds a fingerprint of
-  the epoch's order; ``torch.randperm`` is not promised to be stable across torch versions).
+  the epoch's order; ``torch.randperm`` is not promised to be stable across torch versions), and TypeError
+  for a malformed state.
 * Loaders that keep their own position (torchdata's ``StatefulDataLoader`` and the like) need none of this:
   give them to the Checkpointer as ``data=`` directly, and their own ``state_dict()`` is saved.
 
@@ -392,7 +393,8 @@ class ResumableLoader:
         return self.sampler.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume at a saved cursor (ValueError when it was saved for another dataset length or seed)."""
+        """Resume at a saved cursor (ValueError when it was saved for another dataset length, seed, shuffle or
+        sharding, or this torch orders the epoch differently; TypeError for a malformed state)."""
         self.sampler.load_state_dict(state)
 
     def check_state_dict(self, state: Mapping[str, Any]) -> tuple[int, int]:
@@ -465,7 +467,8 @@ class ResumableLoader:
     def batches(self, max_epochs: int | None = None) -> Iterator[Any]:
         """Batch after batch across epochs, from the cursor on; stops once ``epoch`` reaches ``max_epochs``.
 
-        Endless with ``max_epochs=None`` (then ValueError if an epoch has no batch at all).
+        Endless with ``max_epochs=None`` (then the first ``next()`` raises ValueError if an epoch has no batch
+        at all).
         """
         if max_epochs is None and len(self.loader) == 0:
             raise ValueError("the DataLoader yields no batch in an epoch; batches() would never yield")

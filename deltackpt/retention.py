@@ -5,7 +5,8 @@ the store's checkpoints and applies it (deletes first, then thinning). The polic
 of the list of checkpoints, so it is easy to reason about and to test.
 
 Every rule *keeps* checkpoints; a checkpoint survives if any rule keeps it, and the newest checkpoint is always
-kept. A policy with no rules keeps everything.
+kept. A policy with no deleting rule (``keep_last``, ``keep_every``, ``keep_best``, ``keep_within``) keeps
+everything.
 """
 
 from __future__ import annotations

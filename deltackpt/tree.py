@@ -25,6 +25,11 @@ and, from manifest format version 2 (written only by states that hold one of the
     ["C", [keys], [values]]   collections.Counter ["q", [values], maxlen] collections.deque (maxlen null or int)
     ["D", factory, [keys], [values]]  collections.defaultdict; factory is null or one of DEFAULT_FACTORIES
 
+and, from version 3 (written only by states that hold one of them)::
+
+    ["o", [keys], [values], metadata]  OrderedDict with a module state_dict()'s ``_metadata`` (a node)
+    ["dt", "qint8"]           a quantized torch dtype (qint8, quint8, qint32, quint4x2, quint2x4)
+
 Dict keys are nodes too: str and int, and from version 2 any hashable plain value (None, bool, float,
 complex, bytes, numpy scalars, torch dtypes and devices, and tuples and frozensets of those). Set elements are
 hashable plain values likewise. An array met twice is one leaf referenced twice: the same object, or another
