@@ -16,7 +16,7 @@ import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -56,7 +56,7 @@ class Retention:
     keep_last: int | None = None
     keep_every: int | None = None
     keep_tagged: bool = True
-    keep_best: tuple[str, str] | None = None
+    keep_best: tuple[str, Literal["min", "max"]] | None = None
     best_k: int = 1
     keep_within: float | None = None
     full_last: int | None = None

@@ -79,6 +79,8 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim
     # what is not stateful is refused by the type checker too (an unused ignore fails under --strict)
     deltackpt.Checkpointer("ckpts", model=42)  # type: ignore[arg-type]
     deltackpt.Checkpointer("ckpts", optimizer=[opt, "lr"])  # type: ignore[list-item]
+    deltackpt.Retention(keep_best=("loss", "min"), best_k=3)
+    deltackpt.Retention(keep_best=("loss", "lowest"))  # type: ignore[arg-type]
     print(infos)
 
 
