@@ -105,8 +105,9 @@ def chunk_digests(buf, chunk_size, threads=1):
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     cdef const unsigned char[::1] data = _as_u8(buf)
-    cdef size_t cs = chunk_size
     cdef size_t length = data.shape[0]
+    # a chunk size past the buffer (even past size_t) makes one chunk of it all, as in the Python reference
+    cdef size_t cs = chunk_size if chunk_size < length else max(length, <size_t>1)
     cdef int nt = _threads(threads)
     cdef size_t n = dck_chunk_count(length, cs)
     digests = np.empty((n, 16), dtype=np.uint8)

@@ -342,6 +342,16 @@ def test_zero_flags(mod: types.ModuleType, chunk_size: int) -> None:
 
 
 @pytest.mark.parametrize("mod", BACKENDS)
+@pytest.mark.parametrize("chunk_size", [8, 9, 2**31, 2**63, 2**64, 10**30])
+def test_chunk_size_past_the_buffer_makes_one_chunk(mod: types.ModuleType, chunk_size: int) -> None:
+    data = np.arange(8, dtype=np.uint8)
+    digests, zero = mod.chunk_digests(data, chunk_size, 2)
+    assert [bytes(d) for d in digests] == [xxhash.xxh3_128_digest(data.tobytes())] and zero.tolist() == [False]
+    digests, zero = mod.chunk_digests(np.empty(0, np.uint8), chunk_size)
+    assert digests.shape == (0, 16) and zero.shape == (0,)
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
 def test_empty_inputs(mod: types.ModuleType) -> None:
     digests, zero = mod.chunk_digests(b"", 4096)
     assert digests.shape == (0, 16) and digests.dtype == np.uint8
