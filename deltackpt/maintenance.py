@@ -141,7 +141,8 @@ def verify(
     _check_progress(progress)
     report = VerifyReport()
     try:
-        _verify_into(report, store, step, id, progress)
+        with store.reader.transient():
+            _verify_into(report, store, step, id, progress)
     except CorruptIndexError as exc:
         report.problems.append(Problem(None, None, None, None, str(exc)))
     return report
@@ -535,7 +536,7 @@ def gc(
     report = GcReport()
     with store._save_lock:
         store._writer.close()  # our own pack is sealed: gc may treat it like any other
-    with _maintenance_lock(store, timeout):
+    with _maintenance_lock(store, timeout), store.reader.transient():
         with store._gc_lock(exclusive=True, timeout=timeout):
             plan = _collect(store, repack_below, report)
         if plan:

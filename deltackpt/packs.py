@@ -429,6 +429,26 @@ class PackReader:
         self._shed(self.max_open)
         return h
 
+    @contextlib.contextmanager
+    def transient(self) -> Iterator[None]:
+        """Pack files first opened inside the block are closed when it ends (those in use once their reads end):
+        for a pass over many packs (gc, verify) in a process that goes on reading few, such as a training job
+        whose Checkpointer runs gc, which would otherwise keep one open file per pack."""
+        with self._lock:
+            before = set(self._open)
+        try:
+            yield
+        finally:
+            closing = []
+            with self._lock:
+                for pack_id in [p for p in self._open if p not in before]:
+                    h = self._open.pop(pack_id)
+                    h.dropped = True
+                    if h.users == 0:
+                        closing.append(h.fd)
+            for fd in closing:
+                os.close(fd)
+
     def _shed(self, keep: int) -> None:
         """Drop the least recently read pack files beyond ``keep``; those in use close when their reads end."""
         closing = []

@@ -942,8 +942,9 @@ class Store:
         checkpoint id) is the lineage and delta parent; by default the checkpoint this handle last saved or
         loaded, else the latest one. ``keyframe=True`` stores every new chunk standalone (no deltas), so the
         changed tensors of this checkpoint restore from one frame per chunk: for the last save before a
-        planned stop. Raises UnsupportedTypeError (a TypeError naming the key path) before writing anything if
-        the state holds something that cannot be stored.
+        planned stop, and for a step a retention policy keeps for good (as deltas it would keep alive the chunks
+        of the deleted checkpoints before it that it decodes from). Raises UnsupportedTypeError (a TypeError
+        naming the key path) before writing anything if the state holds something that cannot be stored.
         """
         return self._save(state, step, metadata, parent=parent, allow_pickle=allow_pickle, keyframe=keyframe)
 

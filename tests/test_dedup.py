@@ -200,6 +200,30 @@ def test_gc_reclaims_packs_and_keeps_last(store: deltackpt.Store, store_path: Pa
         assert_same_state(states[3], fresh.load(3))
 
 
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open files through /proc")
+def test_gc_and_verify_leave_no_pack_files_open(store_path: Path) -> None:
+    """A training process whose Checkpointer runs gc would otherwise keep one open file per pack gc read."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(4 * SMALL_CHUNK // 4, generator=g)
+    with deltackpt.Store(store_path, chunk_size=SMALL_CHUNK, pack_size=SMALL_CHUNK) as s:
+        for step in range(6):  # small changes: deltas, whose headers gc reads
+            w = w + 1e-3 * torch.randn(w.shape, generator=g)
+            s.save({"w": w}, step=step)
+    assert len(pack_files(store_path)) > 6
+
+    def pack_fds() -> int:
+        fd_dir = Path("/proc/self/fd")
+        return sum(1 for fd in fd_dir.iterdir() if fd.resolve().parent == store_path.resolve() / "packs")
+
+    with deltackpt.Store(store_path) as s:
+        s.delete(step=1)
+        s.gc()
+        assert pack_fds() == 0
+        assert s.verify().ok
+        assert pack_fds() == 0
+        assert_same_state({"w": w}, s.load())
+
+
 def test_gc_after_deleting_everything(store: deltackpt.Store, store_path: Path) -> None:
     store.save({"w": torch.randn(20_000)}, step=1)
     store.save({"w": torch.randn(20_000)}, step=2)

@@ -133,6 +133,32 @@ def test_reader_keeps_at_most_max_open_files(order: list[int], max_open: int, fo
         assert _open_fds() == base
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_reader_closes_what_a_transient_pass_opened() -> None:
+    """Packs first opened inside ``transient()`` are closed at its end, those open before stay open, and one a
+    read is still using closes when that read ends."""
+    with tempfile.TemporaryDirectory() as d:
+        frames = _many_packs(Path(d), 12)
+        base = _open_fds()
+        r = PackReader(Path(d), max_open=100)
+        for pack_id, offset, data in frames[:2]:
+            r.read(pack_id, offset, len(data))
+        with r.transient():
+            for pack_id, offset, data in frames:
+                assert bytes(r.read(pack_id, offset, len(data))) == data
+            assert _open_fds() == base + 12
+            held = r._fd(frames[5][0])
+            held.__enter__()  # a read still running as the pass ends
+        assert _open_fds() == base + 3
+        held.__exit__(None, None, None)
+        assert _open_fds() == base + 2
+        assert sorted(r._open) == sorted(f[0] for f in frames[:2])
+        pack_id, offset, data = frames[7]
+        assert bytes(r.read(pack_id, offset, len(data))) == data  # reopened as needed
+        r.close()
+        assert _open_fds() == base
+
+
 def test_reader_threads_share_and_shed_files() -> None:
     """Eight threads read 60 packs through a reader that keeps 3 open: files another thread is reading from are
     closed only after that read ends (a closed or reused descriptor would read wrong bytes or fail)."""
