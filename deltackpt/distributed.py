@@ -28,6 +28,7 @@ import io
 import json
 import os
 import re
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -157,6 +158,11 @@ def _meta_store(root: Path, *, readonly: bool = False, allow_network_fs: bool | 
     return _existing(root / "meta", "DCP checkpoints", readonly=readonly, allow_network_fs=allow_network_fs)
 
 
+#: The stores that copies of writers in this process use (see DeltaStorageWriter.__getstate__), by path and options
+_PROCESS_STORES: dict[tuple[Path, str], Store] = {}
+_PROCESS_STORES_LOCK = threading.Lock()
+
+
 class DeltaStorageWriter(StorageWriter):
     """DCP storage writer into the deltackpt stores under ``root`` (see the module docstring).
 
@@ -206,15 +212,34 @@ class DeltaStorageWriter(StorageWriter):
         self._named_memo: dict[str, set[tuple[int, str]]] = {}  # meta checkpoint id -> what it names
         self.store_options = store_options
         self._stores: dict[Path, Store] = {}
+        self._copy = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled writer leaves its open stores (locks, files, threads) behind. DCP's process-based
+        ``async_save`` sends such a copy with every save to a background process that lives for the run: there
+        copies share the stores the first one opened (:meth:`_store`), so each rank's previous save stays the
+        delta base in memory and no save opens a store (and starts a pack) of its own that nothing would close."""
+        state = self.__dict__.copy()
+        state["_stores"], state["_copy"] = {}, True
+        return state
 
     def _store(self, path: Path) -> Store:
         s = self._stores.get(path)
         if s is None:
-            s = self._stores[path] = Store(path, **{"threads": _threads_per_rank(), **self.store_options})
+            options = {"threads": _threads_per_rank(), **self.store_options}
+            if not self._copy:
+                s = self._stores[path] = Store(path, **options)
+                return s
+            key = (path.absolute(), repr(sorted(options.items())))
+            with _PROCESS_STORES_LOCK:
+                s = _PROCESS_STORES.get(key)
+                if s is None or s._closed:
+                    s = _PROCESS_STORES[key] = Store(path, **options)
         return s
 
     def close(self) -> None:
-        """Close the stores this writer opened."""
+        """Close the stores this writer opened (a copy's, which it shares with the other copies in its process,
+        stay open)."""
         for s in self._stores.values():
             s.close()
         self._stores.clear()

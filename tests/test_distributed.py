@@ -492,6 +492,57 @@ def test_async_save(tmp_path: Path) -> None:
         assert [c.step for c in s.list()] == [1, 2, 3]
 
 
+_PROCESS_ASYNC = """
+import os, sys, warnings
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from deltackpt.distributed import DeltaStorageWriter
+warnings.simplefilter("ignore")
+root, init = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+group = dist.new_group(backend="gloo")
+w = DeltaStorageWriter(root, step=0)
+x = torch.randn(64, 4096, generator=torch.Generator().manual_seed(0))
+dcp.save({"x": x}, storage_writer=w)  # in this process first: the writer then holds open stores
+for step in range(1, 7):
+    x[step] += 1.0
+    w.step = step
+    f = dcp.async_save({"x": x}, storage_writer=w, process_group=group,
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+    getattr(f, "upload_completion", f).result()
+w.close()
+torch.save(x, os.path.join(root, "..", "x.pt"))
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.plumbing
+def test_process_based_async_saves_share_the_stores_of_their_process(tmp_path: Path) -> None:
+    """DCP's process-based async_save pickles the writer with every save (after an in-process save too, when it
+    holds open stores) for a background process that lives for the run: the copies there share one store per
+    rank, in one pack, rather than each save opening a store (and starting a pack) that nothing closes."""
+    root = tmp_path / "ckpt"
+    done = subprocess.run([sys.executable, "-c", _PROCESS_ASYNC, str(root), str(tmp_path / "pg")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    x = torch.load(tmp_path / "x.pt")
+    assert distributed.steps(root) == list(range(7))
+    assert torch.equal(load_full_x(root), x)
+    with deltackpt.Store(root / "rank-00000") as s:
+        infos = s.list()
+        assert [c.step for c in infos] == list(range(7))
+    assert len(list((root / "rank-00000" / "packs").glob("*.pack"))) <= 2  # this process's and the daemon's
+
+
+def load_full_x(root: Path) -> torch.Tensor:
+    target = {"x": torch.zeros(64, 4096)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, storage_reader=DeltaStorageReader(root))
+    return target["x"]
+
+
 def test_ranks_of_one_host_share_its_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun (LOCAL_WORLD_SIZE) a rank's store takes its share of the host's CPUs, not all of them;
     DELTACKPT_THREADS and an explicit threads= win."""
