@@ -44,6 +44,7 @@ import functools
 import pickle
 import re
 import struct
+import sys
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
@@ -577,7 +578,12 @@ def unstorable(t: torch.Tensor) -> str | None:
         if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
             return ("it is an uninitialized parameter or buffer of a lazy module (torch.nn.LazyLinear, ...); run a "
                     "forward pass before saving")
-        return f"tensor subclass {type(t).__qualname__}"
+        dtensor = sys.modules.get("torch.distributed.tensor")  # (loaded wherever a DTensor exists)
+        if dtensor is not None and isinstance(t, dtensor.DTensor):
+            return ("it is a DTensor (sharded, by FSDP2 or tensor parallelism, say): save sharded state through "
+                    "torch.distributed.checkpoint with deltackpt.distributed.DeltaStorageWriter, or a full "
+                    "state dict (StateDictOptions(full_state_dict=True))")
+        return f"tensor subclass {type(t).__qualname__} (deltackpt.register_type can give it an encoding)"
     if t.layout != torch.strided:
         return f"{t.layout} tensors are not supported"
     if t.is_quantized or t.is_meta or t.is_nested:

@@ -388,6 +388,30 @@ def test_exact_resume_in_process(fast_dir: Path, total: int, split: int) -> None
     assert_bitwise(ref, tw.final_state(parts), "final")
 
 
+@pytest.mark.plumbing
+def test_data_parallel_ranks_resume_exactly_from_rank_0s_saves(tmp_path: Path) -> None:
+    """The README's data-parallel pattern, two gloo ranks of DistributedDataParallel (tests/ddp_worker.py): 10
+    uninterrupted steps == 5 steps, a new job, restore on every rank, 5 more; on both ranks, bit for bit."""
+    worker = Path(__file__).resolve().parent / "ddp_worker.py"
+
+    def job(store: Path, steps: int, out: Path) -> None:
+        init = tmp_path / f"pg-{out.name}"
+        procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(init), str(store), str(steps),
+                                   str(out)], stderr=subprocess.PIPE, text=True) for r in range(2)]
+        for p in procs:
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-3000:]
+
+    job(tmp_path / "a", 10, tmp_path / "full")
+    job(tmp_path / "b", 5, tmp_path / "half")
+    job(tmp_path / "b", 10, tmp_path / "resumed")
+    with Store(tmp_path / "b") as s:
+        assert [c.step for c in s.list()] == [2, 4, 6, 8, 10]  # rank 0's saves only
+    for rank in range(2):
+        want, got = (torch.load(tmp_path / f"{name}.{rank}") for name in ("full", "resumed"))
+        assert_bitwise(want, got, f"rank {rank}")
+
+
 def test_restore_decodes_into_the_model(fast_dir: Path) -> None:
     """restore() hands load_state_dict the model's own tensors, already holding the checkpoint's values: no
     second copy of the model is allocated. The optimizer's state is loaded as usual."""

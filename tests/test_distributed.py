@@ -535,6 +535,33 @@ def test_process_based_async_saves_share_the_stores_of_their_process(tmp_path: P
     assert len(list((root / "rank-00000" / "packs").glob("*.pack"))) <= 2  # this process's and the daemon's
 
 
+_FSDP2_IN_A_CHECKPOINTER = """
+import sys, warnings
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import deltackpt
+warnings.simplefilter("ignore")
+dist.init_process_group("gloo", init_method=f"file://{sys.argv[2]}", rank=0, world_size=1)
+model = fully_shard(torch.nn.Sequential(torch.nn.Linear(4, 4)), mesh=init_device_mesh("cpu", (1,)))
+with deltackpt.Checkpointer(sys.argv[1], model=model, handle_signals=False) as ckpt:
+    try:
+        ckpt.save(1)
+    except deltackpt.UnsupportedTypeError as exc:
+        print(exc)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.plumbing
+def test_a_checkpointer_given_fsdp2_shards_points_to_dcp(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-c", _FSDP2_IN_A_CHECKPOINTER, str(tmp_path / "s"), str(tmp_path / "pg")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.match(r"cannot store model\.0\.weight: it is a DTensor .*deltackpt\.distributed\.DeltaStorageWriter",
+                    done.stdout), done.stdout
+
+
 def load_full_x(root: Path) -> torch.Tensor:
     target = {"x": torch.zeros(64, 4096)}
     with warnings.catch_warnings():

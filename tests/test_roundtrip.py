@@ -1221,12 +1221,14 @@ def test_registered_types_fail_with_typed_errors(store: deltackpt.Store) -> None
 
 
 def test_register_type_for_a_tensor_subclass(store: deltackpt.Store) -> None:
-    """A registered torch.Tensor subclass is saved through its hook (before, the tensor check came first and
-    refused it as an unsupported subclass)."""
+    """A torch.Tensor subclass is refused, naming register_type; registered, it is saved through its hook
+    (before, the tensor check came first and refused it as an unsupported subclass)."""
+    w = torch.arange(6.0).as_subclass(_Scaled)
+    with pytest.raises(UnsupportedTypeError, match=r"cannot store w: tensor subclass _Scaled \(deltackpt.register_"):
+        store.save({"w": w}, step=1)  # (not registered yet)
     deltackpt.register_type(_Scaled, "tests.Scaled", lambda t: t.as_subclass(torch.Tensor).clone(),
                             lambda t: t.as_subclass(_Scaled))
     try:
-        w = torch.arange(6.0).as_subclass(_Scaled)
         store.save({"w": w}, step=1)
         out = store.load(1)["w"]
         assert type(out) is _Scaled and torch.equal(out.as_subclass(torch.Tensor), torch.arange(6.0))
