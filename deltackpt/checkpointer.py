@@ -33,12 +33,11 @@ from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
-import torch
 
-from deltackpt import config, maintenance, manifest
+from deltackpt import _lazy, config, maintenance, manifest
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
@@ -68,6 +67,11 @@ from deltackpt.tree import (
     registered_types,
     unstorable,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = _lazy.module("torch", globals())
 
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -22,13 +22,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lmdb
 import numpy as np
-import torch
 
-from deltackpt import codec, maintenance, manifest, packs, tree
+from deltackpt import _lazy, codec, maintenance, manifest, packs, tree
 from deltackpt.checkpointer import _checkpointer_layout, _has_rng, newest_restorable
 from deltackpt.errors import (
     CheckpointNotFoundError,
@@ -39,6 +38,11 @@ from deltackpt.errors import (
     UnsafeLoadError,
 )
 from deltackpt.store import CheckpointInfo, Store, _check_step, _holds_checkpoints
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = _lazy.module("torch", globals())
 
 
 def human(n: float) -> str:

@@ -209,7 +209,7 @@ def _itemsize(kind: str, dtype: str) -> int | None:
     this torch or numpy does not know. A newer library's dtype is no damage: the manifest stays readable (a
     repair must keep the checkpoint), and only loading that tensor fails."""
     try:
-        return (tree.torch_dtype(dtype) if kind == "torch" else tree.numpy_dtype(dtype)).itemsize
+        return tree.torch_itemsize(dtype) if kind == "torch" else tree.numpy_dtype(dtype).itemsize
     except (CorruptManifestError, UnsupportedTypeError):
         return None
 

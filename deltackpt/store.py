@@ -44,9 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-import torch
 
-from deltackpt import codec, collector, config, kernel, manifest, predict, tree
+from deltackpt import _lazy, codec, collector, config, kernel, manifest, predict, tree
 from deltackpt.cache import ChunkCache
 from deltackpt.errors import (
     CheckpointNotFoundError,
@@ -76,8 +75,12 @@ from deltackpt.packs import (
 from deltackpt.retention import Retention, deleting_only
 from deltackpt.scratch import Scratch
 
-if TYPE_CHECKING:  # (maintenance imports this module)
-    from deltackpt.maintenance import GcReport, Progress, RepairReport, VerifyReport
+if TYPE_CHECKING:
+    import torch
+
+    from deltackpt.maintenance import GcReport, Progress, RepairReport, VerifyReport  # (it imports this module)
+else:
+    torch = _lazy.module("torch", globals())
 
 STORE_FORMAT = "deltackpt-store"
 STORE_VERSION = 1

@@ -48,12 +48,17 @@ import sys
 from collections import Counter, OrderedDict, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
+from deltackpt import _lazy
 from deltackpt.errors import CorruptManifestError, InvalidNameError, UnsafeLoadError, UnsupportedTypeError
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = _lazy.module("torch", globals())
 
 
 @dataclass
@@ -86,7 +91,7 @@ _HOOKS_BY_NAME: dict[str, _TypeHook] = {}
 
 def _stored_natively(cls: type) -> bool:
     """Whether saves store values of type ``cls`` themselves (no hook of :func:`register_type` may take them)."""
-    if cls in _BUILTIN_TYPES or cls is type(None) or cls in (torch.Tensor, torch.nn.Parameter, np.ndarray,
+    if cls in _BUILTIN_TYPES or cls is type(None) or cls in (torch.Tensor, torch.nn.Parameter, torch.Size, np.ndarray,
                                                               torch.dtype, torch.device):
         return True
     if issubclass(cls, np.generic):
@@ -159,14 +164,38 @@ def encode_registered(obj: Any) -> Encoded | None:
     return None if hook is None else Encoded(hook.name, hook.encode(obj))
 
 
-#: torch's dtypes by the name stored for them (``float32``, ``bfloat16``, ...): looked up in this table, not with
-#: getattr(torch, name), where a stored name like ``_dynamo`` would import a submodule (torch's module __getattr__)
-_DTYPES = {name: obj for name, obj in vars(torch).items() if isinstance(obj, torch.dtype)}
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    """torch's dtypes by the name stored for them (``float32``, ``bfloat16``, ...): looked up in this table, not
+    with getattr(torch, name), where a stored name like ``_dynamo`` would import a submodule (torch's module
+    __getattr__)."""
+    return {name: obj for name, obj in vars(torch).items() if isinstance(obj, torch.dtype)}
 
 
 def dtype_named(name: Any) -> torch.dtype | None:
     """The torch dtype a stored name names, or None; nothing is imported or evaluated."""
-    return _DTYPES.get(name) if type(name) is str else None
+    return _dtypes().get(name) if type(name) is str else None
+
+
+#: the element sizes of torch's dtypes by stored name (torch 2.13's, but the quantized ones), so that reading a
+#: manifest (``deltackpt ls``, ``du``, ``show``) needs no torch: a name not here is looked up in torch
+_TORCH_ITEMSIZE: dict[str, int] = {
+    **dict.fromkeys(("bool", "uint8", "int8", "uint1", "uint2", "uint3", "uint4", "uint5", "uint6", "uint7", "bit",
+                     "int1", "int2", "int3", "int4", "int5", "int6", "int7", "bits1x8", "bits2x4", "bits4x2", "bits8",
+                     "float8_e5m2", "float8_e4m3fn", "float8_e5m2fnuz", "float8_e4m3fnuz", "float8_e8m0fnu",
+                     "float4_e2m1fn_x2"), 1),
+    **dict.fromkeys(("int16", "short", "uint16", "float16", "half", "bfloat16", "bits16"), 2),
+    **dict.fromkeys(("int32", "int", "uint32", "float32", "float", "complex32", "chalf"), 4),
+    **dict.fromkeys(("int64", "long", "uint64", "float64", "double", "complex64", "cfloat"), 8),
+    **dict.fromkeys(("complex128", "cdouble"), 16),
+}
+
+
+def torch_itemsize(name: str) -> int:
+    """The element size of the torch dtype ``name``; a name not in the table is looked up in torch, raising as
+    :func:`torch_dtype` does."""
+    size = _TORCH_ITEMSIZE.get(name) if type(name) is str else None
+    return size if size is not None else torch_dtype(name).itemsize
 
 
 def torch_dtype(name: str, *, value: bool = False) -> torch.dtype:
@@ -179,15 +208,14 @@ def torch_dtype(name: str, *, value: bool = False) -> torch.dtype:
     if dt is None:  # (a dtype of a newer torch, float4_e2m1fn_x2 say: no damage of the store)
         raise UnsupportedTypeError(f"torch dtype {name!r:.60} is unknown to this torch ({torch.__version__}): "
                                    "the checkpoint was written by a newer one")
-    if dt in QUANTIZED and not value:
+    if name in QUANTIZED_NAMES and not value:
         raise CorruptManifestError(f"quantized torch dtype {name!r} in a tensor entry (saves refuse them)")
     return dt
 
 
-#: quantized torch dtypes: their tensors are not storable (their bytes are not the elements'; a quantizer goes
-#: with them); as values (``dt`` nodes) they are, from manifest version 3
-QUANTIZED = frozenset({torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4})
-_QUANTIZED_NAMES = frozenset(str(dt).removeprefix("torch.") for dt in QUANTIZED)
+#: the names of torch's quantized dtypes: their tensors are not storable (their bytes are not the elements'; a
+#: quantizer goes with them); as values (``dt`` nodes) they are, from manifest version 3
+QUANTIZED_NAMES = frozenset({"qint8", "quint8", "qint32", "quint4x2", "quint2x4"})
 
 
 def numpy_dtype(name: str) -> np.dtype:
@@ -222,7 +250,7 @@ DEFAULT_FACTORIES: dict[str, type] = {
 }
 _CONTAINERS = frozenset({dict, OrderedDict, Counter, defaultdict, list, tuple, deque})
 #: the exact types :meth:`_Flattener._node` stores before it looks for a registered hook
-_BUILTIN_TYPES = frozenset({bool, int, float, str, bytes, complex, set, frozenset, torch.Size, *_CONTAINERS})
+_BUILTIN_TYPES = frozenset({bool, int, float, str, bytes, complex, set, frozenset, *_CONTAINERS})
 #: tags of manifest format version 2 (:func:`format_version`)
 V2_TAGS = frozenset({"c", "S", "F", "C", "q", "D"})
 _HASHABLE = (type(None), bool, int, float, complex, str, bytes)
@@ -588,7 +616,7 @@ def unstorable(t: torch.Tensor) -> str | None:
         return f"{t.layout} tensors are not supported"
     if t.is_quantized or t.is_meta or t.is_nested:
         return "quantized, meta and nested tensors are not supported"
-    if t.dtype in QUANTIZED:
+    if _dtype_name(t.dtype) in QUANTIZED_NAMES:
         return f"dtype {t.dtype} is not supported"
     if _SUB_BYTE.fullmatch(_dtype_name(t.dtype)) and not t.is_contiguous():
         return f"torch cannot copy a non-contiguous {t.dtype} tensor (to read its bytes); store a contiguous one"
@@ -686,7 +714,7 @@ def format_version(skeleton: Any) -> int:
         tag = n[0]
         if type(tag) is not str:
             continue  # (malformed: for the decoder to refuse)
-        if (tag == "o" and len(n) == 4) or (tag == "dt" and len(n) == 2 and n[1] in _QUANTIZED_NAMES):
+        if (tag == "o" and len(n) == 4) or (tag == "dt" and len(n) == 2 and n[1] in QUANTIZED_NAMES):
             return 3
         if tag in V2_TAGS:
             version = 2

@@ -99,6 +99,31 @@ def three(store_path: Path) -> dict[str, Any]:
 # -- ls / show / log / du ---------------------------------------------------------------------------------
 
 
+_WITHOUT_TORCH = """
+import runpy, sys
+sys.argv = ["deltackpt", *sys.argv[1:]]
+try:
+    runpy.run_module("deltackpt", run_name="__main__")
+except SystemExit as exc:
+    assert not exc.code, exc.code
+assert "torch" not in sys.modules, "imported torch"
+"""
+
+
+def test_listings_do_not_import_torch(tmp_path: Path) -> None:
+    """ls, log, du, show and resume-info read the index and manifests only: importing torch was 1.0 s of ls's 1.5."""
+    path = tmp_path / "s"
+    model = torch.nn.Linear(8, 4).to(torch.bfloat16)
+    with deltackpt.Checkpointer(path, model=model, handle_signals=False) as ckpt:
+        ckpt.save(1)
+    with deltackpt.Store(path) as s:
+        s.save({"w": torch.ones(3, dtype=torch.float8_e4m3fn), "a": np.arange(3.0)}, step=2)
+    for args in (["ls"], ["log"], ["du"], ["show", str(path), "2"], ["resume-info"]):
+        argv = args if len(args) > 1 else [*args, str(path)]
+        done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *argv], capture_output=True, text=True)
+        assert done.returncode == 0, (args, done.stderr[-2000:])
+
+
 def test_ls_lists_every_step_and_id(capsys: pytest.CaptureFixture[str], store_path: Path,
                                     three: dict[str, Any]) -> None:
     rc, out, err = cli(capsys, "ls", store_path)

@@ -88,3 +88,16 @@ def test_a_tensor_whose_chunk_range_runs_past_the_table_is_damage(good: bytes) -
 def test_a_tensor_whose_chunk_count_disagrees_with_its_bytes_is_damage(good: bytes) -> None:
     with pytest.raises(CorruptManifestError, match="inconsistent chunk range"):
         manifest.parse(_with_header(good, lambda h: _entry(h, "w").update(count=2)), where="x")
+
+
+def test_the_itemsize_table_agrees_with_torch() -> None:
+    """Manifests are read without torch (deltackpt ls), from a table of element sizes: each entry is torch's, and
+    every dtype of this torch is in it but the quantized ones, which tensor entries never hold."""
+    from deltackpt import tree
+
+    sizes = {name: dt.itemsize for name, dt in vars(torch).items() if isinstance(dt, torch.dtype)}
+    assert {name: sizes.get(name) for name in tree._TORCH_ITEMSIZE} == tree._TORCH_ITEMSIZE
+    assert set(sizes) - set(tree._TORCH_ITEMSIZE) == tree.QUANTIZED_NAMES
+    assert tree.torch_itemsize("bfloat16") == 2
+    with pytest.raises(deltackpt.UnsupportedTypeError, match="unknown to this torch"):
+        tree.torch_itemsize("float2_e1m0")
