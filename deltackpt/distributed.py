@@ -28,10 +28,11 @@ import io
 import json
 import os
 import re
+import secrets
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -158,9 +159,18 @@ def _meta_store(root: Path, *, readonly: bool = False, allow_network_fs: bool | 
     return _existing(root / "meta", "DCP checkpoints", readonly=readonly, allow_network_fs=allow_network_fs)
 
 
-#: The stores that copies of writers in this process use (see DeltaStorageWriter.__getstate__), by path and options
-_PROCESS_STORES: dict[tuple[Path, str], Store] = {}
-_PROCESS_STORES_LOCK = threading.Lock()
+@dataclass
+class _Kept:
+    """What a :class:`DeltaStorageWriter` keeps from one save to the next."""
+
+    gc_rule: Any  #: the checkpointer's _GcAfterRetention
+    stores: dict[Path, Store] = field(default_factory=dict)
+    named: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  #: meta checkpoint id -> what it names
+
+
+#: by writer: what the copies of a writer unpickled in this process keep (DeltaStorageWriter.__setstate__)
+_COPIES: dict[str, _Kept] = {}
+_COPIES_LOCK = threading.Lock()
 
 
 class DeltaStorageWriter(StorageWriter):
@@ -208,41 +218,37 @@ class DeltaStorageWriter(StorageWriter):
         self.gc = config.boolean("gc", gc)
         from deltackpt.checkpointer import _GcAfterRetention
 
-        self._gc_rule = _GcAfterRetention()
-        self._named_memo: dict[str, set[tuple[int, str]]] = {}  # meta checkpoint id -> what it names
         self.store_options = store_options
-        self._stores: dict[Path, Store] = {}
-        self._copy = False
+        self._kept = _Kept(_GcAfterRetention())
+        self._token = secrets.token_hex(8)
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled writer leaves its open stores (locks, files, threads) behind. DCP's process-based
-        ``async_save`` sends such a copy with every save to a background process that lives for the run: there
-        copies share the stores the first one opened (:meth:`_store`), so each rank's previous save stays the
-        delta base in memory and no save opens a store (and starts a pack) of its own that nothing would close."""
+        ``async_save`` sends such a copy with every save to a background process that lives for the run."""
         state = self.__dict__.copy()
-        state["_stores"], state["_copy"] = {}, True
+        state["_kept"] = replace(self._kept, stores={})
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """The copies of one writer in one process share what the first kept (:class:`_Kept`): the stores it
+        opened (so each rank's previous save stays the delta base in memory, and no save opens a store, and
+        starts a pack, that nothing closes), the meta manifests it read and the gc rule's state."""
+        self.__dict__.update(state)
+        with _COPIES_LOCK:
+            self._kept = _COPIES.setdefault(self._token, self._kept)
+
     def _store(self, path: Path) -> Store:
-        s = self._stores.get(path)
+        s = self._kept.stores.get(path)
         if s is None:
-            options = {"threads": _threads_per_rank(), **self.store_options}
-            if not self._copy:
-                s = self._stores[path] = Store(path, **options)
-                return s
-            key = (path.absolute(), repr(sorted(options.items())))
-            with _PROCESS_STORES_LOCK:
-                s = _PROCESS_STORES.get(key)
-                if s is None or s._closed:
-                    s = _PROCESS_STORES[key] = Store(path, **options)
+            s = self._kept.stores[path] = Store(path, **{"threads": _threads_per_rank(), **self.store_options})
         return s
 
     def close(self) -> None:
-        """Close the stores this writer opened (a copy's, which it shares with the other copies in its process,
-        stay open)."""
-        for s in self._stores.values():
+        """Close the stores this writer opened (a copy closes those it shares with the other copies in its
+        process)."""
+        for s in self._kept.stores.values():
             s.close()
-        self._stores.clear()
+        self._kept.stores.clear()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None and (self.root is None or Path(checkpoint_id) != self.root):
@@ -334,7 +340,8 @@ class DeltaStorageWriter(StorageWriter):
                 k.endswith((".params", ".param_names", ".betas", ".eps"))
                 or (k.endswith(".step")
                     and (isinstance(v, (int, float)) or (type(v) is torch.Tensor and v.numel() == 1))))}
-        whole = self._kept_for_good(store, self.step)
+        whole = self._kept_for_good(store.latest(), self.step)
+        _descend_from_newest(store)
         info = store._save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step,
                            keyframe=whole, _self_contained=whole, _flat=(_TENSORS, hints) if hints else None)
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
@@ -344,15 +351,14 @@ class DeltaStorageWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _kept_for_good(self, store: Store, step: int) -> bool:
+    def _kept_for_good(self, latest: CheckpointInfo | None, step: int) -> bool:
         """Whether retention keeps ``step`` for good while it drops the saves around it: a multiple of
-        ``keep_every`` saved less than ``keep_every`` steps after this rank's previous save (its store's latest
-        checkpoint). Such a step is saved as a self-contained keyframe, as a Checkpointer does (see
+        ``keep_every`` saved less than ``keep_every`` steps after this rank's previous save (``latest``, its
+        store's latest checkpoint). Such a step is saved as a self-contained keyframe, as a Checkpointer does (see
         :meth:`deltackpt.Checkpointer._kept_for_good`): as a delta it would keep the dropped steps' frames alive."""
         every = self.retention.keep_every if self.retention is not None else None
         if every is None or step % every:
             return False
-        latest = store.latest()
         return latest is not None and step - latest.step < every
 
     def _drop_unnamed(self, store: Store, rank: int) -> None:
@@ -367,9 +373,9 @@ class DeltaStorageWriter(StorageWriter):
                 # (each meta checkpoint's manifest read once per writer: a manifest never changes, and reading
                 # every kept one at every save made retention's cost grow with the square of the kept steps)
                 ids = [i.id for i in meta.list()]
-                memo = self._named_memo
-                self._named_memo = {i: memo[i] if i in memo else _named(meta, i) for i in ids}
-                named = set().union(set(), *self._named_memo.values())
+                memo = self._kept.named
+                self._kept.named = {i: memo[i] if i in memo else _named(meta, i) for i in ids}
+                named = set().union(set(), *self._kept.named.values())
             store._delete([(None, c.id) for c in _unnamed(store._listing(), _mine(store, rank, named))],
                           missing_ok=True)
             self._collect(store)
@@ -382,7 +388,7 @@ class DeltaStorageWriter(StorageWriter):
         """gc ``store`` once what retention deleted from it is worth a pass (see the class docstring)."""
         if not self.gc:
             return
-        report = self._gc_rule.collect(store, sum(i.written_bytes for i in store._listing()))
+        report = self._kept.gc_rule.collect(store, sum(i.written_bytes for i in store._listing()))
         if report is not None and report.damaged_packs:
             warnings.warn(f"deltackpt: gc of {store.path} after DCP retention left {len(report.damaged_packs)} "
                           f"pack(s) holding damaged frames in place: {report.damaged_packs[0]}",
@@ -417,6 +423,7 @@ class DeltaStorageWriter(StorageWriter):
             raise UnsupportedTypeError(f"DCP metadata of step {self.step}: {exc}") from None
         _check_saved_here(self.root, self.step, checkpoints)
         meta = self._store(self.root / "meta")
+        _descend_from_newest(meta)
         meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
         if self.retention is not None:
             try:
@@ -433,6 +440,13 @@ class DeltaStorageWriter(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _is_root(checkpoint_id)
+
+
+def _descend_from_newest(store: Store) -> None:
+    """Make the next save of ``store`` descend from its newest checkpoint (as a handle's first save does), not
+    from what this handle saved last: a process-based async save's copy, in its background process, and the
+    writer saving in its own process hold two handles on each store, and each would skip the other's saves."""
+    store._head = None
 
 
 def _check_saved_here(root: Path, step: int, checkpoints: list[list[Any]]) -> None:

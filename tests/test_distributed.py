@@ -507,6 +507,9 @@ dcp.save({"x": x}, storage_writer=w)  # in this process first: the writer then h
 for step in range(1, 7):
     x[step] += 1.0
     w.step = step
+    if step == 4:  # in this process again, between the background process's saves
+        dcp.save({"x": x}, storage_writer=w)
+        continue
     f = dcp.async_save({"x": x}, storage_writer=w, process_group=group,
                        async_checkpointer_type=AsyncCheckpointerType.PROCESS)
     getattr(f, "upload_completion", f).result()
@@ -521,7 +524,8 @@ os._exit(0)
 def test_process_based_async_saves_share_the_stores_of_their_process(tmp_path: Path) -> None:
     """DCP's process-based async_save pickles the writer with every save (after an in-process save too, when it
     holds open stores) for a background process that lives for the run: the copies there share one store per
-    rank, in one pack, rather than each save opening a store (and starting a pack) that nothing closes."""
+    rank, in one pack, rather than each save opening a store (and starting a pack) that nothing closes. Saves
+    made in either process descend from the step saved before, whichever process saved it."""
     root = tmp_path / "ckpt"
     done = subprocess.run([sys.executable, "-c", _PROCESS_ASYNC, str(root), str(tmp_path / "pg")],
                           capture_output=True, text=True, timeout=300)
@@ -529,9 +533,11 @@ def test_process_based_async_saves_share_the_stores_of_their_process(tmp_path: P
     x = torch.load(tmp_path / "x.pt")
     assert distributed.steps(root) == list(range(7))
     assert torch.equal(load_full_x(root), x)
-    with deltackpt.Store(root / "rank-00000") as s:
-        infos = s.list()
-        assert [c.step for c in infos] == list(range(7))
+    for store in ("rank-00000", "meta"):
+        with deltackpt.Store(root / store) as s:
+            infos = s.list()
+            assert [c.step for c in infos] == list(range(7))
+            assert [c.parent for c in infos] == [None] + [c.id for c in infos[:-1]], store
     assert len(list((root / "rank-00000" / "packs").glob("*.pack"))) <= 2  # this process's and the daemon's
 
 
