@@ -17,22 +17,22 @@ class _Module:
     """Stands for a module in a deltackpt module's globals until an attribute of it is first looked up, which
     imports the module and puts it in those globals in its place: later lookups go straight to it."""
 
-    __slots__ = ("_name", "_namespace", "_as")
+    __slots__ = ("_name", "_namespace")
 
-    def __init__(self, name: str, namespace: dict[str, Any], as_name: str) -> None:
-        self._name, self._namespace, self._as = name, namespace, as_name
+    def __init__(self, name: str, namespace: dict[str, Any]) -> None:
+        self._name, self._namespace = name, namespace
 
     def __getattr__(self, attr: str) -> Any:
         module = importlib.import_module(self._name)
-        if self._namespace.get(self._as) is self:
-            self._namespace[self._as] = module
+        if self._namespace.get(self._name) is self:
+            self._namespace[self._name] = module
         return getattr(module, attr)
 
     def __repr__(self) -> str:
         return f"<module {self._name!r}, imported at its first use>"
 
 
-def module(name: str, namespace: dict[str, Any], as_name: str | None = None) -> Any:
-    """Module ``name`` for ``namespace`` (a module's ``globals()``) under ``as_name`` (default ``name``): the
-    module if it is imported already, else a stand-in that imports it at its first use."""
-    return sys.modules.get(name) or _Module(name, namespace, as_name or name)
+def module(name: str, namespace: dict[str, Any]) -> Any:
+    """Module ``name`` for ``namespace[name]`` (``namespace``: a module's ``globals()``): the module if it is
+    imported already, else a stand-in that imports it at its first use."""
+    return sys.modules.get(name) or _Module(name, namespace)

@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -159,11 +159,15 @@ def _meta_store(root: Path, *, readonly: bool = False, allow_network_fs: bool | 
     return _existing(root / "meta", "DCP checkpoints", readonly=readonly, allow_network_fs=allow_network_fs)
 
 
+if TYPE_CHECKING:
+    from deltackpt.checkpointer import _GcAfterRetention
+
+
 @dataclass
 class _Kept:
-    """What a :class:`DeltaStorageWriter` keeps from one save to the next."""
+    """What a :class:`DeltaStorageWriter` keeps from one save to the next (its copies in one process share one)."""
 
-    gc_rule: Any  #: the checkpointer's _GcAfterRetention
+    gc_rule: _GcAfterRetention
     stores: dict[Path, Store] = field(default_factory=dict)
     named: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  #: meta checkpoint id -> what it names
 
