@@ -175,6 +175,10 @@ class _Kept:
 #: by writer: what the copies of a writer unpickled in this process keep (DeltaStorageWriter.__setstate__)
 _COPIES: dict[str, _Kept] = {}
 _COPIES_LOCK = threading.Lock()
+#: by root (its real path): the checkpoints the last DCP load in this process read, the meta checkpoint's id under
+#: "meta" and each rank checkpoint's under its rank. The next save into that root descends from them (a rollback
+#: makes it a branch), and takes them out of here (DeltaStorageWriter.set_up_storage_writer).
+_LOADED: dict[str, dict[int | str, str]] = {}
 
 
 class DeltaStorageWriter(StorageWriter):
@@ -197,6 +201,9 @@ class DeltaStorageWriter(StorageWriter):
     keeps, as a :class:`~deltackpt.Checkpointer` does. A step that
     ``keep_every`` keeps for good while saves come more often is saved as a keyframe (:meth:`_kept_for_good`).
     Trouble in retention or gc is a warning, not a failed save: the step is committed before either runs.
+
+    The first save into ``root`` after a :class:`DeltaStorageReader` of this process loaded a step from it descends
+    from that step's checkpoints (after a rollback, a branch; see :meth:`_descend`), later ones from the save before.
     """
 
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
@@ -225,12 +232,18 @@ class DeltaStorageWriter(StorageWriter):
         self.store_options = store_options
         self._kept = _Kept(_GcAfterRetention())
         self._token = secrets.token_hex(8)
+        #: of the save in progress: the checkpoints its stores descend from (meta and by rank), when a load in this
+        #: process read the root since the last save into it; each store's newest otherwise
+        self._branch: dict[int | str, str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled writer leaves its open stores (locks, files, threads) behind. DCP's process-based
         ``async_save`` sends such a copy with every save to a background process that lives for the run."""
         state = self.__dict__.copy()
         state["_kept"] = replace(self._kept, stores={})
+        if self.root is not None:  # a rollback loaded here: the save that the copy makes there branches from it
+            with _COPIES_LOCK:
+                state["_branch"] = _LOADED.pop(_root_key(self.root), {})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -240,6 +253,8 @@ class DeltaStorageWriter(StorageWriter):
         self.__dict__.update(state)
         with _COPIES_LOCK:
             self._kept = _COPIES.setdefault(self._token, self._kept)
+            if self._branch and self.root is not None:
+                _LOADED[_root_key(self.root)] = self._branch
 
     def _store(self, path: Path) -> Store:
         s = self._kept.stores.get(path)
@@ -289,6 +304,8 @@ class DeltaStorageWriter(StorageWriter):
         if (self.root / "STORE").exists():
             raise ValueError(f"{self.root} is a deltackpt store, not a sharded checkpoint root: give DCP saves a "
                              "directory of their own")
+        with _COPIES_LOCK:
+            self._branch = _LOADED.pop(_root_key(self.root), {})
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -345,7 +362,7 @@ class DeltaStorageWriter(StorageWriter):
                 or (k.endswith(".step")
                     and (isinstance(v, (int, float)) or (type(v) is torch.Tensor and v.numel() == 1))))}
         whole = self._kept_for_good(store.latest(), self.step)
-        _descend_from_newest(store)
+        self._descend(store, rank)
         info = store._save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step,
                            keyframe=whole, _self_contained=whole, _flat=(_TENSORS, hints) if hints else None)
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
@@ -354,6 +371,14 @@ class DeltaStorageWriter(StorageWriter):
             self._drop_unnamed(store, rank)
         fut.set_result(results)
         return fut
+
+    def _descend(self, store: Store, which: int | str) -> None:
+        """Make this save of ``store`` (rank ``which``'s, or ``"meta"``) descend from its checkpoint that a load in
+        this process read since the last save into the root (after a rollback, the save is a branch from the step
+        loaded), else from the store's newest, as a handle's first save does. Not from what this handle saved
+        last: a process-based async save's copy, in its background process, and the writer saving in its own
+        process hold two handles on each store, and each would skip the other's saves."""
+        store._head = self._branch.get(which)
 
     def _kept_for_good(self, latest: CheckpointInfo | None, step: int) -> bool:
         """Whether retention keeps ``step`` for good while it drops the saves around it: a multiple of
@@ -427,7 +452,7 @@ class DeltaStorageWriter(StorageWriter):
             raise UnsupportedTypeError(f"DCP metadata of step {self.step}: {exc}") from None
         _check_saved_here(self.root, self.step, checkpoints)
         meta = self._store(self.root / "meta")
-        _descend_from_newest(meta)
+        self._descend(meta, "meta")
         meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
         if self.retention is not None:
             try:
@@ -446,11 +471,8 @@ class DeltaStorageWriter(StorageWriter):
         return _is_root(checkpoint_id)
 
 
-def _descend_from_newest(store: Store) -> None:
-    """Make the next save of ``store`` descend from its newest checkpoint (as a handle's first save does), not
-    from what this handle saved last: a process-based async save's copy, in its background process, and the
-    writer saving in its own process hold two handles on each store, and each would skip the other's saves."""
-    store._head = None
+def _root_key(root: Path) -> str:
+    return os.path.realpath(root)
 
 
 def _check_saved_here(root: Path, step: int, checkpoints: list[list[Any]]) -> None:
@@ -606,6 +628,9 @@ class DeltaStorageReader(StorageReader):
         self.allow_network_fs = allow_network_fs
         self._where: dict[MetadataIndex, _Stored] = {}
         self._chosen: str | None = None  # id of the meta checkpoint read_metadata read
+        #: the checkpoints of the step read_metadata chose: the meta checkpoint's id under "meta", each rank's
+        #: under its rank (see _LOADED)
+        self._read: dict[int | str, str] = {}
 
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -632,6 +657,7 @@ class DeltaStorageReader(StorageReader):
             storage_meta = StorageMeta() if sm is None else StorageMeta(
                 checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"], modules=list(sm["modules"]))
             planner_data, version = doc["planner_data"], doc["version"]
+            self._read = {"meta": info.id, **{s.rank: s.checkpoint for s in storage.values()}}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
         return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
@@ -680,6 +706,9 @@ class DeltaStorageReader(StorageReader):
             with _existing(_rank_path(self.root, rank), f"rank {rank}'s shards", readonly=True,
                            allow_network_fs=self.allow_network_fs) as store:
                 self._read_checkpoint(store, ckpt, reqs, planner)
+        if self._read:  # (a load planned from the metadata of another reader holds none)
+            with _COPIES_LOCK:
+                _LOADED[_root_key(self.root)] = dict(self._read)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
