@@ -154,7 +154,7 @@ def _refused_manifest(m: manifest.Manifest) -> tuple[str | None, str] | None:
     running registered decoders). A dtype or device this torch does not know is as saved, not damage."""
     for t in m.tensors:
         try:
-            tree.torch_dtype(t.dtype) if t.kind == "torch" else tree.numpy_dtype(t.dtype)
+            tree.check_torch_dtype(t.dtype) if t.kind == "torch" else tree.numpy_dtype(t.dtype)
         except CorruptManifestError as exc:
             return t.key, str(exc)
         except UnsupportedTypeError:
