@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
-from deltackpt import _lazy, config, maintenance, manifest
+from deltackpt import _lazy, config, maintenance, manifest, staging
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
@@ -50,11 +50,8 @@ from deltackpt.retention import THINNED_KEY, Retention, unranked_metric
 from deltackpt.store import (
     CheckpointInfo,
     Store,
-    _byte_view,
-    _check_map_location,
     _check_metadata,
     _check_step,
-    synchronize_cuda,
 )
 from deltackpt.tree import (
     Encoded,
@@ -787,7 +784,7 @@ class _Staging:
             # UnsupportedTypeError naming the key path that a synchronous save raises, not the copy's own error
             flatten(state)
             raise
-        synchronize_cuda(run.devices)  # (every device: a model spread over several GPUs)
+        staging.synchronize_cuda(run.devices)  # (every device: a model spread over several GPUs)
         for path in set(self._buffers) - self._used:  # tensors that left the state: free their buffers
             del self._buffers[path]
         return snap
@@ -811,10 +808,10 @@ class _Staging:
             src = obj.detach()
             try:
                 buf = self._buffer_for(path, src)
-                src_bytes = _byte_view(src) if src.device.type == "cpu" else None
+                src_bytes = staging.byte_view(src) if src.device.type == "cpu" else None
                 if src_bytes is not None and src.dtype == buf.dtype:
                     # one plain memcpy: torch's multi-threaded copy_ competes with the training loop's threads
-                    np.copyto(_byte_view(buf).numpy(), src_bytes.numpy())  # type: ignore[union-attr]
+                    np.copyto(staging.byte_view(buf).numpy(), src_bytes.numpy())  # type: ignore[union-attr]
                 else:
                     with torch.no_grad():
                         buf.copy_(src, non_blocking=src.device.type == "cuda")
@@ -958,7 +955,7 @@ class Checkpointer:
         if extra is not None and not isinstance(extra, Mapping):
             raise TypeError(f"extra must be a dict of names to values or stateful objects, got "
                             f"{type(extra).__name__}")
-        _check_map_location(map_location)  # (when it is made, not at a restart's first restore)
+        staging.check_map_location(map_location)  # (when it is made, not at a restart's first restore)
         if retention is not None and not isinstance(retention, Retention):
             raise TypeError(f"retention must be a deltackpt.Retention or None, got {type(retention).__name__} "
                             f"{retention!r} (Retention(keep_last=3), say)")

@@ -1,10 +1,10 @@
 """The Store: save and load whole training states; list and delete checkpoints.
 
-Where it sits: the top of the pipeline. ``save`` = flatten the tree (:mod:`tree`) -> name each tensor's chunks
-(:mod:`kernel`) -> look them up (:mod:`index`) -> encode the new ones (:mod:`codec`) on worker threads ->
-append them to a pack (:mod:`packs`) -> fsync -> write the manifest (:mod:`manifest`) -> commit in LMDB.
-``load`` runs it backwards and verifies every chunk it decodes. Maintenance (gc, verify, repair) lives in
-:mod:`deltackpt.maintenance` and is reached through methods here.
+Where it sits: the top of the pipeline. ``save`` = flatten the tree (:mod:`tree`) -> each tensor's bytes on the
+host (:mod:`staging`) -> name its chunks (:mod:`kernel`) -> look them up (:mod:`index`) -> encode the new ones
+(:mod:`codec`) on worker threads -> append them to a pack (:mod:`packs`) -> fsync -> write the manifest
+(:mod:`manifest`) -> commit in LMDB. ``load`` runs it backwards and verifies every chunk it decodes. Maintenance
+(gc, verify, repair) lives in :mod:`deltackpt.maintenance` and is reached through methods here.
 
 On-disk layout of a store (see ``docs/format.md``)::
 
@@ -25,7 +25,6 @@ import contextlib
 import copy
 import dataclasses
 import fcntl
-import functools
 import inspect
 import json
 import operator
@@ -45,7 +44,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from deltackpt import _lazy, codec, collector, config, kernel, manifest, predict, tree
+from deltackpt import _lazy, codec, collector, config, kernel, manifest, predict, staging, tree
 from deltackpt.cache import ChunkCache
 from deltackpt.errors import (
     CheckpointNotFoundError,
@@ -183,33 +182,6 @@ def _shared_paths(paths: Iterable[str]) -> set[str]:
     return {p for p, n in collections.Counter(paths).items() if n > 1}
 
 
-def _host_bytes(obj: torch.Tensor | np.ndarray, staging: _Pinned | None = None) -> np.ndarray:
-    """The leaf's bytes as a flat uint8 array on the host (a view when already contiguous on the CPU).
-
-    A tensor on an accelerator is copied into ``staging`` (a reusable pinned host buffer) when given, so the
-    device-to-host copy runs at full speed and allocates nothing; the caller must not reuse ``staging`` while
-    views of the previous tensor are still being read.
-    """
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach().resolve_conj().resolve_neg()
-        flat = _byte_view(t)
-        if flat is None:
-            flat = _byte_view(torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t))
-            assert flat is not None
-        if flat.device.type != "cpu":
-            if staging is None:
-                flat = flat.to("cpu")
-            else:
-                host = staging.take(flat.numel())
-                host.copy_(flat, non_blocking=flat.device.type == "cuda")
-                if flat.device.type == "cuda":
-                    torch.cuda.current_stream(flat.device).synchronize()
-                flat = host
-        return flat.numpy()
-    a = np.ascontiguousarray(obj)
-    return a.reshape(-1).view(np.uint8)
-
-
 class _Done:
     """A job run on the calling thread, in the place of its future: its result, or the exception it raised."""
 
@@ -235,256 +207,6 @@ class _Done:
 
     def cancelled(self) -> bool:
         return False
-
-
-def _byte_view(t: torch.Tensor) -> torch.Tensor | None:
-    """A flat uint8 view sharing ``t``'s memory, or None when its layout has none (non-contiguous, or a
-    one-element tensor whose stride is not 1, which torch calls contiguous but cannot view as bytes) or its
-    memory does not hold its values (a lazily conjugated or negated view)."""
-    if not t.is_contiguous() or t.is_conj() or t.is_neg():
-        return None
-    flat = t.reshape(-1)
-    if flat.stride(0) != 1:
-        return None
-    return flat.view(torch.uint8)
-
-
-def _unfillable(obj: torch.Tensor | np.ndarray) -> str | None:
-    """Why ``obj`` cannot be filled in place with a stored array's values, or None when it can: a read-only
-    numpy array, a view in which elements may share memory (an ``expand``ed or ``broadcast_to`` view), or an
-    inference tensor outside inference mode (torch refuses to write one there, as ``load_state_dict`` would)."""
-    if (obj.size if isinstance(obj, np.ndarray) else obj.numel()) == 0:
-        return None
-    if isinstance(obj, torch.Tensor) and obj.is_inference() and not torch.is_inference_mode_enabled():
-        return "it is an inference tensor (made under torch.inference_mode), which torch lets no one write outside it"
-    if isinstance(obj, np.ndarray):
-        if not obj.flags.writeable:
-            return "it is a read-only array"
-        strides, item = [abs(st) for st in obj.strides], obj.itemsize
-    else:
-        strides, item = [abs(st) for st in obj.stride()], 1
-    extent = item  # dims from the smallest stride up: each must step past everything the inner ones reach
-    for st, n in sorted((st, n) for st, n in zip(strides, obj.shape) if n > 1):
-        if st < extent:
-            return "elements of it share memory (an expanded or broadcast view)"
-        extent += (n - 1) * st
-    return None
-
-
-def _memory_span(obj: torch.Tensor | np.ndarray) -> tuple[str, int, int] | None:
-    """(device, first byte, one past the last byte) of the memory ``obj``'s elements lie in; None when empty."""
-    if isinstance(obj, np.ndarray):
-        if obj.size == 0:
-            return None
-        device, base, item = "cpu", obj.__array_interface__["data"][0], obj.itemsize
-        strides = obj.strides  # (in bytes)
-    else:
-        n = obj.numel()
-        if n == 0:
-            return None
-        device, base, item = str(obj.device), obj.data_ptr(), obj.element_size()
-        if obj.is_contiguous():
-            return device, base, base + n * item
-        strides = tuple(st * item for st in obj.stride())
-    lo = hi = 0
-    for n, st in zip(obj.shape, strides):
-        if st >= 0:
-            hi += (n - 1) * st
-        else:
-            lo += (n - 1) * st
-    return device, base + lo, base + hi + item
-
-
-def _share_memory(a: torch.Tensor | np.ndarray, b: torch.Tensor | np.ndarray) -> bool:
-    """Whether two arrays whose spans overlap share an element's bytes (interleaved views do not): exact for
-    what numpy can view, else assumed."""
-    try:
-        x, y = (o if isinstance(o, np.ndarray) else _int_view(o.detach()).numpy() for o in (a, b))
-    except (TypeError, RuntimeError):  # not on the CPU (or a layout numpy cannot view)
-        return True
-    try:
-        return bool(np.shares_memory(x, y, max_work=1 << 20))  # type: ignore[arg-type]  # (stubs: -1 or 0 only)
-    except getattr(np, "exceptions", np).TooHardError:  # (numpy < 1.25 has it at the top level)
-        return True
-
-
-def _strides(obj: torch.Tensor | np.ndarray) -> tuple[int, ...]:
-    """Strides in bytes."""
-    if isinstance(obj, np.ndarray):
-        return tuple(obj.strides)
-    return tuple(st * obj.element_size() for st in obj.stride())
-
-
-def _int_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as integers of its element size (numpy has no bfloat16 or float8), same layout."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(t.element_size(), t.dtype))
-
-
-def _overlapping(objs: Sequence[torch.Tensor | np.ndarray]) -> list[tuple[int, int]]:
-    """Every pair (i, j), i < j, of ``objs`` whose memory overlaps. A sweep by address compares each array with
-    every earlier-starting one whose span it starts inside: with strided arrays the one reaching furthest need
-    not be the one it shares memory with (``buf[0::2]``, ``buf[1::2]`` and ``buf[10:11]``)."""
-    spans = sorted((span, n) for n, o in enumerate(objs) if (span := _memory_span(o)) is not None)
-    out: list[tuple[int, int]] = []
-    active: list[tuple[int, int]] = []  # (end, index) of the spans of this device that may reach the next one
-    device = None
-    for (dev, lo, hi), n in spans:
-        if dev != device:
-            device, active = dev, []
-        active = [(end, k) for end, k in active if end > lo]
-        out += [(min(k, n), max(k, n)) for _, k in active if _share_memory(objs[k], objs[n])]
-        active.append((hi, n))
-    return sorted(out)
-
-
-def _decode_target(obj: torch.Tensor | np.ndarray) -> tuple[np.ndarray, Any]:
-    """Where a stored array meant for ``obj`` (a tensor or array to fill in place) is decoded: ``(bytes, None)``,
-    ``obj``'s own memory, when it is a contiguous writable CPU array; else ``(bytes, staging)``, a contiguous
-    host buffer (pinned for CUDA) that :func:`_copy_back` then copies into ``obj``'s layout or device."""
-    if isinstance(obj, torch.Tensor):
-        view = _byte_view(obj.detach()) if obj.device.type == "cpu" else None
-        if view is not None:
-            return view.numpy(), None
-        staging: Any = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=obj.device.type == "cuda")
-        return _byte_view(staging).numpy(), staging  # type: ignore[union-attr]
-    if obj.flags.c_contiguous and obj.flags.writeable:
-        return obj.reshape(-1).view(np.uint8), None
-    staging = np.empty(obj.shape, dtype=obj.dtype)
-    return staging.reshape(-1).view(np.uint8), staging
-
-
-def _copy_back(copies: Sequence[tuple[Any, Any]]) -> None:
-    """Copy each decoded staging buffer into its target (see :func:`_decode_target`); returns once CUDA targets
-    hold their values."""
-    devices: set[torch.device] = set()
-    with torch.no_grad():
-        for obj, staging in copies:
-            if isinstance(obj, torch.Tensor):
-                # (asynchronous only to CUDA, from pinned memory, and waited for below: another accelerator's
-                # non-blocking copy from pageable memory may read it after it is freed, pytorch#139550)
-                obj.copy_(staging, non_blocking=obj.device.type == "cuda")
-                devices.add(obj.device)
-            else:
-                obj[...] = staging
-    synchronize_cuda(devices)
-
-
-def synchronize_cuda(devices: Iterable[torch.device]) -> None:
-    """Wait for the work queued on each CUDA device of ``devices`` (the asynchronous copies to or from pinned host
-    memory). ``torch.cuda.synchronize()`` without a device waits for the current device only: the copies of a
-    model spread over several GPUs in one process would still be running."""
-    for d in {d for d in devices if d.type == "cuda"}:
-        torch.cuda.synchronize(d)
-
-
-class _Pinned:
-    """A growable pinned (page-locked) host buffer for device-to-host copies of accelerator tensors."""
-
-    def __init__(self) -> None:
-        self._buf: torch.Tensor | None = None
-
-    def take(self, n: int) -> torch.Tensor:
-        if self._buf is None or self._buf.numel() < n:
-            self._buf = None
-            self._buf = torch.empty(max(n, 1), dtype=torch.uint8, device="cpu", pin_memory=torch.cuda.is_available())
-        return self._buf[:n]
-
-
-def _output(t: TensorEntry, map_location: Any) -> tuple[torch.Tensor | np.ndarray, torch.device | None]:
-    """A new tensor (pinned for CUDA) or array to decode the stored tensor ``t`` into, and for a tensor the device
-    it goes to. Its storage holds exactly ``t.nbytes`` bytes (checked: a dtype whose elements are not whole bytes
-    would have the kernel write past it)."""
-    if t.kind != "torch":
-        return np.empty(t.shape, dtype=tree.numpy_dtype(t.dtype)), None
-    dt = tree.torch_dtype(t.dtype)
-    dev = _resolve_device(t.device, map_location)
-    out = torch.empty(t.shape, dtype=dt, device="cpu", pin_memory=dev.type == "cuda")
-    if out.untyped_storage().nbytes() != t.nbytes:
-        raise CorruptManifestError(f"{t.nbytes} bytes for a {t.dtype} tensor of shape {t.shape}, which holds "
-                                   f"{out.untyped_storage().nbytes()}")
-    return out, dev
-
-
-def _new_output(rec: Record, t: TensorEntry,
-                map_location: Any) -> tuple[torch.Tensor | np.ndarray, torch.device | None, np.ndarray]:
-    """:func:`_output` for a load of checkpoint ``rec``, with its bytes as a uint8 array; an error names the
-    checkpoint and the tensor."""
-    try:
-        out, dev = _output(t, map_location)
-    except (CorruptManifestError, UnsupportedTypeError) as exc:  # (a dtype, a device)
-        raise type(exc)(f"checkpoint {rec.id} (step {rec.step}), tensor {t.key!r}: {exc}") from None
-    except (RuntimeError, MemoryError) as exc:
-        if isinstance(exc, RuntimeError) and "alloc" not in str(exc):
-            raise
-        raise MemoryError(f"checkpoint {rec.id} (step {rec.step}), tensor {t.key!r}: cannot allocate its "
-                          f"{t.nbytes} bytes") from exc
-    byte_view = out.reshape(-1).view(torch.uint8).numpy() if isinstance(out, torch.Tensor) \
-        else out.reshape(-1).view(np.uint8)
-    return out, dev, byte_view
-
-
-def _check_map_location(map_location: Any) -> None:
-    """TypeError/ValueError for a ``map_location`` that is not one or names no device torch knows, raised by every
-    load, whether or not the checkpoint holds a tensor it applies to (its keys, the stored devices, are not
-    checked: a dict may cover devices a checkpoint does not use)."""
-    if map_location is None:
-        return
-    if not isinstance(map_location, (Mapping, str, torch.device)):
-        raise TypeError("map_location must be None, a device, a device string or a dict {stored: target}, got "
-                        f"{type(map_location).__name__}")
-    for stored, target in map_location.items() if isinstance(map_location, Mapping) else [(None, map_location)]:
-        where = "map_location" if stored is None else f"map_location[{stored!r:.60}]"
-        if not isinstance(target, (str, torch.device)):
-            raise TypeError(f"{where} must be a device or a device string, got {type(target).__name__} {target!r:.40}")
-        try:
-            torch.device(target)
-        except (RuntimeError, ValueError, TypeError):
-            raise ValueError(f"{where} {'= ' if stored is not None else ''}{target!r:.60} is not a device torch "
-                             "knows") from None
-
-
-def _resolve_device(stored: str, map_location: Any) -> torch.device:
-    """The device a tensor stored on ``stored`` loads onto, for a ``map_location`` that
-    :func:`_check_map_location` passed; UnsupportedTypeError for a device this process cannot use, saying
-    whether it came from the checkpoint or from ``map_location``."""
-    if map_location is None or isinstance(map_location, Mapping):
-        target = stored if map_location is None else map_location.get(stored, stored)
-        mapped = target is not stored
-    else:
-        target, mapped = map_location, True
-    try:
-        dev = torch.device(target)
-    except (RuntimeError, ValueError, TypeError):  # (only a stored device: a backend this torch lacks, "npu:0")
-        raise UnsupportedTypeError(f"the checkpoint holds a tensor on device {target!r:.60}, which this torch "
-                                   "does not know: pass map_location='cpu' (or a dict {stored: target})") from None
-    if not _usable(str(dev)):
-        why = "CUDA is not available" if dev.type == "cuda" and not torch.cuda.is_available() else \
-            f"this process cannot put tensors on {str(dev)!r:.60}"
-        if mapped:
-            raise UnsupportedTypeError(f"map_location sends tensors stored on {stored!r:.60} to {str(dev)!r:.60}, "
-                                       f"but {why}")
-        raise UnsupportedTypeError(f"the checkpoint holds a tensor on device {stored!r:.60}, and {why}: pass "
-                                   "map_location='cpu' (or a dict {stored: target})")
-    return dev
-
-
-@functools.lru_cache(maxsize=64)
-def _usable(device: str) -> bool:
-    """Whether this process can hold tensors on ``device``, which torch knows by name (``mps`` on a machine
-    without Metal, ``xpu:0`` in a build without it): asked before a load decodes anything, which then could not
-    put its tensors there. ``meta`` holds no data: a load there would drop every value."""
-    dev = torch.device(device)
-    if dev.type == "cpu":
-        return True
-    if dev.type == "meta":
-        return False
-    if dev.type == "cuda":
-        return torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
-    try:
-        torch.empty(0, device=dev)
-    except Exception:  # (RuntimeError, NotImplementedError, AssertionError, ModuleNotFoundError: backend-dependent)
-        return False
-    return True
 
 
 def _settings(*, chunk_size: Any = None, zstd_level: Any = None, threads: Any = None, allow_network_fs: Any = None,
@@ -603,7 +325,7 @@ class Store:
         self._local = threading.local()
         self._head: str | None = None  # the checkpoint the next save descends from (last saved or loaded)
         self._last_manifest: Manifest | None = None
-        self._pinned = _Pinned()
+        self._pinned = staging.Pinned()
         #: what the last list() decoded, by record key and bytes: records that did not change are not decoded again
         self._listed: dict[tuple[bytes, bytes], tuple[CheckpointInfo, tuple[str, ...]]] = {}
         self._delta_stats: dict[str, tuple[int, int]] = {}
@@ -1226,7 +948,7 @@ class Store:
                 if on_device:
                     drain(0)  # the pinned staging buffer is about to be overwritten
                 try:
-                    buf = _host_bytes(leaf.obj, self._pinned if on_device else None)
+                    buf = staging.host_bytes(leaf.obj, self._pinned if on_device else None)
                 except NotImplementedError as exc:  # a dtype torch cannot copy this way (tree refuses those it knows)
                     raise UnsupportedTypeError(f"cannot store {leaf.path}: torch cannot read its bytes: {exc}") \
                         from None
@@ -1567,7 +1289,7 @@ class Store:
         the offered tensors may hold part of the checkpoint.
         """
         verify, allow_pickle = config.boolean("verify", verify), config.boolean("allow_pickle", allow_pickle)
-        _check_map_location(map_location)
+        staging.check_map_location(map_location)
         with self._gc_lock():  # (resolved under the lock: no gc removes it meanwhile)
             rec = self._record(step, id)
             m = self._manifest(rec)
@@ -1584,22 +1306,22 @@ class Store:
             for n, t in enumerate(m.tensors):
                 target = given.get(n)
                 if target is not None:
-                    dest, staging = _decode_target(target)
+                    dest, buf = staging.decode_target(target)
                     jobs.append((t, dest))
-                    if staging is not None:
-                        copies.append((target, staging))
+                    if buf is not None:
+                        copies.append((target, buf))
                     objs.append(target)
                 else:
-                    out, dev, byte_view = _new_output(rec, t, map_location)
+                    out, dev, byte_view = staging.new_output(rec, t, map_location)
                     jobs.append((t, byte_view))
                     if dev is not None and dev.type != "cpu":
                         finals.append((len(objs), out, dev))
                     objs.append(out)
             self._read_into(m, jobs, verify=verify)
-        _copy_back(copies)
+        staging.copy_back(copies)
         for i, out, dev in finals:
-            objs[i] = out.to(dev, non_blocking=dev.type == "cuda")  # (pinned for CUDA only: _copy_back)
-        synchronize_cuda(dev for _, _, dev in finals)
+            objs[i] = out.to(dev, non_blocking=dev.type == "cuda")  # (pinned for CUDA only: staging.copy_back)
+        staging.synchronize_cuda(dev for _, _, dev in finals)
         for i, t in enumerate(m.tensors):
             if t.kind == "torch" and i not in given:
                 if t.parameter:
@@ -1686,29 +1408,29 @@ class Store:
                             f"target tensor {key!r} is the tensor at {first_key!r}, and the checkpoint holds two "
                             "different tensors there: the target cannot hold both")
                     continue
-                unfit = _unfillable(leaf.obj)
+                unfit = staging.unfillable(leaf.obj)
                 if unfit is not None:
                     raise ShapeMismatchError(f"{key!r}: the target cannot hold the checkpoint's values: {unfit}")
                 filled[i] = (key, t)
                 filled_order.append(i)
                 filled_from.append(t)
-                out, staging = _decode_target(leaf.obj)
+                out, buf = staging.decode_target(leaf.obj)
                 span = span_at.get(place)
-                if span is not None and staging is not None:
+                if span is not None and buf is not None:
                     raise ValueError(f"{key!r}: a span needs a contiguous CPU target")
                 job_spans.append(span)
                 jobs.append((t, out))
-                if staging is not None:
-                    copies.append((leaf.obj, staging))
-            for x, y in _overlapping([leaves[i].obj for i in filled_order]):
+                if buf is not None:
+                    copies.append((leaf.obj, buf))
+            for x, y in staging.overlapping([leaves[i].obj for i in filled_order]):
                 (a, ta), (b, tb) = ((leaves[filled_order[k]], filled_from[k]) for k in (x, y))
-                if (_same_entry(m, ta, tb) and _memory_span(a.obj) == _memory_span(b.obj)
-                        and _strides(a.obj) == _strides(b.obj)):
+                if (_same_entry(m, ta, tb) and staging.memory_span(a.obj) == staging.memory_span(b.obj)
+                        and staging.strides(a.obj) == staging.strides(b.obj)):
                     continue  # the same bytes written twice to the same memory (a tensor and its numpy view)
                 raise ShapeMismatchError(f"target tensors {a.path!r} and {b.path!r} share memory: the target cannot "
                                          "hold two stored tensors there")
             self._read_into(m, jobs, verify=verify, spans=job_spans)
-            _copy_back(copies)
+            staging.copy_back(copies)
         self._head = rec.id
         return missing
 
@@ -1718,7 +1440,7 @@ class Store:
         with self._gc_lock():
             rec = self._record(id=checkpoint_id)
             m = self._manifest(rec)
-            outs = [_new_output(rec, m.tensors[i], "cpu") for i in indices]
+            outs = [staging.new_output(rec, m.tensors[i], "cpu") for i in indices]
             self._read_into(m, [(m.tensors[i], o[2]) for i, o in zip(indices, outs)], verify=True)
         return [o[0] for o in outs]
 
@@ -2336,7 +2058,7 @@ def _placements(m: Manifest, into: Any) -> dict[int, torch.Tensor | np.ndarray]:
             key = ("cpu", target.__array_interface__["data"][0]) if target.size else id(target)
         else:
             continue
-        if _unfillable(target) is not None:
+        if staging.unfillable(target) is not None:
             continue
         if key in taken:
             continue
@@ -2346,7 +2068,7 @@ def _placements(m: Manifest, into: Any) -> dict[int, torch.Tensor | np.ndarray]:
     # part by the other's values: the later one offered gets memory of its own instead.
     items = list(out.items())
     dropped: set[int] = set()
-    for i, j in sorted(_overlapping([t for _, t in items]), key=lambda pair: pair[1]):
+    for i, j in sorted(staging.overlapping([t for _, t in items]), key=lambda pair: pair[1]):
         if i not in dropped and j not in dropped:  # j overlaps a target that stays: j's tensor goes elsewhere
             dropped.add(j)
             out.pop(items[j][0], None)
