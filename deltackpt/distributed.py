@@ -31,7 +31,8 @@ import re
 import secrets
 import threading
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -177,7 +178,7 @@ _COPIES: dict[str, _Kept] = {}
 _COPIES_LOCK = threading.Lock()
 #: by root (its real path): the checkpoints the last DCP load in this process read, the meta checkpoint's id under
 #: "meta" and each rank checkpoint's under its rank. The next save into that root descends from them (a rollback
-#: makes it a branch), and takes them out of here (DeltaStorageWriter.set_up_storage_writer).
+#: makes it a branch): each store's, once committed, is taken out of here (DeltaStorageWriter._descend).
 _LOADED: dict[str, dict[int | str, str]] = {}
 
 
@@ -305,7 +306,7 @@ class DeltaStorageWriter(StorageWriter):
             raise ValueError(f"{self.root} is a deltackpt store, not a sharded checkpoint root: give DCP saves a "
                              "directory of their own")
         with _COPIES_LOCK:
-            self._branch = _LOADED.pop(_root_key(self.root), {})
+            self._branch = dict(_LOADED.get(_root_key(self.root), {}))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -362,9 +363,10 @@ class DeltaStorageWriter(StorageWriter):
                 or (k.endswith(".step")
                     and (isinstance(v, (int, float)) or (type(v) is torch.Tensor and v.numel() == 1))))}
         whole = self._kept_for_good(store.latest(), self.step)
-        self._descend(store, rank)
-        info = store._save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects}, step=self.step,
-                           keyframe=whole, _self_contained=whole, _flat=(_TENSORS, hints) if hints else None)
+        with self._descend(store, rank):
+            info = store._save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects},
+                               step=self.step, keyframe=whole, _self_contained=whole,
+                               _flat=(_TENSORS, hints) if hints else None)
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
                    for index, key, kind, n in kinds]
         if self.retention is not None:
@@ -372,13 +374,22 @@ class DeltaStorageWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _descend(self, store: Store, which: int | str) -> None:
-        """Make this save of ``store`` (rank ``which``'s, or ``"meta"``) descend from its checkpoint that a load in
-        this process read since the last save into the root (after a rollback, the save is a branch from the step
-        loaded), else from the store's newest, as a handle's first save does. Not from what this handle saved
-        last: a process-based async save's copy, in its background process, and the writer saving in its own
-        process hold two handles on each store, and each would skip the other's saves."""
+    @contextmanager
+    def _descend(self, store: Store, which: int | str) -> Iterator[None]:
+        """Make the save in the block, of ``store`` (rank ``which``'s, or ``"meta"``), descend from its checkpoint
+        that a load in this process read since the last save into the root (after a rollback, the save is a
+        branch from the step loaded), else from the store's newest, as a handle's first save does. Not from what
+        this handle saved last: a process-based async save's copy, in its background process, and the writer
+        saving in its own process hold two handles on each store, and each would skip the other's saves. Once
+        the save has committed, the loaded checkpoint is forgotten (a save that failed, a full disk say, and is
+        tried again still branches)."""
         store._head = self._branch.get(which)
+        yield
+        assert self.root is not None
+        with _COPIES_LOCK:
+            loaded = _LOADED.get(_root_key(self.root))
+            if loaded is not None and loaded.get(which) == self._branch.get(which):
+                loaded.pop(which, None)
 
     def _kept_for_good(self, latest: CheckpointInfo | None, step: int) -> bool:
         """Whether retention keeps ``step`` for good while it drops the saves around it: a multiple of
@@ -452,8 +463,8 @@ class DeltaStorageWriter(StorageWriter):
             raise UnsupportedTypeError(f"DCP metadata of step {self.step}: {exc}") from None
         _check_saved_here(self.root, self.step, checkpoints)
         meta = self._store(self.root / "meta")
-        self._descend(meta, "meta")
-        meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
+        with self._descend(meta, "meta"):
+            meta.save({_DOC: np.frombuffer(text, np.uint8)}, step=self.step, metadata=head)  # the commit point
         if self.retention is not None:
             try:
                 # gone now; their shards go at the next save

@@ -321,3 +321,47 @@ def test_the_lock_file_made_ahead_is_the_one_lmdb_makes(tmp_path: Path) -> None:
     st = (tmp_path / "s" / "index" / "lock.mdb").stat()
     assert st.st_size == LOCK_FILE_BYTES and st.st_blocks * 512 >= LOCK_FILE_BYTES
     assert sorted(os.listdir(tmp_path / "s" / "index")) == ["data.mdb", "lock.mdb"]
+
+
+def test_a_dcp_branch_save_that_failed_on_a_full_disk_still_branches_when_tried_again(small_fs: Path) -> None:
+    """After a rollback (a DCP load of an older step), the first save descends from the step loaded. When it fails
+    (here the disk is full) and is tried again once there is space, the retry still descends from it, not from
+    the abandoned newest step."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from deltackpt import distributed
+    from deltackpt.distributed import DeltaStorageReader, DeltaStorageWriter
+
+    root = small_fs / "ckpt"
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = DeltaStorageWriter(root, chunk_size=CS)
+        for step in range(4):
+            x[step] += 1.0
+            w.step = step
+            dcp.save({"x": x}, storage_writer=w, no_dist=True)
+        w.close()
+        loaded = {"x": torch.zeros_like(x)}
+        dcp.load(loaded, storage_reader=DeltaStorageReader(root, step=1), no_dist=True)
+        loaded["x"][7] += 1.0
+        w = DeltaStorageWriter(root, step=2, chunk_size=CS)
+        filler = fill(small_fs, 0)
+        with pytest.raises(CheckpointException):
+            dcp.save(loaded, storage_writer=w, no_dist=True)
+        filler.unlink()
+        dcp.save(loaded, storage_writer=w, no_dist=True)
+        w.close()
+        infos = distributed.summary(root)
+        assert [i.step for i in infos] == [0, 1, 2, 3, 2]
+        got = {"x": torch.zeros_like(x)}
+        dcp.load(got, storage_reader=DeltaStorageReader(root), no_dist=True)
+    assert torch.equal(got["x"], loaded["x"])
+    with deltackpt.Store(root / "meta") as s:
+        assert s.list()[-1].parent == infos[1].id
+    with deltackpt.Store(root / "rank-00000") as s:
+        ckpts = s.list()
+        assert ckpts[-1].step == 2 and ckpts[-1].parent == ckpts[1].id, [(c.step, c.parent) for c in ckpts]
