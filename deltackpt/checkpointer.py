@@ -454,12 +454,22 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
             if not _loads_as_saved(member, keys=False):
                 continue
             mine = member.state_dict() if lives is None else lives[n][2]
+            converted = []
             for k, v in mine.items():
                 shape = getattr(saved.get(k), "shape", None)
                 if (type(v) in (torch.Tensor, torch.nn.Parameter) and shape is not None
                         and list(shape) != list(v.shape) and not (v.dim() == 0 and list(shape) == [1])):
                     raise ShapeMismatchError(f"{where}: {k!r} has shape {tuple(shape)} in the checkpoint, "
                                              f"{tuple(v.shape)} in this run")
+                stored = _dtype_of(saved.get(k))
+                if type(v) in (torch.Tensor, torch.nn.Parameter) and stored not in (None, _dtype_of(v)):
+                    converted.append(f"{k!r} is {stored} in the checkpoint, {_dtype_of(v)} in this run")
+            if converted:
+                warnings.warn(f"deltackpt: {where}: {converted[0]}"
+                              f"{f' (and {len(converted) - 1} more)' if len(converted) > 1 else ''}: load_state_dict "
+                              "converts the checkpoint's values (and torch's optimizers their moments with them), "
+                              "so the resumed run does not compute as the one that saved did", RuntimeWarning,
+                              stacklevel=_caller_level())
             if _loads_as_saved(member, keys=True):
                 missing = [k for k in mine if k not in saved]
                 unexpected = [k for k in saved if k not in mine]
@@ -546,13 +556,33 @@ _WRAPPER_PREFIXES = {"_orig_mod.": ("torch.compile", "_orig_mod"),
 
 
 def _wrapper_hint(mine: list[str], saved: list[str]) -> str:
-    """Why the keys differ, when they differ only by a wrapper's prefix: "; the checkpoint's keys ..." or ""."""
+    """Why the keys differ, when they differ only by a wrapper's prefix (of the whole model, or of submodules:
+    ``block._orig_mod.weight`` when only ``block`` was compiled): "; the checkpoint's keys ..." or ""."""
     for prefix, (who, attr) in _WRAPPER_PREFIXES.items():
-        for keys, other, whose in ((saved, mine, "the checkpoint's"), (mine, saved, "this run's")):
-            if keys and all(k.startswith(prefix) for k in keys) and {k[len(prefix):] for k in keys} == set(other):
+        inner = "." + prefix
+        for keys, other, whose, saving in ((saved, mine, "the checkpoint's", "the run that saved"),
+                                           (mine, saved, "this run's", "this run")):
+            unwrapped = {k.removeprefix(prefix).replace(inner, ".") for k in keys}
+            if not keys or unwrapped != set(other) or set(keys) == set(other):
+                continue
+            if all(k.startswith(prefix) for k in keys):
                 return (f"; {whose} keys all start with {prefix!r}, as {who} names them: give the Checkpointer "
                         f"the model wrapped as in the run that saved, or unwrapped in both (model.{attr})")
+            subs = sorted({k[:k.index(inner)] for k in keys if inner in k})
+            what = "that submodule" if len(subs) == 1 else "those submodules"
+            return (f"; {whose} keys hold {prefix!r} under {', '.join(map(repr, subs[:3]))}: {who} wrapped {what} "
+                    f"in {saving} only; wrap {what} as in the run that saved, or unwrap in both "
+                    f"({subs[0]}.{attr})")
     return ""
+
+
+def _dtype_of(x: Any) -> str | None:
+    """The dtype name of a tensor or of a tensor entry (a skeleton's), else None."""
+    if isinstance(x, torch.Tensor):
+        return str(x.dtype).removeprefix("torch.")
+    if isinstance(x, manifest.TensorEntry):
+        return x.dtype
+    return None
 
 
 def _scaler_check(g: Any, state: Any) -> None:

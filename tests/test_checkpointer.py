@@ -2954,14 +2954,19 @@ def test_restore_writes_into_extra_tensors_made_in_inference_mode(fast_dir: Path
 
 @pytest.mark.parametrize("wrapper", ["compile", "data_parallel"])
 @pytest.mark.parametrize("saved_wrapped", [True, False])
-def test_a_restore_refused_for_a_wrappers_key_prefix_says_so(fast_dir: Path, wrapper: str,
-                                                              saved_wrapped: bool) -> None:
+@pytest.mark.parametrize("part", ["model", "submodule"])
+def test_a_restore_refused_for_a_wrappers_key_prefix_says_so(fast_dir: Path, wrapper: str, saved_wrapped: bool,
+                                                              part: str) -> None:
     """A model saved wrapped (torch.compile: ``_orig_mod.`` keys; DataParallel and DDP: ``module.``) and
-    restored unwrapped, or the other way round, is refused before anything changes, naming the prefix."""
+    restored unwrapped, or the other way round, is refused before anything changes, naming the prefix; so is a
+    model one of whose submodules was wrapped in one run only (``1._orig_mod.weight``), naming the submodule."""
     def build(wrapped: bool) -> torch.nn.Module:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
         if not wrapped:
+            return model
+        if part == "submodule":
+            model[1] = torch.compile(model[1]) if wrapper == "compile" else torch.nn.DataParallel(model[1])
             return model
         return torch.compile(model) if wrapper == "compile" else torch.nn.DataParallel(model)
 
@@ -2971,10 +2976,32 @@ def test_a_restore_refused_for_a_wrappers_key_prefix_says_so(fast_dir: Path, wra
     whose = "the checkpoint's" if saved_wrapped else "this run's"
     other = build(not saved_wrapped)
     before = {k: v.clone() for k, v in other.state_dict().items()}
+    saving = "the run that saved" if saved_wrapped else "this run"
+    said = (f"{whose} keys all start with '{prefix}'" if part == "model"
+            else f"{whose} keys hold '{prefix}' under '1': .* wrapped that submodule in {saving} only")
     with Checkpointer(fast_dir / "s", model=other, handle_signals=False) as ck:
-        with pytest.raises(deltackpt.ShapeMismatchError, match=f"{whose} keys all start with '{prefix}'"):
+        with pytest.raises(deltackpt.ShapeMismatchError, match=said):
             ck.restore()
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+def test_a_restore_into_a_model_of_other_dtypes_warns(fast_dir: Path) -> None:
+    """load_state_dict converts a checkpoint's tensors to the model's dtypes: a run resumed into a model built
+    in another precision would not compute as the one that saved, so the restore says which tensors differ."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+    with Checkpointer(fast_dir / "s", model=model, async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    other = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2).to(torch.bfloat16))
+    with Checkpointer(fast_dir / "s", model=other, handle_signals=False) as ck:
+        with pytest.warns(RuntimeWarning, match=r"model: '1.weight' is float32 in the checkpoint, bfloat16 in this "
+                                                r"run \(and 1 more\)") as caught:
+            assert ck.restore() == 1
+    assert [w.filename for w in caught if "float32" in str(w.message)] == [__file__]
+    assert torch.equal(other[1].weight, model[1].weight.to(torch.bfloat16))
+    with Checkpointer(fast_dir / "s", model=model, handle_signals=False) as ck, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ck.restore() == 1
 
 
 def test_step_on_a_closed_checkpointer_raises_at_every_step(fast_dir: Path) -> None:
