@@ -10,7 +10,10 @@
 #
 # Setup steps are stamped in .venv/.stamps/ so repeated runs only redo what changed. The extension is always
 # built without pip's build isolation, against the venv's own setuptools/Cython/numpy, so a build never pulls
-# another torch.
+# another torch. Here a kernel that does not build is an error (DELTACKPT_REQUIRE_KERNEL; setup.py): a plain
+# pip install skips it and falls back to the pure-Python backend.
+
+export DELTACKPT_REQUIRE_KERNEL := 1
 
 PYTHON        ?= python3
 VENV          ?= .venv

@@ -6,7 +6,9 @@ zstd library (``libzstd-dev``: the load path decodes frames in C without the GIL
 are compiled in so that :mod:`deltackpt.kernel` can reject a stale build at import: the package's
 ``API_VERSION`` and a hash of the kernel sources.
 
-Extra compiler/linker flags (e.g. ``-march=native``, or the sanitizer flags of ``make asan``) can be passed in
+Without ``xxhash.h``, ``zstd.h`` or a C compiler the extension is skipped (a warning, then an install with the
+pure-Python backend only) unless ``DELTACKPT_REQUIRE_KERNEL=1``, which the Makefile sets: there a failed build is
+an error. Extra compiler/linker flags (e.g. ``-march=native``, or the sanitizer flags of ``make asan``) can be passed in
 ``DELTACKPT_EXTRA_CFLAGS`` and ``DELTACKPT_EXTRA_LDFLAGS``.
 """
 
@@ -84,4 +86,10 @@ extension = Extension(
     libraries=["pthread", "zstd", "m"],
 )
 
-setup(ext_modules=cythonize([extension], compiler_directives={"language_level": "3"}, quiet=True))
+extensions = cythonize([extension], compiler_directives={"language_level": "3"}, quiet=True)
+for ext in extensions:
+    # A machine without the headers (or a compiler) still installs deltackpt, with the pure-Python backend, which
+    # deltackpt.kernel warns about at import. The Makefile and CI require the kernel: DELTACKPT_REQUIRE_KERNEL=1.
+    # (Set here: cythonize's copies of the extension do not keep ``optional``.)
+    ext.optional = os.environ.get("DELTACKPT_REQUIRE_KERNEL", "").strip() != "1"
+setup(ext_modules=extensions)

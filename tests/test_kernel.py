@@ -601,6 +601,28 @@ def test_stale_build_detected_in_a_fresh_interpreter(tmp_path: Path) -> None:
     assert "native kernel unavailable" in r.stderr
 
 
+def test_a_kernel_that_does_not_build_is_skipped_unless_required(tmp_path: Path) -> None:
+    """``pip install`` on a machine without the headers or a compiler (here: a compiler that fails) installs
+    deltackpt with the pure-Python backend, a warning saying why; with DELTACKPT_REQUIRE_KERNEL=1 (the Makefile,
+    CI) the build fails."""
+    shutil.copy(ROOT / "setup.py", tmp_path / "setup.py")
+    shutil.copytree(NATIVE_DIR, tmp_path / "native", ignore=shutil.ignore_patterns("_kernel.c", "*.html"))
+    (tmp_path / "deltackpt").mkdir()
+    shutil.copy(ROOT / "deltackpt" / "kernel.py", tmp_path / "deltackpt" / "kernel.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DELTACKPT_")}
+
+    def build(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path,
+                              env={**env, "CC": "false", **extra}, capture_output=True, text=True, timeout=300)
+
+    r = build()
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'building extension "deltackpt._kernel" failed' in r.stdout + r.stderr
+    assert not list((tmp_path / "deltackpt").glob("_kernel*.so"))
+    r = build(DELTACKPT_REQUIRE_KERNEL="1")
+    assert r.returncode != 0
+
+
 def test_no_warning_when_current() -> None:
     if kernel.backend != "native":
         pytest.skip("python backend")
