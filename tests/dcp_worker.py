@@ -15,6 +15,8 @@ step, which tests/test_distributed.py checks loads against.
 - ``misuse``: ``misuse RANK WORLD ROOT INIT KIND``, a save or load whose ranks disagree, printing what it raised:
   KIND ``roots`` (each rank saves step 1 into ROOT-rRANK), ``steps`` (rank r saves step 1 + r into ROOT),
   ``loads`` (steps 1 and 2 saved, then rank r loads step 1 + r);
+- ``branch``: saves the states of steps 0 to 3 through one writer, loads step 1 (a rollback) and saves step 2
+  again through a new writer: a branch from step 1 on every rank;
 - ``retain``: saves the states of steps STEP to STEP + COUNT - 1 (``retain RANK WORLD ROOT INIT STEP COUNT``)
   through one writer with ``Retention(keep_last=2)``, gc after every retention that deleted anything (the
   threshold lowered to 0), printing ``saved N`` after each step (a test kills the ranks at some point).
@@ -60,6 +62,12 @@ def main() -> int:
                             # (load-race: rank 0 waits in a collective while the test saves another step)
                             timeout=datetime.timedelta(seconds=180 if mode == "load-race" else 30))
     mesh = init_device_mesh("cpu", (world,))
+
+    def sharded(step: int) -> dict[str, Any]:
+        full = expected(step)
+        return dict(full, w=distribute_tensor(full["w"], mesh, [Shard(0)]),
+                    b=distribute_tensor(full["b"], mesh, [Replicate()]))
+
     try:
         if mode in ("save", "die"):
             step = int(sys.argv[6])
@@ -81,11 +89,22 @@ def main() -> int:
             first, count = int(sys.argv[6]), int(sys.argv[7])
             writer = DeltaStorageWriter(root, step=first, retention=deltackpt.Retention(keep_last=2))
             for step in range(first, first + count):
-                full = expected(step)
                 writer.step = step
-                dcp.save(dict(full, w=distribute_tensor(full["w"], mesh, [Shard(0)]),
-                              b=distribute_tensor(full["b"], mesh, [Replicate()])), storage_writer=writer)
+                dcp.save(sharded(step), storage_writer=writer)
                 print(f"saved {step}", flush=True)
+            writer.close()
+            return 0
+        if mode == "branch":
+            writer = DeltaStorageWriter(root)
+            for step in range(4):
+                writer.step = step
+                dcp.save(sharded(step), storage_writer=writer)
+            writer.close()
+            state = sharded(0)
+            dcp.load(state, storage_reader=DeltaStorageReader(root, step=1))
+            assert state["step"] == 1 and torch.equal(state["w"].full_tensor(), expected(1)["w"])
+            writer = DeltaStorageWriter(root, step=2)
+            dcp.save(sharded(2), storage_writer=writer)
             writer.close()
             return 0
         if mode == "misuse":

@@ -87,6 +87,21 @@ def test_two_ranks_save_shards_and_load_resharded(tmp_path: Path) -> None:
 
 
 @pytest.mark.plumbing
+def test_two_ranks_that_load_an_older_step_save_a_branch_from_it(tmp_path: Path) -> None:
+    """Each rank's store, and the meta store, descend from the loaded step's checkpoints at the next save."""
+    root = tmp_path / "ckpt"
+    results = ranks("branch", root, tmp_path)
+    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    assert distributed.steps(root) == [0, 1, 2, 3, 2]
+    assert_state(load_full(root), expected(2))
+    for store in ("meta", "rank-00000", "rank-00001"):
+        with deltackpt.Store(root / store) as s:
+            infos = s.list()
+            assert [i.step for i in infos] == [0, 1, 2, 3, 2]
+            assert [i.parent for i in infos] == [None, infos[0].id, infos[1].id, infos[2].id, infos[1].id], store
+
+
+@pytest.mark.plumbing
 def test_a_crash_at_the_commit_leaves_the_previous_step_newest(tmp_path: Path) -> None:
     """The coordinator is killed (SIGKILL) where it would commit step 2: every rank's shards of step 2 are in
     their stores, yet the newest DCP checkpoint is step 1, intact, and step 2 can be saved again."""
