@@ -58,6 +58,7 @@ from deltackpt.tree import (
     alias_key,
     child_path,
     decode_plain,
+    dtype_named,
     encode_plain,
     encode_registered,
     flatten,
@@ -461,8 +462,9 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                         and list(shape) != list(v.shape) and not (v.dim() == 0 and list(shape) == [1])):
                     raise ShapeMismatchError(f"{where}: {k!r} has shape {tuple(shape)} in the checkpoint, "
                                              f"{tuple(v.shape)} in this run")
-                stored = _dtype_of(saved.get(k))
-                if type(v) in (torch.Tensor, torch.nn.Parameter) and stored not in (None, _dtype_of(v)):
+                stored = _dtype_of(saved.get(k))  # (one this torch does not know fails the load: no warning)
+                if (type(v) in (torch.Tensor, torch.nn.Parameter) and stored not in (None, _dtype_of(v))
+                        and dtype_named(stored) is not None):
                     converted.append(f"{k!r} is {stored} in the checkpoint, {_dtype_of(v)} in this run")
             if converted:
                 warnings.warn(f"deltackpt: {where}: {converted[0]}"

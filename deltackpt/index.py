@@ -713,8 +713,9 @@ class Index:
         if have < want:
             raise CorruptIndexError(
                 f"the index of {self.path.parent} is older than the store: its newest commit is seq {have}, the "
-                f"store recorded seq {want} in {LAST_COMMIT} (an index restored from an older copy, or a damaged "
-                f"LMDB meta page); {REPAIR_HINT} from the manifests and packs")
+                f"store recorded seq {want} in {LAST_COMMIT} (an index restored from an older copy, a repair by a "
+                f"deltackpt that predates {LAST_COMMIT}, or a damaged LMDB meta page); {REPAIR_HINT} from the "
+                "manifests and packs")
 
     def _follow_repair(self) -> None:
         """Switch to the store's current index directory when a repair (in any process) has replaced the one

@@ -347,7 +347,10 @@ class Store:
         self._alone_pid = os.getpid()  # the process that took those two (a forked child does not release them)
         try:
             self.index.check_current()  # an index older than the store's last commit (not while repairing) ...
+            current = True
         except CorruptIndexError:
+            current = False
+        if not current:  # (outside the except: an error raised below is not shown chained to the first)
             try:
                 with self._gc_lock():  # ... or one a repair is rebuilding: look again once it is done
                     pass

@@ -1433,8 +1433,9 @@ def test_an_index_older_than_the_store_is_refused_and_repaired(store_path: Path,
     else:  # (with no handle open: one that is keeps reading the newest snapshot, which LMDB's lock file names)
         _flip_older_meta_txnid(store_path)
     before = dir_snapshot(store_path)
-    with pytest.raises(CorruptIndexError, match="older than the store.*deltackpt repair"):
+    with pytest.raises(CorruptIndexError, match="older than the store.*deltackpt repair") as refused:
         _open(store_path)
+    assert refused.value.__context__ is None  # (one error, not printed as raised while handling another)
     with pytest.raises(CorruptIndexError, match="older than the store"):
         deltackpt.Store(store_path, readonly=True)
     if early is not None:  # it follows the replaced index/ (as after a repair), and finds it older
