@@ -1,25 +1,37 @@
-"""Back-compat: a store written by format version 1 (tests/fixtures/store-v1) must stay readable forever.
+"""Back-compat: stores written by earlier versions must stay readable forever.
 
-The fixture was written by ``python tests/test_compat.py write`` with deltackpt 0.1.0. Never regenerate it for a
-new version: add a new fixture beside it instead. ``expected_states`` only uses arithmetic on fixed numbers (no
-RNG), so it yields the same values in every future version of torch and numpy.
+- ``tests/fixtures/store-v1``, written by ``python tests/test_compat.py write`` with deltackpt 0.1.0: format
+  version 1 throughout, delta frames. ``expected_states`` only uses arithmetic on fixed numbers (no RNG), so it
+  yields the same values in every future version of torch and numpy.
+- ``tests/fixtures/store-predicted``, written by ``python tests/test_compat.py write-predicted`` (2026-12-06):
+  what later versions added, in one store: predicted frames of all three predictors (frame versions 2 and 3),
+  manifests of version 3 (a module's state dict), a branch. Its states come from real AdamW and SGD steps, so
+  its golden digests (``store-predicted.json``: every tensor's dtype, shape and SHA-256 and every plain value, by
+  checkpoint) are what a load is checked against.
+
+Never regenerate a fixture for a new version: add a new one beside it instead.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import sys
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 import deltackpt
-from deltackpt import maintenance
+from deltackpt import codec, maintenance, manifest, predict
 
 FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"
+PREDICTED = Path(__file__).parent / "fixtures" / "store-predicted"
+GOLDEN = PREDICTED.with_suffix(".json")
 
 
 def expected_states() -> list[tuple[int, dict]]:
@@ -104,5 +116,103 @@ def write(dest: Path) -> None:  # pragma: no cover - run by hand once per format
         junk.unlink(missing_ok=True)
 
 
+def digests(obj: Any, path: str = "") -> dict[str, str]:
+    """Every leaf of a state by key path: a tensor's or array's dtype, shape and SHA-256, else its repr."""
+    if isinstance(obj, torch.Tensor):
+        data = obj.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return {path: f"{obj.dtype} {tuple(obj.shape)} {hashlib.sha256(data).hexdigest()}"}
+    if isinstance(obj, np.ndarray):
+        return {path: f"{obj.dtype.str} {obj.shape} {hashlib.sha256(obj.tobytes()).hexdigest()}"}
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items() for k, v in digests(value, f"{path}[{key!r}]").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k: v for i, value in enumerate(obj) for k, v in digests(value, f"{path}[{i}]").items()}
+    return {path: repr(obj)}
+
+
+@pytest.fixture
+def predicted_store(tmp_path: Path) -> Path:
+    dest = tmp_path / "store-predicted"
+    shutil.copytree(PREDICTED, dest)
+    return dest
+
+
+def test_predicted_store_loads_as_its_golden_digests(predicted_store: Path) -> None:
+    golden = json.loads(GOLDEN.read_text())
+    with deltackpt.Store(predicted_store) as s:
+        infos = s.list()
+        assert [[i.id, i.step, i.parent] for i in infos] == golden["lineage"]
+        for i in infos:
+            assert digests(s.load(id=i.id)) == golden["states"][i.id], i.step
+        assert s.verify().ok
+
+
+def test_predicted_store_holds_every_kind_of_frame(predicted_store: Path) -> None:
+    """What the fixture is for: predicted frames of each predictor (and so both of their frame versions), delta
+    and standalone frames, and manifests of version 3."""
+    predictors, codecs = set(), set()
+    with deltackpt.Store(predicted_store) as s:
+        for _, loc in s.index.iter_chunks():
+            codecs.add(loc.codec)
+            if loc.codec == codec.PREDICTED:
+                frame = bytes(s.reader.read(loc.pack_id, loc.offset, loc.frame_len))
+                h = codec.parse_header(frame)
+                predictors.add((codec.prediction_record(frame[codec.HEADER_SIZE:], version=h.version).predictor,
+                                h.version))
+    assert predictors == {(predict.SECOND_MOMENT, 2), (predict.PARAM, 2), (predict.MOMENTUM_PARAM, 3)}
+    assert {codec.PLANES_ZSTD, codec.DELTA, codec.PREDICTED} <= codecs
+    versions = {manifest._HEAD.unpack_from(p.read_bytes())[1] for p in (predicted_store / "manifests").iterdir()}
+    assert versions == {3}
+
+
+def test_predicted_store_takes_new_saves_deletes_and_gc(predicted_store: Path) -> None:
+    golden = json.loads(GOLDEN.read_text())
+    with deltackpt.Store(predicted_store) as s:
+        newest = s.load()
+        s.save(newest, step=99)  # (descends from the newest: dedup against its chunks)
+        assert s.list()[-1].written_bytes < 2000
+        first = s.list()[0]
+        s.delete(first.step)
+        s.gc()
+        for i in s.list()[:-1]:
+            assert digests(s.load(id=i.id)) == golden["states"][i.id], i.step
+        assert digests(s.load(step=99)) == digests(newest)
+        assert s.verify().ok
+
+
+def write_predicted(dest: Path) -> None:  # pragma: no cover - run by hand once
+    """Five every-step saves of a small model trained with AdamW beside one trained with SGD with momentum, then
+    a rollback to step 2 and two saves on that branch; the golden digests beside it."""
+    if dest.exists() or GOLDEN.exists():
+        raise SystemExit(f"{dest} or {GOLDEN} exists: fixtures are never rewritten")
+    torch.manual_seed(0)
+    adam_model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    sgd_model = torch.nn.Linear(32, 64)
+    adam = torch.optim.AdamW(adam_model.parameters(), lr=1e-3, weight_decay=0.1)
+    sgd = torch.optim.SGD(sgd_model.parameters(), lr=1e-2, momentum=0.9)
+
+    def state() -> dict[str, Any]:
+        for model, opt in ((adam_model, adam), (sgd_model, sgd)):
+            model(torch.randn(16, 32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        return {"model": adam_model.state_dict(), "optimizer": adam.state_dict(),
+                "sgd": {"model": sgd_model.state_dict(), "optimizer": sgd.state_dict()},
+                "arr": np.arange(10.0), "plain": {"name": "fixture", "big": 2**70}}
+
+    with deltackpt.Store(dest, chunk_size=4096) as s:
+        for step in range(5):
+            s.save(state(), step=step, metadata={"fixture": "predicted"})
+        s.load(step=2)  # (the training state is not restored: the branch's states are new ones)
+        for step in (3, 4):
+            s.save(state(), step=step, metadata={"fixture": "predicted", "branch": True})
+        golden = {"lineage": [[i.id, i.step, i.parent] for i in s.list()],
+                  "states": {i.id: digests(s.load(id=i.id)) for i in s.list()}}
+    (dest / "index" / "lock.mdb").unlink(missing_ok=True)
+    GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["write"]:
     write(FIXTURE)
+if __name__ == "__main__" and sys.argv[1:] == ["write-predicted"]:
+    write_predicted(PREDICTED)
