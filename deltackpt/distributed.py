@@ -175,7 +175,7 @@ class _Kept:
 
 #: by writer: what the copies of a writer unpickled in this process keep (DeltaStorageWriter.__setstate__)
 _COPIES: dict[str, _Kept] = {}
-_COPIES_LOCK = threading.Lock()
+_SHARED_LOCK = threading.Lock()  # (for _COPIES and _LOADED)
 #: by root (its real path): the checkpoints the last DCP load in this process read, the meta checkpoint's id under
 #: "meta" and each rank checkpoint's under its rank. The next save into that root descends from them (a rollback
 #: makes it a branch): each store's, once committed, is taken out of here (DeltaStorageWriter._descend).
@@ -243,7 +243,7 @@ class DeltaStorageWriter(StorageWriter):
         state = self.__dict__.copy()
         state["_kept"] = replace(self._kept, stores={})
         if self.root is not None:  # a rollback loaded here: the save that the copy makes there branches from it
-            with _COPIES_LOCK:
+            with _SHARED_LOCK:
                 state["_branch"] = _LOADED.pop(_root_key(self.root), {})
         return state
 
@@ -252,7 +252,7 @@ class DeltaStorageWriter(StorageWriter):
         opened (so each rank's previous save stays the delta base in memory, and no save opens a store, and
         starts a pack, that nothing closes), the meta manifests it read and the gc rule's state."""
         self.__dict__.update(state)
-        with _COPIES_LOCK:
+        with _SHARED_LOCK:
             self._kept = _COPIES.setdefault(self._token, self._kept)
             if self._branch and self.root is not None:
                 _LOADED[_root_key(self.root)] = self._branch
@@ -305,7 +305,7 @@ class DeltaStorageWriter(StorageWriter):
         if (self.root / "STORE").exists():
             raise ValueError(f"{self.root} is a deltackpt store, not a sharded checkpoint root: give DCP saves a "
                              "directory of their own")
-        with _COPIES_LOCK:
+        with _SHARED_LOCK:
             self._branch = dict(_LOADED.get(_root_key(self.root), {}))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -386,7 +386,7 @@ class DeltaStorageWriter(StorageWriter):
         store._head = self._branch.get(which)
         yield
         assert self.root is not None
-        with _COPIES_LOCK:
+        with _SHARED_LOCK:
             loaded = _LOADED.get(_root_key(self.root))
             if loaded is not None and loaded.get(which) == self._branch.get(which):
                 loaded.pop(which, None)
@@ -718,7 +718,7 @@ class DeltaStorageReader(StorageReader):
                            allow_network_fs=self.allow_network_fs) as store:
                 self._read_checkpoint(store, ckpt, reqs, planner)
         if self._read:  # (a load planned from the metadata of another reader holds none)
-            with _COPIES_LOCK:
+            with _SHARED_LOCK:
                 _LOADED[_root_key(self.root)] = dict(self._read)
         fut: Future[None] = Future()
         fut.set_result(None)
