@@ -571,6 +571,8 @@ def _wrapper_hint(mine: list[str], saved: list[str]) -> str:
                 return (f"; {whose} keys all start with {prefix!r}, as {who} names them: give the Checkpointer "
                         f"the model wrapped as in the run that saved, or unwrapped in both (model.{attr})")
             subs = sorted({k[:k.index(inner)] for k in keys if inner in k})
+            if not subs:  # (some keys at the top start with it: a submodule named "module", say)
+                continue
             what = "that submodule" if len(subs) == 1 else "those submodules"
             return (f"; {whose} keys hold {prefix!r} under {', '.join(map(repr, subs[:3]))}: {who} wrapped {what} "
                     f"in {saving} only; wrap {what} as in the run that saved, or unwrap in both "

@@ -2985,6 +2985,16 @@ def test_a_restore_refused_for_a_wrappers_key_prefix_says_so(fast_dir: Path, wra
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
 
 
+def test_the_wrapper_hint_is_given_only_where_it_explains_the_keys() -> None:
+    """Keys that would match once a wrapper's part is removed, where that part is not a wrapper's (a submodule
+    named ``module`` at the top of one run's model) or the keys differ otherwise, get no hint (and no error)."""
+    from deltackpt.checkpointer import _wrapper_hint
+
+    assert _wrapper_hint(["weight", "head.weight"], ["module.weight", "head.weight"]) == ""
+    assert _wrapper_hint(["a.weight"], ["a.module.weight", "extra"]) == ""
+    assert "under 'a'" in _wrapper_hint(["a.weight", "h.w"], ["a.module.weight", "h.w"])
+
+
 def test_a_restore_into_a_model_of_other_dtypes_warns(fast_dir: Path) -> None:
     """load_state_dict converts a checkpoint's tensors to the model's dtypes: a run resumed into a model built
     in another precision would not compute as the one that saved, so the restore says which tensors differ."""
