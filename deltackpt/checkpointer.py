@@ -452,26 +452,16 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
     for n, (name, member, saved) in enumerate(_with_states(g, state)):
         where = f"{what}{name}"
         if isinstance(member, torch.nn.Module) and isinstance(saved, Mapping):
+            mine = member.state_dict() if lives is None else lives[n][2]
+            _warn_converted(where, mine, saved)  # (load hooks or not: load_state_dict's copies convert)
             if not _loads_as_saved(member, keys=False):
                 continue
-            mine = member.state_dict() if lives is None else lives[n][2]
-            converted = []
             for k, v in mine.items():
                 shape = getattr(saved.get(k), "shape", None)
                 if (type(v) in (torch.Tensor, torch.nn.Parameter) and shape is not None
                         and list(shape) != list(v.shape) and not (v.dim() == 0 and list(shape) == [1])):
                     raise ShapeMismatchError(f"{where}: {k!r} has shape {tuple(shape)} in the checkpoint, "
                                              f"{tuple(v.shape)} in this run")
-                stored = _dtype_of(saved.get(k))  # (one this torch does not know fails the load: no warning)
-                if (type(v) in (torch.Tensor, torch.nn.Parameter) and stored not in (None, _dtype_of(v))
-                        and dtype_named(stored) is not None):
-                    converted.append(f"{k!r} is {stored} in the checkpoint, {_dtype_of(v)} in this run")
-            if converted:
-                warnings.warn(f"deltackpt: {where}: {converted[0]}"
-                              f"{f' (and {len(converted) - 1} more)' if len(converted) > 1 else ''}: load_state_dict "
-                              "converts the checkpoint's values (and torch's optimizers their moments with them), "
-                              "so the resumed run does not compute as the one that saved did", RuntimeWarning,
-                              stacklevel=_caller_level())
             if _loads_as_saved(member, keys=True):
                 missing = [k for k in mine if k not in saved]
                 unexpected = [k for k in saved if k not in mine]
@@ -578,6 +568,22 @@ def _wrapper_hint(mine: list[str], saved: list[str]) -> str:
                     f"in {saving} only; wrap {what} as in the run that saved, or unwrap in both "
                     f"({subs[0]}.{attr})")
     return ""
+
+
+def _warn_converted(where: str, mine: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """Warn (RuntimeWarning, at the caller) where a tensor of this run's module state ``mine`` has another dtype
+    than the checkpoint's (``saved``, tensors or tensor entries): ``load_state_dict`` converts it silently."""
+    converted = []
+    for k, v in mine.items():
+        stored = _dtype_of(saved.get(k))  # (one this torch does not know fails the load: no warning)
+        if (type(v) in (torch.Tensor, torch.nn.Parameter) and stored not in (None, _dtype_of(v))
+                and dtype_named(stored) is not None):
+            converted.append(f"{k!r} is {stored} in the checkpoint, {_dtype_of(v)} in this run")
+    if converted:
+        more = f" (and {len(converted) - 1} more)" if len(converted) > 1 else ""
+        warnings.warn(f"deltackpt: {where}: {converted[0]}{more}: load_state_dict converts the checkpoint's values "
+                      "(and torch's optimizers their moments with them), so the resumed run does not compute as the "
+                      "one that saved did", RuntimeWarning, stacklevel=_caller_level())
 
 
 def _dtype_of(x: Any) -> str | None:

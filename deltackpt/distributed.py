@@ -242,20 +242,27 @@ class DeltaStorageWriter(StorageWriter):
         ``async_save`` sends such a copy with every save to a background process that lives for the run."""
         state = self.__dict__.copy()
         state["_kept"] = replace(self._kept, stores={})
-        if self.root is not None:  # a rollback loaded here: the save that the copy makes there branches from it
-            with _SHARED_LOCK:
-                state["_branch"] = _LOADED.pop(_root_key(self.root), {})
+        # A rollback loaded here: the save that the copy makes there branches from it. A writer without a root yet
+        # (dcp.async_save's checkpoint_id sets it there) takes every root's.
+        with _SHARED_LOCK:
+            if self.root is not None:
+                loaded = {_root_key(self.root): _LOADED.pop(_root_key(self.root))} \
+                    if _root_key(self.root) in _LOADED else {}
+            else:
+                loaded = dict(_LOADED)
+                _LOADED.clear()
+        state["_loaded"] = loaded
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """The copies of one writer in one process share what the first kept (:class:`_Kept`): the stores it
         opened (so each rank's previous save stays the delta base in memory, and no save opens a store, and
         starts a pack, that nothing closes), the meta manifests it read and the gc rule's state."""
+        loaded = state.pop("_loaded", {})
         self.__dict__.update(state)
         with _SHARED_LOCK:
             self._kept = _COPIES.setdefault(self._token, self._kept)
-            if self._branch and self.root is not None:
-                _LOADED[_root_key(self.root)] = self._branch
+            _LOADED.update(loaded)
 
     def _store(self, path: Path) -> Store:
         s = self._kept.stores.get(path)
@@ -381,8 +388,8 @@ class DeltaStorageWriter(StorageWriter):
         branch from the step loaded), else from the store's newest, as a handle's first save does. Not from what
         this handle saved last: a process-based async save's copy, in its background process, and the writer
         saving in its own process hold two handles on each store, and each would skip the other's saves. Once
-        the save has committed, the loaded checkpoint is forgotten (a save that failed, a full disk say, and is
-        tried again still branches)."""
+        the store's save has committed, the loaded checkpoint is forgotten (a save that failed in it, a full disk
+        say, and is tried again still branches)."""
         store._head = self._branch.get(which)
         yield
         assert self.root is not None
@@ -654,7 +661,8 @@ class DeltaStorageReader(StorageReader):
             raise ValueError("DeltaStorageReader needs a root directory (or a checkpoint_id to dcp.load)")
         with _meta_store(self.root, readonly=True,
                        allow_network_fs=self.allow_network_fs) as meta:
-            info = meta.info(self.step, id=self.id) if self.step is not None or self.id is not None else meta.latest()
+            newest = meta.latest()
+            info = meta.info(self.step, id=self.id) if self.step is not None or self.id is not None else newest
             if info is None:
                 raise CheckpointNotFoundError(f"no DCP checkpoint in {self.root}")
             where = f"DCP checkpoint of step {info.step} in {self.root}"
@@ -668,7 +676,10 @@ class DeltaStorageReader(StorageReader):
             storage_meta = StorageMeta() if sm is None else StorageMeta(
                 checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"], modules=list(sm["modules"]))
             planner_data, version = doc["planner_data"], doc["version"]
-            self._read = {"meta": info.id, **{s.rank: s.checkpoint for s in storage.values()}}
+            # (the newest is what saves descend from anyway: a load of it, by an evaluation while an async save is
+            # in flight say, must not make the save after that one descend from the step before it)
+            self._read = {} if newest is not None and info.id == newest.id else \
+                {"meta": info.id, **{s.rank: s.checkpoint for s in storage.values()}}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
         return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
@@ -717,9 +728,11 @@ class DeltaStorageReader(StorageReader):
             with _existing(_rank_path(self.root, rank), f"rank {rank}'s shards", readonly=True,
                            allow_network_fs=self.allow_network_fs) as store:
                 self._read_checkpoint(store, ckpt, reqs, planner)
-        if self._read:  # (a load planned from the metadata of another reader holds none)
-            with _SHARED_LOCK:
+        with _SHARED_LOCK:  # (a load of the newest forgets an older one: the next save descends from the newest)
+            if self._read:
                 _LOADED[_root_key(self.root)] = dict(self._read)
+            else:
+                _LOADED.pop(_root_key(self.root), None)
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut

@@ -3012,6 +3012,13 @@ def test_a_restore_into_a_model_of_other_dtypes_warns(fast_dir: Path) -> None:
     with Checkpointer(fast_dir / "s", model=model, handle_signals=False) as ck, warnings.catch_warnings():
         warnings.simplefilter("error")
         assert ck.restore() == 1
+    hooked = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.utils.spectral_norm(torch.nn.Linear(2, 2)))
+    with Checkpointer(fast_dir / "h", model=hooked, handle_signals=False) as ck:
+        ck.save(1, wait=True)
+    hooked.to(torch.float64)  # (a module with load hooks: its keys and shapes are left to its loading code)
+    with Checkpointer(fast_dir / "h", model=hooked, handle_signals=False) as ck:
+        with pytest.warns(RuntimeWarning, match=r"'0.weight' is float32 in the checkpoint, float64 in this run \(and"):
+            assert ck.restore() == 1
 
 
 def test_step_on_a_closed_checkpointer_raises_at_every_step(fast_dir: Path) -> None:

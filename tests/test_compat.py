@@ -7,7 +7,7 @@
   what later versions added, in one store: predicted frames of all three predictors (frame versions 2 and 3),
   manifests of version 3 (a module's state dict), a branch. Its states come from real AdamW and SGD steps, so
   its golden digests (``store-predicted.json``: every tensor's dtype, shape and SHA-256 and every plain value, by
-  checkpoint) are what a load is checked against.
+  checkpoint, taken from the states as they were saved) are what a load is checked against.
 
 Never regenerate a fixture for a new version: add a new one beside it instead.
 """
@@ -200,14 +200,17 @@ def write_predicted(dest: Path) -> None:  # pragma: no cover - run by hand once
                 "sgd": {"model": sgd_model.state_dict(), "optimizer": sgd.state_dict()},
                 "arr": np.arange(10.0), "plain": {"name": "fixture", "big": 2**70}}
 
+    saved: dict[str, dict[str, str]] = {}  # the digests of the states as they were saved
     with deltackpt.Store(dest, chunk_size=4096) as s:
         for step in range(5):
-            s.save(state(), step=step, metadata={"fixture": "predicted"})
+            st = state()
+            saved[s.save(st, step=step, metadata={"fixture": "predicted"}).id] = digests(st)
         s.load(step=2)  # (the training state is not restored: the branch's states are new ones)
         for step in (3, 4):
-            s.save(state(), step=step, metadata={"fixture": "predicted", "branch": True})
-        golden = {"lineage": [[i.id, i.step, i.parent] for i in s.list()],
-                  "states": {i.id: digests(s.load(id=i.id)) for i in s.list()}}
+            st = state()
+            saved[s.save(st, step=step, metadata={"fixture": "predicted", "branch": True}).id] = digests(st)
+        assert all(digests(s.load(id=i)) == d for i, d in saved.items())
+        golden = {"lineage": [[i.id, i.step, i.parent] for i in s.list()], "states": saved}
     (dest / "index" / "lock.mdb").unlink(missing_ok=True)
     GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
 

@@ -536,6 +536,13 @@ f = dcp.async_save({"x": x}, storage_writer=w, process_group=group,
                    async_checkpointer_type=AsyncCheckpointerType.PROCESS)
 getattr(f, "upload_completion", f).result()
 w.close()
+x[1] += 1.0  # again, saved by a writer that gets its root from dcp's checkpoint_id (in the background process)
+dcp.load({"x": x}, storage_reader=DeltaStorageReader(root, step=2))
+f = dcp.async_save({"x": x}, storage_writer=DeltaStorageWriter(step=5), checkpoint_id=root, process_group=group,
+                   async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+getattr(f, "upload_completion", f).result()
+from deltackpt import distributed
+assert not distributed._LOADED, distributed._LOADED  # (handed over: a later save here descends from the newest)
 torch.save(x, os.path.join(root, "..", "x.pt"))
 dist.destroy_process_group()
 os._exit(0)
@@ -554,14 +561,16 @@ def test_process_based_async_saves_share_the_stores_of_their_process(tmp_path: P
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     x = torch.load(tmp_path / "x.pt")
-    assert distributed.steps(root) == [*range(7), 4]
+    assert distributed.steps(root) == [*range(7), 4, 5]
     assert torch.equal(load_full_x(root), x)
     for store in ("rank-00000", "meta"):
         with deltackpt.Store(root / store) as s:
             infos = s.list()
-            assert [c.step for c in infos] == [*range(7), 4]
-            assert [c.parent for c in infos] == [None] + [c.id for c in infos[:-2]] + [infos[3].id], store
-    assert len(list((root / "rank-00000" / "packs").glob("*.pack"))) <= 2  # this process's and the daemon's
+            assert [c.step for c in infos] == [*range(7), 4, 5]
+            assert [c.parent for c in infos] == [None] + [c.id for c in infos[:-3]] + [infos[3].id, infos[2].id], \
+                store
+    # this process's, the daemon's, and the second writer's in the daemon
+    assert len(list((root / "rank-00000" / "packs").glob("*.pack"))) <= 3
 
 
 _FSDP2_IN_A_CHECKPOINTER = """
@@ -1414,6 +1423,43 @@ def test_a_shard_outside_its_tensor_in_the_metadata_is_refused(tmp_path: Path, s
             dcp.load(target, storage_reader=DeltaStorageReader(root), no_dist=True)
     assert "DCP metadata of 'w' is malformed" in str(caught.value) and "step 2" in str(caught.value)
     assert torch.equal(target["w"], torch.full((10,), 7.0))
+
+
+def test_a_load_of_the_newest_step_leaves_saves_descending_from_the_newest(tmp_path: Path) -> None:
+    """Only a load of an older step makes the next save a branch. An evaluation that loads the newest step while
+    an async save is in flight (here held in write_data until the load is done) leaves the save after that one
+    descending from it, not from the step before it."""
+    import threading
+
+    class Held(DeltaStorageWriter):
+        gate = threading.Event()
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            assert self.gate.wait(60)
+            return super().write_data(plan, planner)
+
+    root = tmp_path / "ckpt"
+    x = torch.zeros(1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = Held(root)
+        Held.gate.set()
+        for step in range(4):
+            x[step] = 1.0
+            w.step = step
+            dcp.save({"x": x}, storage_writer=w)
+        Held.gate.clear()
+        w.step = 4
+        f = dcp.async_save({"x": x}, storage_writer=w)
+        dcp.load({"x": torch.zeros(1000)}, storage_reader=DeltaStorageReader(root), no_dist=True)  # step 3
+        Held.gate.set()
+        f.result()
+        w.step = 5
+        dcp.save({"x": x}, storage_writer=w)
+        w.close()
+    for store in ("meta", "rank-00000"):
+        with deltackpt.Store(root / store) as s:
+            assert [(c.step, c.parent) for c in s.list()][4:] == [(4, s.list()[3].id), (5, s.list()[4].id)], store
 
 
 def test_a_save_after_loading_an_older_step_branches_from_it(tmp_path: Path) -> None:
