@@ -312,6 +312,7 @@ class DeltaStorageWriter(StorageWriter):
         if (self.root / "STORE").exists():
             raise ValueError(f"{self.root} is a deltackpt store, not a sharded checkpoint root: give DCP saves a "
                              "directory of their own")
+        self._forget_begun_branch()
         with _SHARED_LOCK:
             self._branch = dict(_LOADED.get(_root_key(self.root), {}))
 
@@ -387,16 +388,44 @@ class DeltaStorageWriter(StorageWriter):
         that a load in this process read since the last save into the root (after a rollback, the save is a
         branch from the step loaded), else from the store's newest, as a handle's first save does. Not from what
         this handle saved last: a process-based async save's copy, in its background process, and the writer
-        saving in its own process hold two handles on each store, and each would skip the other's saves. Once
-        the store's save has committed, the loaded checkpoint is forgotten (a save that failed in it, a full disk
-        say, and is tried again still branches)."""
+        saving in its own process hold two handles on each store, and each would skip the other's saves. The
+        loaded checkpoint is forgotten once the step has committed (so a save that failed, a full disk say, and
+        is tried again still branches): the meta store's at its commit, a rank's at the next save's set-up."""
         store._head = self._branch.get(which)
         yield
         assert self.root is not None
         with _SHARED_LOCK:
             loaded = _LOADED.get(_root_key(self.root))
-            if loaded is not None and loaded.get(which) == self._branch.get(which):
-                loaded.pop(which, None)
+            if loaded is None or which not in loaded or loaded[which] != self._branch.get(which):
+                return
+            if which == "meta":  # (the step's commit point: the branch has begun)
+                del loaded[which]
+            elif store._head is not None:  # forgotten once a step names it (_forget_begun_branch)
+                loaded[f"saved {which}"] = store._head
+
+    def _forget_begun_branch(self) -> None:
+        """Forget the loaded rank checkpoints whose branch has begun: those from which this process saved a rank
+        checkpoint that the newest step now names. One that no step names (its step failed at the
+        coordinator's commit, after the rank's save) is kept, so that the save tried again branches again."""
+        assert self.root is not None
+        with _SHARED_LOCK:
+            saved = {k: v for k, v in _LOADED.get(_root_key(self.root), {}).items()
+                     if isinstance(k, str) and k.startswith("saved ")}
+        if not saved:
+            return
+        try:
+            with _meta_store(self.root, readonly=True,
+                             allow_network_fs=self.store_options.get("allow_network_fs")) as meta:
+                newest = meta.latest()
+                named = _named(meta, newest.id) if newest is not None else set()
+        except (DeltackptError, OSError):
+            return  # (kept: the next save looks again)
+        with _SHARED_LOCK:
+            loaded = _LOADED.get(_root_key(self.root), {})
+            for k, ckpt in saved.items():
+                loaded.pop(k, None)
+                if (int(k.split()[1]), ckpt) in named:
+                    loaded.pop(int(k.split()[1]), None)
 
     def _kept_for_good(self, latest: CheckpointInfo | None, step: int) -> bool:
         """Whether retention keeps ``step`` for good while it drops the saves around it: a multiple of

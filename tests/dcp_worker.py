@@ -15,8 +15,8 @@ step, which tests/test_distributed.py checks loads against.
 - ``misuse``: ``misuse RANK WORLD ROOT INIT KIND``, a save or load whose ranks disagree, printing what it raised:
   KIND ``roots`` (each rank saves step 1 into ROOT-rRANK), ``steps`` (rank r saves step 1 + r into ROOT),
   ``loads`` (steps 1 and 2 saved, then rank r loads step 1 + r);
-- ``branch``: saves the states of steps 0 to 3 through one writer, loads step 1 (a rollback) and saves step 2
-  again through a new writer: a branch from step 1 on every rank;
+- ``branch``: saves the states of steps 0 to 3 through one writer, loads step 1 (a rollback) and saves steps 2
+  and 3 again through a new writer: a branch from step 1 on every rank;
 - ``retain``: saves the states of steps STEP to STEP + COUNT - 1 (``retain RANK WORLD ROOT INIT STEP COUNT``)
   through one writer with ``Retention(keep_last=2)``, gc after every retention that deleted anything (the
   threshold lowered to 0), printing ``saved N`` after each step (a test kills the ranks at some point).
@@ -103,8 +103,10 @@ def main() -> int:
             state = sharded(0)
             dcp.load(state, storage_reader=DeltaStorageReader(root, step=1))
             assert state["step"] == 1 and torch.equal(state["w"].full_tensor(), expected(1)["w"])
-            writer = DeltaStorageWriter(root, step=2)
-            dcp.save(sharded(2), storage_writer=writer)
+            writer = DeltaStorageWriter(root)
+            for step in (2, 3):
+                writer.step = step
+                dcp.save(sharded(step), storage_writer=writer)
             writer.close()
             return 0
         if mode == "misuse":

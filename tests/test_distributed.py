@@ -88,17 +88,18 @@ def test_two_ranks_save_shards_and_load_resharded(tmp_path: Path) -> None:
 
 @pytest.mark.plumbing
 def test_two_ranks_that_load_an_older_step_save_a_branch_from_it(tmp_path: Path) -> None:
-    """Each rank's store, and the meta store, descend from the loaded step's checkpoints at the next save."""
+    """Each rank's store, and the meta store, descend from the loaded step's checkpoints at the next save, and
+    from that save at the one after it."""
     root = tmp_path / "ckpt"
     results = ranks("branch", root, tmp_path)
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
-    assert distributed.steps(root) == [0, 1, 2, 3, 2]
-    assert_state(load_full(root), expected(2))
+    assert distributed.steps(root) == [0, 1, 2, 3, 2, 3]
+    assert_state(load_full(root), expected(3))
     for store in ("meta", "rank-00000", "rank-00001"):
         with deltackpt.Store(root / store) as s:
-            infos = s.list()
-            assert [i.step for i in infos] == [0, 1, 2, 3, 2]
-            assert [i.parent for i in infos] == [None, infos[0].id, infos[1].id, infos[2].id, infos[1].id], store
+            ids = [i.id for i in s.list()]
+            assert [i.step for i in s.list()] == [0, 1, 2, 3, 2, 3]
+            assert [i.parent for i in s.list()] == [None, *ids[:3], ids[1], ids[4]], store
 
 
 @pytest.mark.plumbing
@@ -1519,3 +1520,37 @@ def test_a_save_after_loading_an_older_step_branches_from_it(tmp_path: Path) -> 
         # (as the run's other saves: 107 KB against 189 KB for the first; descending from step 4, the branch's
         # saves wrote 178 and 171 KB)
         assert max(c.written_bytes for c in ckpts[5:]) < 0.7 * ckpts[0].written_bytes, [c.written_bytes for c in ckpts]
+
+
+def test_a_branch_save_that_failed_at_the_commit_branches_again(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first save after a rollback fails after the rank store committed its checkpoint, at the coordinator's
+    commit (here its check that every rank checkpoint is in place raises once): tried again, every store still
+    descends from the step loaded, not from the rank checkpoint the failed step left (which prune deletes)."""
+    root = tmp_path / "ckpt"
+    _save_steps(root, range(4))
+    state = load_full(root, 1)  # (a rollback: the next save into root branches from step 1)
+    state["w"][5, 5] += 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        real = distributed._check_saved_here
+
+        def fails_once(*args: Any) -> None:
+            monkeypatch.setattr(distributed, "_check_saved_here", real)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(distributed, "_check_saved_here", fails_once)
+        w = DeltaStorageWriter(root, step=2)
+        with pytest.raises(CheckpointException):
+            dcp.save(state, storage_writer=w, no_dist=True)
+        dcp.save(state, storage_writer=w, no_dist=True)
+        state["w"][6, 6] += 1.0
+        w.step = 3
+        dcp.save(state, storage_writer=w, no_dist=True)
+        w.close()
+    assert distributed.prune(root) == 1  # the failed step's rank checkpoint
+    assert [i.step for i in distributed.summary(root)] == [0, 1, 2, 3, 2, 3]
+    for store in ("meta", "rank-00000"):
+        with deltackpt.Store(root / store) as s:
+            infos = s.list()
+            assert [(i.step, i.parent) for i in infos[4:]] == [(2, infos[1].id), (3, infos[4].id)], store
