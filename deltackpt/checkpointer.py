@@ -55,6 +55,7 @@ from deltackpt.store import (
 )
 from deltackpt.tree import (
     Encoded,
+    _dtype_name,
     alias_key,
     child_path,
     decode_plain,
@@ -589,7 +590,7 @@ def _warn_converted(where: str, mine: Mapping[str, Any], saved: Mapping[str, Any
 def _dtype_of(x: Any) -> str | None:
     """The dtype name of a tensor or of a tensor entry (a skeleton's), else None."""
     if isinstance(x, torch.Tensor):
-        return str(x.dtype).removeprefix("torch.")
+        return _dtype_name(x.dtype)
     if isinstance(x, manifest.TensorEntry):
         return x.dtype
     return None

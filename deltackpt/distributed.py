@@ -176,10 +176,23 @@ class _Kept:
 #: by writer: what the copies of a writer unpickled in this process keep (DeltaStorageWriter.__setstate__)
 _COPIES: dict[str, _Kept] = {}
 _SHARED_LOCK = threading.Lock()  # (for _COPIES and _LOADED)
-#: by root (its real path): the checkpoints the last DCP load in this process read, the meta checkpoint's id under
-#: "meta" and each rank checkpoint's under its rank. The next save into that root descends from them (a rollback
-#: makes it a branch): each store's, once committed, is taken out of here (DeltaStorageWriter._descend).
-_LOADED: dict[str, dict[int | str, str]] = {}
+
+
+@dataclass
+class _Branch:
+    """What the last DCP load of an older step in this process read from a root, for the saves that follow."""
+
+    #: the checkpoints of the step loaded, which the next save of each store descends from: the meta
+    #: checkpoint's id under "meta", each rank checkpoint's under its rank. One is taken out once the branch has
+    #: begun in its store (DeltaStorageWriter._descend): the meta store's at its commit, a rank's once a
+    #: committed step names the checkpoint saved from it
+    origin: dict[int | str, str]
+    #: rank -> the checkpoint this process saved from ``origin[rank]``, until a committed step names it
+    saved: dict[int, str] = field(default_factory=dict)
+
+
+#: by root (its real path): the branch the last DCP load of an older step in this process began
+_LOADED: dict[str, _Branch] = {}
 
 
 class DeltaStorageWriter(StorageWriter):
@@ -314,7 +327,8 @@ class DeltaStorageWriter(StorageWriter):
                              "directory of their own")
         self._forget_begun_branch()
         with _SHARED_LOCK:
-            self._branch = dict(_LOADED.get(_root_key(self.root), {}))
+            loaded = _LOADED.get(_root_key(self.root))
+            self._branch = dict(loaded.origin) if loaded is not None else {}
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -396,12 +410,12 @@ class DeltaStorageWriter(StorageWriter):
         assert self.root is not None
         with _SHARED_LOCK:
             loaded = _LOADED.get(_root_key(self.root))
-            if loaded is None or which not in loaded or loaded[which] != self._branch.get(which):
+            if loaded is None or which not in loaded.origin or loaded.origin[which] != self._branch.get(which):
                 return
-            if which == "meta":  # (the step's commit point: the branch has begun)
-                del loaded[which]
+            if isinstance(which, str):  # (meta: the step's commit point, so the branch has begun)
+                del loaded.origin[which]
             elif store._head is not None:  # forgotten once a step names it (_forget_begun_branch)
-                loaded[f"saved {which}"] = store._head
+                loaded.saved[which] = store._head
 
     def _forget_begun_branch(self) -> None:
         """Forget the loaded rank checkpoints whose branch has begun: those from which this process saved a rank
@@ -409,8 +423,8 @@ class DeltaStorageWriter(StorageWriter):
         coordinator's commit, after the rank's save) is kept, so that the save tried again branches again."""
         assert self.root is not None
         with _SHARED_LOCK:
-            saved = {k: v for k, v in _LOADED.get(_root_key(self.root), {}).items()
-                     if isinstance(k, str) and k.startswith("saved ")}
+            loaded = _LOADED.get(_root_key(self.root))
+            saved = dict(loaded.saved) if loaded is not None else {}
         if not saved:
             return
         try:
@@ -421,11 +435,13 @@ class DeltaStorageWriter(StorageWriter):
         except (DeltackptError, OSError):
             return  # (kept: the next save looks again)
         with _SHARED_LOCK:
-            loaded = _LOADED.get(_root_key(self.root), {})
-            for k, ckpt in saved.items():
-                loaded.pop(k, None)
-                if (int(k.split()[1]), ckpt) in named:
-                    loaded.pop(int(k.split()[1]), None)
+            loaded = _LOADED.get(_root_key(self.root))
+            if loaded is None:
+                return
+            for rank, ckpt in saved.items():
+                loaded.saved.pop(rank, None)
+                if (rank, ckpt) in named:
+                    loaded.origin.pop(rank, None)
 
     def _kept_for_good(self, latest: CheckpointInfo | None, step: int) -> bool:
         """Whether retention keeps ``step`` for good while it drops the saves around it: a multiple of
@@ -759,7 +775,7 @@ class DeltaStorageReader(StorageReader):
                 self._read_checkpoint(store, ckpt, reqs, planner)
         with _SHARED_LOCK:  # (a load of the newest forgets an older one: the next save descends from the newest)
             if self._read:
-                _LOADED[_root_key(self.root)] = dict(self._read)
+                _LOADED[_root_key(self.root)] = _Branch(dict(self._read))
             else:
                 _LOADED.pop(_root_key(self.root), None)
         fut: Future[None] = Future()

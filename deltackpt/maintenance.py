@@ -154,7 +154,9 @@ def _refused_manifest(m: manifest.Manifest) -> tuple[str | None, str] | None:
     running registered decoders). A dtype or device this torch does not know is as saved, not damage."""
     for t in m.tensors:
         try:
-            tree.check_torch_dtype(t.dtype) if t.kind == "torch" else tree.numpy_dtype(t.dtype)
+            # (torch_itemsize raises as torch_dtype does, and imports torch only for a name outside its table:
+            # verify of a store of torch tensors runs without torch, as ls does)
+            tree.torch_itemsize(t.dtype) if t.kind == "torch" else tree.numpy_dtype(t.dtype)
         except CorruptManifestError as exc:
             return t.key, str(exc)
         except UnsupportedTypeError:

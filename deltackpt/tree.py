@@ -198,13 +198,6 @@ def torch_itemsize(name: str) -> int:
     return size if size is not None else torch_dtype(name).itemsize
 
 
-def check_torch_dtype(name: str) -> None:
-    """Raise as :func:`torch_dtype` does for a tensor entry's dtype ``name``, importing torch only for a name outside
-    the itemsize table (``deltackpt verify`` of a store of torch tensors then runs without torch, as ``ls`` does)."""
-    if not (type(name) is str and name in _TORCH_ITEMSIZE):
-        torch_dtype(name)
-
-
 def torch_dtype(name: str, *, value: bool = False) -> torch.dtype:
     """torch dtype from its name, without evaluating anything. Quantized dtypes are refused for tensor entries, as
     saves refuse their tensors: they hold fewer bytes than elements (``quint4x2``: two per byte), and no writer
