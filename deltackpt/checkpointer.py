@@ -784,6 +784,27 @@ class _Pass:
     devices: set[torch.device] = field(default_factory=set)  #: the devices copies were queued from
 
 
+#: CPU tensors up to this many bytes are copied by torch (on one thread: below its grain size), larger ones by numpy
+_SMALL_COPY = 32768
+
+
+def _copy_cpu(buf: torch.Tensor, src: torch.Tensor) -> bool:
+    """Copy the CPU tensor ``src``'s bytes into ``buf`` (a contiguous tensor of its dtype and shape) as uint8, which
+    copies bits whatever they mean. A small tensor takes torch's ``copy_`` (3x faster than numpy views of both for
+    a 1 KiB tensor), a large one numpy's single-threaded memcpy (torch's multi-threaded ``copy_`` would compete with
+    the training loop's threads). False (nothing copied) where ``src``'s layout has no byte view: non-contiguous,
+    a size-1 dimension with an odd stride, lazily conjugated or negated."""
+    if src.dim() == 0:  # (a step count: a 0-dim tensor has no view of another dtype)
+        src, buf = src.reshape(1), buf.reshape(1)
+    if not src.is_contiguous() or src.is_conj() or src.is_neg() or src.stride(-1) != 1:
+        return False
+    if src.numel() * src.element_size() <= _SMALL_COPY:
+        buf.view(torch.uint8).copy_(src.view(torch.uint8))
+    else:
+        np.copyto(buf.view(torch.uint8).numpy().reshape(-1), src.view(torch.uint8).numpy().reshape(-1))
+    return True
+
+
 class _Staging:
     """Reusable host buffers holding a consistent copy of the state while a background save reads it.
 
@@ -849,11 +870,7 @@ class _Staging:
             src = obj.detach()
             try:
                 buf = self._buffer_for(path, src)
-                src_bytes = staging.byte_view(src) if src.device.type == "cpu" else None
-                if src_bytes is not None and src.dtype == buf.dtype:
-                    # one plain memcpy: torch's multi-threaded copy_ competes with the training loop's threads
-                    np.copyto(staging.byte_view(buf).numpy(), src_bytes.numpy())  # type: ignore[union-attr]
-                else:
+                if src.device.type != "cpu" or not _copy_cpu(buf, src):
                     with torch.no_grad():
                         buf.copy_(src, non_blocking=src.device.type == "cuda")
             except NotImplementedError as exc:  # (a sub-byte dtype torch cannot copy; not an out-of-memory)
