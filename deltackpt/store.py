@@ -365,13 +365,11 @@ class Store:
             raise DeltackptError(f"{self.path} is a dangling symbolic link (or a loop of them), not a store")
         if self.path.exists() and not self.path.is_dir():
             raise DeltackptError(f"{self.path} is not a directory, so not a store (a store is a directory)")
-        if not cfg_path.exists() and _holds_checkpoints(self.path):
+        if _lost_store(self.path):
             raise _lost_store_file(self.path)
         if not cfg_path.exists() and self.readonly:
             raise DeltackptError(f"{self.path} is not a deltackpt store (no STORE file; a read-only open creates none)")
         if not cfg_path.exists():
-            if _holds_checkpoints(self.path):  # (made meanwhile by another process)
-                raise _lost_store_file(self.path)
             cs = (config.check_chunk_size(config.chunk_size(), "DELTACKPT_CHUNK_SIZE") if chunk_size is None
                   else config.check_chunk_size(chunk_size))
             _check_new_store_dir(self.path)
@@ -383,7 +381,7 @@ class Store:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if not cfg_path.exists():
-                    if _holds_checkpoints(self.path):
+                    if _lost_store(self.path):
                         raise _lost_store_file(self.path)
                     # An index here is what an earlier creation left when it failed before STORE (a full disk,
                     # a crash): nothing can have committed into it, and a failed one may hold half its pages.
@@ -1924,7 +1922,7 @@ def _check_new_store_dir(path: Path) -> None:
         return
     except NotADirectoryError:
         raise DeltackptError(f"{path}: a part of the path is not a directory") from None
-    if others:
+    if others and not (path / "STORE").exists():  # (STORE now: another process made the store meanwhile)
         shown = ", ".join(map(repr, others[:3])) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise DeltackptError(f"{path} is not a deltackpt store and not empty (it holds {shown}): a new store "
                              "needs an empty or new directory")
@@ -1986,6 +1984,13 @@ def _lost_store_file(path: Path) -> DeltackptError:
     """The error of a store directory without STORE that holds packs or manifests (for a repair, not a creation)."""
     return DeltackptError(f"{path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
                           "'deltackpt repair' writes it again, with the chunk size the manifests name")
+
+
+def _lost_store(path: Path) -> bool:
+    """Whether ``path`` holds a store's packs or manifests but no STORE file. Looked at in that order: a process
+    that creates a store writes STORE before anything else that is not empty, so a store another process is
+    creating meanwhile is not taken for one that lost STORE."""
+    return _holds_checkpoints(path) and not (path / "STORE").exists()
 
 
 def _holds_checkpoints(path: Path) -> bool:

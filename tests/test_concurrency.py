@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import crashworker as cw  # tests/ is on sys.path, as for conftest
+import numpy as np
 import pytest
 import torch
 
+import deltackpt.store
 from deltackpt import StateChangedError, Store
 
 HERE = Path(__file__).resolve().parent
@@ -140,6 +142,46 @@ def test_two_processes_save_at_once(tmp_path: Path, workers: Workers, create: st
         st.gc()
     _check_clean(d)
     _check_store(d, set(ranges[0]) | set(ranges[1]))
+
+
+_CREATE_AND_SAVE = """
+import sys
+import numpy as np
+from deltackpt import Store
+with Store(sys.argv[1], chunk_size=int(sys.argv[2])) as st:
+    st.save({"w": np.arange(5000, dtype=np.float32)}, step=7)
+"""
+
+
+@pytest.mark.parametrize("window", ["_check_new_store_dir", "_holds_checkpoints"],
+                         ids=["before-the-empty-directory-check", "before-the-look-for-a-lost-STORE"])
+def test_a_store_another_process_creates_meanwhile_is_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              window: str) -> None:
+    """Processes that open a store that does not exist yet all at once (every rank of a job making its
+    Checkpointer): another process creates it, and saves into it, between this one's look for STORE and its
+    check that the directory holds nothing foreign, or its look for a store that lost STORE. This one opens
+    that store. Before, it raised "not a deltackpt store and not empty (it holds 'STORE')" (4 of 800 creations
+    by 4 processes at once, and a DCP test that failed now and then), or took the store for one whose STORE
+    was lost. The other process runs, as a real process, at that point of this one's open."""
+    path = tmp_path / "store"
+    look = getattr(deltackpt.store, window)
+    raced: list[bool] = []
+
+    def another_process_first(p: Path) -> Any:
+        if not raced:
+            raced.append(True)
+            subprocess.run([sys.executable, "-c", _CREATE_AND_SAVE, str(path), str(CS)], check=True,
+                           capture_output=True, env=cw.worker_env())
+        return look(p)
+
+    monkeypatch.setattr(deltackpt.store, window, another_process_first)
+    with Store(path, chunk_size=CS) as st:
+        monkeypatch.undo()
+        assert raced
+        assert [i.step for i in st.list()] == [7]
+        assert np.array_equal(st.load()["w"], np.arange(5000, dtype=np.float32))
+        st.save({"w": np.zeros(10, dtype=np.float32)}, step=8)
+        assert st.verify().ok
 
 
 @pytest.mark.parametrize("keep", [None, 4], ids=["saves", "saves-and-deletes"])
