@@ -141,7 +141,7 @@ def boolean(name: str, given: Any) -> bool:
     rather than read for truth: ``allow_pickle="no"`` must not turn unpickling on."""
     if type(given) is bool:
         return given
-    if type(given).__name__ == "bool" and type(given).__module__ == "numpy":
+    if type(given).__name__ in ("bool", "bool_") and type(given).__module__ == "numpy":  # (numpy 2, numpy 1)
         return bool(given)
     raise TypeError(f"{name} must be True or False, got {type(given).__name__} {given!r:.40}")
 
