@@ -119,7 +119,7 @@ asan: $(STAMPS)/install
 		print('asan: running', k.__file__, 'backend', kk.backend)"
 	PYTHONPATH=$(ASAN_DIR) LD_PRELOAD="$$($(CC) -print-file-name=libasan.so)" \
 		ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-		DELTACKPT_BACKEND=native DELTACKPT_EXPECT_BACKEND=native \
+		DELTACKPT_BACKEND=native DELTACKPT_EXPECT_BACKEND=native DELTACKPT_EXPECT_KERNEL_DIR=$(abspath $(ASAN_DIR)) \
 		$(VENV)/bin/pytest tests/test_kernel.py --noconftest -p no:cacheprovider --capture=sys $(PYTEST_ARGS)
 
 clean:

@@ -25,7 +25,6 @@ import numpy as np
 import pytest
 import xxhash
 import zstandard
-from conftest import ROOT
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -37,6 +36,9 @@ try:
 except ImportError:  # not built: native comparisons skip, the python pass still runs everything else
     native = None
 
+# (not conftest's ROOT: importing conftest imports torch and puts the checkout, with its uninstrumented kernel, first
+# on sys.path, and `make asan` runs this file without conftest against the instrumented build)
+ROOT = Path(__file__).resolve().parent.parent
 NATIVE_DIR = ROOT / "native"
 
 needs_native = pytest.mark.skipif(native is None, reason="native extension deltackpt._kernel is not built")
@@ -109,6 +111,17 @@ def test_expected_backend() -> None:
     if not expect:
         pytest.skip("DELTACKPT_EXPECT_BACKEND not set")
     assert kernel.backend == expect
+
+
+def test_expected_kernel_build() -> None:
+    """``make asan`` names the instrumented build's directory: the kernel these tests call must be that one, not
+    the checkout's, and torch (not instrumented, and slow under ASan) must stay out of the process."""
+    where = os.environ.get("DELTACKPT_EXPECT_KERNEL_DIR")
+    if not where:
+        pytest.skip("DELTACKPT_EXPECT_KERNEL_DIR not set")
+    assert native is not None, "the native kernel is not importable"
+    assert Path(native.__file__).resolve().is_relative_to(Path(where).resolve()), native.__file__
+    assert "torch" not in sys.modules
 
 
 def test_kernel_api_is_the_backend_api() -> None:
