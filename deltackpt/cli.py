@@ -379,7 +379,7 @@ def cmd_get(args: argparse.Namespace) -> int:
                   f"{_stats(value)}")
             if len(chosen) == 1:
                 try:
-                    print(str(value) if isinstance(value, torch.Tensor) else repr(value))
+                    print(repr(value) if isinstance(value, np.ndarray) else str(value))
                 except (RuntimeError, TypeError) as exc:  # (sub-byte dtypes: torch cannot print their values)
                     print(f"(its values cannot be printed: {_first_line(exc)})")
         else:
@@ -408,7 +408,7 @@ def _stats(value: torch.Tensor | Any) -> str:
     if value.size == 0 if isinstance(value, np.ndarray) else value.numel() == 0:
         return "  (empty)"
     try:
-        if isinstance(value, torch.Tensor):
+        if not isinstance(value, np.ndarray):  # a tensor (asked this way round, an array's get imports no torch)
             t = value.detach().reshape(-1)
             if t.dtype == torch.bool:
                 return f"  true {int(t.sum())} of {t.numel()}"

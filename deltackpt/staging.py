@@ -238,8 +238,8 @@ def new_output(rec: Record, t: TensorEntry,
             raise
         raise MemoryError(f"checkpoint {rec.id} (step {rec.step}), tensor {t.key!r}: cannot allocate its "
                           f"{t.nbytes} bytes") from exc
-    byte_view = out.reshape(-1).view(torch.uint8).numpy() if isinstance(out, torch.Tensor) \
-        else out.reshape(-1).view(np.uint8)
+    byte_view = out.reshape(-1).view(np.uint8) if isinstance(out, np.ndarray) \
+        else out.reshape(-1).view(torch.uint8).numpy()  # (a numpy array's load does not import torch)
     return out, dev, byte_view
 
 

@@ -112,14 +112,16 @@ assert "torch" not in sys.modules, "imported torch"
 
 def test_listings_do_not_import_torch(tmp_path: Path) -> None:
     """ls, log, du, show and resume-info read the index and manifests only: importing torch was 1.0 s of ls's 1.5.
-    verify and gc check digests, not tensors (verify of a small store: 1.8 s -> 0.26 s)."""
+    verify and gc check digests, not tensors (verify of a small store: 1.8 s -> 0.26 s); get of a numpy array
+    decodes no tensor."""
     path = tmp_path / "s"
     model = torch.nn.Linear(8, 4).to(torch.bfloat16)
     with deltackpt.Checkpointer(path, model=model, handle_signals=False) as ckpt:
         ckpt.save(1)
     with deltackpt.Store(path) as s:
         s.save({"w": torch.ones(3, dtype=torch.float8_e4m3fn), "a": np.arange(3.0)}, step=2)
-    for args in (["ls"], ["log"], ["du"], ["show", str(path), "2"], ["resume-info"], ["verify"], ["gc"]):
+    for args in (["ls"], ["log"], ["du"], ["show", str(path), "2"], ["resume-info"], ["verify"], ["gc"],
+                 ["get", str(path), "2", "a"]):
         argv = args if len(args) > 1 else [*args, str(path)]
         done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *argv], capture_output=True, text=True)
         assert done.returncode == 0, (args, done.stderr[-2000:])
