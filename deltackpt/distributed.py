@@ -258,12 +258,8 @@ class DeltaStorageWriter(StorageWriter):
         # A rollback loaded here: the save that the copy makes there branches from it. A writer without a root yet
         # (dcp.async_save's checkpoint_id sets it there) takes every root's.
         with _SHARED_LOCK:
-            if self.root is not None:
-                loaded = {_root_key(self.root): _LOADED.pop(_root_key(self.root))} \
-                    if _root_key(self.root) in _LOADED else {}
-            else:
-                loaded = dict(_LOADED)
-                _LOADED.clear()
+            keys = list(_LOADED) if self.root is None else [k for k in [_root_key(self.root)] if k in _LOADED]
+            loaded = {k: _LOADED.pop(k) for k in keys}
         state["_loaded"] = loaded
         return state
 
