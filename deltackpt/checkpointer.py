@@ -389,9 +389,27 @@ def _group_check(g: Any, state: Any, what: str) -> None:
         missing = [k for k in g if not isinstance(state, Mapping) or k not in state]
         if missing:
             raise DeltackptError(f"the checkpoint holds no {what} state for {', '.join(map(repr, missing))}")
-    elif isinstance(g, list) and (not isinstance(state, (list, tuple)) or len(state) != len(g)):
-        n = len(state) if isinstance(state, (list, tuple)) else 1
-        raise DeltackptError(f"the checkpoint holds {n} {what} states, this run has {len(g)}")
+    elif isinstance(g, list):
+        if not isinstance(state, (list, tuple)):
+            raise DeltackptError(f"the checkpoint holds one {what} state or a dict of them, not a list; this run "
+                                 f"has a list of {len(g)}")
+        if len(state) != len(g):
+            raise DeltackptError(f"the checkpoint holds {len(state)} {what} states, this run has {len(g)}")
+    elif isinstance(state, (list, tuple)):
+        raise DeltackptError(f"the checkpoint holds a list of {len(state)} {what} states, this run has one {what}"
+                             " (give the Checkpointer a list, as the run that saved did)")
+    elif isinstance(state, Mapping) and (isinstance(g, torch.optim.Optimizer) or (
+            type(g).__module__.startswith("torch.") and not isinstance(g, torch.nn.Module))):
+        # One of torch's optimizers, schedulers or scalers, and the checkpoint's state for it has none of the keys
+        # its own state_dict() has, only states: a dict of several was saved, which its load_state_dict would
+        # fail on (optimizers, scalers) or take in as attributes (schedulers). A model is checked key by key
+        # (_fit_check); other objects' states may be anything.
+        mine = g.state_dict()
+        if (state and isinstance(mine, Mapping) and mine and not set(state) & set(mine)
+                and all(isinstance(v, Mapping) for v in state.values())):
+            raise DeltackptError(
+                f"the checkpoint holds a dict of {what} states ({', '.join(map(repr, list(state)[:4]))}), this run "
+                f"has one {what} (give the Checkpointer a dict, as the run that saved did)")
 
 
 def _present(g: Any, state: Any, what: str) -> tuple[Any, list[str]]:

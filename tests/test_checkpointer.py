@@ -2024,6 +2024,58 @@ def test_restore_not_strict_leaves_what_the_checkpoint_lacks(tmp_path: Path) -> 
             ckpt.restore(strict=False)
 
 
+@pytest.mark.parametrize(("saved", "run", "said"), [
+    ("list", "one", "holds a list of 2 optimizer states, this run has one optimizer"),
+    ("dict", "one", r"holds a dict of optimizer states \('a', 'b'\), this run has one optimizer"),
+    ("one", "list", "holds one optimizer state or a dict of them, not a list; this run has a list of 2"),
+    ("dict", "list", "holds one optimizer state or a dict of them, not a list"),
+    ("list", "dict", "holds no optimizer state for 'a', 'b'"),
+    ("sched-list", "one", "holds a list of 2 scheduler states, this run has one scheduler"),
+    ("sched-dict", "one", r"holds a dict of scheduler states \('warm', 'decay'\), this run has one scheduler"),
+    ("model-list", "one", "holds a list of 2 model states, this run has one model"),
+])
+def test_a_restore_of_components_grouped_otherwise_is_refused_before_anything_changes(
+        tmp_path: Path, saved: str, run: str, said: str) -> None:
+    """A checkpoint saved with a list or dict of optimizers (schedulers, models) and restored by a run that
+    passes them grouped otherwise is refused naming both, before the model or optimizer holds any of it.
+    Before, a single optimizer given a list's or dict's state failed inside torch (TypeError, KeyError) with
+    the model already restored, and a single scheduler given a list's state raised ValueError."""
+    def build() -> tuple[torch.nn.Sequential, list[torch.optim.Optimizer]]:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        return m, [torch.optim.AdamW(m[0].parameters()), torch.optim.SGD(m[1].parameters(), lr=0.1, momentum=0.9)]
+
+    def grouped(shape: str, items: list[Any]) -> Any:
+        return items if shape == "list" else dict(zip("ab", items)) if shape == "dict" else items[0]
+
+    model, opts = build()
+    scheds = [torch.optim.lr_scheduler.StepLR(opts[0], 2), torch.optim.lr_scheduler.ExponentialLR(opts[0], 0.9)]
+    kwargs: dict[str, Any] = {"model": model, "optimizer": grouped(saved, opts)}
+    if saved.startswith("sched"):
+        kwargs = {"model": model, "optimizer": opts,
+                  "scheduler": scheds if saved == "sched-list" else dict(zip(("warm", "decay"), scheds))}
+    elif saved == "model-list":
+        kwargs = {"model": [model, torch.nn.Linear(2, 2)], "optimizer": opts}
+    with Checkpointer(tmp_path / "s", **kwargs, handle_signals=False) as ckpt:
+        for n in (1, 2):
+            model(torch.randn(4, 8)).sum().backward()
+            for o in opts:
+                o.step()
+            ckpt.step(n)
+    model2, opts2 = build()
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    kwargs = {"model": model2, "optimizer": grouped(run, opts2)}
+    if saved.startswith("sched"):
+        kwargs = {"model": model2, "optimizer": opts2, "scheduler": torch.optim.lr_scheduler.StepLR(opts2[0], 2)}
+    elif saved == "model-list":
+        kwargs["optimizer"] = opts2
+    with Checkpointer(tmp_path / "s", **kwargs, handle_signals=False) as ckpt:
+        with pytest.raises(deltackpt.DeltackptError, match=said):
+            ckpt.restore()
+    assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
+    assert not opts2[0].state and not opts2[1].state
+
+
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
     model(torch.randn(4, 8)).sum().backward()
