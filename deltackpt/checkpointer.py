@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
-from deltackpt import _lazy, config, maintenance, manifest, staging
+from deltackpt import _lazy, config, maintenance, manifest, staging, tree
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
@@ -448,9 +448,46 @@ def _loads_as_saved(module: torch.nn.Module, *, keys: bool) -> bool:
         if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
             return False
         own = type(m)._load_from_state_dict
-        if own is not base._load_from_state_dict and (keys or not own.__module__.startswith("torch.nn.")):
+        if (own is not base._load_from_state_dict and own not in _known_loaders()
+                and (keys or not own.__module__.startswith("torch.nn."))):
             return False
     return True
+
+
+@functools.cache
+def _known_loaders() -> frozenset[Any]:
+    """torch's own ``_load_from_state_dict`` overrides whose effect on keys :func:`_forgiven_keys` knows: batch
+    norm fills in a missing ``num_batches_tracked`` from a state of version < 2; instance norm only refuses more
+    (running statistics for a module that does not track them). (A function: importing deltackpt imports no
+    torch.)"""
+    return frozenset({torch.nn.modules.batchnorm._NormBase._load_from_state_dict,
+                      torch.nn.modules.instancenorm._InstanceNorm._load_from_state_dict})
+
+
+def _kind_of(saved: Any) -> str:
+    """What a saved value is, for an error: "a list of 2", "a tensor", "an int"."""
+    if isinstance(saved, (list, tuple)):
+        return f"a {type(saved).__name__} of {len(saved)}"
+    if isinstance(saved, (torch.Tensor, manifest.TensorEntry)):
+        return "a tensor"
+    name = type(saved).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def _forgiven_keys(module: torch.nn.Module, saved: Any, mine: Any) -> set[str]:
+    """The keys of ``mine`` that ``module.load_state_dict`` does not need in ``saved``: the ``num_batches_tracked``
+    of a batch norm that tracks running statistics, where the module's version in the saved state's metadata
+    (this run's, for a checkpoint that kept none: :func:`_group_load`) is below 2."""
+    meta = getattr(saved, "_metadata", None)
+    if not isinstance(meta, Mapping):
+        meta = getattr(mine, "_metadata", None) or {}
+    forgiven = set()
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            version = (meta.get(name) or {}).get("version")
+            if not isinstance(version, int) or version < 2:
+                forgiven.add(f"{name}.num_batches_tracked" if name else "num_batches_tracked")
+    return forgiven
 
 
 #: per-parameter state of torch's own optimizers that has the parameter's shape (Adam's moments, SGD's momentum,
@@ -473,6 +510,9 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
     lives = None if live is None else _with_states(g, live)
     for n, (name, member, saved) in enumerate(_with_states(g, state)):
         where = f"{what}{name}"
+        if isinstance(member, (torch.nn.Module, torch.optim.Optimizer)) and not isinstance(saved, Mapping):
+            raise ShapeMismatchError(f"{where}: the checkpoint holds {_kind_of(saved)} there, not the state_dict "
+                                     f"of a {type(member).__name__}")
         if isinstance(member, torch.nn.Module) and isinstance(saved, Mapping):
             mine = member.state_dict() if lives is None else lives[n][2]
             _warn_converted(where, mine, saved)  # (load hooks or not: load_state_dict's copies convert)
@@ -485,7 +525,8 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                     raise ShapeMismatchError(f"{where}: {k!r} has shape {tuple(shape)} in the checkpoint, "
                                              f"{tuple(v.shape)} in this run")
             if _loads_as_saved(member, keys=True):
-                missing = [k for k in mine if k not in saved]
+                forgiven = _forgiven_keys(member, saved, mine)
+                missing = [k for k in mine if k not in saved and k not in forgiven]
                 unexpected = [k for k in saved if k not in mine]
                 if missing or unexpected:
                     raise ShapeMismatchError(f"{where} does not match the checkpoint: missing in the checkpoint "
@@ -493,9 +534,12 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                                              f"{_wrapper_hint(list(mine), list(saved))}")
         elif isinstance(member, torch.optim.Optimizer) and isinstance(saved, Mapping):
             groups = saved.get("param_groups")
-            if (not isinstance(groups, (list, tuple)) or getattr(member, "_optimizer_load_state_dict_pre_hooks", None)
+            if (getattr(member, "_optimizer_load_state_dict_pre_hooks", None)
                     or type(member).load_state_dict is not torch.optim.Optimizer.load_state_dict):
                 continue
+            if not isinstance(groups, (list, tuple)):
+                raise ShapeMismatchError(f"{where}: the checkpoint's state there has no parameter groups (keys "
+                                         f"{list(saved)[:4]}): not the state_dict of a {type(member).__name__}")
             if len(groups) != len(member.param_groups):
                 raise ShapeMismatchError(f"{where}: the checkpoint has {len(groups)} parameter groups, this run "
                                          f"{len(member.param_groups)}")
@@ -511,11 +555,16 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                 # torch's own optimizers: hyperparameters that differ both ways are another optimizer's (newer
                 # torch versions only add some, which older checkpoints lack; a group's own keys are not among
                 # the defaults); torch would load them and fail at the first step (SGD's KeyError 'momentum')
+                # (the hyperparameters torch added over the versions are switches, bool or None; a number that a
+                # group lacks, such as AdamW's betas or SGD's momentum, is another optimizer's state)
                 extra, lacking = set(sg) - set(lg), (set(lg) - set(sg)) & set(member.defaults)
-                if extra and lacking:
-                    raise ShapeMismatchError(f"{where}: parameter group {i} of the checkpoint has {sorted(extra)[:4]}"
-                                             f" and lacks {sorted(lacking)[:4]} of this run's {type(member).__name__}"
-                                             ": saved by another kind of optimizer?")
+                numbers = sorted(k for k in lacking if member.defaults[k] is not None
+                                 and not isinstance(member.defaults[k], bool))
+                if lacking and (extra or numbers):
+                    has = f"has {sorted(extra)[:4]} and " if extra else ""
+                    raise ShapeMismatchError(f"{where}: parameter group {i} of the checkpoint {has}lacks "
+                                             f"{(numbers or sorted(lacking))[:4]} of this run's "
+                                             f"{type(member).__name__}: saved by another kind of optimizer?")
                 for n, (pid, p) in enumerate(zip(params, lg["params"])):
                     st = states.get(pid) if isinstance(states, Mapping) else None
                     if not isinstance(st, Mapping):
@@ -532,6 +581,8 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
 #: what torch's own LR schedulers take out of a saved state when they load it (a KeyError without it): the states
 #: of the schedulers that SequentialLR and ChainedScheduler drive, LambdaLR's and MultiplicativeLR's lambdas
 _SCHEDULER_LISTS = ("_schedulers", "lr_lambdas")
+#: public attributes of torch's LR schedulers that torch versions added or dropped (``verbose``, deprecated)
+_SCHEDULER_VERSIONED = frozenset({"verbose"})
 
 
 def _scheduler_check(g: Any, state: Any) -> None:
@@ -562,6 +613,28 @@ def _one_scheduler_check(member: Any, saved: Any, where: str) -> None:
         if key == "_schedulers":
             for i, (m, t) in enumerate(zip(mine, theirs)):
                 _one_scheduler_check(m, t, f"{where}._schedulers[{i}]")
+    # Which scheduler a state is of shows in its public attributes (StepLR's step_size and gamma, a cosine's
+    # T_max and eta_min); torch loads any state as attributes, silently. Attributes that differ both ways are
+    # another kind's; one way, they may also be another torch version's (it adds and drops some), so that warns.
+    try:
+        live = member.state_dict()
+    except Exception:  # (its own loading will tell)
+        live = None
+    if isinstance(live, Mapping):
+        ours, kept = (
+            {k for k in d if isinstance(k, str) and not k.startswith("_") and k not in _SCHEDULER_VERSIONED}
+            for d in (live, saved))
+        extra, lacking = sorted(kept - ours), sorted(ours - kept)
+        kind = type(member).__name__
+        if extra and lacking:
+            raise ShapeMismatchError(f"{where}: the checkpoint's scheduler state has {extra[:4]} and lacks "
+                                     f"{lacking[:4]} of this run's {kind}: saved by another kind of scheduler?")
+        if extra or lacking:
+            differs = f"has {extra[:4]}, which" if extra else f"lacks {lacking[:4]}, which"
+            warnings.warn(f"deltackpt: {where}: the checkpoint's scheduler state {differs} this run's {kind} "
+                          f"{'does not have' if extra else 'has'}: saved by another kind of scheduler (or another "
+                          "torch version)? It is loaded as it is, as torch loads it", RuntimeWarning,
+                          stacklevel=_caller_level())
 
 
 #: what wrapping a model adds to its state_dict() keys, and who adds it
@@ -623,10 +696,14 @@ def _scaler_check(g: Any, state: Any) -> None:
     if g is None:
         return
     for name, member, saved in _with_states(g, state):
-        enabled = getattr(member, "is_enabled", None)
-        if callable(enabled) and enabled() and isinstance(saved, Mapping) and not saved:
-            raise DeltackptError(f"scaler{name}: the checkpoint's scaler was disabled (it saved an empty state) "
-                                 "and this run's is enabled, which torch refuses to load it into")
+        _one_scaler_check(member, saved, f"scaler{name}")
+
+
+def _one_scaler_check(member: Any, saved: Any, where: str) -> None:
+    enabled = getattr(member, "is_enabled", None)
+    if callable(enabled) and enabled() and isinstance(saved, Mapping) and not saved:
+        raise DeltackptError(f"{where}: the checkpoint's scaler was disabled (it saved an empty state) "
+                             "and this run's is enabled, which torch refuses to load it into")
 
 
 def _group_load(g: Any, state: Any) -> None:
@@ -1150,6 +1227,9 @@ class Checkpointer:
                 _fit_check(v, saved_extra[k], f"extra[{k!r}]")
             elif not _stateful(v):
                 _extra_check(v, saved_extra[k], f"extra[{k!r}]")
+            else:  # (an LR scheduler or a GradScaler kept there: checked as those of the run are)
+                _one_scheduler_check(v, saved_extra[k], f"extra[{k!r}]")
+                _one_scaler_check(v, saved_extra[k], f"extra[{k!r}]")
         if self.rng and not _has_rng(state):
             if strict:
                 raise DeltackptError("the checkpoint holds no RNG states ('rng' with 'python', 'numpy' and 'torch')")
@@ -1163,22 +1243,42 @@ class Checkpointer:
         return self._apply(state)
 
     def _apply(self, state: Mapping[str, Any], *, strict: bool = True) -> int:
-        """:meth:`apply` of a state already checked (without ``strict``: what it lacks stays as it is)."""
-        for what in ("model", "optimizer", "scheduler", "scaler"):
-            g = getattr(self, what)
-            if not strict and what != "model":
-                g, _ = _present(g, state.get(what), what)
-            _group_load(g, state.get(what))
-        if self.data is not None and state.get("data") is not None and (strict or self._fits(state["data"])):
-            self.data.load_state_dict(state["data"])
-        saved_extra = state.get("extra") or {}
-        for k, v in self.extra.items():
-            if not strict and k not in saved_extra:
-                continue
-            if _stateful(v):
-                v.load_state_dict(saved_extra[k])
-            else:  # (into the run's own tensors and containers, which its training loop holds)
-                self.extra[k] = _put_back(v, saved_extra[k])
+        """:meth:`apply` of a state already checked (without ``strict``: what it lacks stays as it is).
+
+        A component's own loading that raises all the same (what no check can foresee: a data loader's or an
+        ``extra`` object's ``load_state_dict``, which come after the model and optimizer) raises
+        DeltackptError naming it and what was put back before it."""
+        applied: list[str] = []
+        current = "model"
+        try:
+            for what in ("model", "optimizer", "scheduler", "scaler"):
+                current = what
+                g = getattr(self, what)
+                if not strict and what != "model":
+                    g, _ = _present(g, state.get(what), what)
+                _group_load(g, state.get(what))
+                if g is not None:
+                    applied.append(what)
+            if self.data is not None and state.get("data") is not None and (strict or self._fits(state["data"])):
+                current = "data"
+                self.data.load_state_dict(state["data"])
+                applied.append(current)
+            saved_extra = state.get("extra") or {}
+            for k, v in self.extra.items():
+                if not strict and k not in saved_extra:
+                    continue
+                current = f"extra[{k!r}]"
+                if _stateful(v):
+                    v.load_state_dict(saved_extra[k])
+                else:  # (into the run's own tensors and containers, which its training loop holds)
+                    self.extra[k] = _put_back(v, saved_extra[k])
+                applied.append(current)
+        except DeltackptError:
+            raise
+        except Exception as exc:
+            raise DeltackptError(
+                f"{current}: its load_state_dict raised {type(exc).__name__}: {exc}; put back before it: "
+                f"{', '.join(applied) or 'nothing'} (restore again, from another step if need be)") from exc
         if self.rng and (strict or _has_rng(state)):
             self._put_rng_back(state["rng"], int(state["step"]))
         return int(state["step"])
@@ -1260,8 +1360,11 @@ class Checkpointer:
         m = self.store.manifest(id=info.id)
         try:
             skeleton = m.skeleton()
-        except Exception:  # (a registered type not built from tensor entries, a pickle: the load decides)
-            skeleton = None
+        except Exception:  # (a registered type's decoder that cannot take tensor entries: None in its place)
+            try:
+                skeleton = tree.check_skeleton(m.tree, list(m.tensors))
+            except Exception:  # (a damaged skeleton: the load raises what it is)
+                skeleton = None
         live = _group_state(self.model)  # (once: for FSDP a state dict is a gather)
         if skeleton is not None:
             with _naming(info):

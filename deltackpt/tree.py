@@ -778,13 +778,15 @@ def unflatten(skeleton: Any, leaves: list[Any], *, allow_pickle: bool = False) -
         raise CorruptManifestError(f"malformed state skeleton: {exc!r:.200}") from None
 
 
-def check_skeleton(skeleton: Any, entries: list[Any]) -> None:
+def check_skeleton(skeleton: Any, entries: list[Any]) -> Any:
     """Raise :class:`CorruptManifestError` where ``skeleton`` would not rebuild a state from tensor entries of
     the kinds ``entries`` have (``.kind``): what a load would refuse, found without loading (``verify``).
     Pickled values are checked to be base64 and not unpickled; registered types are not decoded (their
-    insides are checked); a dtype or device this torch does not know raises :class:`UnsupportedTypeError`."""
+    insides are checked); a dtype or device this torch does not know raises :class:`UnsupportedTypeError`.
+    Returns the state built with ``entries`` in place of tensors and None in place of each registered or
+    pickled value: what a restore checks when a registered decoder cannot take tensor entries."""
     try:
-        _build(skeleton, entries, _CHECK)
+        return _build(skeleton, entries, _CHECK)
     except (UnsupportedTypeError, CorruptManifestError):
         raise
     except (IndexError, KeyError, TypeError, ValueError, struct.error, RecursionError) as exc:

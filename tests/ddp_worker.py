@@ -47,4 +47,5 @@ with deltackpt.Checkpointer(store, model=model, optimizer=opt, data=loader, rng=
             if step == steps:
                 break
 torch.save({k: v.clone() for k, v in model.state_dict().items()}, f"{out}.{rank}")
+dist.barrier()  # (no rank tears gloo down while another still has work in flight: see dcp_worker.py)
 dist.destroy_process_group()

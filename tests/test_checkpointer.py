@@ -2076,6 +2076,166 @@ def test_a_restore_of_components_grouped_otherwise_is_refused_before_anything_ch
     assert not opts2[0].state and not opts2[1].state
 
 
+class _Stats:
+    """A registered user type whose decoder works on its tensor (so it cannot take a tensor entry)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _Loader:
+    """A data loader with its own state, whose loading refuses another dataset's position."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pos = n, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"n": self.n, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict[str, int]) -> None:
+        if sd["n"] != self.n:
+            raise ValueError("position of another dataset")
+        self.pos = sd["pos"]
+
+
+def _bn_model(out: int = 2) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, out))
+
+
+def _lone_lr_optimizer(params: Any) -> torch.optim.Optimizer:
+    class Plain(torch.optim.Optimizer):  # a user's optimizer: plain gradient steps, no state
+        def __init__(self, ps: Any) -> None:
+            super().__init__(ps, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self, closure: Any = None) -> None:
+            for g in self.param_groups:
+                for q in g["params"]:
+                    if q.grad is not None:
+                        q.add_(q.grad, alpha=-g["lr"])
+    return Plain(params)
+
+
+@pytest.mark.parametrize("case", ["buffer-added", "stats-dropped", "custom-to-adamw", "steplr-to-cosine",
+                                  "extra-steplr-to-sequential", "extra-scaler-enabled", "extra-tensor-to-module",
+                                  "loader-refuses", "registered-extra"])
+def test_a_restore_that_does_not_fit_changes_nothing_before_it_raises(tmp_path: Path, case: str) -> None:
+    """Each way a resumed run can differ from the one that saved is refused with a deltackpt error before the
+    model or optimizer holds any of the checkpoint, or (a component's own loading, which no check foresees)
+    names the component and what was put back before it. Before, each of these failed inside torch (a
+    RuntimeError of a model with batch norm, whose keys went unchecked; KeyError 'step' of a custom optimizer's
+    state in AdamW; KeyError '_schedulers' of a scheduler kept in ``extra``; TypeError of a tensor given to
+    a module's load_state_dict) or in the user's loader, after the model was overwritten; a StepLR's state was
+    loaded into a CosineAnnealingLR silently; and with a registered type in ``extra`` whose decoder needs real
+    tensors, nothing was checked before the load decoded into the model."""
+    saving: dict[str, Any] = {}
+    model = _bn_model()
+    opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters())
+    if case == "custom-to-adamw":
+        opt = _lone_lr_optimizer(model.parameters())
+    if case == "steplr-to-cosine":
+        saving["scheduler"] = torch.optim.lr_scheduler.StepLR(opt, 2)
+    if case == "extra-steplr-to-sequential":
+        saving["extra"] = {"sched": torch.optim.lr_scheduler.StepLR(opt, 2)}
+    if case == "extra-scaler-enabled":
+        saving["extra"] = {"scaler": torch.amp.GradScaler("cpu", enabled=False)}
+    if case == "extra-tensor-to-module":
+        saving["extra"] = {"ema": torch.zeros(3)}
+    if case == "loader-refuses":
+        saving["data"] = _Loader(10)
+    if case == "registered-extra":
+        deltackpt.register_type(_Stats, "test.Stats", lambda o: {"t": o.t}, lambda d: _Stats(d["t"].clone()))
+        saving["extra"] = {"stats": _Stats(torch.ones(4))}
+    try:
+        with Checkpointer(tmp_path / "s", model=model, optimizer=opt, **saving, handle_signals=False) as ckpt:
+            for n in (1, 2):
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                ckpt.step(n)
+
+        model2 = _bn_model(3 if case == "registered-extra" else 2)
+        if case == "buffer-added":
+            model2.register_buffer("scale", torch.ones(1))
+        if case == "stats-dropped":
+            model2[1] = torch.nn.BatchNorm1d(8, track_running_stats=False)
+        opt2 = torch.optim.AdamW(model2.parameters())
+        running = {k: v if k != "scheduler" else torch.optim.lr_scheduler.CosineAnnealingLR(opt2, 10)
+                   for k, v in saving.items()}
+        if case == "extra-steplr-to-sequential":
+            running["extra"] = {"sched": torch.optim.lr_scheduler.SequentialLR(
+                opt2, [torch.optim.lr_scheduler.ConstantLR(opt2), torch.optim.lr_scheduler.StepLR(opt2, 2)], [1])}
+        if case == "extra-scaler-enabled":
+            running["extra"] = {"scaler": torch.amp.GradScaler("cpu")}
+        if case == "extra-tensor-to-module":
+            running["extra"] = {"ema": torch.nn.Linear(3, 1)}
+        if case == "loader-refuses":
+            running["data"] = _Loader(12)
+        before = {k: v.clone() for k, v in model2.state_dict().items()}
+        with Checkpointer(tmp_path / "s", model=model2, optimizer=opt2, **running, handle_signals=False) as ckpt:
+            with pytest.raises(deltackpt.DeltackptError) as caught:
+                ckpt.restore()
+    finally:
+        deltackpt.unregister_type(_Stats)
+    said = str(caught.value)
+    if case == "loader-refuses":  # (loaded after the model and optimizer, as it has to be)
+        assert "data: its load_state_dict raised ValueError: position of another dataset" in said
+        assert "put back before it: model, optimizer" in said
+        assert isinstance(caught.value.__cause__, ValueError)
+        return
+    assert {"buffer-added": "missing in the checkpoint ['scale']",
+            "stats-dropped": "not in this run ['1.running_mean', '1.running_var', '1.num_batches_tracked']",
+            "custom-to-adamw": "lacks ['betas', 'eps', 'weight_decay'] of this run's AdamW",
+            "steplr-to-cosine": "has ['gamma', 'step_size'] and lacks ['T_max', 'eta_min'] of this run's Cosine",
+            "extra-steplr-to-sequential": "extra['sched']: this run's SequentialLR loads '_schedulers'",
+            "extra-scaler-enabled": "extra['scaler']: the checkpoint's scaler was disabled",
+            "extra-tensor-to-module": "extra['ema']: the checkpoint holds a tensor there",
+            "registered-extra": "'2.weight' has shape (2, 8) in the checkpoint, (3, 8) in this run"}[case] in said
+    assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items())
+    assert not opt2.state
+
+
+def test_schedulers_restored_in_another_order_warn(tmp_path: Path) -> None:
+    """Two schedulers of other kinds, listed in the other order when restoring: each state has an attribute the
+    other kind lacks (StepLR's step_size), which may also be another torch version's, so the restore warns,
+    naming it, rather than refuse; torch loads the states as they are (before: silently)."""
+    model, opt = _small()
+    with Checkpointer(tmp_path / "s", model=model, optimizer=opt, handle_signals=False,
+                      scheduler=[torch.optim.lr_scheduler.StepLR(opt, 2),
+                                 torch.optim.lr_scheduler.ExponentialLR(opt, 0.9)]) as ckpt:
+        ckpt.save(1, wait=True)
+    model2, opt2 = _small()
+    swapped = [torch.optim.lr_scheduler.ExponentialLR(opt2, 0.9), torch.optim.lr_scheduler.StepLR(opt2, 2)]
+    with Checkpointer(tmp_path / "s", model=model2, optimizer=opt2, scheduler=swapped, handle_signals=False) as ckpt:
+        with pytest.warns(RuntimeWarning) as caught:
+            ckpt.restore()
+    said = [str(w.message) for w in caught]
+    assert any("scheduler[0]: the checkpoint's scheduler state has ['step_size'], which this run's ExponentialLR"
+               in w for w in said), said
+    assert any("scheduler[1]: the checkpoint's scheduler state lacks ['step_size'], which this run's StepLR has"
+               in w for w in said), said
+
+
+def test_batch_norm_without_num_batches_tracked_is_checked_as_torch_loads_it() -> None:
+    """A batch norm state of module version 1 may lack ``num_batches_tracked`` (torch fills it in); of version 2
+    it may not. The restore's key check agrees with torch's load_state_dict either way."""
+    from deltackpt.checkpointer import _fit_check
+
+    for version, loads in ((1, True), (2, False)):
+        model = _bn_model()
+        saved = model.state_dict()
+        del saved["1.num_batches_tracked"]
+        saved._metadata["1"]["version"] = version  # type: ignore[attr-defined]
+        if loads:
+            _fit_check(model, saved, "model")
+            model.load_state_dict(saved)
+        else:
+            with pytest.raises(deltackpt.ShapeMismatchError, match=r"missing in the checkpoint \['1.num_batches_"):
+                _fit_check(model, saved, "model")
+            with pytest.raises(RuntimeError, match="num_batches_tracked"):
+                model.load_state_dict(saved)
+
+
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
     model(torch.randn(4, 8)).sum().backward()
