@@ -552,11 +552,11 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                                              f"checkpoint, {len(lg['params'])} in this run")
                 if not builtin or not isinstance(params, (list, tuple)):
                     continue
-                # torch's own optimizers: hyperparameters that differ both ways are another optimizer's (newer
-                # torch versions only add some, which older checkpoints lack; a group's own keys are not among
-                # the defaults); torch would load them and fail at the first step (SGD's KeyError 'momentum')
-                # (the hyperparameters torch added over the versions are switches, bool or None; a number that a
-                # group lacks, such as AdamW's betas or SGD's momentum, is another optimizer's state)
+                # torch's own optimizers: hyperparameters that differ both ways are another optimizer's, and so is
+                # a group that lacks a number of this one's (AdamW's betas, SGD's momentum): newer torch versions
+                # only add some, which older checkpoints lack, and those are switches (bool or None); a group's
+                # own keys are not among the defaults. Torch would load them and fail at the first step (SGD's
+                # KeyError 'momentum', AdamW's KeyError 'step' for a custom optimizer's state)
                 extra, lacking = set(sg) - set(lg), (set(lg) - set(sg)) & set(member.defaults)
                 numbers = sorted(k for k in lacking if member.defaults[k] is not None
                                  and not isinstance(member.defaults[k], bool))
@@ -1229,7 +1229,8 @@ class Checkpointer:
                 _extra_check(v, saved_extra[k], f"extra[{k!r}]")
             else:  # (an LR scheduler or a GradScaler kept there: checked as those of the run are)
                 _one_scheduler_check(v, saved_extra[k], f"extra[{k!r}]")
-                _one_scaler_check(v, saved_extra[k], f"extra[{k!r}]")
+                if isinstance(v, torch.amp.GradScaler):
+                    _one_scaler_check(v, saved_extra[k], f"extra[{k!r}]")
         if self.rng and not _has_rng(state):
             if strict:
                 raise DeltackptError("the checkpoint holds no RNG states ('rng' with 'python', 'numpy' and 'torch')")
@@ -1277,7 +1278,7 @@ class Checkpointer:
             raise
         except Exception as exc:
             raise DeltackptError(
-                f"{current}: its load_state_dict raised {type(exc).__name__}: {exc}; put back before it: "
+                f"{current}: restoring it raised {type(exc).__name__}: {exc}; put back before it: "
                 f"{', '.join(applied) or 'nothing'} (restore again, from another step if need be)") from exc
         if self.rng and (strict or _has_rng(state)):
             self._put_rng_back(state["rng"], int(state["step"]))

@@ -2179,7 +2179,7 @@ def test_a_restore_that_does_not_fit_changes_nothing_before_it_raises(tmp_path: 
         deltackpt.unregister_type(_Stats)
     said = str(caught.value)
     if case == "loader-refuses":  # (loaded after the model and optimizer, as it has to be)
-        assert "data: its load_state_dict raised ValueError: position of another dataset" in said
+        assert "data: restoring it raised ValueError: position of another dataset" in said
         assert "put back before it: model, optimizer" in said
         assert isinstance(caught.value.__cause__, ValueError)
         return
