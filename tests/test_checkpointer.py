@@ -2216,6 +2216,34 @@ def test_schedulers_restored_in_another_order_warn(tmp_path: Path) -> None:
                in w for w in said), said
 
 
+class _Switch:
+    """A user's stateful object that happens to have ``is_enabled()`` and an empty state."""
+
+    def __init__(self) -> None:
+        self.loaded = False
+
+    def is_enabled(self) -> bool:
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.loaded = True
+
+
+def test_an_extra_object_with_is_enabled_is_not_taken_for_a_scaler(tmp_path: Path) -> None:
+    """Only a GradScaler kept in ``extra`` gets the disabled-scaler check: another object with an empty state and
+    an ``is_enabled()`` of its own restores."""
+    model, opt = _small()
+    with Checkpointer(tmp_path / "s", model=model, optimizer=opt, extra={"sw": _Switch()}, handle_signals=False) as c:
+        c.save(1, wait=True)
+    switch = _Switch()
+    with Checkpointer(tmp_path / "s", model=model, optimizer=opt, extra={"sw": switch}, handle_signals=False) as c:
+        assert c.restore() == 1
+    assert switch.loaded
+
+
 def test_batch_norm_without_num_batches_tracked_is_checked_as_torch_loads_it() -> None:
     """A batch norm state of module version 1 may lack ``num_batches_tracked`` (torch fills it in); of version 2
     it may not. The restore's key check agrees with torch's load_state_dict either way."""
