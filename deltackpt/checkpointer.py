@@ -203,6 +203,8 @@ class _WorkersIgnoreStopSignals:
         import multiprocessing
 
         self.fn = fn
+        #: the stop signals the training process had blocked already when it started the workers
+        self._blocked_before: frozenset[int] = frozenset()
         #: the open checkpointers that protect the loader (it is released when the last one closes)
         self.owners: weakref.WeakSet[Any] = weakref.WeakSet()
         self._released, self._release = multiprocessing.Pipe(duplex=False)
@@ -210,7 +212,23 @@ class _WorkersIgnoreStopSignals:
         _unreleased.add(self)
 
     def __getstate__(self) -> dict[str, Any]:  # (a spawned worker gets the read end only)
-        return {"fn": self.fn, "_released": self._released}
+        return {"fn": self.fn, "_released": self._released, "_blocked_before": self._blocked_before}
+
+    def starting(self, get_iterator: Callable[[], Any]) -> Callable[[], Any]:
+        """The loader's ``_get_iterator`` (which starts its workers), run with SIGINT and SIGTERM blocked. A
+        worker inherits the signal mask, forked or spawned, and unblocks them in :meth:`__call__` once its
+        handlers are in place: a stop signal sent to the whole job while a worker starts waits for them instead
+        of ending it (torch sets ``get_worker_info`` only after seeding and imports, so the handler a forked
+        worker inherits could not tell it from another child, and a spawned one has Python's defaults). The
+        training process takes the signals when it unblocks them, at once."""
+        def start() -> Any:
+            before = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+            self._blocked_before = frozenset(_STOP_SIGNALS & set(before))
+            try:
+                return get_iterator()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        return start
 
     def release(self) -> None:
         """From now on the workers end at SIGTERM (those running and those started later)."""
@@ -223,6 +241,8 @@ class _WorkersIgnoreStopSignals:
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        if hasattr(signal, "pthread_sigmask"):  # (blocked by starting(): a signal that came meanwhile arrives now)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS - self._blocked_before)
         if self.fn is not None:
             self.fn(worker_id)
 
@@ -234,6 +254,9 @@ class _WorkersIgnoreStopSignals:
         if released:  # end as torch's workers do at their parent's SIGTERM (status 0: no "worker killed" error)
             os._exit(0)
 
+
+#: what a job's stop looks like to a DataLoader's workers
+_STOP_SIGNALS = frozenset({signal.SIGINT, signal.SIGTERM})
 
 #: wrappers not yet released: the training process releases them at exit, before ``multiprocessing`` stops its
 #: workers (an atexit hook registered after multiprocessing's runs before it)
@@ -1689,6 +1712,8 @@ class Checkpointer:
         wrapper = loader.worker_init_fn
         if not isinstance(wrapper, _WorkersIgnoreStopSignals):
             wrapper = loader.worker_init_fn = _WorkersIgnoreStopSignals(wrapper)
+            if hasattr(signal, "pthread_sigmask"):
+                loader._get_iterator = wrapper.starting(loader._get_iterator)  # type: ignore[method-assign]
         if self not in wrapper.owners:
             wrapper.owners.add(self)
             self._quieted.append(loader)
@@ -1704,6 +1729,8 @@ class Checkpointer:
                 if not wrapper.owners:
                     wrapper.release()  # workers still running (persistent ones) end at SIGTERM again
                     loader.worker_init_fn = wrapper.fn
+                    if "_get_iterator" in vars(loader):  # (the class's again)
+                        del loader._get_iterator
         self._quieted.clear()
         if threading.current_thread() is not threading.main_thread():
             return
