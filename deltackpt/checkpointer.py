@@ -487,6 +487,12 @@ def _known_loaders() -> frozenset[Any]:
                       torch.nn.modules.instancenorm._InstanceNorm._load_from_state_dict})
 
 
+def _lazy_tensor(t: Any) -> bool:
+    """Whether ``t`` is a lazy module's parameter or buffer not yet initialized (it has no shape or memory;
+    ``load_state_dict`` makes it from the saved tensor)."""
+    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)  # type: ignore[attr-defined]
+
+
 def _kind_of(saved: Any) -> str:
     """What a saved value is, for an error: "a list of 2", "a tensor", "an int"."""
     if isinstance(saved, (list, tuple)):
@@ -590,7 +596,7 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                                              f"{type(member).__name__}: saved by another kind of optimizer?")
                 for n, (pid, p) in enumerate(zip(params, lg["params"])):
                     st = states.get(pid) if isinstance(states, Mapping) else None
-                    if not isinstance(st, Mapping):
+                    if not isinstance(st, Mapping) or _lazy_tensor(p):  # (a lazy module's: no shape yet)
                         continue
                     for k in sorted(_PARAM_SHAPED & set(st)):
                         shape = getattr(st[k], "shape", None)
@@ -1266,13 +1272,14 @@ class Checkpointer:
         self._check(state)
         return self._apply(state)
 
-    def _apply(self, state: Mapping[str, Any], *, strict: bool = True) -> int:
-        """:meth:`apply` of a state already checked (without ``strict``: what it lacks stays as it is).
+    def _apply(self, state: Mapping[str, Any], *, strict: bool = True, decoded: bool = False) -> int:
+        """:meth:`apply` of a state already checked (without ``strict``: what it lacks stays as it is);
+        ``decoded``: the load decoded the model's tensors in place already (a restore).
 
         A component's own loading that raises all the same (what no check can foresee: a data loader's or an
         ``extra`` object's ``load_state_dict``, which come after the model and optimizer) raises
         DeltackptError naming it and what was put back before it."""
-        applied: list[str] = []
+        applied: list[str] = ["the model's tensors (decoded into them)"] if decoded else []
         current = "model"
         try:
             for what in ("model", "optimizer", "scheduler", "scaler"):
@@ -1400,7 +1407,7 @@ class Checkpointer:
         with _naming(info):
             if skeleton is None:
                 lacking = self._check(state, live, strict=strict)
-            restored = self._apply(state, strict=strict)
+            restored = self._apply(state, strict=strict, decoded=True)
         if lacking:
             warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) holds no {', '.join(lacking)}: "
                           "left as they are", RuntimeWarning, stacklevel=_caller_level())

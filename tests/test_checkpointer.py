@@ -2222,7 +2222,7 @@ def test_a_restore_that_does_not_fit_changes_nothing_before_it_raises(tmp_path: 
     said = str(caught.value)
     if case == "loader-refuses":  # (loaded after the model and optimizer, as it has to be)
         assert "data: restoring it raised ValueError: position of another dataset" in said
-        assert "put back before it: model, optimizer" in said
+        assert "put back before it: the model's tensors (decoded into them), model, optimizer" in said
         assert isinstance(caught.value.__cause__, ValueError)
         return
     assert {"buffer-added": "missing in the checkpoint ['scale']",
@@ -2284,6 +2284,35 @@ def test_an_extra_object_with_is_enabled_is_not_taken_for_a_scaler(tmp_path: Pat
     with Checkpointer(tmp_path / "s", model=model, optimizer=opt, extra={"sw": switch}, handle_signals=False) as c:
         assert c.restore() == 1
     assert switch.loaded
+
+
+def test_a_lazy_model_not_yet_initialized_restores_as_torch_loads_it(tmp_path: Path) -> None:
+    """A fresh lazy module (``LazyLinear`` before its first forward) has parameters with no shape: the restore
+    leaves them to ``load_state_dict``, which makes them from the checkpoint, as torch's own load does, and the
+    optimizer built on them takes its state. Before, the restore's checks and its in-place decode asked for
+    their shape and failed with torch's RuntimeError."""
+    x = torch.randn(4, 6)
+
+    def lazy() -> torch.nn.Sequential:
+        return torch.nn.Sequential(torch.nn.LazyLinear(5), torch.nn.Linear(5, 3))
+
+    torch.manual_seed(1)
+    model = lazy()
+    model(x)
+    opt = torch.optim.AdamW(model.parameters())
+    model(x).sum().backward()
+    opt.step()
+    with Checkpointer(tmp_path / "s", model=model, optimizer=opt, handle_signals=False) as ckpt:
+        ckpt.save(1, wait=True)
+    model2 = lazy()
+    opt2 = torch.optim.AdamW(model2.parameters())
+    with Checkpointer(tmp_path / "s", model=model2, optimizer=opt2, handle_signals=False) as ckpt:
+        assert ckpt.restore() == 1
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in model2.state_dict().items())
+    assert torch.equal(opt2.state[model2[0].weight]["exp_avg"], opt.state[model[0].weight]["exp_avg"])
+    with Store(tmp_path / "s") as store:
+        got = store.load(into={"model": lazy().state_dict()})
+    assert torch.equal(got["model"]["0.weight"], model[0].weight)
 
 
 def test_batch_norm_without_num_batches_tracked_is_checked_as_torch_loads_it() -> None:
