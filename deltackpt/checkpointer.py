@@ -216,11 +216,11 @@ class _WorkersIgnoreStopSignals:
 
     def starting(self, get_iterator: Callable[[], Any]) -> Callable[[], Any]:
         """The loader's ``_get_iterator`` (which starts its workers), run with SIGINT and SIGTERM blocked. A
-        worker inherits the signal mask, forked or spawned, and unblocks them in :meth:`__call__` once its
-        handlers are in place: a stop signal sent to the whole job while a worker starts waits for them instead
-        of ending it (torch sets ``get_worker_info`` only after seeding and imports, so the handler a forked
-        worker inherits could not tell it from another child, and a spawned one has Python's defaults). The
-        training process takes the signals when it unblocks them, at once."""
+        forked worker inherits the signal mask and unblocks them in :meth:`__call__` once its handlers are in
+        place: a stop signal sent to the whole job while it starts waits for them instead of ending it (torch
+        sets ``get_worker_info`` only after seeding and imports, so the handler the worker inherits could not
+        tell it from another child). A spawned or forkserver worker does not inherit the mask (Python's process
+        launch resets it). The training process takes the signals when it unblocks them, at once."""
         def start() -> Any:
             before = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
             self._blocked_before = frozenset(_STOP_SIGNALS & set(before))
