@@ -487,12 +487,6 @@ def _known_loaders() -> frozenset[Any]:
                       torch.nn.modules.instancenorm._InstanceNorm._load_from_state_dict})
 
 
-def _lazy_tensor(t: Any) -> bool:
-    """Whether ``t`` is a lazy module's parameter or buffer not yet initialized (it has no shape or memory;
-    ``load_state_dict`` makes it from the saved tensor)."""
-    return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)  # type: ignore[attr-defined]
-
-
 def _kind_of(saved: Any) -> str:
     """What a saved value is, for an error: "a list of 2", "a tensor", "an int"."""
     if isinstance(saved, (list, tuple)):
@@ -596,7 +590,7 @@ def _fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                                              f"{type(member).__name__}: saved by another kind of optimizer?")
                 for n, (pid, p) in enumerate(zip(params, lg["params"])):
                     st = states.get(pid) if isinstance(states, Mapping) else None
-                    if not isinstance(st, Mapping) or _lazy_tensor(p):  # (a lazy module's: no shape yet)
+                    if not isinstance(st, Mapping) or torch.nn.parameter.is_lazy(p):  # (no shape yet)
                         continue
                     for k in sorted(_PARAM_SHAPED & set(st)):
                         shape = getattr(st[k], "shape", None)

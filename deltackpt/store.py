@@ -2056,7 +2056,7 @@ def _placements(m: Manifest, into: Any) -> dict[int, torch.Tensor | np.ndarray]:
             continue
         t = m.tensors[i]
         if isinstance(target, torch.Tensor):
-            if isinstance(target, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
+            if torch.nn.parameter.is_lazy(target):
                 continue  # (a lazy module's, not yet initialized: no shape, no memory; load_state_dict makes it)
             if (t.kind != "torch" or target.dtype != tree.torch_dtype(t.dtype) or list(target.shape) != list(t.shape)
                     or target.is_meta or target.layout != torch.strided or target.is_quantized or target.is_nested):
