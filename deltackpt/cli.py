@@ -28,7 +28,7 @@ import lmdb
 import numpy as np
 
 from deltackpt import _lazy, codec, maintenance, manifest, packs, tree
-from deltackpt.checkpointer import _checkpointer_layout, _has_rng, newest_restorable
+from deltackpt.checkpointer import _checkpointer_layout, newest_restorable
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
@@ -37,6 +37,7 @@ from deltackpt.errors import (
     InvalidNameError,
     UnsafeLoadError,
 )
+from deltackpt.rng import has_rng
 from deltackpt.store import CheckpointInfo, Store, _check_step, _holds_checkpoints
 
 if TYPE_CHECKING:
@@ -985,7 +986,7 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
                 detail = _settings(value)
             rows.append((part, _escaped(detail)))  # (keys and values are the run's: a newline, an escape)
         print(table(rows, ["part", "holds"]))
-        if not state.get("thinned") and not _has_rng(state):
+        if not state.get("thinned") and not has_rng(state):
             print("note: it holds no RNG states (a Checkpointer made with rng=False saved it, or a Store.save of "
                   "the same layout did): a default restore() refuses it; a Checkpointer restores it with rng=False, "
                   "or with restore(strict=False), which leaves the RNGs as they are")

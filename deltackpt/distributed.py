@@ -161,14 +161,14 @@ def _meta_store(root: Path, *, readonly: bool = False, allow_network_fs: bool | 
 
 
 if TYPE_CHECKING:
-    from deltackpt.checkpointer import _GcAfterRetention
+    from deltackpt.maintenance import GcAfterRetention
 
 
 @dataclass
 class _Kept:
     """What a :class:`DeltaStorageWriter` keeps from one save to the next (its copies in one process share one)."""
 
-    gc_rule: _GcAfterRetention
+    gc_rule: GcAfterRetention
     stores: dict[Path, Store] = field(default_factory=dict)
     named: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  #: meta checkpoint id -> what it names
 
@@ -241,10 +241,10 @@ class DeltaStorageWriter(StorageWriter):
         self.metadata = metadata
         self.retention = retention
         self.gc = config.boolean("gc", gc)
-        from deltackpt.checkpointer import _GcAfterRetention
+        from deltackpt.maintenance import GcAfterRetention
 
         self.store_options = store_options
-        self._kept = _Kept(_GcAfterRetention())
+        self._kept = _Kept(GcAfterRetention())
         self._token = secrets.token_hex(8)
         #: of the save in progress: the checkpoints its stores descend from (meta and by rank), when a load in this
         #: process read the root since the last save into it; each store's newest otherwise

@@ -2,10 +2,14 @@
 
 Every failure a user can meet has a type here and a message that names what was wrong (key path, step,
 checkpoint id, chunk id, file). Corruption is always an error, never data: :class:`CorruptionError` and its
-subclasses are raised by every reader that meets bytes that do not verify.
+subclasses are raised by every reader that meets bytes that do not verify. Warnings point at the training
+script's line that led to them (:func:`caller_level`).
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 
 class DeltackptError(Exception):
@@ -103,3 +107,13 @@ class IndexWriteError(DeltackptError, OSError):
 
     An ``OSError`` too: ``errno`` is ``ENOSPC`` when LMDB reported a full disk or a full map, else ``EIO``.
     """
+
+
+def caller_level() -> int:
+    """The ``warnings.warn`` stacklevel, for the function that calls this, of the first frame outside deltackpt
+    (the training script's call, however deep inside the package the warning is decided)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -11,6 +11,8 @@ transaction drops the dead chunk entries, after which packs with no live frame a
 unlinked. Each sparse pack is then repacked on its own: its live frames are copied and fsynced, one transaction
 points their entries at the copies (that pack's commit point), and only then is the old pack unlinked. A crash
 at any point leaves at most unreferenced packs or copies, which the next gc removes.
+
+:class:`GcAfterRetention` is the rule by which a Checkpointer (and the DCP writer) runs gc after retention.
 """
 
 from __future__ import annotations
@@ -1004,3 +1006,37 @@ def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
 
 __all__ = ["GcReport", "Problem", "Progress", "RepairReport", "VerifyReport", "find_damaged_frames", "gc",
            "open_for_repair", "rebuild_index_dir", "repair", "verify"]
+
+#: seconds gc after retention waits for a store another process holds (its gc or repair) before it gives up until
+#: the next save
+GC_WAIT = 1.0
+
+class GcAfterRetention:
+    """The rule that runs gc after retention, for :class:`Checkpointer` and the DCP writer: once the bytes that
+    the checkpoints deleted or thinned since a store's last gc wrote (the store counts them, whichever process
+    deleted them: :meth:`Index.dropped_bytes`) reach a quarter of what the kept ones wrote, and at least
+    ``DELTACKPT_GC_MIN_BYTES`` (read when this is made). A gc that failed is tried again once as much more is
+    dropped, not at every save."""
+
+    def __init__(self) -> None:
+        self.min_bytes = config.gc_min_bytes()
+        #: per store: the count that stands for none here (where a gc failed; 0 after one ran)
+        self._floor: dict[os.PathLike[str], int] = {}
+
+    def collect(self, store: Store, kept: int) -> GcReport | None:
+        """gc ``store`` if it is due (``kept``: the bytes the kept checkpoints wrote); None when it is not, or
+        another process holds the store for longer than :data:`GC_WAIT` when gc starts (tried again at the next
+        save; a repack stopped later is in the report, ``repack_stopped``). Raises what gc raises."""
+        dropped = store.index.dropped_bytes()
+        floor = self._floor[store.path] = min(self._floor.get(store.path, 0), dropped)  # (a gc elsewhere zeroed it)
+        if dropped <= floor or dropped - floor < max(self.min_bytes, kept // 4):
+            return None
+        try:
+            report = store.gc(timeout=GC_WAIT)
+        except StoreLockedError:
+            return None
+        except (DeltackptError, OSError):
+            self._floor[store.path] = dropped
+            raise
+        self._floor[store.path] = 0
+        return report

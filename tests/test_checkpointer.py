@@ -1036,11 +1036,11 @@ class _StopSignalDisposition(torch.utils.data.Dataset):
         return 8
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        from deltackpt.checkpointer import _WorkersIgnoreStopSignals
+        from deltackpt.workers import WorkersIgnoreStopSignals
 
         on_term = signal.getsignal(signal.SIGTERM)
         ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN and isinstance(
-            getattr(on_term, "__self__", None), _WorkersIgnoreStopSignals) and not on_term.__self__._released.poll()
+            getattr(on_term, "__self__", None), WorkersIgnoreStopSignals) and not on_term.__self__._released.poll()
         return torch.tensor(float(ignored))
 
 
@@ -1929,12 +1929,12 @@ def test_restore_accepts_what_load_state_dict_accepts(fast_dir: Path, case: str)
 def test_async_snapshot_passes_on_an_allocation_failure(fast_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Running out of memory while staging an async save is not a state the save refuses: the RuntimeError
     propagates as it is, not as UnsupportedTypeError."""
-    from deltackpt import checkpointer
+    from deltackpt import staging
 
     def no_memory(*args: Any) -> Any:
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
 
-    monkeypatch.setattr(checkpointer._Staging, "_buffer_for", no_memory)
+    monkeypatch.setattr(staging.StagingBuffers, "_buffer_for", no_memory)
     with deltackpt.Checkpointer(fast_dir / "s", model=torch.nn.Linear(2, 2), handle_signals=False) as ck:
         with pytest.raises(RuntimeError, match="can't allocate") as exc:
             ck.save(1)
@@ -2320,7 +2320,7 @@ def test_a_lazy_model_not_yet_initialized_restores_as_torch_loads_it(tmp_path: P
 def test_batch_norm_without_num_batches_tracked_is_checked_as_torch_loads_it() -> None:
     """A batch norm state of module version 1 may lack ``num_batches_tracked`` (torch fills it in); of version 2
     it may not. The restore's key check agrees with torch's load_state_dict either way."""
-    from deltackpt.checkpointer import _fit_check
+    from deltackpt.fitcheck import fit_check
 
     for version, loads in ((1, True), (2, False)):
         model = _bn_model()
@@ -2328,11 +2328,11 @@ def test_batch_norm_without_num_batches_tracked_is_checked_as_torch_loads_it() -
         del saved["1.num_batches_tracked"]
         saved._metadata["1"]["version"] = version  # type: ignore[attr-defined]
         if loads:
-            _fit_check(model, saved, "model")
+            fit_check(model, saved, "model")
             model.load_state_dict(saved)
         else:
             with pytest.raises(deltackpt.ShapeMismatchError, match=r"missing in the checkpoint \['1.num_batches_"):
-                _fit_check(model, saved, "model")
+                fit_check(model, saved, "model")
             with pytest.raises(RuntimeError, match="num_batches_tracked"):
                 model.load_state_dict(saved)
 
@@ -3043,7 +3043,7 @@ def test_gc_after_retention_waits_for_no_gc_of_another_process(fast_dir: Path,
     import fcntl
 
     monkeypatch.setenv("DELTACKPT_GC_MIN_BYTES", "0")
-    monkeypatch.setattr(deltackpt.checkpointer, "GC_WAIT", 0.1)
+    monkeypatch.setattr(deltackpt.maintenance, "GC_WAIT", 0.1)
     model, opt = _small()
     path = fast_dir / "store"
     with Checkpointer(path, model=model, optimizer=opt, async_save=False, handle_signals=False,
@@ -3301,11 +3301,11 @@ def test_a_restore_refused_for_a_wrappers_key_prefix_says_so(fast_dir: Path, wra
 def test_the_wrapper_hint_is_given_only_where_it_explains_the_keys() -> None:
     """Keys that would match once a wrapper's part is removed, where that part is not a wrapper's (a submodule
     named ``module`` at the top of one run's model) or the keys differ otherwise, get no hint (and no error)."""
-    from deltackpt.checkpointer import _wrapper_hint
+    from deltackpt.fitcheck import wrapper_hint
 
-    assert _wrapper_hint(["weight", "head.weight"], ["module.weight", "head.weight"]) == ""
-    assert _wrapper_hint(["a.weight"], ["a.module.weight", "extra"]) == ""
-    assert "under 'a'" in _wrapper_hint(["a.weight", "h.w"], ["a.module.weight", "h.w"])
+    assert wrapper_hint(["weight", "head.weight"], ["module.weight", "head.weight"]) == ""
+    assert wrapper_hint(["a.weight"], ["a.module.weight", "extra"]) == ""
+    assert "under 'a'" in wrapper_hint(["a.weight", "h.w"], ["a.module.weight", "h.w"])
 
 
 def test_a_restore_into_a_model_of_other_dtypes_warns(fast_dir: Path) -> None:

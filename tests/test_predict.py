@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import deltackpt
-from deltackpt import _pykernel, checkpointer, codec, kernel, maintenance, predict, scratch
+from deltackpt import _pykernel, codec, components, kernel, maintenance, predict, scratch
 from deltackpt.errors import CorruptChunkError, CorruptionError, FormatVersionError
 from deltackpt.index import ChunkLoc, chunk_key, chunk_keys
 
@@ -533,7 +533,7 @@ def test_checkpointer_predicts_an_ema_copy_from_its_parameters(tmp_path: Path) -
                                 async_save=False, handle_signals=False) as ck:
         state = ck.capture(0)
         _, leaves = deltackpt.tree.flatten(state)
-        roles = predict.plan(state, leaves, checkpointer._param_pairs(model, opt))
+        roles = predict.plan(state, leaves, components.param_pairs(model, opt))
         averages = {k: r.m for k, r in roles.items() if r.average}
         assert averages == {f"extra.ema.{n}": f"model.{n}" for n in ("1.weight", "1.bias", "2.weight", "2.bias")}
         assert all(roles[k].predictor == predict.MOMENTUM_PARAM for k in averages)
@@ -545,7 +545,7 @@ def test_checkpointer_predicts_an_ema_copy_from_its_parameters(tmp_path: Path) -
         _stepped(net, adam)
         both = {"model": holder.state_dict(), "optimizer": adam.state_dict()}
         _, both_leaves = deltackpt.tree.flatten(both)
-        got = predict.plan(both, both_leaves, checkpointer._param_pairs(holder, adam))
+        got = predict.plan(both, both_leaves, components.param_pairs(holder, adam))
         assert {k: r.m for k, r in got.items() if r.average} == {
             f"model.ema.module.{n}": f"model.net.{n}" for n in ("0.weight", "0.bias", "2.weight", "2.bias")}
         history = _checkpointed_steps(ck, model, opt, ema, 8)

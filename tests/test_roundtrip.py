@@ -213,10 +213,10 @@ def test_roundtrip_nested_states(shared_store: deltackpt.Store, state: Any) -> N
 def test_async_staging_snapshot_is_an_independent_equal_copy(shared_store: deltackpt.Store, state: Any) -> None:
     """What an async save stores: the staging snapshot equals the state (types, bits, aliasing, requires_grad),
     shares no memory with it, and stays as it was when the state changes afterwards."""
-    from deltackpt.checkpointer import _Staging
+    from deltackpt.staging import StagingBuffers
 
     before = _save_load(shared_store, state)
-    staging = _Staging()
+    staging = StagingBuffers()
     for _ in range(2):  # the second snapshot reuses the first one's buffers
         snap = staging.snapshot(state)
         assert_same_state(state, snap)
