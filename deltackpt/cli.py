@@ -37,8 +37,9 @@ from deltackpt.errors import (
     InvalidNameError,
     UnsafeLoadError,
 )
+from deltackpt.layout import holds_checkpoints
 from deltackpt.rng import has_rng
-from deltackpt.store import CheckpointInfo, Store, _check_step, _holds_checkpoints
+from deltackpt.store import CheckpointInfo, Store, _check_step
 
 if TYPE_CHECKING:
     import torch
@@ -125,7 +126,7 @@ def _open(path: str, *, readonly: bool = False) -> Store:
             raise DeltackptError(f"{path} is not a deltackpt store: it does not exist")
         if os.path.exists(p) and not p.is_dir():
             raise DeltackptError(f"{path} is not a deltackpt store: it is not a directory")
-        if not _holds_checkpoints(p):  # (else the store names what is wrong: STORE lost)
+        if not holds_checkpoints(p):  # (else the store names what is wrong: STORE lost)
             raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")
     return Store(p, readonly=True if readonly else None)
 

@@ -48,6 +48,7 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.index import LMDB_DAMAGE, REPAIR_HINT, ChunkLoc, Record, chunk_key, chunk_keys
+from deltackpt.layout import read_store_file, write_store_file
 from deltackpt.scratch import Scratch
 
 if TYPE_CHECKING:
@@ -919,8 +920,6 @@ def _restore_store_file(root: Path) -> None:
     (moved aside to ``STORE.broken-<time>``): when it does not describe a store this version can read and write
     (a newer format version is no damage: opening the store reports it), or names another chunk size than the
     one every readable manifest names (the chunk size never changes: a damaged digit that still parses)."""
-    from deltackpt.store import read_store_file, write_store_file
-
     stored = None
     if (root / "STORE").exists():
         try:

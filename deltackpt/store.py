@@ -6,15 +6,8 @@ host (:mod:`staging`) -> name its chunks (:mod:`kernel`) -> look them up (:mod:`
 (:mod:`manifest`) -> commit in LMDB. ``load`` runs it backwards and verifies every chunk it decodes. Maintenance
 (gc, verify, repair) lives in :mod:`deltackpt.maintenance` and is reached through methods here.
 
-On-disk layout of a store (see ``docs/format.md``)::
-
-    STORE              JSON: store format version and chunk size, written once at creation
-    index/             LMDB environment (the commit point)
-    packs/*.pack       append-only frame files
-    manifests/*.manifest   one immutable file per checkpoint
-    tmp/               temporary files of saves in progress
-    gc.lock            shared by saves and loads, exclusive for gc and repair
-    maint.lock         exclusive for gc and repair (one at a time; gc lets saves run between repacked packs)
+The store directory (``STORE``, ``index/``, ``packs/``, ``manifests/``, ``tmp/``, the lock files) is described
+in :mod:`deltackpt.layout`, with the functions that create it and read its ``STORE`` file (see ``docs/format.md``).
 """
 
 from __future__ import annotations
@@ -26,7 +19,6 @@ import copy
 import dataclasses
 import fcntl
 import inspect
-import json
 import operator
 import os
 import re
@@ -60,6 +52,14 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key, record_at
+from deltackpt.layout import (
+    check_new_store_dir,
+    lost_store,
+    lost_store_file,
+    read_store_file,
+    why_readonly,
+    write_store_file,
+)
 from deltackpt.manifest import Manifest, TensorEntry
 from deltackpt.packs import (
     PackReader,
@@ -69,7 +69,6 @@ from deltackpt.packs import (
     fsync_dir,
     make_dirs,
     open_lock,
-    read_file,
 )
 from deltackpt.retention import Retention, deleting_only
 from deltackpt.scratch import Scratch
@@ -81,8 +80,6 @@ if TYPE_CHECKING:
 else:
     torch = _lazy.module("torch", globals())
 
-STORE_FORMAT = "deltackpt-store"
-STORE_VERSION = 1
 MAX_STEP = (1 << 63) - 1
 _INFLIGHT_PER_THREAD = 3
 #: what the chunks a save has in flight, or a load's or verify's read workers, may hold at once besides the state
@@ -299,7 +296,7 @@ class Store:
                             predict=predict, readonly=readonly, allow_network_fs=allow_network_fs)
         if not allow:
             check_local(self.path)  # before anything is created
-        why = _why_readonly(self.path)
+        why = why_readonly(self.path)
         if why is not None and readonly is False:
             raise ReadOnlyStoreError(f"store {self.path} is {why}: open it with readonly=True")
         self.readonly = why is not None if readonly is None else bool(readonly)
@@ -365,14 +362,14 @@ class Store:
             raise DeltackptError(f"{self.path} is a dangling symbolic link (or a loop of them), not a store")
         if self.path.exists() and not self.path.is_dir():
             raise DeltackptError(f"{self.path} is not a directory, so not a store (a store is a directory)")
-        if _lost_store(self.path):
-            raise _lost_store_file(self.path)
+        if lost_store(self.path):
+            raise lost_store_file(self.path)
         if not cfg_path.exists() and self.readonly:
             raise DeltackptError(f"{self.path} is not a deltackpt store (no STORE file; a read-only open creates none)")
         if not cfg_path.exists():
             cs = (config.check_chunk_size(config.chunk_size(), "DELTACKPT_CHUNK_SIZE") if chunk_size is None
                   else config.check_chunk_size(chunk_size))
-            _check_new_store_dir(self.path)
+            check_new_store_dir(self.path)
             make_dirs(self.path, ("packs", "manifests", "tmp", "index"))
             (self.path / "gc.lock").touch()
             (self.path / "maint.lock").touch()
@@ -381,8 +378,8 @@ class Store:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 if not cfg_path.exists():
-                    if _lost_store(self.path):
-                        raise _lost_store_file(self.path)
+                    if lost_store(self.path):
+                        raise lost_store_file(self.path)
                     # An index here is what an earlier creation left when it failed before STORE (a full disk,
                     # a crash): nothing can have committed into it, and a failed one may hold half its pages.
                     index_dir = self.path / "index"
@@ -1904,72 +1901,6 @@ _SEAL_BYTES = 64 << 20
 _INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
 
 
-def _check_new_store_dir(path: Path) -> None:
-    """Refuse to make a store in a directory that holds anything else: gc and repair treat everything in a
-    store's directories as theirs, and a typo'd path should not turn a project folder into a store."""
-    def ours(e: os.DirEntry[str]) -> bool:
-        if e.name in ("tmp", "packs", "manifests"):  # (packs or manifests with files: "STORE was lost", above)
-            return e.is_dir(follow_symlinks=False) and not any(os.scandir(e.path))
-        if e.name == "index":
-            return e.is_dir(follow_symlinks=False) and all(
-                f.name in ("data.mdb", "lock.mdb") or f.name.startswith("lock.mdb.new-") for f in os.scandir(e.path))
-        # the lock files, and STORE's temporary file (what a creation that a crash cut short leaves)
-        return e.name in ("gc.lock", "maint.lock") or (e.name.startswith("STORE.") and e.name.endswith(".tmp"))
-
-    try:
-        others = sorted(e.name for e in os.scandir(path) if not ours(e))
-    except FileNotFoundError:
-        return
-    except NotADirectoryError:
-        raise DeltackptError(f"{path}: a part of the path is not a directory") from None
-    if others and not (path / "STORE").exists():  # (STORE now: another process made the store meanwhile)
-        shown = ", ".join(map(repr, others[:3])) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
-        raise DeltackptError(f"{path} is not a deltackpt store and not empty (it holds {shown}): a new store "
-                             "needs an empty or new directory")
-
-
-def read_store_file(path: Path) -> int:
-    """The chunk size that ``path/STORE`` names. Raises :class:`FormatVersionError` for a newer store format,
-    :class:`DeltackptError` for a file that is not a store description or names an impossible chunk size (a
-    damaged file: ``deltackpt repair`` writes it again from the manifests)."""
-    cfg_path = path / "STORE"
-    try:
-        cfg = json.loads(read_file(cfg_path, 1 << 16))  # (a regular file of at most 64 KiB: no FIFO, no device)
-        if type(cfg) is not dict:
-            raise ValueError(f"a JSON {type(cfg).__name__}, not an object")
-        fmt, version, cs = cfg["format"], cfg["version"], cfg["chunk_size"]
-        if type(version) is not int or version < 1 or type(cs) is not int:  # ("1", 1.9, true: damage)
-            raise ValueError(f"version {version!r:.40}, chunk_size {cs!r:.40}")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DeltackptError(f"{cfg_path} is not a deltackpt store description ({exc}); if it is damaged, "
-                             "'deltackpt repair STORE' writes it again from the manifests") from None
-    if fmt != STORE_FORMAT:
-        raise DeltackptError(f"{path} is not a deltackpt store ({cfg_path} names format {fmt!r})")
-    if version > STORE_VERSION:
-        raise FormatVersionError(f"store {path} has format version {version}; this deltackpt reads {STORE_VERSION}")
-    try:
-        return config.check_chunk_size(cs)
-    except ValueError as exc:
-        raise DeltackptError(f"{cfg_path} names an impossible chunk size ({exc}); if it is damaged, "
-                             "'deltackpt repair STORE' writes it again from the manifests") from None
-
-
-def write_store_file(path: Path, chunk_size: int) -> None:
-    """Write ``path/STORE`` durably (temp file, fsync, link, fsync the directory); of two processes writing it
-    at once, the first wins."""
-    tmp = path / f"STORE.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    tmp.write_text(json.dumps({"format": STORE_FORMAT, "version": STORE_VERSION, "chunk_size": chunk_size}) + "\n")
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path / "STORE")  # fails if another process created the store meanwhile: theirs wins
-    except FileExistsError:
-        pass
-    finally:
-        tmp.unlink()
-    fsync_dir(path)
-
-
 _DAMAGED: dict[str, set[bytes]] = {}
 _DAMAGED_LOCK = threading.Lock()
 
@@ -1978,43 +1909,6 @@ def _damaged_in(path: Path) -> set[bytes]:
     """The set of chunks found undecodable in the store at ``path``, one per store per process."""
     with _DAMAGED_LOCK:
         return _DAMAGED.setdefault(os.path.realpath(path), set())
-
-
-def _lost_store_file(path: Path) -> DeltackptError:
-    """The error of a store directory without STORE that holds packs or manifests (for a repair, not a creation)."""
-    return DeltackptError(f"{path} has no STORE file but holds a store's packs or manifests (STORE was lost?); "
-                          "'deltackpt repair' writes it again, with the chunk size the manifests name")
-
-
-def _lost_store(path: Path) -> bool:
-    """Whether ``path`` holds a store's packs or manifests but no STORE file. Looked at in that order: a process
-    that creates a store writes STORE before anything else that is not empty, so a store another process is
-    creating meanwhile is not taken for one that lost STORE."""
-    return _holds_checkpoints(path) and not (path / "STORE").exists()
-
-
-def _holds_checkpoints(path: Path) -> bool:
-    """Whether ``path`` holds a store's packs or manifests (a crash while creating a store leaves neither)."""
-    return any(any((path / sub).glob(pattern)) for sub, pattern in (("packs", "*.pack"), ("manifests", "*.manifest")))
-
-
-def _why_readonly(path: Path) -> str | None:
-    """Why the store at ``path`` can only be read, or None when it can be written (or does not exist yet): its
-    filesystem is mounted read-only, or this process may not write its directories (another user's store)."""
-    for p in (path, *path.absolute().parents):
-        try:
-            if os.statvfs(p).f_flag & os.ST_RDONLY:
-                return "on a read-only filesystem"
-            break
-        except FileNotFoundError:
-            continue
-        except OSError:
-            break
-    if (path / "STORE").exists():
-        for sub in (path, path / "index", path / "packs", path / "manifests"):
-            if sub.exists() and not os.access(sub, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
-                return f"not writable by this user (no write permission on {sub})"
-    return None
 
 
 def _span_places(refs: Sequence[tuple[tree.Place, str, int]],

@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import crashworker as cw  # tests/ is on sys.path, as for conftest
@@ -27,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 
+import deltackpt.layout
 import deltackpt.store
 from deltackpt import StateChangedError, Store
 
@@ -153,10 +155,13 @@ with Store(sys.argv[1], chunk_size=int(sys.argv[2])) as st:
 """
 
 
-@pytest.mark.parametrize("window", ["_check_new_store_dir", "_holds_checkpoints"],
+# (each patched where its caller looks it up: a Store's open calls check_new_store_dir by the name store.py
+# imported, and layout.lost_store calls holds_checkpoints)
+@pytest.mark.parametrize(("module", "window"), [(deltackpt.store, "check_new_store_dir"),
+                                                (deltackpt.layout, "holds_checkpoints")],
                          ids=["before-the-empty-directory-check", "before-the-look-for-a-lost-STORE"])
 def test_a_store_another_process_creates_meanwhile_is_opened(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              window: str) -> None:
+                                                              module: ModuleType, window: str) -> None:
     """Processes that open a store that does not exist yet all at once (every rank of a job making its
     Checkpointer): another process creates it, and saves into it, between this one's look for STORE and its
     check that the directory holds nothing foreign, or its look for a store that lost STORE. This one opens
@@ -164,7 +169,7 @@ def test_a_store_another_process_creates_meanwhile_is_opened(tmp_path: Path, mon
     by 4 processes at once, and a DCP test that failed now and then), or took the store for one whose STORE
     was lost. The other process runs, as a real process, at that point of this one's open."""
     path = tmp_path / "store"
-    look = getattr(deltackpt.store, window)
+    look = getattr(module, window)
     raced: list[bool] = []
 
     def another_process_first(p: Path) -> Any:
@@ -174,7 +179,7 @@ def test_a_store_another_process_creates_meanwhile_is_opened(tmp_path: Path, mon
                            capture_output=True, env=cw.worker_env())
         return look(p)
 
-    monkeypatch.setattr(deltackpt.store, window, another_process_first)
+    monkeypatch.setattr(module, window, another_process_first)
     with Store(path, chunk_size=CS) as st:
         monkeypatch.undo()
         assert raced
