@@ -74,6 +74,7 @@
 
 static int dck_simd_level = DCK_SIMD_ALL;
 
+/* Contract: writes the unsynchronised global dck_simd_level (level, clamped); returns the previous level. */
 int dck_use_simd(int level)
 {
     int was = dck_simd_level;
@@ -119,6 +120,7 @@ struct dck_job {
     size_t begin, end;
 };
 
+/* Contract: the pthread entry point of one range of dck_run_ranges: runs job->fn over [job->begin, job->end). */
 static void *dck_job_main(void *arg)
 {
     const struct dck_job *job = (const struct dck_job *)arg;
@@ -789,6 +791,7 @@ static void dck_decoder_trim(struct dck_decoder *dec)
 /* A streaming XXH3-64 update: the header's XXH3_64bits_update, or the same with the AVX2 stripe loop. */
 typedef void (*dck_xxh3_64_update_f)(XXH3_state_t *st, const void *p, size_t n);
 
+/* Contract: XXH3_64bits_update(st, p, n) with the header's portable loops (dck_pick_update64's fallback). */
 static void dck_xxh3_64_update_default(XXH3_state_t *st, const void *p, size_t n)
 {
     (void)XXH3_64bits_update(st, p, n);

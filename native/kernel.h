@@ -15,7 +15,9 @@
  *   one per POSIX thread, the calling thread taking the first; no scratch memory is shared between threads and
  *   each thread writes a disjoint part of the output. A thread that cannot be created has its range run inline,
  *   so results never depend on `threads`.
- * - Return value: 0 on success, DCK_EINVAL when an argument is out of its domain (nothing is written then).
+ * - Return value: 0 on success, DCK_EINVAL when an argument is out of its domain (nothing is written then), for
+ *   every function but dck_chunk_count (returns a count of chunks) and dck_use_simd (returns the previous
+ *   level); dck_decode_frames has error codes of its own besides.
  */
 #ifndef DELTACKPT_KERNEL_H
 #define DELTACKPT_KERNEL_H
