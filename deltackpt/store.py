@@ -90,6 +90,8 @@ _CHUNK_WORK_BYTES = 2 << 30
 #: chunks smaller than this are encoded on the saving thread: handing a 4 KiB chunk to a worker (a future, a
 #: queue and two GIL handoffs) costs more than encoding it (docs/performance.md, "Many small tensors")
 _INLINE_BELOW = 64 << 10
+#: the least a writer's pack holds before a save moves on to a new one (:meth:`PackWriter.seal_past`)
+_SEAL_BYTES = 64 << 20
 #: per read worker of :meth:`Store.read_each`: what to call before a frame read waits on the disk
 _worker = threading.local()
 _T = TypeVar("_T")
@@ -1157,9 +1159,10 @@ class Store:
         ``"delta"`` when deltas almost always won, ``"alone"`` when they almost never did, else ``"both"``
         (the encoder tries both and keeps the smaller). Saves a second compression per chunk.
 
-        The statistics are kept per role, not per tensor (:func:`_role`: ``optimizer.state.7.exp_avg`` and
-        ``optimizer.state.9.exp_avg`` share theirs): most tensors of a model have only a few chunks and would
-        otherwise take many saves to leave ``"both"``, while tensors of one role change alike."""
+        The statistics are kept per role, not per tensor (:func:`_role`: ``optimizer.state[7].exp_avg`` and
+        ``optimizer.state[9].exp_avg`` share those of ``optimizer.state[#].exp_avg``): most tensors of a model
+        have only a few chunks and would otherwise take many saves to leave ``"both"``, while tensors of one role
+        change alike."""
         won, tried = self._delta_stats.get(_role(path), (0, 0))
         if tried < 8:
             return "both"
@@ -1895,12 +1898,6 @@ def _parent_refs(role: predict.Role, i: int, k: bytes, parents: Mapping[str, Ten
     return tuple(out)
 
 
-#: the least a writer's pack holds before a save moves on to a new one (:meth:`PackWriter.seal_past`)
-_SEAL_BYTES = 64 << 20
-
-_INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
-
-
 _DAMAGED: dict[str, set[bytes]] = {}
 _DAMAGED_LOCK = threading.Lock()
 
@@ -1982,6 +1979,11 @@ def _placements(m: Manifest, into: Any) -> dict[int, torch.Tensor | np.ndarray]:
 def _moved_in(rows: Iterable[tuple[CheckpointInfo, tuple[str, ...]]]) -> dict[str, str]:
     """Old id -> the id of the checkpoint that replaced it, from :meth:`Store._rows`."""
     return {old: info.id for info, replaces in rows for old in replaces}
+
+
+#: the numeric parts of a key path, which :func:`_role` replaces: a dot-separated part of digits only (``blocks.3``,
+#: a ModuleList's index in a state_dict key) or an int key in brackets (``state[7]``, :func:`tree.child_path`)
+_INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
 
 
 def _role(path: str) -> str:
