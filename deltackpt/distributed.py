@@ -579,15 +579,6 @@ def _plain_object(planner: SavePlanner, index: MetadataIndex) -> tuple[Any, bool
     return obj, True
 
 
-def _encode_md(md: Any) -> dict[str, Any]:
-    if isinstance(md, BytesStorageMetadata):
-        return {"kind": "bytes"}
-    if isinstance(md, TensorStorageMetadata):
-        return {"kind": "tensor", "dtype": md.properties.dtype, "requires_grad": md.properties.requires_grad,
-                "size": list(md.size), "chunks": [[list(c.offsets), list(c.sizes)] for c in md.chunks]}
-    raise UnsupportedTypeError(f"unknown DCP storage metadata {type(md).__name__}")
-
-
 def _compact_md(md: Any) -> list[Any] | None:
     """DCP storage metadata in a format-3 document: None for bytes, else [dtype name, requires_grad, size,
     [[offsets, sizes], ...]]."""

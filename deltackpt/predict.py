@@ -44,11 +44,10 @@ from deltackpt._pykernel import adam_w
 from deltackpt.errors import CorruptChunkError
 from deltackpt.tree import child_path
 
-#: predictor ids (prefix byte 0)
+#: predictor ids (prefix byte 0), named adam-v, adam-param and momentum-param in docs/format.md §8a
 SECOND_MOMENT = 1  # refs: m, m' (base v'); coefs c0..c3: g = (m - c0*m') * c1 ; v = c2*v' + c3*(g*g)
 PARAM = 2  # refs: m, m', v'; base p'; coefs c0..c6: g and w as v above, p = c4*p' - c5*(m / (sqrt(w) + c6))
 MOMENTUM_PARAM = 3  # refs: b, b' (momentum buffers); base p'; coefs c0..c2: p = c0*p' - c1*b + c2*b'
-NAMES = {SECOND_MOMENT: "adam-v", PARAM: "adam-param", MOMENTUM_PARAM: "momentum-param"}
 _SHAPE = {SECOND_MOMENT: (2, 4), PARAM: (3, 7), MOMENTUM_PARAM: (2, 3)}  # (references, coefficients)
 #: the first predictor that frames of version 2 (codec.PREDICTED_VERSION) cannot name: frames of it and later
 #: ones are version 3, which readers that do not know them refuse as a newer format
@@ -118,15 +117,6 @@ def predict(p: Prediction, base: Any, refs: list[Any], out: np.ndarray) -> None:
     kernel.predict(p.predictor, p.coefs, base, refs, out)
 
 
-def fit_param(
-    p_old: Any, p_new: Any, m: Any, m_old: Any, v_old: Any, moments: tuple[float, float, float, float], e: float
-) -> tuple[float, ...] | None:
-    """Coefficients of the parameter predictor for one chunk: ``moments`` (c0..c3, see
-    :func:`second_moment_coefs`), then A and B of ``p = A·p' - B·m / (√w + E)`` fitted by least squares on an
-    evenly spaced sample, then ``e`` (E). None when the chunk gives nothing to fit (no update, non-finite)."""
-    return _fit_param(_sample(p_old, p_new, m, m_old, v_old), moments, e, score=False)[0]
-
-
 def _sample(*bufs: Any) -> list[np.ndarray]:
     """The same evenly spaced sample (at most about :data:`FIT_SAMPLE` elements) of each float32 chunk, in
     float64."""
@@ -138,8 +128,11 @@ def _sample(*bufs: Any) -> list[np.ndarray]:
 def _fit_param(
     sample: Sequence[np.ndarray], moments: tuple[float, float, float, float], e: float, *, score: bool = True,
 ) -> tuple[tuple[float, ...] | None, float]:
-    """:func:`fit_param` on ``sample`` (:func:`_sample` of p', p, m, m', v'), and (``score``) how far the fitted
-    prediction misses the sample (median relative error; else 0)."""
+    """Coefficients of the parameter predictor for one chunk: ``moments`` (c0..c3, see
+    :func:`second_moment_coefs`), then A and B of ``p = A·p' - B·m / (√w + E)`` fitted by least squares on
+    ``sample`` (:func:`_sample` of p', p, m, m', v': an evenly spaced sample of the chunk), then ``e`` (E); None
+    when the chunk gives nothing to fit (no update, non-finite). And (``score``) how far the fitted prediction
+    misses the sample (median relative error; else 0; infinite with None)."""
     po, pn, mm, m1, v1 = sample
     with np.errstate(all="ignore"):
         u = mm / (np.sqrt(adam_w(moments, mm, m1, v1)) + e)
