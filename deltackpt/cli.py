@@ -953,7 +953,7 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
             return 0
         m = s.manifest(id=latest.id)
         # the skeleton with tensor descriptions in place of tensors: plain values without loading any bytes
-        state = m.skeleton() if not _has_pickle(m.tree) else None
+        state = m.skeleton() if not tree.pickled_paths(m.tree) else None
         if not isinstance(state, dict) or not _checkpointer_layout(state):
             print(f"the newest checkpoint, step {latest.step} (checkpoint {latest.id}, saved "
                   f"{when(latest.created)}), was not written by a Checkpointer (no 'step' and 'model' entries): a "
@@ -994,12 +994,6 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
         if latest.metadata:
             print(f"metadata: {_meta_str(latest.metadata)}")
     return 0
-
-
-def _has_pickle(node: Any) -> bool:
-    if isinstance(node, list):
-        return bool(node) and (node[0] == "p" or any(_has_pickle(n) for n in node[1:]))
-    return False
 
 
 def _entries(value: Any) -> list[manifest.TensorEntry]:

@@ -1200,6 +1200,20 @@ def test_resume_info_plain_store(capsys: pytest.CaptureFixture[str], store_path:
     assert rc == 1 and "was not written by a Checkpointer" in out and "would resume" not in out
 
 
+@pytest.mark.parametrize("first", [True, False], ids=["pickled-value-first", "pickled-value-later"])
+def test_resume_info_pickled_state(capsys: pytest.CaptureFixture[str], store_path: Path, first: bool) -> None:
+    """A state saved with allow_pickle=True (a Checkpointer never saves one): resume-info says it was not
+    written by a Checkpointer, wherever the pickled value is. Before, with the pickled value the first of its
+    dict, it missed it and failed on the pickle instead ("the checkpoint holds pickled values; load it with
+    allow_pickle=True only if you trust the store")."""
+    items = [("a", fractions.Fraction(1, 3)), ("step", 1)]
+    with deltackpt.Store(store_path) as s:
+        s.save(dict(items if first else items[::-1]), step=1, allow_pickle=True)
+    rc, out, err = cli(capsys, "resume-info", store_path)
+    assert rc == 0 and err == ""
+    assert "was not written by a Checkpointer" in out and "would resume" not in out
+
+
 # -- errors -----------------------------------------------------------------------------------------------
 
 _READ_COMMANDS = [
