@@ -78,8 +78,8 @@ from deltackpt.staging import StagingBuffers
 from deltackpt.store import (
     CheckpointInfo,
     Store,
-    _check_metadata,
-    _check_step,
+    check_metadata,
+    check_step,
 )
 from deltackpt.tree import decode_plain, encode_plain, flatten
 from deltackpt.workers import STOP_SIGNALS, WorkersIgnoreStopSignals, dataloader_worker
@@ -206,7 +206,7 @@ def _plain_metadata(metadata: Any) -> dict[str, Any] | None:
     """A step's ``metadata`` checked as a save checks it (a mapping of plain values: a tensor loss is refused at
     the step that passes it, not by a background save later) and copied, nested values too: an async save
     stores what it was at ``step()``, whatever the loop does to its dicts meanwhile."""
-    meta = _check_metadata(metadata)
+    meta = check_metadata(metadata)
     if meta is not None and THINNED_KEY in meta:
         # (retention would take the checkpoint for thinned already, and a restore would pass it over)
         raise ValueError(f"metadata key {THINNED_KEY!r} is reserved: a Checkpointer marks the checkpoints retention "
@@ -596,7 +596,7 @@ class Checkpointer:
         makes this step the one it passes the signal on after.
         """
         self._check_open()  # (at every step, not only at those that save)
-        step = _check_step(step)
+        step = check_step(step)
         metadata = _plain_metadata(metadata)
         self._raise_background_error()
         if self in _stopped:  # saved at a signal already, at an earlier step
@@ -629,7 +629,7 @@ class Checkpointer:
         ``keyframe`` as for :meth:`Store.save`; a step that retention keeps for good is saved as a keyframe anyway,
         a self-contained one (:meth:`_kept_for_good`)."""
         self._check_open()
-        step = _check_step(step)
+        step = check_step(step)
         whole = self._kept_for_good(step)
         keyframe = keyframe or whole
         self._raise_background_error()

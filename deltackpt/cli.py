@@ -39,7 +39,7 @@ from deltackpt.errors import (
 )
 from deltackpt.layout import holds_checkpoints
 from deltackpt.rng import has_rng
-from deltackpt.store import CheckpointInfo, Store, _check_step
+from deltackpt.store import CheckpointInfo, Store, check_step
 
 if TYPE_CHECKING:
     import torch
@@ -866,7 +866,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if not (dest / "STORE").exists() and (dest / "meta" / "STORE").exists():
         _open(args.store)  # a DCP root: refused, with the same message as every other command
     # a step or state the store cannot hold is refused before a new store is created for it
-    _check_step(args.step)
+    check_step(args.step)
     tree.flatten(state)
     with Store(dest) as s:
         info = s.save(state, step=args.step, metadata={"imported_from": src.name})

@@ -71,7 +71,7 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.retention import Retention, deleting_only
-from deltackpt.store import CheckpointInfo, Store, _check_metadata, _check_step, check_options
+from deltackpt.store import CheckpointInfo, Store, check_metadata, check_options, check_step
 
 #: version of the layout of DCP metadata in ``root/meta`` checkpoints. 3: the bulk of DCP's metadata is a chunked
 #: document in the meta checkpoint's state (deduplicated from step to step), and its metadata (which every index
@@ -230,10 +230,10 @@ class DeltaStorageWriter(StorageWriter):
         # inside dcp.save it comes wrapped in torch's CheckpointException, which `except Exception` does not catch.
         check_options("DeltaStorageWriter", store_options)
         if step is not None:
-            step = _check_step(step)
+            step = check_step(step)
         if metadata is not None:
             try:
-                tree.encode_plain(_check_metadata(metadata))
+                tree.encode_plain(check_metadata(metadata))
             except UnsupportedTypeError as exc:
                 raise UnsupportedTypeError(f"DeltaStorageWriter metadata: {exc}") from None
         self.root = None if root is None else Path(root)
@@ -309,8 +309,8 @@ class DeltaStorageWriter(StorageWriter):
             raise ValueError("DeltaStorageWriter needs a root directory (or a checkpoint_id to dcp.save)")
         if self.step is None:
             raise ValueError("DeltaStorageWriter needs the step to save as (DeltaStorageWriter(root, step=n))")
-        self.step = _check_step(self.step)  # on every rank, before any writes (a TypeError/ValueError naming it)
-        user = _check_metadata(self.metadata)
+        self.step = check_step(self.step)  # on every rank, before any writes (a TypeError/ValueError naming it)
+        user = check_metadata(self.metadata)
         if user is not None:
             try:
                 tree.encode_plain(user)
@@ -502,7 +502,7 @@ class DeltaStorageWriter(StorageWriter):
             "storage_meta": None if sm is None else {"checkpoint_id": None if sm.checkpoint_id is None
                                                      else str(sm.checkpoint_id),
                                                      "save_id": sm.save_id, "modules": list(sm.modules)},
-            "metadata": _check_metadata(self.metadata),
+            "metadata": check_metadata(self.metadata),
         }
         try:
             text = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -968,7 +968,7 @@ def delete(root: str | os.PathLike[str], step: int) -> None:
     """Delete the DCP checkpoint of ``step`` (every one, if the step was saved more than once): its meta
     checkpoint first (so the step is gone at once, even if this is interrupted), then the rank checkpoints it
     names. Space returns with ``gc`` of each store; :func:`prune` removes what an interrupted delete left."""
-    step = _check_step(step)  # (before meta.info, whose hint for a str names an id= this function lacks)
+    step = check_step(step)  # (before meta.info, whose hint for a str names an id= this function lacks)
     root = Path(root)
     with _meta_store(root) as meta:
         meta.info(step)  # CheckpointNotFoundError naming the step when there is none

@@ -20,7 +20,7 @@ import numpy as np
 from deltackpt import _lazy, manifest
 from deltackpt.components import with_states
 from deltackpt.errors import DeltackptError, ShapeMismatchError, caller_level
-from deltackpt.tree import _dtype_name, child_path, dtype_named
+from deltackpt.tree import child_path, dtype_name, dtype_named
 
 if TYPE_CHECKING:
     import torch
@@ -312,7 +312,7 @@ def warn_converted(where: str, mine: Mapping[str, Any], saved: Mapping[str, Any]
 def _dtype_of(x: Any) -> str | None:
     """The dtype name of a tensor or of a tensor entry (a skeleton's), else None."""
     if isinstance(x, torch.Tensor):
-        return _dtype_name(x.dtype)
+        return dtype_name(x.dtype)
     if isinstance(x, manifest.TensorEntry):
         return x.dtype
     return None

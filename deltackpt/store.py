@@ -151,7 +151,7 @@ def _detached(info: CheckpointInfo) -> CheckpointInfo:
     return info
 
 
-def _check_step(step: Any) -> int:
+def check_step(step: Any) -> int:
     if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
         raise TypeError(f"step must be an int, got {type(step).__name__}")
     step = int(step)
@@ -160,7 +160,7 @@ def _check_step(step: Any) -> int:
     return step
 
 
-def _check_metadata(metadata: Any) -> dict[str, Any] | None:
+def check_metadata(metadata: Any) -> dict[str, Any] | None:
     """A save's ``metadata`` as a dict (None stays None); TypeError naming the argument for anything that is not
     a mapping (a list of pairs included: ``dict()`` would take it, or fail with a message about sequences)."""
     if metadata is None:
@@ -540,7 +540,7 @@ class Store:
         if type(step) is str:  # (a checkpoint id given where the step goes: info(info.id))
             raise TypeError(f"step must be an int, got str {step!r:.40}; pass a checkpoint id as id=")
         if step is not None:
-            step = _check_step(step)
+            step = check_step(step)
         rec = self.index.get(step=step, id=id)
         if rec is None and id is not None:
             rec = self._replacing(id)
@@ -700,13 +700,13 @@ class Store:
         staging buffer), so that loads put it back where it was.
         """
         self._writable("save")
-        step = _check_step(step)
+        step = check_step(step)
         allow_pickle, keyframe = config.boolean("allow_pickle", allow_pickle), config.boolean("keyframe", keyframe)
         skeleton, leaves = tree.flatten(state, allow_pickle=allow_pickle)
         if _devices:
             for leaf in leaves:
                 leaf.device = _devices.get(id(leaf.obj), leaf.device)
-        metadata = _check_metadata(metadata)
+        metadata = check_metadata(metadata)
         meta_node = tree.encode_plain(metadata) if metadata is not None else None
         if parent is not None:
             manifest.check_id(parent)

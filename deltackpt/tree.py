@@ -229,7 +229,7 @@ def numpy_dtype(name: str) -> np.dtype:
     return dt
 
 
-def _dtype_name(dt: torch.dtype) -> str:
+def dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
@@ -405,7 +405,7 @@ class _Flattener:
         if t is np.ndarray:
             return self.leaf(obj, path)
         if t is torch.dtype:
-            return ["dt", _dtype_name(obj)]
+            return ["dt", dtype_name(obj)]
         if t is torch.device:
             return ["dv", str(obj)]
         if isinstance(obj, np.generic) and obj.dtype.kind in _NUMPY_KINDS:
@@ -590,7 +590,7 @@ def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:
         path=path,
         obj=t,
         kind="torch",
-        dtype=_dtype_name(t.dtype),
+        dtype=dtype_name(t.dtype),
         shape=tuple(t.shape),
         nbytes=t.numel() * t.element_size(),
         width=_plane_width(t.element_size(), t.is_complex()),
@@ -616,9 +616,9 @@ def unstorable(t: torch.Tensor) -> str | None:
         return f"{t.layout} tensors are not supported"
     if t.is_quantized or t.is_meta or t.is_nested:
         return "quantized, meta and nested tensors are not supported"
-    if _dtype_name(t.dtype) in QUANTIZED_NAMES:
+    if dtype_name(t.dtype) in QUANTIZED_NAMES:
         return f"dtype {t.dtype} is not supported"
-    if _SUB_BYTE.fullmatch(_dtype_name(t.dtype)) and not t.is_contiguous():
+    if _SUB_BYTE.fullmatch(dtype_name(t.dtype)) and not t.is_contiguous():
         return f"torch cannot copy a non-contiguous {t.dtype} tensor (to read its bytes); store a contiguous one"
     return None
 
