@@ -407,15 +407,12 @@ class Checkpointer:
             if strict:
                 raise DeltackptError("the checkpoint holds no data position")
             lacking.append("data")
-        elif self.data is not None and hasattr(self.data, "check_state_dict"):
-            try:  # (a ResumableLoader: another dataset, seed, sharding is refused before anything is put back)
-                self.data.check_state_dict(state["data"])
-            except (ValueError, TypeError) as exc:
-                if strict:
-                    raise DeltackptError(f"the checkpoint's data position does not fit this run's loader: {exc}"
-                                         " (restore(strict=False) restores the rest and leaves the loader as it "
-                                         "is)") from None
-                lacking.append(f"data position that fits this loader ({exc})")
+        elif self.data is not None and (misfit := self._misfit(state["data"])) is not None:
+            # (a ResumableLoader: another dataset, seed, sharding is refused before anything is put back)
+            if strict:
+                raise DeltackptError(f"the checkpoint's data position does not fit this run's loader: {misfit}"
+                                     " (restore(strict=False) restores the rest and leaves the loader as it is)")
+            lacking.append(f"data position that fits this loader ({misfit})")
         saved_extra = state.get("extra") or {}
         for k, v in self.extra.items():
             if k not in saved_extra:
@@ -460,9 +457,10 @@ class Checkpointer:
                 load_group(g, state.get(what))
                 if g is not None:
                     applied.append(what)
-            if self.data is not None and state.get("data") is not None and (strict or self._fits(state["data"])):
+            data = state.get("data")
+            if self.data is not None and data is not None and (strict or self._misfit(data) is None):
                 current = "data"
-                self.data.load_state_dict(state["data"])
+                self.data.load_state_dict(data)
                 applied.append(current)
             saved_extra = state.get("extra") or {}
             for k, v in self.extra.items():
@@ -504,16 +502,16 @@ class Checkpointer:
         set_rng_state(rng)
         _rng_owner = weakref.ref(self)
 
-    def _fits(self, data_state: Any) -> bool:
-        """Whether this run's loader takes ``data_state`` (one without ``check_state_dict`` is assumed to)."""
+    def _misfit(self, data_state: Any) -> ValueError | TypeError | None:
+        """Why this run's loader does not take ``data_state`` (its ``check_state_dict``'s error), or None: it does,
+        or has no ``check_state_dict`` and is assumed to."""
         check = getattr(self.data, "check_state_dict", None)
-        if check is None:
-            return True
         try:
-            check(data_state)
-        except (ValueError, TypeError):
-            return False
-        return True
+            if check is not None:
+                check(data_state)
+        except (ValueError, TypeError) as exc:
+            return exc
+        return None
 
     def restore(self, step: int | None = None, *, id: str | None = None, strict: bool = True) -> int:
         """Load the latest checkpoint (or ``step``/``id``) into every component; return its step, 0 if none.
@@ -695,16 +693,16 @@ class Checkpointer:
         finally:
             self.store._head = head
         if collect and self.gc:
-            self._collect(sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete)))
+            self._gc_if_due(sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete)))
 
-    def _collect(self, kept: int) -> None:
-        """gc after retention, when due (:class:`GcAfterRetention`). Its trouble is not the save's: the
-        checkpoint is committed, and training goes on. A store another process holds when gc starts (its gc, a
-        repair) is tried again at the next save; a repack that stops partway (the lock not free within
-        :data:`GC_WAIT` between two packs, a full disk) keeps what it freed, and the packs left are repacked by
-        the next gc, when as much garbage again has built up; damage gc found is a warning."""
+    def _gc_if_due(self, kept: int) -> None:
+        """gc after retention, when due (:class:`~deltackpt.maintenance.GcAfterRetention`). Its trouble is not the
+        save's: the checkpoint is committed, and training goes on. A store another process holds when gc starts
+        (its gc, a repair) is tried again at the next save; a repack that stops partway (the lock not free within
+        :data:`~deltackpt.maintenance.GC_WAIT` between two packs, a full disk) keeps what it freed, and the packs
+        left are repacked by the next gc, when as much garbage again has built up; damage gc found is a warning."""
         try:
-            report = self._gc_rule.collect(self.store, kept)
+            report = self._gc_rule.gc_if_due(self.store, kept)
         except (DeltackptError, OSError) as exc:
             warnings.warn(f"deltackpt: gc after retention failed, what retention deleted still takes its space "
                           f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)

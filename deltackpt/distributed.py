@@ -466,17 +466,17 @@ class DeltaStorageWriter(StorageWriter):
                 named = set().union(set(), *self._kept.named.values())
             store._delete([(None, c.id) for c in _unnamed(store._listing(), _mine(store, rank, named))],
                           missing_ok=True)
-            self._collect(store)
+            self._gc_if_due(store)
         except (DeltackptError, OSError) as exc:
             warnings.warn(f"deltackpt: DCP retention on rank {rank} failed; the checkpoints of dropped steps stay "
                           f"until a later save or 'deltackpt dcp ROOT --prune' ({type(exc).__name__}: {exc})",
                           RuntimeWarning, stacklevel=2)
 
-    def _collect(self, store: Store) -> None:
+    def _gc_if_due(self, store: Store) -> None:
         """gc ``store`` once what retention deleted from it is worth a pass (see the class docstring)."""
         if not self.gc:
             return
-        report = self._kept.gc_rule.collect(store, sum(i.written_bytes for i in store._listing()))
+        report = self._kept.gc_rule.gc_if_due(store, sum(i.written_bytes for i in store._listing()))
         if report is not None and report.damaged_packs:
             warnings.warn(f"deltackpt: gc of {store.path} after DCP retention left {len(report.damaged_packs)} "
                           f"pack(s) holding damaged frames in place: {report.damaged_packs[0]}",
@@ -517,7 +517,7 @@ class DeltaStorageWriter(StorageWriter):
             try:
                 # gone now; their shards go at the next save
                 meta._delete([(None, info.id) for info in _dropped_steps(meta, self.retention)], missing_ok=True)
-                self._collect(meta)
+                self._gc_if_due(meta)
             except (DeltackptError, OSError) as exc:
                 warnings.warn(f"deltackpt: DCP retention after step {self.step} failed; the step is saved "
                               f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)

@@ -1022,7 +1022,7 @@ class GcAfterRetention:
         #: per store: the count that stands for none here (where a gc failed; 0 after one ran)
         self._floor: dict[os.PathLike[str], int] = {}
 
-    def collect(self, store: Store, kept: int) -> GcReport | None:
+    def gc_if_due(self, store: Store, kept: int) -> GcReport | None:
         """gc ``store`` if it is due (``kept``: the bytes the kept checkpoints wrote); None when it is not, or
         another process holds the store for longer than :data:`GC_WAIT` when gc starts (tried again at the next
         save; a repack stopped later is in the report, ``repack_stopped``). Raises what gc raises."""
