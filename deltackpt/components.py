@@ -27,6 +27,7 @@ else:
 
 
 def stateful(obj: Any) -> bool:
+    """Whether ``obj`` is one component (it has ``state_dict()`` and ``load_state_dict()``), not a group."""
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
@@ -69,6 +70,7 @@ def tensors_of(obj: Any) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def group_state(g: Any) -> Any:
+    """The state dicts of group ``g``, grouped as it is (a dict, a list or one), for a save to capture."""
     if g is None:
         return None
     if isinstance(g, dict):
@@ -137,6 +139,7 @@ def with_states(g: Any, state: Any) -> list[tuple[str, Any, Any]]:
 
 
 def load_group(g: Any, state: Any) -> None:
+    """``load_state_dict`` of each member of group ``g`` with its saved state (after the fit checks passed)."""
     if g is None:
         return
     for _, member, saved in with_states(g, state):

@@ -225,6 +225,7 @@ def scheduler_check(g: Any, state: Any) -> None:
 
 
 def one_scheduler_check(member: Any, saved: Any, where: str) -> None:
+    """:func:`scheduler_check` of one scheduler (``where``: its key path in the state, for the error)."""
     if not type(member).__module__.startswith("torch.optim") or not isinstance(saved, Mapping):
         return
     for key in _SCHEDULER_LISTS:
@@ -328,6 +329,7 @@ def scaler_check(g: Any, state: Any) -> None:
 
 
 def one_scaler_check(member: Any, saved: Any, where: str) -> None:
+    """:func:`scaler_check` of one scaler (``where``: its key path in the state, for the error)."""
     enabled = getattr(member, "is_enabled", None)
     if callable(enabled) and enabled() and isinstance(saved, Mapping) and not saved:
         raise DeltackptError(f"{where}: the checkpoint's scaler was disabled (it saved an empty state) "

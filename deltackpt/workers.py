@@ -100,6 +100,7 @@ class WorkersIgnoreStopSignals:
 
 
 def _hook_release() -> None:
+    """Register :func:`_release_at_exit` once, to run before ``multiprocessing`` stops the workers at exit."""
     global _release_hooked
     with _hook_lock:
         if not _release_hooked:
