@@ -331,8 +331,9 @@ def parse(data: bytes, *, where: str) -> Manifest:
             unknown = sorted(h.keys() - HEADER_FIELDS) if type(h) is dict else h
             raise ValueError(f"unknown header fields {unknown!r:.80}")
         check_fields(h)
-        if tree.format_version(h["tree"]) > version:
-            raise ValueError(f"its state skeleton holds version-{tree.format_version(h['tree'])} nodes in a "
+        # (keys=False: earlier writers marked a quantized dtype key or set element as version 2)
+        if (need := tree.format_version(h["tree"], keys=False)) > version:
+            raise ValueError(f"its state skeleton holds version-{need} nodes in a "
                              f"version-{version} manifest")
         if type(h["tensors"]) is not list:
             raise ValueError("tensors is not a list")

@@ -301,6 +301,7 @@ class _Flattener:
         ``_metadata``: the version of each module, which ``load_state_dict`` hands to the modules' migrations):
         any value the state could hold but arrays."""
         inner = _Flattener(self.allow_pickle)
+        inner._open = self._open  # (the containers around it: a _metadata holding its OrderedDict is a cycle)
         node = inner.node(value, f"{path}.{name}" if path else name)
         if inner.leaves:
             raise UnsupportedTypeError(f"cannot store {path or '<root>'}: its {name} attribute holds a tensor or array "
@@ -700,11 +701,12 @@ def flatten(state: Any, *, allow_pickle: bool = False, opaque: bool = False) -> 
     return skeleton, f.leaves
 
 
-def format_version(skeleton: Any) -> int:
+def format_version(skeleton: Any, *, keys: bool = True) -> int:
     """The manifest format version a skeleton needs: 3 when an ``o`` node carries a module ``state_dict()``'s
     ``_metadata`` or a ``dt`` node names a quantized dtype (which older readers refuse); else 2 when it holds a
     version-2 node (:data:`V2_TAGS`, or a dict key other than str and int); else 1, so that states of older kinds
-    stay readable by older readers."""
+    stay readable by older readers. ``keys``: dict keys and set elements count too (a quantized dtype as one
+    needs version 3); a reader checking a stored manifest passes False, as earlier writers did not count them."""
     version = 1
     stack = [skeleton]
     while stack:
@@ -721,10 +723,16 @@ def format_version(skeleton: Any) -> int:
         if tag in ("d", "o", "C") and len(n) == 3 and type(n[1]) is type(n[2]) is list:
             if any(type(k) is not list or not k or k[0] not in ("s", "i") for k in n[1]):
                 version = 2
+            if keys:  # (a quantized dtype as a key needs version 3 too)
+                stack.extend(n[1])
             stack.extend(n[2])
         elif tag == "D" and len(n) == 4 and type(n[3]) is list:
+            if keys and type(n[2]) is list:
+                stack.extend(n[2])
             stack.extend(n[3])
         elif tag in ("l", "t", "q") and len(n) >= 2 and type(n[1]) is list:
+            stack.extend(n[1])
+        elif keys and tag in ("S", "F") and len(n) == 2 and type(n[1]) is list:
             stack.extend(n[1])
         elif tag == "x" and len(n) == 3:
             stack.append(n[2])

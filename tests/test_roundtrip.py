@@ -1181,6 +1181,20 @@ class _Scaled(torch.Tensor):
     pass
 
 
+def test_a_module_metadata_that_holds_its_state_dict_is_a_cycle(store: deltackpt.Store) -> None:
+    """An OrderedDict's ``_metadata`` that holds the OrderedDict itself is a container that contains itself:
+    refused with UnsupportedTypeError naming the key path, before anything is written (it recursed until
+    RecursionError, as ``_metadata`` was flattened with a cycle check of its own that started empty)."""
+    od: Any = OrderedDict(w=torch.ones(2))
+    od._metadata = {"": {"version": 1, "self": od}}
+    with pytest.raises(UnsupportedTypeError, match=r"cannot store model\._metadata.*it contains itself"):
+        store.save({"model": od}, step=1)
+    od._metadata = od
+    with pytest.raises(UnsupportedTypeError, match="it contains itself"):
+        store.save({"model": od}, step=1)
+    assert store.list() == []
+
+
 def test_registered_types_fail_with_typed_errors(store: deltackpt.Store) -> None:
     """A registered encoder that returns the object itself (or chains of registered objects past the depth
     limit) is refused like a container that contains itself, naming the key path (before: RecursionError); an
@@ -1377,6 +1391,21 @@ def test_quantized_dtypes_as_values_round_trip(store: deltackpt.Store) -> None:
     with pytest.raises(UnsupportedTypeError, match="quantized dtypes"):
         store.save({"w": torch.ones(3)}, step=3, metadata={"dtype": torch.qint8})
     assert [i.step for i in store.list()] == [1, 2] and store.verify().ok
+
+
+def test_quantized_dtypes_as_keys_need_version_3(store: deltackpt.Store) -> None:
+    """A quantized dtype as a dict key or a set element needs a version-3 manifest as much as one held as a value:
+    a reader of versions 1-2 took it for a damaged tensor entry (CorruptManifestError, so a restore passed the
+    checkpoint over) instead of refusing a newer format. Manifests that earlier writers marked version 2 for it
+    still load."""
+    for n, cfg in enumerate([{torch.qint8: "w8"}, {torch.quint8}, frozenset({torch.qint32}),
+                             {(torch.qint8, 1): 0}], start=1):
+        store.save({"cfg": cfg}, step=n)
+        assert _manifest_version(store, n) == 3, cfg
+        assert store.load(n)["cfg"] == cfg
+    skeleton, _ = tree.flatten({"cfg": {torch.qint8: "w8"}})
+    assert tree.format_version(skeleton) == 3
+    assert tree.format_version(skeleton, keys=False) == 2  # (what a reader asks of a stored manifest)
 
 
 def test_module_state_dict_keeps_its_module_versions(store: deltackpt.Store) -> None:
