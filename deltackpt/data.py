@@ -79,7 +79,7 @@ from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
 from deltackpt import config
 
@@ -280,25 +280,25 @@ class ResumableSampler(Sampler[int]):
                 f"the data position was saved for a dataset of {state['len']} items, but this sampler's "
                 f"dataset has {self.dataset_len}: resuming would repeat or skip samples"
             )
-        if state["seed"] != self.seed:
+        seed = _int(state["seed"], "saved seed", minimum=None)
+        if seed != self.seed:
+            raise ValueError(f"the data position was saved with seed {seed}, but this sampler has {self.seed}")
+        shuffle = config.boolean("saved shuffle", state["shuffle"])
+        if shuffle != self.shuffle:
             raise ValueError(
-                f"the data position was saved with seed {state['seed']}, but this sampler has {self.seed}"
+                f"the data position was saved with shuffle={shuffle}, but this sampler has shuffle={self.shuffle}"
             )
-        if bool(state["shuffle"]) != self.shuffle:
-            raise ValueError(
-                f"the data position was saved with shuffle={bool(state['shuffle'])}, "
-                f"but this sampler has shuffle={self.shuffle}"
-            )
-        replicas = state.get("num_replicas", 1)
+        replicas = _int(state.get("num_replicas", 1), "saved num_replicas", minimum=1)
         if replicas != self.num_replicas:
             raise ValueError(
                 f"the data position was saved with num_replicas={replicas}, but this sampler has "
                 f"num_replicas={self.num_replicas}"
             )
-        if self.num_replicas > 1 and bool(state.get("drop_last", False)) != self.drop_last:
+        drop_last = config.boolean("saved drop_last", state.get("drop_last", False))
+        if self.num_replicas > 1 and drop_last != self.drop_last:
             raise ValueError(
-                f"the data position was saved with drop_last={bool(state.get('drop_last'))}, but this "
-                f"sampler has drop_last={self.drop_last}"
+                f"the data position was saved with drop_last={drop_last}, but this sampler has "
+                f"drop_last={self.drop_last}"
             )
         epoch = self._epoch_in_range(_int(state["epoch"], "saved epoch"), "saved epoch")
         position = _int(state["position"], "saved position")
@@ -360,8 +360,13 @@ class ResumableLoader:
                 "batch_size= with a ResumableSampler as sampler="
             )
         if not isinstance(sampler, ResumableSampler):
-            order = ("shuffle=False, for the dataset's order" if isinstance(sampler, SequentialSampler)
-                     else "shuffle=True, seed=...")
+            if isinstance(sampler, SequentialSampler):
+                order = "shuffle=False, for the dataset's order"
+            elif isinstance(sampler, DistributedSampler):  # (the same order and shard: the hint keeps both)
+                order = (f"shuffle={sampler.shuffle}, seed={sampler.seed}, drop_last={sampler.drop_last}, "
+                         f"num_replicas={sampler.num_replicas}, rank={sampler.rank}")
+            else:
+                order = "shuffle=True, seed=..."
             raise TypeError(
                 f"the DataLoader's sampler is a {type(sampler).__name__}; build it with "
                 f"sampler=deltackpt.data.ResumableSampler(dataset, {order})"

@@ -602,3 +602,27 @@ def test_an_unshuffled_sampler_takes_any_epoch() -> None:
     other = ResumableLoader(DataLoader(ds, batch_size=2, sampler=ResumableSampler(ds, shuffle=False)))
     other.load_state_dict(loader.state_dict())
     assert [b.tolist() for b in other] == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_a_malformed_data_position_is_a_type_error_not_a_contradiction() -> None:
+    """A seed or num_replicas saved as a str read "saved with seed 3, but this sampler has 3"; a shuffle saved
+    as "False" or 1 was read for its truth (accepted by a shuffled sampler, "saved with shuffle=True" by an
+    unshuffled one)."""
+    ds = list(range(20))
+    loader = ResumableLoader(DataLoader(ds, batch_size=4, sampler=ResumableSampler(ds, seed=3)))
+    state = loader.state_dict()
+    for bad, match in [({"seed": "3"}, "saved seed must be an int"), ({"shuffle": "False"}, "saved shuffle"),
+                       ({"shuffle": 1}, "saved shuffle"), ({"num_replicas": "1"}, "saved num_replicas"),
+                       ({"drop_last": "no"}, "saved drop_last")]:
+        with pytest.raises(TypeError, match=match):
+            loader.load_state_dict({**state, **bad})
+    loader.load_state_dict(state)
+
+
+def test_the_hint_for_a_distributed_sampler_keeps_its_order_and_shard() -> None:
+    """A DistributedSampler is refused with a hint that builds the ResumableSampler of the same order and shard
+    (it suggested shuffle=True and no sharding: every rank would read the whole dataset, shuffled)."""
+    ds = list(range(10))
+    s = DistributedSampler(ds, num_replicas=4, rank=3, shuffle=False, seed=5)
+    with pytest.raises(TypeError, match=r"shuffle=False, seed=5, drop_last=False, num_replicas=4, rank=3"):
+        ResumableLoader(DataLoader(ds, batch_size=2, sampler=s))
