@@ -370,8 +370,10 @@ def cmd_get(args: argparse.Namespace) -> int:
         m = s.manifest(id=info.id)
         chosen = [(path, node) for place, path, node in tree.leaf_nodes(m.tree) if key in _place_paths(place)]
         if not chosen:
+            # (the step names it when it is the newest checkpoint of its step; else its id does)
+            ref = info.step if s.info(step=info.step).id == info.id else info.id
             raise DeltackptError(f"checkpoint {info.id} (step {info.step}) holds nothing at {key!r} ('deltackpt diff "
-                                 f"{args.store} {info.step} {info.step} --all' lists its key paths)")
+                                 f"{args.store} {ref} {ref} --all' lists its key paths)")
         wanted = sorted({_tensor_index(m, node) for _, node in chosen if node[0] in ("T", "A")})
         arrays = dict(zip(wanted, s._read_tensors(info.id, wanted)))
     for path, node in chosen:
@@ -612,9 +614,7 @@ def cmd_keep(args: argparse.Namespace) -> int:
         raise ValueError("give a rule that deletes: --last, --every, --within or --best (the others only keep)")
     verb = "would delete" if args.dry_run else "deleted"
     root = Path(args.store)
-    real = Path(os.path.realpath(root))  # (not Path.resolve(): a symbolic link loop is the store open's to name)
-    parent = real.parent if args.store else root
-    if (parent / "meta" / "STORE").exists() and re.fullmatch(r"meta|rank-\d{5,}", real.name):
+    if args.store and (parent := _dcp_root_of(root)) is not None:
         raise DeltackptError(f"{args.store} is a store of the sharded (DCP) root {parent}: thinning it alone would "
                              f"break the steps that name its checkpoints; 'deltackpt keep {parent}' thins the "
                              "root's steps")
@@ -647,6 +647,14 @@ def cmd_keep(args: argparse.Namespace) -> int:
     if dropped and not args.dry_run:
         print(f"run '{gc}' (or this command with --gc) to reclaim space")
     return 0
+
+
+def _dcp_root_of(path: Path) -> Path | None:
+    """The sharded (DCP) root whose ``meta`` or ``rank-NNNNN`` store ``path`` is, else None."""
+    real = Path(os.path.realpath(path))  # (not Path.resolve(): a symbolic link loop is the store open's to name)
+    if (real.parent / "meta" / "STORE").exists() and re.fullmatch(r"meta|rank-\d{5,}", real.name):
+        return real.parent
+    return None
 
 
 def _check_metric(policy: Any, infos: Sequence[Any]) -> None:
@@ -862,9 +870,14 @@ def cmd_import(args: argparse.Namespace) -> int:
                 f"{src} cannot be read with torch.load(weights_only=True): {_weights_only_reason(exc)} "
                 "(deltackpt never unpickles arbitrary objects)"
             ) from None
+    if not args.store:
+        raise DeltackptError("the store path is empty")
     dest = Path(args.store)
     if not (dest / "STORE").exists() and (dest / "meta" / "STORE").exists():
         _open(args.store)  # a DCP root: refused, with the same message as every other command
+    if (root := _dcp_root_of(dest)) is not None:
+        raise DeltackptError(f"{args.store} is a store of the sharded (DCP) root {root}: a checkpoint imported into "
+                             "it is not a step of the root (in meta, it breaks the root's listing and loads)")
     # a step or state the store cannot hold is refused before a new store is created for it
     check_step(args.step)
     tree.flatten(state)
@@ -959,13 +972,13 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
                   f"{when(latest.created)}), was not written by a Checkpointer (no 'step' and 'model' entries): a "
                   "Checkpointer's restore() refuses it; Store.load it directly")
             return 1 if args.verify else 0  # (--verify: no checkpoint would restore)
+        if state.get("thinned") and args.verify:  # restore() refuses it: no checkpoint would restore
+            raise DeltackptError(f"no checkpoint of {args.store} would restore: the newest one left, step "
+                                 f"{latest.step} ({latest.id}), was thinned to model weights only")
         print(f"a run would resume from step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)})"
               + ("" if args.verify else "; its chunks were not read ('--verify' decodes them and passes over "
                  "damaged checkpoints, as a restore does)"))
         if state.get("thinned"):
-            if args.verify:  # restore() refuses it: no checkpoint would restore
-                raise DeltackptError(f"no checkpoint of {args.store} would restore: the newest one left, step "
-                                     f"{latest.step} ({latest.id}), was thinned to model weights only")
             print("warning: it was thinned to model weights only and cannot resume training")
         rows = []
         for part in ("model", "optimizer", "scheduler", "scaler", "data", "extra", "rng"):

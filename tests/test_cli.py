@@ -583,6 +583,22 @@ def test_get_prints_values_and_tensors(capsys: pytest.CaptureFixture[str], store
     assert dir_snapshot(store_path) == before
 
 
+def test_get_hint_names_the_checkpoint_asked_about(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """``get`` of a key a checkpoint lacks hints at the diff that lists its key paths: by id when a newer
+    checkpoint of its step exists (the step names that one, whose keys the hint listed)."""
+    with open_store(store_path) as s:
+        old = s.save({"a": 1}, step=4)
+        s.load(step=4)
+        s.save({"b": 2}, step=4)
+    rc, _, err = cli(capsys, "get", store_path, old.id, "c")
+    assert rc == 1
+    assert_one_line_error(err, f"checkpoint {old.id} (step 4) holds nothing at 'c'",
+                          f"deltackpt diff {store_path} {old.id} {old.id} --all")
+    rc, _, err = cli(capsys, "get", store_path, 4, "c")
+    assert rc == 1
+    assert_one_line_error(err, f"deltackpt diff {store_path} 4 4 --all")
+
+
 def test_get_matches_places_and_prints_exact_integers(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     """A key path names a place or a container it lies in, not a string prefix (``lr`` is not ``lr.warmup``'s
     container when that is one key); the escaped form listings print works; integer statistics are exact past
@@ -945,6 +961,32 @@ def test_import_with_a_bad_step_creates_no_store(capsys: pytest.CaptureFixture[s
     assert rc == 1 and out == ""
     assert_one_line_error(err, "step must be between 0 and 2**63-1, got -1")
     assert not dest.exists()
+
+
+def test_import_refuses_an_empty_path_and_a_dcp_roots_stores(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """``import "" FILE`` made a store in the current directory (every other command refuses an empty path), and
+    an import into a DCP root's meta or rank store was taken, which broke the root's listing and loads
+    (``keep`` refuses those stores)."""
+    src = tmp_path / "weights.pt"
+    torch.save({"w": torch.ones(3)}, src)
+    here = tmp_path / "cwd"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    rc, _, err = cli(capsys, "import", "", src, "--step", 1)
+    assert rc == 1
+    assert_one_line_error(err, "the store path is empty")
+    assert list(here.iterdir()) == []
+    root = tmp_path / "root"
+    for name in ("meta", "rank-00000"):
+        with deltackpt.Store(root / name) as s:
+            s.save({"x": 1}, step=1)
+    for name in ("meta", "rank-00000"):
+        before = dir_snapshot(root / name)
+        rc, _, err = cli(capsys, "import", root / name, src, "--step", 2)
+        assert rc == 1
+        assert_one_line_error(err, f"is a store of the sharded (DCP) root {root}")
+        assert dir_snapshot(root / name) == before
 
 
 def test_import_safetensors(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path) -> None:
@@ -1418,8 +1460,8 @@ def test_resume_info_verify_fails_when_only_a_thinned_checkpoint_is_left(capsys:
                                 handle_signals=False) as ckpt:
         ckpt.step(1)
         ckpt._thin([ckpt.store.info(1).id], {i.id: i for i in ckpt.store.list()})
-    rc, _, err = cli(capsys, "resume-info", store_path, "--verify")
-    assert rc == 1
+    rc, out, err = cli(capsys, "resume-info", store_path, "--verify")
+    assert rc == 1 and out == ""  # (it printed "a run would resume from step 1" before the error)
     assert_one_line_error(err, "would restore", "step 1", "thinned to model weights only")
     rc, out, _ = cli(capsys, "resume-info", store_path)
     assert rc == 0 and "cannot resume training" in out
