@@ -840,7 +840,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 tmp.unlink(missing_ok=True)
         raise DeltackptError(f"cannot write {dest}: {_first_line(exc)}") from None
     size = f" ({human(real.stat().st_size)})" if real.is_file() else ""
-    print(f"exported checkpoint {args.checkpoint} to {dest}{size}")
+    print(f"exported checkpoint {m.id} (step {m.step}) to {dest}{size}")  # (not "latest", or a step saved twice)
     return 0
 
 

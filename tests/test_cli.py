@@ -860,10 +860,11 @@ def test_export_pt_round_trips(capsys: pytest.CaptureFixture[str], store_path: P
         s.save({"old": torch.zeros(1)}, step=1)
         s.save(state, step=2)
         expected = s.load(2)
+        cid = s.info(2).id
     dest = tmp_path / "out.pt"
     rc, out, err = cli(capsys, "export", store_path, 2, dest)
     assert rc == 0 and err == ""
-    assert out.startswith(f"exported checkpoint 2 to {dest} (")
+    assert out.startswith(f"exported checkpoint {cid} (step 2) to {dest} (")  # (the one exported, by id)
     loaded = torch.load(dest, weights_only=True)
     assert_same_state(expected, loaded)
     assert_same_state(state, loaded)
