@@ -732,8 +732,10 @@ def cmd_dcp(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
+    if not args.store:  # (it named the current directory: "." is not a store, or repaired the one it is)
+        raise DeltackptError("the store path is empty")
     root = Path(args.store)
-    if args.store and not (root / "STORE").exists() and (root / "meta" / "STORE").exists():
+    if not (root / "STORE").exists() and (root / "meta" / "STORE").exists():
         raise DeltackptError(f"{args.store} is a sharded (DCP) checkpoint root: repair its stores one by one, "
                              f"'deltackpt repair {root / 'meta'}' and each of {root / 'rank-*'}")
     store = maintenance.open_for_repair(args.store)

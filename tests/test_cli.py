@@ -1546,7 +1546,7 @@ def test_export_under_a_regular_file_says_so(capsys: pytest.CaptureFixture[str],
         assert rc == 1
         assert_one_line_error(err, needle)
     assert not (tmp_path / "o.pt").exists()
-    for cmd in ("ls", "du"):
+    for cmd in ("ls", "du", "repair"):  # (repair said ". is not a deltackpt store", and repaired one that is)
         rc, _, err = cli(capsys, cmd, "")
         assert rc == 1
         assert_one_line_error(err, "the store path is empty")
