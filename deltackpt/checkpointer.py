@@ -530,6 +530,7 @@ class Checkpointer:
         Thinned checkpoints (weights only) are never fallen back to: if no full checkpoint restores, the first
         error is raised. A given ``step`` or ``id`` is restored or raises.
         """
+        self._check_open()  # (as step() and save(): not the store's "index is closed", nor a restore into the run)
         self.wait()
         strict = config.boolean("strict", strict)
         for path, member in group_members(self.model, "model"):

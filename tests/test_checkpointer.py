@@ -3346,3 +3346,23 @@ def test_step_on_a_closed_checkpointer_raises_at_every_step(fast_dir: Path) -> N
             ckpt.step(step)
     with Store(fast_dir / "store") as store:
         assert [i.step for i in store.list()] == [10]
+
+
+def test_restore_on_a_closed_checkpointer_raises_that_it_is_closed(fast_dir: Path) -> None:
+    """restore() after close() raised the store's 'the index of ... is closed' (a store the checkpointer owned), or,
+    given an open Store, restored into the model and the RNG states of a closed checkpointer without a word."""
+    m = torch.nn.Linear(2, 2)
+    ck = deltackpt.Checkpointer(fast_dir / "owned", model=m, async_save=False, handle_signals=False)
+    ck.step(1)
+    ck.close()
+    with pytest.raises(deltackpt.DeltackptError, match="the checkpointer is closed"):
+        ck.restore()
+    store = deltackpt.Store(fast_dir / "owned")
+    ck = deltackpt.Checkpointer(store, model=m, async_save=False, handle_signals=False)
+    ck.close()
+    with torch.no_grad():
+        m.weight.zero_()
+    with pytest.raises(deltackpt.DeltackptError, match="the checkpointer is closed"):
+        ck.restore(step=1)
+    assert not m.weight.any()
+    store.close()
