@@ -1067,7 +1067,7 @@ def build_parser() -> argparse.ArgumentParser:
              "does not keep", store="store directory, or a sharded (DCP) checkpoint root")
     kp.add_argument("--last", type=int, metavar="N", help="keep the N newest")
     kp.add_argument("--every", type=int, metavar="N", help="keep steps that are multiples of N")
-    kp.add_argument("--within", type=_duration, metavar="AGE", help="keep those younger than AGE (7d, 12h, 3600)")
+    kp.add_argument("--within", type=_duration, metavar="AGE", help="keep those at most AGE old (7d, 12h, 3600)")
     kp.add_argument("--best", type=_best, metavar="METRIC:min|max", help="keep the best by a metadata value")
     kp.add_argument("--best-k", type=int, default=None, metavar="K", help="how many --best keeps (1)")
     kp.add_argument("--no-tagged", action="store_true", help="do not keep tagged checkpoints for their tag")

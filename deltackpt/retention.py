@@ -48,9 +48,10 @@ class Retention:
     keep_best     (metric, "min" | "max"): keep the ``best_k`` checkpoints with the best
                   ``metadata[metric]``
     best_k        how many "best" checkpoints to keep (default 1)
-    keep_within   keep every checkpoint younger than this many seconds
-    full_last     if set, only the N most recent checkpoints keep the full training state; older kept ones are
-                  thinned to model weights only (for evaluation; training cannot resume from one)
+    keep_within   keep every checkpoint at most this many seconds old
+    full_last     if set, only the N most recent of the checkpoints the rules keep keep the full training state;
+                  older kept ones are thinned to model weights only (for evaluation; training cannot resume from
+                  one). The window counts what survives: checkpoints deleted by the same plan take no place in it
     """
 
     keep_last: int | None = None
@@ -88,10 +89,14 @@ class Retention:
         if self.keep_within is not None:
             if isinstance(self.keep_within, (bool, np.bool_)) or not isinstance(self.keep_within, numbers.Real):
                 raise TypeError(f"Retention.keep_within must be a number of seconds, got {self.keep_within!r}")
-            if not math.isfinite(self.keep_within) or self.keep_within < 0:
+            try:  # (an int or Fraction beyond float's range is out of range, not an OverflowError)
+                within = float(self.keep_within)
+            except OverflowError:
+                within = math.inf
+            if not math.isfinite(within) or within < 0:
                 raise ValueError(
-                    f"Retention.keep_within must be a finite number of seconds >= 0, got {self.keep_within!r}")
-            object.__setattr__(self, "keep_within", float(self.keep_within))
+                    f"Retention.keep_within must be a finite number of seconds >= 0, got {self.keep_within!r:.60}")
+            object.__setattr__(self, "keep_within", within)
 
     @property
     def deletes_anything(self) -> bool:
@@ -122,7 +127,9 @@ class Retention:
             keep.update(i.id for i in infos if now - i.created <= self.keep_within)
         thin: list[str] = []
         if self.full_last is not None:
-            full = set(ids[-self.full_last :])
+            # (the N newest survivors: a newer checkpoint that the rules delete, keep_every's non-multiples say,
+            # would otherwise take a place, thin the older kept ones and leave fewer than N to resume from)
+            full = set([i for i in ids if i in keep][-self.full_last :])
             thin = [
                 i.id for i in infos
                 if i.id in keep and i.id not in full

@@ -209,13 +209,14 @@ def test_thinning(infos: list[CheckpointInfo], policy: Retention) -> None:
         assert plan.thin == []
         return
     by_id = {i.id: i for i in infos}
-    full = {i.id for i in infos[-policy.full_last:]}
+    survivors = [i.id for i in infos if i.id not in set(plan.delete)]
+    full = set(survivors[-policy.full_last:])  # (the newest of those kept: deleted ones take no place)
     thin = set(plan.thin)
-    assert not thin & full, "a checkpoint among the full_last newest is thinned"
+    assert not thin & full, "a checkpoint among the full_last newest kept is thinned"
     assert not thin & set(plan.delete)
     for cid in thin:
         assert not _meta(by_id[cid]).get(THINNED_KEY), f"step {by_id[cid].step} is thinned a second time"
-    # every surviving checkpoint outside the full_last newest ends up weights-only
+    # every surviving checkpoint outside the full_last newest kept ends up weights-only
     for cid in plan.keep:
         if cid not in full:
             assert _meta(by_id[cid]).get(THINNED_KEY), f"step {by_id[cid].step} stays full"
@@ -232,6 +233,19 @@ def test_examples() -> None:
     assert sorted(int(c, 16) for c in plan.keep) == [2, 4, 5]
     plan = Retention(keep_best=("loss", "max"), keep_last=1, full_last=1).plan(infos, now=NOW)
     assert sorted(int(c, 16) for c in plan.keep) == [5] and plan.thin == [] and len(plan.delete) == 4
+
+
+def test_full_last_counts_the_checkpoints_that_survive() -> None:
+    """full_last=N keeps the N newest of the checkpoints the rules keep full. It counted the N newest before the
+    deletes, so newer checkpoints deleted by the same plan took places: keep_best with full_last=2 left the best
+    checkpoint thinned beside one full one, and keep_every thinned each kept multiple at the next save."""
+    metas = [{"loss": 0.1}, {"loss": 0.5}, {"loss": 0.9}]
+    infos = [CheckpointInfo(f"{s:016x}", s, NOW, None, 0, 0, m, s) for s, m in enumerate(metas, 1)]
+    plan = Retention(keep_best=("loss", "min"), full_last=2).plan(infos, now=NOW)
+    assert sorted(int(c, 16) for c in plan.keep) == [1, 3] and plan.thin == [] and len(plan.delete) == 1
+    infos = [CheckpointInfo(f"{s:016x}", s, NOW, None, 0, 0, None, s) for s in range(1, 26)]
+    plan = Retention(keep_every=10, keep_last=1, full_last=2).plan(infos, now=NOW)
+    assert sorted(int(c, 16) for c in plan.keep) == [20, 25] and [int(c, 16) for c in plan.thin] == [10]
 
 
 def test_keep_best_ranks_numpy_scalars() -> None:
@@ -732,6 +746,16 @@ def test_keep_best_prefers_the_newer_of_tied_checkpoints() -> None:
     plan = Retention(keep_best=("loss", "max"), best_k=1, keep_last=1).plan(
         _infos([1, 2, 3], [{"loss": 5.0}, {"loss": 5.0}, {"loss": 0.0}]), now=NOW)
     assert sorted(int(c, 16) for c in plan.keep) == [1, 2], plan  # ids 0x1 (step 2) and 0x2 (step 3)
+
+
+def test_keep_within_beyond_float_range_is_a_value_error() -> None:
+    """An int (or Fraction) keep_within too large for a float is out of range: a ValueError, as documented, not
+    the OverflowError of converting it."""
+    import fractions
+
+    for value in (10**400, -(10**400), fractions.Fraction(10**400, 3)):
+        with pytest.raises(ValueError, match="keep_within must be a finite number"):
+            Retention(keep_last=3, keep_within=value)
 
 
 def test_keep_within_is_inclusive() -> None:
