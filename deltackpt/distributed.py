@@ -249,6 +249,7 @@ class DeltaStorageWriter(StorageWriter):
         #: of the save in progress: the checkpoints its stores descend from (meta and by rank), when a load in this
         #: process read the root since the last save into it; each store's newest otherwise
         self._branch: dict[int | str, str] = {}
+        self._alone_as: int | None = None  # (set_up_storage_writer: this process's rank when it may save alone)
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled writer leaves its open stores (locks, files, threads) behind. DCP's process-based
@@ -296,15 +297,13 @@ class DeltaStorageWriter(StorageWriter):
             raise ValueError("DeltaStorageWriter needs DCP's collectives (use_collectives=True): the coordinator "
                              "commits every rank's shards at once")
         rank = kwargs.get("rank")
+        # dcp.save(no_dist=True) on every rank of a job: each process saves alone, as rank 0 (or a process group of
+        # its own, which cannot be told apart from it). Warned in prepare_global_plan, where the plans say whether
+        # this process saves alone: rank 0 of a subgroup of several ranks (the job's rank 1 of a group [1, 2]) does not
+        self._alone_as = None
         if rank == 0 and torch.distributed.is_available() and torch.distributed.is_initialized() and \
                 torch.distributed.get_world_size() > 1 and torch.distributed.get_rank() != 0:
-            # dcp.save(no_dist=True) on every rank of a job: each process saves alone, as rank 0 (or a process
-            # group of its own, which cannot be told apart from here)
-            warnings.warn(f"DeltaStorageWriter: this process is rank {torch.distributed.get_rank()} of "
-                          f"{torch.distributed.get_world_size()} but saves as rank 0 of its own (no_dist=True, or a "
-                          "process group of its own): processes that save this way into one root replace each "
-                          "other's shards at each step; save with the job's process group, or give each its own "
-                          "root", RuntimeWarning, stacklevel=2)
+            self._alone_as = torch.distributed.get_rank()
         if self.root is None:
             raise ValueError("DeltaStorageWriter needs a root directory (or a checkpoint_id to dcp.save)")
         if self.step is None:
@@ -330,6 +329,12 @@ class DeltaStorageWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        if len(plans) == 1 and self._alone_as is not None:
+            warnings.warn(f"DeltaStorageWriter: this process is rank {self._alone_as} of "
+                          f"{torch.distributed.get_world_size()} but saves as rank 0 of its own (no_dist=True, or a "
+                          "process group of its own): processes that save this way into one root replace each "
+                          "other's shards at each step; save with the job's process group, or give each its own "
+                          "root", RuntimeWarning, stacklevel=2)
         return [replace(p, storage_data=_Slot(rank, self.step)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -343,8 +348,8 @@ class DeltaStorageWriter(StorageWriter):
         rank = plan.storage_data.rank if isinstance(plan.storage_data, _Slot) else 0
         step = plan.storage_data.step if isinstance(plan.storage_data, _Slot) else None
         if step is not None and step != self.step:  # (before anything is written)
-            raise ValueError(f"rank {rank} saves step {self.step}, but the coordinator commits step {step}: set "
-                             "writer.step to the same step on every rank")
+            raise DeltackptError(f"rank {rank} saves step {self.step}, but the coordinator commits step {step}: "
+                                 "set writer.step to the same step on every rank")
         tensors: dict[str, torch.Tensor] = {}
         pickled: dict[str, np.ndarray] = {}
         blobs: dict[str, np.ndarray] = {}

@@ -10,6 +10,8 @@ step, which tests/test_distributed.py checks loads against.
 - ``replicated``: saves STEP of a state of plain (not sharded) tensors and values, which DCP's planner, told to
   save replicated items on the lowest rank, plans for the coordinator alone: the other ranks write nothing;
 - ``no-dist``: every rank saves a tensor of its own with ``no_dist=True``, and prints whether it was warned;
+- ``subgroup``: ranks 1 and 2 of 3 save a tensor each with a process group of those two, printing whether each
+  was warned (rank 0 saves nothing);
 - ``load-race``: ``load``, with rank 0 creating ROOT.read once it has read the newest step's metadata and rank 1
   waiting for ROOT.go before reading it (a test commits a step in between);
 - ``misuse``: ``misuse RANK WORLD ROOT INIT KIND``, a save or load whose ranks disagree, printing what it raised:
@@ -131,6 +133,18 @@ def main() -> int:
                 print("done", flush=True)
             # (no destroy_process_group: after a failed collective gloo's teardown can abort the process)
             os._exit(0)
+        if mode == "subgroup":  # ranks 1 and 2 of 3 save with a process group of their own two
+            group = dist.new_group([1, 2])
+            if rank in (1, 2):
+                writer = DeltaStorageWriter(root, step=1)
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    dcp.save({f"r{rank}": torch.full((4,), float(rank))}, storage_writer=writer, process_group=group)
+                writer.close()
+                warned = any(issubclass(w.category, RuntimeWarning) and "saves as rank 0" in str(w.message)
+                             for w in caught)
+                print("warned" if warned else "quiet", flush=True)
+            return 0
         if mode == "replicated":
             step = int(sys.argv[6])
             writer = DeltaStorageWriter(root, step=step)

@@ -169,6 +169,17 @@ def test_ranks_that_save_alone_into_one_root_are_warned(tmp_path: Path) -> None:
     assert [r.stdout.split()[-1] for r in out] == ["quiet", "warned"]
 
 
+def test_ranks_that_save_with_a_subgroup_of_the_job_are_not_warned(tmp_path: Path) -> None:
+    """Ranks 1 and 2 of 3 saving with a process group of those two: the subgroup's rank 0 (the job's rank 1) was
+    warned that it saved alone, as rank 0 of its own, replacing other processes' shards. It saves with rank 2,
+    whose shards are in the step beside its own."""
+    root = tmp_path / "root"
+    out = ranks("subgroup", root, tmp_path, 3)
+    assert all(r.returncode == 0 for r in out), [r.stderr[-2000:] for r in out]
+    assert [r.stdout.split()[-1] if r.stdout else "" for r in out] == ["", "quiet", "quiet"]
+    assert [i.ranks for i in distributed.summary(root)] == [2]
+
+
 def test_ranks_that_disagree_on_the_root_or_the_step_commit_nothing(tmp_path: Path) -> None:
     """Ranks saving into different roots (a relative root and other working directories, node-local disks) each
     returned from dcp.save, and the coordinator committed a step naming a rank checkpoint its root lacks: the
@@ -176,7 +187,8 @@ def test_ranks_that_disagree_on_the_root_or_the_step_commit_nothing(tmp_path: Pa
     are refused now, and the coordinator's root holds no step."""
     root = tmp_path / "ckpt"
     for kind, words in (("roots", "is not committed: rank 1's shards"),
-                        ("steps", "rank 1 saves step 2, but the coordinator commits step 1")):
+                        # (a DeltackptError, as the README says, inside DCP's CheckpointException; was ValueError)
+                        ("steps", "DeltackptError: rank 1 saves step 2, but the coordinator commits step 1")):
         results = ranks("misuse", root, tmp_path, 2, kind)
         for r in results:
             assert r.returncode == 0, r.stderr[-3000:]
