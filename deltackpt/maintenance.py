@@ -531,8 +531,11 @@ def gc(
     wait for the store: one that runs out before anything was freed raises ``StoreLockedError``; later, it stops
     the repack (``repack_stopped``).
     """
-    if isinstance(repack_below, bool) or not isinstance(repack_below, (int, float)) or not 0 <= repack_below <= 1:
+    if isinstance(repack_below, (bool, np.bool_)) or not isinstance(repack_below, numbers.Real):
+        raise TypeError(f"repack_below must be a fraction between 0 and 1, got {type(repack_below).__name__}")
+    if not 0 <= repack_below <= 1:  # (NaN too)
         raise ValueError(f"repack_below must be a fraction between 0 and 1, got {repack_below!r}")
+    repack_below = float(repack_below)
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)):
         raise TypeError(f"timeout must be a number of seconds or None, got {type(timeout).__name__}")
     if timeout is not None and not timeout >= 0:  # (NaN too: no deadline would ever pass)

@@ -755,12 +755,26 @@ def encode_plain(value: Any) -> list[Any]:
             f"{registered[0] or '<root>'}): every process that lists the store would need its decoder")
     if format_version(skeleton) > 1:
         raise UnsupportedTypeError(
+            f"cannot store metadata at {_first_newer(skeleton) or '<root>'}: "
             "metadata may hold None, bool, int, float, str, bytes, lists, tuples, and dicts with str or int keys "
             "(and torch dtypes other than quantized ones, devices and sizes, numpy scalars); convert sets, Counters, "
             "deques, defaultdicts, complex numbers, quantized dtypes (to their names) and module state_dict()s "
             "(whose _metadata attribute is not kept there)"
         )
     return skeleton
+
+
+def _first_newer(n: Any) -> str:
+    """The key path of the innermost node of skeleton ``n`` (one :func:`flatten` made, of a version above 1)
+    that needs a version above 1 itself: a value of a newer kind, or a dict with a key of one."""
+    path = ""
+    while True:
+        for k, c in node_children(n):
+            if format_version(c) > 1:
+                n, path = c, child_path(path, k)
+                break
+        else:
+            return path
 
 
 def _first_registered(n: Any, path: str) -> tuple[str, str] | None:

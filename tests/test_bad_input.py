@@ -387,6 +387,30 @@ def test_a_gc_timeout_of_the_wrong_type_or_range_is_refused_before_any_wait(tmp_
         assert s.gc(timeout=0.5).freed_bytes == 0 and s.gc(timeout=np.float64(1)).freed_bytes == 0
 
 
+def test_a_gc_repack_fraction_of_the_wrong_type_or_range_is_refused_as_such(tmp_path: Path) -> None:
+    """gc(repack_below=) takes a real number in 0..1 (numpy's too, as timeout= does): a wrong type is a TypeError,
+    a value out of range a ValueError. Before, every wrong type was a ValueError, and np.float32(0.5) was refused
+    as not "a fraction between 0 and 1"."""
+    with deltackpt.Store(tmp_path / "s") as s:
+        s.save({"w": torch.arange(3000.0)}, step=1)
+        for bad, error in (("0.5", TypeError), (True, TypeError), (None, TypeError), (float("nan"), ValueError),
+                           (-0.1, ValueError), (2, ValueError)):
+            with pytest.raises(error, match="repack_below must be"):
+                s.gc(repack_below=bad)
+        for good in (np.float32(0.5), np.float64(0.5), 1, 0):
+            assert s.gc(repack_below=good).freed_bytes == 0
+
+
+def test_metadata_of_a_newer_kind_is_refused_naming_its_key_path(store: deltackpt.Store) -> None:
+    """Like every other refused value, a metadata value of a kind metadata may not hold (a set, a complex number,
+    a Counter, a dict with a tuple key) is named by its key path. Before, the message named no place."""
+    for meta, where in (({"x": {"y": [0, 1j]}}, r"x\.y\[1\]"), ({"a": 1, "b": {"c": {2}}}, r"b\.c"),
+                        ({"x": {(1,): 2}}, r"x:"), ({"k": Counter(a=1)}, r"k:"), ({(1, 2): 3}, "<root>")):
+        with pytest.raises(UnsupportedTypeError, match=f"cannot store metadata at {where}"):
+            store.save({"w": torch.randn(5000)}, step=1, metadata=meta)
+    assert store.list() == []
+
+
 def test_bad_settings_from_the_environment_name_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELTACKPT_ZSTD_LEVEL", "30")
     with pytest.raises(ValueError, match="DELTACKPT_ZSTD_LEVEL"):
