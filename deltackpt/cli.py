@@ -553,8 +553,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
         raise ValueError(f"--repack-below must be a fraction between 0 and 1, got {args.repack_below}")
     with _open(args.store) as s, progress("gc") as bar:
         r = s.gc(repack_below=args.repack_below, progress=bar)
-    print(f"dropped {r.dead_chunks} dead chunk(s); deleted {r.deleted_packs} pack(s), repacked "
-          f"{r.repacked_packs} ({r.moved_chunks} chunks moved); removed {r.orphan_manifests} orphan manifest(s); "
+    print(f"dropped {r.dead_chunks} dead chunk(s); deleted {r.deleted_packs} pack(s) ({r.repacked_packs} of them "
+          f"repacked: {r.moved_chunks} live chunk(s) moved); removed {r.orphan_manifests} orphan manifest(s); "
           f"freed {human(r.freed_bytes)}")
     return _gc_problems(r, "", "deltackpt verify")
 

@@ -376,6 +376,15 @@ def decode_chain(
         except CorruptChunkError as exc:
             if not frames:
                 raise
+            # The frame that named this base may be the damaged one (a flipped byte of its base digest names a
+            # chunk that does not exist): report its own damage, where it lies, not a base that never was.
+            try:
+                check_frame(frames[-1], expect_digest=headers[-1].digest, expect_len=raw_len, where=wheres[-1])
+            except CorruptChunkError as own:
+                if len(frames) == 1:
+                    raise CorruptChunkError(own.reason, chunk_id=cid) from None
+                raise CorruptChunkError(f"its delta base {chunk_hex(headers[-1].digest, raw_len)} is damaged: "
+                                        f"{_root(own.reason)}", chunk_id=cid) from None
             raise CorruptChunkError(
                 f"its delta base {chunk_hex(want, raw_len)} is damaged: {_root(exc.reason)}", chunk_id=cid
             ) from None

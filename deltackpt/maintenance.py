@@ -91,7 +91,9 @@ class VerifyReport:
 @dataclass
 class GcReport:
     dead_chunks: int = 0
+    #: packs unlinked: those with no live frame, and the repacked ones
     deleted_packs: int = 0
+    #: sparse packs whose live frames were copied into new packs before they were unlinked (in ``deleted_packs``)
     repacked_packs: int = 0
     moved_chunks: int = 0
     #: bytes of packs and orphan manifests deleted, less what repacking copied into new packs
@@ -281,6 +283,11 @@ def _entry_problem(store: Store, k: bytes, loc: ChunkLoc) -> Problem | None:
     except (DeltackptError, OSError, OverflowError):
         return None
     if h.digest != k[:16] or (h.codec, h.base) == (loc.codec, loc.base):
+        return None
+    try:  # a damaged header byte is the frame's damage (the chunk's own check reports it), not the entry's
+        codec.check_frame(store.reader.read(loc.pack_id, loc.offset, loc.frame_len), expect_digest=k[:16],
+                          expect_len=int.from_bytes(k[16:], "big"))
+    except (DeltackptError, OSError, OverflowError):
         return None
     cid = codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big"))
     return Problem(None, None, None, cid, f"index entry says codec {loc.codec}, base {loc.base.hex()}; its frame in "
@@ -692,7 +699,8 @@ def _repack_one(store: Store, writer: packs.PackWriter, pack_id: str, path: Path
         return str(exc.strerror or exc)
     report.moved_chunks += len(moved)
     report.repacked_packs += 1
-    report.freed_bytes -= sum(loc.frame_len for loc in moved.values())  # their copies: freed is net
+    # their copies, and the header of each pack the copies opened: freed is net
+    report.freed_bytes -= sum(loc.frame_len for loc in moved.values()) + packs.PACK_HEADER.size * len(writer.opened)
     _unlink_packs(store, [path], report)
     return None
 

@@ -284,6 +284,11 @@ class PackWriter:
         if self._fd is not None and self._offset > nbytes:
             self.close()
 
+    @property
+    def opened(self) -> list[str]:
+        """The packs opened since the last :meth:`mark` (each starts with a header of ``PACK_HEADER.size`` bytes)."""
+        return list(self._opened)
+
     def mark(self) -> tuple[str | None, int]:
         """Where the next frame goes, for :meth:`rollback`."""
         self._write_held()  # a rollback cuts the file back to the mark: everything before it must be in the file

@@ -662,7 +662,7 @@ def test_rm_then_gc_frees_space(capsys: pytest.CaptureFixture[str], store_path: 
     before = sum(p.stat().st_size for p in pack_files(store_path))
     rc, out, err = cli(capsys, "gc", store_path)
     assert rc == 0 and err == ""
-    m = re.match(r"dropped (\d+) dead chunk\(s\); deleted (\d+) pack\(s\), .* freed (\d+(?:\.\d)? \w+)$", out.strip())
+    m = re.match(r"dropped (\d+) dead chunk\(s\); deleted (\d+) pack\(s\) .* freed (\d+(?:\.\d)? \w+)$", out.strip())
     assert m, out
     assert int(m[1]) == 3 and int(m[2]) == 1
     after = sum(p.stat().st_size for p in pack_files(store_path))

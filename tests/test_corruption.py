@@ -2147,3 +2147,34 @@ def test_numpy_dtypes_of_kinds_saves_refuse_are_manifest_damage(name: str) -> No
 @pytest.mark.parametrize("name", ["<f4", "<i8", "|u1", "|b1", "<c16"])
 def test_numpy_dtypes_saves_write_are_accepted(name: str) -> None:
     assert tree.numpy_dtype(name).kind in "biufc"
+
+
+def test_a_damaged_base_digest_is_the_frames_own_damage(store_path: Path) -> None:
+    """A flipped byte of a delta frame's base digest names a chunk that does not exist: loads and verify report
+    the damaged frame where it lies (and, for a chunk decoded through it, that frame as the damaged base), not
+    the bogus base the damaged header names."""
+    a = _rand(CS, 0)
+    states = [{"a": a}]
+    for i in (1, 2):
+        nxt = states[-1]["a"].clone()
+        nxt[:4] += i
+        states.append({"a": nxt})
+    with _open(store_path) as s:
+        ids = [s.save(st_, step=i + 1).id for i, st_ in enumerate(states)]
+        (cid2, loc2), = _chunks_of(s, 2)["a"]
+        (cid3, loc3), = _chunks_of(s, 3)["a"]
+    assert loc2.codec == codec.DELTA and loc3.codec == codec.DELTA and loc3.base.hex() == cid2.split("-")[0]
+    _flip(_pack_path(store_path, loc2), loc2.offset + 45, 0x01)  # inside the base digest (offsets 40-55)
+    where = f"pack {loc2.pack_id} offset {loc2.offset}"
+    with _open(store_path) as s:
+        with pytest.raises(CorruptChunkError) as ei:
+            s.load(2)
+        _assert_names(ei.value, ids[1], "a", cid2)
+        assert ei.value.reason == f"frame checksum mismatch at {where}", ei.value.reason
+        with pytest.raises(CorruptChunkError) as ei:
+            s.load(3)
+        _assert_names(ei.value, ids[2], "a", cid3)
+        assert ei.value.reason == f"its delta base {cid2} is damaged: frame checksum mismatch at {where}"
+        report = s.verify()
+        assert _problems(report) == {(ids[1], "a", cid2), (ids[2], "a", cid3)}
+        assert all(where in p.message and "not in the index" not in p.message for p in report.problems), report
