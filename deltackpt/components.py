@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from deltackpt import _lazy
+from deltackpt.staging import unfillable
 from deltackpt.tree import child_path
 
 if TYPE_CHECKING:
@@ -161,8 +162,10 @@ def put_back(live: Any, saved: Any) -> Any:
     objects where they can hold it, so that the training loop's references see the restored values. A tensor
     (or numpy array) of the same shape is copied into (converting the dtype, as ``load_state_dict`` does; the
     restore's load decoded those of the same dtype in place already); a dict is refilled (its keys that the
-    checkpoint lacks stay), a list too; a tuple keeps its tensors. Anything else is replaced by ``saved``."""
-    if isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor) and live.shape == saved.shape:
+    checkpoint lacks stay), a list too; a tuple keeps its tensors. Anything else is replaced by ``saved``, and so
+    is a tensor whose elements share memory (an ``expand``ed view), which no copy can fill."""
+    if (isinstance(live, torch.Tensor) and isinstance(saved, torch.Tensor) and live.shape == saved.shape
+            and (live.is_inference() or unfillable(live) is None)):  # (inference tensors: written below)
         if saved is not live:
             # (a tensor made in inference mode, an EMA's say, can be written only in inference mode)
             with torch.inference_mode() if live.is_inference() else torch.no_grad():

@@ -3265,6 +3265,22 @@ def test_restore_writes_into_extra_tensors_made_in_inference_mode(fast_dir: Path
     assert all(torch.equal(held[k], ema[k]) and held[k].is_inference() for k in ema)
 
 
+def test_restore_replaces_an_extra_tensor_no_copy_can_fill(fast_dir: Path) -> None:
+    """An ``extra`` tensor whose elements share memory (an ``expand``ed view) cannot be copied into: the restore
+    replaces it with the checkpoint's, as it replaces values it cannot write into (it raised torch's
+    overlapping-memory error once the model held the checkpoint's weights)."""
+    model = torch.nn.Linear(2, 2)
+    saved = {"bias": torch.arange(3.0).expand(2, 3).clone(), "scale": torch.tensor([1.0, 2.0])}
+    with Checkpointer(fast_dir / "s", model=model, extra={"t": saved}, async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    held = {"bias": torch.zeros(3).expand(2, 3), "scale": torch.zeros(2)}
+    scale = held["scale"]
+    with Checkpointer(fast_dir / "s", model=torch.nn.Linear(2, 2), extra={"t": held}, handle_signals=False) as ck:
+        assert ck.restore() == 1
+    assert held["scale"] is scale and torch.equal(scale, saved["scale"])  # (written in place, as before)
+    assert torch.equal(held["bias"], saved["bias"])  # (replaced)
+
+
 @pytest.mark.parametrize("wrapper", ["compile", "data_parallel"])
 @pytest.mark.parametrize("saved_wrapped", [True, False])
 @pytest.mark.parametrize("part", ["model", "submodule"])
