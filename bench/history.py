@@ -41,6 +41,14 @@ def _first_list(path: Path) -> float:
         return time.perf_counter() - t0
 
 
+def _changed_save(store: deltackpt.Store, state: dict, step: int) -> float:
+    """Seconds a save takes after one row changed, as in the loop that builds the history."""
+    state["w"][step % 256] += 1e-3
+    t0 = time.perf_counter()
+    store.save(state, step=step)
+    return time.perf_counter() - t0
+
+
 def _list_after_save(store: deltackpt.Store, state: dict, step: int) -> float:
     """Seconds a ``list()`` takes right after a save through the same handle (the save not counted)."""
     store.save(state, step=step)
@@ -72,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 store = deltackpt.Store(path, chunk_size=64 << 10)
                 t_list = _median(lambda: _first_list(path))
                 t_relist = _median(lambda s=step, st=store: _list_after_save(st, state, s))
-                t_save = _median(lambda s=step, st=store: st.save(state, step=s))
+                t_save = _median(lambda s=step, st=store: _changed_save(st, state, s))
                 t_latest = _median(lambda st=store: st.load())
                 oldest = store.list()[0].id
                 t_oldest = _median(lambda o=oldest, st=store: st.load(id=o))

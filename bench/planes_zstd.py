@@ -1,7 +1,7 @@
 """zstd's match finder on byte planes: level 1's own against ``codec.PLANES_PARAMS``, on real AdamW frames.
 
 ``python -m bench.planes_zstd [--saves 9] [--every-chunk 13] [--small]`` trains the suite's GPT (52.6M fp32
-parameters; ``--small``: 1.7M) with AdamW for ``--saves`` steps, saving the full training state after every
+parameters; ``--small``: 1.3M) with AdamW for ``--saves`` steps, saving the full training state after every
 step into a store (deltas and predictions on, as by default). It then takes every n-th chunk of the newest
 checkpoint, decodes its frame's byte planes (standalone frames: the planes of the raw bytes; predicted frames:
 the planes of the residual) and compresses them again both ways, on one core: size relative to raw, zstd
