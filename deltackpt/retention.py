@@ -49,9 +49,9 @@ class Retention:
                   ``metadata[metric]``
     best_k        how many "best" checkpoints to keep (default 1)
     keep_within   keep every checkpoint at most this many seconds old
-    full_last     if set, only the N most recent of the checkpoints the rules keep keep the full training state;
-                  older kept ones are thinned to model weights only (for evaluation; training cannot resume from
-                  one). The window counts what survives: checkpoints deleted by the same plan take no place in it
+    full_last     if set, of the checkpoints the rules keep, only the N most recent stay whole (the full training
+                  state); older kept ones are thinned to model weights only (for evaluation; training cannot
+                  resume from one). Checkpoints deleted by the same plan take no place among the N
     """
 
     keep_last: int | None = None
