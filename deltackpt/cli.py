@@ -119,7 +119,7 @@ def _open(path: str, *, readonly: bool = False) -> Store:
         raise DeltackptError("the store path is empty")
     p = Path(path)
     if not (p / "STORE").exists():
-        if (p / "meta" / "STORE").exists():
+        if _is_dcp_root(p):
             raise DeltackptError(f"{path} is a sharded (DCP) checkpoint root: 'deltackpt dcp {path}' lists its "
                                  f"steps; its stores are {p / 'meta'} and {p / 'rank-*'} (each rank's shards)")
         if not os.path.lexists(p):  # (a symbolic link loop exists, as a link: the message below names it)
@@ -618,7 +618,7 @@ def cmd_keep(args: argparse.Namespace) -> int:
         raise DeltackptError(f"{args.store} is a store of the sharded (DCP) root {parent}: thinning it alone would "
                              f"break the steps that name its checkpoints; 'deltackpt keep {parent}' thins the "
                              "root's steps")
-    if not (root / "STORE").exists() and (root / "meta" / "STORE").exists():  # a DCP root: its steps
+    if _is_dcp_root(root):  # its steps
         from deltackpt import distributed
 
         # the steps, with the metadata their writers were given (from the meta store alone: no rank store opened)
@@ -647,6 +647,12 @@ def cmd_keep(args: argparse.Namespace) -> int:
     if dropped and not args.dry_run:
         print(f"run '{gc}' (or this command with --gc) to reclaim space")
     return 0
+
+
+def _is_dcp_root(path: Path) -> bool:
+    """Whether ``path`` is a sharded (DCP) root: its meta store, and no store of its own. (Asked here, not of
+    :mod:`deltackpt.distributed`, whose import brings torch.distributed.checkpoint.)"""
+    return not (path / "STORE").exists() and (path / "meta" / "STORE").exists()
 
 
 def _dcp_root_of(path: Path) -> Path | None:
@@ -735,7 +741,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
     if not args.store:  # (it named the current directory: "." is not a store, or repaired the one it is)
         raise DeltackptError("the store path is empty")
     root = Path(args.store)
-    if not (root / "STORE").exists() and (root / "meta" / "STORE").exists():
+    if _is_dcp_root(root):
         raise DeltackptError(f"{args.store} is a sharded (DCP) checkpoint root: repair its stores one by one, "
                              f"'deltackpt repair {root / 'meta'}' and each of {root / 'rank-*'}")
     store = maintenance.open_for_repair(args.store)
@@ -875,7 +881,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     if not args.store:
         raise DeltackptError("the store path is empty")
     dest = Path(args.store)
-    if not (dest / "STORE").exists() and (dest / "meta" / "STORE").exists():
+    if _is_dcp_root(dest):
         _open(args.store)  # a DCP root: refused, with the same message as every other command
     if (root := _dcp_root_of(dest)) is not None:
         raise DeltackptError(f"{args.store} is a store of the sharded (DCP) root {root}: a checkpoint imported into "
