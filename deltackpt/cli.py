@@ -263,6 +263,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
             if group[1] > 1:
                 size = f"{group[1]} leaves, {human(group[2])}"
                 rows[group[0]] = (_place_path(root), kind, "", "-" if a is None else size, size if a is None else "-")
+        elif a[1] != b[1] and a[1][0] in _CONTAINER_NAMES and b[1][0] in _CONTAINER_NAMES:
+            continue  # two empty containers of other types: that is the containers' row below
         elif ta is not None or tb is not None or a[1] != b[1]:
             counts["values changed"] += 1
             kind = "tensor -> value" if ta is not None else "value -> tensor" if tb is not None else "value"

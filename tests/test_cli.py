@@ -296,6 +296,20 @@ def test_diff_reports_containers_that_changed_type(capsys: pytest.CaptureFixture
     assert out.splitlines()[-1] == "values the same: 9, removed: 1, added: 2, containers changed: 6"
 
 
+def test_diff_counts_an_empty_container_that_changed_type_once(capsys: pytest.CaptureFixture[str],
+                                                                 store_path: Path) -> None:
+    """``[]`` become ``{}`` is one change (the container's type), not also a value change of the empty leaf; two
+    empty lists are the same value."""
+    with open_store(store_path) as s:
+        s.save({"a": [], "b": (), "same": []}, step=1)
+        s.save({"a": {}, "b": None, "same": []}, step=2)
+    rc, out, _ = cli(capsys, "diff", store_path, 1, 2, "--all")
+    assert rc == 0
+    rows = _diff_rows(out)
+    assert {k: v[0] for k, v in rows.items()} == {"a": "type list -> dict", "b": "value", "same": "same"}
+    assert out.splitlines()[-1] == "values changed: 1, values the same: 1, containers changed: 1"
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_diff_reports_exactly_the_keys_that_changed(capsys: pytest.CaptureFixture[str], tmp_path_factory: Any,
