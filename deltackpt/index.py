@@ -93,7 +93,7 @@ class ChunkLoc:
     frame_len: int
     codec: int
     # frames a decode reads beyond this one: 0 standalone, base's depth + 1 for a delta, 1 + the deepest of its
-    # base and references for a predicted frame (an upper bound once a rewrite re-points an input)
+    # base and references for a predicted frame (an upper bound once an input is re-pointed to a shallower frame)
     depth: int
     base: bytes  # 16 zero bytes unless the frame is a delta or predicted frame
 
@@ -794,10 +794,12 @@ class Index:
     ) -> Record:
         """THE commit point: record the new chunks and the checkpoint in one durable transaction.
 
-        A chunk another writer recorded meanwhile keeps its first location (both frames are valid); with
-        ``repoint`` True (a rewrite, whose chunks are all standalone frames) every entry points to the new frame,
-        and so do the entries of the chunks ``repoint`` holds when it is a set (frames written again for
-        damaged ones).
+        A chunk another writer recorded meanwhile (both frames are valid) keeps the frame of lower chain depth,
+        its first one on a tie: this save computed the depths of its other frames (predicted frames referencing
+        its first moments) from its own frames' depths, which must stay upper bounds of what a decode reads, and
+        within this writer's ``max_chain`` (format.md §6, §8). With ``repoint`` True (a rewrite, whose chunks are
+        all standalone frames) every entry points to the new frame, and so do the entries of the chunks
+        ``repoint`` holds when it is a set (frames written again for damaged ones).
         With ``replace``, that checkpoint's records are removed in the same transaction and the new one takes
         its place in commit order (its seq, read again here); it raises CheckpointNotFoundError if ``replace``
         is gone.
@@ -806,7 +808,14 @@ class Index:
         again = repoint if not isinstance(repoint, bool) else frozenset()
         with self._write() as txn:
             for k, loc in chunks.items():
-                txn.put(k, loc.pack(), db=self.db_chunks, overwrite=repoint is True or k in again)
+                if txn.put(k, loc.pack(), db=self.db_chunks, overwrite=repoint is True or k in again):
+                    continue
+                try:  # another writer's frame of the same chunk, committed since this save looked
+                    deeper = ChunkLoc.unpack(bytes(txn.get(k, db=self.db_chunks)), k).depth > loc.depth
+                except CorruptIndexError:
+                    deeper = True  # (a damaged entry: this save's frame is intact)
+                if deeper:
+                    txn.put(k, loc.pack(), db=self.db_chunks)
             if replace is None:
                 last = txn.get(b"seq", db=self.db_meta)
                 seq = (_U64.unpack(last)[0] if last else 0) + 1

@@ -27,6 +27,8 @@ import crashworker as cw  # tests/ is on sys.path, as for conftest
 import numpy as np
 import pytest
 import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as hst
 
 import deltackpt.layout
 import deltackpt.store
@@ -860,3 +862,130 @@ def test_retention_that_deletes_nothing_does_not_wait_for_a_gc(tmp_path: Path) -
             assert not t.is_alive() and out == [[]], "retention that deletes nothing waited for the gc lock"
         finally:
             os.close(fd)
+
+
+# -- concurrent writers and the chain bound ---------------------------------------------------------------------
+
+def _decode_depths(s: Store) -> dict[bytes, tuple[int, int, int]]:
+    """Every chunk entry's (recorded depth, depth its decode actually reaches, codec), found by walking the frames
+    the decode path reads: a delta's base, a predicted frame's base and the chunks its record names."""
+    from deltackpt import codec
+
+    entries = dict(s.index.iter_chunks())
+    actual: dict[bytes, int] = {}
+
+    def depth(k: bytes, nesting: int = 0) -> int:
+        if k not in actual:
+            assert nesting <= codec.MAX_CHAIN_FRAMES, "a cycle of bases or prediction inputs"
+            refs = s.references(k, entries[k])
+            assert all(r in entries for r in refs), "a base or prediction input is not in the index"
+            actual[k] = 1 + max(depth(r, nesting + 1) for r in refs) if refs else 0
+        return actual[k]
+
+    return {k: (loc.depth, depth(k), loc.codec) for k, loc in entries.items()}
+
+
+def _sparse_adamw(steps: int, seed: int) -> list[dict[str, Any]]:
+    """AdamW on an embedding table of which only a few rows ever get a gradient: the first moments change in few
+    bytes per chunk, so XOR deltas win for them, and the second moments and weights are predicted."""
+    import copy
+
+    torch.manual_seed(seed)
+    model = torch.nn.Embedding(1024, 16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    rows = torch.arange(0, 1024, 37)
+    states = []
+    for _ in range(steps):
+        loss = model(rows[torch.randint(len(rows), (8,))]).pow(2).sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        states.append(copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()}))
+    return states
+
+
+def _first_moments(state: dict[str, Any]) -> dict[str, Any]:
+    return {"optimizer": {"state": {i: {"exp_avg": v["exp_avg"]} for i, v in state["optimizer"]["state"].items()}}}
+
+
+def _race_first_moments(d: Path, a_settings: dict[str, Any], b_settings: dict[str, Any], steps: int,
+                        seed: int, *, a_commits_first: bool = True) -> tuple[Store, Store, list[dict[str, Any]]]:
+    """Handle ``b`` saves whole AdamW states and handle ``a`` (other settings) only their first moments, under the
+    same key paths; at each step one writes its frames, the other saves meanwhile and commits first
+    (``a_commits_first``: ``a``). Both wrote frames of the same first-moment chunks: ``a``'s XOR deltas against
+    its own previous save, ``b``'s standalone, and ``b``'s predicted frames reference them."""
+    from unittest import mock
+
+    a = Store(d, chunk_size=1 << 14, **a_settings)
+    b = Store(d, chunk_size=1 << 14, **b_settings)
+    states = _sparse_adamw(steps, seed)
+    for step, state in enumerate(states, 1):
+        moments = _first_moments(state)
+        saves = [(a, moments), (b, state)] if a_commits_first else [(b, state), (a, moments)]
+        (first, first_state), (later, later_state) = saves
+        real = later.index.commit_checkpoint
+
+        def first_meanwhile(*args: Any, first: Store = first, first_state: Any = first_state, step: int = step,
+                            real: Any = real, **kwargs: Any) -> Any:
+            first.save(first_state, step=step)
+            return real(*args, **kwargs)
+
+        with mock.patch.object(later.index, "commit_checkpoint", side_effect=first_meanwhile):
+            later.save(later_state, step=step)
+    return a, b, states
+
+
+def _check_race(b: Store, states: list[dict[str, Any]], max_chain: int) -> None:
+    """Every chunk decodes within its recorded depth, predicted ones (b's) within ``max_chain`` (b's), and every
+    checkpoint of both writers loads bit-exactly."""
+    from conftest import assert_same_state
+
+    from deltackpt import codec
+
+    depths = _decode_depths(b)
+    assert [(r, x) for r, x, _ in depths.values() if x > r] == [], "recorded depth below the decode's"
+    assert max((x for r, x, c in depths.values() if c == codec.PREDICTED), default=0) <= max_chain
+    for info in b.list():
+        want, got = states[info.step - 1], b.load(id=info.id)
+        if "model" not in got:  # (a's checkpoint: the first moments)
+            want = _first_moments(want)
+        assert_same_state(want, got)
+    assert b.verify().ok
+
+
+@pytest.mark.parametrize("a_settings", [{}, {"predict": False}, {"max_chain": 8}],
+                         ids=["same", "no-predict", "chain-8"])
+def test_a_frame_another_writer_committed_first_leaves_no_chain_deeper_than_recorded(
+        tmp_path: Path, a_settings: dict[str, Any]) -> None:
+    """Two writers commit the same chunk as different frames: the index keeps one. The chunks the other writer
+    computed from its own frame (predicted frames referencing its first moment) must not decode deeper than their
+    recorded depth, nor past that writer's max_chain: the commit keeps the shallower frame. Loads stay exact."""
+    from deltackpt import codec
+
+    a, b, states = _race_first_moments(tmp_path / "store", a_settings, {"max_chain": 3}, 12, 0)
+    try:
+        assert any(loc.codec == codec.PREDICTED for _, loc in b.index.iter_chunks())
+        # a wrote frames of the chunks b wrote too (its deltas lost to b's standalone frames at b's commit)
+        assert all(i.written_bytes > 0 for i in b.list() if i.parent is not None)
+        _check_race(b, states, 3)
+    finally:
+        a.close()
+        b.close()
+
+
+@settings(max_examples=10, deadline=None)
+@example(a_predict=False, a_chain=1, b_chain=2, steps=4, seed=0, a_commits_first=True)
+@given(a_predict=hst.booleans(), a_chain=hst.sampled_from([1, 3, 8]), b_chain=hst.sampled_from([1, 2, 3]),
+       steps=hst.integers(4, 12), seed=hst.integers(0, 2**16), a_commits_first=hst.booleans())
+def test_racing_writers_with_any_settings_keep_chains_within_recorded_depths(
+        tmp_path_factory: pytest.TempPathFactory, a_predict: bool, a_chain: int, b_chain: int, steps: int,
+        seed: int, a_commits_first: bool) -> None:
+    """The race above with either writer committing first, any mix of settings: recorded depths stay upper
+    bounds, b's predicted frames within b's max_chain, and every checkpoint of both loads bit-exactly."""
+    a, b, states = _race_first_moments(tmp_path_factory.mktemp("race"), {"predict": a_predict, "max_chain": a_chain},
+                                       {"max_chain": b_chain}, steps, seed, a_commits_first=a_commits_first)
+    try:
+        _check_race(b, states, b_chain)
+    finally:
+        a.close()
+        b.close()
