@@ -639,6 +639,11 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
     for p in tmp.iterdir() if tmp.is_dir() else ():  # (an empty tmp/ lost, say by a cleaner: saves make it again)
         if p.name.endswith(".tmp") and not p.is_symlink() and p.is_file():  # what saves leave; nothing else
             p.unlink()
+    # STORE's temporary file, left by a creation killed before it linked STORE (no creation runs now: one
+    # holds gc.lock exclusively until STORE is linked, and gc holds it here)
+    for p in store.path.glob("STORE.*.tmp"):
+        if not p.is_symlink() and p.is_file():
+            p.unlink()
     return [(pack_id, all_packs[pack_id]) for pack_id in to_repack]
 
 

@@ -423,6 +423,22 @@ def test_repair_after_two_kills_does_not_bring_back_an_unacknowledged_save(tmp_p
         _verify_ok(st, "after the repair")
 
 
+def test_gc_removes_the_store_file_a_killed_creation_left(tmp_path: Path) -> None:
+    """A store's creation killed after writing STORE's temporary file, before it linked STORE and unlinked the
+    temporary: the next open finishes the creation, and gc removes the leftover (it used to stay forever)."""
+    d = tmp_path / "store"
+    _killed_after("import pathlib\nfrom deltackpt import Store\n"
+                  "kill_after(pathlib.Path, 'write_text')\n"
+                  f"Store({str(d)!r}, chunk_size={CS})\n")
+    assert list(d.glob("STORE.*.tmp")) and not (d / "STORE").exists()
+    state = {"w": eval(_W, {"torch": torch})}
+    with Store(d, chunk_size=CS) as st:
+        info = st.save(state, step=1)
+        st.gc()
+        assert not list(d.glob("STORE.*.tmp"))
+        cw.assert_same(state, st.load(id=info.id), "the first checkpoint")
+
+
 def test_repair_after_a_rewrite_died_at_its_commit_keeps_the_replacement(tmp_path: Path, die_after_meta: Path) -> None:
     """A rewrite (retention thinning) killed after its commit, before it unlinked the replaced manifest: a repair
     restores the replacement only, not the full checkpoint it replaced next to it (same step, same creation
