@@ -25,7 +25,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -644,6 +644,12 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
     for p in store.path.glob("STORE.*.tmp"):
         if not p.is_symlink() and p.is_file():
             p.unlink()
+    # a lock file prepared for the index (index._reserve_lock_file) by an open killed before it linked it into
+    # place; one an open prepares meanwhile (lock.mdb was removed under us) only falls back to LMDB making it
+    for p in (store.path / "index").glob("lock.mdb.new-*"):
+        if not p.is_symlink() and p.is_file():
+            with suppress(FileNotFoundError):
+                p.unlink()
     return [(pack_id, all_packs[pack_id]) for pack_id in to_repack]
 
 

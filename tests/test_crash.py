@@ -439,6 +439,24 @@ def test_gc_removes_the_store_file_a_killed_creation_left(tmp_path: Path) -> Non
         cw.assert_same(state, st.load(id=info.id), "the first checkpoint")
 
 
+def test_gc_removes_the_lock_file_a_killed_open_prepared(tmp_path: Path) -> None:
+    """An open of a store without ``index/lock.mdb`` (a copied store) killed after preparing the lock file under
+    its temporary name, before linking it into place: gc removes that file (it used to stay forever)."""
+    d = tmp_path / "store"
+    state = {"w": eval(_W, {"torch": torch})}
+    with Store(d, chunk_size=CS) as st:
+        info = st.save(state, step=1)
+    (d / "index" / "lock.mdb").unlink()
+    _killed_after("import os\nfrom deltackpt import Store\n"
+                  "kill_after(os, 'posix_fallocate')\n"
+                  f"Store({str(d)!r})\n")
+    assert list((d / "index").glob("lock.mdb.new-*"))
+    with Store(d, chunk_size=CS) as st:
+        st.gc()
+        assert sorted(p.name for p in (d / "index").iterdir()) == ["data.mdb", "lock.mdb"]
+        cw.assert_same(state, st.load(id=info.id), "the checkpoint")
+
+
 def test_repair_after_a_rewrite_died_at_its_commit_keeps_the_replacement(tmp_path: Path, die_after_meta: Path) -> None:
     """A rewrite (retention thinning) killed after its commit, before it unlinked the replaced manifest: a repair
     restores the replacement only, not the full checkpoint it replaced next to it (same step, same creation
