@@ -726,7 +726,7 @@ def cmd_dcp(args: argparse.Namespace) -> int:
             print(line)
         print(f"verify steps: {'OK' if not names else f'{len(names)} problem(s)'}")
         rc = rc if not names else 1
-    steps = distributed.summary(root)
+    steps, unreadable = distributed._summary(root)  # (a step whose meta checkpoint is damaged is listed apart)
     rows: list[tuple[Any, ...]] = [(i.step, i.id, when(i.created), i.ranks, human(i.logical_bytes),
                                     human(i.written_bytes)) for i in steps]
     head = ["step", "id", "committed", "ranks", "logical", "written"]
@@ -734,9 +734,11 @@ def cmd_dcp(args: argparse.Namespace) -> int:
         rows = [(*row, _meta_str(i.metadata)) for row, i in zip(rows, steps)]
         head.append("metadata")
     print(table(rows, head, right={0, 3, 4, 5}))
+    for info, exc in unreadable:  # (--verify named them too: verify_names)
+        print(distributed._unreadable(info, exc))
     for rank in distributed.missing_stores(root):
         print(f"rank {rank}'s store is gone: the steps that name its checkpoints cannot load (--verify lists them)")
-    return rc
+    return rc if not unreadable else 1
 
 
 def cmd_repair(args: argparse.Namespace) -> int:

@@ -907,46 +907,59 @@ def _user_metadata(head: Any) -> Any:
 
 def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
     """Every DCP checkpoint under ``root``, oldest commit first. The sizes count the rank checkpoints the stores
-    hold: a rank whose store is gone counts nothing (:func:`verify_names` names the steps that cannot load)."""
-    root = Path(root)
+    hold: a rank whose store is gone counts nothing (:func:`verify_names` names the steps that cannot load). A
+    step whose meta checkpoint cannot be read (a damaged manifest, a newer format) raises its error
+    (:func:`verify_names` names every such step instead)."""
+    infos, unreadable = _summary(Path(root))
+    if unreadable:
+        raise unreadable[0][1]
+    return infos
+
+
+def _summary(root: Path) -> tuple[list[StepInfo], list[tuple[Any, DeltackptError]]]:
+    """:func:`summary` of the steps whose meta checkpoint can be read, and each other step's meta checkpoint
+    info with its error (what ``deltackpt dcp ROOT`` lists apart)."""
     steps = _named_steps(root)
     sizes: dict[tuple[int, str], tuple[int, int]] = {}
-    for rank in sorted({r for _, named in steps for r, _ in named}):
+    for rank in sorted({r for _, named in steps if isinstance(named, set) for r, _ in named}):
         if not (_rank_path(root, rank) / "STORE").exists():
             continue  # its store is gone: its shards count nothing (verify_names reports the steps that name them)
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards", readonly=True) as store:
-            for r, ckpt in {n for _, named in steps for n in named if n[0] == rank}:
+            for r, ckpt in {n for _, named in steps if isinstance(named, set) for n in named if n[0] == rank}:
                 c = _resolved(store, ckpt)  # (missing: verify_names reports it)
                 if c is not None:
                     sizes[r, ckpt] = (c.logical_bytes, c.written_bytes)
-    return [StepInfo(i.step, i.created, len({r for r, _ in named}), sum(sizes.get(n, (0, 0))[0] for n in named),
-                     sum(sizes.get(n, (0, 0))[1] for n in named), _user_metadata(i.metadata), i.id)
-            for i, named in steps]
+    return ([StepInfo(i.step, i.created, len({r for r, _ in named}), sum(sizes.get(n, (0, 0))[0] for n in named),
+                      sum(sizes.get(n, (0, 0))[1] for n in named), _user_metadata(i.metadata), i.id)
+             for i, named in steps if isinstance(named, set)],
+            [(i, named) for i, named in steps if not isinstance(named, set)])
 
 
 def missing_stores(root: str | os.PathLike[str]) -> list[int]:
     """The ranks that a DCP checkpoint under ``root`` names a checkpoint of but whose store is gone (the steps
     naming them cannot load; :func:`verify_names` says which)."""
     root = Path(root)
-    ranks = {r for _, named in _named_steps(root) for r, _ in named}
+    ranks = {r for _, named in _named_steps(root) if isinstance(named, set) for r, _ in named}
     return sorted(r for r in ranks if not (_rank_path(root, r) / "STORE").exists())
 
 
 def verify_names(root: str | os.PathLike[str]) -> list[str]:
     """What is wrong with how the DCP checkpoints under ``root`` name their rank checkpoints: each step that names
     one its rank's store does not hold (removed with ``deltackpt rm`` on the rank store, or the store itself
-    gone), so the step cannot load. Empty when every step is whole. Each store's own damage is ``verify``'s."""
+    gone), and each step whose meta checkpoint cannot be read (a damaged manifest, a newer format), so the step
+    cannot load. Empty when every step is whole. Each store's own damage is ``verify``'s."""
     root = Path(root)
     steps = _named_steps(root)
-    problems = []
-    for rank in sorted({r for _, named in steps for r, _ in named}):
+    problems = [_unreadable(i, named) for i, named in steps if not isinstance(named, set)]
+    for rank in sorted({r for _, named in steps if isinstance(named, set) for r, _ in named}):
         path = _rank_path(root, rank)
         held = None
         if (path / "STORE").exists():
             with _existing(path, f"rank {rank}'s shards", readonly=True) as store:
-                held = {ckpt for _, named in steps for r, ckpt in named if r == rank and _resolved(store, ckpt)}
+                held = {ckpt for _, named in steps if isinstance(named, set)
+                        for r, ckpt in named if r == rank and _resolved(store, ckpt)}
         for i, named in steps:
-            for r, ckpt in sorted(named):
+            for r, ckpt in sorted(named) if isinstance(named, set) else []:
                 if r == rank and (held is None or ckpt not in held):
                     where = "its store is gone" if held is None else "its store does not hold it"
                     problems.append(f"step {i.step} (DCP checkpoint {i.id}) names rank {rank}'s checkpoint {ckpt}, "
@@ -954,10 +967,25 @@ def verify_names(root: str | os.PathLike[str]) -> list[str]:
     return problems
 
 
-def _named_steps(root: Path) -> list[tuple[Any, set[tuple[int, str]]]]:
-    """Every DCP checkpoint under ``root`` (oldest commit first) with the rank checkpoints it names."""
+def _unreadable(info: Any, exc: DeltackptError) -> str:
+    """What is wrong with the step of meta checkpoint ``info``, which raised ``exc`` when read."""
+    return f"step {info.step} (DCP checkpoint {info.id}): its DCP metadata cannot be read ({exc}): the step cannot load"
+
+
+def _named_steps(root: Path) -> list[tuple[Any, set[tuple[int, str]] | DeltackptError]]:
+    """Every DCP checkpoint under ``root`` (oldest commit first) with the rank checkpoints it names, or the error
+    that reading its meta checkpoint raised (a damaged or missing manifest, a newer format): one such step
+    leaves the others listed. One deleted meanwhile (by another process) is left out."""
+    steps: list[tuple[Any, set[tuple[int, str]] | DeltackptError]] = []
     with _meta_store(root, readonly=True) as meta:
-        return [(i, _named(meta, i.id)) for i in meta.list()]
+        for i in meta.list():
+            try:
+                steps.append((i, _named(meta, i.id)))
+            except CheckpointNotFoundError:
+                continue
+            except (CorruptManifestError, FormatVersionError) as exc:
+                steps.append((i, exc))
+    return steps
 
 
 def _resolved(store: Store, ckpt: str) -> Any:

@@ -1566,3 +1566,39 @@ def test_a_branch_save_that_failed_at_the_commit_branches_again(tmp_path: Path,
         with deltackpt.Store(root / store) as s:
             infos = s.list()
             assert [(i.step, i.parent) for i in infos[4:]] == [(2, infos[1].id), (3, infos[4].id)], store
+
+
+def test_the_dcp_command_lists_the_steps_beside_one_whose_meta_manifest_is_damaged(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One step's damaged meta manifest (or one of a newer meta format) stopped 'deltackpt dcp ROOT' with one
+    line naming the manifest, and no step listed: it lists every readable step, names the damaged one's step and
+    id, and exits 1 (with --verify, verify_names names it too)."""
+    from deltackpt import cli, distributed
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, [1, 2, 3])
+    ids = [i.id for i in distributed.summary(root)]
+    path = root / "meta" / "manifests" / f"{ids[1]}.manifest"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    for args in ([], ["--verify"]):
+        assert cli.main(["dcp", str(root), *args]) == 1
+        out, err = capsys.readouterr()
+        assert err == ""
+        assert [ln.split()[0] for ln in out.splitlines()[-3:-1]] == ["1", "3"]
+        assert out.splitlines()[-1] == (f"step 2 (DCP checkpoint {ids[1]}): its DCP metadata cannot be read "
+                                        f"(manifest {ids[1]} fails its checksum): the step cannot load")
+    assert distributed.verify_names(root) == [out.splitlines()[-1]]
+    assert distributed.missing_stores(root) == []
+    with pytest.raises(deltackpt.CorruptManifestError, match="fails its checksum"):
+        distributed.summary(root)  # (as before: summary() raises for an unreadable step)
+    path.write_bytes(bytes(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]))
+    with deltackpt.Store(root / "meta") as meta:  # a step of a newer meta format: listed apart too
+        meta.rewrite({}, id=ids[2], metadata=dict(meta.info(id=ids[2]).metadata, format=distributed.META_FORMAT + 1))
+    assert cli.main(["dcp", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert [ln.split()[0] for ln in out.splitlines()[-3:-1]] == ["1", "2"]
+    assert out.splitlines()[-1].startswith("step 3 (DCP checkpoint ") and "newer than this reader" in out
+    assert_state(load_full(root, 1), expected(1))
