@@ -736,8 +736,9 @@ def cmd_dcp(args: argparse.Namespace) -> int:
     print(table(rows, head, right={0, 3, 4, 5}))
     for info, exc in unreadable:  # (--verify named them too: verify_names)
         print(distributed._unreadable(info, exc))
+    which = "listed above" if args.verify else "--verify lists them"
     for rank in distributed.missing_stores(root):
-        print(f"rank {rank}'s store is gone: the steps that name its checkpoints cannot load (--verify lists them)")
+        print(f"rank {rank}'s store is gone: the steps that name its checkpoints cannot load ({which})")
     return rc if not unreadable else 1
 
 

@@ -1602,3 +1602,21 @@ def test_the_dcp_command_lists_the_steps_beside_one_whose_meta_manifest_is_damag
     assert [ln.split()[0] for ln in out.splitlines()[-3:-1]] == ["1", "2"]
     assert out.splitlines()[-1].startswith("step 3 (DCP checkpoint ") and "newer than this reader" in out
     assert_state(load_full(root, 1), expected(1))
+
+
+def test_dcp_verify_with_a_rank_store_gone_does_not_advise_verify(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """With a rank's store gone, the listing's last line said '(--verify lists them)' under --verify too, which
+    had just listed them: it points to the lines above."""
+    from deltackpt.cli import main
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, (1, 2))
+    shutil.rmtree(root / "rank-00000")
+    capsys.readouterr()
+    assert main(["dcp", str(root), "--verify"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert sum("but its store is gone: the step cannot load" in ln for ln in lines) == 2
+    assert lines[-1] == "rank 0's store is gone: the steps that name its checkpoints cannot load (listed above)"
+    assert main(["dcp", str(root)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("cannot load (--verify lists them)")
