@@ -1000,7 +1000,9 @@ def _resolved(store: Store, ckpt: str) -> Any:
 def delete(root: str | os.PathLike[str], step: int) -> None:
     """Delete the DCP checkpoint of ``step`` (every one, if the step was saved more than once): its meta
     checkpoint first (so the step is gone at once, even if this is interrupted), then the rank checkpoints it
-    names. Space returns with ``gc`` of each store; :func:`prune` removes what an interrupted delete left."""
+    names. Space returns with ``gc`` of each store; :func:`prune` removes what an interrupted delete left, and
+    the rank checkpoints of a step whose meta checkpoint could not be read (a damaged manifest), which this
+    deletes without knowing them."""
     step = check_step(step)  # (before meta.info, whose hint for a str names an id= this function lacks)
     root = Path(root)
     with _meta_store(root) as meta:
@@ -1037,6 +1039,8 @@ def _delete_ids(root: Path, ids: Sequence[str]) -> None:
                 names[cid] = _named(meta, cid)
             except CheckpointNotFoundError:
                 continue  # deleted meanwhile (another process's retention): its rank checkpoints are its to delete
+            except (CorruptManifestError, FormatVersionError):
+                names[cid] = set()  # unreadable: deleted all the same; the rank checkpoints it names are prune's
         _check_rank_stores(root, set().union(set(), *names.values()))
         order = list(names)
         for pos in meta._delete([(None, cid) for cid in order], missing_ok=True):  # (passed over: as above)
@@ -1079,8 +1083,16 @@ def prune(root: str | os.PathLike[str]) -> int:
 
 def _all_named(root: Path) -> set[tuple[int, str]]:
     """Every (rank, rank checkpoint id) that a DCP checkpoint under ``root`` names."""
+    named: set[tuple[int, str]] = set()
     with _meta_store(root) as meta:
-        return set().union(set(), *(_named(meta, i.id) for i in meta.list()))
+        for i in meta.list():
+            try:
+                named |= _named(meta, i.id)
+            except (CorruptManifestError, FormatVersionError) as exc:
+                raise type(exc)(f"{_unreadable(i, exc)}; prune cannot tell which rank checkpoints the step names, "
+                                f"so it deletes nothing ('deltackpt rm {root / 'meta'} {i.id}' deletes the step)"
+                                ) from None
+    return named
 
 
 def _mine(store: Store, rank: int, named: set[tuple[int, str]]) -> set[str]:

@@ -1620,3 +1620,35 @@ def test_dcp_verify_with_a_rank_store_gone_does_not_advise_verify(tmp_path: Path
     assert lines[-1] == "rank 0's store is gone: the steps that name its checkpoints cannot load (listed above)"
     assert main(["dcp", str(root)]) == 0
     assert capsys.readouterr().out.splitlines()[-1].endswith("cannot load (--verify lists them)")
+
+
+def test_a_step_whose_meta_manifest_is_damaged_can_be_deleted_and_prune_names_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """'deltackpt dcp ROOT --rm STEP' of a step whose meta manifest is damaged failed with one line naming the
+    manifest (the names of its rank checkpoints cannot be read): the step is deleted, and prune then deletes
+    its rank checkpoint. Before that, prune refuses (it cannot tell what the step names) naming the step."""
+    from deltackpt import cli, distributed
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, [1, 2, 3])
+    ids = [i.id for i in distributed.summary(root)]
+    path = root / "meta" / "manifests" / f"{ids[1]}.manifest"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert cli.main(["dcp", str(root), "--prune"]) == 1
+    err = capsys.readouterr().err
+    assert f"step 2 (DCP checkpoint {ids[1]}): its DCP metadata cannot be read" in err
+    assert f"prune cannot tell which rank checkpoints the step names, so it deletes nothing ('deltackpt rm " \
+           f"{root / 'meta'} {ids[1]}' deletes the step)" in err
+    with deltackpt.Store(root / "rank-00000") as s:
+        assert len(s.list()) == 3
+    assert cli.main(["dcp", str(root), "--rm", "2", "--prune"]) == 0
+    out = capsys.readouterr().out
+    assert "deleted DCP checkpoint of step 2" in out and "pruned 1 rank checkpoint(s)" in out
+    assert distributed.steps(root) == [1, 3] and distributed.verify_names(root) == []
+    with deltackpt.Store(root / "rank-00000") as s:
+        assert [c.step for c in s.list()] == [1, 3]
+    for step in (1, 3):
+        assert_state(load_full(root, step), expected(step))
