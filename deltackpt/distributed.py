@@ -465,9 +465,9 @@ class DeltaStorageWriter(StorageWriter):
                            allow_network_fs=self.store_options.get("allow_network_fs")) as meta:
                 # (each meta checkpoint's manifest read once per writer: a manifest never changes, and reading
                 # every kept one at every save made retention's cost grow with the square of the kept steps)
-                ids = [i.id for i in meta.list()]
                 memo = self._kept.named
-                self._kept.named = {i: memo[i] if i in memo else _named(meta, i) for i in ids}
+                self._kept.named = {i.id: memo[i.id] if i.id in memo else _names_of(meta, i, "retention")
+                                    for i in meta.list()}
                 named = set().union(set(), *self._kept.named.values())
             store._delete([(None, c.id) for c in _unnamed(store._listing(), _mine(store, rank, named))],
                           missing_ok=True)
@@ -895,6 +895,9 @@ def _dropped_steps(meta: Store, retention: Retention) -> list[CheckpointInfo]:
             infos.append(replace(i, metadata=_user_metadata(_doc(meta, i.id))))
         except CheckpointNotFoundError:
             continue  # deleted meanwhile (a delete in another process)
+        except CorruptManifestError as exc:  # (its metadata may be what keeps it: nothing is deleted)
+            raise CorruptManifestError(f"{_unreadable(i, exc)}; retention deletes nothing ('deltackpt rm "
+                                       f"{meta.path} {i.id}' deletes the step)") from None
     drop = set(retention.plan(infos).delete)
     return [i for i in infos if i.id in drop]
 
@@ -1083,16 +1086,18 @@ def prune(root: str | os.PathLike[str]) -> int:
 
 def _all_named(root: Path) -> set[tuple[int, str]]:
     """Every (rank, rank checkpoint id) that a DCP checkpoint under ``root`` names."""
-    named: set[tuple[int, str]] = set()
     with _meta_store(root) as meta:
-        for i in meta.list():
-            try:
-                named |= _named(meta, i.id)
-            except (CorruptManifestError, FormatVersionError) as exc:
-                raise type(exc)(f"{_unreadable(i, exc)}; prune cannot tell which rank checkpoints the step names, "
-                                f"so it deletes nothing ('deltackpt rm {root / 'meta'} {i.id}' deletes the step)"
-                                ) from None
-    return named
+        return set().union(set(), *(_names_of(meta, i, "prune") for i in meta.list()))
+
+
+def _names_of(meta: Store, info: CheckpointInfo, who: str) -> set[tuple[int, str]]:
+    """:func:`_named` of meta checkpoint ``info`` for ``who`` (prune, retention), which deletes nothing when it
+    cannot be read: the error then names the step and how to delete it."""
+    try:
+        return _named(meta, info.id)
+    except (CorruptManifestError, FormatVersionError) as exc:
+        raise type(exc)(f"{_unreadable(info, exc)}; {who} cannot tell which rank checkpoints the step names, so "
+                        f"it deletes nothing ('deltackpt rm {meta.path} {info.id}' deletes the step)") from None
 
 
 def _mine(store: Store, rank: int, named: set[tuple[int, str]]) -> set[str]:

@@ -1652,3 +1652,36 @@ def test_a_step_whose_meta_manifest_is_damaged_can_be_deleted_and_prune_names_it
         assert [c.step for c in s.list()] == [1, 3]
     for step in (1, 3):
         assert_state(load_full(root, step), expected(step))
+
+
+def test_retention_names_a_step_whose_meta_manifest_is_damaged(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Retention reads every step's metadata from its meta manifest: with one damaged, 'deltackpt keep ROOT' and a
+    writer's retention said only 'manifest ID fails its checksum'. They name the step and how to delete it (and
+    delete nothing: the step's metadata may be what keeps it)."""
+    from deltackpt import cli, distributed
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, [1, 2, 3])
+    ids = [i.id for i in distributed.summary(root)]
+    path = root / "meta" / "manifests" / f"{ids[1]}.manifest"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    hint = f"retention deletes nothing ('deltackpt rm {root / 'meta'} {ids[1]}' deletes the step)"
+    capsys.readouterr()
+    assert cli.main(["keep", str(root), "--last", "1"]) == 1
+    err = capsys.readouterr().err
+    assert f"step 2 (DCP checkpoint {ids[1]}): its DCP metadata cannot be read" in err and hint in err
+    w = DeltaStorageWriter(root, step=4, retention=deltackpt.Retention(keep_last=1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dcp.save(expected(4), storage_writer=w)
+    w.close()
+    said = [str(c.message) for c in caught if f"step 2 (DCP checkpoint {ids[1]})" in str(c.message)]
+    # the rank's (at its save, before the commit) and the coordinator's
+    assert len(said) == 2 and all(f"'deltackpt rm {root / 'meta'} {ids[1]}' deletes the step" in m for m in said)
+    assert "retention cannot tell which rank checkpoints the step names, so it deletes nothing" in said[0]
+    assert hint in said[1]
+    assert distributed.steps(root) == [1, 2, 3, 4]
+    assert_state(load_full(root, 4), expected(4))
