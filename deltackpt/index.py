@@ -811,7 +811,7 @@ class Index:
                 if txn.put(k, loc.pack(), db=self.db_chunks, overwrite=repoint is True or k in again):
                     continue
                 try:  # another writer's frame of the same chunk, committed since this save looked
-                    deeper = ChunkLoc.unpack(bytes(txn.get(k, db=self.db_chunks)), k).depth > loc.depth
+                    deeper = ChunkLoc.unpack(bytes(txn.get(k, b"", db=self.db_chunks)), k).depth > loc.depth
                 except CorruptIndexError:
                     deeper = True  # (a damaged entry: this save's frame is intact)
                 if deeper:
