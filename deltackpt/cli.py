@@ -31,6 +31,7 @@ from deltackpt import _lazy, codec, maintenance, manifest, packs, tree
 from deltackpt.checkpointer import _checkpointer_layout, newest_restorable
 from deltackpt.errors import (
     CheckpointNotFoundError,
+    CorruptIndexError,
     CorruptionError,
     CorruptManifestError,
     DeltackptError,
@@ -481,6 +482,8 @@ def cmd_du(args: argparse.Namespace) -> int:
         try:  # what gc would keep: chunks of deleted checkpoints are not counted, and gc reclaims their frames
             live: set[bytes] | None = maintenance._live_keys(s, s.index.records(), read_headers=False)[0]
             scope = "what retained checkpoints reach"
+        except CorruptIndexError:  # a damaged index page: reading on (every chunk entry) could abort LMDB itself
+            raise
         except (DeltackptError, OSError) as exc:  # a damaged manifest: what it names is unknown, count all
             live, scope = None, "every indexed chunk"
             print(f"deltackpt: counting every indexed chunk, as gc could not tell which are live: {_first_line(exc)}",

@@ -2178,3 +2178,26 @@ def test_a_damaged_base_digest_is_the_frames_own_damage(store_path: Path) -> Non
         report = s.verify()
         assert _problems(report) == {(ids[1], "a", cid2), (ids[2], "a", cid3)}
         assert all(where in p.message and "not in the index" not in p.message for p in report.problems), report
+
+
+def test_du_on_a_damaged_index_page_is_an_error_not_an_abort(store_path: Path) -> None:
+    """Each page of the index's data file zeroed in turn, in a store whose chunks table spans several leaf
+    pages. ``deltackpt du`` met the damage in its lookups of the live chunks (a CorruptIndexError), took it for a
+    damaged manifest, and went on to walk every chunk entry: LMDB's cursor then reached the zeroed leaf page and
+    failed an assertion (``IS_LEAF(mp)``), which aborts the process (SIGABRT, no message). Now it stops at the
+    damage, as gc and verify do: exit status 1 and one line naming the repair."""
+    g = torch.Generator().manual_seed(5)
+    with _open(store_path) as s:
+        s.save({"w": torch.randn(400 * CS // 4, generator=g)}, step=1)  # 400 chunks: ~8 leaf pages of entries
+    data = store_path / "index" / "data.mdb"
+    raw = data.read_bytes()
+    for page in range(2, len(raw) // 4096):
+        if raw[page * 4096:(page + 1) * 4096] == bytes(4096):
+            continue  # a page no tree uses
+        data.write_bytes(raw[:page * 4096] + bytes(4096) + raw[(page + 1) * 4096:])
+        du = subprocess.run([sys.executable, "-m", "deltackpt", "du", str(store_path)], capture_output=True,
+                            text=True)
+        assert du.returncode in (0, 1) and "Traceback" not in du.stderr, (page, du)
+        if du.returncode:
+            assert "deltackpt repair" in du.stderr, (page, du)
+    data.write_bytes(raw)
