@@ -482,6 +482,23 @@ def _truncated(data: Path) -> str | None:
     return None
 
 
+def unwalkable(index_dir: Path) -> str | None:
+    """Why LMDB cannot walk every page of the index in ``index_dir`` without killing the process, or None.
+
+    LMDB checks the pages a search passes, but only asserts the type of a leaf page a cursor steps onto: a
+    damaged one there fails that assertion, which aborts the process (SIGABRT, nothing to catch), and a page
+    number pointing past the end of the file is SIGBUS. A child process walks every table (:data:`_PROBE`) and
+    dies instead. Costs a process start: for :func:`deltackpt.maintenance.repair`, before it opens an index in
+    place."""
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE, str(index_dir)], capture_output=True, timeout=600)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if probe.returncode < 0:
+        return f"a process walking its pages died of signal {-probe.returncode}"
+    return None
+
+
 def _lost(path: Path, why: str) -> str:
     return (f"the index of store {path.parent} was lost or emptied ({why}); 'deltackpt repair STORE' rebuilds it "
             "from packs and manifests (in Python: deltackpt.maintenance.open_for_repair(path).repair())")

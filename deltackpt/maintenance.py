@@ -47,7 +47,7 @@ from deltackpt.errors import (
     StoreLockedError,
     UnsupportedTypeError,
 )
-from deltackpt.index import LMDB_DAMAGE, REPAIR_HINT, ChunkLoc, Record, chunk_key, chunk_keys
+from deltackpt.index import LMDB_DAMAGE, REPAIR_HINT, ChunkLoc, Record, chunk_key, chunk_keys, unwalkable
 from deltackpt.layout import read_store_file, write_store_file
 from deltackpt.scratch import Scratch
 
@@ -180,6 +180,9 @@ def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str |
     """:func:`verify`'s checks, adding to ``report``."""
     results: dict[bytes, str | None] = {}
     with store._gc_lock():
+        why = unwalkable(store.index.path)  # (a damaged leaf page aborts LMDB's walks instead of raising)
+        if why is not None:
+            raise CorruptIndexError(f"the index of {store.path} is damaged: {why}; {REPAIR_HINT}")
         if step is None and id is None:
             records = store.index.records()
             for rec, why in store.index.problems():  # ids or steps that lead elsewhere
@@ -979,6 +982,8 @@ def _open_if_readable(path: str | os.PathLike[str], kwargs: dict[str, Any]) -> S
         # Lost: not opened here, as LMDB would create a new data file beside the lock file that processes still
         # reading the old (unlinked) one share, and their reads would follow this file's commits. Moved aside
         # instead, so they follow the new index directory (Index.refresh).
+        return None
+    if unwalkable(data.parent) is not None:  # a damaged page LMDB would abort on: the repair with it
         return None
     try:
         store = Store(path, _repair=True, **kwargs)

@@ -2201,3 +2201,31 @@ def test_du_on_a_damaged_index_page_is_an_error_not_an_abort(store_path: Path) -
         if du.returncode:
             assert "deltackpt repair" in du.stderr, (page, du)
     data.write_bytes(raw)
+
+
+def test_a_damaged_leaf_page_of_many_records_is_reported_and_repaired(store_path: Path) -> None:
+    """40 checkpoints: their records fill several leaf pages. Each index page zeroed in turn: LMDB checks a
+    page's type where a search passes it but only asserts it where a cursor steps onto the next leaf page, so a
+    walk of the records (list, verify, and the repair's read of the old index) aborted the process (SIGABRT).
+    The repair died of it too, and the store could not be repaired. Now verify reports the damage (exit 1)
+    and the repair moves such an index aside and restores every checkpoint."""
+    with _open(store_path) as s:
+        for step in range(1, 41):
+            s.save({"w": torch.full((100,), float(step))}, step=step, metadata={"tag": "x" * 50})
+    data = store_path / "index" / "data.mdb"
+    raw = data.read_bytes()
+    run = [sys.executable, "-m", "deltackpt"]
+    for page in range(2, len(raw) // 4096):
+        if raw[page * 4096:(page + 1) * 4096] == bytes(4096):
+            continue  # a page no tree uses
+        data.write_bytes(raw[:page * 4096] + bytes(4096) + raw[(page + 1) * 4096:])
+        verify = subprocess.run([*run, "verify", str(store_path)], capture_output=True, text=True)
+        assert verify.returncode in (0, 1) and "Traceback" not in verify.stderr, (page, verify)
+        repair = subprocess.run([*run, "repair", str(store_path)], capture_output=True, text=True)
+        assert repair.returncode == 0, (page, repair)
+        with _open(store_path) as s:
+            assert [i.step for i in s.list()] == list(range(1, 41)), page
+            assert torch.equal(s.load(40)["w"], torch.full((100,), 40.0))
+            raw = data.read_bytes()  # (the repaired index, damaged next)
+        for broken in store_path.glob("index.broken-*"):
+            shutil.rmtree(broken)
