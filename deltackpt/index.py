@@ -919,8 +919,11 @@ class Index:
                 sk = cur.key() if cur.last() else None
             if sk is None:
                 return None
+            if len(sk) != 8:  # (an empty key is MDB_BAD_VALSIZE to LMDB's get: no error of damage)
+                raise CorruptIndexError(f"index names a checkpoint by a key of {len(sk)} bytes, not a seq; "
+                                        f"{REPAIR_HINT}")
             raw = txn.get(sk, db=self.db_ckpts)
-            seq = _U64.unpack(sk)[0] if len(sk) == 8 else -1
+            seq = _U64.unpack(sk)[0]
             if raw is None:
                 raise CorruptIndexError(f"index names checkpoint seq {seq} but holds no record; {REPAIR_HINT}")
             rec = record_at(sk, raw)

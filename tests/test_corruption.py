@@ -2229,3 +2229,14 @@ def test_a_damaged_leaf_page_of_many_records_is_reported_and_repaired(store_path
             raw = data.read_bytes()  # (the repaired index, damaged next)
         for broken in store_path.glob("index.broken-*"):
             shutil.rmtree(broken)
+
+
+def test_a_step_entry_without_its_seq_is_damage(store_path: Path) -> None:
+    """A ``steps`` entry that lost its seq (8 bytes instead of 16; a zeroed index page leaves such keys, and
+    empty ones in ``ckpts``): load of that step looked up the empty rest as a seq, and LMDB raised its own
+    BadValsizeError, no DeltackptError. Now it is a CorruptIndexError naming the repair."""
+    with _open(store_path) as s:
+        s.save({"w": _rand(CS, 1)}, step=1)
+    _edit_index(store_path, "steps", lambda txn, db: txn.put(struct.pack(">Q", 7), b"", db=db))
+    with _open(store_path) as s, pytest.raises(CorruptIndexError, match="repair"):
+        s.load(7)
