@@ -494,7 +494,7 @@ def unwalkable(index_dir: Path) -> str | None:
         probe = subprocess.run([sys.executable, "-c", _PROBE, str(index_dir)], capture_output=True, timeout=600)
     except (OSError, subprocess.SubprocessError):
         return None
-    if probe.returncode < 0:
+    if -probe.returncode in (signal.SIGABRT, signal.SIGBUS, signal.SIGSEGV):  # (not a kill from elsewhere)
         return f"a process walking its pages died of signal {-probe.returncode}"
     return None
 
