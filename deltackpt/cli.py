@@ -408,6 +408,10 @@ def _undecoded(node: Any) -> str:
     return "<pickled, not unpickled here>" if node[0] == "p" else f"<{node[0]}>"
 
 
+#: elements per block of ``get``'s float statistics: a few MiB of float64 temporaries however large the tensor
+_STATS_BLOCK = 1 << 18
+
+
 def _stats(value: torch.Tensor | Any) -> str:
     """Summary statistics of a tensor or array for ``deltackpt get``: min, max, mean and std (population:
     ddof=0) of its finite values and how many are not finite (floats), min and max (integers, exact), how many
@@ -428,8 +432,15 @@ def _stats(value: torch.Tensor | Any) -> str:
                     a = t.numpy()
                     lo, hi = int(a.min()), int(a.max())
                 return f"  min {tree.int_text(lo)} max {tree.int_text(hi)}"
-            x = t.double().numpy()
-        else:
+            try:
+                value = t.numpy()  # (float16, 32, 64: numpy converts the blocks below, no torch call each)
+            except TypeError:  # (bfloat16, float8: torch converts them)
+                t[:1].double()  # (a dtype torch cannot convert raises here)
+                size = t.numel()
+
+                def block(i: int) -> np.ndarray:
+                    return t[i:i + _STATS_BLOCK].double().numpy()
+        if isinstance(value, np.ndarray):
             a = value.reshape(-1)
             if a.dtype.kind == "b":
                 return f"  true {int(a.sum())} of {a.size}"
@@ -437,15 +448,31 @@ def _stats(value: torch.Tensor | Any) -> str:
                 return f"  min {tree.int_text(int(a.min()))} max {tree.int_text(int(a.max()))}"
             if a.dtype.kind != "f":
                 return ""
-            x = a.astype(np.float64)
+            size = a.size
+
+            def block(i: int) -> np.ndarray:
+                return a[i:i + _STATS_BLOCK].astype(np.float64)
     except (RuntimeError, TypeError):  # (a dtype torch cannot compute with: sub-byte integers, say)
         return ""
-    finite = x[np.isfinite(x)]
-    tail = f"  non-finite {x.size - finite.size}" if finite.size < x.size else ""
-    if finite.size == 0:
+    # Block by block in float64, two passes as numpy's std makes them: whole-array temporaries (the float64 copy,
+    # the finite values, std's deviations) took seven times a large tensor's own memory.
+    count, total, lo, hi = 0, 0.0, np.inf, -np.inf
+    for i in range(0, size, _STATS_BLOCK):
+        x = block(i)
+        x = x[np.isfinite(x)]
+        if x.size:
+            count, total = count + x.size, total + float(x.sum())
+            lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+    tail = f"  non-finite {size - count}" if count < size else ""
+    if count == 0:
         return tail
-    return (f"  min {finite.min():.6g} max {finite.max():.6g} mean {finite.mean():.6g} std {finite.std():.6g}"
-            f"{tail}")
+    mean = total / count
+    squares = 0.0
+    for i in range(0, size, _STATS_BLOCK):
+        x = block(i)
+        x = x[np.isfinite(x)] - mean
+        squares += float(np.dot(x, x))
+    return f"  min {lo:.6g} max {hi:.6g} mean {mean:.6g} std {np.sqrt(squares / count):.6g}{tail}"
 
 
 def cmd_log(args: argparse.Namespace) -> int:
