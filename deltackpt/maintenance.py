@@ -175,6 +175,10 @@ def _refused_manifest(m: manifest.Manifest) -> tuple[str | None, str] | None:
     return None
 
 
+#: chunk groups verify checks per pass of the read workers, between its progress reports
+_VERIFY_BATCH = 1024
+
+
 def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str | None,
                  progress: Progress | None) -> None:
     """:func:`verify`'s checks, adding to ``report``."""
@@ -217,14 +221,19 @@ def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str |
         damaged: dict[bytes, str] = {}
         locs = store.index.lookup_chunks(unique, damaged)
         scratch = Scratch.for_frames(store.chunk_size, (loc.frame_len for loc in locs.values()))
-        for group in store.read_pool.map(lambda g: _check_group(store, g, locs, scratch),
-                                         _related(store, unique, locs)):
-            results.update(group)
-            results.update((k, why) for k, why in damaged.items() if k in results)
-            if progress is not None:
-                progress(len(results), len(unique))
+        # (read_each: the read workers take items from one queue; a future per group and per index entry held
+        # half of verify's memory, 90 MB for a store of 200,000 chunk references)
+        groups = _related(store, unique, locs)
+        for start in range(0, len(groups), _VERIFY_BATCH):
+            for group in store.read_each(lambda g: _check_group(store, g, locs, scratch),
+                                         groups[start:start + _VERIFY_BATCH]):
+                results.update(group)
+                results.update((k, why) for k, why in damaged.items() if k in results)
+                if progress is not None:
+                    progress(len(results), len(unique))
+        del groups
         if step is None and id is None:
-            for problem in store.read_pool.map(lambda item: _entry_problem(store, *item), locs.items()):
+            for problem in store.read_each(lambda item: _entry_problem(store, *item), list(locs.items())):
                 if problem is not None:
                     report.problems.append(problem)
         for rec, chunks in plans:
@@ -305,7 +314,7 @@ def _related(store: Store, keys: list[bytes], locs: dict[bytes, ChunkLoc]) -> li
     predicted = [k for k in keys if k in locs and locs[k].codec == codec.PREDICTED]
     # a damaged record (or a header damaged into an unknown version) names nothing here: the chunk's own check
     # reports it
-    direct = dict(zip(predicted, store.read_pool.map(
+    direct = dict(zip(predicted, store.read_each(
         lambda k: _references(store, k, locs[k], unknown_format=True), predicted)))
     direct.update((k, [locs[k].base + k[16:]]) for k in keys if k in locs and locs[k].codec == codec.DELTA)
     root: dict[bytes, bytes] = {}
