@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import fcntl
+import functools
 import inspect
 import operator
 import os
@@ -32,7 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
@@ -96,6 +97,7 @@ _SEAL_BYTES = 64 << 20
 _worker = threading.local()
 _T = TypeVar("_T")
 _R = TypeVar("_R")
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,18 @@ def _detached(info: CheckpointInfo) -> CheckpointInfo:
     if isinstance(info.metadata, (dict, list, tuple, set)):
         return dataclasses.replace(info, metadata=copy.deepcopy(info.metadata))
     return info
+
+
+def _operation(fn: _F) -> _F:
+    """Run the :class:`Store` method ``fn`` as one of the handle's operations in progress (:meth:`Store._in_use`),
+    which :meth:`Store.close` on another thread waits for."""
+
+    @functools.wraps(fn)
+    def run(self: Store, *args: Any, **kwargs: Any) -> Any:
+        with self._in_use():
+            return fn(self, *args, **kwargs)
+
+    return cast(_F, run)
 
 
 def check_step(step: Any) -> int:
@@ -338,6 +352,9 @@ class Store:
         self._clean: set[bytes] = set()
         self._clean_for: set[bytes] = set()
         self._closed = False
+        #: operations of this handle in progress (:meth:`_in_use`), by (process, thread): close() waits for them
+        self._users: collections.Counter[tuple[int, int]] = collections.Counter()
+        self._users_changed = threading.Condition(threading.Lock())
         #: the gc lock file, held exclusively from :func:`~deltackpt.maintenance.open_for_repair` until the
         #: repair commits (or the store closes); this handle's own operations then take no lock
         self._alone_fd: int | None = None
@@ -411,10 +428,17 @@ class Store:
             raise ReadOnlyStoreError(f"cannot {what}: store {self.path} is {self._readonly_why}")
 
     def close(self) -> None:
-        """Release the pack being written, worker threads and open files. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+        """Release the pack being written, worker threads and open files. Idempotent.
+
+        Operations that other threads run on this handle (saves, loads, listings, gc, verify, ...) finish first;
+        those that start once close() began raise :class:`DeltackptError` ("store ... is closed")."""
+        me = (os.getpid(), threading.get_ident())
+        with self._users_changed:
+            if self._closed:
+                return
+            self._closed = True
+            # (not this thread's own operation, a close() from inside it, nor one a forked child inherited)
+            self._users_changed.wait_for(lambda: all(u == me or u[0] != me[0] for u in self._users))
         with self._save_lock:
             self._writer.close()
         if self._pools_of is not None and self._pools_of[0] == os.getpid():
@@ -425,6 +449,25 @@ class Store:
         self._release_alone()
         self._base_cache.clear()
         self._last_manifest = None
+
+    @contextmanager
+    def _in_use(self) -> Iterator[None]:
+        """One operation of this handle in progress: :meth:`close` waits until it ends. Raises
+        :class:`DeltackptError` when the handle is closed (or closing): closing the index or the pools under a
+        running load or verify crashed the process or raised lmdb's and concurrent.futures' own errors."""
+        me = (os.getpid(), threading.get_ident())
+        with self._users_changed:
+            if self._closed and not self._users[me]:  # (one it runs inside, retain's delete, goes on)
+                raise DeltackptError(f"store {self.path} is closed")
+            self._users[me] += 1
+        try:
+            yield
+        finally:
+            with self._users_changed:
+                self._users[me] -= 1
+                if not self._users[me]:
+                    del self._users[me]
+                    self._users_changed.notify_all()
 
     def __enter__(self) -> Store:
         return self
@@ -476,7 +519,7 @@ class Store:
         """Saves and loads hold this shared; gc and repair hold it exclusively. A read-only handle takes it when
         it can open the lock file for reading, and reads without it otherwise (nothing on a read-only
         filesystem can change the store under it)."""
-        if self._closed:
+        if self._closed and not self._users[(os.getpid(), threading.get_ident())]:  # (close() waits for those)
             raise DeltackptError(f"store {self.path} is closed")
         if self._alone_fd is not None:  # a repair's handle: the store is this handle's alone already
             self.index.refresh()
@@ -596,11 +639,13 @@ class Store:
 
     # (the signatures below say builtins.list: in this class's scope, which type checkers read them in, ``list``
     # is this method)
+    @_operation
     def list(self) -> list[CheckpointInfo]:
         """Every retained checkpoint, oldest commit first."""
         # (each its own metadata: what a caller does to one is not what the next listing, or retention, reads)
         return [_detached(info) for info in self._listing()]
 
+    @_operation
     def _listing(self) -> builtins.list[CheckpointInfo]:
         """:meth:`list`, its infos shared with earlier listings of this handle (their metadata too): for readers
         that change nothing, such as retention after every save."""
@@ -628,22 +673,26 @@ class Store:
         self._listed = listed
         return rows
 
+    @_operation
     def info(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:
         """The checkpoint at ``step`` (the newest one with that step), or with ``id`` (also an id it replaced in
         a :meth:`rewrite`); latest when neither."""
         self._refresh()
         return self._info(self._record(step, id))
 
+    @_operation
     def latest(self) -> CheckpointInfo | None:
         self._refresh()
         rec = self.index.get()
         return None if rec is None else self._info(rec)
 
+    @_operation
     def manifest(self, step: int | None = None, *, id: str | None = None) -> Manifest:
         """The parsed, verified manifest of a checkpoint (for inspection tools)."""
         self._refresh()
         return self._manifest(self._record(step, id))
 
+    @_operation
     def __len__(self) -> int:
         self._refresh()
         return self.index.count()
@@ -673,6 +722,7 @@ class Store:
         """
         return self._save(state, step, metadata, parent=parent, allow_pickle=allow_pickle, keyframe=keyframe)
 
+    @_operation
     @collector.paused_during
     def _save(
         self,
@@ -811,6 +861,7 @@ class Store:
         except Exception:
             return True
 
+    @_operation
     def rewrite(self, state: Any, *, id: str, metadata: Mapping[str, Any] | None = None,
                 _devices: Mapping[int, str] | None = None) -> CheckpointInfo:
         """Replace checkpoint ``id`` by ``state`` (same step and parent, same place in commit order). The new
@@ -1264,6 +1315,7 @@ class Store:
 
     # -- load ---------------------------------------------------------------------------------------------
     @collector.paused_during
+    @_operation
     def load(
         self,
         step: int | None = None,
@@ -1333,6 +1385,7 @@ class Store:
         self._head = rec.id
         return state
 
+    @_operation
     @collector.paused_during
     def load_into(
         self,
@@ -1756,6 +1809,7 @@ class Store:
         return buf, f"pack {loc.pack_id} offset {loc.offset}"
 
     # -- delete ---------------------------------------------------------------------------------------------
+    @_operation
     def delete(self, step: int | None = None, *, id: str | None = None) -> CheckpointInfo:
         """Remove a checkpoint (the newest with ``step``, or the one with ``id``). Space returns with :meth:`gc`."""
         self._writable("delete")
@@ -1763,6 +1817,7 @@ class Store:
             raise ValueError("delete needs a step or an id")
         return self._delete([(step, id)])[0]
 
+    @_operation
     def _delete(self, which: Sequence[tuple[int | None, str | None]], *, missing_ok: bool = False
                 ) -> dict[int, CheckpointInfo]:
         """Delete the checkpoints ``which`` names ((step, id) pairs, as :meth:`delete` takes them) in one index
@@ -1814,6 +1869,7 @@ class Store:
                     fsync_dir(self._manifests_dir)
         return {pos: CheckpointInfo.from_record(removed[seq]) for pos, seq in where.items() if seq in removed}
 
+    @_operation
     def retain(self, retention: Retention, *, dry_run: bool = False) -> builtins.list[CheckpointInfo]:
         """Apply ``retention`` now (what ``deltackpt keep`` does; a :class:`~deltackpt.Checkpointer` does it after
         each save): delete every checkpoint it does not keep and return those, oldest first (with ``dry_run``,
@@ -1843,6 +1899,7 @@ class Store:
             pass
 
     # -- maintenance ------------------------------------------------------------------------------------------
+    @_operation
     def gc(self, *, repack_below: float = 0.5, timeout: float | None = None,
            progress: Progress | None = None) -> GcReport:
         """Reclaim chunks no retained checkpoint reaches; see :func:`deltackpt.maintenance.gc`."""
@@ -1855,6 +1912,7 @@ class Store:
             raise DeltackptError(f"store {self.path} is open for repair: run repair() before gc")
         return maintenance.gc(self, repack_below=repack_below, timeout=timeout, progress=progress)
 
+    @_operation
     def verify(self, step: int | None = None, *, id: str | None = None,
                progress: Progress | None = None) -> VerifyReport:
         """Decode and check every chunk of one or all checkpoints; see :func:`deltackpt.maintenance.verify`."""
@@ -1862,6 +1920,7 @@ class Store:
 
         return maintenance.verify(self, step=step, id=id, progress=progress)
 
+    @_operation
     def repair(self, *, progress: Progress | None = None) -> RepairReport:
         """Rebuild the index from packs and manifests; see :func:`deltackpt.maintenance.repair`."""
         from deltackpt import maintenance

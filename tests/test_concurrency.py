@@ -989,3 +989,81 @@ def test_racing_writers_with_any_settings_keep_chains_within_recorded_depths(
     finally:
         a.close()
         b.close()
+
+
+def test_close_on_another_thread_waits_for_a_running_verify(tmp_path: Path) -> None:
+    """close() while another thread's verify (or load, gc, listing) runs on the handle waits for it to end, and
+    what starts after it raises DeltackptError naming the store as closed. Before, close() shut the read workers
+    and the index under the verify: it raised concurrent.futures' 'cannot schedule new futures after shutdown' or
+    lmdb's 'Attempt to operate on closed/deleted/dropped object', or crashed the process (a segfault in LMDB)."""
+    path = tmp_path / "s"
+    states = {step: {"w": torch.randn(4 * CS // 4), "m": torch.randn(3 * CS // 4)} for step in (1, 2, 3)}
+    with Store(path, chunk_size=CS) as s:
+        for step, state in states.items():
+            s.save(state, step=step)
+    s = Store(path, chunk_size=CS)
+    closer = threading.Thread(target=s.close)
+
+    def close_meanwhile(n: int, total: int) -> None:
+        if n == total and not closer.is_alive():
+            closer.start()
+            time.sleep(0.3)  # (close() took the workers and the index away here)
+
+    report = s.verify(progress=close_meanwhile)
+    closer.join(TIMEOUT)
+    assert not closer.is_alive() and report.ok and report.checkpoints == 3
+    with pytest.raises(deltackpt.DeltackptError, match="is closed"):
+        s.load(1)
+    with pytest.raises(deltackpt.DeltackptError, match="is closed"):
+        s.list()
+
+
+@pytest.mark.parametrize("op", ["load", "list", "verify", "gc", "save"])
+def test_close_racing_operations_of_other_threads(tmp_path: Path, op: str) -> None:
+    """Threads running ``op`` on one handle while the main thread closes it: each either completes (what it
+    returns is right) or raises DeltackptError saying the store is closed; nothing else, no crash, no hang."""
+    path = tmp_path / "s"
+    state = {"w": torch.randn(8 * CS // 4)}
+    with Store(path, chunk_size=CS) as s:
+        s.save(state, step=1)
+    rng = random.Random(op)
+    outcomes: collections.Counter[str] = collections.Counter()
+    for r in range(12):
+        s = Store(path, chunk_size=CS)
+        errors: list[BaseException] = []
+
+        def run(i: int, s: Store = s, r: int = r, errors: list[BaseException] = errors) -> None:
+            time.sleep(rng.random() * 0.01)
+            try:
+                if op == "load":
+                    assert torch.equal(s.load(1)["w"], state["w"])
+                elif op == "list":
+                    assert [info.step for info in s.list()][0] == 1
+                elif op == "verify":
+                    assert s.verify().ok
+                elif op == "gc":
+                    s.gc()
+                else:
+                    s.save({"w": state["w"] + (r * 4 + i)}, step=100 + r * 4 + i)
+                outcomes["done"] += 1
+            except deltackpt.DeltackptError as exc:
+                assert "is closed" in str(exc), exc
+                outcomes["closed"] += 1
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        time.sleep(rng.random() * 0.01)
+        s.close()
+        for t in threads:
+            t.join(TIMEOUT)
+            assert not t.is_alive()
+        assert not errors, errors
+    assert outcomes["done"]
+    with Store(path) as s:
+        for info in s.list():
+            w = s.load(info.step)["w"]
+            assert torch.equal(w, state["w"] + (info.step - 100 if info.step != 1 else 0))
+        assert s.verify().ok
