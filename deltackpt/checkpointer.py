@@ -354,6 +354,10 @@ class Checkpointer:
         self._stopped_by = 0  # the signal it saved at while in _stopped
         self._previous: dict[int, Any] = {}
         self._closed = False
+        #: taken by close() to mark the checkpointer closed and by a save as it starts (for all of a sync save): a
+        #: close() on another thread while the loop's step() snapshots makes that save raise "closed", not
+        #: concurrent.futures' "cannot schedule new futures after shutdown", and is not left unwaited for
+        self._closing = threading.Lock()
         self._quieted: list[Any] = []  # DataLoaders whose workers this checkpointer made ignore stop signals
         self._handling = False  # its signal handlers were installed
         if handle_signals:
@@ -638,13 +642,17 @@ class Checkpointer:
         pairs = param_pairs(self.model, self.optimizer)
         stopping = self._signal is not None  # (the save before the process ends: no gc after it, time is short)
         if self._executor is None:
-            self._run_save(state, step, meta, keyframe, pairs, stopping, whole)
+            with self._closing:
+                self._check_open()
+                self._run_save(state, step, meta, keyframe, pairs, stopping, whole)
         else:
             snap = self._staging.snapshot(state)
-            self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs, stopping, whole,
-                                                   self._staging.devices)
-            self._inflight_step, self._inflight_prev = step, (self.last_saved_step, self.last_info)
-            self.last_saved_step = step  # (step() of it again must not start a second save)
+            with self._closing:
+                self._check_open()
+                self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs, stopping,
+                                                       whole, self._staging.devices)
+                self._inflight_step, self._inflight_prev = step, (self.last_saved_step, self.last_info)
+                self.last_saved_step = step  # (step() of it again must not start a second save)
             if wait:
                 self.wait()
 
@@ -783,10 +791,13 @@ class Checkpointer:
 
         A SIGTERM or SIGINT that arrived after the last :meth:`step` (while the last save ran, say) is passed on
         then, as :meth:`step` would have: to the handler installed before the checkpointer (Python's SIGINT
-        handler raises KeyboardInterrupt; the default action exits with status 128 + signal)."""
-        if self._closed:
-            return
-        self._closed = True
+        handler raises KeyboardInterrupt; the default action exits with status 128 + signal). Called on another
+        thread while the loop's :meth:`step` or :meth:`save` runs, it waits for a synchronous save in progress;
+        a save that had not started yet raises :class:`DeltackptError` ("the checkpointer is closed")."""
+        with self._closing:  # (after a save starting on another thread has started, or before it checks)
+            if self._closed:
+                return
+            self._closed = True
         pending = self._signal if self._signal is not None else self._stopped_by if self in _stopped else None
         beneath = {sig: self._beneath(sig) for sig in {*_delivered, pending}} if pending is not None else None
         failure: BaseException | None = None  # the last save's error: raised, after the signal is passed on

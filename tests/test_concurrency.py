@@ -1067,3 +1067,40 @@ def test_close_racing_operations_of_other_threads(tmp_path: Path, op: str) -> No
             w = s.load(info.step)["w"]
             assert torch.equal(w, state["w"] + (info.step - 100 if info.step != 1 else 0))
         assert s.verify().ok
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_checkpointer_closed_by_another_thread_during_a_step(tmp_path: Path, async_save: bool) -> None:
+    """close() on another thread (a watchdog's) while the loop's step() was taking its snapshot: the step raised
+    concurrent.futures' 'RuntimeError: cannot schedule new futures after shutdown' (async), or saved into the
+    store close() was closing (sync). It raises DeltackptError 'the checkpointer is closed'; what was saved
+    before loads bit for bit."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = deltackpt.Checkpointer(tmp_path / "s", model=model, optimizer=opt, async_save=async_save,
+                                handle_signals=False, rng=False)
+    saved = {}
+    for step in (1, 2):
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        ck.step(step)
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+    capture = ck.capture
+
+    def capture_then_closed(step: int) -> dict[str, Any]:
+        state = capture(step)
+        closer = threading.Thread(target=ck.close)
+        closer.start()
+        closer.join(TIMEOUT)
+        return state
+
+    ck.capture = capture_then_closed  # type: ignore[method-assign]
+    with pytest.raises(deltackpt.DeltackptError, match="the checkpointer is closed"):
+        ck.step(3)
+    ck.close()
+    with Store(tmp_path / "s") as s:
+        assert [i.step for i in s.list()] == [1, 2]
+        for step, state in saved.items():
+            got = s.load(step)["model"]
+            assert all(torch.equal(got[k], v) for k, v in state.items())
+        assert s.verify().ok
