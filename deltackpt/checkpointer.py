@@ -339,6 +339,10 @@ class Checkpointer:
         self.rng = rng
         self.last_saved_step: int | None = None
         self.last_info: CheckpointInfo | None = None
+        #: the checkpoint this checkpointer last saved or restored, which its next save descends from (before either,
+        #: the store handle's last saved or loaded one): the handle's also moves with loads other threads make
+        #: through it, an evaluation thread's loads of older steps through ``ckpt.store``
+        self._head: str | None = None
         self._staging = StagingBuffers()
         self._unthinnable: set[str] = set()  # checkpoints retention found damaged when it came to thin them
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save") if async_save else None
@@ -584,7 +588,7 @@ class Checkpointer:
         if lacking:
             warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) holds no {', '.join(lacking)}: "
                           "left as they are", RuntimeWarning, stacklevel=caller_level())
-        self.last_saved_step = restored
+        self.last_saved_step, self._head = restored, info.id
         return restored
 
     # -- saving ----------------------------------------------------------------------------------------------
@@ -671,7 +675,8 @@ class Checkpointer:
                   pairs: dict[str, str] | None = None, stopping: bool = False, whole: bool = False,
                   devices: dict[int, str] | None = None) -> CheckpointInfo:
         info = self.store._save(state, step=step, metadata=meta, keyframe=keyframe, _pairs=pairs,
-                                _self_contained=whole, _devices=devices)
+                                _self_contained=whole, _devices=devices, _after=self._head)
+        self._head = info.id
         # committed: an error of the retention below does not make it unsaved (async: set at submit already,
         # and no later save starts before this one is waited for)
         self.last_info, self.last_saved_step = info, step

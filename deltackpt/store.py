@@ -738,6 +738,7 @@ class Store:
         _flat: tuple[str, Mapping[str, Any]] | None = None,
         _self_contained: bool = False,
         _devices: Mapping[int, str] | None = None,
+        _after: str | None = None,
     ) -> CheckpointInfo:
         """:meth:`save`, with what :meth:`rewrite`, a Checkpointer and a DCP writer add.
 
@@ -747,7 +748,9 @@ class Store:
         store holds only as delta or predicted frames are written again standalone too, as a rewrite does, so
         the checkpoint keeps no older checkpoint's frames alive. ``_devices`` (by ``id`` of a tensor of
         ``state``): the device to record for it, where it is a host copy of a tensor there (an async save's
-        staging buffer), so that loads put it back where it was.
+        staging buffer), so that loads put it back where it was. ``_after``: the checkpoint a Checkpointer last
+        saved or restored, descended from in place of this handle's last saved or loaded one (which another
+        thread's load through the same handle may have moved).
         """
         self._writable("save")
         step = check_step(step)
@@ -768,7 +771,7 @@ class Store:
             if _replace is not None:
                 pass  # a rewrite keeps the replaced checkpoint's parent, None (a root) included
             elif parent is None:
-                parent = self._current_id(self._head)  # (None when deleted meanwhile)
+                parent = self._current_id(_after or self._head)  # (None when deleted meanwhile)
                 if parent is None:
                     latest = self.index.get()
                     parent = latest.id if latest is not None else None

@@ -1104,3 +1104,42 @@ def test_checkpointer_closed_by_another_thread_during_a_step(tmp_path: Path, asy
             got = s.load(step)["model"]
             assert all(torch.equal(got[k], v) for k, v in state.items())
         assert s.verify().ok
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_an_evaluation_thread_loading_through_the_checkpointers_store_does_not_reparent_the_run(
+        tmp_path: Path, async_save: bool) -> None:
+    """A thread loading an older step through ``ckpt.store`` (an evaluation running beside training) moved the
+    handle's head: the run's next save recorded that old step as its parent, a rollback that never happened
+    (and deltas against the old state). A Checkpointer descends from what it last saved or restored."""
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ck = deltackpt.Checkpointer(tmp_path / "s", model=model, optimizer=opt, async_save=async_save,
+                                handle_signals=False, rng=False)
+    saved = {}
+    for step in range(1, 6):
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        ck.step(step)
+        saved[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        if step == 3:
+            ck.wait()
+            evaluation = threading.Thread(target=ck.store.load, args=(1,))
+            evaluation.start()
+            evaluation.join(TIMEOUT)
+    ck.close()
+    with Store(tmp_path / "s") as s:
+        steps = {i.id: i.step for i in s.list()}
+        assert [(i.step, steps.get(i.parent)) for i in s.list()] == [(1, None), (2, 1), (3, 2), (4, 3), (5, 4)]
+        for step, state in saved.items():
+            got = s.load(step)["model"]
+            assert all(torch.equal(got[k], v) for k, v in state.items())
+    ck = deltackpt.Checkpointer(tmp_path / "s", model=model, optimizer=opt, handle_signals=False, rng=False)
+    assert ck.restore(step=2) == 2
+    evaluation = threading.Thread(target=ck.store.load, args=(5,))
+    evaluation.start()
+    evaluation.join(TIMEOUT)
+    ck.step(6)  # (a rollback's saves still descend from the restored checkpoint)
+    ck.close()
+    with Store(tmp_path / "s") as s:
+        assert s.info(step=6).parent == s.info(step=2).id
