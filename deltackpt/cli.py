@@ -456,13 +456,13 @@ def _stats(value: torch.Tensor | Any) -> str:
         return ""
     # Block by block in float64, two passes as numpy's std makes them: whole-array temporaries (the float64 copy,
     # the finite values, std's deviations) took seven times a large tensor's own memory.
-    count, total, lo, hi = 0, 0.0, np.inf, -np.inf
+    count, total, least, most = 0, 0.0, np.inf, -np.inf
     for i in range(0, size, _STATS_BLOCK):
         x = block(i)
         x = x[np.isfinite(x)]
         if x.size:
             count, total = count + x.size, total + float(x.sum())
-            lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+            least, most = min(least, float(x.min())), max(most, float(x.max()))
     tail = f"  non-finite {size - count}" if count < size else ""
     if count == 0:
         return tail
@@ -472,7 +472,7 @@ def _stats(value: torch.Tensor | Any) -> str:
         x = block(i)
         x = x[np.isfinite(x)] - mean
         squares += float(np.dot(x, x))
-    return f"  min {lo:.6g} max {hi:.6g} mean {mean:.6g} std {np.sqrt(squares / count):.6g}{tail}"
+    return f"  min {least:.6g} max {most:.6g} mean {mean:.6g} std {np.sqrt(squares / count):.6g}{tail}"
 
 
 def cmd_log(args: argparse.Namespace) -> int:
