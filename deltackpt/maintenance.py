@@ -992,13 +992,15 @@ def _open_if_readable(path: str | os.PathLike[str], kwargs: dict[str, Any]) -> S
         # reading the old (unlinked) one share, and their reads would follow this file's commits. Moved aside
         # instead, so they follow the new index directory (Index.refresh).
         return None
-    if unwalkable(data.parent) is not None:  # a damaged page LMDB would abort on: the repair with it
-        return None
     try:
         store = Store(path, _repair=True, **kwargs)
     except (lmdb.Error, CorruptionError):  # (not a ValueError: a bad setting is the caller's, the index is fine)
         return None
     try:
+        # a damaged page LMDB would abort on, reading the records below: the repair with it (probed once the
+        # settings are known good: a repair they refuse changes nothing, the probe's reader slot included)
+        if unwalkable(data.parent) is not None:
+            raise CorruptIndexError(f"the index of store {path} has a page LMDB aborts on")
         store.index.records()
         if not store.index.has_format_record():  # emptied: as lost
             raise CorruptIndexError(f"the index of store {path} holds no format record")
