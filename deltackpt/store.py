@@ -855,6 +855,8 @@ class Store:
                 self._writer.seal_past(max(_SEAL_BYTES, m.logical_bytes))
             else:  # still under gc.lock, so that no repair restores the replaced checkpoint from its manifest
                 self._unlink_manifest(_replace.id)
+                if self._head == _replace.id:  # (under the save lock: a save by another thread is not undone)
+                    self._head = ckpt_id
         return CheckpointInfo.from_record(rec)
 
     def _committed(self, checkpoint_id: str) -> bool:
@@ -879,13 +881,9 @@ class Store:
         from). Later checkpoints that decode from these chunks read the standalone frames.
         """
         old = self._record(id=id)
-        head, last = self._head, self._last_manifest
         if metadata is None:
             metadata = CheckpointInfo.from_record(old).metadata
-        info = self._save(state, old.step, metadata, parent=old.parent, _replace=old, _devices=_devices)
-        self._head = head if head != id else info.id
-        self._last_manifest = last
-        return info
+        return self._save(state, old.step, metadata, parent=old.parent, _replace=old, _devices=_devices)
 
     def _parent_manifest(self, parent: str) -> Manifest | None:
         last = self._last_manifest

@@ -1143,3 +1143,35 @@ def test_an_evaluation_thread_loading_through_the_checkpointers_store_does_not_r
     ck.close()
     with Store(tmp_path / "s") as s:
         assert s.info(step=6).parent == s.info(step=2).id
+
+
+def test_save_by_another_thread_during_a_rewrite_stays_the_parent(tmp_path: Path) -> None:
+    """Several threads may share one Store: a save that another thread commits while a rewrite (thinning) of an
+    older checkpoint runs on the same handle is what the next save descends from. The rewrite used to read the
+    handle's last-saved checkpoint before it took the save lock and put it back afterwards, so the next save's
+    parent (lineage and delta base) was the checkpoint before the other thread's save."""
+    from unittest import mock
+
+    s = Store(tmp_path / "s")
+    a = s.save({"w": torch.zeros(8)}, 1)
+    s.save({"w": torch.ones(8)}, 2)
+    real = deltackpt.store.tree.flatten
+    raced: list[Any] = []
+
+    def flatten(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        if not raced:  # the rewrite's flatten, before it takes the save lock: another thread saves now
+            raced.append(None)
+            t = threading.Thread(target=lambda: raced.append(s.save({"w": torch.full((8,), 3.0)}, 3)))
+            t.start()
+            t.join(TIMEOUT)
+        return out
+
+    with mock.patch.object(deltackpt.store.tree, "flatten", side_effect=flatten):
+        thinned = s.rewrite({"w": torch.zeros(8)}, id=a.id)
+    assert s.save({"w": torch.full((8,), 4.0)}, 4).parent == raced[1].id
+    # a rewrite of the checkpoint last saved makes the next save descend from the rewrite
+    last = s.rewrite({"w": torch.zeros(8)}, id=s.latest().id)
+    assert s.save({"w": torch.full((8,), 5.0)}, 5).parent == last.id
+    assert thinned.step == 1
+    s.close()
