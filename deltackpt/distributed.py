@@ -949,11 +949,21 @@ def missing_stores(root: str | os.PathLike[str]) -> list[int]:
 def verify_names(root: str | os.PathLike[str]) -> list[str]:
     """What is wrong with how the DCP checkpoints under ``root`` name their rank checkpoints: each step that names
     one its rank's store does not hold (removed with ``deltackpt rm`` on the rank store, or the store itself
-    gone), and each step whose meta checkpoint cannot be read (a damaged manifest, a newer format), so the step
-    cannot load. Empty when every step is whole. Each store's own damage is ``verify``'s."""
+    gone), and each step whose meta checkpoint cannot be read (a damaged manifest, a newer format, a damaged
+    chunk of the DCP metadata document it holds), so the step cannot load. Empty when every step is whole. Each
+    store's own damage is ``verify``'s too."""
     root = Path(root)
     steps = _named_steps(root)
     problems = [_unreadable(i, named) for i, named in steps if not isinstance(named, set)]
+    with _meta_store(root, readonly=True) as meta:  # (the document a load reads, from format 3 on, is verified)
+        for i, named in steps:
+            if isinstance(named, set):
+                try:
+                    _full_doc(meta, i.id, f"DCP checkpoint {i.id} in {meta.path}")
+                except CheckpointNotFoundError:
+                    continue  # (deleted meanwhile, by another process)
+                except DeltackptError as exc:
+                    problems.append(_unreadable(i, exc))
     for rank in sorted({r for _, named in steps if isinstance(named, set) for r, _ in named}):
         path = _rank_path(root, rank)
         held = None

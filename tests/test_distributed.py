@@ -1685,3 +1685,29 @@ def test_retention_names_a_step_whose_meta_manifest_is_damaged(tmp_path: Path,
     assert hint in said[1]
     assert distributed.steps(root) == [1, 2, 3, 4]
     assert_state(load_full(root, 4), expected(4))
+
+
+def test_dcp_verify_names_a_step_whose_meta_document_is_damaged(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A damaged meta pack (the DCP metadata document a format 3 step holds as its state) makes every step
+    unloadable: 'deltackpt dcp ROOT --verify' printed the meta store's damage but then 'verify steps: OK'.
+    verify_names names each such step, and the summary line counts them."""
+    from deltackpt import cli
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, (1, 2))
+    ids = [i.id for i in distributed.summary(root)]
+    assert distributed.verify_names(root) == []
+    for pack in (root / "meta" / "packs").glob("*.pack"):
+        data = bytearray(pack.read_bytes())
+        for at in range(64, len(data), 97):
+            data[at] ^= 0xFF
+        pack.write_bytes(bytes(data))
+    problems = distributed.verify_names(root)
+    assert [p.split(":")[0] for p in problems] == [f"step {s} (DCP checkpoint {c})" for s, c in zip((1, 2), ids)]
+    assert all(p.endswith("the step cannot load") for p in problems)
+    capsys.readouterr()
+    assert cli.main(["dcp", str(root), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "verify steps: 2 problem(s)" in out and "verify steps: OK" not in out
+    assert all("frame checksum mismatch" in p for p in problems)
