@@ -105,7 +105,9 @@ class ShapeMismatchError(DeltackptError, ValueError):
 class IndexWriteError(DeltackptError, OSError):
     """The LMDB index could not be written (disk full, quota, I/O error); the operation did not commit.
 
-    An ``OSError`` too: ``errno`` is ``ENOSPC`` when LMDB reported a full disk or a full map, else ``EIO``.
+    An ``OSError`` too: ``errno`` is ``ENOSPC`` when LMDB reported a full disk or a full map, else the system
+    error LMDB reported (``EFBIG`` past the process's file size limit, ``EDQUOT``, ``EIO``, ...), ``EIO`` when
+    it reported an error of its own.
     """
 
 

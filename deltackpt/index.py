@@ -328,7 +328,7 @@ class _Shared:
                     "handle of its own (lmdb.open of its index directory), and LMDB allows one per process; close "
                     "that handle first (deltackpt's Store handles of one store share theirs)") from exc
             if create:  # a new store's index: nothing there to be damaged, the writes failed (EIO for ENOSPC too)
-                raise IndexWriteError(errno.EIO, f"could not create the index of store {path.parent}: "
+                raise IndexWriteError(_write_errno(exc), f"could not create the index of store {path.parent}: "
                                       f"{type(exc).__name__}: {exc}") from exc
             raise CorruptIndexError(
                 f"cannot open the index of store {path.parent}: {type(exc).__name__}: {exc}; if it is damaged, "
@@ -497,6 +497,21 @@ def unwalkable(index_dir: Path) -> str | None:
     if -probe.returncode in (signal.SIGABRT, signal.SIGBUS, signal.SIGSEGV):  # (not a kill from elsewhere)
         return f"a process walking its pages died of signal {-probe.returncode}"
     return None
+
+
+#: errno by its text: py-lmdb's C extension passes a system error on as text alone ("mdb_txn_commit: File too
+#: large"), its cffi variant as (what, errno)
+_ERRNO_OF = {os.strerror(code): code for code in sorted(errno.errorcode, reverse=True)}
+
+
+def _write_errno(exc: lmdb.Error) -> int:
+    """The errno of a failed LMDB write: ``ENOSPC`` for a full disk or map, else the system error LMDB reported
+    (``EFBIG`` past RLIMIT_FSIZE, ``EDQUOT``, ``EIO``, ...), ``EIO`` when it reported none (LMDB's own codes)."""
+    if isinstance(exc, (lmdb.DiskError, lmdb.MapFullError)):
+        return errno.ENOSPC
+    if len(exc.args) > 1 and type(exc.args[1]) is int and exc.args[1] in errno.errorcode:
+        return exc.args[1]
+    return _ERRNO_OF.get(str(exc.args[0] if exc.args else "").rpartition(": ")[2].strip(), errno.EIO)
 
 
 def _lost(path: Path, why: str) -> str:
@@ -685,9 +700,8 @@ class Index:
             with self._writing() as env, env.begin(write=True) as txn:
                 yield txn
         except lmdb.Error as exc:  # a write or the commit failed: LMDB aborted the transaction
-            full = isinstance(exc, (lmdb.DiskError, lmdb.MapFullError))
             raise IndexWriteError(
-                errno.ENOSPC if full else errno.EIO,
+                _write_errno(exc),
                 f"could not write the index of {self.path.parent} ({exc}); the operation did not commit",
             ) from exc
 

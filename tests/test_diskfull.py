@@ -365,3 +365,34 @@ def test_a_dcp_branch_save_that_failed_on_a_full_disk_still_branches_when_tried_
     with deltackpt.Store(root / "rank-00000") as s:
         ckpts = s.list()
         assert ckpts[-1].step == 2 and ckpts[-1].parent == ckpts[1].id, [(c.step, c.parent) for c in ckpts]
+
+
+@pytest.mark.parametrize("error, code", [
+    (lmdb.Error("mdb_txn_commit: File too large"), errno.EFBIG),  # (RLIMIT_FSIZE: the C extension's form)
+    (lmdb.Error("mdb_txn_commit", errno.EDQUOT), errno.EDQUOT),  # (the cffi variant's form)
+    (lmdb.DiskError("mdb_txn_commit: No space left on device"), errno.ENOSPC),
+    (lmdb.MapFullError("mdb_put: MDB_MAP_FULL: Environment mapsize limit reached"), errno.ENOSPC),
+    (lmdb.Error("mdb_txn_commit: Input/output error"), errno.EIO),
+    (lmdb.CorruptedError("mdb_put: MDB_CORRUPTED: Located page was wrong type"), errno.EIO),
+])
+def test_an_index_write_error_carries_the_errno_lmdb_reported(tmp_path: Path, error: lmdb.Error,
+                                                             code: int) -> None:
+    """A commit past RLIMIT_FSIZE (LMDB: 'File too large') raised IndexWriteError with errno EIO: it carries the
+    system error LMDB reported (ENOSPC for a full disk or map, as before; EIO for LMDB's own errors)."""
+    import contextlib
+    from unittest import mock
+
+    from deltackpt import index
+
+    class Failing:
+        def begin(self, write: bool) -> None:
+            raise error
+
+    with deltackpt.Store(tmp_path / "s") as s:
+        s.save({"w": torch.zeros(10)}, 1)
+        with mock.patch.object(index.Index, "_writing", lambda self: contextlib.nullcontext(Failing())), \
+                pytest.raises(deltackpt.IndexWriteError) as info:
+            s.save({"w": torch.ones(10)}, 2)
+        assert info.value.errno == code
+        assert "the operation did not commit" in str(info.value)
+        assert [c.step for c in s.list()] == [1]
