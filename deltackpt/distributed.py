@@ -1163,12 +1163,21 @@ def _full_doc(meta: Store, ckpt: str, where: str, *, verify: bool = True) -> dic
         raise CorruptManifestError(f"{where}: the checkpoint holds no DCP metadata document")
     try:
         doc = json.loads(text.tobytes())
+        # the first format-3 writers (2026-12-04, before the document became compact JSON) wrote the document as
+        # a plain-value skeleton (§5, a list at the top), its state_dict_metadata and planner_data in the shape
+        # formats 1 and 2 keep
+        skeleton = type(doc) is list
+        if skeleton:
+            doc = tree.decode_plain(doc)
         if type(doc) is not dict or not (doc["version"] is None or type(doc["version"]) is str):
             raise ValueError("not a document")
         items = [[fqn, offset, index, rank, key, ranks[rank], kind, n]
                  for fqn, offset, index, rank, key, kind, n in doc["items"]]
-        sdm = {fqn: _expand_md(fqn, d) for fqn, d in doc["state_dict_metadata"].items()}
-        planner_data = _expand_planner_data(doc["planner_data"])
+        if skeleton:
+            sdm, planner_data = dict(doc["state_dict_metadata"]), doc["planner_data"]
+        else:
+            sdm = {fqn: _expand_md(fqn, d) for fqn, d in doc["state_dict_metadata"].items()}
+            planner_data = _expand_planner_data(doc["planner_data"])
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError, CorruptManifestError) as exc:
         raise CorruptManifestError(f"{where}: malformed DCP metadata document ({exc!r:.200})") from None
     return {"version": doc["version"], "state_dict_metadata": sdm, "planner_data": planner_data,

@@ -8,6 +8,10 @@
   manifests of version 3 (a module's state dict), a branch. Its states come from real AdamW and SGD steps, so
   its golden digests (``store-predicted.json``: every tensor's dtype, shape and SHA-256 and every plain value, by
   checkpoint, taken from the states as they were saved) are what a load is checked against.
+- ``tests/fixtures/dcp-meta3-skeleton``, a sharded (DCP) root written by ``write_dcp_meta3_skeleton`` below with
+  deltackpt at commit 77cf6fa (2026-12-04), the first writer of DCP meta format 3: until 6fa874e it wrote the
+  metadata document as a plain-value skeleton rather than compact JSON. Its stores' ``index`` directories (LMDB
+  files of 57 KB each) are left out: the tests rebuild them with a repair, from manifests and packs.
 
 Never regenerate a fixture for a new version: add a new one beside it instead.
 """
@@ -32,6 +36,7 @@ from deltackpt import codec, maintenance, manifest, predict
 FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"
 PREDICTED = Path(__file__).parent / "fixtures" / "store-predicted"
 GOLDEN = PREDICTED.with_suffix(".json")
+DCP_META3_SKELETON = Path(__file__).parent / "fixtures" / "dcp-meta3-skeleton"
 
 
 def expected_states() -> list[tuple[int, dict]]:
@@ -178,6 +183,39 @@ def test_predicted_store_takes_new_saves_deletes_and_gc(predicted_store: Path) -
             assert digests(s.load(id=i.id)) == golden["states"][i.id], i.step
         assert digests(s.load(step=99)) == digests(newest)
         assert s.verify().ok
+
+
+def dcp_meta3_skeleton_state() -> dict[str, Any]:
+    return {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4) / 8, "ints": torch.arange(5, dtype=torch.int64),
+            "extra": {"step": 7, "name": "run"}}
+
+
+def write_dcp_meta3_skeleton(dest: Path) -> None:  # pragma: no cover - was run once, with deltackpt at 77cf6fa
+    import torch.distributed.checkpoint as dcp
+
+    from deltackpt.distributed import DeltaStorageWriter
+    dcp.save(dcp_meta3_skeleton_state(), storage_writer=DeltaStorageWriter(dest, step=7))
+    for store in ("meta", "rank-00000"):
+        shutil.rmtree(dest / store / "index")
+
+
+def test_dcp_meta3_skeleton_document_loads(tmp_path: Path) -> None:
+    """The first format-3 writers kept the DCP metadata document as a skeleton: it still loads, not 'malformed'."""
+    import torch.distributed.checkpoint as dcp
+
+    from deltackpt import distributed
+    root = tmp_path / "root"
+    shutil.copytree(DCP_META3_SKELETON, root)
+    for store in ("meta", "rank-00000"):
+        with maintenance.open_for_repair(root / store) as s:
+            assert s.repair().checkpoints == 1
+    want = dcp_meta3_skeleton_state()
+    got = {"w": torch.zeros(3, 4), "ints": torch.zeros(5, dtype=torch.int64), "extra": {"step": 0, "name": ""}}
+    dcp.load(got, storage_reader=distributed.DeltaStorageReader(root, step=7))
+    assert _same(want, got)
+    assert [i.step for i in distributed.summary(root)] == [7]
+    dcp.save(want, storage_writer=distributed.DeltaStorageWriter(root, step=8))  # a current save on top
+    assert distributed.steps(root) == [7, 8]
 
 
 def write_predicted(dest: Path) -> None:  # pragma: no cover - run by hand once
