@@ -1,10 +1,15 @@
 """A Hypothesis state machine over a real store: evolving states, saves, rollbacks (branches), deletes, thinning
-(rewrites), gc, reopen.
+(rewrites), gc (with and without repacking), reopen, and damage to a base frame (in a copy of the store).
 
 The state holds free-form tensors and an AdamW-trained parameter with its optimizer state (so predicted frames
-are written and referenced across branches, deletes and gc). After every operation each retained checkpoint
-loads bit-exactly, every chunk entry respects the chain bound, and every delta base and prediction input of an
-entry is still indexed, at a lower depth (deletes, rewrites and gc never break a chain).
+are written and referenced across branches, deletes and gc). The rules that change the state may save right
+after (a save is then about three steps in ten, so chains, branches and predictions form within a run).
+After every operation each retained checkpoint loads bit-exactly, every chunk entry respects the chain bound,
+every delta base and prediction input of an entry is still indexed, at a lower depth (deletes, rewrites and gc
+never break a chain), and the chain a decode actually follows (the frames' own headers and prediction records)
+is no deeper than the recorded depth. Damaging a frame another chunk decodes from is reported by ``verify`` for
+exactly the retained chunks whose decode reaches it, through deltas and predictions alike, and by a load of each
+of those chunks and of each checkpoint holding one; the other checkpoints still load.
 """
 
 from __future__ import annotations
@@ -12,16 +17,18 @@ from __future__ import annotations
 import copy
 import shutil
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
 from conftest import assert_same_state
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import deltackpt
-from deltackpt import codec
+from deltackpt import CorruptChunkError, codec
+from deltackpt.index import ChunkLoc, chunk_key
 
 CHUNK = 4096
 MAX_CHAIN = 2
@@ -61,8 +68,8 @@ class StoreMachine(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
     # -- how the training state evolves --------------------------------------------------------------------
-    @rule(seed=st.integers(0, 2**32 - 1), frac=st.sampled_from([0.0, 0.01, 0.3, 1.0]))
-    def small_changes(self, seed: int, frac: float) -> None:
+    @rule(seed=st.integers(0, 2**32 - 1), frac=st.sampled_from([0.0, 0.01, 0.3, 1.0]), then_save=st.booleans())
+    def small_changes(self, seed: int, frac: float, then_save: bool) -> None:
         rng = np.random.default_rng(seed)
         for t in self.state.values():
             n = int(t.numel() * frac)
@@ -72,9 +79,10 @@ class StoreMachine(RuleBasedStateMachine):
                 flat[idx] += (torch.from_numpy(rng.standard_normal(n).astype(np.float32)) * 1e-4).to(t.dtype)
             elif n:
                 t.view(-1)[0] += 1
+        self._then_save(then_save)
 
-    @rule(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 2))
-    def adam_step(self, seed: int, steps: int) -> None:
+    @rule(seed=st.integers(0, 2**32 - 1), steps=st.integers(1, 2), then_save=st.booleans())
+    def adam_step(self, seed: int, steps: int, then_save: bool) -> None:
         """AdamW steps on the parameter ``w`` with a random gradient (as torch.optim.AdamW computes them)."""
         rng = np.random.default_rng(seed)
         a = self.adam
@@ -87,6 +95,7 @@ class StoreMachine(RuleBasedStateMachine):
             bc1, bc2 = 1 - BETAS[0] ** a["t"], 1 - BETAS[1] ** a["t"]
             denom = (a["v"].sqrt() / bc2**0.5).add_(EPS)
             a["w"].addcdiv_(a["m"], denom, value=-LR / bc1)
+        self._then_save(then_save)
 
     def _tree(self) -> dict:
         a = self.adam
@@ -98,25 +107,32 @@ class StoreMachine(RuleBasedStateMachine):
             },
         }
 
-    @rule(seed=st.integers(0, 2**32 - 1), numel=st.integers(0, 5000), dtype=st.sampled_from(DTYPES))
-    def add_tensor(self, seed: int, numel: int, dtype: torch.dtype) -> None:
+    @rule(seed=st.integers(0, 2**32 - 1), numel=st.integers(0, 5000), dtype=st.sampled_from(DTYPES),
+          then_save=st.booleans())
+    def add_tensor(self, seed: int, numel: int, dtype: torch.dtype, then_save: bool) -> None:
         self.state[f"n{seed % 1000}"] = _random_tensor(np.random.default_rng(seed), numel, dtype)
+        self._then_save(then_save)
 
     @precondition(lambda self: len(self.state) > 1)
     @rule(data=st.data())
     def remove_tensor(self, data: st.DataObject) -> None:
         del self.state[data.draw(st.sampled_from(sorted(self.state)))]
 
-    @rule(data=st.data())
-    def reshape_or_retype(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), then_save=st.booleans())
+    def reshape_or_retype(self, data: st.DataObject, then_save: bool) -> None:
         k = data.draw(st.sampled_from(sorted(self.state)))
         t = self.state[k]
         if data.draw(st.booleans()) and t.numel() % 2 == 0 and t.numel():
             self.state[k] = t.reshape(2, -1).clone()
         else:
             self.state[k] = t.to(data.draw(st.sampled_from(DTYPES)))
+        self._then_save(then_save)
 
     # -- store operations ----------------------------------------------------------------------------------
+    def _then_save(self, then_save: bool) -> None:
+        if then_save:
+            self.save(same_step=False)
+
     @rule(same_step=st.booleans())
     def save(self, same_step: bool) -> None:
         if not (same_step and self.step):
@@ -129,8 +145,10 @@ class StoreMachine(RuleBasedStateMachine):
         self.head = info.id
 
     @precondition(lambda self: self.expected)
-    @rule(data=st.data())
-    def rollback(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), then_train=st.booleans(), seed=st.integers(0, 2**32 - 1))
+    def rollback(self, data: st.DataObject, then_train: bool, seed: int) -> None:
+        """Restore a checkpoint; with ``then_train`` train a step from it and save: a branch (unless it was the
+        newest checkpoint)."""
         cid = data.draw(st.sampled_from(list(self.expected)))  # save order: ids are random
         loaded = self.store.load(id=cid)
         model = dict(loaded["model"])
@@ -141,6 +159,8 @@ class StoreMachine(RuleBasedStateMachine):
             self.adam = {"w": model.pop("adam_w"), "m": torch.zeros(ADAM_N), "v": torch.zeros(ADAM_N), "t": 0}
         self.state = _clone(model)
         self.head = cid  # the next save is a branch from here
+        if then_train:
+            self.adam_step(seed, 1, then_save=True)
 
     @precondition(lambda self: self.expected)
     @rule(data=st.data())
@@ -164,9 +184,9 @@ class StoreMachine(RuleBasedStateMachine):
         if self.head == cid:
             self.head = info.id
 
-    @rule()
-    def gc(self) -> None:
-        self.store.gc()
+    @rule(repack_below=st.sampled_from([0.5, 1.0]))
+    def gc(self, repack_below: float) -> None:
+        self.store.gc(repack_below=repack_below)  # 1.0: every pack with a dead frame is repacked
 
     @rule()
     def reopen(self) -> None:
@@ -198,9 +218,98 @@ class StoreMachine(RuleBasedStateMachine):
                 assert all(i is not None for i in inputs), "a prediction input was dropped"
                 assert max(i.depth for i in inputs if i is not None) <= loc.depth - 1
 
+    @invariant()
+    def the_decoded_chain_is_within_the_recorded_depth(self) -> None:
+        """The chains decodes follow, read from the frames themselves (their headers' codec and base, a predicted
+        frame's record), not from the depths the index records: none is deeper than its entry says."""
+        entries = dict(self.store.index.iter_chunks())
+        for k in entries:
+            assert _decode_depth(self.store, entries, k, {}) <= entries[k].depth <= MAX_CHAIN, k.hex()
+
+    # -- damage to a base frame, in a copy of the store ----------------------------------------------------
+    @precondition(lambda self: self.expected)
+    @rule(data=st.data())
+    def damaged_base_is_reported_for_every_dependent(self, data: st.DataObject) -> None:
+        entries = dict(self.store.index.iter_chunks())
+        inputs = {k: self.store.references(k, entries[k]) for k in entries}
+        used = sorted({r for refs in inputs.values() for r in refs})
+        if not used:
+            return
+        base = data.draw(st.sampled_from(used))
+        for kind in sorted({entries[k].codec for k, refs in inputs.items() if base in refs}):
+            event("damaged base: a " + {codec.DELTA: "delta", codec.PREDICTED: "predicted frame"}[kind] + " reads it")
+
+        def reaches(k: bytes, seen: set[bytes]) -> bool:
+            if k == base:
+                return True
+            seen.add(k)
+            return any(reaches(r, seen) for r in inputs.get(k, ()) if r not in seen)
+
+        expected = set()  # (checkpoint, tensor key, chunk id) of every retained chunk whose decode reads the base
+        broken: dict[bytes, str] = {}
+        for cid in self.expected:
+            m = self.store.manifest(id=cid)
+            for t in m.tensors:
+                for _, digest, length in m.chunk_keys(t):
+                    k = chunk_key(digest, length)
+                    if reaches(k, set()):
+                        hexid = codec.chunk_hex(digest, length)
+                        expected.add((cid, t.key, hexid))
+                        broken[k] = hexid
+        copy_dir = Path(self.dir + "-damaged")
+        shutil.rmtree(copy_dir, ignore_errors=True)
+        shutil.copytree(self.dir, copy_dir)
+        try:
+            loc = entries[base]
+            with open(copy_dir / "packs" / f"{loc.pack_id}.pack", "r+b") as f:  # a payload byte: checksum fails
+                f.seek(loc.offset + loc.frame_len - 1)
+                b = f.read(1)
+                f.seek(loc.offset + loc.frame_len - 1)
+                f.write(bytes([b[0] ^ 0x40]))
+            with deltackpt.Store(copy_dir, chunk_size=CHUNK, threads=2, max_chain=MAX_CHAIN) as s:
+                found = {(p.checkpoint, p.key, p.chunk_id) for p in s.verify().problems}
+                assert found == expected, found ^ expected
+                for k, hexid in broken.items():
+                    try:
+                        s.read_chunk(k)
+                    except CorruptChunkError as exc:
+                        assert exc.chunk_id == hexid, (exc.chunk_id, hexid)
+                    else:
+                        raise AssertionError(f"chunk {hexid} decodes from the damaged frame and read intact")
+                for cid, want in self.expected.items():
+                    names = {(c, key, hexid) for c, key, hexid in expected if c == cid}
+                    if not names:
+                        assert_same_state(want, s.load(id=cid))
+                        continue
+                    try:
+                        s.load(id=cid)
+                    except CorruptChunkError as exc:
+                        assert (exc.checkpoint, exc.key, exc.chunk_id) in names, (exc, names)
+                    else:
+                        raise AssertionError(f"checkpoint {cid} needs the damaged frame and loaded")
+        finally:
+            shutil.rmtree(copy_dir, ignore_errors=True)
+
+
+def _decode_depth(store: deltackpt.Store, entries: dict[bytes, ChunkLoc], k: bytes, memo: dict[bytes, int]) -> int:
+    """How many frames deep decoding chunk ``k`` reaches, following the frames' headers and prediction records."""
+    if k not in memo:
+        loc = entries[k]
+        frame = store.reader.read(loc.pack_id, loc.offset, loc.frame_len)
+        h = codec.parse_header(memoryview(frame))
+        assert h.codec == loc.codec and h.digest == k[:16], k.hex()
+        if h.codec == codec.DELTA:
+            assert h.base == loc.base, k.hex()
+            memo[k] = 1 + _decode_depth(store, entries, h.base + k[16:], memo)
+        elif h.codec == codec.PREDICTED:
+            memo[k] = 1 + max(_decode_depth(store, entries, r, memo) for r in store.references(k, loc))
+        else:
+            memo[k] = 0
+    return memo[k]
+
 
 StoreMachine.TestCase.settings = settings(
-    settings.default, stateful_step_count=20, deadline=None,
+    settings.default, stateful_step_count=30, deadline=None,
     # rules with preconditions (rollback, delete) are filtered out until a save happened
     suppress_health_check=[*settings.default.suppress_health_check, HealthCheck.filter_too_much],
 )
