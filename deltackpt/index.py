@@ -488,8 +488,8 @@ def unwalkable(index_dir: Path) -> str | None:
     LMDB checks the pages a search passes, but only asserts the type of a leaf page a cursor steps onto: a
     damaged one there fails that assertion, which aborts the process (SIGABRT, nothing to catch), and a page
     number pointing past the end of the file is SIGBUS. A child process walks every table (:data:`_PROBE`) and
-    dies instead. Costs a process start: for :func:`deltackpt.maintenance.repair`, before it opens an index in
-    place."""
+    dies instead. Costs a process start: for :func:`deltackpt.maintenance.verify`, and for a repair once the
+    index opened and before it reads the records (:func:`deltackpt.maintenance.open_for_repair`)."""
     try:
         probe = subprocess.run([sys.executable, "-c", _PROBE, str(index_dir)], capture_output=True, timeout=600)
     except (OSError, subprocess.SubprocessError):
