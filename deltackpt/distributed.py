@@ -922,27 +922,27 @@ def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
 def _summary(root: Path) -> tuple[list[StepInfo], list[tuple[Any, DeltackptError]]]:
     """:func:`summary` of the steps whose meta checkpoint can be read, and each other step's meta checkpoint
     info with its error (what ``deltackpt dcp ROOT`` lists apart)."""
-    steps = _named_steps(root)
+    steps, unreadable = _named_steps(root)
     sizes: dict[tuple[int, str], tuple[int, int]] = {}
-    for rank in sorted({r for _, named in steps if isinstance(named, set) for r, _ in named}):
+    for rank in sorted({r for _, named in steps for r, _ in named}):
         if not (_rank_path(root, rank) / "STORE").exists():
             continue  # its store is gone: its shards count nothing (verify_names reports the steps that name them)
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards", readonly=True) as store:
-            for r, ckpt in {n for _, named in steps if isinstance(named, set) for n in named if n[0] == rank}:
+            for r, ckpt in {n for _, named in steps for n in named if n[0] == rank}:
                 c = _resolved(store, ckpt)  # (missing: verify_names reports it)
                 if c is not None:
                     sizes[r, ckpt] = (c.logical_bytes, c.written_bytes)
     return ([StepInfo(i.step, i.created, len({r for r, _ in named}), sum(sizes.get(n, (0, 0))[0] for n in named),
                       sum(sizes.get(n, (0, 0))[1] for n in named), _user_metadata(i.metadata), i.id)
-             for i, named in steps if isinstance(named, set)],
-            [(i, named) for i, named in steps if not isinstance(named, set)])
+             for i, named in steps],
+            unreadable)
 
 
 def missing_stores(root: str | os.PathLike[str]) -> list[int]:
     """The ranks that a DCP checkpoint under ``root`` names a checkpoint of but whose store is gone (the steps
     naming them cannot load; :func:`verify_names` says which)."""
     root = Path(root)
-    ranks = {r for _, named in _named_steps(root) if isinstance(named, set) for r, _ in named}
+    ranks = {r for _, named in _named_steps(root)[0] for r, _ in named}
     return sorted(r for r in ranks if not (_rank_path(root, r) / "STORE").exists())
 
 
@@ -953,26 +953,24 @@ def verify_names(root: str | os.PathLike[str]) -> list[str]:
     chunk of the DCP metadata document it holds), so the step cannot load. Empty when every step is whole. Each
     store's own damage is ``verify``'s too."""
     root = Path(root)
-    steps = _named_steps(root)
-    problems = [_unreadable(i, named) for i, named in steps if not isinstance(named, set)]
+    steps, unreadable = _named_steps(root)
+    problems = [_unreadable(i, exc) for i, exc in unreadable]
     with _meta_store(root, readonly=True) as meta:  # (the document a load reads, from format 3 on, is verified)
-        for i, named in steps:
-            if isinstance(named, set):
-                try:
-                    _full_doc(meta, i.id, f"DCP checkpoint {i.id} in {meta.path}")
-                except CheckpointNotFoundError:
-                    continue  # (deleted meanwhile, by another process)
-                except DeltackptError as exc:
-                    problems.append(_unreadable(i, exc))
-    for rank in sorted({r for _, named in steps if isinstance(named, set) for r, _ in named}):
+        for i, _ in steps:
+            try:
+                _full_doc(meta, i.id, f"DCP checkpoint {i.id} in {meta.path}")
+            except CheckpointNotFoundError:
+                continue  # (deleted meanwhile, by another process)
+            except DeltackptError as exc:
+                problems.append(_unreadable(i, exc))
+    for rank in sorted({r for _, named in steps for r, _ in named}):
         path = _rank_path(root, rank)
         held = None
         if (path / "STORE").exists():
             with _existing(path, f"rank {rank}'s shards", readonly=True) as store:
-                held = {ckpt for _, named in steps if isinstance(named, set)
-                        for r, ckpt in named if r == rank and _resolved(store, ckpt)}
+                held = {ckpt for _, named in steps for r, ckpt in named if r == rank and _resolved(store, ckpt)}
         for i, named in steps:
-            for r, ckpt in sorted(named) if isinstance(named, set) else []:
+            for r, ckpt in sorted(named):
                 if r == rank and (held is None or ckpt not in held):
                     where = "its store is gone" if held is None else "its store does not hold it"
                     problems.append(f"step {i.step} (DCP checkpoint {i.id}) names rank {rank}'s checkpoint {ckpt}, "
@@ -985,11 +983,13 @@ def _unreadable(info: Any, exc: DeltackptError) -> str:
     return f"step {info.step} (DCP checkpoint {info.id}): its DCP metadata cannot be read ({exc}): the step cannot load"
 
 
-def _named_steps(root: Path) -> list[tuple[Any, set[tuple[int, str]] | DeltackptError]]:
-    """Every DCP checkpoint under ``root`` (oldest commit first) with the rank checkpoints it names, or the error
-    that reading its meta checkpoint raised (a damaged or missing manifest, a newer format): one such step
-    leaves the others listed. One deleted meanwhile (by another process) is left out."""
-    steps: list[tuple[Any, set[tuple[int, str]] | DeltackptError]] = []
+def _named_steps(root: Path) -> tuple[list[tuple[Any, set[tuple[int, str]]]], list[tuple[Any, DeltackptError]]]:
+    """Every DCP checkpoint under ``root`` (oldest commit first) with the rank checkpoints it names; and apart,
+    each one whose meta checkpoint cannot be read (a damaged or missing manifest, a newer format) with the error
+    that reading it raised: one such step leaves the others listed. One deleted meanwhile (by another process)
+    is left out."""
+    steps: list[tuple[Any, set[tuple[int, str]]]] = []
+    unreadable: list[tuple[Any, DeltackptError]] = []
     with _meta_store(root, readonly=True) as meta:
         for i in meta.list():
             try:
@@ -997,8 +997,8 @@ def _named_steps(root: Path) -> list[tuple[Any, set[tuple[int, str]] | Deltackpt
             except CheckpointNotFoundError:
                 continue
             except (CorruptManifestError, FormatVersionError) as exc:
-                steps.append((i, exc))
-    return steps
+                unreadable.append((i, exc))
+    return steps, unreadable
 
 
 def _resolved(store: Store, ckpt: str) -> Any:

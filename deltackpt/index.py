@@ -473,11 +473,7 @@ def _truncated(data: Path) -> str | None:
         return None
     if pages < 2 or any(root != _NO_PAGE and root >= pages for root in (free_root, main_root)):
         return f"{data} holds {size} bytes, less than the pages its meta page names (it was truncated)"
-    try:
-        probe = subprocess.run([sys.executable, "-c", _PROBE, str(data.parent)], capture_output=True, timeout=600)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if probe.returncode == -signal.SIGBUS:
+    if _probe(data.parent) == signal.SIGBUS:
         return f"{data} holds {size} bytes, less than the pages its trees reach (it was truncated)"
     return None
 
@@ -490,13 +486,20 @@ def unwalkable(index_dir: Path) -> str | None:
     number pointing past the end of the file is SIGBUS. A child process walks every table (:data:`_PROBE`) and
     dies instead. Costs a process start: for :func:`deltackpt.maintenance.verify`, and for a repair once the
     index opened and before it reads the records (:func:`deltackpt.maintenance.open_for_repair`)."""
+    died = _probe(index_dir)
+    if died in (signal.SIGABRT, signal.SIGBUS, signal.SIGSEGV):  # (not a kill from elsewhere)
+        return f"a process walking its pages died of signal {died}"
+    return None
+
+
+def _probe(index_dir: Path) -> int | None:
+    """The signal that killed a child process walking every page of the index in ``index_dir`` (:data:`_PROBE`),
+    or None when it ended on its own (or could not be run, or ran past 10 minutes)."""
     try:
         probe = subprocess.run([sys.executable, "-c", _PROBE, str(index_dir)], capture_output=True, timeout=600)
     except (OSError, subprocess.SubprocessError):
         return None
-    if -probe.returncode in (signal.SIGABRT, signal.SIGBUS, signal.SIGSEGV):  # (not a kill from elsewhere)
-        return f"a process walking its pages died of signal {-probe.returncode}"
-    return None
+    return -probe.returncode if probe.returncode < 0 else None
 
 
 #: errno by its text: py-lmdb's C extension passes a system error on as text alone ("mdb_txn_commit: File too

@@ -1568,6 +1568,21 @@ def test_a_branch_save_that_failed_at_the_commit_branches_again(tmp_path: Path,
             assert [(i.step, i.parent) for i in infos[4:]] == [(2, infos[1].id), (3, infos[4].id)], store
 
 
+def _steps_with_a_damaged_meta_manifest(root: Path) -> tuple[list[str], Path, bytes]:
+    """Steps 1, 2 and 3 saved under ``root``, then one byte of step 2's meta manifest flipped: the meta
+    checkpoint ids, that manifest's path and its intact bytes."""
+    from deltackpt import distributed
+
+    _save_steps(root, [1, 2, 3])
+    ids = [i.id for i in distributed.summary(root)]
+    path = root / "meta" / "manifests" / f"{ids[1]}.manifest"
+    intact = path.read_bytes()
+    data = bytearray(intact)
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    return ids, path, intact
+
+
 def test_the_dcp_command_lists_the_steps_beside_one_whose_meta_manifest_is_damaged(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """One step's damaged meta manifest (or one of a newer meta format) stopped 'deltackpt dcp ROOT' with one
@@ -1576,12 +1591,7 @@ def test_the_dcp_command_lists_the_steps_beside_one_whose_meta_manifest_is_damag
     from deltackpt import cli, distributed
 
     root = tmp_path / "ckpt"
-    _save_steps(root, [1, 2, 3])
-    ids = [i.id for i in distributed.summary(root)]
-    path = root / "meta" / "manifests" / f"{ids[1]}.manifest"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    ids, path, intact = _steps_with_a_damaged_meta_manifest(root)
     capsys.readouterr()
     for args in ([], ["--verify"]):
         assert cli.main(["dcp", str(root), *args]) == 1
@@ -1594,7 +1604,7 @@ def test_the_dcp_command_lists_the_steps_beside_one_whose_meta_manifest_is_damag
     assert distributed.missing_stores(root) == []
     with pytest.raises(deltackpt.CorruptManifestError, match="fails its checksum"):
         distributed.summary(root)  # (as before: summary() raises for an unreadable step)
-    path.write_bytes(bytes(data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]))
+    path.write_bytes(intact)
     with deltackpt.Store(root / "meta") as meta:  # a step of a newer meta format: listed apart too
         meta.rewrite({}, id=ids[2], metadata=dict(meta.info(id=ids[2]).metadata, format=distributed.META_FORMAT + 1))
     assert cli.main(["dcp", str(root)]) == 1
@@ -1630,12 +1640,7 @@ def test_a_step_whose_meta_manifest_is_damaged_can_be_deleted_and_prune_names_it
     from deltackpt import cli, distributed
 
     root = tmp_path / "ckpt"
-    _save_steps(root, [1, 2, 3])
-    ids = [i.id for i in distributed.summary(root)]
-    path = root / "meta" / "manifests" / f"{ids[1]}.manifest"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    ids, path, intact = _steps_with_a_damaged_meta_manifest(root)
     capsys.readouterr()
     assert cli.main(["dcp", str(root), "--prune"]) == 1
     err = capsys.readouterr().err
@@ -1662,12 +1667,7 @@ def test_retention_names_a_step_whose_meta_manifest_is_damaged(tmp_path: Path,
     from deltackpt import cli, distributed
 
     root = tmp_path / "ckpt"
-    _save_steps(root, [1, 2, 3])
-    ids = [i.id for i in distributed.summary(root)]
-    path = root / "meta" / "manifests" / f"{ids[1]}.manifest"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    ids, path, intact = _steps_with_a_damaged_meta_manifest(root)
     hint = f"retention deletes nothing ('deltackpt rm {root / 'meta'} {ids[1]}' deletes the step)"
     capsys.readouterr()
     assert cli.main(["keep", str(root), "--last", "1"]) == 1
