@@ -29,6 +29,7 @@ import errno
 import functools
 import inspect
 import json
+import mmap
 import os
 import re
 import resource
@@ -354,6 +355,12 @@ class _Shared:
         try:
             self.dbs = {name: self.env.open_db(name.encode(), create=not readonly)
                         for name in ("meta", "chunks", "ckpts", "ids", "steps")}
+            self.main = self.env.open_db(None)  # (the table records: unsafe_pages reads their roots there)
+            try:
+                st = (path / "data.mdb").stat()
+                self.data_id: tuple[int, int] | None = (st.st_dev, st.st_ino)
+            except OSError:
+                self.data_id = None
             if not self.readonly:
                 self.env.reader_check()  # clear reader slots of dead processes
             with self.env.begin(write=create) as txn:
@@ -476,6 +483,149 @@ def _truncated(data: Path) -> str | None:
     if _probe(data.parent) == signal.SIGBUS:
         return f"{data} holds {size} bytes, less than the pages its trees reach (it was truncated)"
     return None
+
+
+#: LMDB's page and node layout (mdb.c of LMDB 0.9, 64-bit builds): a page starts with a 16-byte header, its page
+#: number (u64), a pad (u16), its flags (u16) and ``mp_lower``/``mp_upper`` (u16 each; an overflow page holds its
+#: page count there instead), then an array of u16 node offsets, counted from the page's start, up to
+#: ``mp_lower``. A node is lo, hi, flags, key size (u16 each) and its key; a branch node's child page number is
+#: lo | hi << 16 | flags << 32, a leaf node's data size is lo | hi << 16 and its data follows the key, or for a
+#: value of ``F_BIGDATA`` the number (u64) of the first of the overflow pages that hold it.
+_PAGE_HEADER = 16
+_P_BRANCH, _P_LEAF, _P_OVERFLOW, _P_META, _P_LEAF2, _P_SUBP = 0x01, 0x02, 0x04, 0x08, 0x20, 0x40
+_P_TYPE = _P_BRANCH | _P_LEAF | _P_OVERFLOW | _P_META | _P_LEAF2 | _P_SUBP
+_F_BIGDATA = 0x01
+#: MDB_db: pad (u32), flags (u16), depth (u16), branch, leaf and overflow page counts, entries, root (u64 each)
+_MDB_DB = struct.Struct("<IHH4QQ")
+_MDB_DUPSORT = 0x04
+#: LMDB's cursor stack (CURSOR_STACK): no tree it reads is deeper
+_MAX_DEPTH = 32
+
+
+def unsafe_pages(txn: lmdb.Transaction, main: Any, name: str, data: Path, data_id: tuple[int, int] | None,
+                 ) -> str | None:
+    """Why LMDB's cursor walk of table ``name`` in read transaction ``txn`` would dereference a damaged page,
+    or None when every page of that table's tree is sound (or the layout is not one this check knows).
+
+    LMDB checks the pages a search passes, but a cursor that steps to the next leaf (``next`` and ``set_range``
+    alike) asserts that page's type (``mdb_cassert(IS_LEAF(mp))``, an abort of the process) and trusts its node
+    offsets (a read outside the map: SIGSEGV or SIGBUS). So before a full scan this walks the table's B-tree
+    from its root in ``data`` (the environment's ``data.mdb``, mapped read-only) and checks every page it
+    reaches: the page number its header holds is its own, its type is branch or leaf (the same on a level, a leaf
+    level last, no page reached twice), ``mp_lower``/``mp_upper`` and each node lie inside the page, each child
+    page (and each overflow run a big value names) lies below the snapshot's last page and within the file.
+
+    The walk reads the pages of ``txn``'s own snapshot, whatever other processes commit meanwhile. The root comes
+    from the table's MDB_db record, read in ``txn`` from the main table: the record LMDB's cursor itself loads
+    for the table in this transaction. LMDB's copy-on-write never writes into a page reachable from a snapshot a
+    live reader holds (a page is freed, and only then reused, once no reader's transaction is older than the
+    commit that freed it), and a commit writes its pages before the meta page that publishes it, so every page
+    this walk reaches holds what it held when the snapshot was committed; the map of the file is shared with
+    LMDB's writes (``pwrite`` into the same page cache). A root taken elsewhere (the newest meta page, another
+    transaction) may reach pages that the older snapshot freed and a writer is now reusing: a good store would
+    look damaged. The bound on page numbers is the last page of the snapshot's meta page while that meta page
+    still holds the snapshot's transaction (two commits later a writer reuses it), else the file's length (an
+    LMDB file never shrinks).
+
+    ``data_id`` is (device, inode) of the ``data.mdb`` the environment opened: a file found under that name that
+    is another one (a repair replaced the directory) is not checked. Nothing is checked either where the layout
+    is not LMDB 0.9's of a 64-bit little-endian build (magic, version, a page size that is a power of two from
+    512 to 64 KiB and LMDB's own), nor for a table of sorted duplicates (none of the index's): LMDB then reads
+    as it would have."""
+    if struct.calcsize("P") != 8 or sys.byteorder != "little":
+        return None
+    record = txn.get(name.encode(), db=main)
+    if record is None or len(record) != _MDB_DB.size:
+        return None  # (LMDB reports a table record it does not know)
+    _, flags, _, _, _, _, _, root = _MDB_DB.unpack(record)
+    if root == _NO_PAGE or flags & _MDB_DUPSORT:
+        return None
+    try:
+        with open(data, "rb") as f:
+            st = os.fstat(f.fileno())
+            if data_id is not None and (st.st_dev, st.st_ino) != data_id or st.st_size < 2 * 512:
+                return None
+            mm = mmap.mmap(f.fileno(), st.st_size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    try:
+        return _walk(mm, st.st_size, txn.id(), txn.stat(main)["psize"], root)
+    finally:
+        with contextlib.suppress(BufferError):  # (an array of the walk still held: the map goes with it)
+            mm.close()
+
+
+def _walk(mm: mmap.mmap, size: int, txnid: int, psize: int, root: int) -> str | None:
+    """:func:`unsafe_pages`' walk of the tree from page ``root`` in ``mm`` (``size`` bytes), level by level."""
+    metas = [_META.unpack_from(mm, offset + _PAGE_HEADER) for offset in (0, psize) if offset + psize <= size]
+    known = [m for m in metas if m[0] == _LMDB_MAGIC and m[1] == 1 and m[2] == psize]
+    if not known or psize < 512 or psize > 1 << 16 or psize & (psize - 1):
+        return None  # not a layout this walk knows
+    pages = size // psize
+    ours = [m[5] + 1 for m in known if m[6] == txnid]
+    bound = min(pages, ours[0]) if ours else pages
+    u8 = np.frombuffer(mm, np.uint8, count=pages * psize)
+    u16 = u8.view("<u2")
+    u64 = u8.view("<u8")
+    level = np.array([root], dtype=np.int64)
+    seen: list[np.ndarray] = []
+    for depth in range(_MAX_DEPTH):
+        bad = (level < 2) | (level >= bound)
+        if bad.any():
+            return f"page {level[bad.argmax()]} is not one of its pages (2 to {bound - 1})"
+        seen.append(level)
+        reached, times = np.unique(np.concatenate(seen), return_counts=True)
+        if (times > 1).any():  # (a tree reaches each page once)
+            return f"page {reached[times.argmax()]} is reached twice"
+        base = level * psize
+        head = base // 2
+        number, ptype = u64[base // 8], u16[head + 5] & _P_TYPE
+        lower, upper = u16[head + 6].astype(np.int64), u16[head + 7].astype(np.int64)
+        kind = int(ptype[0])  # (a level's pages are all branch pages, or all leaves and the last level)
+        checks = [
+            (number != level.astype(np.uint64), "holds another page number in its header"),
+            (ptype != kind if kind in (_P_BRANCH, _P_LEAF) else np.ones(level.size, bool),
+             "is not a branch or leaf page like the others of its level"),
+            ((lower < _PAGE_HEADER) | (lower & 1 == 1) | (lower > upper) | (upper > psize),
+             "has its free-space bounds outside the page"),
+        ]
+        keys = (lower - _PAGE_HEADER) // 2
+        checks.append((keys < (2 if kind == _P_BRANCH else 0 if depth == 0 else 1), "holds too few nodes"))
+        for wrong, what in checks:
+            if wrong.any():
+                at = int(wrong.argmax())
+                return f"page {level[at]} {what} (flags {int(u16[head[at] + 5]):#x})"
+        # every node of the level: its page's position in `level`, and its offset
+        owner = np.repeat(np.arange(level.size), keys)
+        slot = np.arange(owner.size) - np.repeat(np.cumsum(keys) - keys, keys)
+        offset = u16[head[owner] + 8 + slot].astype(np.int64)
+        wrong = (offset < lower[owner]) | (offset & 1 == 1) | (offset > psize - 8)
+        if wrong.any():
+            return f"page {level[owner[wrong.argmax()]]} has a node outside the page"
+        node = (base[owner] + offset) // 2
+        lo, hi, nflags, ksize = (u16[node + i].astype(np.int64) for i in range(4))
+        if kind == _P_BRANCH:
+            wrong = offset + 8 + ksize > psize
+            if wrong.any():
+                return f"page {level[owner[wrong.argmax()]]} has a node outside the page"
+            level = lo | hi << 16 | nflags << 32
+            continue
+        dsize = lo | hi << 16
+        big = (nflags & _F_BIGDATA) == 1
+        wrong = offset + 8 + ksize + np.where(big, 8, dsize) > psize
+        if wrong.any():
+            return f"page {level[owner[wrong.argmax()]]} has a node outside the page"
+        for at in np.flatnonzero(big).tolist():
+            start = int(base[owner[at]] + offset[at] + 8 + ksize[at])
+            first = int.from_bytes(mm[start:start + 8], "little")
+            span = (_PAGE_HEADER - 1 + int(dsize[at])) // psize + 1
+            where = f"page {level[owner[at]]} names overflow page {first}"
+            if first < 2 or first + span > bound:
+                return f"{where} of {span}, not among its pages (2 to {bound - 1})"
+            if int(u64[first * psize // 8]) != first or not int(u16[first * psize // 2 + 5]) & _P_OVERFLOW:
+                return f"{where}, which is not one"
+        return None
+    return f"its tree is deeper than {_MAX_DEPTH} levels"
 
 
 def unwalkable(index_dir: Path) -> str | None:
@@ -778,6 +928,17 @@ class Index:
         self._rebuilding = True  # (the new directory has no format record yet: opened as a repair's)
         self._follow_repair()
 
+    def _walkable(self, txn: lmdb.Transaction, *tables: str) -> None:
+        """Raise :class:`CorruptIndexError` when a page of one of ``tables`` would make LMDB abort the process
+        (or read outside its map) during a full scan in read transaction ``txn`` (:func:`unsafe_pages`): for
+        every method that walks a whole table with a cursor, before it does."""
+        sh = self._shared()
+        for name in tables:
+            why = unsafe_pages(txn, sh.main, name, self.path / "data.mdb", sh.data_id)
+            if why is not None:
+                raise CorruptIndexError(f"the index of {self.path.parent} is damaged ({name} table: {why}); "
+                                        f"{REPAIR_HINT}")
+
     # -- chunks ---------------------------------------------------------------------------------------
     @_damage_is_corruption
     def lookup_chunks(self, keys: Iterable[bytes], damaged: dict[bytes, str] | None = None) -> dict[bytes, ChunkLoc]:
@@ -804,6 +965,7 @@ class Index:
     @_damage_is_corruption
     def iter_chunks(self) -> Iterator[tuple[bytes, ChunkLoc]]:
         with self.env.begin(db=self.db_chunks) as txn:
+            self._walkable(txn, "chunks")
             for k, v in txn.cursor():
                 yield k, ChunkLoc.unpack(v, k)
 
@@ -813,6 +975,7 @@ class Index:
         bytes each value starts with before unpacking it (about 0.1 µs per entry)."""
         pid = bytes.fromhex(pack_id)
         with self.env.begin(db=self.db_chunks, buffers=True) as txn:
+            self._walkable(txn, "chunks")
             return [(bytes(k), ChunkLoc.unpack(bytes(v), bytes(k)))
                     for k, v in txn.cursor() if v[:16] == pid]
 
@@ -924,6 +1087,7 @@ class Index:
                 sk = txn.get(id.encode(), db=self.db_ids)
             elif step is not None:
                 sk = None
+                self._walkable(txn, "steps")  # (prev and set_range step onto a sibling leaf unchecked, as next does)
                 cur = txn.cursor(db=self.db_steps)
                 prefix = _U64.pack(step)
                 # find the first key past this step's keys, then step back to its newest
@@ -961,6 +1125,7 @@ class Index:
         """(key, value) of every checkpoint record in commit order, undecoded (:func:`record_at` decodes one):
         for callers that keep what they decoded before."""
         with self.env.begin(db=self.db_ckpts) as txn:
+            self._walkable(txn, "ckpts")
             return list(txn.cursor())
 
     @_damage_is_corruption
@@ -970,6 +1135,7 @@ class Index:
         of a record comes with it; one of an id or step entry with None. For ``verify``."""
         out: list[tuple[Record | None, str]] = []
         with self.env.begin() as txn:
+            self._walkable(txn, "ckpts", "ids", "steps")
             recs: dict[bytes, Record] = {}
             for k, v in txn.cursor(db=self.db_ckpts):
                 try:

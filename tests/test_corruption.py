@@ -1736,6 +1736,292 @@ def test_damaged_index_pages_are_typed_errors(varied_store: Path, tmp_path: Path
     assert "CorruptIndexError" in seen
 
 
+
+# -- damaged pages of an index table that a full scan would step onto ---------------------------------------------
+
+
+def _table_pages(store: Path, table: str) -> tuple[list[int], list[int]]:
+    """The branch and leaf pages of ``table`` in the index of ``store`` (no handle of this process open on it),
+    found by walking LMDB's B-tree in the file from the root the table's record in the main table names."""
+    import lmdb
+
+    env = lmdb.open(str(store / "index"), max_dbs=8, subdir=True, readonly=True, lock=False)
+    try:
+        psize = env.stat()["psize"]
+        with env.begin() as txn:
+            root = struct.unpack_from("<Q", txn.get(table.encode()), 40)[0]
+    finally:
+        env.close()
+    data = (store / "index" / "data.mdb").read_bytes()
+    branches: list[int] = []
+    leaves: list[int] = []
+    level = [root]
+    while level:
+        below = []
+        for p in level:
+            page = data[p * psize:(p + 1) * psize]
+            flags, lower = struct.unpack_from("<HH", page, 10)
+            if flags & 0x01:
+                branches.append(p)
+                for i in range((lower - 16) // 2):
+                    lo, hi, high = struct.unpack_from("<HHH", page, struct.unpack_from("<H", page, 16 + 2 * i)[0])
+                    below.append(lo | hi << 16 | high << 32)
+            else:
+                assert flags & 0x02, (p, flags)
+                leaves.append(p)
+        level = below
+    return branches, leaves
+
+
+def _damage_page(store: Path, page: int, how: str) -> None:
+    with open(store / "index" / "data.mdb", "r+b") as f:
+        f.seek(page * 4096)
+        raw = bytearray(f.read(4096))
+        if how == "zeroed":
+            raw = bytearray(4096)
+        elif how == "garbage":
+            raw[:512] = np.random.default_rng(page).integers(0, 256, 512, dtype=np.uint8).tobytes()
+        elif how == "retyped":
+            raw[10:12] = struct.pack("<H", 0x04)  # an overflow page's flags
+        elif how == "renumbered":
+            raw[:8] = struct.pack("<Q", page + 1)
+        elif how == "node-outside":
+            raw[16:18] = struct.pack("<H", 4094)  # the first node's offset: its header would end past the page
+        elif how == "bounds":
+            raw[12:16] = struct.pack("<HH", 4000, 100)  # mp_lower above mp_upper
+        f.seek(page * 4096)
+        f.write(raw)
+
+
+#: Runs ``Store.list()``, ``deltackpt ls`` and ``deltackpt log`` on each store named on its command line, each in
+#: a forked child, and prints what each did as JSON: its error or exit status and stderr, or the signal that
+#: killed it (LMDB's abort, a SIGBUS or SIGSEGV: a pytest process would die of them).
+_SCAN_WORKER = r"""
+import contextlib, io, json, os, sys
+import deltackpt, deltackpt.cli
+from deltackpt.errors import CorruptIndexError
+
+def run(op, path):
+    if op == "list":
+        try:
+            with deltackpt.Store(path, threads=1) as s:
+                s.list()
+            return "ok"
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        rc = deltackpt.cli.main([op, path])
+    return f"exit {rc}: {err.getvalue()}"
+
+out = {}
+for path in sys.argv[1:]:
+    for op in ("list", "ls", "log"):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                text = run(op, path)
+            except BaseException as exc:
+                text = f"{type(exc).__name__}: {exc}"
+            os.write(w, text.encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            text = f.read().decode()
+        _, status = os.waitpid(pid, 0)
+        out[f"{path} {op}"] = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else text
+print(json.dumps(out))
+"""
+
+
+def _scans(paths: list[Path]) -> dict[str, str]:
+    done = subprocess.run([sys.executable, "-c", _SCAN_WORKER, *map(str, paths)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out: dict[str, str] = json.loads(done.stdout)
+    return out
+
+
+def _deep_records(path: Path, records: int) -> None:
+    """A store at ``path`` whose records table holds ``records`` records (copies of one real checkpoint's record
+    under other ids and steps, written by one rebuild: far faster than as many saves)."""
+    import copy
+
+    with _open(path) as s:
+        s.save({"w": torch.arange(64, dtype=torch.float32)}, step=0, metadata={"loss": 1.0})
+        first = s.index.records()[0]
+        out = [first]
+        for i in range(1, records):
+            rec = copy.deepcopy(first)
+            rec.id, rec.step = f"{first.id[:-8]}{i:08x}", i
+            out.append(rec)
+        s.index.rebuild(dict(s.index.iter_chunks()), out)
+
+
+@pytest.mark.parametrize("tree_depth", [2, 3])
+def test_a_damaged_page_of_the_records_table_is_a_typed_error_in_listings(tmp_path: Path, tree_depth: int) -> None:
+    """Every branch and leaf page of the checkpoint records table damaged in turn (zeroed, garbage, another page
+    type, another page number, a node or the free-space bounds outside the page): ``Store.list()``, ``deltackpt
+    ls`` and ``deltackpt log`` raise CorruptIndexError naming the table and the repair, or exit with the command
+    line's error, rather than die. (LMDB asserts the type of a leaf page its cursor steps onto, an abort of the
+    process, and trusts its node offsets: index.unsafe_pages checks the tree before a scan.) The deeper tree
+    (5000 records: three levels) has its branch pages and a few of its leaves damaged."""
+    good = tmp_path / "good"
+    if tree_depth == 2:
+        with _open(good) as s:
+            for step in range(80):
+                s.save({"w": torch.full((64,), float(step))}, step=step,
+                       metadata={"blob": "x" * 3000} if step % 20 == 7 else {"loss": step})  # (overflow pages)
+        kinds = ["zeroed", "garbage", "retyped", "renumbered", "node-outside", "bounds"]
+    else:
+        _deep_records(good, 5000)
+        kinds = ["zeroed", "retyped", "node-outside"]
+    branches, leaves = _table_pages(good, "ckpts")
+    assert branches and (len(branches) > 1) == (tree_depth == 3), (len(branches), len(leaves))
+    if tree_depth == 3:
+        leaves = [leaves[0], leaves[1], leaves[len(leaves) // 2], leaves[-1]]
+    assert _scans([good]) == {f"{good} list": "ok", f"{good} ls": "exit 0: ", f"{good} log": "exit 0: "}
+    cases = []
+    for page in branches + leaves:
+        for how in kinds:
+            path = tmp_path / f"{page}-{how}"
+            shutil.copytree(good, path)
+            _damage_page(path, page, how)
+            cases.append(path)
+    results = _scans(cases)
+    died = sorted(case for case, text in results.items() if text.startswith("signal"))
+    assert not died, f"{len(died)} of {len(results)} died: {died[:10]}"
+    for case, text in results.items():
+        if case.endswith(" list"):
+            assert text.startswith("CorruptIndexError: ") and "ckpts table" in text and "deltackpt repair" in text, (
+                case, text)
+        else:
+            assert text.startswith("exit 1: deltackpt: error: the index of ") and "is damaged (ckpts table: " in text \
+                and "deltackpt repair" in text, (case, text)
+
+
+def test_the_page_check_passes_good_stores_of_any_shape(store_path: Path) -> None:
+    """No good store is refused: the check of every table's pages passes as a store grows from one record to
+    a tree of several levels, with records that need overflow pages, after deletes (LMDB reuses the freed pages),
+    gc with repacking and a repair; listings, verify and gc run throughout."""
+    from deltackpt import index
+
+    g = torch.Generator().manual_seed(5)
+
+    def check() -> None:
+        with s.index.env.begin() as txn:
+            for name in ("meta", "chunks", "ckpts", "ids", "steps"):
+                assert index.unsafe_pages(txn, s.index._shared().main, name, s.index.path / "data.mdb",
+                                          s.index._shared().data_id) is None, name
+        assert s.index.problems() == [] and len(list(s.index.iter_chunks())) == s.index.count_chunks()
+
+    step = 0
+    with _open(store_path) as s:
+        for _ in range(3):
+            for _ in range(30):
+                step += 1
+                size = int(torch.randint(1, 3000, (), generator=g))
+                s.save({"w": torch.randn(size, generator=g)}, step=step,
+                       metadata={"blob": "x" * (0, 10, 3000, 9000)[step % 4]})
+                check()
+            infos = s.list()
+            for info in infos[: len(infos) // 2 : 2] + infos[len(infos) // 2 + 1 :: 3]:
+                s.delete(id=info.id)
+            check()
+            s.gc(repack_below=1.0)
+            check()
+        assert s.verify().ok
+        s.repair()
+        check()
+        with s.index.env.begin() as txn:
+            stat = txn.stat(s.index.db_ckpts)
+        assert stat["depth"] >= 2 and stat["overflow_pages"] > 0, stat
+
+
+def test_the_page_check_knows_only_its_layout(tmp_path: Path) -> None:
+    """A data file whose meta pages are not of the layout the check knows (magic, version, page size) is not
+    checked: LMDB reads it as before, and a good store of a layout yet unknown is never refused."""
+    import mmap
+
+    from deltackpt import index
+
+    path = tmp_path / "store"
+    _deep_records(path, 300)
+    branches, leaves = _table_pages(path, "ckpts")
+    _damage_page(path, leaves[1], "zeroed")
+    import lmdb
+
+    env = lmdb.open(str(path / "index"), max_dbs=8, subdir=True, readonly=True, lock=False)
+    with env.begin() as txn:
+        txnid = txn.id()
+    env.close()
+    raw = bytearray((path / "index" / "data.mdb").read_bytes())
+
+    def walk(data: bytearray) -> str | None:
+        with open(tmp_path / "copy", "wb") as f:
+            f.write(data)
+        with open(tmp_path / "copy", "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return index._walk(mm, len(data), txnid, 4096, branches[0])
+
+    assert walk(raw) == f"page {leaves[1]} holds another page number in its header (flags 0x0)"
+    for at, value in ((16, 0xBEEFC0DF), (20, 2), (40, 8192)):  # magic, version, page size, in both meta pages
+        other = bytearray(raw)
+        for meta in (0, 4096):
+            other[meta + at:meta + at + 4] = struct.pack("<I", value)
+        assert walk(other) is None, at
+
+
+#: Saves into the store at argv[1] until the file argv[2] exists, deleting the oldest of its own checkpoints
+#: beyond 40 (LMDB then reuses the pages the deletes freed).
+_WRITER = r"""
+import collections, sys, torch, deltackpt
+from pathlib import Path
+path, stop = Path(sys.argv[1]), Path(sys.argv[2])
+kept = collections.deque()
+with deltackpt.Store(path, chunk_size=4096, threads=1) as s:
+    step = 10_000
+    print("ready", flush=True)
+    while not stop.exists():
+        step += 1
+        kept.append(s.save({"w": torch.full((64,), float(step))}, step=step,
+                           metadata={"blob": "x" * (step % 5) * 800}).id)
+        if len(kept) > 40:
+            s.delete(id=kept.popleft())
+"""
+
+
+@pytest.mark.plumbing
+def test_the_page_check_is_never_fooled_by_a_concurrent_writer(store_path: Path, tmp_path: Path) -> None:
+    """A process listing the store in a loop while another saves and deletes (LMDB's copy-on-write writes new
+    pages, and reuses freed ones, meanwhile): the check reads the pages of its own transaction's snapshot, never
+    a false CorruptIndexError."""
+    from deltackpt.index import read_last_commit
+
+    with _open(store_path) as s:
+        for step in range(60):
+            s.save({"w": torch.full((64,), float(step))}, step=step)
+    stop = tmp_path / "stop"
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(store_path), str(stop)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "ready\n"
+        first = read_last_commit(store_path) or 0
+        listings, deadline = 0, time.monotonic() + 120
+        with _open(store_path) as s:
+            while listings < 200 or ((read_last_commit(store_path) or 0) - first < 30 and time.monotonic() < deadline):
+                assert len(s.list()) >= 60
+                if listings % 10 == 0:
+                    s.index.problems()
+                    list(s.index.iter_chunks())
+                listings += 1
+        assert (read_last_commit(store_path) or 0) - first >= 30, "the writer did not run alongside"
+    finally:
+        stop.touch()
+        assert writer.wait(timeout=120) == 0
+
+
 @pytest.mark.parametrize("intact", [True, False])
 def test_gc_stops_at_a_live_frame_of_a_newer_format(store_path: Path, intact: bool) -> None:
     """A live chunk whose frame is of a format version this reader does not know (a newer writer's; its index
