@@ -521,11 +521,12 @@ def unsafe_pages(txn: lmdb.Transaction, main: Any, name: str, data: Path, data_i
     live reader holds (a page is freed, and only then reused, once no reader's transaction is older than the
     commit that freed it), and a commit writes its pages before the meta page that publishes it, so every page
     this walk reaches holds what it held when the snapshot was committed; the map of the file is shared with
-    LMDB's writes (``pwrite`` into the same page cache). A root taken elsewhere (the newest meta page, another
-    transaction) may reach pages that the older snapshot freed and a writer is now reusing: a good store would
-    look damaged. The bound on page numbers is the last page of the snapshot's meta page while that meta page
-    still holds the snapshot's transaction (two commits later a writer reuses it), else the file's length (an
-    LMDB file never shrinks).
+    LMDB's writes (``pwrite`` into the same page cache). A root taken elsewhere is wrong both ways: one read
+    outside a live read transaction (the newest meta page, before the scan's transaction begins) may reach pages
+    a writer has freed since and is now reusing, so a good store would look damaged; one newer than the scan's
+    snapshot is not the tree the cursor walks, whose damage it would miss. The bound on page numbers is the last
+    page of the snapshot's meta page while that meta page still holds the snapshot's transaction (two commits later
+    a writer reuses it), else the file's length (an LMDB file never shrinks).
 
     ``data_id`` is (device, inode) of the ``data.mdb`` the environment opened: a file found under that name that
     is another one (a repair replaced the directory) is not checked. Nothing is checked either where the layout
