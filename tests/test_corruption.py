@@ -1793,8 +1793,8 @@ def _damage_page(store: Path, page: int, how: str) -> None:
         f.write(raw)
 
 
-#: Runs ``Store.list()``, ``deltackpt ls`` and ``deltackpt log`` on each store named on its command line, each in
-#: a forked child, and prints what each did as JSON: its error or exit status and stderr, or the signal that
+#: Runs each of the operations its first argument names (``list`` and ``gc``: the Store's; others: commands of
+#: the command line) on each store named after it, each in a forked child, and prints what each did as JSON: its error or exit status and stderr, or the signal that
 #: killed it (LMDB's abort, a SIGBUS or SIGSEGV: a pytest process would die of them).
 _SCAN_WORKER = r"""
 import contextlib, io, json, os, sys
@@ -1802,10 +1802,10 @@ import deltackpt, deltackpt.cli
 from deltackpt.errors import CorruptIndexError
 
 def run(op, path):
-    if op == "list":
+    if op in ("list", "gc"):
         try:
             with deltackpt.Store(path, threads=1) as s:
-                s.list()
+                getattr(s, op)()
             return "ok"
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
@@ -1815,8 +1815,8 @@ def run(op, path):
     return f"exit {rc}: {err.getvalue()}"
 
 out = {}
-for path in sys.argv[1:]:
-    for op in ("list", "ls", "log"):
+for path in sys.argv[2:]:
+    for op in sys.argv[1].split(","):
         r, w = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -1836,9 +1836,9 @@ print(json.dumps(out))
 """
 
 
-def _scans(paths: list[Path]) -> dict[str, str]:
-    done = subprocess.run([sys.executable, "-c", _SCAN_WORKER, *map(str, paths)], capture_output=True, text=True,
-                          timeout=600)
+def _scans(paths: list[Path], ops: str = "list,ls,log") -> dict[str, str]:
+    done = subprocess.run([sys.executable, "-c", _SCAN_WORKER, ops, *map(str, paths)], capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out: dict[str, str] = json.loads(done.stdout)
     return out
@@ -1900,6 +1900,34 @@ def test_a_damaged_page_of_the_records_table_is_a_typed_error_in_listings(tmp_pa
         else:
             assert text.startswith("exit 1: deltackpt: error: the index of ") and "is damaged (ckpts table: " in text \
                 and "deltackpt repair" in text, (case, text)
+
+
+def test_a_damaged_page_of_the_chunks_table_is_a_typed_error_in_du_and_gc(tmp_path: Path) -> None:
+    """The same for the chunk entries' table, which ``deltackpt du`` and gc scan whole: each of its pages zeroed
+    or of another type, they raise CorruptIndexError naming the repair (du: the command line's error; the damage
+    LMDB's lookups of live chunks meet first, or the page check's) rather than die."""
+    good = tmp_path / "good"
+    with _open(good) as s:
+        for step in range(80):
+            s.save({"w": torch.full((64,), float(step))}, step=step)
+        for info in s.list()[:-3]:  # (their chunks' entries stay until a gc: leaves no lookup of a live chunk reads)
+            s.delete(id=info.id)
+    branches, leaves = _table_pages(good, "chunks")
+    assert branches, "a tree of one page"
+    cases = []
+    for page in branches + leaves:
+        for how in ("zeroed", "retyped"):
+            path = tmp_path / f"{page}-{how}"
+            shutil.copytree(good, path)
+            _damage_page(path, page, how)
+            cases.append(path)
+    results = _scans(cases, "du,gc")
+    died = sorted(case for case, text in results.items() if text.startswith("signal"))
+    assert not died, f"{len(died)} of {len(results)} died: {died[:10]}"
+    for case, text in results.items():
+        assert "is damaged (" in text and "deltackpt repair" in text, (case, text)  # (or a lookup's LMDB error)
+        assert text.startswith("CorruptIndexError: " if case.endswith(" gc") else "exit 1: deltackpt: error: "), (
+            case, text)
 
 
 def test_the_page_check_passes_good_stores_of_any_shape(store_path: Path) -> None:
