@@ -1793,9 +1793,10 @@ def _damage_page(store: Path, page: int, how: str) -> None:
         f.write(raw)
 
 
-#: Runs each of the operations its first argument names (``list`` and ``gc``: the Store's; others: commands of
-#: the command line) on each store named after it, each in a forked child, and prints what each did as JSON: its error or exit status and stderr, or the signal that
-#: killed it (LMDB's abort, a SIGBUS or SIGSEGV: a pytest process would die of them).
+#: Runs each of the operations its first argument names (``list`` and ``gc``: the Store's; others: commands of the
+#: command line) on each store named after it, each in a forked child, and prints what each did as JSON: its error
+#: or exit status and stderr, or the signal that killed it (LMDB's abort, a SIGBUS or SIGSEGV: a pytest process
+#: would die of them).
 _SCAN_WORKER = r"""
 import contextlib, io, json, os, sys
 import deltackpt, deltackpt.cli
