@@ -1156,7 +1156,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"deltackpt: error: the store's index is unreadable ({_first_line(exc)}); 'deltackpt repair STORE' "
               "rebuilds it", file=sys.stderr)
         return 1
-    except (DeltackptError, OSError, ValueError, TypeError, RuntimeError) as exc:
+    except (DeltackptError, OSError, ValueError, TypeError, RuntimeError, ImportError) as exc:
+        # (ImportError: a DELTACKPT_BACKEND that cannot run, which Store() raises)
         print(f"deltackpt: error: {_first_line(exc)}", file=sys.stderr)
         return 1
     except MemoryError as exc:  # (a tensor larger than this machine's memory: get, export, resume-info --verify)

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from deltackpt import config, manifest, tree
+from deltackpt import config, kernel, manifest, tree
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptManifestError,
@@ -228,6 +228,7 @@ class DeltaStorageWriter(StorageWriter):
             deleting_only(retention, _NO_THINNING)
         # What can be checked is checked here, where a TypeError or ValueError reaches the caller as it is:
         # inside dcp.save it comes wrapped in torch's CheckpointException, which `except Exception` does not catch.
+        kernel.check()  # (a DELTACKPT_BACKEND that cannot run: the ImportError the stores would raise)
         check_options("DeltaStorageWriter", store_options)
         if step is not None:
             step = check_step(step)
@@ -673,6 +674,7 @@ class DeltaStorageReader(StorageReader):
                  id: str | None = None, allow_pickle: bool = False, verify: bool = True,
                  allow_network_fs: bool | None = None) -> None:
         super().__init__()
+        kernel.check()  # (here rather than wrapped in dcp.load's CheckpointException, as the writer's checks)
         if step is not None and id is not None:
             raise ValueError("DeltaStorageReader takes a step or an id, not both")
         self.root = None if root is None else Path(root)

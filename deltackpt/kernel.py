@@ -13,7 +13,10 @@ Backends
 ``DELTACKPT_BACKEND=python`` forces the reference; ``DELTACKPT_BACKEND=native`` makes a missing or stale
 extension an ImportError instead of a warning. Without the variable the native backend is used when it is
 built and current; otherwise one warning is issued and the reference is used. :data:`backend` says which one
-runs.
+runs. A backend the variable asks for and that cannot run (another value, a native kernel that is not there or
+stale) does not fail the import, so that the ``deltackpt`` command can report it as one line: :func:`check`
+(which ``Store()`` calls first) and every kernel function raise the ImportError naming the variable, and
+:data:`backend` is ``"none"``.
 
 Contract (both backends)
 ------------------------
@@ -104,9 +107,10 @@ def _load_native() -> Any:
 
 
 def _select() -> tuple[str, Any]:
-    want = os.environ.get("DELTACKPT_BACKEND", "").strip().lower()
+    raw = os.environ.get("DELTACKPT_BACKEND", "")
+    want = raw.strip().lower()
     if want not in ("", "native", "python"):
-        raise ImportError(f"DELTACKPT_BACKEND must be 'native' or 'python', got {want!r}")
+        raise ImportError(f"DELTACKPT_BACKEND must be 'native', 'python' or unset, got {raw!r}")
     if want == "python":
         from deltackpt import _pykernel
 
@@ -115,7 +119,7 @@ def _select() -> tuple[str, Any]:
         return "native", _load_native()
     except ImportError as exc:
         if want == "native":
-            raise
+            raise type(exc)(f"DELTACKPT_BACKEND=native, but {exc}") from None
         warnings.warn(
             f"deltackpt: native kernel unavailable ({exc}); using the slow pure-Python backend",
             RuntimeWarning,
@@ -126,7 +130,30 @@ def _select() -> tuple[str, Any]:
         return "python", _pykernel
 
 
-backend, _impl = _select()
+class _Unusable:
+    """Stands for the backend ``DELTACKPT_BACKEND`` asks for when it cannot run: each function raises why."""
+
+    def __init__(self, error: ImportError) -> None:
+        self.error = error
+
+    def __getattr__(self, name: str) -> Any:
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            check()
+
+        return refuse
+
+
+def check() -> None:
+    """Raise the ImportError that keeps the backend ``DELTACKPT_BACKEND`` asks for from running, if any."""
+    if isinstance(_impl, _Unusable):
+        raise _impl.error.with_traceback(None)
+
+
+_impl: Any
+try:
+    backend, _impl = _select()
+except ImportError as _exc:
+    backend, _impl = "none", _Unusable(_exc)
 
 chunk_digests = _impl.chunk_digests
 digest = _impl.digest
@@ -145,6 +172,7 @@ __all__ = [
     "DIGEST_SIZE",
     "StaleBuildError",
     "backend",
+    "check",
     "chunk_digests",
     "decode_frames",
     "digest",

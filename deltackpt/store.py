@@ -305,6 +305,7 @@ class Store:
         """``_repair`` is for :func:`deltackpt.maintenance.open_for_repair` only: it opens a store whose index
         was lost, which a repair then rebuilds."""
         self.path = Path(path)
+        kernel.check()  # (a DELTACKPT_BACKEND that cannot run: the import let the CLI report it)
         # every setting checked before anything is created
         (self.zstd_level, self.threads, self.read_threads, pack_size, self.max_chain, cache, self.predict,
          allow) = _settings(chunk_size=chunk_size, zstd_level=zstd_level, threads=threads, pack_size=pack_size,

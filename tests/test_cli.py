@@ -1398,6 +1398,34 @@ def test_python_m_deltackpt(store_path: Path, three: dict[str, Any], tmp_path: P
 
 
 @pytest.mark.plumbing
+@pytest.mark.parametrize("entry", ["python -m", "import"])
+def test_backend_that_cannot_run_is_one_line(store_path: Path, three: dict[str, Any], entry: str) -> None:
+    """A DELTACKPT_BACKEND that names no backend (or names the native one where no kernel is built) is one error
+    line naming the variable and exit status 1, from ``python -m deltackpt`` as from a script's ``import
+    deltackpt``, whose Store() raises it as ImportError (before, the import failed and the command printed a
+    traceback)."""
+    env = {**os.environ, "DELTACKPT_BACKEND": "bogus"}
+    if entry == "python -m":
+        run = [sys.executable, "-m", "deltackpt", "ls", str(store_path)]
+    else:
+        run = [sys.executable, "-c", "import sys, deltackpt\n"
+               "try:\n    deltackpt.Store(sys.argv[1])\nexcept ImportError as e:\n    sys.exit(f'ImportError: {e}')",
+               str(store_path)]
+    p = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1 and p.stdout == "", p.stderr
+    if entry == "python -m":
+        assert_one_line_error(p.stderr, "DELTACKPT_BACKEND", "'native'", "'python'", "'bogus'")
+    else:
+        assert p.stderr.strip().startswith("ImportError: DELTACKPT_BACKEND must be"), p.stderr
+    code = ("import sys; sys.modules['deltackpt._kernel'] = None\n"  # (what an import finds without a build)
+            "from deltackpt.cli import main; sys.exit(main(['ls', sys.argv[1]]))")
+    p = subprocess.run([sys.executable, "-c", code, str(store_path)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**env, "DELTACKPT_BACKEND": "native"})
+    assert p.returncode == 1 and p.stdout == ""
+    assert_one_line_error(p.stderr, "DELTACKPT_BACKEND=native", "deltackpt._kernel is not there")
+
+
+@pytest.mark.plumbing
 def test_console_script_help() -> None:
     candidates = [Path(sys.executable).parent / "deltackpt", ROOT / ".venv" / "bin" / "deltackpt"]
     script = next((c for c in candidates if c.exists()), None)

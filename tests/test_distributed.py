@@ -621,6 +621,21 @@ def load_full_x(root: Path) -> torch.Tensor:
     return target["x"]
 
 
+def test_backend_that_cannot_run_is_refused_by_the_constructors(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A DELTACKPT_BACKEND that cannot run raises its ImportError from DeltaStorageWriter() and
+    DeltaStorageReader(), as the stores they open would, not wrapped in the CheckpointException of dcp.save or
+    dcp.load (which ``except Exception`` does not catch), and before anything is created."""
+    from deltackpt import kernel
+
+    monkeypatch.setattr(kernel, "_impl", kernel._Unusable(ImportError("DELTACKPT_BACKEND must be 'native', ...")))
+    with pytest.raises(ImportError, match="DELTACKPT_BACKEND"):
+        DeltaStorageWriter(tmp_path / "ckpt", step=1)
+    with pytest.raises(ImportError, match="DELTACKPT_BACKEND"):
+        DeltaStorageReader(tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_ranks_of_one_host_share_its_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun (LOCAL_WORLD_SIZE) a rank's store takes its share of the host's CPUs, not all of them;
     DELTACKPT_THREADS and an explicit threads= win."""

@@ -584,7 +584,8 @@ def test_built_extension_matches_sources() -> None:
 
 @needs_native
 def test_stale_build_detected_in_a_fresh_interpreter(tmp_path: Path) -> None:
-    """End to end: a copy of the package whose kernel sources then change is refused at import."""
+    """End to end: a copy of the package whose kernel sources then change is refused by kernel.check(), which
+    Store() calls (the import itself succeeds, with backend "none", so that the command line can report it)."""
     if native.SOURCE_HASH != kernel.source_hash(NATIVE_DIR):
         pytest.skip("the build is already stale (test_built_extension_matches_sources reports it)")
     pkg = tmp_path / "deltackpt"
@@ -596,7 +597,7 @@ def test_stale_build_detected_in_a_fresh_interpreter(tmp_path: Path) -> None:
     shutil.copytree(NATIVE_DIR, tmp_path / "native", ignore=shutil.ignore_patterns("_kernel.c", "*.html"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("DELTACKPT_")}
     env["PYTHONPATH"] = str(tmp_path)
-    code = "import deltackpt.kernel as k; print(k.backend)"
+    code = "import deltackpt.kernel as k; print(k.backend); k.check()"
 
     def run(**extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -609,6 +610,7 @@ def test_stale_build_detected_in_a_fresh_interpreter(tmp_path: Path) -> None:
         f.write("/* edited after the build */\n")
     r = run(DELTACKPT_BACKEND="native")
     assert r.returncode != 0 and "StaleBuildError" in r.stderr and "other sources" in r.stderr
+    assert r.stdout.strip() == "none" and "DELTACKPT_BACKEND=native" in r.stderr
     r = run()
     assert r.returncode == 0 and r.stdout.strip() == "python"
     assert "native kernel unavailable" in r.stderr
