@@ -701,11 +701,7 @@ class Checkpointer:
         plan = self.retention.plan(infos)
         by_id = {i.id: i for i in infos}
         self.store._delete([(None, cid) for cid in plan.delete], missing_ok=True)  # (one index commit)
-        head = self.store._head  # loading a checkpoint to thin it must not change what the run descends from
-        try:
-            self._thin(plan.thin, by_id)
-        finally:
-            self.store._head = head
+        self._thin(plan.thin, by_id)
         if collect and self.gc:
             self._gc_if_due(sum(by_id[cid].written_bytes for cid in by_id.keys() - set(plan.delete)))
 
@@ -742,7 +738,8 @@ class Checkpointer:
                     layout = layout.skeleton()
                 if not isinstance(layout, manifest.Manifest) and not _checkpointer_layout(layout):
                     continue
-                full = self.store.load(id=cid, map_location="cpu")
+                # (_head=False: loading it must not change what the run, or another thread's save, descends from)
+                full = self.store.load(id=cid, map_location="cpu", _head=False)
                 if not _checkpointer_layout(full):
                     continue
                 meta = dict(info.metadata or {})

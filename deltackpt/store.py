@@ -1327,6 +1327,7 @@ class Store:
         verify: bool = True,
         allow_pickle: bool = False,
         into: Any = None,
+        _head: bool = True,
     ) -> Any:
         """Load a checkpoint (the latest when ``step`` and ``id`` are None) and return its state.
 
@@ -1342,6 +1343,9 @@ class Store:
         ``model.load_state_dict(state["model"])`` finds its own memory already holding the values (torch's
         ``copy_`` skips a copy onto itself): no second copy of the model is allocated. If the load raises,
         the offered tensors may hold part of the checkpoint.
+
+        ``_head=False`` (a Checkpointer's retention, loading a checkpoint to thin it) leaves what the next save
+        descends from alone: restoring it afterwards would undo a save another thread made meanwhile.
         """
         verify, allow_pickle = config.boolean("verify", verify), config.boolean("allow_pickle", allow_pickle)
         staging.check_map_location(map_location)
@@ -1384,7 +1388,8 @@ class Store:
                 elif t.requires_grad:
                     objs[i].requires_grad_(True)
         state = tree.unflatten(m.tree, objs, allow_pickle=allow_pickle)
-        self._head = rec.id
+        if _head:
+            self._head = rec.id
         return state
 
     @_operation

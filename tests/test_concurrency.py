@@ -30,6 +30,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as hst
 
+import deltackpt.checkpointer
 import deltackpt.layout
 import deltackpt.store
 from deltackpt import StateChangedError, Store
@@ -1175,3 +1176,38 @@ def test_save_by_another_thread_during_a_rewrite_stays_the_parent(tmp_path: Path
     assert s.save({"w": torch.full((8,), 5.0)}, 5).parent == last.id
     assert thinned.step == 1
     s.close()
+
+
+def test_save_by_another_thread_during_checkpointer_thinning_stays_the_parent(tmp_path: Path) -> None:
+    """The same for a Checkpointer's retention: it thins an older checkpoint (a load, then a rewrite) while
+    another thread saves through ``ckpt.store``; that save is what the handle's next save descends from.
+    Retention used to note the handle's last-saved checkpoint, thin (each load moved it) and put the noted one
+    back, undoing the other thread's save (the next save's lineage and delta base the checkpoint before it)."""
+    from unittest import mock
+
+    from deltackpt import Retention
+
+    model = torch.nn.Linear(4, 4)
+    ck = deltackpt.Checkpointer(tmp_path / "s", model=model, async_save=False, handle_signals=False, gc=False,
+                                rng=False, retention=Retention(full_last=1))
+    s = ck.store
+    ck.step(1)
+    real = deltackpt.checkpointer.flatten
+    raced: list[Any] = []
+
+    def flatten(*args: Any, **kwargs: Any) -> Any:  # (retention's, between the thinning load and its rewrite)
+        if not raced:
+            raced.append(None)
+            t = threading.Thread(target=lambda: raced.append(s.save({"x": torch.ones(2)}, 100)))
+            t.start()
+            t.join(TIMEOUT)
+        return real(*args, **kwargs)
+
+    with mock.patch.object(deltackpt.checkpointer, "flatten", side_effect=flatten):
+        ck.step(2)
+    assert len(raced) == 2, "retention thinned nothing"
+    assert s.info(step=1).metadata.get("thinned")
+    assert s.save({"x": torch.zeros(2)}, 101).parent == raced[1].id
+    ck.step(3)  # the run's own saves still descend from its own last checkpoint
+    assert s.info(step=3).parent == s.info(step=2).id
+    ck.close()
