@@ -432,14 +432,20 @@ class Store:
         """Release the pack being written, worker threads and open files. Idempotent.
 
         Operations that other threads run on this handle (saves, loads, listings, gc, verify, ...) finish first;
-        those that start once close() began raise :class:`DeltackptError` ("store ... is closed")."""
+        those that start once close() began raise :class:`DeltackptError` ("store ... is closed"). Called from
+        inside an operation of this thread on this handle (a ``progress`` callback of verify, gc or repair, a
+        signal handler interrupting a load) it raises :class:`DeltackptError` and closes nothing: the operation
+        would go on with its index and workers closed under it."""
         me = (os.getpid(), threading.get_ident())
         with self._users_changed:
             if self._closed:
                 return
+            if self._users[me]:
+                raise DeltackptError(f"store {self.path}: close() called from inside an operation on this store "
+                                     "(a progress callback?); close it once the operation has returned")
             self._closed = True
-            # (not this thread's own operation, a close() from inside it, nor one a forked child inherited)
-            self._users_changed.wait_for(lambda: all(u == me or u[0] != me[0] for u in self._users))
+            # (not one a forked child inherited)
+            self._users_changed.wait_for(lambda: all(u[0] != me[0] for u in self._users))
         with self._save_lock:
             self._writer.close()
         if self._pools_of is not None and self._pools_of[0] == os.getpid():

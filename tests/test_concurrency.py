@@ -1019,6 +1019,37 @@ def test_close_on_another_thread_waits_for_a_running_verify(tmp_path: Path) -> N
         s.list()
 
 
+@pytest.mark.parametrize("op", ["verify", "gc", "repair"])
+def test_close_from_inside_an_operation_of_the_same_thread_is_refused(tmp_path: Path, op: str) -> None:
+    """close() from a progress callback (an operation of the calling thread on the same handle) raises
+    DeltackptError saying so and closes nothing: the operation ends as without it, and the handle stays usable
+    until closed afterwards. Before, close() shut the read workers, the pack writer and the index under the
+    running operation: gc went on to fail with 'the index ... is closed' halfway through its repack."""
+    path = tmp_path / "s"
+    with Store(path, chunk_size=CS, pack_size=4 * CS) as s:
+        for step in range(1, 7):
+            s.save({"w": torch.randn(4 * CS // 4), "m": torch.randn(3 * CS // 4)}, step=step)
+        s.delete(step=2)
+        s.delete(step=4)
+    s = Store(path, chunk_size=CS)
+    refused: list[BaseException] = []
+
+    def close_inside(n: int, total: int) -> None:
+        if not refused:
+            with pytest.raises(deltackpt.DeltackptError, match="close\\(\\) called from inside an operation") as e:
+                s.close()
+            refused.append(e.value)
+
+    report: Any = (s.verify(progress=close_inside) if op == "verify" else s.gc(progress=close_inside,
+                   repack_below=1.0) if op == "gc" else s.repair(progress=close_inside))
+    assert refused and str(path) in str(refused[0])
+    assert not getattr(report, "repack_stopped", None) and not getattr(report, "damaged_packs", None)
+    assert [i.step for i in s.list()] == [1, 3, 5, 6] and s.verify().ok
+    s.close()
+    with pytest.raises(deltackpt.DeltackptError, match="is closed"):
+        s.list()
+
+
 @pytest.mark.parametrize("op", ["load", "list", "verify", "gc", "save"])
 def test_close_racing_operations_of_other_threads(tmp_path: Path, op: str) -> None:
     """Threads running ``op`` on one handle while the main thread closes it: each either completes (what it
