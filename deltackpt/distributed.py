@@ -559,8 +559,9 @@ def _check_saved_here(root: Path, step: int, checkpoints: list[list[Any]]) -> No
 def _threads_per_rank() -> int:
     """Worker threads for one rank's stores: ``DELTACKPT_THREADS`` when set; else the CPUs this process may use,
     divided among the ranks of this host (``LOCAL_WORLD_SIZE``, set by torchrun) unless the launcher pinned
-    each rank to CPUs of its own (fewer CPUs than the host's)."""
-    if "DELTACKPT_THREADS" in os.environ:
+    each rank to CPUs of its own (fewer CPUs than the host's). An empty ``DELTACKPT_THREADS`` is unset, as for a
+    Store."""
+    if os.environ.get("DELTACKPT_THREADS", "").strip():
         return config.threads()
     n = config.cpu_count()
     if n == (os.cpu_count() or n):

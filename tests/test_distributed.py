@@ -638,7 +638,8 @@ def test_backend_that_cannot_run_is_refused_by_the_constructors(tmp_path: Path,
 
 def test_ranks_of_one_host_share_its_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun (LOCAL_WORLD_SIZE) a rank's store takes its share of the host's CPUs, not all of them;
-    DELTACKPT_THREADS and an explicit threads= win."""
+    DELTACKPT_THREADS and an explicit threads= win. An empty DELTACKPT_THREADS (a launcher's unset template
+    variable) is unset, as Store() reads it: it gave every rank all of the host's CPUs."""
     from deltackpt import config
 
     monkeypatch.delenv("DELTACKPT_THREADS", raising=False)
@@ -654,6 +655,9 @@ def test_ranks_of_one_host_share_its_cpus(tmp_path: Path, monkeypatch: pytest.Mo
             w.close()
 
     assert threads("a") == 4
+    monkeypatch.setenv("DELTACKPT_THREADS", "")  # (empty is unset, as for a Store: not all 16 for each rank)
+    assert threads("a2") == 4
+    monkeypatch.delenv("DELTACKPT_THREADS")
     monkeypatch.setattr(config, "cpu_count", lambda: 2)  # pinned to 2 of the 16: those are this rank's
     assert threads("b") == 2
     monkeypatch.setenv("DELTACKPT_THREADS", "3")
