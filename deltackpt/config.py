@@ -49,7 +49,11 @@ def _env_int(name: str, default: int) -> int:
     if raw is None or raw.strip() == "":
         return default
     try:
-        return int(raw, 0)
+        return int(raw, 0)  # (0x1000 and 1_048_576 too)
+    except ValueError:
+        pass
+    try:
+        return int(raw, 10)  # a decimal with leading zeros ("08"), which base 0 refuses
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 

@@ -424,9 +424,15 @@ def test_bad_settings_from_the_environment_name_the_variable(tmp_path: Path, mon
     with pytest.raises(ValueError, match="DELTACKPT_GC_MIN_BYTES"):
         deltackpt.Checkpointer(tmp_path / "s", model=torch.nn.Linear(2, 2), handle_signals=False)
     monkeypatch.delenv("DELTACKPT_GC_MIN_BYTES")
+    monkeypatch.setenv("DELTACKPT_THREADS", "08")  # a decimal with a leading zero is one (int(x, 0) refused it)
+    monkeypatch.setenv("DELTACKPT_READ_THREADS", "0x10")
     with deltackpt.Store(tmp_path / "s") as s:
         s.save({"w": torch.arange(3000.0)}, step=1)
         assert s.zstd_level == -5 and torch.equal(s.load(1)["w"], torch.arange(3000.0))
+        assert (s.threads, s.read_threads) == (8, 16)
+    monkeypatch.setenv("DELTACKPT_THREADS", "8 threads")
+    with pytest.raises(ValueError, match="DELTACKPT_THREADS must be an integer, got '8 threads'"):
+        deltackpt.Store(tmp_path / "s")
 
 
 @pytest.mark.parametrize(
