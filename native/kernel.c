@@ -849,9 +849,45 @@ static int dck_unzstd(ZSTD_DCtx *dctx, const uint8_t *src, size_t len, uint8_t *
 
 /* Contract: the frame loop of dck_decode_frames (arguments validated by it): applies frames[0..n) to dst, setting
  * *bad to the frame being applied; uses (and creates on first need) the thread's decoder, stored in *decp. */
+/* Output bytes per step of the last frame's merge when its result is hashed in the same pass: small enough that
+ * the step's output is still in L1 when it is hashed, large enough to amortise the call overhead. */
+#define DCK_FUSE_BYTES ((size_t)16 * 1024)
+
+/* Contract: dck_planes(src, base, dst, raw_len, width, merge=1, threads=1), the result also fed in order to the
+ * streaming hash st (through update) a step of DCK_FUSE_BYTES at a time while it is still in cache: the same
+ * bytes written, the same state as one update over dst[0..raw_len) afterwards. width in {1, 2, 4, 8}. */
+static void dck_merge_hashed(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t raw_len, int width,
+                             XXH3_state_t *st, dck_xxh3_64_update_f update)
+{
+    struct dck_plane_ctx ctx;
+    size_t body, step, i;
+
+    if (raw_len == 0)
+        return;
+    ctx.src = src;
+    ctx.base = base;
+    ctx.dst = dst;
+    ctx.m = raw_len / (size_t)width;
+    ctx.width = width;
+    ctx.merge = 1;
+    ctx.tiled = raw_len >= DCK_PLANE_TILE_MIN;
+    ctx.stream = raw_len >= DCK_PLANE_STREAM_MIN;
+    body = ctx.m * (size_t)width;
+    step = DCK_FUSE_BYTES / (size_t)width; /* elements; a multiple of DCK_PLANE_TILE and of DCK_PLANE_BLOCK */
+    for (i = 0; i < ctx.m; i += step) {
+        size_t e = ctx.m - i < step ? ctx.m : i + step;
+        dck_plane_range(&ctx, i, e);
+        update(st, dst + i * (size_t)width, (e - i) * (size_t)width);
+    }
+    if (body < raw_len) {
+        dck_xor_copy(src, base, dst, body, raw_len);
+        update(st, dst + body, raw_len - body);
+    }
+}
+
 static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
                             const int *widths, int n, uint8_t *dst, size_t raw_len, int *bad,
-                            struct dck_decoder **decp)
+                            struct dck_decoder **decp, XXH3_state_t *hs)
 {
     dck_xxh3_64_update_f update = dck_pick_update64();
     int k, rc;
@@ -869,6 +905,8 @@ static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_le
                 return DCK_EPAYLOAD;
             if (raw_len > 0)
                 memcpy(dst, payload, raw_len);
+            if (hs != NULL && k == n - 1)
+                update(hs, dst, raw_len);
             continue;
         }
         if (*decp == NULL && (*decp = dck_decoder_get(raw_len > 0 ? raw_len : 1)) == NULL)
@@ -876,6 +914,8 @@ static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_le
         if (codec == DCK_CODEC_ZSTD) {
             if ((rc = dck_unzstd((*decp)->dctx, payload, plen, dst, raw_len)) != 0)
                 return rc;
+            if (hs != NULL && k == n - 1)
+                update(hs, dst, raw_len);
             continue;
         }
         if (codec == DCK_CODEC_PREDICTED) { /* skip the prediction record: u32 length, then the record */
@@ -892,7 +932,11 @@ static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_le
             return rc;
         /* merge_planes XOR dst works in place: every 16-byte block of base is read before the same block of
          * output is written (dck_stage_store, and the scalar loops index both identically). */
-        dck_planes((*decp)->scratch, codec >= DCK_CODEC_DELTA ? dst : NULL, dst, raw_len, widths[k], 1, 1);
+        if (hs != NULL && k == n - 1) /* the last pass over the result: hash each step while it is in cache */
+            dck_merge_hashed((*decp)->scratch, codec >= DCK_CODEC_DELTA ? dst : NULL, dst, raw_len, widths[k], hs,
+                             update);
+        else
+            dck_planes((*decp)->scratch, codec >= DCK_CODEC_DELTA ? dst : NULL, dst, raw_len, widths[k], 1, 1);
     }
     return 0;
 }
@@ -901,6 +945,7 @@ int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, co
                       int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad)
 {
     struct dck_decoder *dec = NULL;
+    XXH3_state_t hs;
     int k, rc;
 
     if (bad == NULL || frames == NULL || frame_lens == NULL || codecs == NULL || widths == NULL || n < 1 ||
@@ -915,15 +960,20 @@ int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, co
             return DCK_EINVAL;
         }
     }
-    rc = dck_apply_frames(frames, frame_lens, codecs, widths, n, dst, raw_len, bad, &dec);
+    /* With a digest, the last frame's pass over the result also feeds it to a streaming XXH3-128 (the same
+     * hash as dck_digest of the result, without another pass over memory). */
+    if (digest != NULL)
+        XXH3_128bits_reset(&hs);
+    rc = dck_apply_frames(frames, frame_lens, codecs, widths, n, dst, raw_len, bad, &dec,
+                          digest != NULL ? &hs : NULL);
     dck_decoder_trim(dec);
     if (rc != 0)
         return rc;
     if (digest != NULL) {
-        uint8_t got[DCK_DIGEST_SIZE];
+        XXH128_canonical_t canon;
         *bad = n;
-        dck_digest(dst, raw_len, got);
-        if (memcmp(got, digest, DCK_DIGEST_SIZE) != 0)
+        XXH128_canonicalFromHash(&canon, XXH3_128bits_digest(&hs));
+        if (memcmp(canon.digest, digest, DCK_DIGEST_SIZE) != 0)
             return DCK_EDIGEST;
     }
     *bad = 0;
