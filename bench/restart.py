@@ -20,8 +20,9 @@ copy of the weights (its allocation, page faults and the ``load_state_dict`` cop
 
 ``--profile`` then splits one more load of the newest checkpoint (a fresh process, one read thread, so the
 stages add up to its wall-clock time) by what the kernel did: chunk decodes of each frame kind (count, raw
-bytes, seconds) and the predictions computed, each including the page faults of its first writes to the
-output's fresh memory; the rest is Python and frame reads.
+bytes, seconds; a predicted frame's decode computes its prediction too, in the same kernel call), each
+including the page faults of its first writes to the output's fresh memory; the rest is Python and frame
+reads.
 """
 
 from __future__ import annotations
@@ -65,28 +66,20 @@ import torch, deltackpt
 from deltackpt import codec, kernel, predict
 gc.freeze()
 secs, raw, count = collections.Counter(), collections.Counter(), collections.Counter()
-decode_frames, predict_into = kernel.decode_frames, predict.predict
+decode_frames = kernel.decode_frames
 
-def timed_decode(frames, codecs, widths, out, digest):
+def timed_decode(frames, codecs, widths, out, digest, prediction=None):
     t = time.perf_counter()
     try:
-        return decode_frames(frames, codecs, widths, out, digest)
+        return decode_frames(frames, codecs, widths, out, digest, prediction)
     finally:
         kind = codec.CODEC_NAMES[codecs[0]] + (" + deltas" if len(codecs) > 1 else "")
+        kind += " (with its prediction)" if prediction is not None else ""
         secs[kind] += time.perf_counter() - t
         raw[kind] += len(out)
         count[kind] += 1
 
-def timed_predict(rec, base, refs, out):
-    t = time.perf_counter()
-    try:
-        return predict_into(rec, base, refs, out)
-    finally:
-        secs["prediction"] += time.perf_counter() - t
-        raw["prediction"] += len(out)
-        count["prediction"] += 1
-
-codec.kernel.decode_frames, codec.predict.predict = timed_decode, timed_predict
+codec.kernel.decode_frames = timed_decode
 t0 = time.perf_counter()
 with deltackpt.Store(sys.argv[1], threads=1, read_threads=1) as s:
     state = s.load()

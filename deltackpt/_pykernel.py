@@ -128,18 +128,24 @@ def _unzstd(payload: memoryview, raw_len: int) -> bytes | None:
 
 
 def decode_frames(
-    frames: list[object], codecs: list[int], widths: list[int], out: object, digest: bytes | None = None
+    frames: list[object], codecs: list[int], widths: list[int], out: object, digest: bytes | None = None,
+    prediction: tuple[int, object, object, list[object]] | None = None,
 ) -> tuple[int, int]:
     n = len(frames)
     if n < 1 or len(codecs) != n or len(widths) != n:
         raise ValueError("decode_frames needs one or more frames, each with a codec and a width")
     dst = _as_u8(out, writable=True)
+
     if digest is not None and len(digest) != DIGEST_SIZE:
         raise ValueError(f"digest must have 16 bytes, got {len(digest)}")
     views = [memoryview(_as_u8(f)) for f in frames]
     for k, (v, c, w) in enumerate(zip(views, codecs, widths)):
         if len(v) < _HEADER or c not in _CODECS or w not in (1, 2, 4, 8) or (c == 4 and k != 0):
             raise ValueError("deltackpt kernel: invalid argument")
+    if prediction is not None:  # computed into out first, as predict() would (the native kernel: step by step)
+        if codecs[0] != 4:
+            raise ValueError("deltackpt kernel: invalid argument")
+        predict(*prediction, out)
     raw_len = len(dst)
     for k, (v, c, w) in enumerate(zip(views, codecs, widths)):
         h = xxhash.xxh3_64(v[:_CHECKED])

@@ -33,6 +33,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -354,8 +355,9 @@ def decode_chain(
     kernel call (:func:`deltackpt.kernel.decode_frames`: checksums, zstd, byte planes, XOR, and with ``verify``
     the digest of the result; the bases' own digests need no separate check, as any error in them changes the
     result). A predicted frame at the bottom of the chain first has its checksum checked, then its prediction
-    computed (:func:`deltackpt.predict.predict`) from chunks that ``resolve(digest)`` decodes in full: its base
-    and its references. Damage to a base frame is reported for this chunk, naming the base: ``its delta base
+    computed (as :func:`deltackpt.predict.predict` would, inside the same kernel call, a few KiB at a time just
+    before its residual is XORed on) from chunks that ``resolve(digest)`` decodes in full: its base and its
+    references. Damage to a base frame is reported for this chunk, naming the base: ``its delta base
     <id> is damaged``; damage to a predicted frame's base or reference likewise, as ``its prediction input <id>
     is damaged``. ``have(digest)``, when given, returns the raw bytes of a chunk the caller decoded already (or
     None): the chain stops at such a base, whose bytes the deltas above it are applied to, instead of decoding
@@ -404,11 +406,12 @@ def decode_chain(
     frames.reverse()
     headers.reverse()
     wheres.reverse()
+    prediction = None
     if held is not None:
         dest[:] = np.frombuffer(memoryview(held).cast("B"), dtype=np.uint8)  # the base, decoded: deltas XOR onto it
     elif headers[0].codec == PREDICTED:
-        _predict_into(frames[0], headers[0], wheres[0], dest, resolve, top=len(frames) == 1, cid=cid)
-    _run(frames, headers, wheres, dest, verify)
+        prediction = _prediction(frames[0], headers[0], wheres[0], resolve, top=len(frames) == 1, cid=cid)
+    _run(frames, headers, wheres, dest, verify, prediction)
     return memoryview(dest)
 
 
@@ -428,10 +431,12 @@ def prediction_record(payload: bytes | memoryview, where: str | None = None,
     return rec
 
 
-def _predict_into(frame: bytes | memoryview, h: FrameHeader, where: str | None, dest: np.ndarray,
-                  resolve: Callable[[bytes], memoryview | np.ndarray] | None, *, top: bool, cid: str) -> None:
-    """Put the prediction of the predicted frame ``frame`` into ``dest`` (its checksum is checked first, so a
-    damaged record is reported as damage, not as a missing reference)."""
+def _prediction(frame: bytes | memoryview, h: FrameHeader, where: str | None,
+                resolve: Callable[[bytes], memoryview | np.ndarray] | None, *, top: bool,
+                cid: str) -> tuple[int, tuple[float, ...], Any, list[Any]]:
+    """The prediction of the predicted frame ``frame``, as :func:`deltackpt.kernel.decode_frames` computes it:
+    ``(predictor, coefs, base, refs)``, its inputs decoded (its checksum is checked first, so a damaged record is
+    reported as damage, not as a missing reference)."""
     own = chunk_hex(h.digest, h.raw_len)
     try:
         _, payload = check_frame(frame, expect_digest=h.digest, expect_len=h.raw_len, where=where)
@@ -456,7 +461,7 @@ def _predict_into(frame: bytes | memoryview, h: FrameHeader, where: str | None, 
         except FormatVersionError as exc:
             raise FormatVersionError(f"chunk {cid}: its prediction input {chunk_hex(ref, h.raw_len)}: "
                                      f"{_version_root(str(exc))}") from None
-    predict.predict(rec, inputs[0], inputs[1:], dest)
+    return rec.predictor, rec.coefs, inputs[0], inputs[1:]
 
 
 def _parse(frame: bytes | memoryview, digest: bytes | None, raw_len: int | None, where: str | None) -> FrameHeader:
@@ -490,8 +495,9 @@ _PAYLOAD_DAMAGE = {
 
 
 def _run(frames: list[bytes | memoryview], headers: list[FrameHeader], wheres: list[str | None], dest: np.ndarray,
-         verify: bool) -> None:
-    """Apply parsed frames (oldest first) to ``dest`` in the kernel; map its status to the error to raise."""
+         verify: bool, prediction: tuple[int, tuple[float, ...], Any, list[Any]] | None = None) -> None:
+    """Apply parsed frames (oldest first) to ``dest`` in the kernel, the first frame's prediction computed there
+    when given (:func:`_prediction`); map its status to the error to raise."""
     top = headers[-1]
     cid = chunk_hex(top.digest, top.raw_len)
     status, bad = kernel.decode_frames(
@@ -500,6 +506,7 @@ def _run(frames: list[bytes | memoryview], headers: list[FrameHeader], wheres: l
         [h.width for h in headers],
         dest,
         top.digest if verify else None,
+        prediction,
     )
     if status == 0:
         return

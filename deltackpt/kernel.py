@@ -38,6 +38,9 @@ Contract (both backends)
   predicted frame, only ever the first, XORs its residual onto the prediction the caller put in ``out``) after
   checking each frame's checksum, then compares the result's digest with ``digest`` when given. ``status`` is
   0, or :data:`ECHECKSUM` / :data:`EPAYLOAD` (frame ``bad`` is damaged) or :data:`EDIGEST` (``bad == n``).
+  With ``prediction=(predictor, coefs, base, refs)`` the first frame must be a predicted one and the kernel
+  computes its prediction itself: the same result as :func:`predict` into ``out`` first (the native version
+  writes it a few KiB at a time just before the residual is XORed onto them: one pass over ``out``, not two).
   Codecs and widths come from the caller's parsed headers. The native version runs one C call without the
   GIL (its own zstd context per thread): the load path's whole per-chunk work.
 - :func:`predict` ``(predictor, coefs, base, refs, out)`` computes a predicted frame's prediction: float32
@@ -56,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 #: Bumped whenever the native functions' signatures or semantics change; compiled into the extension.
-API_VERSION = 4
+API_VERSION = 5
 
 _NATIVE_SOURCES = ("kernel.c", "kernel.h", "_kernel.pyx")
 

@@ -31,6 +31,16 @@ cdef extern from "kernel.h" nogil:
                           const int *widths, int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad)
     int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs,
                     int nrefs, uint8_t *out, size_t len)
+    struct dck_prediction:
+        int predictor
+        const double *c
+        int nc
+        const uint8_t *base
+        const uint8_t *const *refs
+        int nrefs
+    int dck_decode_predicted(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
+                             const int *widths, int n, const dck_prediction *pred, uint8_t *dst, size_t raw_len,
+                             const uint8_t *digest, int *bad)
     int dck_use_simd(int level)
 
 # Both are set by setup.py: the package's API version and the hash of the kernel sources this was built from;
@@ -208,12 +218,39 @@ def merge_planes_xor(src, base, width, out=None, threads=1):
     return _planes(src, base, width, out, threads, True)
 
 
-def decode_frames(frames, codecs, widths, out, digest=None):
+def decode_frames(frames, codecs, widths, out, digest=None, prediction=None):
     """Apply frames in order to ``out`` and check its digest; ``(status, bad)``; see deltackpt.kernel."""
     cdef Py_ssize_t n = len(frames)
     if n < 1 or len(codecs) != n or len(widths) != n:
         raise ValueError("decode_frames needs one or more frames, each with a codec and a width")
     cdef unsigned char[::1] o = _as_u8(out, writable=True)
+    cdef dck_prediction pred
+    cdef double pc_[7]
+    cdef const uint8_t *pr_[3]
+    cdef const unsigned char[::1] pv
+    cdef Py_ssize_t j
+    pviews = None
+    if prediction is not None:  # (predictor, coefs, base, refs): checked as predict() checks them
+        predictor, coefs, pbase, prefs = prediction
+        pviews = [_as_u8(pbase)] + [_as_u8(r) for r in prefs]
+        if (codecs[0] != 4 or o.shape[0] % 4 or not 2 <= len(prefs) <= 3 or not 3 <= len(coefs) <= 7
+                or any(len(v) != o.shape[0] for v in pviews)):
+            raise ValueError("deltackpt kernel: invalid argument")
+        for j in range(len(coefs)):
+            pc_[j] = coefs[j]
+        for j in range(len(pviews)):
+            pv = pviews[j]
+            if _overlap(o, pv):
+                raise ValueError("output buffer overlaps an input")
+            if j:
+                pr_[j - 1] = _rptr(pv)
+        pv = pviews[0]
+        pred.predictor = predictor
+        pred.c = pc_
+        pred.nc = len(coefs)
+        pred.base = _rptr(pv)
+        pred.refs = pr_
+        pred.nrefs = len(prefs)
     cdef const unsigned char[::1] dg
     cdef const uint8_t *pdg = NULL
     if digest is not None:
@@ -242,8 +279,12 @@ def decode_frames(frames, codecs, widths, out, digest=None):
             pw[k] = widths[k]
             if _overlap(o, v):
                 raise ValueError("output buffer overlaps a frame")
-        with nogil:
-            rc = dck_decode_frames(pf, pl, pc, pw, <int>n, po, raw_len, pdg, &bad)
+        if pviews is None:
+            with nogil:
+                rc = dck_decode_frames(pf, pl, pc, pw, <int>n, po, raw_len, pdg, &bad)
+        else:
+            with nogil:
+                rc = dck_decode_predicted(pf, pl, pc, pw, <int>n, &pred, po, raw_len, pdg, &bad)
     finally:
         free(pf)
         free(pl)

@@ -853,17 +853,20 @@ static int dck_unzstd(ZSTD_DCtx *dctx, const uint8_t *src, size_t len, uint8_t *
  * the step's output is still in L1 when it is hashed, large enough to amortise the call overhead. */
 #define DCK_FUSE_BYTES ((size_t)16 * 1024)
 
-/* Contract: dck_planes(src, base, dst, raw_len, width, merge=1, threads=1), the result also fed in order to the
- * streaming hash st (through update) a step of DCK_FUSE_BYTES at a time while it is still in cache: the same
- * bytes written, the same state as one update over dst[0..raw_len) afterwards. width in {1, 2, 4, 8}. */
-static void dck_merge_hashed(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t raw_len, int width,
-                             XXH3_state_t *st, dck_xxh3_64_update_f update)
+/* Contract: dck_planes(src, base, dst, raw_len, width, merge=1, threads=1) in steps of DCK_FUSE_BYTES of output,
+ * width in {1, 2, 4, 8}. With pred (then base == dst and raw_len % 4 == 0), each step first writes the prediction
+ * of its bytes into dst (dck_predict over that range: the same bytes as one call over the chunk, the prediction
+ * being elementwise), so the residual is XORed onto it while it is in L1. With st, each step's result is then fed
+ * in order to the streaming hash st (through update) while it is in cache: the same state as one update over
+ * dst[0..raw_len) afterwards. Returns 0, or DCK_EINVAL from dck_predict (arguments the caller validated). */
+static int dck_merge_steps(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t raw_len, int width,
+                           const struct dck_prediction *pred, XXH3_state_t *st, dck_xxh3_64_update_f update)
 {
     struct dck_plane_ctx ctx;
-    size_t body, step, i;
+    size_t body, step, i, predicted = 0;
 
     if (raw_len == 0)
-        return;
+        return 0;
     ctx.src = src;
     ctx.base = base;
     ctx.dst = dst;
@@ -874,20 +877,42 @@ static void dck_merge_hashed(const uint8_t *src, const uint8_t *base, uint8_t *d
     ctx.stream = raw_len >= DCK_PLANE_STREAM_MIN;
     body = ctx.m * (size_t)width;
     step = DCK_FUSE_BYTES / (size_t)width; /* elements; a multiple of DCK_PLANE_TILE and of DCK_PLANE_BLOCK */
-    for (i = 0; i < ctx.m; i += step) {
-        size_t e = ctx.m - i < step ? ctx.m : i + step;
-        dck_plane_range(&ctx, i, e);
-        update(st, dst + i * (size_t)width, (e - i) * (size_t)width);
+    for (i = 0; i < ctx.m || predicted < raw_len; i += step) {
+        size_t e = ctx.m - i < step ? ctx.m : i + step; /* (i may pass m only to predict a tail) */
+        if (pred != NULL) {
+            /* bytes [i*w, e*w), the last step through raw_len (so the tail is predicted too) */
+            size_t hi = e >= ctx.m ? raw_len : e * (size_t)width, k;
+            const uint8_t *refs[3];
+            int rc;
+            for (k = 0; k < (size_t)pred->nrefs; k++)
+                refs[k] = pred->refs[k] + predicted;
+            rc = dck_predict(pred->predictor, pred->c, pred->nc, pred->base + predicted, refs, pred->nrefs,
+                             dst + predicted, hi - predicted);
+            if (rc != 0)
+                return rc;
+            predicted = hi;
+        } else {
+            predicted = raw_len;
+        }
+        if (i < e) {
+            dck_plane_range(&ctx, i, e);
+            if (st != NULL)
+                update(st, dst + i * (size_t)width, (e - i) * (size_t)width);
+        }
+        if (e >= ctx.m)
+            break;
     }
     if (body < raw_len) {
         dck_xor_copy(src, base, dst, body, raw_len);
-        update(st, dst + body, raw_len - body);
+        if (st != NULL)
+            update(st, dst + body, raw_len - body);
     }
+    return 0;
 }
 
 static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
                             const int *widths, int n, uint8_t *dst, size_t raw_len, int *bad,
-                            struct dck_decoder **decp, XXH3_state_t *hs)
+                            struct dck_decoder **decp, const struct dck_prediction *pred, XXH3_state_t *hs)
 {
     dck_xxh3_64_update_f update = dck_pick_update64();
     int k, rc;
@@ -932,17 +957,22 @@ static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_le
             return rc;
         /* merge_planes XOR dst works in place: every 16-byte block of base is read before the same block of
          * output is written (dck_stage_store, and the scalar loops index both identically). */
-        if (hs != NULL && k == n - 1) /* the last pass over the result: hash each step while it is in cache */
-            dck_merge_hashed((*decp)->scratch, codec >= DCK_CODEC_DELTA ? dst : NULL, dst, raw_len, widths[k], hs,
-                             update);
-        else
+        /* A prediction the kernel computes is written a step at a time just before the residual is XORed onto
+         * it; the last pass over the result hashes each step while it is in cache. */
+        if ((hs != NULL && k == n - 1) || (pred != NULL && k == 0)) {
+            if ((rc = dck_merge_steps((*decp)->scratch, codec >= DCK_CODEC_DELTA ? dst : NULL, dst, raw_len,
+                                      widths[k], k == 0 ? pred : NULL, k == n - 1 ? hs : NULL, update)) != 0)
+                return rc;
+        } else
             dck_planes((*decp)->scratch, codec >= DCK_CODEC_DELTA ? dst : NULL, dst, raw_len, widths[k], 1, 1);
     }
     return 0;
 }
 
-int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs, const int *widths,
-                      int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad)
+/* Contract: dck_decode_frames, or dck_decode_predicted when pred is not NULL (see kernel.h). */
+static int dck_decode(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs, const int *widths,
+                      int n, const struct dck_prediction *pred, uint8_t *dst, size_t raw_len, const uint8_t *digest,
+                      int *bad)
 {
     struct dck_decoder *dec = NULL;
     XXH3_state_t hs;
@@ -960,11 +990,24 @@ int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, co
             return DCK_EINVAL;
         }
     }
+    if (pred != NULL) {
+        int j, nr = pred->nrefs;
+        if (codecs[0] != DCK_CODEC_PREDICTED || raw_len % 4 != 0 || pred->c == NULL || pred->refs == NULL ||
+            !((pred->predictor == DCK_PREDICT_ADAM_V && pred->nc == 4 && nr == 2) ||
+              (pred->predictor == DCK_PREDICT_ADAM_PARAM && pred->nc == 7 && nr == 3) ||
+              (pred->predictor == DCK_PREDICT_MOMENTUM_PARAM && pred->nc == 3 && nr == 2)))
+            return DCK_EINVAL;
+        for (j = 0; j < nr && raw_len > 0; j++)
+            if (pred->refs[j] == NULL)
+                return DCK_EINVAL;
+        if (raw_len > 0 && pred->base == NULL)
+            return DCK_EINVAL;
+    }
     /* With a digest, the last frame's pass over the result also feeds it to a streaming XXH3-128 (the same
      * hash as dck_digest of the result, without another pass over memory). */
     if (digest != NULL)
         XXH3_128bits_reset(&hs);
-    rc = dck_apply_frames(frames, frame_lens, codecs, widths, n, dst, raw_len, bad, &dec,
+    rc = dck_apply_frames(frames, frame_lens, codecs, widths, n, dst, raw_len, bad, &dec, pred,
                           digest != NULL ? &hs : NULL);
     dck_decoder_trim(dec);
     if (rc != 0)
@@ -978,6 +1021,24 @@ int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, co
     }
     *bad = 0;
     return 0;
+}
+
+int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs, const int *widths,
+                      int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad)
+{
+    return dck_decode(frames, frame_lens, codecs, widths, n, NULL, dst, raw_len, digest, bad);
+}
+
+int dck_decode_predicted(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
+                         const int *widths, int n, const struct dck_prediction *pred, uint8_t *dst, size_t raw_len,
+                         const uint8_t *digest, int *bad)
+{
+    if (pred == NULL) {
+        if (bad != NULL)
+            *bad = 0;
+        return DCK_EINVAL;
+    }
+    return dck_decode(frames, frame_lens, codecs, widths, n, pred, dst, raw_len, digest, bad);
 }
 
 /* ------------------------------------------------------------------------------------------------------------

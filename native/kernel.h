@@ -148,6 +148,30 @@ int dck_merge_planes_xor(const uint8_t *src, const uint8_t *base, uint8_t *dst, 
 int dck_decode_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs, const int *widths,
                       int n, uint8_t *dst, size_t raw_len, const uint8_t *digest, int *bad);
 
+/* A prediction for dck_decode_predicted: dck_predict's arguments but the output. */
+struct dck_prediction {
+    int predictor;
+    const double *c;
+    int nc;
+    const uint8_t *base;
+    const uint8_t *const *refs;
+    int nrefs;
+};
+
+/*
+ * dck_decode_frames with the prediction computed by the kernel: the same result, status and *bad as
+ * dck_predict(pred->predictor, pred->c, pred->nc, pred->base, pred->refs, pred->nrefs, dst, raw_len) followed by
+ * dck_decode_frames(frames, ..., dst, raw_len, digest, bad), whatever dst held on entry. The prediction is
+ * written a few KiB at a time just before the residual is XORed onto them (one pass over dst instead of two),
+ * after frame 0's checksum and payload checked out. Requires codecs[0] == DCK_CODEC_PREDICTED, raw_len % 4 == 0,
+ * pred's fields as dck_predict requires them (the caller checked the coefficients), and dst not overlapping base
+ * or a ref; DCK_EINVAL otherwise (nothing written; pred NULL included).
+ */
+struct dck_prediction;
+int dck_decode_predicted(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
+                         const int *widths, int n, const struct dck_prediction *pred, uint8_t *dst, size_t raw_len,
+                         const uint8_t *digest, int *bad);
+
 /* ------------------------------------------------------------------------------------------------------------
  * Predictions (predicted frames, codec 4). The arithmetic is part of the on-disk format: docs/format.md, 8a.
  * ---------------------------------------------------------------------------------------------------------- */

@@ -858,3 +858,63 @@ def test_predict_rejects_bad_arguments(mod: types.ModuleType) -> None:
     for predictor, coefs, base, refs in bad:
         with pytest.raises(ValueError):
             mod.predict(predictor, coefs, base, refs, out[: len(base)])
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
+@FAST
+@given(predictor=st.sampled_from([1, 2, 3]), n=st.sampled_from([0, 1, 3, 700, 4096, 4097 * 2 + 1, 3 * 4096 + 5]),
+       width=widths, seed=st.integers(0, 2**32 - 1), deltas=st.integers(0, 2), damage=st.sampled_from(
+           [None, "frame", "digest"]))
+def test_decode_frames_computes_the_prediction(mod: types.ModuleType, predictor: int, n: int, width: int, seed: int,
+                                               deltas: int, damage: str | None) -> None:
+    """decode_frames(..., prediction=...) is predict() into out, then decode_frames: same bytes, same status, for
+    lengths that cross the native kernel's 16 KiB steps or end in a tail shorter than the width, with delta frames
+    above the predicted one, a damaged frame or a wrong digest."""
+    from deltackpt import codec, predict as pred_mod
+
+    rng = np.random.default_rng(seed)
+    arrays = [(rng.standard_normal(n) * 1e-3).astype(np.float32) for _ in range(4)]
+    arrays[2] = np.abs(arrays[2])
+    nrefs, coefs = {1: (2, (0.9, 10.0, 0.999, 1e-3)), 2: (3, (0.9, 10.0, 0.999, 1e-3, 0.99999, 1e-4, 1e-8)),
+                    3: (2, (0.99999, 1.9e-3, 0.9e-3))}[predictor]
+    if predictor == 1:
+        base, refs = arrays[2], [arrays[1], arrays[3]]
+    else:
+        base, refs = arrays[0], [arrays[1], arrays[3], arrays[2]][:nrefs]
+    guess = np.empty(4 * n, np.uint8)
+    ref.predict(predictor, coefs, base, refs, guess)
+    raw = (guess.view(np.float32) + rng.standard_normal(n).astype(np.float32) * 1e-6).view(np.uint8)
+    rec = pred_mod.Prediction(predictor, (bytes(16),) * nrefs, coefs).pack()
+    enc = codec.Encoder(1)
+    frames = [enc.encode_predicted(raw, kernel.digest(raw), width, guess, bytes(16), rec)]
+    versions = [raw]
+    for _ in range(deltas):
+        nxt = versions[-1].copy()
+        if len(nxt):
+            nxt[rng.integers(0, len(nxt), 5)] ^= 0x5A
+        frames.append(codec._frame(codec.DELTA, width, len(nxt), kernel.digest(nxt), kernel.digest(versions[-1]),
+                                   enc._cctx.compress(kernel.xor_split_planes(nxt, versions[-1], width).tobytes())))
+        versions.append(nxt)
+    codecs, ws = _fields(frames)
+    digest = kernel.digest(versions[-1])
+    if damage == "frame" and n:
+        k = int(rng.integers(0, len(frames)))
+        f = bytearray(frames[k])
+        f[-1] ^= 1
+        frames[k] = bytes(f)
+    elif damage == "digest":
+        digest = kernel.digest(versions[-1][:-1])
+    prediction = (predictor, coefs, base, refs)
+    want = np.full(4 * n, 0xCD, np.uint8)
+    ref.predict(*prediction, want)
+    status = ref.decode_frames(frames, codecs, ws, want, digest)
+    out = np.full(4 * n, 0xAB, np.uint8)
+    assert mod.decode_frames(frames, codecs, ws, out, digest, prediction) == status
+    if status == (0, 0):
+        np.testing.assert_array_equal(out, versions[-1])
+    else:
+        assert damage is not None
+    with pytest.raises(ValueError):  # only a predicted first frame has a prediction
+        mod.decode_frames(frames[1:] or [enc.encode(raw, kernel.digest(raw), width)],
+                          codecs[1:] or [codec.PLANES_ZSTD if width > 1 else codec.ZSTD], ws[1:] or [width], out,
+                          None, prediction)
