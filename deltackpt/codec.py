@@ -437,7 +437,6 @@ def _prediction(frame: bytes | memoryview, h: FrameHeader, where: str | None,
     """The prediction of the predicted frame ``frame``, as :func:`deltackpt.kernel.decode_frames` computes it:
     ``(predictor, coefs, base, refs)``, its inputs decoded (its checksum is checked first, so a damaged record is
     reported as damage, not as a missing reference)."""
-    own = chunk_hex(h.digest, h.raw_len)
     try:
         _, payload = check_frame(frame, expect_digest=h.digest, expect_len=h.raw_len, where=where)
         rec = prediction_record(payload, where, h.version)
@@ -447,9 +446,11 @@ def _prediction(frame: bytes | memoryview, h: FrameHeader, where: str | None,
     except CorruptChunkError as exc:
         if top:
             raise CorruptChunkError(exc.reason, chunk_id=cid) from None
-        raise CorruptChunkError(f"its delta base {own} is damaged: {_root(exc.reason)}", chunk_id=cid) from None
+        raise CorruptChunkError(f"its delta base {chunk_hex(h.digest, h.raw_len)} is damaged: {_root(exc.reason)}",
+                                chunk_id=cid) from None
     if resolve is None:
-        raise ValueError(f"predicted chunk {own} needs a resolver for the chunks it references")
+        raise ValueError(f"predicted chunk {chunk_hex(h.digest, h.raw_len)} needs a resolver for the chunks it "
+                         "references")
     inputs = []
     for ref in (h.base, *rec.refs):
         try:
@@ -499,7 +500,6 @@ def _run(frames: list[bytes | memoryview], headers: list[FrameHeader], wheres: l
     """Apply parsed frames (oldest first) to ``dest`` in the kernel, the first frame's prediction computed there
     when given (:func:`_prediction`); map its status to the error to raise."""
     top = headers[-1]
-    cid = chunk_hex(top.digest, top.raw_len)
     status, bad = kernel.decode_frames(
         [memoryview(f)[: h.frame_len] for f, h in zip(frames, headers)],
         [h.codec for h in headers],
@@ -510,6 +510,7 @@ def _run(frames: list[bytes | memoryview], headers: list[FrameHeader], wheres: l
     )
     if status == 0:
         return
+    cid = chunk_hex(top.digest, top.raw_len)
     if status == kernel.EDIGEST:
         raise CorruptChunkError(f"decoded bytes do not match the chunk id{_at(wheres[-1])}", chunk_id=cid)
     reason = f"{_PAYLOAD_DAMAGE.get(status, f'decoder status {status}')}{_at(wheres[bad])}"

@@ -870,7 +870,8 @@ def test_decode_frames_computes_the_prediction(mod: types.ModuleType, predictor:
     """decode_frames(..., prediction=...) is predict() into out, then decode_frames: same bytes, same status, for
     lengths that cross the native kernel's 16 KiB steps or end in a tail shorter than the width, with delta frames
     above the predicted one, a damaged frame or a wrong digest."""
-    from deltackpt import codec, predict as pred_mod
+    from deltackpt import codec
+    from deltackpt import predict as pred_mod
 
     rng = np.random.default_rng(seed)
     arrays = [(rng.standard_normal(n) * 1e-3).astype(np.float32) for _ in range(4)]
