@@ -847,8 +847,6 @@ static int dck_unzstd(ZSTD_DCtx *dctx, const uint8_t *src, size_t len, uint8_t *
     return 0;
 }
 
-/* Contract: the frame loop of dck_decode_frames (arguments validated by it): applies frames[0..n) to dst, setting
- * *bad to the frame being applied; uses (and creates on first need) the thread's decoder, stored in *decp. */
 /* Output bytes per step of the last frame's merge when its result is hashed in the same pass: small enough that
  * the step's output is still in L1 when it is hashed, large enough to amortise the call overhead. */
 #define DCK_FUSE_BYTES ((size_t)16 * 1024)
@@ -910,6 +908,10 @@ static int dck_merge_steps(const uint8_t *src, const uint8_t *base, uint8_t *dst
     return 0;
 }
 
+/* Contract: the frame loop of dck_decode_frames (arguments validated by it): applies frames[0..n) to dst, setting
+ * *bad to the frame being applied; uses (and creates on first need) the thread's decoder, stored in *decp. With pred,
+ * frame 0's prediction comes from the kernel, and with hs the last frame's pass feeds the result to hs (see
+ * dck_merge_steps). */
 static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
                             const int *widths, int n, uint8_t *dst, size_t raw_len, int *bad,
                             struct dck_decoder **decp, const struct dck_prediction *pred, XXH3_state_t *hs)

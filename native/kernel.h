@@ -167,7 +167,6 @@ struct dck_prediction {
  * pred's fields as dck_predict requires them (the caller checked the coefficients), and dst not overlapping base
  * or a ref; DCK_EINVAL otherwise (nothing written; pred NULL included).
  */
-struct dck_prediction;
 int dck_decode_predicted(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
                          const int *widths, int n, const struct dck_prediction *pred, uint8_t *dst, size_t raw_len,
                          const uint8_t *digest, int *bad);
