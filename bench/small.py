@@ -7,6 +7,13 @@ moment each), changes a seventh of the weights before every save, and saves it i
 everything), the first save's, the latest checkpoint's load against ``torch.load`` (median of 3, warm page
 cache, same process), and how many collections of the oldest generation Python's cyclic garbage collector
 ran during the saves. Bytes are not the point here: every tensor is one chunk, so the per-tensor work is.
+
+``--mixed``: N tensors of 16..4096 elements each (uniform, fixed seed), float32 for half of them and bfloat16,
+float16, int64 for a sixth each, in place of the 4 KiB weights and optimizer state. ``--via sync|async``: the
+saves go through a :class:`deltackpt.Checkpointer` (``extra={"state": state}``, no RNG state) in sync or async
+mode in place of ``Store.save``; an async "save" is the time ``step()`` blocks plus the wait for the background
+save (so the whole save is timed, not overlapped). Every figure is given in wall time and in the process's CPU
+time (all threads: ``time.process_time``), and per tensor in microseconds.
 """
 
 from __future__ import annotations
@@ -35,6 +42,18 @@ def _state(n: int) -> dict[str, Any]:
     }
 
 
+def _mixed(n: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    sizes = torch.randint(16, 4097, (n,)).tolist()
+    dtypes = [torch.float32, torch.float32, torch.float32, torch.bfloat16, torch.float16, torch.int64]
+    out: dict[str, Any] = {}
+    for i, size in enumerate(sizes):
+        dt = dtypes[i % len(dtypes)]
+        out[f"layer{i // 4}.p{i % 4}"] = (torch.randint(0, 1 << 20, (size,)) if dt is torch.int64
+                                          else torch.randn(size).to(dt))
+    return {"model": out}
+
+
 def _torch_save(state: Any, path: Path) -> None:
     torch.save(state, path)
     fsync_path(path)
@@ -45,49 +64,75 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", type=int, default=15_000)
     ap.add_argument("--saves", type=int, default=6)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
+    ap.add_argument("--mixed", action="store_true", help="tensors of 16..4096 elements of mixed dtypes")
+    ap.add_argument("--via", choices=("store", "sync", "async"), default="store",
+                    help="Store.save, or a Checkpointer's step() in sync or async mode")
     args = ap.parse_args(argv)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="deltackpt-small-"))
     full: list[int] = []
     gc.callbacks.append(lambda phase, info: full.append(1) if phase == "stop" and info["generation"] == 2 else None)
-    state = _state(args.tensors)
+    state = _mixed(args.tensors) if args.mixed else _state(args.tensors)
     weights = state["model"]
     names = list(weights)
-    times: dict[str, list[float]] = {"deltackpt": [], "torch.save + fsync": []}
+    # (wall, cpu) per save and per load
+    times: dict[str, list[tuple[float, float]]] = {"deltackpt": [], "torch.save + fsync": []}
     gen2_in_saves = 0
+
+    def timed(fn: Any, *a: Any, **kw: Any) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn(*a, **kw)
+        return time.perf_counter() - t0, time.process_time() - c0
+
     try:
         store = deltackpt.Store(root / "store")
+        ckpt = None
+        if args.via != "store":
+            ckpt = deltackpt.Checkpointer(store, extra={"state": state}, async_save=args.via == "async",
+                                          handle_signals=False, rng=False)
+
+        def save(step: int) -> None:
+            if ckpt is None:
+                store.save(state, step=step)
+            else:
+                ckpt.step(step + 1)
+                ckpt.wait()
+
         for step in range(args.saves):
             for name in names[step % 7 :: 7]:
-                weights[name].add_(1e-3)
+                w = weights[name]
+                w.add_(1 if not w.is_floating_point() else 1e-3)
             full.clear()
-            t0 = time.perf_counter()
-            store.save(state, step=step)
-            times["deltackpt"].append(time.perf_counter() - t0)
+            times["deltackpt"].append(timed(save, step))
             gen2_in_saves += len(full)
-            t0 = time.perf_counter()
-            _torch_save(state, root / "state.pt")
-            times["torch.save + fsync"].append(time.perf_counter() - t0)
-        loads: dict[str, list[float]] = {"deltackpt": [], "torch.load": []}
-        for _ in range(3):
-            t0 = time.perf_counter()
-            store.load()
-            loads["deltackpt"].append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            torch.load(root / "state.pt")
-            loads["torch.load"].append(time.perf_counter() - t0)
+            times["torch.save + fsync"].append(timed(_torch_save, state, root / "state.pt"))
+        if ckpt is not None:
+            ckpt.close()
+        loads: dict[str, list[tuple[float, float]]] = {"deltackpt": [], "torch.load": []}
+        for _ in range(5):
+            loads["deltackpt"].append(timed(store.load))
+            loads["torch.load"].append(timed(torch.load, root / "state.pt"))
+        n = len(store.manifest().tensors)
         store.close()
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
-    n = args.tensors + 2 * (args.tensors // 10)
-    print(f"{n} tensors ({args.tensors} weights of 4 KiB, optimizer state for {args.tensors // 10}); deltackpt "
-          f"backend {deltackpt.backend}; {args.saves} saves, a seventh of the weights changing before each\n")
-    print("| | first save | save (median of saves 2-) | per tensor | load latest (median of 3) |")
+    what = (f"{args.tensors} tensors of 16..4096 elements, mixed dtypes" if args.mixed else
+            f"{args.tensors} weights of 4 KiB, optimizer state for {args.tensors // 10}")
+    print(f"{n} tensors ({what}); deltackpt backend {deltackpt.backend}; saves through "
+          f"{'Store.save' if args.via == 'store' else 'a Checkpointer, ' + args.via}; {args.saves} saves, a "
+          f"seventh of the weights changing before each; wall (CPU) time\n")
+    print("| | first save | save (median of saves 2-) | load latest (median of 5) "
+          "| per tensor: first, later, load (wall; CPU) |")
     print("|---|---:|---:|---:|---:|")
+
+    def med(ts: list[tuple[float, float]]) -> tuple[float, float]:
+        return statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)
+
     for (name, ts), ls in zip(times.items(), loads.values()):
-        later = statistics.median(ts[1:]) if len(ts) > 1 else ts[0]
-        print(f"| {name if name == 'deltackpt' else 'torch.save + fsync, torch.load'} | {ts[0]:.3f} s | "
-              f"{later:.3f} s | {later / n * 1e6:.0f} µs | {statistics.median(ls):.3f} s |")
+        first, later, load = ts[0], med(ts[1:] if len(ts) > 1 else ts), med(ls)
+        us = "; ".join(", ".join(f"{x[j] / n * 1e6:.0f}" for x in (first, later, load)) for j in (0, 1))
+        print(f"| {name if name == 'deltackpt' else 'torch.save + fsync, torch.load'} | {first[0]:.3f} "
+              f"({first[1]:.3f}) s | {later[0]:.3f} ({later[1]:.3f}) s | {load[0]:.3f} ({load[1]:.3f}) s | {us} µs |")
     print(f"\nfull collections of the cyclic garbage collector during deltackpt's saves: {gen2_in_saves}")
     return 0
 
