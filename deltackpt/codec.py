@@ -415,6 +415,28 @@ def decode_chain(
     return memoryview(dest)
 
 
+def decode_alone(
+    frame: memoryview, digest: bytes, raw_len: int, where: str | None, out: memoryview | np.ndarray,
+    verify: bool = True,
+) -> bool:
+    """:func:`decode_chain` of a chunk whose own frame (``frame``, read from ``where``) is at hand, when that frame
+    stands alone (raw, zstd, byte planes): decoded into ``out``, raising as :func:`decode_chain` would, and True.
+    False, with nothing written, when the frame is a delta or a predicted frame: those need their inputs, which
+    :func:`decode_chain` fetches. A load's chunks are mostly such frames, and most of a small chunk's cost was
+    the chain's machinery."""
+    try:
+        h = _parse(frame, digest, raw_len, where)
+    except FormatVersionError as exc:  # (as decode_chain words it for a chunk's own frame)
+        raise FormatVersionError(f"chunk {chunk_hex(digest, raw_len)}: {_version_root(str(exc))}") from None
+    if h.codec == DELTA or h.codec == PREDICTED:
+        return False
+    dest = np.frombuffer(memoryview(out).cast("B"), dtype=np.uint8)
+    if len(dest) != raw_len:
+        raise ValueError(f"output buffer has {len(dest)} bytes, chunk {chunk_hex(digest, raw_len)} has {raw_len}")
+    _run([frame], [h], [where], dest, verify)
+    return True
+
+
 def prediction_record(payload: bytes | memoryview, where: str | None = None,
                       version: int = PREDICTED_VERSION) -> predict.Prediction:
     """The prediction record at the start of a predicted frame's (checked) payload; ``version`` is the frame's,

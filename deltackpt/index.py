@@ -721,11 +721,14 @@ LMDB_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError, lmd
                 lmdb.IncompatibleError, lmdb.BadTxnError)
 
 
+def _damage_error(index: Index, exc: lmdb.Error) -> CorruptIndexError:
+    return CorruptIndexError(f"the index of {index.path.parent} is damaged ({exc}); {REPAIR_HINT}")
+
+
 def _damage_is_corruption(method: Callable[..., Any]) -> Callable[..., Any]:
     """Make LMDB's errors for damaged pages, raised while ``method`` reads, a :class:`CorruptIndexError` naming
     the repair (a generator's too, while it is iterated)."""
-    def typed(self: Index, exc: lmdb.Error) -> CorruptIndexError:
-        return CorruptIndexError(f"the index of {self.path.parent} is damaged ({exc}); {REPAIR_HINT}")
+    typed = _damage_error
 
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
@@ -743,6 +746,36 @@ def _damage_is_corruption(method: Callable[..., Any]) -> Callable[..., Any]:
         except LMDB_DAMAGE as exc:
             raise typed(self, exc) from exc
     return call
+
+
+class ChunkReader:
+    """Lookups in one read transaction of the chunk table (:meth:`Index.chunk_reader`); for the thread that
+    opened it, while its ``with`` block runs."""
+
+    def __init__(self, index: Index, txn: Any) -> None:
+        self._index = index
+        self._get = txn.get
+
+    def has(self, keys: Iterable[bytes]) -> set[bytes]:
+        """As :meth:`Index.has_chunks`."""
+        get = self._get
+        try:
+            return {k for k in keys if get(k) is not None}
+        except LMDB_DAMAGE as exc:
+            raise _damage_error(self._index, exc) from exc
+
+    def lookup(self, keys: Iterable[bytes]) -> dict[bytes, ChunkLoc]:
+        """As :meth:`Index.lookup_chunks` (without ``damaged``)."""
+        out: dict[bytes, ChunkLoc] = {}
+        get = self._get
+        try:
+            for k in keys:
+                v = get(k)
+                if v is not None:
+                    out[k] = ChunkLoc.unpack(bytes(v), k)
+        except LMDB_DAMAGE as exc:
+            raise _damage_error(self._index, exc) from exc
+        return out
 
 
 class Index:
@@ -962,6 +995,20 @@ class Index:
     def has_chunks(self, keys: Iterable[bytes]) -> set[bytes]:
         with self.env.begin(db=self.db_chunks, buffers=True) as txn:
             return {k for k in keys if txn.get(k) is not None}
+
+    @contextlib.contextmanager
+    def chunk_reader(self) -> Iterator[ChunkReader]:
+        """One read transaction of the chunk table for many lookups (a save's, tensor after tensor): what
+        :meth:`has_chunks` and :meth:`lookup_chunks` answer, as of when it began, without a transaction (and
+        the environment's checks) per call. Damaged pages raise :class:`CorruptIndexError` as those do."""
+        try:
+            txn = self.env.begin(db=self.db_chunks, buffers=True)
+        except LMDB_DAMAGE as exc:
+            raise _damage_error(self, exc) from exc
+        try:
+            yield ChunkReader(self, txn)
+        finally:
+            txn.abort()
 
     @_damage_is_corruption
     def iter_chunks(self) -> Iterator[tuple[bytes, ChunkLoc]]:

@@ -44,6 +44,11 @@ def host_bytes(obj: torch.Tensor | np.ndarray, staging: Pinned | None = None) ->
     views of the previous tensor are still being read.
     """
     if isinstance(obj, torch.Tensor):
+        if obj.is_cpu and obj.is_contiguous() and not obj.is_conj() and not obj.is_neg():
+            # the usual case, taken first: a view of the tensor's own memory (what byte_view makes of it)
+            whole = obj.detach().reshape(-1)
+            if whole.stride(0) == 1:
+                return whole.view(torch.uint8).numpy()
         t = obj.detach().resolve_conj().resolve_neg()
         flat = byte_view(t)
         if flat is None:
@@ -216,14 +221,20 @@ class Pinned:
         return self._buf[:n]
 
 
-def _output(t: TensorEntry, map_location: Any) -> tuple[torch.Tensor | np.ndarray, torch.device | None]:
+def _output(t: TensorEntry, map_location: Any,
+            devices: dict[str, torch.device] | None = None) -> tuple[torch.Tensor | np.ndarray, torch.device | None]:
     """A new tensor (pinned for CUDA) or array to decode the stored tensor ``t`` into, and for a tensor the device
     it goes to. Its storage holds exactly ``t.nbytes`` bytes (checked: a dtype whose elements are not whole bytes
-    would have the kernel write past it)."""
+    would have the kernel write past it). ``devices``: the devices resolved so far for this ``map_location``, by
+    stored device (a load's, tensor after tensor), used and added to."""
     if t.kind != "torch":
         return np.empty(t.shape, dtype=tree.numpy_dtype(t.dtype)), None
     dt = tree.torch_dtype(t.dtype)
-    dev = _resolve_device(t.device, map_location)
+    dev = devices.get(t.device) if devices is not None else None
+    if dev is None:
+        dev = _resolve_device(t.device, map_location)
+        if devices is not None:
+            devices[t.device] = dev
     out = torch.empty(t.shape, dtype=dt, device="cpu", pin_memory=dev.type == "cuda")
     if out.untyped_storage().nbytes() != t.nbytes:
         raise CorruptManifestError(f"{t.nbytes} bytes for a {t.dtype} tensor of shape {t.shape}, which holds "
@@ -231,12 +242,12 @@ def _output(t: TensorEntry, map_location: Any) -> tuple[torch.Tensor | np.ndarra
     return out, dev
 
 
-def new_output(rec: Record, t: TensorEntry,
-                map_location: Any) -> tuple[torch.Tensor | np.ndarray, torch.device | None, np.ndarray]:
+def new_output(rec: Record, t: TensorEntry, map_location: Any, devices: dict[str, torch.device] | None = None
+               ) -> tuple[torch.Tensor | np.ndarray, torch.device | None, np.ndarray]:
     """:func:`_output` for a load of checkpoint ``rec``, with its bytes as a uint8 array; an error names the
     checkpoint and the tensor."""
     try:
-        out, dev = _output(t, map_location)
+        out, dev = _output(t, map_location, devices)
     except (CorruptManifestError, UnsupportedTypeError) as exc:  # (a dtype, a device)
         raise type(exc)(f"checkpoint {rec.id} (step {rec.step}), tensor {t.key!r}: {exc}") from None
     except (RuntimeError, MemoryError) as exc:

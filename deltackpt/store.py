@@ -52,7 +52,7 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
-from deltackpt.index import REPAIR_HINT, ChunkLoc, Index, Record, check_local, chunk_key, record_at
+from deltackpt.index import REPAIR_HINT, ChunkLoc, ChunkReader, Index, Record, check_local, chunk_key, record_at
 from deltackpt.layout import (
     check_new_store_dir,
     lost_store,
@@ -1002,63 +1002,66 @@ class Store:
             drain(limit)
 
         try:
-            for leaf in leaves:
-                on_device = isinstance(leaf.obj, torch.Tensor) and leaf.obj.device.type != "cpu"
-                if on_device:
-                    drain(0)  # the pinned staging buffer is about to be overwritten
-                try:
-                    buf = staging.host_bytes(leaf.obj, self._pinned if on_device else None)
-                except NotImplementedError as exc:  # a dtype torch cannot copy this way (tree refuses those it knows)
-                    raise UnsupportedTypeError(f"cannot store {leaf.path}: torch cannot read its bytes: {exc}") \
-                        from None
-                digests, zero = kernel.chunk_digests(buf, cs, self.threads)
-                n = len(zero)
-                entry = TensorEntry(
-                    key=leaf.path, kind=leaf.kind, dtype=leaf.dtype, shape=list(leaf.shape), nbytes=leaf.nbytes,
-                    width=leaf.width, first=first, count=n, requires_grad=leaf.requires_grad,
-                    parameter=leaf.parameter, device=leaf.device,
-                )
-                first += n
-                entries.append(entry)
-                all_digests.append(digests)
-                all_flags.append(zero.astype(np.uint8))
-                if not on_device and (leaf.path in roles or leaf.path in sources):
-                    hosted[leaf.path] = (buf, digests, zero)  # kept until the predictions are encoded
-                todo = [
-                    (i, chunk_key(digests[i].tobytes(), min(cs, leaf.nbytes - i * cs)))
-                    for i in range(n)
-                    if not zero[i]
-                ]
-                state_keys.update(k for _, k in todo)
-                todo = [(i, k) for i, k in todo if k not in pending and k not in new_locs]
-                if self_contained:
-                    found = self.index.lookup_chunks(k for _, k in todo)
-                    stored = {k for k, loc in found.items() if loc.codec not in codec.BASED}
-                else:
-                    stored = self.index.has_chunks(k for _, k in todo)
-                if self._damaged:
-                    self._taint(k for _, k in todo if k in stored)
-                todo = [(i, k) for i, k in todo if k not in stored or k in self._damaged]
-                role = roles.get(leaf.path) if not on_device else None
-                phase = generation + (zlib.crc32(role.m.encode()) if role is not None else entry.first)
-                if role is not None and role.average and role.m in roles:
-                    # keyframes where the parameter's chain is longest: an average's depth exceeds its parameter's
-                    phase = generation + zlib.crc32(roles[role.m].m.encode()) + 1
-                bases = {}
-                # a first moment that predictions reference stays standalone: its deltas gain 2-3%, and their
-                # depth would add to every prediction's, which then reaches the chain bound sooner
-                if k_max and leaf.path not in first_moments and leaf.path not in shared:
-                    bases = self._bases(leaf, parents.get(leaf.path), pm, todo, phase)
-                for i, k in todo:
-                    if k in pending:
-                        continue  # the same bytes twice in this tensor
-                    pending.add(k)
-                    # a chunk written again for a damaged frame is a keyframe: chains through it keep their depth
-                    base = bases.get(i) if k not in self._damaged else None
-                    if role is not None and base is not None:
-                        deferred.append((leaf, entry, i, k, base))
+            # one read transaction of the chunk table for the lookups of every tensor (not one per tensor)
+            with self.index.chunk_reader() as chunks:
+                for leaf in leaves:
+                    on_device = isinstance(leaf.obj, torch.Tensor) and not leaf.obj.is_cpu
+                    if on_device:
+                        drain(0)  # the pinned staging buffer is about to be overwritten
+                    try:
+                        buf = staging.host_bytes(leaf.obj, self._pinned if on_device else None)
+                    # (NotImplementedError: a dtype torch cannot copy this way; tree refuses those it knows)
+                    except NotImplementedError as exc:
+                        raise UnsupportedTypeError(f"cannot store {leaf.path}: torch cannot read its bytes: {exc}") \
+                            from None
+                    digests, zero = kernel.chunk_digests(buf, cs, self.threads)
+                    n = len(zero)
+                    entry = TensorEntry(
+                        key=leaf.path, kind=leaf.kind, dtype=leaf.dtype, shape=list(leaf.shape), nbytes=leaf.nbytes,
+                        width=leaf.width, first=first, count=n, requires_grad=leaf.requires_grad,
+                        parameter=leaf.parameter, device=leaf.device,
+                    )
+                    first += n
+                    entries.append(entry)
+                    all_digests.append(digests)
+                    all_flags.append(zero.astype(np.uint8))
+                    if not on_device and (leaf.path in roles or leaf.path in sources):
+                        hosted[leaf.path] = (buf, digests, zero)  # kept until the predictions are encoded
+                    todo = [
+                        (i, chunk_key(digests[i].tobytes(), min(cs, leaf.nbytes - i * cs)))
+                        for i in range(n)
+                        if not zero[i]
+                    ]
+                    state_keys.update(k for _, k in todo)
+                    todo = [(i, k) for i, k in todo if k not in pending and k not in new_locs]
+                    if self_contained:
+                        found = chunks.lookup(k for _, k in todo)
+                        stored = {k for k, loc in found.items() if loc.codec not in codec.BASED}
                     else:
-                        submit(leaf, entry, i, k, base, buf)
+                        stored = chunks.has(k for _, k in todo)
+                    if self._damaged:
+                        self._taint(k for _, k in todo if k in stored)
+                    todo = [(i, k) for i, k in todo if k not in stored or k in self._damaged]
+                    role = roles.get(leaf.path) if not on_device else None
+                    phase = generation + (zlib.crc32(role.m.encode()) if role is not None else entry.first)
+                    if role is not None and role.average and role.m in roles:
+                        # keyframes where the parameter's chain is longest: an average's depth exceeds its parameter's
+                        phase = generation + zlib.crc32(roles[role.m].m.encode()) + 1
+                    bases = {}
+                    # a first moment that predictions reference stays standalone: its deltas gain 2-3%, and their
+                    # depth would add to every prediction's, which then reaches the chain bound sooner
+                    if k_max and leaf.path not in first_moments and leaf.path not in shared:
+                        bases = self._bases(leaf, parents.get(leaf.path), pm, todo, phase, chunks)
+                    for i, k in todo:
+                        if k in pending:
+                            continue  # the same bytes twice in this tensor
+                        pending.add(k)
+                        # a chunk written again for a damaged frame is a keyframe: chains through it keep their depth
+                        base = bases.get(i) if k not in self._damaged else None
+                        if role is not None and base is not None:
+                            deferred.append((leaf, entry, i, k, base))
+                        else:
+                            submit(leaf, entry, i, k, base, buf)
             drain(0)  # every chunk a prediction may reference is written: its depth is known
             # a parameter's chunk i and its second moment's read the parent's first moment chunk i both: encoded one
             # after the other, the parent's three chunks at i leave the cache together
@@ -1177,6 +1180,7 @@ class Store:
         pm: Manifest | None,
         todo: builtins.list[tuple[int, bytes]],
         phase: int,
+        chunks: ChunkReader | None = None,
     ) -> dict[int, tuple[bytes, int]]:
         """Delta base (key, depth) for each new chunk position whose parent chunk may serve as one.
 
@@ -1205,7 +1209,7 @@ class Store:
         if self._damaged:
             self._taint(cand.values())
             cand = {i: bk for i, bk in cand.items() if bk not in self._damaged}
-        locs = self.index.lookup_chunks(cand.values())
+        locs = chunks.lookup(cand.values()) if chunks is not None else self.index.lookup_chunks(cand.values())
         out: dict[int, tuple[bytes, int]] = {}
         for i, bk in cand.items():
             loc = locs.get(bk)
@@ -1368,6 +1372,7 @@ class Store:
             jobs: list[tuple[TensorEntry, np.ndarray]] = []
             finals: list[tuple[int, Any, torch.device]] = []  # (a tensor: only those have a device)
             copies: list[tuple[Any, Any]] = []
+            devices: dict[str, torch.device] = {}  # (resolved once per stored device)
             for n, t in enumerate(m.tensors):
                 target = given.get(n)
                 if target is not None:
@@ -1377,7 +1382,7 @@ class Store:
                         copies.append((target, buf))
                     objs.append(target)
                 else:
-                    out, dev, byte_view = staging.new_output(rec, t, map_location)
+                    out, dev, byte_view = staging.new_output(rec, t, map_location, devices)
                     jobs.append((t, byte_view))
                     if dev is not None and dev.type != "cpu":
                         finals.append((len(objs), out, dev))
@@ -1507,7 +1512,8 @@ class Store:
         with self._gc_lock():
             rec = self._record(id=checkpoint_id)
             m = self._manifest(rec)
-            outs = [staging.new_output(rec, m.tensors[i], "cpu") for i in indices]
+            devices: dict[str, torch.device] = {}
+            outs = [staging.new_output(rec, m.tensors[i], "cpu", devices) for i in indices]
             self._read_into(m, [(m.tensors[i], o[2]) for i, o in zip(indices, outs)], verify=True)
         return [o[0] for o in outs]
 
@@ -1569,10 +1575,13 @@ class Store:
             return CorruptChunkError(exc.reason, chunk_id=exc.chunk_id, checkpoint=m.id, key=exc.key)
 
         def decode(item: tuple[TensorEntry, bytes, np.ndarray]) -> None:
+            k = item[1]
+            loc = locs[k]
             try:
-                self.read_chunk(item[1], locs[item[1]], out=item[2], verify=verify, bases=chains, scratch=scratch)
+                if loc.codec in codec.BASED or not self._read_alone(k, loc, item[2], verify, scratch):
+                    self.read_chunk(k, loc, out=item[2], verify=verify, bases=chains, scratch=scratch)
             except CorruptChunkError:
-                self._damaged.add(item[1])
+                self._damaged.add(k)
                 raise
 
         self.read_each(decode, first, named)
@@ -1697,6 +1706,22 @@ class Store:
             level = self.index.lookup_chunks(want)
             bases.update(level)
         return bases
+
+    def _read_alone(self, key: bytes, loc: ChunkLoc, out: np.ndarray, verify: bool, scratch: Scratch) -> bool:
+        """:meth:`read_chunk` of a chunk whose index entry names a standalone frame: its frame read and decoded
+        into ``out`` (:func:`deltackpt.codec.decode_alone`), raising as :meth:`read_chunk` does. False, with
+        nothing written, when the frame turns out to be a delta or predicted frame after all (a damaged index
+        entry): :meth:`read_chunk` then decodes it, and reports what is wrong."""
+        buf: bytes | np.ndarray | None = None
+        try:
+            buf, where = self._read_frame(loc, scratch)
+            return codec.decode_alone(memoryview(buf), key[:16], int.from_bytes(key[16:], "big"), where, out, verify)
+        except CorruptChunkError:
+            self._damaged.add(key)
+            raise
+        finally:
+            if buf is not None:
+                scratch.give(buf)
 
     def read_chunk(
         self, key: bytes, loc: ChunkLoc | None = None, *, out: np.ndarray | None = None, verify: bool = True,

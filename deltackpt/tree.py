@@ -583,18 +583,35 @@ def pickled_paths(skeleton: Any) -> list[str]:
 _SUB_BYTE = re.compile(r"u?int[1-7]")
 
 
+#: per torch dtype: (stored name, element size, byte-plane width, whether its tensors are storable at all (not
+#: quantized), whether it is a sub-byte integer dtype): what every leaf of that dtype would otherwise work out anew
+_DTYPE_FACTS: dict[Any, tuple[str, int, int, bool, bool]] = {}
+
+
+def _dtype_facts(dt: torch.dtype) -> tuple[str, int, int, bool, bool]:
+    facts = _DTYPE_FACTS.get(dt)
+    if facts is None:
+        name = dtype_name(dt)
+        size = dt.itemsize
+        facts = _DTYPE_FACTS[dt] = (name, size, _plane_width(size, dt.is_complex), name not in QUANTIZED_NAMES,
+                                    _SUB_BYTE.fullmatch(name) is not None)
+    return facts
+
+
 def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:
     why = unstorable(t)
     if why is not None:
         raise UnsupportedTypeError(f"cannot store {path or '<root>'}: {why}")
+    name, size, width, _, _ = _dtype_facts(t.dtype)
+    shape = tuple(t.shape)
     return Leaf(
         path=path,
         obj=t,
         kind="torch",
-        dtype=dtype_name(t.dtype),
-        shape=tuple(t.shape),
-        nbytes=t.numel() * t.element_size(),
-        width=_plane_width(t.element_size(), t.is_complex()),
+        dtype=name,
+        shape=shape,
+        nbytes=t.numel() * size,
+        width=width,
         requires_grad=bool(t.requires_grad),
         parameter=isinstance(t, torch.nn.Parameter),
         device=str(t.device),
@@ -617,9 +634,10 @@ def unstorable(t: torch.Tensor) -> str | None:
         return f"{t.layout} tensors are not supported"
     if t.is_quantized or t.is_meta or t.is_nested:
         return "quantized, meta and nested tensors are not supported"
-    if dtype_name(t.dtype) in QUANTIZED_NAMES:
+    _, _, _, storable, sub_byte = _dtype_facts(t.dtype)
+    if not storable:
         return f"dtype {t.dtype} is not supported"
-    if _SUB_BYTE.fullmatch(dtype_name(t.dtype)) and not t.is_contiguous():
+    if sub_byte and not t.is_contiguous():
         return f"torch cannot copy a non-contiguous {t.dtype} tensor (to read its bytes); store a contiguous one"
     return None
 
