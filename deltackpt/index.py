@@ -1052,8 +1052,9 @@ class Index:
         """
         again = repoint if not isinstance(repoint, bool) else frozenset()
         with self._write() as txn:
+            db_chunks = self.db_chunks  # (a property: once, not per chunk)
             for k, loc in chunks.items():
-                if txn.put(k, loc.pack(), db=self.db_chunks, overwrite=repoint is True or k in again):
+                if txn.put(k, loc.pack(), db=db_chunks, overwrite=repoint is True or k in again):
                     continue
                 try:  # another writer's frame of the same chunk, committed since this save looked
                     deeper = ChunkLoc.unpack(bytes(txn.get(k, b"", db=self.db_chunks)), k).depth > loc.depth

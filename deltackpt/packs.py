@@ -103,8 +103,14 @@ def close_lock(fd: int, opened_by: int, *, unlock: bool = True) -> None:
         os.close(fd)
 
 
+#: this process's id, set again in a forked child (below): what :meth:`PackWriter.append` compares with the pid
+#: that opened its pack, once per frame, without a system call each time
+_pid = os.getpid()
+
+
 def _close_locks_in_child() -> None:
-    global _fork_guard
+    global _fork_guard, _pid
+    _pid = os.getpid()
     for fd in _lock_fds:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -227,7 +233,7 @@ class PackWriter:
 
     def append(self, frame: bytes | memoryview) -> tuple[str, int]:
         """Append one frame; return (pack id, offset). Durable only after :meth:`sync`."""
-        if self._fd is not None and self._pid != os.getpid():
+        if self._fd is not None and self._pid != _pid:
             self._abandon()  # inherited across fork: the parent may still append to that pack
         if self._fd is None or self._offset >= self.max_size:
             # a full pack is made durable before the writer leaves it: :meth:`sync` fsyncs the current pack only,
