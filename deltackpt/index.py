@@ -67,6 +67,8 @@ LOC = struct.Struct("<16sQIBB16s")  # pack id (uuid bytes), offset, frame length
 _U64 = struct.Struct(">Q")
 _CHUNK_LEN = struct.Struct(">I")
 MAP_SIZE = 1 << 38
+#: a commit of the index: its environment and the transaction id (equal to an earlier one when nothing committed)
+Commit = tuple[lmdb.Environment, int]
 
 NETWORK_FILESYSTEMS = {
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "9p", "afs", "beegfs",
@@ -1018,14 +1020,26 @@ class Index:
                 yield k, ChunkLoc.unpack(v, k)
 
     @_damage_is_corruption
-    def chunks_in_pack(self, pack_id: str) -> list[tuple[bytes, ChunkLoc]]:
-        """Every entry whose frame lies in pack ``pack_id``: a scan of the whole table, comparing the pack id
-        bytes each value starts with before unpacking it (about 0.1 µs per entry)."""
-        pid = bytes.fromhex(pack_id)
+    def chunks_in_packs(self, pack_ids: Iterable[str]) -> tuple[Commit, dict[str, list[tuple[bytes, ChunkLoc]]]]:
+        """Every entry whose frame lies in one of the packs ``pack_ids``, by pack: one scan of the whole table,
+        comparing the pack id bytes each value starts with before unpacking it (about 0.1 µs per entry). With
+        the commit it read (:meth:`last_commit`)."""
+        pids = {bytes.fromhex(p): p for p in pack_ids}
+        found: dict[str, list[tuple[bytes, ChunkLoc]]] = {p: [] for p in pids.values()}
         with self.env.begin(db=self.db_chunks, buffers=True) as txn:
             self._walkable(txn, "chunks")
-            return [(bytes(k), ChunkLoc.unpack(bytes(v), bytes(k)))
-                    for k, v in txn.cursor() if v[:16] == pid]
+            for k, v in txn.cursor():
+                pack_id = pids.get(bytes(v[:16]))
+                if pack_id is not None:
+                    found[pack_id].append((bytes(k), ChunkLoc.unpack(bytes(v), bytes(k))))
+            return (self.env, txn.id()), found
+
+    @_damage_is_corruption
+    def last_commit(self) -> Commit:
+        """Which commit the index is at (the environment and its transaction id): equal to an earlier answer
+        exactly when nothing committed in between."""
+        with self.env.begin() as txn:
+            return self.env, txn.id()
 
     @_damage_is_corruption
     def count_chunks(self) -> int:
@@ -1221,16 +1235,19 @@ class Index:
             return txn.get(b"format", db=self.db_meta) is not None
 
     def apply_chunk_changes(self, delete: Iterable[bytes], move: dict[bytes, ChunkLoc], *,
-                            collected: bool = False) -> None:
+                            collected: bool = False) -> Commit:
         """One transaction that drops dead chunk entries and points moved ones at their new frames; with
-        ``collected`` (gc's, under its exclusive lock: no delete runs meanwhile) it zeroes ``dropped`` too."""
+        ``collected`` (gc's, under its exclusive lock: no delete runs meanwhile) it zeroes ``dropped`` too.
+        Returns the commit it made (:meth:`last_commit`)."""
         with self._write() as txn:
+            made = (self.env, txn.id())
             for k in delete:
                 txn.delete(k, db=self.db_chunks)
             for k, loc in move.items():
                 txn.put(k, loc.pack(), db=self.db_chunks)
             if collected:
                 txn.put(DROPPED, _U64.pack(0), db=self.db_meta)
+        return made
 
     def rebuild(self, chunks: dict[bytes, ChunkLoc], records: list[Record]) -> None:
         """Replace everything with what ``repair`` found on disk, in one transaction. The records are numbered

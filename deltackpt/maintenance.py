@@ -47,7 +47,7 @@ from deltackpt.errors import (
     StoreLockedError,
     UnsupportedTypeError,
 )
-from deltackpt.index import LMDB_DAMAGE, REPAIR_HINT, ChunkLoc, Record, chunk_key, chunk_keys, unwalkable
+from deltackpt.index import LMDB_DAMAGE, REPAIR_HINT, ChunkLoc, Commit, Record, chunk_key, chunk_keys, unwalkable
 from deltackpt.layout import read_store_file, write_store_file
 from deltackpt.scratch import Scratch
 
@@ -675,13 +675,16 @@ def _repack(store: Store, plan: _Plan, report: GcReport,
     rewrite re-point entries away from it. So each pack's turn copies what the index says lies in the pack
     then (a scan of the chunks table), not what gc found live before: also an entry a repair of an older
     deltackpt (which does not wait for ``maint.lock``) pointed at a frame there meanwhile. An entry that a
-    delete left dead meanwhile is copied all the same; the next gc frees it."""
+    delete left dead meanwhile is copied all the same; the next gc frees it. The scan covers every pack still to
+    come and is taken again only when something other than gc's own re-pointing committed since (a save, a
+    rewrite, a repair): one scan per pack made a repack of P packs read the table P times."""
     writer = packs.PackWriter(store.path / "packs")
+    entries = _PackEntries(store, [pack_id for pack_id, _ in plan])
     try:
         for n, (pack_id, path) in enumerate(plan, 1):
             try:
                 with store._gc_lock(exclusive=True, timeout=timeout):  # (_repack_one takes no lock of its own)
-                    full = _repack_one(store, writer, pack_id, path, report)
+                    full = _repack_one(store, writer, pack_id, path, report, entries)
             except StoreLockedError as exc:
                 report.repack_stopped = f"{exc}: {len(plan) - n + 1} pack(s) left to repack; run gc again"
                 break
@@ -695,10 +698,38 @@ def _repack(store: Store, plan: _Plan, report: GcReport,
         writer.close()
 
 
-def _repack_one(store: Store, writer: packs.PackWriter, pack_id: str, path: Path, report: GcReport) -> str | None:
+class _PackEntries:
+    """What the index says lies in each pack a repack has still to copy, from one scan of the chunks table for
+    all of them, scanned again only when a commit other than the repack's own came in between. Each of the
+    repack's commits re-points entries of the pack it copied only, at the pack its writer appends to (no pack
+    of the plan), so it leaves the other packs' lists as they were."""
+
+    def __init__(self, store: Store, pack_ids: list[str]) -> None:
+        self.store = store
+        self.pending = set(pack_ids)
+        self.seen: Commit | None = None  # the commit the lists below are exact at
+        self.by_pack: dict[str, list[tuple[bytes, ChunkLoc]]] = {}
+
+    def of(self, pack_id: str) -> list[tuple[bytes, ChunkLoc]]:
+        """The entries in pack ``pack_id`` now (called under the gc lock)."""
+        if self.seen is None or self.store.index.last_commit() != self.seen:
+            self.seen, self.by_pack = self.store.index.chunks_in_packs(self.pending | {pack_id})
+        return self.by_pack.get(pack_id, [])
+
+    def copied(self, pack_id: str, made: Commit) -> None:
+        """The repack committed ``made``, re-pointing the entries of ``pack_id`` away from it."""
+        self.pending.discard(pack_id)
+        if self.seen is not None and made[0] is self.seen[0] and made[1] == self.seen[1] + 1:
+            self.seen = made  # nothing else committed in between: the other lists still hold
+        else:
+            self.seen = None
+
+
+def _repack_one(store: Store, writer: packs.PackWriter, pack_id: str, path: Path, report: GcReport,
+                lists: _PackEntries) -> str | None:
     """Copy the live frames of one sparse pack, re-point their entries, unlink it. Returns None, or why gc must
     stop repacking (no space left: the copies are removed)."""
-    entries = store.index.chunks_in_pack(pack_id)
+    entries = lists.of(pack_id)
     mark = writer.mark()
     moved: dict[bytes, ChunkLoc] = {}
     try:
@@ -709,7 +740,7 @@ def _repack_one(store: Store, writer: packs.PackWriter, pack_id: str, path: Path
             new_pack, off = writer.append(frame)
             moved[k] = ChunkLoc(new_pack, off, loc.frame_len, loc.codec, loc.depth, loc.base)
         writer.sync()
-        store.index.apply_chunk_changes([], moved)  # this pack's commit point
+        lists.copied(pack_id, store.index.apply_chunk_changes([], moved))  # this pack's commit point
     except BaseException as exc:
         if not _repointed(store, moved):
             writer.rollback(mark)  # nothing references the copies: give their space back

@@ -785,6 +785,41 @@ def test_a_pack_gc_repacks_later_keeps_what_the_index_points_into_it_then(tmp_pa
         assert s.verify().ok
 
 
+def test_a_repack_of_many_packs_reads_the_chunks_table_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repack lists what lies in each pack from one scan of the chunks table for all the packs it copies,
+    taken again only after a commit that is not its own. Before, each pack's turn scanned the whole table: P
+    sparse packs read it P times (a gc of 689 packs of a 5,000-checkpoint store read 2.8 million entries for
+    5,568 chunks, 9.2 s against 6.0 s)."""
+    from deltackpt.index import Index
+
+    path = tmp_path / "s"
+    gen = torch.Generator().manual_seed(0)
+    states = {step: {"w": torch.randn(3 * CS // 4, generator=gen)} for step in range(24)}
+    with Store(path, chunk_size=CS, pack_size=6 * CS) as s:
+        for step, state in states.items():
+            s.save(state, step=step)
+        for step in range(0, 24, 2):
+            s.delete(step)
+    scans: collections.Counter[str] = collections.Counter()
+
+    def counting(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(self: Index, *args: Any) -> Any:
+            scans[name] += 1
+            return real(self, *args)
+        return counted
+
+    for name in ("iter_chunks", "chunks_in_pack", "chunks_in_packs"):  # every full scan of the chunks table
+        if hasattr(Index, name):
+            monkeypatch.setattr(Index, name, counting(name, getattr(Index, name)))
+    with Store(path) as s:
+        report = s.gc(repack_below=0.75)
+        assert report.repacked_packs >= 5
+        assert sum(scans.values()) == 2, scans  # gc's search for garbage, and the repack's lists
+        for step in range(1, 24, 2):
+            assert torch.equal(s.load(step)["w"], states[step]["w"])
+        assert s.verify().ok
+
+
 def test_gc_at_one_repacks_only_packs_with_dead_frames(tmp_path: Path) -> None:
     """``repack_below=1.0`` repacks every pack that holds a dead frame, and no other: a pack whose frames are
     all live counts as 1.0 (its 16-byte header made it 0.99..., so every gc copied the whole store again)."""
