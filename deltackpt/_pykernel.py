@@ -119,6 +119,9 @@ def _unzstd(payload: memoryview, raw_len: int) -> bytes | None:
         params = zstandard.get_frame_parameters(payload)
         if params.content_size != raw_len:
             return None
+        if raw_len == 0:  # (decompress() takes a frame that declares no content as whole even when cut short)
+            d = zstandard.ZstdDecompressor().decompressobj()
+            return b"" if d.decompress(payload) == b"" and d.eof and not d.unused_data else None
         # one pass into an output of the declared content size, checked above (as the C side does: no window
         # buffer, so the window the frame declares costs nothing); exactly one frame, nothing after it
         data = zstandard.ZstdDecompressor().decompress(payload, allow_extra_data=False)

@@ -752,6 +752,25 @@ def test_decode_frames_payload_and_digest_errors(mod: types.ModuleType) -> None:
 
 
 @pytest.mark.parametrize("mod", BACKENDS)
+def test_decode_frames_refuses_a_cut_zstd_frame_of_no_bytes(mod: types.ModuleType) -> None:
+    """A zstd frame that declares no content, cut short (its last block header gone) under a valid frame
+    checksum, is bad zstd data on both backends, as a cut frame with content is: python-zstandard's decompress()
+    returns b"" for it without reading its blocks."""
+    from deltackpt import codec
+
+    d = kernel.digest(b"")
+    zst = codec.Encoder()._cctx.compress(b"")
+    out = np.empty(0, np.uint8)
+    ok = codec._frame(codec.ZSTD, 1, 0, d, codec.NO_BASE, zst)
+    assert mod.decode_frames([ok], [codec.ZSTD], [1], out, d) == (0, 0)
+    for cut in (1, 2, 3):
+        f = codec._frame(codec.ZSTD, 1, 0, d, codec.NO_BASE, zst[:-cut])
+        assert mod.decode_frames([f], [codec.ZSTD], [1], out, d) == (kernel.EPAYLOAD, 0), cut
+    f = codec._frame(codec.PLANES_ZSTD, 4, 0, d, codec.NO_BASE, zst[:-3])
+    assert mod.decode_frames([f], [codec.PLANES_ZSTD], [4], out, d) == (kernel.EPAYLOAD, 0)
+
+
+@pytest.mark.parametrize("mod", BACKENDS)
 def test_decode_frames_ignores_the_declared_window(mod: types.ModuleType) -> None:
     """A zstd payload is decoded in one pass into the chunk's own bytes, with no window buffer: a frame declaring
     a window of 2^30 (which no writer makes) decodes on both backends, as format.md section 3 says a one-pass
