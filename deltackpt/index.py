@@ -515,7 +515,7 @@ def unsafe_pages(txn: lmdb.Transaction, main: Any, name: str, data: Path, data_i
     from its root in ``data`` (the environment's ``data.mdb``, mapped read-only) and checks every page it
     reaches: the page number its header holds is its own, its type is branch or leaf (the same on a level, a leaf
     level last, no page reached twice), ``mp_lower``/``mp_upper`` and each node lie inside the page, each child
-    page (and each overflow run a big value names) lies below the snapshot's last page and within the file.
+    page (and each overflow run a big value names) lies at or below the snapshot's last page and within the file.
 
     The walk reads the pages of ``txn``'s own snapshot, whatever other processes commit meanwhile. The root comes
     from the table's MDB_db record, read in ``txn`` from the main table: the record LMDB's cursor itself loads
