@@ -8,7 +8,7 @@ Never run: only type-checked (pytest does not collect it; nothing here is called
 from __future__ import annotations
 
 from pathlib import Path
-from typing import assert_type
+from typing import Any, assert_type
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -55,6 +55,7 @@ def store_usage(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         print(exc)
     except CorruptChunkError as exc:
         print(exc)
+    deltackpt.unregister_type(Path)
     print(backend, cid, step, written, loaded, infos, one, latest, ok, freed, kept)
 
 
@@ -72,7 +73,12 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim
         saved = assert_type(ckpt.step(step), bool)
         print(saved)
     ckpt.save(step, wait=True)
+    committed = assert_type(ckpt.wait(), deltackpt.CheckpointInfo | None)
+    staged = assert_type(ckpt.staging_bytes, int)
+    captured = assert_type(ckpt.capture(step), dict[str, Any])
+    assert_type(ckpt.apply(captured), int)
     infos = assert_type(ckpt.store, deltackpt.Store).list()
+    print(committed, staged)
     ckpt.close()
     with deltackpt.Checkpointer("ckpts", model={"encoder": model, "head": model}, scaler=[]) as again:
         again.restore(strict=False)
@@ -94,4 +100,6 @@ def sharded(model: torch.nn.Module) -> None:
     distributed.retain("ckpts", deltackpt.Retention(keep_last=2))
     distributed.delete("ckpts", 3)
     dropped = assert_type(distributed.prune("ckpts"), int)
+    assert_type(distributed.stores("ckpts"), list[Path])
+    assert_type(distributed.missing_stores("ckpts"), list[int])
     print(steps, dropped, deltackpt.__version__)
