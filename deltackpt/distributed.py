@@ -24,7 +24,6 @@ strings, lists, dicts, ...) and keeps the pickle only for the others; loading a 
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
@@ -171,6 +170,9 @@ class _Kept:
 
     gc_rule: GcAfterRetention
     stores: dict[Path, Store] = field(default_factory=dict)
+    #: a read-only handle on the meta store, for retention on a rank that does not commit (``stores`` has no
+    #: writable one): open from save to save, it decodes only the records that are new since its last listing
+    reader: Store | None = None
     named: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  #: meta checkpoint id -> what it names
     #: meta checkpoint id -> the metadata its writer was given, as its manifest holds it (retention's)
     user: dict[str, Any] = field(default_factory=dict)
@@ -259,7 +261,7 @@ class DeltaStorageWriter(StorageWriter):
         """A pickled writer leaves its open stores (locks, files, threads) behind. DCP's process-based
         ``async_save`` sends such a copy with every save to a background process that lives for the run."""
         state = self.__dict__.copy()
-        state["_kept"] = replace(self._kept, stores={})
+        state["_kept"] = replace(self._kept, stores={}, reader=None)
         # A rollback loaded here: the save that the copy makes there branches from it. A writer without a root yet
         # (dcp.async_save's checkpoint_id sets it there) takes every root's.
         with _SHARED_LOCK:
@@ -287,9 +289,10 @@ class DeltaStorageWriter(StorageWriter):
     def close(self) -> None:
         """Close the stores this writer opened (a copy closes those it shares with the other copies in its
         process)."""
-        for s in self._kept.stores.values():
+        for s in [*self._kept.stores.values(), *filter(None, [self._kept.reader])]:
             s.close()
         self._kept.stores.clear()
+        self._kept.reader = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None and (self.root is None or Path(checkpoint_id) != self.root):
@@ -465,16 +468,19 @@ class DeltaStorageWriter(StorageWriter):
         try:
             if not (self.root / "meta" / "STORE").exists():
                 return
-            own = self._kept.stores.get(self.root / "meta")  # (the coordinator's, open from its last commit on:
-            # a handle opened at each save decoded every meta record again, which grew each save with the steps kept)
-            with contextlib.nullcontext(own) if own is not None else _meta_store(
-                    self.root, readonly=True, allow_network_fs=self.store_options.get("allow_network_fs")) as meta:
-                # (each meta checkpoint's manifest read once per writer: a manifest never changes, and reading
-                # every kept one at every save made retention's cost grow with the square of the kept steps)
-                memo = self._kept.named
-                self._kept.named = {i.id: memo[i.id] if i.id in memo else _names_of(meta, i, "retention")
-                                    for i in meta._listing()}
-                named = set().union(set(), *self._kept.named.values())
+            # (the coordinator's handle, open from its last commit on, else a read-only one kept from save to save:
+            # a handle opened at each save decoded every meta record again, which grew each save with the steps
+            # kept. Between operations a handle holds no lock, and it follows a repair's new index)
+            meta = self._kept.stores.get(self.root / "meta", self._kept.reader)
+            if meta is None:
+                meta = self._kept.reader = _meta_store(
+                    self.root, readonly=True, allow_network_fs=self.store_options.get("allow_network_fs"))
+            # (each meta checkpoint's manifest read once per writer: a manifest never changes, and reading
+            # every kept one at every save made retention's cost grow with the square of the kept steps)
+            memo = self._kept.named
+            self._kept.named = {i.id: memo[i.id] if i.id in memo else _names_of(meta, i, "retention")
+                                for i in meta._listing()}
+            named = set().union(set(), *self._kept.named.values())
             store._delete([(None, c.id) for c in _unnamed(store._listing(), _mine(store, rank, named))],
                           missing_ok=True)
             self._gc_if_due(store)

@@ -548,6 +548,41 @@ def test_retention_of_a_reused_writer_decodes_the_step_records_once(tmp_path: Pa
     assert len(decodes) <= 10 * 20, len(decodes)
 
 
+def test_retention_on_a_rank_that_does_not_commit_decodes_the_step_records_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank other than the coordinator has no meta store handle of its own to list the steps through: it
+    opened a read-only one at each save, whose listing decoded every kept step's record again (250 decodes over
+    20 saves, 900 over 40: the square of the steps). Its reused writer now keeps that handle open from save to
+    save (3 decodes a save), and closes it with the writer."""
+    from deltackpt import index, store
+
+    root = tmp_path / "ckpt"
+    coordinator = DeltaStorageWriter(root, retention=deltackpt.Retention(keep_last=100), gc=False)
+    rank1 = DeltaStorageWriter(root, retention=deltackpt.Retention(keep_last=100), gc=False)
+    shards = deltackpt.Store(distributed._rank_path(root, 1))
+    decodes: list[bytes] = []
+    real = index.record_at
+    for module in (index, store):
+        monkeypatch.setattr(module, "record_at", lambda *a: decodes.append(a[0]) or real(*a))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(20):
+            coordinator.step = step
+            dcp.save({"x": torch.full((100,), float(step))}, storage_writer=coordinator)
+            shards.save({"y": torch.zeros(4)}, step=step)
+            before = len(decodes)
+            rank1._drop_unnamed(shards, 1)  # (what rank 1's write_data runs after its save)
+            assert len(decodes) - before <= 5, (step, len(decodes) - before)
+        reader = rank1._kept.reader
+        assert reader is not None
+        rank1.close()
+        coordinator.close()
+    shards.close()
+    assert rank1._kept.reader is None
+    with pytest.raises(deltackpt.DeltackptError, match="closed"):
+        reader.list()
+
+
 def test_async_save(tmp_path: Path) -> None:
     """dcp.async_save through one reused writer: each step waited for before the next changes ``step``; its
     retention runs in the background save too."""
