@@ -948,14 +948,14 @@ def _summary(root: Path) -> tuple[list[StepInfo], list[tuple[Any, DeltackptError
     info with its error (what ``deltackpt dcp ROOT`` lists apart)."""
     steps, unreadable = _named_steps(root)
     sizes: dict[tuple[int, str], tuple[int, int]] = {}
-    for rank in sorted({r for _, named in steps for r, _ in named}):
+    for rank, pairs in sorted(_by_rank(steps).items()):
         if not (_rank_path(root, rank) / "STORE").exists():
             continue  # its store is gone: its shards count nothing (verify_names reports the steps that name them)
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards", readonly=True) as store:
-            for r, ckpt in {n for _, named in steps for n in named if n[0] == rank}:
+            for ckpt in {c for _, c in pairs}:
                 c = _resolved(store, ckpt)  # (missing: verify_names reports it)
                 if c is not None:
-                    sizes[r, ckpt] = (c.logical_bytes, c.written_bytes)
+                    sizes[rank, ckpt] = (c.logical_bytes, c.written_bytes)
     return ([StepInfo(i.step, i.created, len({r for r, _ in named}), sum(sizes.get(n, (0, 0))[0] for n in named),
                       sum(sizes.get(n, (0, 0))[1] for n in named), _user_metadata(i.metadata), i.id)
              for i, named in steps],
@@ -987,19 +987,29 @@ def verify_names(root: str | os.PathLike[str]) -> list[str]:
                 continue  # (deleted meanwhile, by another process)
             except DeltackptError as exc:
                 problems.append(_unreadable(i, exc))
-    for rank in sorted({r for _, named in steps for r, _ in named}):
+    for rank, pairs in sorted(_by_rank(steps).items()):
         path = _rank_path(root, rank)
         held = None
         if (path / "STORE").exists():
             with _existing(path, f"rank {rank}'s shards", readonly=True) as store:
-                held = {ckpt for _, named in steps for r, ckpt in named if r == rank and _resolved(store, ckpt)}
-        for i, named in steps:
-            for r, ckpt in sorted(named):
-                if r == rank and (held is None or ckpt not in held):
-                    where = "its store is gone" if held is None else "its store does not hold it"
-                    problems.append(f"step {i.step} (DCP checkpoint {i.id}) names rank {rank}'s checkpoint {ckpt}, "
-                                    f"but {where}: the step cannot load")
+                held = {ckpt for ckpt in {c for _, c in pairs} if _resolved(store, ckpt)}
+        for i, ckpt in pairs:
+            if held is None or ckpt not in held:
+                where = "its store is gone" if held is None else "its store does not hold it"
+                problems.append(f"step {i.step} (DCP checkpoint {i.id}) names rank {rank}'s checkpoint {ckpt}, "
+                                f"but {where}: the step cannot load")
     return problems
+
+
+def _by_rank(steps: list[tuple[Any, set[tuple[int, str]]]]) -> dict[int, list[tuple[Any, str]]]:
+    """rank -> (meta checkpoint info, rank checkpoint id) of each rank checkpoint that ``steps`` (what
+    :func:`_named_steps` lists) name, in the steps' order. One pass over the pairs: going over every step's for
+    each rank grew with the square of the ranks (R x steps x R pairs)."""
+    by_rank: dict[int, list[tuple[Any, str]]] = {}
+    for i, named in steps:
+        for r, ckpt in sorted(named):
+            by_rank.setdefault(r, []).append((i, ckpt))
+    return by_rank
 
 
 def _unreadable(info: Any, exc: DeltackptError) -> str:
@@ -1103,13 +1113,13 @@ def prune(root: str | os.PathLike[str]) -> int:
     listed, so that one a step committed meanwhile counts as named. Returns how many were deleted; space
     returns with ``gc``."""
     root = Path(root)
-    named = _all_named(root)
+    named = _grouped(_all_named(root))  # (by rank: _mine of each rank went over every rank's names)
     stale: set[tuple[int, str]] = set()
     for path in stores(root)[1:]:
         rank = int(path.name.removeprefix("rank-"))
         with _existing(path, f"rank {rank}'s shards") as store:
             infos = store.list()
-            mine = _mine(store, rank, named)
+            mine = _mine(store, rank, named.get(rank, set()))
             orphans = not any(c.id in mine for c in infos)
             if orphans:  # read the names again, after the listing
                 mine = _mine(store, rank, _all_named(root))
@@ -1232,13 +1242,22 @@ def _named(meta: Store, ckpt: str) -> set[tuple[int, str]]:
         raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
 
 
+def _grouped(pairs: set[tuple[int, str]]) -> dict[int, set[tuple[int, str]]]:
+    """``pairs`` (rank, rank checkpoint id) by rank: for the loops over the ranks, which went over every rank's
+    pairs for each rank (the square of the ranks)."""
+    by_rank: dict[int, set[tuple[int, str]]] = {}
+    for pair in pairs:
+        by_rank.setdefault(pair[0], set()).add(pair)
+    return by_rank
+
+
 def _delete_rank_checkpoints(root: Path, which: set[tuple[int, str]]) -> None:
-    for rank in sorted({r for r, _ in which}):
+    for rank, pairs in sorted(_grouped(which).items()):
         if not (_rank_path(root, rank) / "STORE").exists():
             continue  # the rank's store is gone (removed by hand): so are its checkpoints
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards") as store:
             # (one deleted already, by an interrupted delete, is passed over)
-            store._delete([(None, ckpt) for r, ckpt in sorted(which) if r == rank], missing_ok=True)
+            store._delete([(None, ckpt) for _, ckpt in sorted(pairs)], missing_ok=True)
 
 
 __all__ = ["DeltaStorageReader", "DeltaStorageWriter", "StepInfo", "delete", "missing_stores", "prune", "retain",

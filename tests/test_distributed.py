@@ -1070,6 +1070,51 @@ def test_prune_keeps_a_rank_checkpoint_a_rewrite_replaced(tmp_path: Path) -> Non
     assert distributed.verify_names(root) == []
 
 
+def test_the_root_tools_go_over_each_ranks_names_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """summary (the `deltackpt dcp ROOT` listing), verify_names and prune went over every step's rank
+    checkpoints for each rank: ranks x steps x ranks pairs (1.3 million, then 2.6 million in verify_names, at 256
+    ranks and 20 steps). Each pair is now gone over a few times. A root of 12 ranks is built as the writer
+    writes one (format 3): each step's meta checkpoint names one checkpoint of each rank; rank 11's of the last
+    step is removed, which verify_names reports."""
+    from deltackpt import distributed
+
+    ranks, steps = 12, 3
+    root = tmp_path / "ckpt"
+    ids = [[deltackpt.Store(distributed._rank_path(root, r)).save({"x": torch.full((4,), float(s))}, step=s).id
+            for s in range(steps)] for r in range(ranks)]
+    doc = np.frombuffer(b'{"version":"1","state_dict_metadata":{},"planner_data":{"paths":{}},"items":[]}', np.uint8)
+    with deltackpt.Store(root / "meta") as meta:
+        for s in range(steps):
+            meta.save({"dcp_metadata": doc}, step=s, metadata={
+                "format": 3, "checkpoints": [[r, ids[r][s]] for r in range(ranks)], "storage_meta": None,
+                "metadata": None})
+    with deltackpt.Store(distributed._rank_path(root, ranks - 1)) as s:
+        s.delete(id=ids[ranks - 1][-1])
+
+    visited = [0]
+
+    class Counted(set):  # (a step's rank checkpoints, counting the pairs gone over)
+        def __iter__(self) -> Any:
+            for pair in set.__iter__(self):
+                visited[0] += 1
+                yield pair
+
+    real_named, real_mine = distributed._named, distributed._mine
+    monkeypatch.setattr(distributed, "_named", lambda meta, ckpt: Counted(real_named(meta, ckpt)))
+    scanned = [0]
+    monkeypatch.setattr(distributed, "_mine", lambda store, rank, named: scanned.__setitem__(
+        0, scanned[0] + len(named)) or real_mine(store, rank, named))
+    infos = distributed.summary(root)
+    assert [i.ranks for i in infos] == [ranks] * steps
+    assert visited[0] <= 5 * ranks * steps, visited  # (540 before)
+    visited[0] = 0
+    problems = distributed.verify_names(root)
+    assert len(problems) == 1 and f"rank {ranks - 1}'s checkpoint {ids[ranks - 1][-1]}" in problems[0], problems
+    assert visited[0] <= 2 * ranks * steps, visited  # (900 before)
+    assert distributed.prune(root) == 0
+    assert scanned[0] <= ranks * steps, scanned  # (the pairs of every rank for each rank: 432 before)
+
+
 def test_dcp_verify_reports_a_step_whose_rank_checkpoint_is_gone(tmp_path: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """A step naming a rank checkpoint that its store no longer holds (removed by hand on the rank store) cannot
