@@ -969,14 +969,18 @@ def rebuild_index_dir(path: Path) -> Path | None:
     return dest
 
 
-def _manifest_chunk_sizes(root: Path) -> set[int]:
-    """The chunk sizes the store's readable manifests name."""
+def _manifest_chunk_sizes(root: Path, enough: int | None = None) -> set[int]:
+    """The chunk sizes the store's readable manifests name; once one names ``enough``, those found so far (with
+    it). A repair reads every manifest again, so reading them all here too parsed each twice, when a STORE file
+    that one readable manifest agrees with is kept whatever the others name."""
     sizes = set()
     for p in sorted((root / "manifests").glob("*.manifest")):
         try:
             sizes.add(manifest.parse(manifest.file_bytes(p), where=p.name).chunk_size)
         except (DeltackptError, OSError):
             continue
+        if enough is not None and enough in sizes:
+            break
     return sizes
 
 
@@ -993,7 +997,7 @@ def _restore_store_file(root: Path) -> None:
             return
         except DeltackptError:
             pass
-    sizes = _manifest_chunk_sizes(root)
+    sizes = _manifest_chunk_sizes(root, enough=stored)
     if stored is not None and (len(sizes) != 1 or stored in sizes):
         return  # intact, as far as the manifests can tell
     if len(sizes) != 1:

@@ -707,6 +707,22 @@ def test_store_file_naming_another_valid_chunk_size_is_found_and_repaired(store_
         _check_repaired(s, filled)
 
 
+def test_repair_parses_each_manifest_once(store_path: Path) -> None:
+    """open_for_repair checks the STORE file against the chunk size the manifests name, and parsed every manifest
+    for it, before the repair parsed each again (10,000 parses for 5,000 manifests). An intact STORE file is now
+    kept once one readable manifest agrees with it; a damaged one is still found (the tests above)."""
+    with deltackpt.Store(store_path, chunk_size=CS) as s:
+        for step in range(12):
+            s.save({"x": torch.full((64,), float(step))}, step=step)
+    with mock.patch.object(manifest, "parse", wraps=manifest.parse) as parse:
+        with maintenance.open_for_repair(store_path) as s:
+            report = s.repair()
+    assert report.checkpoints == 12 and not report.lost_checkpoints
+    assert parse.call_count <= 12 + 1, parse.call_count  # (24 before)
+    with _open(store_path) as s:
+        assert [c.step for c in s.list()] == list(range(12))
+
+
 @pytest.mark.parametrize("keep", [0.5, 4096 + 100])  # half the file; only the meta pages and a few bytes
 def test_truncated_index_is_a_typed_error_and_repaired(store_path: Path, keep: float) -> None:
     """A data.mdb shorter than its meta page says (a torn copy) made LMDB read past the end of its map: SIGBUS
