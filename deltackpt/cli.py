@@ -842,6 +842,20 @@ def _tensor_leaves(skeleton: Any) -> list[tuple[str, int]]:
 
 def cmd_export(args: argparse.Namespace) -> int:
     dest = Path(args.file)
+    # the destination is checked before the checkpoint is read (a load of a big one takes minutes)
+    if dest.suffix not in (".safetensors", ".pt", ".pth"):
+        raise DeltackptError(f"cannot export to {args.file}: use a .pt or .safetensors file name")
+    if dest.is_dir() or args.file.endswith(os.sep):  # (Path drops a trailing /, which names a directory)
+        raise DeltackptError(f"cannot export to {args.file}: it is a directory")
+    parent = Path(os.path.realpath(dest)).parent
+    if not parent.is_dir():  # (checked here: the writers' own messages call a file "a missing directory")
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise DeltackptError(f"cannot export to {dest}: {parent} {what}")
+    if dest.suffix == ".safetensors":
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise DeltackptError("exporting .safetensors needs the 'safetensors' package") from None
     with _open(args.store, readonly=True) as s:
         which = _which(args.checkpoint, s)
         m = s.manifest(**which)
@@ -857,25 +871,13 @@ def cmd_export(args: argparse.Namespace) -> int:
             _tensor_leaves(m.tree)
         state = s.load(id=m.id, map_location="cpu")
     if dest.suffix == ".safetensors":
-        try:
-            from safetensors.torch import save_file
-        except ImportError:
-            raise DeltackptError("exporting .safetensors needs the 'safetensors' package") from None
         tensors = _tensor_dict(state)
 
         def write(tmp: Path) -> None:
             save_file(tensors, str(tmp))
-    elif dest.suffix in (".pt", ".pth"):
+    else:
         def write(tmp: Path) -> None:
             torch.save(state, tmp)
-    else:
-        raise DeltackptError(f"cannot export to {args.file}: use a .pt or .safetensors file name")
-    if dest.is_dir() or args.file.endswith(os.sep):  # (Path drops a trailing /, which names a directory)
-        raise DeltackptError(f"cannot export to {args.file}: it is a directory")
-    parent = Path(os.path.realpath(dest)).parent
-    if not parent.is_dir():  # (checked here: the writers' own messages call a file "a missing directory")
-        what = "is not a directory" if parent.exists() else "does not exist"
-        raise DeltackptError(f"cannot export to {dest}: {parent} {what}")
     real = Path(os.path.realpath(dest))  # (through a symlink, the file it names is written)
     # a regular file is written next to the destination and renamed over it, so a failed export leaves no
     # partial file; anything else (a pipe, a device) is written directly

@@ -975,6 +975,28 @@ def test_export_safetensors_refuses_before_it_loads(capsys: pytest.CaptureFixtur
     assert rc == 0 and len(loads) == 1, err
 
 
+def test_export_refuses_a_destination_before_it_loads(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                     tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A destination export cannot write (another suffix, a directory, a missing directory) is refused before the
+    checkpoint is read: before, the whole checkpoint was loaded first and then refused."""
+    from deltackpt import store
+
+    loads: list[Any] = []
+    real = store.Store.load
+    monkeypatch.setattr(store.Store, "load", lambda self, *a, **kw: loads.append(kw) or real(self, *a, **kw))
+    with open_store(store_path) as s:
+        s.save({"w": torch.ones(3)}, step=1)
+    (tmp_path / "dir.pt").mkdir()
+    for dest, shown in ((tmp_path / "out.txt", ".pt or .safetensors"), (tmp_path / "dir.pt", "directory"),
+                        (tmp_path / "missing" / "out.pt", "does not exist")):
+        rc, out, err = cli(capsys, "export", store_path, 1, dest)
+        assert rc == 1 and out == "", err
+        assert_one_line_error(err, shown)
+    assert loads == []
+    rc, out, err = cli(capsys, "export", store_path, 1, tmp_path / "out.pt")
+    assert rc == 0 and len(loads) == 1, err
+
+
 def test_export_safetensors_never_drops_a_tensor(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                  tmp_path: Path) -> None:
     """Two key paths that flatten to the same safetensors name: refuse, or keep both; never lose one."""
