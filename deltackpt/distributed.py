@@ -64,6 +64,7 @@ from torch.futures import Future
 from deltackpt import config, kernel, manifest, tree
 from deltackpt.errors import (
     CheckpointNotFoundError,
+    CorruptionError,
     CorruptManifestError,
     DeltackptError,
     FormatVersionError,
@@ -698,6 +699,7 @@ class DeltaStorageReader(StorageReader):
         self.allow_network_fs = allow_network_fs
         self._where: dict[MetadataIndex, _Stored] = {}
         self._chosen: str | None = None  # id of the meta checkpoint read_metadata read
+        self._chosen_step: int | None = None  # (its step)
         #: the checkpoints of the step read_metadata chose: the meta checkpoint's id under "meta", each rank's
         #: under its rank (see _LOADED)
         self._read: dict[int | str, str] = {}
@@ -718,8 +720,9 @@ class DeltaStorageReader(StorageReader):
             if info is None:
                 raise CheckpointNotFoundError(f"no DCP checkpoint in {self.root}")
             where = f"DCP checkpoint of step {info.step} in {self.root}"
-            doc = _full_doc(meta, info.id, where, verify=self.verify)
-        self._chosen = info.id
+            with _naming(f"the metadata of DCP step {info.step} ({meta.path})"):
+                doc = _full_doc(meta, info.id, where, verify=self.verify)
+        self._chosen, self._chosen_step = info.id, info.step
         try:
             sdm = {fqn: _decode_md(fqn, d, where) for fqn, d in doc["state_dict_metadata"].items()}
             storage = {MetadataIndex(fqn, offset, index): _Stored(int(rank), str(key), str(ckpt), str(kind), int(n))
@@ -778,7 +781,8 @@ class DeltaStorageReader(StorageReader):
             by_checkpoint.setdefault((s.rank, s.checkpoint), []).append((req, s))
         for (rank, ckpt), reqs in sorted(by_checkpoint.items()):
             with _existing(_rank_path(self.root, rank), f"rank {rank}'s shards", readonly=True,
-                           allow_network_fs=self.allow_network_fs) as store:
+                           allow_network_fs=self.allow_network_fs) as store, \
+                    _naming(f"rank {rank}'s shards of DCP step {self._chosen_step} ({store.path})"):
                 self._read_checkpoint(store, ckpt, reqs, planner)
         with _SHARED_LOCK:  # (a load of the newest forgets an older one: the next save descends from the newest)
             if self._read:
@@ -856,6 +860,19 @@ class DeltaStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return _is_root(checkpoint_id)
+
+
+@contextmanager
+def _naming(where: str) -> Iterator[None]:
+    """Damage met inside (a frame, a manifest of one of the root's stores) names the store and the DCP step it
+    was read for: the store's own message names a pack or a checkpoint id, which a root holds in each of its
+    stores. Its type and attributes stay; a message naming its DCP checkpoint already is left as it is."""
+    try:
+        yield
+    except CorruptionError as exc:
+        if len(exc.args) == 1 and isinstance(exc.args[0], str) and not exc.args[0].startswith((where, "DCP ")):
+            exc.args = (f"{where}: {exc.args[0]}",)
+        raise
 
 
 def _stored_objects(store: Store, ckpt: str) -> Mapping[str, Any]:

@@ -1042,6 +1042,40 @@ def test_a_rank_that_needs_some_rows_of_a_shard_decodes_only_their_chunks(tmp_pa
         read_rows(180, 20)  # reaches chunk 12
 
 
+@pytest.mark.plumbing
+def test_a_damaged_rank_store_is_named_with_the_step_by_the_load(tmp_path: Path) -> None:
+    """A damaged frame of one rank's store fails the load with the store's own error (its type and attributes),
+    naming the rank, its store and the step: the message named a pack and a rank checkpoint id only, which do not
+    say which of the root's stores holds them. The same for the meta store's DCP metadata."""
+    from deltackpt.index import chunk_key
+
+    root = tmp_path / "ckpt"
+    for r in ranks("save", root, tmp_path, 2, 1):
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    def flip(store: Path) -> None:
+        with deltackpt.Store(store) as s:
+            m = s.manifest()
+            t = max(m.tensors, key=lambda t: t.nbytes)
+            _, digest, n = m.chunk_keys(t)[0]
+            loc = s.index.lookup_chunks([chunk_key(digest, n)])[chunk_key(digest, n)]
+        with open(store / "packs" / f"{loc.pack_id}.pack", "r+b") as f:
+            f.seek(loc.offset + loc.frame_len - 8)
+            byte = f.read(1)
+            f.seek(loc.offset + loc.frame_len - 8)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    flip(root / "rank-00001")
+    with pytest.raises(CheckpointException) as caught:
+        load_full(root)
+    exc = caught.value.failures[0][0]
+    assert isinstance(exc, deltackpt.CorruptChunkError) and exc.checkpoint is not None, exc
+    assert str(exc).startswith(f"rank 1's shards of DCP step 1 ({root / 'rank-00001'}): frame checksum"), exc
+    flip(root / "meta")
+    with pytest.raises(CheckpointException, match=r"the metadata of DCP step 1 \(.*meta\): frame checksum"):
+        load_full(root)
+
+
 def _save_steps(root: Path, steps: Any) -> None:
     """Single-process DCP saves of dcp_worker's expected state, one per step."""
     with warnings.catch_warnings():
