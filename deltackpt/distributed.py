@@ -177,6 +177,9 @@ class _Kept:
     named: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  #: meta checkpoint id -> what it names
     #: meta checkpoint id -> the metadata its writer was given, as its manifest holds it (retention's)
     user: dict[str, Any] = field(default_factory=dict)
+    #: rank -> the optimizer groups' betas and eps (DCP's flat keys) at the rank's last save: what the update that
+    #: the next save holds used, where a schedule changes them (OneCycleLR cycles β1; see predict.choose_coefs)
+    betas: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 #: by writer: what the copies of a writer unpickled in this process keep (DeltaStorageWriter.__setstate__)
@@ -394,10 +397,13 @@ class DeltaStorageWriter(StorageWriter):
                 or (k.endswith(".step")
                     and (isinstance(v, (int, float)) or (type(v) is torch.Tensor and v.numel() == 1))))}
         whole = self._kept_for_good(store.latest(), self.step)
+        before = self._kept.betas.get(rank)
         with self._descend(store, rank):
             info = store._save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects},
                                step=self.step, keyframe=whole, _self_contained=whole,
-                               _flat=(_TENSORS, hints) if hints else None)
+                               _flat=(_TENSORS, hints, before) if hints else None)
+        if hints:
+            self._kept.betas[rank] = {k: v for k, v in hints.items() if k.endswith((".betas", ".eps"))}
         results = [WriteResult(index=index, size_in_bytes=n, storage_data=_Stored(rank, key, info.id, kind, n))
                    for index, key, kind, n in kinds]
         if self.retention is not None:

@@ -749,7 +749,7 @@ class Store:
         keyframe: bool = False,
         _replace: Record | None = None,
         _pairs: Mapping[str, str] | None = None,
-        _flat: tuple[str, Mapping[str, Any]] | None = None,
+        _flat: tuple[str, Mapping[str, Any], Mapping[str, Any] | None] | None = None,
         _self_contained: bool = False,
         _devices: Mapping[int, str] | None = None,
         _after: str | None = None,
@@ -757,7 +757,8 @@ class Store:
         """:meth:`save`, with what :meth:`rewrite`, a Checkpointer and a DCP writer add.
 
         ``_replace``: the checkpoint a rewrite replaces. ``_pairs`` (optimizer state entry's key path -> its
-        parameter's) and ``_flat`` (a DCP rank's shard hints) tell :mod:`deltackpt.predict` what predicts what.
+        parameter's) and ``_flat`` (a DCP rank's shard hints, and those hints' betas and eps at the rank's save
+        before, or None) tell :mod:`deltackpt.predict` what predicts what.
         ``_self_contained`` (with ``keyframe``; a step retention keeps for good): chunks of the state that the
         store holds only as delta or predicted frames are written again standalone too, as a rewrite does, so
         the checkpoint keeps no older checkpoint's frames alive. ``_devices`` (by ``id`` of a tensor of
@@ -812,6 +813,9 @@ class Store:
             roles = predict.plan(state, leaves, _pairs) if self.predict and pm is not None else {}
             if _flat is not None and self.predict and pm is not None:  # a DCP rank's shards (distributed.py)
                 roles = {**predict.plan_flat(leaves, _flat[1], _flat[0]), **roles}
+                if _flat[2]:  # the betas of the rank's save before (its skeleton holds no param_groups)
+                    before = predict.plan_flat(leaves, {**_flat[1], **_flat[2]}, _flat[0])
+                    roles = predict.with_betas_before(roles, {r.m: (r.beta1, r.beta2, r.eps) for r in before.values()})
             if roles and pm is not None:  # the betas the parent's update used: see predict.choose_coefs
                 roles = predict.with_betas_before(roles, predict.betas_in_skeleton(pm.tree))
             mark = self._writer.mark()

@@ -976,6 +976,43 @@ def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_
                     got[k].reshape(-1).view(torch.uint8), want[k].reshape(-1).view(torch.uint8)), (step, k)
 
 
+def test_dcp_saves_follow_a_schedule_that_changes_the_betas(tmp_path: Path) -> None:
+    """OneCycleLR cycles AdamW's beta1, and by the time of a save has set the next step's: the update the save
+    holds used the betas of the save before. A rank checkpoint's skeleton holds no param_groups to read them
+    from (a Store.save's does), so the writer keeps each rank's from its last save: DCP saves wrote 0.80 of
+    their logical bytes against Store.save's 0.54 of the same get_state_dict output, now the same."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01, total_steps=100)
+    writer = DeltaStorageWriter(tmp_path / "dcp", chunk_size=4096)
+    saved = {}
+    with warnings.catch_warnings(), deltackpt.Store(tmp_path / "plain", chunk_size=4096) as plain:
+        warnings.simplefilter("ignore")
+        for step in range(6):
+            model(torch.randn(16, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            msd, osd = get_state_dict(model, opt)
+            writer.step = step
+            dcp.save({"model": msd, "optim": osd}, storage_writer=writer, no_dist=True)
+            plain.save({"model": msd, "optim": osd}, step=step)
+            saved[step] = {k: v.clone() for k, v in dcp_flat({"model": msd, "optim": osd}).items()}
+        writer.close()
+        want = sum(i.written_bytes for i in plain.list()[2:])
+    with deltackpt.Store(tmp_path / "dcp" / "rank-00000") as s:
+        got = sum(i.written_bytes for i in s.list()[2:])
+    assert got < 1.05 * want, (got, want)
+    for step, values in saved.items():
+        state = {"model": {k: torch.zeros_like(v) for k, v in msd.items()}, "optim": osd}
+        dcp.load(state, storage_reader=DeltaStorageReader(tmp_path / "dcp", step=step))
+        got_values = dcp_flat(state)
+        assert all(torch.equal(got_values[k], v) for k, v in values.items()), step
+
+
 def dcp_flat(state: Any) -> dict[str, torch.Tensor]:
     """The tensors of a nested state by dotted path."""
     out: dict[str, torch.Tensor] = {}
