@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import lmdb
 import numpy as np
 
-from deltackpt import _lazy, codec, maintenance, manifest, packs, tree
+from deltackpt import _lazy, codec, collector, maintenance, manifest, packs, tree
 from deltackpt.checkpointer import _checkpointer_layout, newest_restorable
 from deltackpt.errors import (
     CheckpointNotFoundError,
@@ -220,6 +220,10 @@ def _tensor_index(m: manifest.Manifest, node: Any) -> int:
     return i
 
 
+# The collector held off (collector.paused): two manifests' trees, leaves and rows are a few objects per leaf that
+# all live until the command returns, so its collections reclaim nothing; with it on they were 27-31% of a diff of
+# 10^5-4x10^5 small tensors (4.4 -> 3.3 s and 18.7 -> 14.1 s). The CLI's process is its own: no user's heap waits.
+@collector.paused_during
 def cmd_diff(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         infos = [s.info(**_which(arg, s)) for arg in (args.a, args.b)]
