@@ -168,6 +168,7 @@ def _escaped(text: str) -> str:
     return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+@collector.paused_during  # (as diff, below)
 def cmd_show(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         info = s.info(**_which(args.checkpoint, s))

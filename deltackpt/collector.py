@@ -1,10 +1,10 @@
 """The cyclic garbage collector held off while saves and loads run.
 
 Where it sits: :meth:`deltackpt.Store.save`, :meth:`~deltackpt.Store.load` and
-:meth:`~deltackpt.Store.load_into` run under :func:`paused`, and so does ``deltackpt diff`` (its own process).
-Nothing else in the save/load pipeline touches the collector. It is one switch per process, so the pause is
-counted: the first save or load to start turns the collector off (when it was on), and the last to return turns
-it back on.
+:meth:`~deltackpt.Store.load_into` run under :func:`paused`, and so do ``deltackpt diff`` and ``show`` (their own
+process). Nothing else in the save/load pipeline touches the collector. It is one switch per process, so the
+pause is counted: the first save or load to start turns the collector off (when it was on), and the last to
+return turns it back on.
 """
 
 from __future__ import annotations
