@@ -138,7 +138,6 @@ def decode_frames(
     if n < 1 or len(codecs) != n or len(widths) != n:
         raise ValueError("decode_frames needs one or more frames, each with a codec and a width")
     dst = _as_u8(out, writable=True)
-
     if digest is not None and len(digest) != DIGEST_SIZE:
         raise ValueError(f"digest must have 16 bytes, got {len(digest)}")
     views = [memoryview(_as_u8(f)) for f in frames]
