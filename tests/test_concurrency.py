@@ -674,15 +674,15 @@ print(json.dumps(acked))
 """
 
 
-def _sparse_packs(path: Path) -> dict[int, dict[str, torch.Tensor]]:
-    """A store whose packs each hold the frames of two or three checkpoints, with every other step deleted: gc
-    has several sparse packs to repack. Returns the retained states by step."""
+def _sparse_packs(path: Path, steps: int = 10) -> dict[int, dict[str, torch.Tensor]]:
+    """A store whose packs each hold the frames of two or three checkpoints (of ``steps``), with every other step
+    deleted: gc has several sparse packs to repack. Returns the retained states by step."""
     gen = torch.Generator().manual_seed(0)
-    states = {step: {"w": torch.randn(3 * CS // 4, generator=gen)} for step in range(10)}
+    states = {step: {"w": torch.randn(3 * CS // 4, generator=gen)} for step in range(steps)}
     with Store(path, chunk_size=CS, pack_size=6 * CS) as s:
         for step, state in states.items():
             s.save(state, step=step)
-        for step in range(0, 10, 2):
+        for step in range(0, steps, 2):
             s.delete(step)
     return {step: state for step, state in states.items() if step % 2}
 
@@ -793,13 +793,7 @@ def test_a_repack_of_many_packs_reads_the_chunks_table_once(tmp_path: Path, monk
     from deltackpt.index import Index
 
     path = tmp_path / "s"
-    gen = torch.Generator().manual_seed(0)
-    states = {step: {"w": torch.randn(3 * CS // 4, generator=gen)} for step in range(24)}
-    with Store(path, chunk_size=CS, pack_size=6 * CS) as s:
-        for step, state in states.items():
-            s.save(state, step=step)
-        for step in range(0, 24, 2):
-            s.delete(step)
+    states = _sparse_packs(path, 24)
     scans: collections.Counter[str] = collections.Counter()
 
     def counting(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
