@@ -1,10 +1,10 @@
 """The LMDB index: chunk id -> frame location, the checkpoint records, and THE commit point.
 
-Where it sits: ``save`` asks :meth:`Index.has_chunks` which chunks are already stored (:meth:`Index.lookup_chunks`
-for a self-contained save, which also needs where they are), writes the new ones to
-packs and its manifest to disk, then calls :meth:`Index.commit_checkpoint`: one LMDB write transaction that
-records the new chunks' locations and the checkpoint. That transaction's commit is the single moment a
-checkpoint comes to exist. ``load`` resolves a step to a record and chunk ids to locations here.
+Where it sits: ``save`` asks a :meth:`Index.chunk_reader` (one read transaction) which chunks are already stored
+(and where, for a self-contained save and for delta bases), writes the new ones to packs and its manifest to disk,
+then calls :meth:`Index.commit_checkpoint`: one LMDB write transaction that records the new chunks' locations and
+the checkpoint. That transaction's commit is the single moment a checkpoint comes to exist. ``load`` resolves a step
+to a record and chunk ids to locations here.
 
 Databases in the environment ``index/``:
 
@@ -759,22 +759,28 @@ class ChunkReader:
         self._get = txn.get
 
     def has(self, keys: Iterable[bytes]) -> set[bytes]:
-        """As :meth:`Index.has_chunks`."""
+        """Those of ``keys`` the index holds."""
         get = self._get
         try:
             return {k for k in keys if get(k) is not None}
         except LMDB_DAMAGE as exc:
             raise _damage_error(self._index, exc) from exc
 
-    def lookup(self, keys: Iterable[bytes]) -> dict[bytes, ChunkLoc]:
-        """As :meth:`Index.lookup_chunks` (without ``damaged``)."""
+    def lookup(self, keys: Iterable[bytes], damaged: dict[bytes, str] | None = None) -> dict[bytes, ChunkLoc]:
+        """The locations of those of ``keys`` the index holds. A damaged entry raises
+        :class:`CorruptIndexError`, or with ``damaged`` (verify) goes there, key -> what is wrong."""
         out: dict[bytes, ChunkLoc] = {}
         get = self._get
         try:
             for k in keys:
                 v = get(k)
                 if v is not None:
-                    out[k] = ChunkLoc.unpack(bytes(v), k)
+                    try:
+                        out[k] = ChunkLoc.unpack(bytes(v), k)
+                    except CorruptIndexError as exc:
+                        if damaged is None:
+                            raise
+                        damaged[k] = str(exc)
         except LMDB_DAMAGE as exc:
             raise _damage_error(self._index, exc) from exc
         return out
@@ -976,33 +982,16 @@ class Index:
                                         f"{REPAIR_HINT}")
 
     # -- chunks ---------------------------------------------------------------------------------------
-    @_damage_is_corruption
     def lookup_chunks(self, keys: Iterable[bytes], damaged: dict[bytes, str] | None = None) -> dict[bytes, ChunkLoc]:
-        """The locations of those of ``keys`` the index holds. A damaged entry raises
-        :class:`CorruptIndexError`, or with ``damaged`` (verify) goes there, key -> what is wrong."""
-        out: dict[bytes, ChunkLoc] = {}
-        with self.env.begin(db=self.db_chunks, buffers=True) as txn:
-            for k in keys:
-                v = txn.get(k)
-                if v is not None:
-                    try:
-                        out[k] = ChunkLoc.unpack(bytes(v), k)
-                    except CorruptIndexError as exc:
-                        if damaged is None:
-                            raise
-                        damaged[k] = str(exc)
-        return out
-
-    @_damage_is_corruption
-    def has_chunks(self, keys: Iterable[bytes]) -> set[bytes]:
-        with self.env.begin(db=self.db_chunks, buffers=True) as txn:
-            return {k for k in keys if txn.get(k) is not None}
+        """:meth:`ChunkReader.lookup` in a read transaction of its own."""
+        with self.chunk_reader() as chunks:
+            return chunks.lookup(keys, damaged)
 
     @contextlib.contextmanager
     def chunk_reader(self) -> Iterator[ChunkReader]:
-        """One read transaction of the chunk table for many lookups (a save's, tensor after tensor): what
-        :meth:`has_chunks` and :meth:`lookup_chunks` answer, as of when it began, without a transaction (and
-        the environment's checks) per call. Damaged pages raise :class:`CorruptIndexError` as those do."""
+        """One read transaction of the chunk table for many lookups (a save's, tensor after tensor), answered
+        as of when it began, without a transaction (and the environment's checks) per call. Damaged pages raise
+        :class:`CorruptIndexError`."""
         try:
             txn = self.env.begin(db=self.db_chunks, buffers=True)
         except LMDB_DAMAGE as exc:

@@ -1191,7 +1191,7 @@ class Store:
         pm: Manifest | None,
         todo: builtins.list[tuple[int, bytes]],
         phase: int,
-        chunks: ChunkReader | None = None,
+        chunks: ChunkReader,
     ) -> dict[int, tuple[bytes, int]]:
         """Delta base (key, depth) for each new chunk position whose parent chunk may serve as one.
 
@@ -1220,7 +1220,7 @@ class Store:
         if self._damaged:
             self._taint(cand.values())
             cand = {i: bk for i, bk in cand.items() if bk not in self._damaged}
-        locs = chunks.lookup(cand.values()) if chunks is not None else self.index.lookup_chunks(cand.values())
+        locs = chunks.lookup(cand.values())
         out: dict[int, tuple[bytes, int]] = {}
         for i, bk in cand.items():
             loc = locs.get(bk)
@@ -1719,17 +1719,14 @@ class Store:
         return bases
 
     def _read_alone(self, key: bytes, loc: ChunkLoc, out: np.ndarray, verify: bool, scratch: Scratch) -> bool:
-        """:meth:`read_chunk` of a chunk whose index entry names a standalone frame: its frame read and decoded
-        into ``out`` (:func:`deltackpt.codec.decode_alone`), raising as :meth:`read_chunk` does. False, with
-        nothing written, when the frame turns out to be a delta or predicted frame after all (a damaged index
-        entry): :meth:`read_chunk` then decodes it, and reports what is wrong."""
+        """:meth:`read_chunk` of a chunk whose index entry names a standalone frame: its frame read and decoded into
+        ``out`` (:func:`deltackpt.codec.decode_alone`), raising as :meth:`read_chunk` does (its caller marks the
+        chunk damaged). False, with nothing written, when the frame turns out to be a delta or predicted frame
+        after all (a damaged index entry): :meth:`read_chunk` then decodes it, and reports what is wrong."""
         buf: bytes | np.ndarray | None = None
         try:
             buf, where = self._read_frame(loc, scratch)
             return codec.decode_alone(memoryview(buf), key[:16], int.from_bytes(key[16:], "big"), where, out, verify)
-        except CorruptChunkError:
-            self._damaged.add(key)
-            raise
         finally:
             if buf is not None:
                 scratch.give(buf)
