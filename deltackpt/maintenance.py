@@ -225,7 +225,7 @@ def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str |
         # half of verify's memory, 90 MB for a store of 200,000 chunk references)
         groups = _related(store, unique, locs)
         for start in range(0, len(groups), _VERIFY_BATCH):
-            for group in store.read_each(lambda g: _check_group(store, g, locs, scratch),
+            for group in store._read_each(lambda g: _check_group(store, g, locs, scratch),
                                          groups[start:start + _VERIFY_BATCH]):
                 results.update(group)
                 results.update((k, why) for k, why in damaged.items() if k in results)
@@ -233,7 +233,7 @@ def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str |
                     progress(len(results), len(unique))
         del groups
         if step is None and id is None:
-            for problem in store.read_each(lambda item: _entry_problem(store, *item), list(locs.items())):
+            for problem in store._read_each(lambda item: _entry_problem(store, *item), list(locs.items())):
                 if problem is not None:
                     report.problems.append(problem)
         for rec, chunks in plans:
@@ -314,7 +314,7 @@ def _related(store: Store, keys: list[bytes], locs: dict[bytes, ChunkLoc]) -> li
     predicted = [k for k in keys if k in locs and locs[k].codec == codec.PREDICTED]
     # a damaged record (or a header damaged into an unknown version) names nothing here: the chunk's own check
     # reports it
-    direct = dict(zip(predicted, store.read_each(
+    direct = dict(zip(predicted, store._read_each(
         lambda k: _references(store, k, locs[k], unknown_format=True), predicted)))
     direct.update((k, [locs[k].base + k[16:]]) for k in keys if k in locs and locs[k].codec == codec.DELTA)
     root: dict[bytes, bytes] = {}
@@ -355,7 +355,7 @@ def _check_group(store: Store, group: list[tuple[bytes, list[bytes]]],
             else:
                 buf = scratch.take(int.from_bytes(k[16:], "big"))
                 try:
-                    store.read_chunk(k, locs[k], out=buf, verify=True, memo=memo, scratch=scratch)
+                    store._read_chunk(k, locs[k], out=buf, verify=True, memo=memo, scratch=scratch)
                     memo[k] = buf
                 except DeltackptError as exc:  # corruption, or a damaged byte that reads as an unknown format
                     err = getattr(exc, "reason", None) or str(exc)
@@ -377,13 +377,13 @@ def _check_group(store: Store, group: list[tuple[bytes, list[bytes]]],
 
 
 def _references(store: Store, k: bytes, loc: ChunkLoc, *, unknown_format: bool = False) -> list[bytes]:
-    """:meth:`Store.references`, but none for a predicted frame whose record is damaged: it cannot be decoded,
+    """:meth:`Store._references`, but none for a predicted frame whose record is damaged: it cannot be decoded,
     so it needs nothing. With ``unknown_format`` (verify, which frees nothing) none either for a frame of a
     format version this reader does not know, or whose pack cannot be read (an I/O error, a pack this user may
     not read: the chunk's own check reports it); gc lets those errors propagate, as a newer writer's frame may
     need chunks this reader cannot see it names. Any other read error propagates."""
     try:
-        return store.references(k, loc)
+        return store._references(k, loc)
     except CorruptChunkError:
         return []
     except (FormatVersionError, OSError):
@@ -436,7 +436,7 @@ def _reach(store: Store, roots: Iterable[bytes], follow: Callable[[Store, bytes,
         frontier = []
         items = list(locs.items())
         batches = [items[i : i + _FOLLOW_BATCH] for i in range(0, len(items), _FOLLOW_BATCH)]
-        for found in store.read_pool.map(lambda batch: [(k, follow(store, k, loc)) for k, loc in batch], batches):
+        for found in store._read_pool.map(lambda batch: [(k, follow(store, k, loc)) for k, loc in batch], batches):
             for k, refs in found:
                 if refs is None:
                     lost.add(k)
@@ -505,7 +505,7 @@ def _unindexed_live_frames(store: Store, missing: set[bytes], paths: list[Path])
                     continue
                 where = f"chunk {codec.chunk_hex(h.digest, h.raw_len)} in pack {path.stem} at offset {offset}"
                 try:
-                    refs = store.references(k, ChunkLoc(path.stem, offset, h.frame_len, h.codec, 0, h.base))
+                    refs = store._references(k, ChunkLoc(path.stem, offset, h.frame_len, h.codec, 0, h.base))
                 except CorruptChunkError:
                     continue
                 found.setdefault(k, []).append((where, refs))
@@ -936,7 +936,7 @@ def _choose_frames(store: Store, chunks: dict[bytes, ChunkLoc], based: dict[byte
             continue
         for loc in locs:
             try:
-                refs[(loc.pack_id, loc.offset)] = store.references(k, loc)
+                refs[(loc.pack_id, loc.offset)] = store._references(k, loc)
             except (CorruptChunkError, OSError):
                 refs[(loc.pack_id, loc.offset)] = [bytes(20)]  # an unreadable record: never resolves
     pending = {k: locs for k, locs in based.items() if k not in chunks}

@@ -93,7 +93,7 @@ _CHUNK_WORK_BYTES = 2 << 30
 _INLINE_BELOW = 64 << 10
 #: the least a writer's pack holds before a save moves on to a new one (:meth:`PackWriter.seal_past`)
 _SEAL_BYTES = 64 << 20
-#: per read worker of :meth:`Store.read_each`: what to call before a frame read waits on the disk
+#: per read worker of :meth:`Store._read_each`: what to call before a frame read waits on the disk
 _worker = threading.local()
 _T = TypeVar("_T")
 _R = TypeVar("_R")
@@ -128,7 +128,7 @@ class CheckpointInfo:
         return cls(rec.id, rec.step, rec.created, rec.parent, rec.logical_bytes, rec.written_bytes, meta, rec.seq)
 
 
-#: what :meth:`Store.read_each` puts among its failures to stop its workers when its own wait was interrupted
+#: what :meth:`Store._read_each` puts among its failures to stop its workers when its own wait was interrupted
 _STOPPED = KeyboardInterrupt()
 
 
@@ -505,16 +505,16 @@ class Store:
         """``pool.submit(fn, *args)``; run here once the interpreter is exiting, when concurrent.futures takes no
         new work (an async save still running as the main thread ended, a save from an ``atexit`` handler)."""
         try:
-            return self.pool.submit(fn, *args)
+            return self._pool.submit(fn, *args)
         except RuntimeError:
             return _Done.run(fn, *args)
 
     @property
-    def pool(self) -> ThreadPoolExecutor:
+    def _pool(self) -> ThreadPoolExecutor:
         return self._pools()[0]
 
     @property
-    def read_pool(self) -> ThreadPoolExecutor:
+    def _read_pool(self) -> ThreadPoolExecutor:
         """The read workers: ``read_threads`` of them, fewer for chunks too large for that many in memory."""
         return self._pools()[1]
 
@@ -1273,7 +1273,7 @@ class Store:
             base = self._base_cache.get(base_key)
             if base is None:
                 try:
-                    base = self.read_chunk(base_key)
+                    base = self._read_chunk(base_key)
                 except CorruptChunkError:
                     base, base_key = None, None  # a damaged base must not spread: store a keyframe
         return self._encoder().encode(
@@ -1300,7 +1300,7 @@ class Store:
     def _raw_of(self, key: bytes) -> np.ndarray | memoryview:
         """The raw bytes of a stored chunk: from the cache of the last save's chunks, else decoded."""
         got = self._base_cache.get(key)
-        return got if got is not None else self.read_chunk(key)
+        return got if got is not None else self._read_chunk(key)
 
     def _encode_predicted(
         self, view: memoryview, key: bytes, width: int, base_key: bytes, role: predict.Role, refs: builtins.list[bytes],
@@ -1590,27 +1590,27 @@ class Store:
             loc = locs[k]
             try:
                 if loc.codec in codec.BASED or not self._read_alone(k, loc, item[2], verify, scratch):
-                    self.read_chunk(k, loc, out=item[2], verify=verify, bases=chains, scratch=scratch)
+                    self._read_chunk(k, loc, out=item[2], verify=verify, bases=chains, scratch=scratch)
             except CorruptChunkError:
                 self._damaged.add(k)
                 raise
 
-        self.read_each(decode, first, named)
+        self._read_each(decode, first, named)
         if not later:
             for part, dest in parts:
                 dest[:] = part
             return
         decoded = {k: view for _, k, view in first}
-        refs = self.read_each(lambda item: self._named_inputs(item[1], locs[item[1]]), later, named)
+        refs = self._read_each(lambda item: self._named_inputs(item[1], locs[item[1]]), later, named)
         groups: dict[bytes, list[tuple[TensorEntry, bytes, np.ndarray]]] = {}
         for item, r in zip(later, refs):
             groups.setdefault(r[0] if r else item[1], []).append(item)
-        self.read_each(lambda group: self._read_group(group, locs, chains, decoded, verify, scratch),
+        self._read_each(lambda group: self._read_group(group, locs, chains, decoded, verify, scratch),
                        list(groups.values()), lambda group, exc: named(group[0], exc))
         for part, dest in parts:
             dest[:] = part
 
-    def read_each(self, fn: Callable[[_T], _R], items: Sequence[_T],
+    def _read_each(self, fn: Callable[[_T], _R], items: Sequence[_T],
                   named: Callable[[_T, BaseException], BaseException] | None = None) -> builtins.list[_R]:
         """``[fn(item) for item in items]`` on the read workers, which take items in order from one queue.
 
@@ -1641,7 +1641,7 @@ class Store:
                 with lock:
                     if len(workers) < most:
                         try:
-                            workers.append(self.read_pool.submit(work))
+                            workers.append(self._read_pool.submit(work))
                         except RuntimeError:  # the pool is shutting down (interpreter exit): carry on without
                             pass
 
@@ -1664,7 +1664,7 @@ class Store:
         try:
             with lock:
                 with contextlib.suppress(RuntimeError):  # the interpreter is exiting (a load from an atexit handler)
-                    workers.extend(self.read_pool.submit(work) for _ in range(min(self.threads, most)))
+                    workers.extend(self._read_pool.submit(work) for _ in range(min(self.threads, most)))
             if not workers:  # ... then this thread does the work (outside the lock, which more() takes)
                 workers.append(_Done.run(work))  # type: ignore[arg-type]
             done = 0
@@ -1691,7 +1691,7 @@ class Store:
         try:
             for t, k, view in sorted(group, key=lambda item: locs[item[1]].depth):
                 try:
-                    self.read_chunk(k, locs[k], out=view, verify=verify, bases=chains, memo=memo, known=decoded,
+                    self._read_chunk(k, locs[k], out=view, verify=verify, bases=chains, memo=memo, known=decoded,
                                     scratch=scratch)
                 except CorruptChunkError as exc:
                     self._damaged.add(k)
@@ -1731,7 +1731,7 @@ class Store:
             if buf is not None:
                 scratch.give(buf)
 
-    def read_chunk(
+    def _read_chunk(
         self, key: bytes, loc: ChunkLoc | None = None, *, out: np.ndarray | None = None, verify: bool = True,
         bases: Mapping[bytes, ChunkLoc] | None = None, memo: dict[bytes, np.ndarray] | None = None,
         known: Mapping[bytes, np.ndarray] | None = None, scratch: Scratch | None = None, _nesting: int = 0,
@@ -1786,7 +1786,7 @@ class Store:
             # damaged input (with verify=False they are all that is checked).
             buf = scratch.take(raw_len)
             try:
-                raw = self.read_chunk(k, out=buf, verify=False, bases=bases, memo=memo, known=known, scratch=scratch,
+                raw = self._read_chunk(k, out=buf, verify=False, bases=bases, memo=memo, known=known, scratch=scratch,
                                       _nesting=_nesting + 1)
             except BaseException:
                 scratch.give(buf)
@@ -1809,7 +1809,7 @@ class Store:
                 for buf in memo.values():
                     scratch.give(buf)
 
-    def references(self, key: bytes, loc: ChunkLoc, scratch: Scratch | None = None) -> builtins.list[bytes]:
+    def _references(self, key: bytes, loc: ChunkLoc, scratch: Scratch | None = None) -> builtins.list[bytes]:
         """Keys of the chunks decoding ``key`` needs directly: a delta's base; a predicted frame's base and
         the chunks its record names (read from the frame, into a buffer of ``scratch`` when given). Raises
         :class:`CorruptChunkError` when a predicted frame's record cannot be read intact."""

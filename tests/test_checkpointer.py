@@ -2897,7 +2897,7 @@ def test_a_resumed_run_writes_again_the_damaged_inputs_of_a_skipped_checkpoint(f
         assert [i.step for i in store.list()] == [3, 5, 6]
         live = keys(store, step=3) | keys(store, step=5) | keys(store, step=6)
         five = store.index.lookup_chunks(keys(store, step=5))
-        inputs = {r for k, loc in five.items() for r in store.references(k, loc)} & (only4 - live)
+        inputs = {r for k, loc in five.items() for r in store._references(k, loc)} & (only4 - live)
         assert len(inputs) > 4
         damaged = store.index.lookup_chunks(inputs)
     _damage_frames(fast_dir / "store", damaged.values())

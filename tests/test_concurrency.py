@@ -907,7 +907,7 @@ def _decode_depths(s: Store) -> dict[bytes, tuple[int, int, int]]:
     def depth(k: bytes, nesting: int = 0) -> int:
         if k not in actual:
             assert nesting <= codec.MAX_CHAIN_FRAMES, "a cycle of bases or prediction inputs"
-            refs = s.references(k, entries[k])
+            refs = s._references(k, entries[k])
             assert all(r in entries for r in refs), "a base or prediction input is not in the index"
             actual[k] = 1 + max(depth(r, nesting + 1) for r in refs) if refs else 0
         return actual[k]

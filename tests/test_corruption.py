@@ -2373,7 +2373,7 @@ def test_a_damaged_base_payload_is_named_in_the_dependents_error(tmp_path: Path)
     _flip(_pack_path(store_path, base_loc), base_loc.offset + base_loc.frame_len - 3)  # payload: checksum fails
     with _open(store_path) as s:
         with pytest.raises(CorruptChunkError) as ei:
-            s.read_chunk(dep_key, all_locs[dep_key])
+            s._read_chunk(dep_key, all_locs[dep_key])
     assert ei.value.chunk_id == dep_cid
     assert f"its delta base {base_cid} is damaged" in str(ei.value), str(ei.value)
 

@@ -202,7 +202,7 @@ def test_gc_reclaims_packs_and_keeps_last(store: deltackpt.Store, store_path: Pa
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open files through /proc")
 def test_verify_makes_no_future_per_chunk(store: deltackpt.Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    """verify hands chunks to the read workers from one queue (``Store.read_each``), not as a future per chunk,
+    """verify hands chunks to the read workers from one queue (``Store._read_each``), not as a future per chunk,
     chunk group and index entry: those futures (a condition, a lock and a work item each) were half of what
     verify of a store with 200,000 chunk references held at its peak (189 MB), and grew with the store."""
     g = torch.Generator().manual_seed(0)
@@ -212,8 +212,8 @@ def test_verify_makes_no_future_per_chunk(store: deltackpt.Store, monkeypatch: p
         t.add_(1)
     store.save(state, step=2)  # 300 delta chunks on the 300 of step 1
     submitted: list[int] = []
-    real = store.read_pool.submit
-    monkeypatch.setattr(store.read_pool, "submit", lambda *a, **k: submitted.append(1) or real(*a, **k))
+    real = store._read_pool.submit
+    monkeypatch.setattr(store._read_pool, "submit", lambda *a, **k: submitted.append(1) or real(*a, **k))
     calls: list[tuple[int, int]] = []
     report = store.verify(progress=lambda done, total: calls.append((done, total)))
     assert report.ok and report.chunks == 600

@@ -666,7 +666,7 @@ def _predicted_chunk(s: deltackpt.Store, avoid: Set[bytes] = frozenset()) -> tup
     references. Which chunk comes first depends on the trained bytes, so on the CPU's float rounding."""
     for k, loc in s.index.iter_chunks():
         if loc.codec == codec.PREDICTED:
-            refs = s.references(k, loc)
+            refs = s._references(k, loc)
             if refs[-1] not in avoid:
                 return k, refs
     raise AssertionError("no predicted chunk")
@@ -1103,7 +1103,7 @@ def test_a_forged_prediction_input_is_named_by_verify(tmp_path: Path) -> None:
     with deltackpt.Store(store_path, chunk_size=CHUNK, max_chain=2) as s:
         _train(4, store=s)
         _, refs = _predicted_chunk(s)
-        raw = {r: bytes(s.read_chunk(r, s.index.lookup_chunks([r])[r])) for r in refs}
+        raw = {r: bytes(s._read_chunk(r, s.index.lookup_chunks([r])[r])) for r in refs}
         locs = s.index.lookup_chunks(refs)
     forged: dict[bytes, ChunkLoc] = {}
     for r in dict.fromkeys(refs):

@@ -1,4 +1,4 @@
-"""How loads read: items fanned out over read workers (Store.read_each), which start one per CPU and grow when a
+"""How loads read: items fanned out over read workers (Store._read_each), which start one per CPU and grow when a
 frame read has to wait on the disk (PackReader.read with ``before_blocking``)."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CS = 64 * 1024
        seed=st.integers(0, 2**16))
 def test_read_each_order_and_earliest_failure(tmp_path_factory: pytest.TempPathFactory, n: int, fail: set[int],
                                               threads: int, seed: int) -> None:
-    """Loads fan chunks out with Store.read_each: results come back in item order; of several failures the
+    """Loads fan chunks out with Store._read_each: results come back in item order; of several failures the
     earliest item's is raised, whatever the timing; once an item has failed, each other worker starts at most
     one more item (it may have looked for work just before the failure was recorded); every started item has
     finished when the call returns."""
@@ -48,11 +48,11 @@ def test_read_each_order_and_earliest_failure(tmp_path_factory: pytest.TempPathF
     with deltackpt.Store(tmp_path_factory.mktemp("each") / "s", read_threads=threads) as s:
         failing = sorted(f for f in fail if f < n)
         if not failing:
-            assert s.read_each(fn, list(range(n))) == [i * i for i in range(n)]
+            assert s._read_each(fn, list(range(n))) == [i * i for i in range(n)]
             assert sorted(i for e, i in events if e == "start") == list(range(n))
             return
         with pytest.raises(ValueError) as ei:
-            s.read_each(fn, list(range(n)), lambda item, exc: ValueError(("named", item, exc.args[0])))
+            s._read_each(fn, list(range(n)), lambda item, exc: ValueError(("named", item, exc.args[0])))
         started = [i for e, i in events if e == "start"]
         assert ei.value.args[0] == ("named", failing[0], failing[0])
         assert sorted(started) == sorted(i for e, i in events if e == "end")  # nothing still running
@@ -80,7 +80,7 @@ def test_an_interrupted_read_each_raises_once_no_worker_runs(tmp_path: Path) -> 
         with deltackpt.Store(tmp_path / "s", threads=2, read_threads=2) as s:
             signal.setitimer(signal.ITIMER_REAL, 0.05)
             with pytest.raises(KeyboardInterrupt):
-                s.read_each(fn, list(range(400)))
+                s._read_each(fn, list(range(400)))
             assert running == []
             n = len(started)
             time.sleep(0.05)
@@ -105,9 +105,9 @@ def test_read_each_starts_one_worker_per_cpu_and_grows_while_reads_wait(tmp_path
         return i
 
     with deltackpt.Store(tmp_path / "s", threads=2, read_threads=6) as s:
-        assert s.read_each(fn, list(range(60))) == list(range(60))
+        assert s._read_each(fn, list(range(60))) == list(range(60))
         # the hook is the workers' only while they work for read_each: other tasks on the pool see none
-        hooks = list(s.read_pool.map(lambda _: getattr(store_module._worker, "before_blocking", None), range(24)))
+        hooks = list(s._read_pool.map(lambda _: getattr(store_module._worker, "before_blocking", None), range(24)))
     assert hooks == [None] * 24
     if blocking:
         assert 2 < len(seen) <= 6
@@ -124,7 +124,7 @@ def test_read_workers_shrink_for_chunks_too_large_for_that_many(tmp_path: Path, 
     state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.ones(3)}
     with deltackpt.Store(tmp_path / "s", chunk_size=chunk_size, threads=2, read_threads=8) as s:
         want = {CS: 8, 256 << 20: 2, 1 << 30: 1}[chunk_size]
-        assert s.read_pool._max_workers == want
+        assert s._read_pool._max_workers == want
 
         def fn(i: int) -> int:
             seen.add(threading.get_ident())
@@ -132,7 +132,7 @@ def test_read_workers_shrink_for_chunks_too_large_for_that_many(tmp_path: Path, 
             time.sleep(0.002)
             return i
 
-        assert s.read_each(fn, list(range(40))) == list(range(40))
+        assert s._read_each(fn, list(range(40))) == list(range(40))
         assert len(seen) <= want
         s.save(state, step=1)
         assert_same_state(s.load(step=1), state)

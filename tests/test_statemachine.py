@@ -214,7 +214,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert base is not None, "a delta's base was dropped"
                 assert base.depth <= loc.depth - 1
             if loc.codec == codec.PREDICTED:
-                inputs = [entries.get(r) for r in self.store.references(k, loc)]
+                inputs = [entries.get(r) for r in self.store._references(k, loc)]
                 assert all(i is not None for i in inputs), "a prediction input was dropped"
                 assert max(i.depth for i in inputs if i is not None) <= loc.depth - 1
 
@@ -231,7 +231,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def damaged_base_is_reported_for_every_dependent(self, data: st.DataObject) -> None:
         entries = dict(self.store.index.iter_chunks())
-        inputs = {k: self.store.references(k, entries[k]) for k in entries}
+        inputs = {k: self.store._references(k, entries[k]) for k in entries}
         used = sorted({r for refs in inputs.values() for r in refs})
         if not used:
             return
@@ -271,7 +271,7 @@ class StoreMachine(RuleBasedStateMachine):
                 assert found == expected, found ^ expected
                 for k, hexid in broken.items():
                     try:
-                        s.read_chunk(k)
+                        s._read_chunk(k)
                     except CorruptChunkError as exc:
                         assert exc.chunk_id == hexid, (exc.chunk_id, hexid)
                     else:
@@ -302,7 +302,7 @@ def _decode_depth(store: deltackpt.Store, entries: dict[bytes, ChunkLoc], k: byt
             assert h.base == loc.base, k.hex()
             memo[k] = 1 + _decode_depth(store, entries, h.base + k[16:], memo)
         elif h.codec == codec.PREDICTED:
-            memo[k] = 1 + max(_decode_depth(store, entries, r, memo) for r in store.references(k, loc))
+            memo[k] = 1 + max(_decode_depth(store, entries, r, memo) for r in store._references(k, loc))
         else:
             memo[k] = 0
     return memo[k]
