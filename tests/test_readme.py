@@ -63,8 +63,22 @@ def test_a_readme_example_runs(line: int, code: str, tmp_path: Path, monkeypatch
         if dist:
             torch.distributed.destroy_process_group()
     if "ckpt" in ns:  # the training loop: it saved, and a second run resumed where the first stopped
-        assert ns["start_step"] == 20
+        assert ns["start_step"] == ns["total_steps"]
     if "writer" in ns:
         import deltackpt.distributed as d
 
         assert d.steps(tmp_path / "ckpts") == list(range(20))
+
+
+def test_the_quick_start_runs_as_pasted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first screen's example defines everything it uses: it runs without the preamble, and run again it
+    resumes where the first run stopped."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    m = re.search(r"^```python\n(.*?)^```", section, re.M | re.S)
+    assert m, "the Quick start section has no python block"
+    monkeypatch.chdir(tmp_path)
+    for run in range(2):
+        ns: dict[str, object] = {"__name__": "readme_quick_start"}
+        exec(compile(m.group(1), "README.md:quick start", "exec"), ns)
+        assert ns["start_step"] == (0 if run == 0 else ns["total_steps"])
