@@ -82,3 +82,19 @@ def test_the_quick_start_runs_as_pasted(tmp_path: Path, monkeypatch: pytest.Monk
         ns: dict[str, object] = {"__name__": "readme_quick_start"}
         exec(compile(m.group(1), "README.md:quick start", "exec"), ns)
         assert ns["start_step"] == (0 if run == 0 else ns["total_steps"])
+
+
+def test_the_command_table_matches_the_command_line() -> None:
+    """Every subcommand has a row in the README's command table, and each row names exactly its options."""
+    import argparse
+
+    from deltackpt.cli import build_parser
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"^\| `deltackpt ([a-z-]+)([^`]*)` \|", section, re.M)}
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(rows) == set(sub.choices)
+    for name, parser in sub.choices.items():
+        options = {o for a in parser._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+        assert set(re.findall(r"--[a-z-]+", rows[name])) == options, name
