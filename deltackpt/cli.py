@@ -1131,7 +1131,8 @@ def build_parser() -> argparse.ArgumentParser:
     kp.add_argument("--no-tagged", action="store_true", help="do not keep tagged checkpoints for their tag")
     kp.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     kp.add_argument("--gc", action="store_true", help="then reclaim the space (gc every store)")
-    dc = add("dcp", cmd_dcp, "list (and delete, prune, gc) the steps of a sharded torch.distributed.checkpoint root",
+    dc = add("dcp", cmd_dcp,
+             "list (and delete, prune, gc, verify) the steps of a sharded torch.distributed.checkpoint root",
              store="the sharded (DCP) checkpoint root (holding meta/ and rank-NNNNN/ stores)")
     dc.add_argument("--rm", type=int, nargs="+", default=[], metavar="STEP", help="delete these steps first")
     dc.add_argument("--prune", action="store_true",

@@ -1754,3 +1754,15 @@ def test_a_missing_store_or_import_file_is_named_missing(capsys: pytest.CaptureF
     rc, _, err = cli(capsys, "dcp", tmp_path / "afile")
     assert rc == 1
     assert_one_line_error(err, f"{tmp_path / 'afile'} is not a sharded (DCP) checkpoint root: it is not a directory")
+
+
+def test_dcp_help_summary_names_everything_it_does() -> None:
+    """`deltackpt --help` lists dcp as listing, deleting, pruning, collecting and verifying (it left out verify)."""
+    import argparse
+
+    from deltackpt.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    summary = next(c.help for c in sub._choices_actions if c.dest == "dcp")
+    for word in ("list", "delete", "prune", "gc", "verify"):
+        assert word in summary, word
