@@ -18,7 +18,8 @@ next save (:func:`prune`'s rule), so no process writes another's store.
 
 Nothing is unpickled on load by default: DCP serialises non-tensor values (``BYTE_IO`` items) with pickle, so
 the writer stores those it can as plain values instead (the kinds :mod:`deltackpt.tree` encodes: numbers,
-strings, lists, dicts, ...) and keeps the pickle only for the others; loading a pickled one needs
+strings, lists, dicts, ...), those holding arrays as state trees (numpy arrays and CPU tensors inside tuples,
+lists, dicts: NumPy's RNG state), and keeps the pickle only for the others; loading a pickled one needs
 ``allow_pickle=True`` on the reader. DCP's metadata is stored as plain values too.
 """
 
@@ -72,14 +73,18 @@ from deltackpt.errors import (
     UnsupportedTypeError,
 )
 from deltackpt.retention import Retention, deleting_only
-from deltackpt.store import CheckpointInfo, Store, check_metadata, check_options, check_step
+from deltackpt.store import CheckpointInfo, Store, as_saved, check_metadata, check_options, check_step
 
-#: version of the layout of DCP metadata in ``root/meta`` checkpoints. 3: the bulk of DCP's metadata is a chunked
+#: version of the layout of DCP metadata in ``root/meta`` checkpoints. 4: items of kind "tree" (a value holding arrays,
+#: stored as a state tree under ``_TREES`` of the rank checkpoint), written only by steps that hold one, so that the
+#: others stay readable by format-3 readers. 3: the bulk of DCP's metadata is a chunked
 #: document in the meta checkpoint's state (deduplicated from step to step), and its metadata (which every index
 #: record copies and every listing reads) only names the rank checkpoints; 2 kept the whole document in the meta
-#: checkpoint's metadata; 1 also kept plain values in the rank checkpoints' metadata. Readers accept all three.
-META_FORMAT = 3
-_TENSORS, _PICKLED, _OBJECTS, _BLOBS = "tensors", "pickled", "dcp_objects", "blobs"
+#: checkpoint's metadata; 1 also kept plain values in the rank checkpoints' metadata. Readers accept all four.
+META_FORMAT = 4
+_TENSORS, _PICKLED, _OBJECTS, _BLOBS, _TREES = "tensors", "pickled", "dcp_objects", "blobs", "dcp_trees"
+#: the kinds of stored DCP items (the document's items name one each): anything else is refused as damage
+_KINDS = frozenset({"tensor", "blob", "object", "tree", "pickled"})
 #: the meta checkpoint's state key of the DCP metadata document (format 3)
 _DOC = "dcp_metadata"
 #: why DCP retention refuses full_last
@@ -109,7 +114,8 @@ class _Chosen:
 @dataclass(frozen=True)
 class _Stored:
     """Where one DCP item lies: its key in checkpoint ``checkpoint`` of rank ``rank``'s store, how (``kind``:
-    tensor, blob for large bytes values, object, pickled) and its size in bytes."""
+    tensor, blob for large bytes values, object for plain values, tree for values holding arrays, pickled) and
+    its size in bytes."""
 
     rank: int
     key: str
@@ -365,17 +371,21 @@ class DeltaStorageWriter(StorageWriter):
         pickled: dict[str, np.ndarray] = {}
         blobs: dict[str, np.ndarray] = {}
         objects: dict[str, Any] = {}
+        trees: dict[str, Any] = {}
         kinds: list[tuple[Any, str, str, int]] = []
         for item in plan.items:
             key = _item_key(item.index)
             if item.type == WriteItemType.BYTE_IO:
-                obj, plain = _plain_object(planner, item.index)
-                if plain and type(obj) is bytes and len(obj) >= BLOB_MIN:
+                obj, how, n = _stored_as(planner, item.index)
+                if how == "object" and type(obj) is bytes and len(obj) >= BLOB_MIN:
                     blobs[key] = np.frombuffer(obj, np.uint8)
                     kinds.append((item.index, key, "blob", len(obj)))
-                elif plain:
+                elif how == "object":
                     objects[key] = obj
                     kinds.append((item.index, key, "object", 0))
+                elif how == "tree":
+                    trees[key] = obj
+                    kinds.append((item.index, key, "tree", n))
                 else:
                     data = cast(io.BytesIO, planner.resolve_data(item))  # (a bytes item's data: DCP's contract)
                     raw = np.frombuffer(data.getbuffer(), np.uint8).copy()
@@ -398,8 +408,11 @@ class DeltaStorageWriter(StorageWriter):
                     and (isinstance(v, (int, float)) or (type(v) is torch.Tensor and v.numel() == 1))))}
         whole = self._kept_for_good(store.latest(), self.step)
         before = self._kept.betas.get(rank)
+        # (values holding arrays under a key of their own, there only when some are: a rank checkpoint without
+        # any is as format-3 writers wrote it)
         with self._descend(store, rank):
-            info = store._save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects},
+            info = store._save({_TENSORS: tensors, _PICKLED: pickled, _BLOBS: blobs, _OBJECTS: objects,
+                                **({_TREES: trees} if trees else {})},
                                step=self.step, keyframe=whole, _self_contained=whole,
                                _flat=(_TENSORS, hints, before) if hints else None)
         if hints:
@@ -521,7 +534,8 @@ class DeltaStorageWriter(StorageWriter):
         sm = metadata.storage_meta
         checkpoints = [list(rc) for rc in sorted({(r.storage_data.rank, r.storage_data.checkpoint) for r in stored})]
         head = {
-            "format": META_FORMAT,
+            # (a step without trees stays readable by format-3 readers; they refuse one with trees as newer)
+            "format": META_FORMAT if any(r.storage_data.kind == "tree" for r in stored) else 3,
             "checkpoints": checkpoints,
             "storage_meta": None if sm is None else {"checkpoint_id": None if sm.checkpoint_id is None
                                                      else str(sm.checkpoint_id),
@@ -591,18 +605,29 @@ def _threads_per_rank() -> int:
     return max(1, n)
 
 
-def _plain_object(planner: SavePlanner, index: MetadataIndex) -> tuple[Any, bool]:
-    """The value behind a ``BYTE_IO`` item and whether it is plain data (stored without pickle). Only for
-    planners that serialise it as :class:`DefaultSavePlanner` does (``torch.save`` of the looked-up object):
-    another planner's bytes may be more than the object, so they are kept as they are."""
+def _stored_as(planner: SavePlanner, index: MetadataIndex) -> tuple[Any, str, int]:
+    """The value behind a ``BYTE_IO`` item, how it is stored without pickle and the bytes of its arrays:
+    ``"object"`` for plain data (:func:`tree.encode_plain`'s); ``"tree"`` for any other state tree that a load
+    rebuilds alone (numpy arrays and CPU tensors, as leaves of its tensor table, in tuples, lists, dicts, sets,
+    ...): no registered type, whose decoder the loading process may lack, and no tensor on another device,
+    which a load would bring back on the CPU; ``"pickled"`` (and None) for the others. Only for planners that
+    serialise the value as :class:`DefaultSavePlanner` does (``torch.save`` of the looked-up object): another
+    planner's bytes may be more than the object, so they are kept as they are."""
     if type(planner).transform_object is not DefaultSavePlanner.transform_object:  # type: ignore[attr-defined]
-        return None, False
+        return None, "pickled", 0
     obj = planner.lookup_object(index)  # type: ignore[attr-defined]
     try:
         tree.encode_plain(obj)
+        return obj, "object", 0
     except UnsupportedTypeError:
-        return None, False
-    return obj, True
+        pass
+    try:
+        skeleton, leaves = tree.flatten(obj)
+    except UnsupportedTypeError:
+        return None, "pickled", 0
+    if tree._first_registered(skeleton, "") is not None or any(leaf.device != "cpu" for leaf in leaves):
+        return None, "pickled", 0
+    return obj, "tree", sum(leaf.nbytes for leaf in leaves)
 
 
 def _compact_md(md: Any) -> list[Any] | None:
@@ -731,7 +756,8 @@ class DeltaStorageReader(StorageReader):
         self._chosen, self._chosen_step = info.id, info.step
         try:
             sdm = {fqn: _decode_md(fqn, d, where) for fqn, d in doc["state_dict_metadata"].items()}
-            storage = {MetadataIndex(fqn, offset, index): _Stored(int(rank), str(key), str(ckpt), str(kind), int(n))
+            storage = {MetadataIndex(fqn, offset, index): _Stored(int(rank), str(key), str(ckpt),
+                                                                  _known_kind(fqn, kind, where), int(n))
                        for fqn, offset, index, rank, key, ckpt, kind, n in doc["items"]}
             sm = doc["storage_meta"]
             storage_meta = StorageMeta() if sm is None else StorageMeta(
@@ -830,6 +856,7 @@ class DeltaStorageReader(StorageReader):
         objects: Mapping[str, Any] = {}
         if any(s.kind == "object" for _, s in reqs):
             objects = _stored_objects(store, ckpt)
+        trees = _stored_trees(store, ckpt, sorted({s.key for _, s in reqs if s.kind == "tree"}), verify=self.verify)
         if bufs or pickled or blobs:
             missing = store.load_into({_TENSORS: bufs, _PICKLED: pickled, _BLOBS: blobs}, id=ckpt,
                                       verify=self.verify, strict=False, spans=spans)
@@ -837,16 +864,19 @@ class DeltaStorageReader(StorageReader):
                 raise CorruptManifestError(f"checkpoint {ckpt} of {store.path} lacks DCP items {missing[:5]}")
         for req, s in reqs:
             if req.type == LoadItemType.BYTE_IO:
-                if s.kind == "object":
-                    if s.key not in objects:
+                if s.kind in ("object", "tree"):
+                    found = objects if s.kind == "object" else trees
+                    if s.key not in found:
                         raise CorruptManifestError(f"checkpoint {ckpt} of {store.path} lacks DCP item {s.key!r}")
                     value = io.BytesIO()
-                    torch.save(objects[s.key], value)  # plain values this reader decoded: nothing of the store runs
+                    torch.save(found[s.key], value)  # values this reader decoded: nothing of the store runs
                 elif s.kind == "blob":
                     value = io.BytesIO()
                     torch.save(blobs[s.key].tobytes(), value)
-                else:
+                elif s.kind == "pickled":
                     value = io.BytesIO(pickled[s.key].tobytes())
+                else:  # (read_metadata refused it already: a reader never guesses what an unknown kind holds)
+                    raise CorruptManifestError(f"DCP item {req.storage_index.fqn!r} has unknown kind {s.kind!r}")
                 value.seek(0)
                 planner.load_bytes(req, value)
                 continue
@@ -890,6 +920,36 @@ def _stored_objects(store: Store, ckpt: str) -> Mapping[str, Any]:
         return skeleton[_OBJECTS]
     meta = _doc(store, m.id)
     return meta.get(_OBJECTS, {}) if isinstance(meta, dict) else {}
+
+
+def _stored_trees(store: Store, ckpt: str, keys: Sequence[str], *, verify: bool) -> dict[str, Any]:
+    """The DCP values ``keys`` (of kind tree) of rank checkpoint ``ckpt``, rebuilt from their nodes of the state's
+    skeleton with the arrays those reference, decoded on the CPU (only those: not the rank's shards) and made
+    what :meth:`Store.load` makes of them (a parameter, requires_grad)."""
+    if not keys:
+        return {}
+    m = store.manifest(id=ckpt)
+    top = dict(tree.node_children(m.tree))
+    nodes = dict(tree.node_children(top.get(_TREES)))
+    lacking = [k for k in keys if k not in nodes]
+    if lacking:
+        raise CorruptManifestError(f"checkpoint {ckpt} of {store.path} lacks DCP items {lacking[:5]}")
+    indices = sorted({i for k in keys for _, _, i in tree.leaf_refs(nodes[k])})
+    if any(not 0 <= i < len(m.tensors) for i in indices):
+        raise CorruptManifestError(f"checkpoint {ckpt} of {store.path}: a DCP value names a tensor beyond its "
+                                   f"{len(m.tensors)}")
+    leaves: list[Any] = [None] * len(m.tensors)
+    for i, obj in zip(indices, store._read_tensors(ckpt, indices, verify=verify)):
+        leaves[i] = as_saved(m.tensors[i], obj)
+    return {k: tree.unflatten(nodes[k], leaves) for k in keys}
+
+
+def _known_kind(fqn: str, kind: Any, where: str) -> str:
+    """``kind``, the stored kind of DCP item ``fqn``, when this reader knows it; a kind it does not know (a newer
+    writer's, or damage) is refused naming the item, never read as another."""
+    if kind not in _KINDS:
+        raise CorruptManifestError(f"{where}: DCP item {fqn!r} has unknown kind {kind!r:.40}")
+    return cast(str, kind)
 
 
 def _byte_span(shard: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
@@ -1237,6 +1297,8 @@ def _full_doc(meta: Store, ckpt: str, where: str, *, verify: bool = True) -> dic
             planner_data = _expand_planner_data(doc["planner_data"])
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError, CorruptManifestError) as exc:
         raise CorruptManifestError(f"{where}: malformed DCP metadata document ({exc!r:.200})") from None
+    for it in items:
+        _known_kind(it[0], it[6], where)
     return {"version": doc["version"], "state_dict_metadata": sdm, "planner_data": planner_data,
             "storage_meta": head.get("storage_meta"), "items": items}
 

@@ -184,6 +184,17 @@ def check_metadata(metadata: Any) -> dict[str, Any] | None:
     return dict(metadata)
 
 
+def as_saved(t: TensorEntry, obj: Any) -> Any:
+    """The decoded tensor ``obj`` of entry ``t`` made what was saved: a parameter, or one that requires grad (a
+    numpy array as it is)."""
+    if t.kind == "torch":
+        if t.parameter:
+            return torch.nn.Parameter(obj, requires_grad=t.requires_grad)
+        if t.requires_grad:
+            obj.requires_grad_(True)
+    return obj
+
+
 def _same_entry(m: Manifest, a: TensorEntry, b: TensorEntry) -> bool:
     """Whether two tensor entries of ``m`` hold the same bytes (the same entry, or equal chunk ids)."""
     return a is b or (a.nbytes == b.nbytes and a.count == b.count and np.array_equal(
@@ -1404,11 +1415,8 @@ class Store:
             objs[i] = out.to(dev, non_blocking=dev.type == "cuda")  # (pinned for CUDA only: staging.copy_back)
         staging.synchronize_cuda(dev for _, _, dev in finals)
         for i, t in enumerate(m.tensors):
-            if t.kind == "torch" and i not in given:
-                if t.parameter:
-                    objs[i] = torch.nn.Parameter(objs[i], requires_grad=t.requires_grad)
-                elif t.requires_grad:
-                    objs[i].requires_grad_(True)
+            if i not in given:
+                objs[i] = as_saved(t, objs[i])
         state = tree.unflatten(m.tree, objs, allow_pickle=allow_pickle)
         if _head:
             self._head = rec.id
@@ -1517,15 +1525,16 @@ class Store:
         self._head = rec.id
         return missing
 
-    def _read_tensors(self, checkpoint_id: str, indices: Sequence[int]) -> builtins.list[torch.Tensor | np.ndarray]:
-        """The tensors of checkpoint ``checkpoint_id`` at ``indices`` of its tensor table, decoded (verified) on
-        the CPU: the other tensors' chunks are not read (``deltackpt get``)."""
+    def _read_tensors(self, checkpoint_id: str, indices: Sequence[int], *,
+                      verify: bool = True) -> builtins.list[torch.Tensor | np.ndarray]:
+        """The tensors of checkpoint ``checkpoint_id`` at ``indices`` of its tensor table, decoded (verified, unless
+        ``verify`` is False) on the CPU: the other tensors' chunks are not read (``deltackpt get``, DCP values)."""
         with self._gc_lock():
             rec = self._record(id=checkpoint_id)
             m = self._manifest(rec)
             devices: dict[str, torch.device] = {}
             outs = [staging.new_output(rec, m.tensors[i], "cpu", devices) for i in indices]
-            self._read_into(m, [(m.tensors[i], o[2]) for i, o in zip(indices, outs)], verify=True)
+            self._read_into(m, [(m.tensors[i], o[2]) for i, o in zip(indices, outs)], verify=verify)
         return [o[0] for o in outs]
 
     def _read_into(self, m: Manifest, jobs: builtins.list[tuple[TensorEntry, np.ndarray]], *,

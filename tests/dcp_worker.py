@@ -19,6 +19,9 @@ step, which tests/test_distributed.py checks loads against.
   ``loads`` (steps 1 and 2 saved, then rank r loads step 1 + r);
 - ``branch``: saves the states of steps 0 to 3 through one writer, loads step 1 (a rollback) and saves steps 2
   and 3 again through a new writer: a branch from step 1 on every rank;
+- ``rng``: saves STEP's sharded state with each rank's NumPy RNG state and a tuple holding a tensor (values DCP
+  pickles) under keys of the rank's own, loads it back into a fresh state without ``allow_pickle`` and prints
+  ``ok`` when the values match and the RNG draws after ``np.random.set_state`` repeat;
 - ``retain``: saves the states of steps STEP to STEP + COUNT - 1 (``retain RANK WORLD ROOT INIT STEP COUNT``)
   through one writer with ``Retention(keep_last=2)``, gc after every retention that deleted anything (the
   threshold lowered to 0), printing ``saved N`` after each step (a test kills the ranks at some point).
@@ -86,6 +89,29 @@ def main() -> int:
             dcp.save(state, storage_writer=writer)
             writer.close()
             return 0
+        if mode == "rng":
+            import numpy as np
+
+            step = int(sys.argv[6])
+            np.random.seed(100 * step + rank)
+            np.random.random(rank + 1)
+            mine = {f"np_rng_{rank}": np.random.get_state(),
+                    f"pair_{rank}": (torch.arange(5, dtype=torch.int16) * rank, [np.float32(rank), rank])}
+            writer = DeltaStorageWriter(root, step=step)
+            dcp.save({**sharded(step), **mine}, storage_writer=writer)
+            writer.close()
+            state = {**sharded(0), f"np_rng_{rank}": None, f"pair_{rank}": None}
+            dcp.load(state, storage_reader=DeltaStorageReader(root))  # (no allow_pickle)
+            draws = np.random.random(8)
+            np.random.set_state(state[f"np_rng_{rank}"])
+            pair = state[f"pair_{rank}"]
+            ok = (np.array_equal(np.random.random(8), draws) and type(state[f"np_rng_{rank}"]) is tuple
+                  and type(pair) is tuple and pair[0].dtype == torch.int16
+                  and torch.equal(pair[0], mine[f"pair_{rank}"][0]) and pair[1] == mine[f"pair_{rank}"][1]
+                  and type(pair[1][0]) is np.float32 and state["step"] == step
+                  and torch.equal(state["w"].full_tensor(), expected(step)["w"]))
+            print(f"rank {rank}: {'ok' if ok else 'MISMATCH'}", flush=True)
+            return 0 if ok else 1
         if mode == "retain":
             import deltackpt
             os.environ["DELTACKPT_GC_MIN_BYTES"] = "0"  # collect as soon as retention deleted a quarter

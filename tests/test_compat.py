@@ -12,6 +12,9 @@
   deltackpt at commit 77cf6fa (2026-12-04), the first writer of DCP meta format 3: until 6fa874e it wrote the
   metadata document as a plain-value skeleton rather than compact JSON. Its stores' ``index`` directories (LMDB
   files of 57 KB each) are left out: the tests rebuild them with a repair, from manifests and packs.
+- ``tests/fixtures/dcp-meta3-pickled``, a sharded root written by ``write_dcp_meta3_pickled`` below with deltackpt
+  at a246c38 (2026-12-06), the last writer that kept values holding arrays (NumPy's RNG state, a tensor in a
+  tuple) as DCP's pickle (item kind ``pickled``), in meta format 3; ``index`` directories left out likewise.
 
 Never regenerate a fixture for a new version: add a new one beside it instead.
 """
@@ -37,6 +40,7 @@ FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"
 PREDICTED = Path(__file__).parent / "fixtures" / "store-predicted"
 GOLDEN = PREDICTED.with_suffix(".json")
 DCP_META3_SKELETON = Path(__file__).parent / "fixtures" / "dcp-meta3-skeleton"
+DCP_META3_PICKLED = Path(__file__).parent / "fixtures" / "dcp-meta3-pickled"
 
 
 def expected_states() -> list[tuple[int, dict]]:
@@ -257,3 +261,63 @@ if __name__ == "__main__" and sys.argv[1:] == ["write"]:
     write(FIXTURE)
 if __name__ == "__main__" and sys.argv[1:] == ["write-predicted"]:
     write_predicted(PREDICTED)
+
+
+def dcp_meta3_pickled_state() -> dict[str, Any]:
+    rng = np.random.RandomState(7)  # (the state np.random.seed(7) gives the global generator)
+    return {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4) / 8, "np_rng": rng.get_state(),
+            "pair": (torch.arange(4, dtype=torch.int16), "two"), "step": 7}
+
+
+def write_dcp_meta3_pickled(dest: Path) -> None:  # pragma: no cover - was run once, with deltackpt at a246c38
+    import torch.distributed.checkpoint as dcp
+
+    from deltackpt.distributed import DeltaStorageWriter
+    dcp.save(dcp_meta3_pickled_state(), storage_writer=DeltaStorageWriter(dest, step=7))
+    for store in ("meta", "rank-00000"):
+        shutil.rmtree(dest / store / "index")
+
+
+def test_dcp_values_pickled_by_earlier_writers_load_as_before(tmp_path: Path) -> None:
+    """A root whose NumPy RNG state and tensor-in-a-tuple an earlier writer kept pickled loads as it did: refused
+    without allow_pickle, exact with it. A current save on top stores them as state trees (meta format 4), which
+    load without pickle, and the old step still loads."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from deltackpt import distributed
+    root = tmp_path / "root"
+    shutil.copytree(DCP_META3_PICKLED, root)
+    for store in ("meta", "rank-00000"):
+        with maintenance.open_for_repair(root / store) as s:
+            assert s.repair().checkpoints == 1
+    want = dcp_meta3_pickled_state()
+
+    def load(**kw: Any) -> dict[str, Any]:
+        got = {"w": torch.zeros(3, 4), "np_rng": None, "pair": None, "step": 0}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(got, storage_reader=distributed.DeltaStorageReader(root, **kw))
+        return got
+
+    def same(got: dict[str, Any]) -> bool:
+        rng = np.random.RandomState()
+        rng.set_state(got["np_rng"])
+        return (torch.equal(got["w"], want["w"]) and got["step"] == 7 and got["np_rng"][0] == "MT19937"
+                and np.array_equal(got["np_rng"][1], want["np_rng"][1]) and got["np_rng"][2:] == want["np_rng"][2:]
+                and np.array_equal(rng.random_sample(5), np.random.RandomState(7).random_sample(5))
+                and type(got["pair"]) is tuple and torch.equal(got["pair"][0], want["pair"][0])
+                and got["pair"][1] == "two")
+
+    with pytest.raises(CheckpointException, match="saved pickled"):
+        load(step=7)
+    assert same(load(step=7, allow_pickle=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(want, storage_writer=distributed.DeltaStorageWriter(root, step=8))
+    assert same(load(step=8)) and same(load(step=7, allow_pickle=True))
+    with deltackpt.Store(root / "meta") as meta:
+        assert [i.metadata["format"] for i in meta.list()] == [3, 4]
+    assert distributed.verify_names(root) == []

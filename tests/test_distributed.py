@@ -271,7 +271,7 @@ def test_a_root_of_an_older_meta_format_still_loads(tmp_path: Path, fmt: int) ->
                 s.rewrite(state, id=info.id, metadata={distributed._OBJECTS: objects})
     with deltackpt.Store(root / "meta") as meta:
         info = meta.latest()
-        assert info is not None and info.metadata["format"] == 3 == distributed.META_FORMAT
+        assert info is not None and info.metadata["format"] == 3 == distributed.META_FORMAT - 1  # (no trees)
         doc = distributed._full_doc(meta, info.id, "test")
         meta.rewrite({}, id=info.id, metadata=dict(doc, format=fmt))
     assert distributed.steps(root) == [7] and [s.ranks for s in distributed.summary(root)] == [1]
@@ -294,6 +294,21 @@ def test_a_root_of_an_older_meta_format_still_loads(tmp_path: Path, fmt: int) ->
     distributed.delete(root, 7)
     with deltackpt.Store(root / "rank-00000") as s:
         assert s.list() == []
+
+
+@pytest.mark.plumbing
+def test_two_ranks_save_and_load_their_rng_states_without_pickle(tmp_path: Path) -> None:
+    """Each rank's NumPy RNG state and a tuple holding a tensor, beside sharded tensors: each lies in its rank's
+    store as a state tree, and loads back on each rank without allow_pickle (its draws repeat)."""
+    root = tmp_path / "ckpt"
+    for r in ranks("rng", root, tmp_path, 2, 4):
+        assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
+    kinds = item_kinds(root)
+    assert {k: kinds[k] for k in kinds if k.startswith(("np_rng", "pair"))} == dict.fromkeys(
+        ["np_rng_0", "np_rng_1", "pair_0", "pair_1"], "tree")
+    for rank in (0, 1):
+        with deltackpt.Store(root / f"rank-{rank:05d}") as s:
+            assert f"np_rng_{rank}@" in s.load()[distributed._TREES]
 
 
 @pytest.mark.plumbing
@@ -418,6 +433,167 @@ def test_values_that_need_pickle_load_only_when_allowed(tmp_path: Path) -> None:
         assert isinstance(exc, deltackpt.UnsafeLoadError) and "'frac'" in str(exc)
         dcp.load(target, storage_reader=DeltaStorageReader(root, allow_pickle=True))
     assert target["frac"] == fractions.Fraction(1, 3) and target["n"] == 5 and torch.equal(target["x"], torch.ones(3))
+
+
+class Opaque:
+    """A class instance: no state tree holds it, so DCP's pickle of it is kept (and needs allow_pickle)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Opaque and other.n == self.n
+
+
+def test_values_that_need_pickle_load_only_when_allowed_even_beside_arrays(tmp_path: Path) -> None:
+    """A class instance stays pickled, alone or in a tuple beside an array (the tuple cannot be stored without
+    it): the load needs allow_pickle, and with it loads both as they were."""
+    root = tmp_path / "ckpt"
+    state = {"x": torch.ones(3), "obj": Opaque(4), "mixed": (np.arange(3), Opaque(5)), "rng": np.random.get_state()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=DeltaStorageWriter(root, step=0))
+        assert item_kinds(root) == {"x": "tensor", "obj": "pickled", "mixed": "pickled", "rng": "tree"}
+        target: dict[str, Any] = {"x": torch.zeros(3), "obj": None, "mixed": None, "rng": None}
+        with pytest.raises(CheckpointException) as caught:
+            dcp.load(target, storage_reader=DeltaStorageReader(root))
+        exc = caught.value.failures[0][0]
+        assert isinstance(exc, deltackpt.UnsafeLoadError) and re.search("'obj'|'mixed'", str(exc))
+        dcp.load(target, storage_reader=DeltaStorageReader(root, allow_pickle=True))
+    assert target["obj"] == Opaque(4) and target["mixed"][1] == Opaque(5)
+    assert np.array_equal(target["mixed"][0], np.arange(3))
+
+
+def item_kinds(root: Path, step: int | None = None) -> dict[str, str]:
+    """fqn -> the kind its item is stored as, in the DCP checkpoint of ``step`` (the newest) under ``root``."""
+    with deltackpt.Store(root / "meta") as meta:
+        doc = distributed._full_doc(meta, meta.info(step).id if step is not None else meta.latest().id, "test")
+    return {it[0]: it[6] for it in doc["items"]}
+
+
+def same_value(a: Any, b: Any, where: str = "") -> None:
+    """``a`` and ``b`` are alike: the same types all the way down, arrays of the same dtype (byte order
+    included), shape and values, tensors of the same dtype, shape, requires_grad and values."""
+    assert type(a) is type(b), (where, type(a), type(b))
+    if isinstance(a, np.ndarray):
+        assert (a.dtype.str, a.shape) == (b.dtype.str, b.shape) and np.array_equal(a, b), where
+    elif isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.requires_grad) == (b.dtype, b.shape, b.requires_grad), where
+        assert torch.equal(a.detach(), b.detach()), where
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            same_value(x, y, f"{where}[{i}]")
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            same_value(a[k], b[k], f"{where}.{k}")
+    else:
+        assert a == b, where
+
+
+def values_state(step: int) -> dict[str, Any]:
+    """A state of values that DCP pickles and a state tree holds: RNG states, arrays and tensors in tuples,
+    dicts inside lists, a 0-d array, a set."""
+    np.random.seed(step)
+    np.random.random(3)
+    g = torch.Generator().manual_seed(step)
+    p = torch.nn.Parameter(torch.randn(2, 3, generator=g))
+    return {"x": torch.full((4,), float(step)),
+            "np_rng": np.random.get_state(),
+            "torch_rng": (g.get_state(), step),
+            "nested": ({"half": np.arange(6, dtype=np.float16).reshape(2, 3) * step,
+                        "big_endian": (np.arange(3) + step).astype(">u4")},
+                       [p, p, torch.ones(2, dtype=torch.bfloat16, requires_grad=True)]),
+            "listed": [{"a": np.ones(2) * step}, (np.int64(step), torch.tensor(step))],
+            "scalar": np.array(2.5 * step),
+            "ids": {1, 2, step}}
+
+
+def test_values_holding_arrays_load_without_pickle_as_dcp_gives_them(tmp_path: Path) -> None:
+    """NumPy's RNG state, tensors and arrays inside tuples and lists: DCP pickles them, and the writer kept the
+    pickle, so a resume needed allow_pickle=True. They are stored as state trees now (meta format 4), and load
+    without pickle as DCP's own FileSystemWriter gives them back (types, dtypes, shapes, requires_grad; a tensor
+    met twice is one object); the draws after np.random.set_state repeat. The root's tools handle them."""
+    from deltackpt.cli import main
+
+    root = tmp_path / "ckpt"
+    w = DeltaStorageWriter(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (1, 2):
+            w.step = step
+            dcp.save(values_state(step), storage_writer=w)
+        w.step = 3
+        dcp.save({"x": torch.zeros(4), "n": 3}, storage_writer=w)  # no trees: readable by format-3 readers
+        w.close()
+        dcp.save(values_state(1), checkpoint_id=tmp_path / "fs")
+        want = values_state(0)
+        dcp.load(want, checkpoint_id=tmp_path / "fs")
+        got = values_state(0)
+        dcp.load(got, storage_reader=DeltaStorageReader(root, step=1))  # (no allow_pickle)
+    kinds = item_kinds(root, 1)
+    assert "pickled" not in kinds.values() and kinds["np_rng"] == kinds["nested"] == "tree", kinds
+    same_value(got, want)
+    pair = got["nested"][1]
+    assert pair[0] is pair[1] and type(pair[0]) is torch.nn.Parameter
+    np.random.seed(1)
+    np.random.random(3)
+    draws = np.random.random(10)
+    np.random.set_state(got["np_rng"])
+    assert np.array_equal(np.random.random(10), draws)
+    with deltackpt.Store(root / "meta") as meta:
+        assert [i.metadata["format"] for i in meta.list()] == [4, 4, 3]
+    with deltackpt.Store(root / "rank-00000") as s:
+        trees = s.load(step=1)[distributed._TREES]
+        assert trees["nested@"][0]["big_endian"].dtype.str == ">u4"  # (torch.load makes it native, as DCP's own)
+        assert not any(t.key.startswith("pickled") for t in s.manifest(step=1).tensors)
+    assert distributed.verify_names(root) == [] and [i.ranks for i in distributed.summary(root)] == [1, 1, 1]
+    assert main(["dcp", str(root), "--verify"]) == 0
+    distributed.delete(root, 1)
+    assert distributed.prune(root) == 0 and distributed.steps(root) == [2, 3]
+    got = values_state(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(got, storage_reader=DeltaStorageReader(root, step=2))
+    dcp.save(values_state(2), checkpoint_id=tmp_path / "fs2")
+    want = values_state(0)
+    dcp.load(want, checkpoint_id=tmp_path / "fs2")
+    same_value(got, want)
+
+
+def test_a_reader_refuses_an_item_kind_it_does_not_know(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An item of a kind the reader does not know (a newer writer's, damage) is refused naming the item, by the
+    load and by verify; it was read as a pickle (a KeyError). A reader of meta format 3 refuses a step with
+    trees as newer, typed, and still loads a step without."""
+    import json
+
+    root = tmp_path / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"x": torch.ones(3), "n": 5, "rng": np.random.get_state()},
+                 storage_writer=DeltaStorageWriter(root, step=1))
+        dcp.save({"x": torch.ones(3), "n": 6}, storage_writer=DeltaStorageWriter(root, step=2))
+    monkeypatch.setattr(distributed, "META_FORMAT", 3)
+    with pytest.raises(CheckpointException, match="DCP metadata format 4 is newer than this reader's"):
+        dcp.load({"x": torch.zeros(3), "n": 0, "rng": None}, storage_reader=DeltaStorageReader(root, step=1))
+    target: dict[str, Any] = {"x": torch.zeros(3), "n": 0}
+    dcp.load(target, storage_reader=DeltaStorageReader(root, step=2))
+    assert target["n"] == 6
+    monkeypatch.undo()
+    with deltackpt.Store(root / "meta") as meta:
+        info = meta.info(1)
+        doc = json.loads(meta.load(id=info.id)[distributed._DOC].tobytes())
+        doc["items"] = [[*it[:5], "frob" if it[0] == "n" else it[5], it[6]] for it in doc["items"]]
+        meta.rewrite({distributed._DOC: np.frombuffer(json.dumps(doc).encode(), np.uint8)}, id=info.id,
+                     metadata=info.metadata)
+    unknown = "DCP checkpoint of step 1 in .*: DCP item 'n' has unknown kind 'frob'"
+    with pytest.raises(deltackpt.CorruptManifestError, match=unknown):
+        DeltaStorageReader(root, step=1).read_metadata()
+    with pytest.raises(CheckpointException, match=unknown), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"x": torch.zeros(3), "n": 0, "rng": None}, storage_reader=DeltaStorageReader(root, step=1))
+    assert any("DCP item 'n' has unknown kind 'frob'" in p for p in distributed.verify_names(root))
 
 
 def test_missing_checkpoints_are_named(tmp_path: Path) -> None:
