@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import io
 import json
 import os
 import re
@@ -845,6 +846,26 @@ def _tensor_leaves(skeleton: Any) -> list[tuple[str, int]]:
     return found
 
 
+def _unwritable_dtypes(m: manifest.Manifest, write: Callable[[Any], Any], fmt: str, other: str) -> None:
+    """Raise, naming the key path, where ``m`` holds a torch tensor of a dtype that ``write`` (the export's writer,
+    given ``{"x": <empty tensor>}``) cannot write: torch.save has no encoding for the sub-byte integers (int1-int7,
+    uint1-uint7), safetensors neither for those nor for complex32, complex128, the bits types, ... Each dtype is
+    tried once, on an empty tensor, before the checkpoint is loaded; before, a whole checkpoint was loaded and
+    then refused with the writer's bare words (``cannot write out.safetensors: torch.bits16``)."""
+    verdict: dict[str, bool] = {}
+    for t in m.tensors:
+        if t.kind != "torch":
+            continue
+        if t.dtype not in verdict:
+            try:
+                write({"x": torch.empty(0, dtype=tree.torch_dtype(t.dtype))})
+                verdict[t.dtype] = True
+            except Exception:  # (torch raises a KeyError, safetensors a KeyError or its own error)
+                verdict[t.dtype] = False
+        if not verdict[t.dtype]:
+            raise DeltackptError(f"{fmt} cannot hold {t.key or '<root>'} ({t.dtype} tensor): {other}")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     dest = Path(args.file)
     # the destination is checked before the checkpoint is read (a load of a big one takes minutes)
@@ -858,6 +879,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise DeltackptError(f"cannot export to {dest}: {parent} {what}")
     if dest.suffix == ".safetensors":
         try:
+            from safetensors.torch import save as save_file_bytes
             from safetensors.torch import save_file
         except ImportError:
             raise DeltackptError("exporting .safetensors needs the 'safetensors' package") from None
@@ -874,6 +896,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         # of 10^5 plain values was loaded whole first, 3.7 s; the loaded state is checked again)
         if dest.suffix == ".safetensors":
             _tensor_leaves(m.tree)
+            _unwritable_dtypes(m, save_file_bytes, "safetensors",
+                               "export .pt, or convert the tensor (Store.load it in Python)")
+        else:
+            _unwritable_dtypes(m, lambda obj: torch.save(obj, io.BytesIO()), "torch.save (.pt)",
+                               "Store.load the checkpoint in Python, or convert the tensor before saving")
         state = s.load(id=m.id, map_location="cpu")
     if dest.suffix == ".safetensors":
         tensors = _tensor_dict(state)

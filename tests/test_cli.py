@@ -1007,6 +1007,34 @@ def test_export_safetensors_refuses_before_it_loads(capsys: pytest.CaptureFixtur
     assert rc == 0 and len(loads) == 1, err
 
 
+def test_export_refuses_a_dtype_its_format_cannot_hold(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                       tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dtype the destination's writer has no encoding for (safetensors: complex128, complex32, the bits
+    types, ...; torch.save: the sub-byte integers) is refused from the manifest, naming the key path and the
+    dtype, before the checkpoint is loaded. Before, the whole checkpoint was loaded and then refused with the
+    writer's bare words: 'cannot write out.safetensors: torch.complex128', 'cannot write out.pt: 'dtype
+    torch.uint4 is not recognized''."""
+    from deltackpt import store
+
+    loads: list[Any] = []
+    real = store.Store.load
+    monkeypatch.setattr(store.Store, "load", lambda self, *a, **kw: loads.append(kw) or real(self, *a, **kw))
+    with open_store(store_path) as s:
+        s.save({"w": torch.ones(3), "b": {"c": torch.ones(2, dtype=torch.complex128)}}, step=1)
+        s.save({"w": torch.ones(3), "q": torch.zeros(4, dtype=torch.uint8).view(torch.uint4)}, step=2)
+    rc, out, err = cli(capsys, "export", store_path, 1, tmp_path / "out.safetensors")
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, "safetensors", "b.c", "complex128", ".pt")
+    for suffix in (".safetensors", ".pt"):
+        rc, out, err = cli(capsys, "export", store_path, 2, tmp_path / f"out{suffix}")
+        assert rc == 1 and out == ""
+        assert_one_line_error(err, "q", "uint4")
+    assert loads == [] and sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    rc, out, err = cli(capsys, "export", store_path, 1, tmp_path / "out.pt")  # (torch.save holds complex128)
+    assert rc == 0 and len(loads) == 1, err
+    assert torch.equal(torch.load(tmp_path / "out.pt")["b"]["c"], torch.ones(2, dtype=torch.complex128))
+
+
 def test_export_refuses_a_destination_before_it_loads(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A destination export cannot write (another suffix, a directory, a missing directory) is refused before the
