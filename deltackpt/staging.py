@@ -415,9 +415,10 @@ class StagingBuffers:
             return Encoded(encoded.name, self._copy(encoded.value, path, run))
         if isinstance(obj, torch.Tensor):
             # (refused at the step, as a sync save refuses it, not by the background save; the rest of what
-            # unstorable() checks fails the copy below, and costs ~10 us a tensor to ask first)
+            # unstorable() checks fails the copy below, and costs ~10 us a tensor to ask first. Not a quantized
+            # tensor: torch's byte view of one crashed the process (SIGSEGV) in the copy)
             why = (unstorable(obj) if type(obj) not in (torch.Tensor, torch.nn.Parameter)
-                   or obj.layout != torch.strided else None)
+                   or obj.layout != torch.strided or obj.is_quantized else None)
             if why is not None:
                 where = functools.reduce(child_path, path, "") or "<root>"
                 raise UnsupportedTypeError(f"cannot store {where}: {why}")

@@ -1837,6 +1837,34 @@ def test_async_snapshot_refuses_what_a_save_refuses(fast_dir: Path) -> None:
     assert "lazy module" in errors[0] and "forward pass" in errors[0]
 
 
+_QUANTIZED_RUN = """
+import sys, warnings
+import torch, deltackpt
+warnings.simplefilter("ignore")  # (quantized modules are deprecated)
+model = torch.ao.nn.quantized.Linear(4, 4)
+for async_save in (False, True):
+    with deltackpt.Checkpointer(sys.argv[1] + str(async_save), model=model, async_save=async_save,
+                                handle_signals=False) as ck:
+        try:
+            ck.step(1)
+        except deltackpt.UnsupportedTypeError as exc:
+            print(exc)
+"""
+
+
+def test_async_snapshot_refuses_a_quantized_tensor_without_crashing(fast_dir: Path) -> None:
+    """A quantized model's state (torch.ao.nn.quantized.Linear: its packed weight is a quantized tensor) is
+    refused by an async save's snapshot as by a synchronous save, naming the key path. Before, the staging copy
+    took a uint8 view of the quantized tensor, and torch crashed the training process (SIGSEGV). Run in a
+    child process, so that a crash fails this test only."""
+    proc = subprocess.run([sys.executable, "-c", _QUANTIZED_RUN, str(fast_dir / "s")], env=worker_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and lines[0] == lines[1], lines
+    assert "cannot store model._packed_params._packed_params[0]" in lines[0] and "quantized" in lines[0]
+
+
 def test_restore_does_not_pass_over_a_failing_registered_decoder(fast_dir: Path) -> None:
     """A registered type's decoder that raises is the user's error, not damage: restore() raises it (as an
     UnsupportedTypeError) rather than fall back to an older checkpoint."""
