@@ -2063,8 +2063,10 @@ def _placements(m: Manifest, into: Any) -> dict[int, torch.Tensor | np.ndarray]:
         if isinstance(target, torch.Tensor):
             if torch.nn.parameter.is_lazy(target):
                 continue  # (a lazy module's, not yet initialized: no shape, no memory; load_state_dict makes it)
-            if (t.kind != "torch" or target.dtype != tree.torch_dtype(t.dtype) or list(target.shape) != list(t.shape)
-                    or target.is_meta or target.layout != torch.strided or target.is_quantized or target.is_nested):
+            # (what holds no plain memory first: a nested tensor's .shape raises torch's "Internal error")
+            if (target.is_nested or target.is_meta or target.layout != torch.strided or target.is_quantized
+                    or t.kind != "torch" or target.dtype != tree.torch_dtype(t.dtype)
+                    or list(target.shape) != list(t.shape)):
                 continue
             key: Any = (str(target.device), target.data_ptr()) if target.numel() else id(target)
         elif type(target) is np.ndarray:
