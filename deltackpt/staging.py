@@ -417,7 +417,7 @@ class StagingBuffers:
             # (refused at the step, as a sync save refuses it, not by the background save; the rest of what
             # unstorable() checks fails the copy below, and costs ~10 us a tensor to ask first. Not a quantized
             # tensor: torch's byte view of one crashed the process (SIGSEGV) in the copy)
-            why = (unstorable(obj) if type(obj) not in (torch.Tensor, torch.nn.Parameter)
+            why = (unstorable(obj, True) if type(obj) not in (torch.Tensor, torch.nn.Parameter)
                    or obj.layout != torch.strided or obj.is_quantized else None)
             if why is not None:
                 where = functools.reduce(child_path, path, "") or "<root>"

@@ -290,7 +290,8 @@ class _Flattener:
         idx = self._seen.get(key)
         is_torch = isinstance(obj, torch.Tensor)
         if idx is None:
-            leaf = _torch_leaf(obj, path) if is_torch else _numpy_leaf(obj, path)  # type: ignore[arg-type]
+            leaf = (_torch_leaf(obj, path, saving=not self.opaque) if is_torch  # type: ignore[arg-type]
+                    else _numpy_leaf(obj, path, saving=not self.opaque))  # type: ignore[arg-type]
             idx = len(self.leaves)
             self.leaves.append(leaf)
             self._seen[key] = idx
@@ -424,8 +425,11 @@ class _Flattener:
             return ["p", base64.b64encode(data).decode()]
         raise UnsupportedTypeError(
             f"cannot store {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__} "
-            "(register it with deltackpt.register_type; Store.save and Store.load also take allow_pickle=True, "
-            "a Checkpointer does not)"
+            + ("(a numpy.ndarray subclass: store np.asarray(...) of it, and what else it holds (a masked array's "
+               "mask), or register it with deltackpt.register_type)"
+               if isinstance(obj, np.ndarray) else
+               "(register it with deltackpt.register_type; Store.save and Store.load also take allow_pickle=True, "
+               "a Checkpointer does not)")
         )
 
 
@@ -598,8 +602,8 @@ def _dtype_facts(dt: torch.dtype) -> tuple[str, int, int, bool, bool]:
     return facts
 
 
-def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:
-    why = unstorable(t)
+def _torch_leaf(t: torch.Tensor, path: str, saving: bool = True) -> Leaf:
+    why = unstorable(t, saving)
     if why is not None:
         raise UnsupportedTypeError(f"cannot store {path or '<root>'}: {why}")
     name, size, width, _, _ = _dtype_facts(t.dtype)
@@ -618,9 +622,10 @@ def _torch_leaf(t: torch.Tensor, path: str) -> Leaf:
     )
 
 
-def unstorable(t: torch.Tensor) -> str | None:
-    """Why a save cannot store the tensor ``t`` (what follows "cannot store <key path>: "), or None."""
-    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+def unstorable(t: torch.Tensor, saving: bool = True) -> str | None:
+    """Why a save cannot store the tensor ``t`` (what follows "cannot store <key path>: "), or None; ``saving``:
+    with what to store instead (not for a load's target, which is refused with the same reasons)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and not t.is_nested:  # (a jagged one is a subclass)
         if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
             return ("it is an uninitialized parameter or buffer of a lazy module (torch.nn.LazyLinear, ...); run a "
                     "forward pass before saving")
@@ -630,10 +635,17 @@ def unstorable(t: torch.Tensor) -> str | None:
                     "torch.distributed.checkpoint with deltackpt.distributed.DeltaStorageWriter, or a full "
                     "state dict (StateDictOptions(full_state_dict=True))")
         return f"tensor subclass {type(t).__qualname__} (deltackpt.register_type can give it an encoding)"
-    if t.layout != torch.strided:
-        return f"{t.layout} tensors are not supported"
-    if t.is_quantized or t.is_meta or t.is_nested:
-        return "quantized, meta and nested tensors are not supported"
+    if t.layout != torch.strided or t.is_quantized or t.is_meta or t.is_nested:
+        what, instead = (
+            ("quantized", "its dequantize(), or its int_repr() with its q_scale() and q_zero_point()")
+            if t.is_quantized else
+            ("meta", "nothing: a meta tensor holds no values (materialize the module with to_empty() first)")
+            if t.is_meta else
+            ("nested", "its unbind() (a list of its tensors)") if t.is_nested else
+            (str(t.layout), "its to_dense()" + (", or its parts (indices and values)" if t.is_sparse
+                                                 or "sparse" in str(t.layout) else ""))
+        )
+        return f"{what} tensors are not supported" + (f"; store {instead}" if saving else "")
     _, _, _, storable, sub_byte = _dtype_facts(t.dtype)
     if not storable:
         return f"dtype {t.dtype} is not supported"
@@ -642,9 +654,22 @@ def unstorable(t: torch.Tensor) -> str | None:
     return None
 
 
-def _numpy_leaf(a: np.ndarray, path: str) -> Leaf:
+#: what to store instead of a numpy array of a kind deltackpt does not store, by dtype kind
+_NUMPY_INSTEAD = {
+    "M": "a.view(np.int64), with its unit (np.datetime_data(a.dtype)) as a plain value",
+    "m": "a.view(np.int64), with its unit (np.datetime_data(a.dtype)) as a plain value",
+    "U": "a.tolist() (a list of str), or its encoded bytes as a uint8 array",
+    "S": "a.tolist() (a list of bytes), or a.view(np.uint8)",
+    "O": "a.tolist(), if its elements are storable",
+    "V": "each field (a[name]) as an array of its own, or a.view(np.uint8)",
+}
+
+
+def _numpy_leaf(a: np.ndarray, path: str, saving: bool = True) -> Leaf:
     if a.dtype.kind not in _NUMPY_KINDS:
-        raise UnsupportedTypeError(f"cannot store {path or '<root>'}: numpy dtype {a.dtype} is not supported")
+        instead = _NUMPY_INSTEAD.get(a.dtype.kind) if saving else None
+        raise UnsupportedTypeError(f"cannot store {path or '<root>'}: numpy dtype {a.dtype} is not supported"
+                                   + (f"; store {instead}" if instead else ""))
     return Leaf(
         path=path,
         obj=a,

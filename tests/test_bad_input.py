@@ -103,6 +103,28 @@ def test_unsupported_value_names_key_path_and_writes_nothing(
     assert [i.step for i in store.list()] == [1, 2]
 
 
+@pytest.mark.parametrize(("name", "instead"), [
+    ("quantized", "dequantize()"), ("sparse", "to_dense()"), ("meta", "to_empty()"), ("nested", "unbind()"),
+    ("nested_jagged", "unbind()"), ("object_array", "a.tolist()"), ("str_array", "a.tolist()"),
+    ("structured_array", "a[name]"), ("datetime_array", "a.view(np.int64)"), ("memmap", "np.asarray(...)"),
+])
+def test_an_unsupported_array_says_what_to_store_instead(store: deltackpt.Store, tmp_path: Path, name: str,
+                                                         instead: str) -> None:
+    """An array a save refuses is refused naming the key path and what to store instead (before: 'quantized,
+    meta and nested tensors are not supported', 'numpy dtype datetime64[D] is not supported', and for an
+    np.memmap the advice to register its type or pickle it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (nested tensors are a prototype)
+        value = {"nested": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+                 "nested_jagged": lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)],
+                                                                     layout=torch.jagged),
+                 "memmap": lambda: np.memmap(tmp_path / "m.bin", dtype=np.float32, mode="w+", shape=(4,)),
+                 }.get(name, lambda: UNSUPPORTED[name])()
+    with pytest.raises(UnsupportedTypeError, match=r"cannot store optimizer\.param_groups\[0\]\.foo: ") as ei:
+        store.save(_state_with(value), step=1)
+    assert instead in str(ei.value)
+
+
 @pytest.mark.parametrize(
     ("state", "path"),
     [
