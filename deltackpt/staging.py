@@ -179,7 +179,7 @@ def decode_target(obj: torch.Tensor | np.ndarray) -> tuple[np.ndarray, Any]:
         staging: Any = torch.empty(obj.shape, dtype=obj.dtype, device="cpu", pin_memory=obj.device.type == "cuda")
         return byte_view(staging).numpy(), staging  # type: ignore[union-attr]
     if obj.flags.c_contiguous and obj.flags.writeable:
-        return obj.reshape(-1).view(np.uint8), None
+        return np.asarray(obj).reshape(-1).view(np.uint8), None  # (an np.memmap's memory, as a plain array)
     staging = np.empty(obj.shape, dtype=obj.dtype)
     return staging.reshape(-1).view(np.uint8), staging
 

@@ -2069,7 +2069,7 @@ def _placements(m: Manifest, into: Any) -> dict[int, torch.Tensor | np.ndarray]:
                     or list(target.shape) != list(t.shape)):
                 continue
             key: Any = (str(target.device), target.data_ptr()) if target.numel() else id(target)
-        elif type(target) is np.ndarray:
+        elif isinstance(target, np.ndarray) and not isinstance(target, np.ma.MaskedArray):  # (an np.memmap too)
             if t.kind != "numpy" or target.dtype.str != t.dtype or list(target.shape) != list(t.shape):
                 continue
             key = ("cpu", target.__array_interface__["data"][0]) if target.size else id(target)

@@ -406,6 +406,11 @@ class _Flattener:
             return self.leaf(obj, path)
         if t is np.ndarray:
             return self.leaf(obj, path)
+        if self.opaque and isinstance(obj, np.ndarray):  # (a load's target: an np.memmap is filled as any array)
+            if isinstance(obj, np.ma.MaskedArray):
+                raise UnsupportedTypeError(f"cannot store {path or '<root>'}: it is a numpy masked array, whose "
+                                           "mask no stored array fills; give np.asarray(...) of it, its data")
+            return self.leaf(obj, path)
         if t is torch.dtype:
             return ["dt", dtype_name(obj)]
         if t is torch.device:

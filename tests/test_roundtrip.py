@@ -902,6 +902,31 @@ def test_offers_without_plain_memory_are_left_alone(store: deltackpt.Store) -> N
         assert state["y"] is y and torch.equal(y, torch.ones(2))
 
 
+def test_a_memmap_target_is_filled(store: deltackpt.Store, tmp_path: Path) -> None:
+    """An np.memmap (an ndarray subclass: a large array on disk) is a target like any array: load_into and
+    load(into=) fill its memory, a span too. Before, load_into took it for a value that is no array: strict, it
+    raised "not in target ['a']" for a target that holds 'a'; with strict=False it returned [] and filled
+    nothing. A masked array is refused naming it (its mask is no stored array's), a read-only map as read-only."""
+    a = np.arange(3000, dtype=np.float32)
+    store.save({"a": a, "b": np.ones(3)}, step=1)
+    for strict in (True, False):
+        mm = np.memmap(tmp_path / f"m{strict}.bin", dtype=np.float32, mode="w+", shape=(3000,))
+        assert store.load_into({"a": mm, "b": np.zeros(3)}, step=1, strict=strict) == []
+        assert np.array_equal(mm, a)
+    mm = np.memmap(tmp_path / "into.bin", dtype=np.float32, mode="w+", shape=(3000,))
+    state = store.load(step=1, into={"a": mm})
+    assert state["a"] is mm and np.array_equal(mm, a)
+    mm = np.memmap(tmp_path / "span.bin", dtype=np.float32, mode="w+", shape=(3000,))
+    store.load_into({"a": mm, "b": np.zeros(3)}, step=1, spans={"a": (400, 800)})
+    assert np.array_equal(mm[100:200], a[100:200]) and not mm[:100].any() and not mm[200:].any()
+    ro = np.memmap(tmp_path / "into.bin", dtype=np.float32, mode="r", shape=(3000,))
+    with pytest.raises(ShapeMismatchError, match="'a': the target cannot hold the checkpoint's values: it is a read"):
+        store.load_into({"a": ro, "b": np.zeros(3)}, step=1)
+    masked = np.ma.masked_array(np.zeros(3), mask=[0, 1, 0])
+    with pytest.raises(ShapeMismatchError, match="b: it is a numpy masked array"):
+        store.load_into({"a": np.zeros(3000, np.float32), "b": masked}, step=1)
+
+
 def test_load_into_a_model_needs_no_second_copy(store: deltackpt.Store) -> None:
     """The model's own tensors come back in the loaded state, so load_state_dict has nothing to copy; the
     optimizer's state is new; the values are the saved ones."""
