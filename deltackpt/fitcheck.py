@@ -347,15 +347,32 @@ def _array_of(x: Any) -> tuple[str, tuple[int, ...]] | None:
     return None
 
 
+@functools.cache
+def _convertible(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether torch copies a tensor of dtype ``src`` into one of ``dst`` (not between two sub-byte or bits
+    dtypes, or such a dtype and another: torch has no copy_ for them); tried on one element."""
+    try:
+        torch.empty(1, dtype=dst).copy_(torch.empty(1, dtype=src))
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
+
+
 def extra_check(live: Any, saved: Any, where: str) -> None:
     """Raise, before anything is put back, where a tensor (or array) of a plain ``extra`` entry has another shape
-    in the checkpoint (``saved``: a captured value or its skeleton): :func:`put_back` copies into this run's own
-    tensors, which the training loop holds, and cannot copy that. Containers are walked as it walks them."""
+    in the checkpoint (``saved``: a captured value or its skeleton), or a dtype torch cannot convert to this
+    run's: :func:`put_back` copies into this run's own tensors, which the training loop holds, and cannot copy
+    that. Containers are walked as it walks them."""
     mine = _array_of(live)
     if mine is not None:
         theirs = _array_of(saved)
         if theirs is not None and theirs[0] == mine[0] and theirs[1] != mine[1]:  # (another kind is replaced)
             raise ShapeMismatchError(f"{where} has shape {theirs[1]} in the checkpoint, {mine[1]} in this run")
+        if theirs is not None and theirs[0] == mine[0] == "torch":
+            src = saved.dtype if isinstance(saved, torch.Tensor) else dtype_named(saved.dtype)
+            if src is not None and src != live.dtype and not _convertible(src, live.dtype):
+                raise ShapeMismatchError(f"{where} is {dtype_name(src)} in the checkpoint, {dtype_name(live.dtype)} in "
+                                         "this run, which torch cannot convert it to")
     elif isinstance(live, dict) and isinstance(saved, Mapping):
         for k, v in saved.items():
             if k in live:

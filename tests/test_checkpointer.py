@@ -1681,6 +1681,29 @@ def test_restore_refuses_a_plain_extra_tensor_of_another_shape_before_changing_a
         assert ck.extra["t"] is half and torch.equal(half, torch.ones(2, dtype=torch.float16))
 
 
+@pytest.mark.skipif(not hasattr(torch, "uint4"), reason="torch without sub-byte dtypes")
+def test_restore_refuses_a_plain_extra_tensor_of_a_dtype_torch_cannot_convert(fast_dir: Path) -> None:
+    """A plain ``extra`` tensor saved as a dtype torch has no copy to or from (uint4, bits8) is refused like one
+    of another shape: naming it, before the model is touched. Before, the model was restored first and the
+    extra's copy_ then raised torch's NotImplementedError, wrapped in a DeltackptError that could only say
+    what it had put back already."""
+    packed = torch.arange(4, dtype=torch.uint8)
+    with Checkpointer(fast_dir / "s", model=torch.nn.Linear(2, 2), extra={"q": packed.view(torch.uint4)},
+                      async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    fresh = torch.nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    live = torch.zeros(4)
+    with Checkpointer(fast_dir / "s", model=fresh, extra={"q": live}, handle_signals=False) as ck:
+        with pytest.raises(deltackpt.ShapeMismatchError, match=r"extra\['q'\] is uint4 in the checkpoint, float32 in "
+                                                               r"this run, which torch cannot convert it to"):
+            ck.restore()
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items()) and not live.any()
+    mine = torch.zeros(4, dtype=torch.uint8).view(torch.uint4)
+    with Checkpointer(fast_dir / "s", model=fresh, extra={"q": mine}, handle_signals=False) as ck:
+        assert ck.restore() == 1 and torch.equal(mine.view(torch.uint8), packed)
+
+
 class _FailingRetention(Retention):
     def plan(self, infos: Any, now: float | None = None) -> Any:
         raise RuntimeError("retention failed")
