@@ -143,6 +143,13 @@ def fit_check(g: Any, state: Any, what: str, live: Any = None) -> None:
                                      f"of a {type(member).__name__}")
         if isinstance(member, torch.nn.Module) and isinstance(saved, Mapping):
             mine = member.state_dict() if lives is None else lives[n][2]
+            if loads_as_saved(member, keys=False):  # (before the warning that the others are converted)
+                for k, v in mine.items():
+                    stored = dtype_named(_dtype_of(saved.get(k)))
+                    if (type(v) in (torch.Tensor, torch.nn.Parameter) and stored is not None and stored != v.dtype
+                            and not _convertible(stored, v.dtype)):
+                        raise ShapeMismatchError(f"{where}: {k!r} is {dtype_name(stored)} in the checkpoint, "
+                                                 f"{dtype_name(v.dtype)} in this run, which torch cannot convert it to")
             warn_converted(where, mine, saved)  # (load hooks or not: load_state_dict's copies convert)
             if not loads_as_saved(member, keys=False):
                 continue

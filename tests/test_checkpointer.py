@@ -1704,6 +1704,30 @@ def test_restore_refuses_a_plain_extra_tensor_of_a_dtype_torch_cannot_convert(fa
         assert ck.restore() == 1 and torch.equal(mine.view(torch.uint8), packed)
 
 
+@pytest.mark.skipif(not hasattr(torch, "uint4"), reason="torch without sub-byte dtypes")
+def test_restore_refuses_a_model_tensor_of_a_dtype_torch_cannot_convert(fast_dir: Path) -> None:
+    """A model buffer saved as a dtype torch has no copy from (uint4) into this run's (float32) is refused before
+    the model is touched, as another shape is. Before, the restore warned that load_state_dict would convert it,
+    decoded the other tensors into the model, and then failed in load_state_dict, leaving the model holding
+    part of the checkpoint (which the README promises of damage only)."""
+    def model(dtype: torch.dtype) -> torch.nn.Module:
+        m = torch.nn.Linear(2, 2)
+        m.register_buffer("q", torch.zeros(4, dtype=torch.uint8).view(dtype) if dtype.itemsize == 1
+                          else torch.zeros(4, dtype=dtype))
+        return m
+
+    with Checkpointer(fast_dir / "s", model=model(torch.uint4), async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    fresh = model(torch.float32)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with Checkpointer(fast_dir / "s", model=fresh, handle_signals=False) as ck, warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no warning that load_state_dict converts it)
+        with pytest.raises(deltackpt.ShapeMismatchError, match=r"model: 'q' is uint4 in the checkpoint, float32 in "
+                                                               r"this run, which torch cannot convert it to"):
+            ck.restore()
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
 class _FailingRetention(Retention):
     def plan(self, infos: Any, now: float | None = None) -> Any:
         raise RuntimeError("retention failed")
