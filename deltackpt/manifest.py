@@ -152,11 +152,17 @@ def _entry(t: Any) -> TensorEntry:
     if not ok:
         raise ValueError(_entry_problem(t))
     itemsize = _itemsize(e.kind, e.dtype)
-    elements = 1
+    elements = span = 1
     for n in e.shape:
         elements *= n
+        span *= n or 1
     if itemsize is not None and e.nbytes != itemsize * elements:
         raise ValueError(f"tensor {e.key!r:.60}: {e.nbytes} bytes for shape {e.shape} of {e.dtype}")
+    # (an empty tensor's other dimensions too: torch refuses to make one whose dimensions multiply, zeros left
+    # out, to 2^64 or more, numpy one of 2^63 bytes or more, with errors that name no tensor; no writer saved one)
+    if span >= 1 << 64 if e.kind == "torch" else span * (itemsize or 1) >= _LIMIT:
+        raise ValueError(f"tensor {e.key!r:.60}: shape {str(e.shape):.80} of {e.dtype} spans more than "
+                         f"{'torch makes' if e.kind == 'torch' else 'numpy makes'}")
     if e.requires_grad and not _differentiable(e.kind, e.dtype):
         raise ValueError(f"tensor {e.key!r:.60}: requires_grad for {e.kind} {e.dtype} (only float and complex "
                          "torch tensors can)")

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import struct
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import xxhash
@@ -88,6 +90,40 @@ def test_a_tensor_whose_chunk_range_runs_past_the_table_is_damage(good: bytes) -
 def test_a_tensor_whose_chunk_count_disagrees_with_its_bytes_is_damage(good: bytes) -> None:
     with pytest.raises(CorruptManifestError, match="inconsistent chunk range"):
         manifest.parse(_with_header(good, lambda h: _entry(h, "w").update(count=2)), where="x")
+
+
+@pytest.mark.parametrize(("key", "shape"), [("w", [1 << 62, 1 << 62, 0]), ("w", [1 << 62, 0, 4]),
+                                            ("n", [(1 << 63) - 1, 0, 3])])
+def test_an_empty_tensor_whose_other_dimensions_span_2_64_is_damage(good: bytes, key: str, shape: list[int]) -> None:
+    """An empty tensor holds no bytes, but torch refuses to make one whose dimensions multiply (zeros left out)
+    to 2^64 or more, with an error that names no tensor (a load raised RuntimeError "Storage size calculation
+    overflowed", and verify passed it); numpy likewise from 2^63 bytes (test_bad_input covers arrays)."""
+    def edit(h: dict[str, Any]) -> None:
+        _entry(h, key).update(shape=shape, nbytes=0, count=0)
+    with pytest.raises(CorruptManifestError, match=f"tensor '{key}': shape .* spans more than torch makes"):
+        manifest.parse(_with_header(good, edit), where="x")
+
+
+def test_an_empty_array_whose_other_dimensions_span_2_63_bytes_is_damage(tmp_path: Path) -> None:
+    with deltackpt.Store(tmp_path / "s", chunk_size=4096) as s:
+        info = s.save({"a": np.zeros(4, np.float32)}, step=0)
+    data = (tmp_path / "s" / "manifests" / f"{info.id}.manifest").read_bytes()
+
+    def edit(h: dict[str, Any]) -> None:
+        _entry(h, "a").update(shape=[1 << 61, 0], nbytes=0, count=0)
+    with pytest.raises(CorruptManifestError, match="tensor 'a': shape .* spans more than numpy makes"):
+        manifest.parse(_with_header(data, edit), where="x")
+
+
+def test_an_empty_tensor_with_large_dimensions_round_trips(tmp_path: Path) -> None:
+    """The largest empty tensor and array each library makes (torch: dimensions multiplying to 2^64 - 1, zeros
+    left out; numpy: to 2^63 - 1 bytes) are stored and load."""
+    state = {"w": torch.empty((1 << 62) - 1, 4, 0), "a": np.empty(((1 << 60) - 1, 0), np.float64),
+             "b": np.empty(((1 << 63) - 1, 0), np.uint8)}
+    with deltackpt.Store(tmp_path / "s") as s:
+        s.save(state, step=0)
+        out = s.load()
+    assert {k: tuple(v.shape) for k, v in out.items()} == {k: tuple(v.shape) for k, v in state.items()}
 
 
 def test_the_itemsize_table_agrees_with_torch() -> None:
