@@ -310,6 +310,14 @@ class _Shared:
                 raise CorruptIndexError(_lost(path, f"{data} is a symbolic link that loops")) from None
             if lost:
                 raise CorruptIndexError(_lost(path, f"{data} is missing or empty"))
+        for name in ("data.mdb", "lock.mdb"):
+            # LMDB opens both for writing and follows links: it would rewrite the file a link names, wherever it
+            # is (the lock file's reader table overwrites whatever file a received store's lock.mdb leads to, at
+            # the first listing); no writer makes one, and a repair moves the index aside
+            if (path / name).is_symlink():
+                raise CorruptIndexError(f"the index of store {path.parent} is damaged: {path / name} is a symbolic "
+                                        "link, which LMDB would write through; 'deltackpt repair STORE' rebuilds the "
+                                        "index from packs and manifests")
         short = _truncated(path / "data.mdb")
         if short is not None:  # (a repair too: it moves the index aside and starts a new one)
             raise CorruptIndexError(f"the index of store {path.parent} is damaged: {short}; 'deltackpt repair "

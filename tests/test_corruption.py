@@ -2571,3 +2571,31 @@ def test_a_step_entry_without_its_seq_is_damage(store_path: Path) -> None:
     _edit_index(store_path, "steps", lambda txn, db: txn.put(struct.pack(">Q", 7), b"", db=db))
     with _open(store_path) as s, pytest.raises(CorruptIndexError, match="repair"):
         s.load(7)
+
+
+@pytest.mark.parametrize("name", ["lock.mdb", "data.mdb"])
+def test_an_index_file_that_is_a_symbolic_link_is_refused_and_what_it_names_is_left_as_it_is(tmp_path: Path,
+                                                                                              name: str) -> None:
+    """A store received from elsewhere whose index/lock.mdb is a link to a file of the user's: LMDB opens it
+    for writing through the link and writes its reader table over it, at the first listing. Such a link is
+    damage of the index (no writer makes one), refused before LMDB opens anything; a repair moves it aside."""
+    store_path = tmp_path / "s"
+    w = torch.randn(3000)
+    with _open(store_path) as s:
+        s.save({"w": w}, step=1)
+    victim = tmp_path / "victim"
+    victim.write_bytes((store_path / "index" / name).read_bytes() if name == "data.mdb" else b"precious\n" * 100)
+    before = victim.read_bytes()
+    (store_path / "index" / name).unlink()
+    (store_path / "index" / name).symlink_to(victim)
+    for op in (lambda: _open(store_path), lambda: deltackpt.Store(store_path, readonly=True)):
+        with pytest.raises(CorruptIndexError, match=f"{name} is a symbolic link.*deltackpt repair"):
+            op()
+    out = subprocess.run([sys.executable, "-m", "deltackpt", "ls", str(store_path)], capture_output=True, text=True)
+    assert out.returncode != 0 and "is a symbolic link" in out.stderr and "Traceback" not in out.stderr
+    assert victim.read_bytes() == before
+    with maintenance.open_for_repair(store_path) as r:
+        r.repair()
+    assert victim.read_bytes() == before
+    with _open(store_path) as s:
+        assert torch.equal(s.load(1)["w"], w)
