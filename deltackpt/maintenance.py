@@ -639,8 +639,8 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
     # live frame is in.
     known = {r.id for r in records}
     mdir = store.path / "manifests"
-    for p in mdir.glob("*.manifest"):
-        if p.stem not in known and p.is_file():
+    for p in mdir.glob("*.manifest"):  # (named as a manifest: a directory linked in for manifests/ may hold others)
+        if manifest.is_id(p.stem) and p.stem not in known and p.is_file():
             report.freed_bytes += p.stat().st_size
             p.unlink()
             report.orphan_manifests += 1
@@ -649,7 +649,7 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
     _unlink_packs(store, to_delete, report)
     tmp = store.path / "tmp"
     for p in tmp.iterdir() if tmp.is_dir() else ():  # (an empty tmp/ lost, say by a cleaner: saves make it again)
-        if p.name.endswith(".tmp") and not p.is_symlink() and p.is_file():  # what saves leave; nothing else
+        if manifest.TMP_NAME.fullmatch(p.name) and not p.is_symlink() and p.is_file():  # what saves leave; no other
             p.unlink()
     # STORE's temporary file, left by a creation killed before it linked STORE (no creation runs now: one
     # holds gc.lock exclusively until STORE is linked, and gc holds it here)

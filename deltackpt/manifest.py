@@ -59,6 +59,15 @@ FLAG_ZERO = 1
 _ID = re.compile(r"^[0-9a-f]{16}$")
 
 
+#: the name of the temporary file :func:`write` writes a manifest to, in the store's ``tmp/``: what gc removes there
+TMP_NAME = re.compile(r"[0-9a-f]{16}\.manifest\.[0-9]+\.tmp")
+
+
+def is_id(name: str) -> bool:
+    """Whether ``name`` is a checkpoint id (a manifest file's name without ``.manifest``)."""
+    return bool(_ID.fullmatch(name))
+
+
 def check_id(checkpoint_id: str) -> str:
     """Checkpoint ids are 16 lowercase hex digits; anything else (``..``, ``/``) is refused."""
     if not isinstance(checkpoint_id, str) or not _ID.fullmatch(checkpoint_id):

@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import warnings
 from collections import Counter, OrderedDict, defaultdict, namedtuple
 from pathlib import Path
@@ -920,6 +921,33 @@ def test_a_store_needs_a_directory_of_its_own(tmp_path: Path) -> None:
         (half / "tmp" / "dir").mkdir()
         s.gc()
         assert (half / "tmp" / "keep.me").exists() and (half / "tmp" / "dir").is_dir()
+
+
+def test_gc_removes_only_files_named_as_deltackpt_names_them_in_tmp_and_manifests(tmp_path: Path) -> None:
+    """A store received from elsewhere whose tmp/ (or manifests/) is a link to a directory of the user's: gc
+    removed every regular file named *.tmp there, and every *.manifest file whose name was not a committed
+    checkpoint's id (notes.manifest too). It removes only what a save leaves: <id>.manifest.<pid>.tmp files and
+    <id>.manifest files."""
+    path = tmp_path / "s"
+    with deltackpt.Store(path, chunk_size=SMALL_CHUNK) as s:
+        s.save({"x": torch.ones(2)}, step=1)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name in ("notes.tmp", "draft.manifest", "a.manifest.1.tmp", "0123456789abcdef.manifest"):
+        (mine / name).write_text("mine")
+    (mine / "0123456789abcdef.manifest.77.tmp").write_text("a save's")
+    shutil.rmtree(path / "tmp")
+    (path / "tmp").symlink_to(mine)
+    for p in (path / "manifests").iterdir():
+        shutil.copy(p, mine)
+    shutil.rmtree(path / "manifests")
+    (path / "manifests").symlink_to(mine)
+    with deltackpt.Store(path) as s:
+        s.gc()
+        assert s.load(1)["x"].tolist() == [1.0, 1.0]
+        kept = s.latest().id
+    assert sorted(p.name for p in mine.iterdir() if not p.name.startswith(kept)) == [
+        "a.manifest.1.tmp", "draft.manifest", "notes.tmp"]
 
 
 def test_other_arguments_are_checked_before_anything_runs(store: deltackpt.Store, monkeypatch: pytest.MonkeyPatch,
