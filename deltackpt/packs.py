@@ -57,14 +57,18 @@ _fork_guard = threading.Lock()
 def open_lock(path: Path, flags: int) -> int:
     """``os.open(path, flags)`` (close-on-exec, mode 0644 when created) of a file this process will flock: a
     child forked while it is open closes it. Give it back with :func:`close_lock`. Opened without blocking, and
-    refused unless a regular file: a FIFO in its place would otherwise block the open until a writer came."""
+    refused unless a regular file: a FIFO in its place would otherwise block the open until a writer came. An
+    open that may create the file does not follow a symbolic link (a dangling one would have it create a file
+    wherever the link leads, outside the store)."""
+    create = bool(flags & os.O_CREAT)
     with _fork_guard:
         try:
-            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | (os.O_NOFOLLOW if create else 0), 0o644)
         except OSError as exc:
             if exc.errno not in (errno.EISDIR, errno.ELOOP, errno.ENXIO):
                 raise
-            what = {errno.EISDIR: "a directory", errno.ELOOP: "a symbolic link that loops"}.get(exc.errno, "a FIFO")
+            link = "a symbolic link" if create else "a symbolic link that loops"
+            what = {errno.EISDIR: "a directory", errno.ELOOP: link}.get(exc.errno, "a FIFO")
             raise CorruptionError(f"the store's lock file {path} is {what}, not a file: move it away (a store "
                                   "makes its lock files again, empty)") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -450,21 +450,23 @@ def test_pack_or_manifest_that_is_no_file(store_path: Path, what: str) -> None:
 
 
 @pytest.mark.parametrize("name", ["gc.lock", "maint.lock"])
-@pytest.mark.parametrize("what", ["directory", "link loop"])
+@pytest.mark.parametrize("what", ["directory", "link loop", "dangling link"])
 def test_a_lock_file_that_is_no_file_is_a_typed_error_naming_it(store_path: Path, name: str, what: str) -> None:
     """A directory (or a link looping to itself) in place of one of the store's lock files: what takes that lock
     (saves, loads, gc and repair; gc and repair alone take ``maint.lock``) raises CorruptionError naming the
     file, changes nothing, and works again once it is moved away. (They
-    raised a bare IsADirectoryError or OSError, and a repair could not say what to do.)"""
+    raised a bare IsADirectoryError or OSError, and a repair could not say what to do.) A link leading nowhere
+    (in a store received from elsewhere) had saves, gc and repair create the file it names, outside the store."""
     a = _rand(2 * CS, 0)
     with _open(store_path) as s:
         s.save({"a": a}, step=1)
     lock = store_path / name
     lock.unlink()
+    outside = store_path.parent / f"outside-{name}"
     if what == "directory":
         lock.mkdir()
     else:
-        lock.symlink_to(lock)
+        lock.symlink_to(lock if what == "link loop" else outside)
     before = dir_snapshot(store_path)
     with _open(store_path) as s:
         calls = [s.gc] if name == "maint.lock" else [lambda: s.load(1), lambda: s.save({"a": a + 1}, step=2), s.gc]
@@ -473,7 +475,7 @@ def test_a_lock_file_that_is_no_file_is_a_typed_error_naming_it(store_path: Path
                 call()
     with pytest.raises(deltackpt.CorruptionError, match=f"lock file {lock}"):
         maintenance.open_for_repair(store_path)
-    assert dir_snapshot(store_path) == before
+    assert dir_snapshot(store_path) == before and not outside.exists()
     if what == "directory":
         lock.rmdir()
     else:
