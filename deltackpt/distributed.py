@@ -1303,11 +1303,18 @@ def _full_doc(meta: Store, ckpt: str, where: str, *, verify: bool = True) -> dic
             "storage_meta": head.get("storage_meta"), "items": items}
 
 
+def _rank_checkpoint(rank: Any, ckpt: Any) -> bool:
+    """Whether a rank and a rank checkpoint id that meta metadata names are of their types and ranges: a rank of
+    63 bits at most (the name of its store, ``rank-<rank>``, stays a file name), a checkpoint id of 16 hex
+    digits (``../x`` would have been looked up, and the listing given up, as a caller's invalid argument)."""
+    return type(rank) is int and 0 <= rank < 1 << 63 and type(ckpt) is str and manifest.is_id(ckpt)
+
+
 def _checkpoints(head: dict[str, Any], where: str) -> dict[int, str]:
     """rank -> the id of its checkpoint, as a format-3 head names them."""
     try:
         pairs = [(r, c) for r, c in head["checkpoints"]]
-        if not all(type(r) is int and r >= 0 and type(c) is str for r, c in pairs):
+        if not all(_rank_checkpoint(r, c) for r, c in pairs):
             raise ValueError(f"checkpoints {head['checkpoints']!r:.80}")
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
@@ -1322,7 +1329,10 @@ def _named(meta: Store, ckpt: str) -> set[tuple[int, str]]:
     if head["format"] >= 3:
         return set(_checkpoints(head, where).items())
     try:
-        return {(int(it[3]), str(it[5])) for it in head.get("items", [])}
+        named = {(int(it[3]), str(it[5])) for it in head.get("items", [])}
+        if not all(_rank_checkpoint(r, c) for r, c in named):
+            raise ValueError(f"items name {sorted(p for p in named if not _rank_checkpoint(*p))[0]!r:.80}")
+        return named
     except (TypeError, ValueError, IndexError, KeyError, AttributeError) as exc:  # (an item that is a dict: KeyError)
         raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
 

@@ -1433,8 +1433,13 @@ def test_malformed_items_in_dcp_metadata_are_manifest_damage(monkeypatch: pytest
     class _Meta:
         path = Path("ROOT/meta")
 
-    heads: list[Any] = [{"format": 2, "items": items} for items in ([{"rank": 0}], [[0, 0, 0, "x", 0, "id"]], 5)]
-    heads += [{"format": 3, "checkpoints": c} for c in ([[0]], [["0", "id"]], [[-1, "id"]], [[0, 5]], None)]
+    ok = "0123456789abcdef"
+    # (a rank of more digits than a file name holds, or a rank checkpoint id like ../x, too: the first made the
+    # listing of the whole root fail with OSError "File name too long", the second with "invalid checkpoint id")
+    heads: list[Any] = [{"format": 2, "items": items} for items in (
+        [{"rank": 0}], [[0, 0, 0, "x", 0, "id"]], 5, [[0, 0, 0, 10**300, 0, ok]], [[0, 0, 0, 0, 0, "../x"]])]
+    heads += [{"format": 3, "checkpoints": c} for c in ([[0]], [["0", "id"]], [[-1, "id"]], [[0, 5]], None,
+                                                        [[10**300, ok]], [[1 << 63, ok]], [[0, "../../x"]])]
     heads.append({"format": 3})
     for head in heads:
         monkeypatch.setattr(distributed, "_doc", lambda store, ckpt, head=head: head)
@@ -1444,6 +1449,9 @@ def test_malformed_items_in_dcp_metadata_are_manifest_damage(monkeypatch: pytest
         monkeypatch.setattr(distributed, "_doc", lambda store, ckpt, head=head: head)
         with pytest.raises(deltackpt.CorruptManifestError, match="DCP checkpoint abc in ROOT/meta: not DCP metadata"):
             distributed._named(_Meta(), "abc")  # type: ignore[arg-type]
+    for head in ({"format": 3, "checkpoints": [[(1 << 63) - 1, ok]]}, {"format": 2, "items": [[0, 0, 0, 7, 0, ok]]}):
+        monkeypatch.setattr(distributed, "_doc", lambda store, ckpt, head=head: head)
+        assert distributed._named(_Meta(), "abc") in ({((1 << 63) - 1, ok)}, {(7, ok)})  # type: ignore[arg-type]
 
 
 def test_dcp_metadata_is_deduplicated_and_kept_out_of_the_index(tmp_path: Path) -> None:
