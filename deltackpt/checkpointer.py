@@ -394,6 +394,10 @@ class Checkpointer:
         are returned (what :meth:`_apply` then leaves as it is)."""
         if not _checkpointer_layout(state):
             raise DeltackptError("this checkpoint was not written by a Checkpointer (no 'step'/'model' entry)")
+        try:
+            check_step(state["step"])
+        except (TypeError, ValueError) as exc:
+            raise DeltackptError(f"the checkpoint's 'step' entry is not a step: {exc}") from None
         if state.get("thinned"):
             raise DeltackptError(
                 f"checkpoint at step {state['step']} was thinned to model weights only and cannot resume training; "
@@ -487,7 +491,14 @@ class Checkpointer:
                 f"{current}: restoring it raised {type(exc).__name__}: {exc}; put back before it: "
                 f"{', '.join(applied) or 'nothing'} (restore again, from another step if need be)") from exc
         if self.rng and (strict or has_rng(state)):
-            self._put_rng_back(state["rng"], int(state["step"]))
+            try:
+                self._put_rng_back(state["rng"], int(state["step"]))
+            except DeltackptError:
+                raise
+            except Exception as exc:  # (states the generators refuse: none of them was set, set_rng_state)
+                raise DeltackptError(
+                    f"rng: restoring it raised {type(exc).__name__}: {exc}; put back before it: "
+                    f"{', '.join(applied) or 'nothing'} (restore again, from another step if need be)") from exc
         return int(state["step"])
 
     def _put_rng_back(self, rng: Mapping[str, Any], step: int) -> None:

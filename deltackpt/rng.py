@@ -52,11 +52,17 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     py = state["python"]
     # (an array, or a tuple of ints in checkpoints of earlier versions)
     words = py[1].tolist() if isinstance(py[1], np.ndarray) else py[1]
-    random.setstate((py[0], tuple(words), py[2]))
     np_state = state["numpy"]
-    np.random.set_state(tuple(np_state))
     # (torch takes a CPU ByteTensor: a restore with map_location="cuda" loaded the states onto the GPU)
-    torch.set_rng_state(state["torch"].cpu())
+    torch_state = state["torch"].cpu()
+    # each tried on a generator of its own first: a state the generators refuse (ValueError, OverflowError,
+    # TypeError) leaves all of the process's as they were, not some set and the rest not
+    random.Random().setstate((py[0], tuple(words), py[2]))
+    np.random.RandomState().set_state(tuple(np_state))
+    torch.Generator().set_state(torch_state)
+    random.setstate((py[0], tuple(words), py[2]))
+    np.random.set_state(tuple(np_state))
+    torch.set_rng_state(torch_state)
     if "cuda" in state and torch.cuda.is_available():
         cuda = state["cuda"]
         if len(cuda) != torch.cuda.device_count():

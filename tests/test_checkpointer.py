@@ -3457,3 +3457,36 @@ def test_restore_on_a_closed_checkpointer_raises_that_it_is_closed(fast_dir: Pat
         ck.restore(step=1)
     assert not m.weight.any()
     store.close()
+
+
+@pytest.mark.parametrize("edit", ["python version", "numpy name", "numpy position", "step"])
+def test_a_checkpoint_whose_rng_states_or_step_the_generators_refuse_is_a_typed_error(tmp_path: Path,
+                                                                                     edit: str) -> None:
+    """A checkpoint (a store received from elsewhere, a buggy writer) whose RNG states Python's or NumPy's
+    generator refuses: restore raised their bare ValueError or OverflowError, naming nothing, with Python's
+    generator set and NumPy's not; a 'step' entry of 10^50 was restored as the step. Now a DeltackptError names
+    the part, none of the process's generators is touched, and a step out of range is refused before anything is
+    put back."""
+    model = torch.nn.Linear(4, 2)
+    with Checkpointer(tmp_path / "c", model=model, async_save=False, handle_signals=False) as c:
+        c.step(1)
+    with Store(tmp_path / "c") as s:
+        state = s.load()
+        rng = state["rng"]
+        if edit == "python version":
+            rng["python"] = (99, *rng["python"][1:])
+        elif edit == "numpy name":
+            rng["numpy"] = ("PCG64", *rng["numpy"][1:])
+        elif edit == "numpy position":
+            rng["numpy"] = (*rng["numpy"][:2], 10**12, *rng["numpy"][3:])
+        else:
+            state["step"] = 10**50
+        s.save(state, step=2)
+    random.seed(7)
+    np.random.seed(7)
+    before = (random.getstate(), np.random.get_state()[1].copy())
+    with Checkpointer(tmp_path / "c", model=model, async_save=False, handle_signals=False) as c:
+        with pytest.raises(deltackpt.DeltackptError, match="rng: restoring it raised" if edit != "step" else
+                           "'step' entry is not a step"):
+            c.restore()
+    assert random.getstate() == before[0] and np.array_equal(np.random.get_state()[1], before[1])
