@@ -1053,7 +1053,15 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
             return 0
         m = s.manifest(id=latest.id)
         # the skeleton with tensor descriptions in place of tensors: plain values without loading any bytes
-        state = m.skeleton() if not tree.pickled_paths(m.tree) else None
+        pickled = tree.pickled_paths(m.tree)
+        # (no Checkpointer writes one: a Store.save of the same layout with allow_pickle=True did; its top-level
+        # keys are read without unpickling anything)
+        if pickled and _checkpointer_layout(dict(tree.node_children(m.tree)) if tree.is_dict_node(m.tree) else None):
+            print(f"the newest checkpoint, step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)}), "
+                  f"holds pickled values (saved with allow_pickle=True) at {', '.join(map(repr, pickled[:3]))}"
+                  f"{' ...' if len(pickled) > 3 else ''}: a Checkpointer's restore() refuses it (it never unpickles)")
+            return 1 if args.verify else 0  # (--verify: no checkpoint would restore)
+        state = m.skeleton() if not pickled else None
         if not isinstance(state, dict) or not _checkpointer_layout(state):
             print(f"the newest checkpoint, step {latest.step} (checkpoint {latest.id}, saved "
                   f"{when(latest.created)}), was not written by a Checkpointer (no 'step' and 'model' entries): a "

@@ -1308,6 +1308,27 @@ def test_resume_info_checkpointer_store(capsys: pytest.CaptureFixture[str], stor
     assert "RNG" not in out
 
 
+def test_resume_info_of_a_checkpoint_holding_pickled_values_says_so(capsys: pytest.CaptureFixture[str],
+                                                                    store_path: Path) -> None:
+    """A checkpoint of a Checkpointer's layout holding a pickled value (a Store.save with allow_pickle=True, a
+    store received from elsewhere): resume-info said it was 'not written by a Checkpointer (no 'step' and
+    'model' entries)', which it holds; restore() refuses it for the pickle (UnsafeLoadError)."""
+    model = torch.nn.Linear(4, 3)
+    with deltackpt.Checkpointer(store_path, model=model, async_save=False, handle_signals=False) as ck:
+        ck.save(3)
+    with deltackpt.Store(store_path) as s:
+        state = s.load()
+        state["extra"] = {"obj": fractions.Fraction(1, 3)}
+        s.save(state, step=4, allow_pickle=True)
+    for flags, code in (((), 0), (("--verify",), 1)):
+        rc, out, err = cli(capsys, "resume-info", store_path, *flags)
+        assert rc == code and "holds pickled values (saved with allow_pickle=True) at 'extra.obj'" in out
+        assert "not written by a Checkpointer" not in out
+    with deltackpt.Checkpointer(store_path, model=model, handle_signals=False, extra={"obj": None}) as ck:
+        with pytest.raises(deltackpt.UnsafeLoadError, match="extra.obj"):
+            ck.restore()
+
+
 def test_resume_info_says_a_checkpoint_holds_no_rng_states(capsys: pytest.CaptureFixture[str],
                                                           store_path: Path) -> None:
     """A checkpoint saved with rng=False, which a default Checkpointer's restore() refuses: resume-info says so
