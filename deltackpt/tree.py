@@ -948,6 +948,8 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool | str) -> Any:
         if len(keys) != len(vnodes):
             raise ValueError("dict node")
         vals = [_build(v, leaves, allow_pickle) for v in vnodes]
+        if len(dict.fromkeys(keys)) != len(keys):  # (no dict holds a key twice: one value would be dropped)
+            raise ValueError("dict node holds a key twice")
         if tag == "d":
             return dict(zip(keys, vals))
         if tag == "o":
@@ -967,13 +969,14 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool | str) -> Any:
     if tag == "t":
         return tuple(_build(v, leaves, allow_pickle) for v in n[1])
     if tag == "q":
-        if n[2] is not None and (type(n[2]) is not int or not 0 <= n[2] < 1 << 63):
-            raise ValueError("deque maxlen")
+        if n[2] is not None and (type(n[2]) is not int or not 0 <= n[2] < 1 << 63 or len(n[1]) > n[2]):
+            raise ValueError("deque maxlen")  # (a deque holding more than its maxlen would drop items)
         return deque((_build(v, leaves, allow_pickle) for v in n[1]), maxlen=n[2])
-    if tag == "S":
-        return {_plain_build(v) for v in n[1]}
-    if tag == "F":
-        return frozenset(_plain_build(v) for v in n[1])
+    if tag in ("S", "F"):
+        elements = (set if tag == "S" else frozenset)(_plain_build(v) for v in n[1])
+        if len(elements) != len(n[1]):
+            raise ValueError("set node holds an element twice")
+        return elements
     if tag == "c":
         return complex(_float_value(n[1]), _float_value(n[2]))
     if tag in ("T", "A"):
