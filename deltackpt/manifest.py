@@ -29,10 +29,12 @@ i*chunk_size)`` bytes. Its chunk id is (digest, length).
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -417,10 +419,27 @@ def write(directory: Path, tmp_dir: Path, manifest: Manifest) -> tuple[Path, str
     return final, checksum_of(data)
 
 
+#: manifests larger than this are read whole only when their head describes a manifest of the file's size
+_LARGE = 1 << 26
+
+
 def file_bytes(p: Path) -> bytes:
     """The bytes of the manifest file ``p`` (:func:`deltackpt.packs.read_file`: a regular file, or ``OSError``;
-    a FIFO in its place raises rather than waits forever for a writer)."""
-    return read_file(p)
+    a FIFO in its place raises rather than waits forever for a writer). A large file whose head is not that of a
+    manifest of its size (a sparse file of terabytes in a received store, a link to a disk image) raises
+    ``OSError`` (``EINVAL``) before it is read: read whole, it made a listing's verify or a repair run out of
+    memory."""
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if not stat.S_ISREG(os.fstat(fd).st_mode) or size <= _LARGE:
+            return read_file(p)  # (small: its damage is reported as parse() finds it, a checksum first)
+        head = f.read(_HEAD.size)
+        magic, _, _, hlen, n = _HEAD.unpack(head)
+        if magic != MAGIC or _HEAD.size + hlen + 17 * n + 16 != size:
+            raise OSError(errno.EINVAL, f"a file of {size} bytes whose head is not a manifest's of that size, not "
+                                        "read", str(p))
+        return head + f.read()
 
 
 def read(directory: Path, checkpoint_id: str, *, expect_checksum: str | None = None) -> Manifest:

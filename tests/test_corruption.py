@@ -2622,3 +2622,37 @@ def test_an_index_file_that_is_a_symbolic_link_is_refused_and_what_it_names_is_l
     assert victim.read_bytes() == before
     with _open(store_path) as s:
         assert torch.equal(s.load(1)["w"], w)
+
+
+def test_a_huge_sparse_file_in_place_of_a_manifest_is_damage_and_is_not_read_whole(tmp_path: Path) -> None:
+    """A received store whose manifest is a sparse file of 64 GiB (no disk space, tar --sparse keeps it): verify,
+    load and repair read it whole, and ran out of memory ("out of memory: MemoryError", or the OOM killer). A
+    large file whose head is not a manifest's of its size is refused unread, as a manifest that cannot be read.
+    (Run under an address-space limit of 4 GiB, so that a regression fails rather than exhausts the machine.)"""
+    store_path = tmp_path / "s"
+    with _open(store_path) as s:
+        s.save({"w": torch.ones(10)}, step=1)
+        info = s.save({"w": torch.zeros(10)}, step=2)
+    with open(store_path / "manifests" / f"{info.id}.manifest", "r+b") as f:
+        f.truncate(64 << 30)
+    script = f"""
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+import deltackpt
+from deltackpt import maintenance
+with deltackpt.Store({str(store_path)!r}) as s:
+    try:
+        s.load(2)
+    except deltackpt.CorruptManifestError as exc:
+        assert "not a manifest's of that size, not read" in str(exc), exc
+    else:
+        sys.exit("loaded")
+    report = s.verify()
+    assert not report.ok and "not read" in str(report.problems[0]), report
+    assert s.load(1)["w"].tolist() == [1.0] * 10
+with maintenance.open_for_repair({str(store_path)!r}) as r:
+    assert {info.id!r} in r.repair().lost_checkpoints
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
