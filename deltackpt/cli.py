@@ -185,7 +185,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             if 0 <= i < len(m.tensors) and path != m.tensors[i].key:
                 also.setdefault(i, []).append(path)
         rows = [
-            (_escaped(t.key) or "<root>", t.dtype, "x".join(map(str, t.shape)) or "()", human(t.nbytes),
+            (_escaped(t.key) or "<root>", _escaped(t.dtype), "x".join(map(str, t.shape)) or "()", human(t.nbytes),
              human(t.written)) + ((", ".join(map(_escaped, also.get(i, []))),) if also else ())
             for i, t in enumerate(m.tensors)
         ]
@@ -198,7 +198,7 @@ def _tensor_change(ma: manifest.Manifest, a: manifest.TensorEntry, mb: manifest.
                    b: manifest.TensorEntry) -> tuple[str, str]:
     """(what changed, chunks that differ of the chunks compared) between a tensor of ``ma`` and the tensor at
     the same place in ``mb``; ('', ...) when their bytes and attributes are the same."""
-    what = [f"{name} {x} -> {y}" for name, x, y in (
+    what = [f"{name} {_escaped(str(x))} -> {_escaped(str(y))}" for name, x, y in (
         ("kind", a.kind, b.kind), ("dtype", a.dtype, b.dtype),
         ("shape", "x".join(map(str, a.shape)) or "()", "x".join(map(str, b.shape)) or "()"),
         ("device", a.device, b.device), ("requires_grad", a.requires_grad, b.requires_grad),
@@ -388,7 +388,7 @@ def cmd_get(args: argparse.Namespace) -> int:
     for path, node in chosen:
         if node[0] in ("T", "A"):
             t, value = m.tensors[int(node[1])], arrays[int(node[1])]
-            print(f"{_escaped(path) or '<root>'}: {t.kind} {t.dtype} {'x'.join(map(str, t.shape)) or '()'}"
+            print(f"{_escaped(path) or '<root>'}: {t.kind} {_escaped(t.dtype)} {'x'.join(map(str, t.shape)) or '()'}"
                   f"{_stats(value)}")
             if len(chosen) == 1:
                 try:

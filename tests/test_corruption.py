@@ -2656,3 +2656,27 @@ with maintenance.open_for_repair({str(store_path)!r}) as r:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_store_strings_that_show_and_diff_print_are_escaped(store_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A tensor entry's dtype or device holding a terminal escape or a newline (a store received from elsewhere):
+    show, diff and get printed them as they were, so they reached the terminal and broke the tables; keys and
+    metadata were already shown escaped."""
+    from deltackpt.cli import main
+
+    with _open(store_path) as s:
+        s.save({"w": torch.ones(3), "a": np.arange(4, dtype=np.int32)}, step=1)
+        info = s.save({"w": torch.zeros(3), "a": np.arange(4, dtype=np.int32)}, step=2)
+
+    def edit(h: dict[str, Any]) -> None:
+        for t in h["tensors"]:
+            t.update(dtype="<i4\x1b[31m") if t["key"] == "a" else t.update(device="cuda\x1b]0;x\x07:0\n")
+    _edit_manifest_header(store_path, 2, info.id, edit)
+    capsys.readouterr()
+    for args in (["show", "2"], ["diff", "1", "2"], ["get", "2", "a"]):
+        main([args[0], str(store_path), *args[1:]])
+        out, err = capsys.readouterr()
+        assert "\x1b" not in out + err and "\x07" not in out + err, args
+    main(["show", str(store_path), "2"])
+    assert "<i4\\x1b[31m" in capsys.readouterr().out
