@@ -445,6 +445,17 @@ class Checkpointer:
             lacking.append("rng")
         return lacking
 
+    def _unused(self, state: Mapping[str, Any]) -> list[str]:
+        """What the checkpoint holds that this run gave no object for, so a restore leaves it where it is: an
+        optimizer, scheduler, scaler, data position or ``extra`` entry. (Not RNG states: a rank of a
+        data-parallel job other than 0 restores none, as the README's pattern has it.)"""
+        unused = [what for what in ("optimizer", "scheduler", "scaler", "data")
+                  if getattr(self, what) is None and state.get(what) is not None]
+        saved_extra = state.get("extra")
+        if isinstance(saved_extra, Mapping):
+            unused += [f"extra[{k!r}]" for k in saved_extra if k not in self.extra]
+        return unused
+
     def apply(self, state: Mapping[str, Any]) -> int:
         """Put a captured state back into the model, optimizers, ... and RNGs; return its step. A state that
         lacks a part this run has is refused before anything is put back."""
@@ -599,6 +610,11 @@ class Checkpointer:
         if lacking:
             warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) holds no {', '.join(lacking)}: "
                           "left as they are", RuntimeWarning, stacklevel=caller_level())
+        if unused := self._unused(state):
+            # (a forgotten scheduler= would restart the LR schedule from its first step without a word)
+            warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) also holds {', '.join(unused)}, "
+                          "which this Checkpointer was not given: not restored", RuntimeWarning,
+                          stacklevel=caller_level())
         self.last_saved_step, self._head = restored, info.id
         return restored
 

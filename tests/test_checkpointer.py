@@ -2412,6 +2412,37 @@ def test_batch_norm_without_num_batches_tracked_is_checked_as_torch_loads_it() -
                 model.load_state_dict(saved)
 
 
+def test_restore_names_what_the_checkpoint_holds_and_this_run_was_not_given(tmp_path: Path) -> None:
+    """A run resumed without the scheduler (or scaler, optimizer, an extra entry) it saved would restart that
+    part silently: a forgotten ``scheduler=`` begins the LR schedule again. The restore names what it leaves
+    behind in a RuntimeWarning; a run given everything it saved gets none."""
+    model, opt = _small()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    with Checkpointer(tmp_path / "s", model=model, optimizer=opt, scheduler=sched, extra={"cfg": {"a": 1}},
+                      async_save=False) as ckpt:
+        _train_step(model, opt)
+        sched.step()
+        ckpt.save(1, wait=True)
+    model2, opt2 = _small()
+    with Checkpointer(tmp_path / "s", model=model2, optimizer=opt2, async_save=False) as ckpt:
+        with pytest.warns(RuntimeWarning, match=r"also holds scheduler, extra\['cfg'\], which this Checkpointer "
+                                                r"was not given: not restored"):
+            assert ckpt.restore() == 1
+    assert torch.equal(model2.weight, model.weight)
+    model3 = _small()[0]
+    with Checkpointer(tmp_path / "s", model=model3, async_save=False) as ckpt:
+        with pytest.warns(RuntimeWarning, match=r"also holds optimizer, scheduler, extra"):
+            ckpt.restore()
+    model4, opt4 = _small()
+    sched4 = torch.optim.lr_scheduler.StepLR(opt4, step_size=1)
+    with Checkpointer(tmp_path / "s", model=model4, optimizer=opt4, scheduler=sched4, extra={"cfg": {}},
+                      async_save=False) as ckpt:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ckpt.restore()
+    assert sched4.last_epoch == 1
+
+
 def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
     model(torch.randn(4, 8)).sum().backward()
