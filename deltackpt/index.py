@@ -25,6 +25,7 @@ newer checkpoints' manifests for orphans.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import functools
 import inspect
@@ -371,6 +372,12 @@ class _Shared:
                 self.data_id: tuple[int, int] | None = (st.st_dev, st.st_ino)
             except OSError:
                 self.data_id = None
+            try:  # (the file whose reader table a forked child must not write: _unshare_reader_table)
+                st = (path / "lock.mdb").stat()
+                self.lock_id: tuple[int, int, str] | None = (st.st_dev, st.st_ino,
+                                                              os.path.realpath(path / "lock.mdb"))
+            except OSError:
+                self.lock_id = None
             if not self.readonly:
                 self.env.reader_check()  # clear reader slots of dead processes
             with self.env.begin(write=create) as txn:
@@ -721,7 +728,48 @@ def _drop_inherited(real: str) -> None:
             )
         sh = _REGISTRY.pop(key)
         _WRITERS.pop(key, None)
+        _unshare_reader_table(sh.lock_id)
         sh.env.close()
+
+
+def _unshare_reader_table(lock_id: tuple[int, int, str] | None) -> None:
+    """In a forked child, about to close an inherited environment: make this process's mappings of its lock
+    file (LMDB's reader table, shared with the parent) private copies.
+
+    Closing the environment aborts the read transactions inherited from the parent's threads (an async save's
+    lookups, a load in progress at the fork), and an abort frees its slot in the reader table. In the shared
+    table that slot is the parent's: its read would lose its snapshot, and a commit (of any process) could reuse
+    the pages it is still reading. Written in a private copy, the aborts change nothing the parent sees."""
+    if lock_id is None or not sys.platform.startswith("linux"):
+        return
+    dev = f"{os.major(lock_id[0]):02x}:{os.minor(lock_id[0]):02x}"
+    try:
+        with open("/proc/self/maps") as f:
+            maps = [line.rstrip("\n").split(maxsplit=5) for line in f]
+    except OSError:
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    for fields_ in maps:  # start-end perms offset dev inode path
+        if len(fields_) < 6 or "s" not in fields_[1]:
+            continue
+        # the file's device and inode, or its path (an overlay filesystem, as in containers, shows the device
+        # of the layer beneath, which stat() does not)
+        if (fields_[3], int(fields_[4])) != (dev, lock_id[1]) and fields_[5].strip() != lock_id[2]:
+            continue
+        start, end = (int(x, 16) for x in fields_[0].split("-"))
+        copy = ctypes.string_at(start, end - start)
+        got = libc.mmap(start, end - start, mmap.PROT_READ | mmap.PROT_WRITE,
+                        mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+        if got != start:
+            raise DeltackptError(f"cannot detach the reader table of {lock_id[2]} inherited across fork "
+                                 f"({os.strerror(ctypes.get_errno())}); open stores in processes started with the "
+                                 "'spawn' method, or fork outside of saves and loads")
+        ctypes.memmove(start, copy, end - start)
+
+
+_MAP_FIXED = 0x10  # (Linux's; Python's mmap module does not name it)
 
 
 #: what py-lmdb raises on a damaged page (or a file that is not an LMDB environment any more). MDB_BAD_TXN too:

@@ -1271,3 +1271,48 @@ def test_save_by_another_thread_during_checkpointer_thinning_stays_the_parent(tm
     ck.step(3)  # the run's own saves still descend from its own last checkpoint
     assert s.info(step=3).parent == s.info(step=2).id
     ck.close()
+
+
+_FORK_DURING_READ = r"""
+import os, subprocess, sys
+import deltackpt, torch
+path = sys.argv[1]
+st = deltackpt.Store(path, chunk_size=4096)
+for step in range(3):
+    st.save({f"w{j}": torch.full((1024,), float(step * 1000 + j)) for j in range(200)}, step=step)
+txn = st.index.env.begin(db=st.index.db_chunks)  # a read in progress (a save's lookups, a load) at the fork
+before = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+pid = os.fork()
+if pid == 0:  # a Pool's worker, say, that opens the store to evaluate a checkpoint
+    child = deltackpt.Store(path, readonly=True)
+    code = 0 if [i.step for i in child.list()] == [0, 1, 2] else 1
+    child.close()
+    os._exit(code)
+_, status = os.waitpid(pid, 0)
+assert status == 0, status
+# another process commits meanwhile: new checkpoints, the old ones deleted and collected
+subprocess.run([sys.executable, "-c", '''
+import sys, deltackpt, torch
+st = deltackpt.Store(sys.argv[1], chunk_size=4096)
+for step in range(10, 25):
+    st.save({f"w{j}": torch.full((1024,), float(step * 1000 + j)) for j in range(200)}, step=step)
+    for c in st.list()[:-1]:
+        st.delete(id=c.id)
+    st.gc()
+''', path], check=True)
+after = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+print(after == before)
+"""
+
+
+def test_a_child_that_opens_the_store_leaves_the_parents_reads_their_snapshot(tmp_path: Path) -> None:
+    """A forked child that opens the store (as the README says: a Store of its own) closes the LMDB environment
+    it inherited first. That close aborted the transactions of the parent's threads the child inherited, and
+    the abort freed their slots in LMDB's reader table, which the child shares with the parent: a read of the
+    parent in progress at the fork (the lookups of an async save, a load) lost its snapshot, and another
+    writer's commits reused the pages it was reading (it saw 27 entries of that writer's instead of its 600)."""
+    out = subprocess.run([sys.executable, "-c", _FORK_DURING_READ, str(tmp_path / "store")], capture_output=True,
+                         text=True, timeout=TIMEOUT, env=cw.worker_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True", "the parent's read transaction lost its snapshot"
+
