@@ -27,6 +27,7 @@ import secrets
 import shutil
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -368,6 +369,7 @@ class Store:
         #: operations of this handle in progress (:meth:`_in_use`), by (process, thread): close() waits for them
         self._users: collections.Counter[tuple[int, int]] = collections.Counter()
         self._users_changed = threading.Condition(threading.Lock())
+        _HANDLES.add(self)  # (a forked child takes its locks afresh)
         #: the gc lock file, held exclusively from :func:`~deltackpt.maintenance.open_for_repair` until the
         #: repair commits (or the store closes); this handle's own operations then take no lock
         self._alone_fd: int | None = None
@@ -2011,6 +2013,22 @@ def _parent_refs(role: predict.Role, i: int, k: bytes, parents: Mapping[str, Ten
         out.append(pm.digests[j].tobytes() + k[16:])
     return tuple(out)
 
+
+#: the Store handles of this process, whose locks :func:`_locks_after_fork` makes again in a forked child
+_HANDLES: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def _locks_after_fork() -> None:
+    """A child forked while a thread of the parent was inside a save (DataLoader workers starting during an
+    async save) inherits the handle's save lock held, by a thread the child does not have: the child's close()
+    of the handle (a ``with`` block it leaves by ``sys.exit``) or its save through it waited for it forever."""
+    for st in list(_HANDLES):
+        st._save_lock = threading.Lock()
+        st._pool_lock = threading.Lock()
+        st._users_changed = threading.Condition(threading.Lock())
+
+
+os.register_at_fork(after_in_child=_locks_after_fork)
 
 _DAMAGED: dict[str, set[bytes]] = {}
 _DAMAGED_LOCK = threading.Lock()

@@ -1316,3 +1316,52 @@ def test_a_child_that_opens_the_store_leaves_the_parents_reads_their_snapshot(tm
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True", "the parent's read transaction lost its snapshot"
 
+
+_FORK_DURING_SAVE = r"""
+import os, sys, threading, time, torch, deltackpt
+path, use = sys.argv[1], sys.argv[2]
+st = deltackpt.Store(path)
+st.save({"w": torch.zeros(8)}, step=0)
+inside, release = threading.Event(), threading.Event()
+drop_unlinked = st.reader.drop_unlinked
+def held():  # the save's first call under its lock: it stays there until the child has been waited for
+    inside.set()
+    release.wait()
+    drop_unlinked()
+st.reader.drop_unlinked = held
+saver = threading.Thread(target=st.save, args=({"w": torch.ones(8)},), kwargs={"step": 1})
+saver.start()
+inside.wait()
+pid = os.fork()
+if pid == 0:  # a DataLoader's worker or a Pool's, forked while the parent's (async) save runs
+    st.reader.drop_unlinked = drop_unlinked
+    if use == "save":  # the handle used in the child (the README says: open one of its own; still no hang)
+        st.save({"w": torch.full((8,), 2.0)}, step=2)
+    st.close()  # as a with block of the parent's that the child leaves (sys.exit) closes it
+    os._exit(0)
+deadline = time.monotonic() + 10
+while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+    time.sleep(0.02)
+if done[0] == 0:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+print("hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
+release.set()
+saver.join()
+print(sorted(i.step for i in st.list()), st.verify().ok)
+st.close()
+"""
+
+
+@pytest.mark.parametrize("use", ["close", "save"])
+def test_a_child_forked_during_a_save_closes_or_uses_the_inherited_handle_without_hanging(
+        tmp_path: Path, use: str) -> None:
+    """A child forked while another thread of the parent was inside a save inherited the handle's save lock held,
+    by a thread the child does not have: its close() of the handle (a ``with`` block it leaves by ``sys.exit``)
+    and its saves through it waited for that lock forever."""
+    out = subprocess.run([sys.executable, "-c", _FORK_DURING_SAVE, str(tmp_path / "store"), use],
+                         capture_output=True, text=True, timeout=TIMEOUT, env=cw.worker_env())
+    assert out.returncode == 0, out.stderr
+    child, listed = out.stdout.splitlines()
+    assert child == "0", "the child hung in close()" if child == "hung" else out.stderr
+    assert listed == ("[0, 1, 2] True" if use == "save" else "[0, 1] True")
