@@ -167,10 +167,15 @@ def _finish_saves_at_exit() -> None:
 
 def _forget_saves_after_fork() -> None:
     """A forked child (a DataLoader's or a Pool's worker) inherits the parent's saves in flight, but not the threads
-    running them: its exit must not wait for them (it used to, forever). Nor is the parent's restore of the RNG
-    states one of the child's checkpointers could wind back."""
+    running them: its exit must not wait for them (it used to, forever), nor its close() of an inherited
+    checkpointer (a ``with`` block the child leaves by ``sys.exit``), and a save of its own runs on a thread of its
+    own (the inherited executor has none). Nor is the parent's restore of the RNG states one of the child's
+    checkpointers could wind back."""
     global _rng_owner
-    _async.clear()
+    for ckpt in list(_async):
+        ckpt._inflight = None
+        ckpt._executor = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save")
+        ckpt._closing = threading.Lock()
     _rng_owner = None
 
 

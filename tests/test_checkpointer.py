@@ -2839,6 +2839,53 @@ def test_a_child_forked_during_an_async_save_exits_without_waiting_for_it(fast_d
         assert [i.step for i in s.list()] == [1]
 
 
+
+_FORK_IN_WITH_SCRIPT = """
+import os, sys, threading, time, torch, deltackpt
+model = torch.nn.Linear(64, 64)
+release = threading.Event()
+with deltackpt.Checkpointer(sys.argv[1], model=model) as ck:
+    save = ck.store._save
+    def held_save(*args, **kwargs):  # the save stays in flight until the child has been waited for
+        release.wait()
+        return save(*args, **kwargs)
+    ck.store._save = held_save
+    ck.step(1)
+    pid = os.fork()
+    if pid == 0:
+        ck.store._save = save
+        if sys.argv[2] == "save":
+            ck.save(5, wait=True)  # saves of the child's own are waited for, and go through its own thread
+        sys.exit(0)  # leaves the with block: close() runs in the child
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    print("hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
+    release.set()
+    ck.step(2)
+with deltackpt.Store(sys.argv[1]) as s:
+    print(sorted(i.step for i in s.list()))
+"""
+
+
+@linux_only
+@pytest.mark.parametrize("use", ["close", "save"])
+def test_a_child_forked_during_an_async_save_closes_the_checkpointer_it_inherited_at_once(
+        fast_dir: Path, use: str) -> None:
+    """A child forked inside a ``with Checkpointer(...)`` block while an async save is in flight, which leaves the
+    block (``sys.exit``, an exception), runs close() on the inherited checkpointer: that waited for the parent's
+    save, whose thread the child does not have, forever. Its own saves ran on the inherited executor, which has no
+    thread in the child either, and waited forever too."""
+    done = subprocess.run([sys.executable, "-c", _FORK_IN_WITH_SCRIPT, str(fast_dir / "store"), use],
+                          capture_output=True, text=True, timeout=120, env=worker_env())
+    assert done.returncode == 0, done.stderr
+    child, listed = done.stdout.splitlines()
+    assert child == "0", "the child hung" if child == "hung" else done.stderr
+    assert listed == ("[1, 2, 5]" if use == "save" else "[1, 2]")
+
 _SIGNAL_SCRIPT = """
 import os, signal, sys, threading, time, torch, deltackpt
 root, mode = sys.argv[1], sys.argv[2]
