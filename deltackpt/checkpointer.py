@@ -865,6 +865,12 @@ class Checkpointer:
         if failure is not None:
             raise failure
 
+    def __reduce__(self) -> Any:
+        # (as Store's: its executor, locks and store handle do not travel)
+        raise TypeError(f"a Checkpointer cannot be pickled (sent to a spawned process, a Pool's task, deep-copied): "
+                        f"make one in that process, on the store's path {str(self.store.path)!r}, for the model "
+                        "and optimizer that process trains")
+
     def __enter__(self) -> Checkpointer:
         return self
 

@@ -496,6 +496,13 @@ class Store:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def __reduce__(self) -> Any:
+        # (pickle and copy.deepcopy: a spawned process's arguments, a Pool's task, a spawned DataLoader worker's
+        # dataset) locks, threads and an LMDB environment do not travel; what did say "cannot pickle
+        # '_thread.lock' object"
+        raise TypeError(f"a Store cannot be pickled (sent to a spawned process, a Pool's task, deep-copied): pass "
+                        f"its path, {str(self.path)!r}, and open Store(path) in that process")
+
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r}, chunk_size={self.chunk_size})"
 

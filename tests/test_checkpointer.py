@@ -3568,3 +3568,28 @@ def test_a_checkpoint_whose_rng_states_or_step_the_generators_refuse_is_a_typed_
                            "'step' entry is not a step"):
             c.restore()
     assert random.getstate() == before[0] and np.array_equal(np.random.get_state()[1], before[1])
+
+
+def _takes(obj: Any) -> None:
+    raise AssertionError("never reached: the argument cannot be sent")
+
+
+@pytest.mark.parametrize("what", ["Store", "Checkpointer"])
+def test_a_store_or_checkpointer_sent_to_a_spawned_process_is_refused_naming_what_to_do(
+        fast_dir: Path, what: str) -> None:
+    """A Store or Checkpointer given to a process of the spawn method (or a Pool's task, or deep-copied) is
+    pickled: that was refused with "cannot pickle '_thread.lock' object", which names neither the object nor
+    what to do instead (open the store by its path in that process)."""
+    import copy
+    import multiprocessing
+    import pickle
+    with Store(fast_dir / "store") as st, Checkpointer(st, model=torch.nn.Linear(2, 2), handle_signals=False) as ck:
+        obj: Any = st if what == "Store" else ck
+        hint = rf"a {what} cannot be pickled .*{re.escape(str(st.path))}"
+        with pytest.raises(TypeError, match=hint):
+            pickle.dumps(obj)
+        with pytest.raises(TypeError, match=hint):
+            copy.deepcopy(obj)
+        proc = multiprocessing.get_context("spawn").Process(target=_takes, args=(obj,))
+        with pytest.raises(TypeError, match=hint):
+            proc.start()  # (refused as the arguments are pickled, before a process starts)
