@@ -52,6 +52,7 @@ class WorkersIgnoreStopSignals:
         #: the open checkpointers that protect the loader (it is released when the last one closes)
         self.owners: weakref.WeakSet[Any] = weakref.WeakSet()
         self._released, self._release = multiprocessing.Pipe(duplex=False)
+        self._pid = os.getpid()  # the training process: the only one whose release() releases the workers
         _hook_release()
         _unreleased.add(self)
 
@@ -75,8 +76,12 @@ class WorkersIgnoreStopSignals:
         return start
 
     def release(self) -> None:
-        """From now on the workers end at SIGTERM (those running and those started later)."""
+        """From now on the workers end at SIGTERM (those running and those started later). Nothing in a process
+        forked from the training process (its exit hook, or a close() of the checkpointer it inherited, ran this
+        and released the parent's workers before the parent's own step boundary)."""
         _unreleased.discard(self)
+        if os.getpid() != self._pid:
+            return
         try:
             self._release.send_bytes(b"r")
         except OSError:  # (the pipe is gone: a worker sees it closed, which releases it too)

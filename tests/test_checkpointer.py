@@ -2886,6 +2886,42 @@ def test_a_child_forked_during_an_async_save_closes_the_checkpointer_it_inherite
     assert child == "0", "the child hung" if child == "hung" else done.stderr
     assert listed == ("[1, 2, 5]" if use == "save" else "[1, 2]")
 
+
+_FORK_RELEASES_SCRIPT = """
+import os, signal, sys, torch, deltackpt
+from torch.utils.data import DataLoader, TensorDataset
+loader = DataLoader(TensorDataset(torch.zeros(64, 4)), batch_size=4, num_workers=1, persistent_workers=True)
+ck = deltackpt.Checkpointer(sys.argv[1], model=torch.nn.Linear(2, 2))
+ck.protect_workers(loader)
+batches = iter(loader)
+next(batches)
+(worker,) = batches._workers
+pid = os.fork()
+if pid == 0:  # a child of the training process that ends normally: its exit hooks run
+    if sys.argv[2] == "close":
+        ck.close()  # (a with block of the parent's that the child leaves)
+    sys.stderr = open(os.devnull, "w")  # (multiprocessing's exit hook complains of the parent's workers)
+    sys.exit(0)
+os.waitpid(pid, 0)
+os.kill(worker.pid, signal.SIGTERM)  # the job's stop signal, before the step boundary
+worker.join(3)
+print(worker.is_alive())
+ck.close()
+"""
+
+
+@linux_only
+@pytest.mark.parametrize("how", ["exit", "close"])
+def test_a_forked_child_that_exits_leaves_the_parents_workers_protected(fast_dir: Path, how: str) -> None:
+    """A child forked from the training process that ends normally (``sys.exit``, or closing the checkpointer it
+    inherited first) ran the release of the protected DataLoaders' workers, the parent's, at its exit: from then
+    on a SIGTERM sent to the whole job ended them before the step boundary, and the DataLoader raised in the
+    training process instead of the checkpointer saving."""
+    done = subprocess.run([sys.executable, "-c", _FORK_RELEASES_SCRIPT, str(fast_dir / "store"), how],
+                          capture_output=True, text=True, timeout=120, env=worker_env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True"], "the parent's worker ended at SIGTERM: the child released it"
+
 _SIGNAL_SCRIPT = """
 import os, signal, sys, threading, time, torch, deltackpt
 root, mode = sys.argv[1], sys.argv[2]
