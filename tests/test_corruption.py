@@ -2139,8 +2139,8 @@ def test_a_tensor_this_torch_cannot_load_keeps_its_checkpoint(store_path: Path, 
     from deltackpt import tree
 
     real = tree._torch_leaf
-    monkeypatch.setattr(tree, "_torch_leaf", lambda t, p: dataclasses.replace(
-        real(t, p), **({"device": "npu:0"} if what == "device" else {"dtype": "float4_e9m9_future"})))
+    monkeypatch.setattr(tree, "_torch_leaf", lambda t, p, **kw: dataclasses.replace(
+        real(t, p, **kw), **({"device": "npu:0"} if what == "device" else {"dtype": "float4_e9m9_future"})))
     with _open(store_path) as s:
         s.save({"w": torch.ones(1000)}, step=1)
     monkeypatch.undo()
@@ -2169,7 +2169,7 @@ def test_a_newer_torch_dtype_is_not_damage_a_restore_skips(store_path: Path, mon
         ckpt.save(1)
         real = tree._torch_leaf
         monkeypatch.setattr(tree, "_torch_leaf",
-                            lambda t, p: dataclasses.replace(real(t, p), dtype="float4_e9m9_future"))
+                            lambda t, p, **kw: dataclasses.replace(real(t, p, **kw), dtype="float4_e9m9_future"))
         ckpt.save(2)
         monkeypatch.undo()
     with deltackpt.Checkpointer(_open(store_path), model=torch.nn.Linear(3, 2), handle_signals=False) as ckpt:
