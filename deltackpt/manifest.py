@@ -435,7 +435,7 @@ def file_bytes(p: Path) -> bytes:
         if not stat.S_ISREG(os.fstat(fd).st_mode) or size <= _LARGE:
             return read_file(p)  # (small: its damage is reported as parse() finds it, a checksum first)
         head = f.read(_HEAD.size)
-        magic, _, _, hlen, n = _HEAD.unpack(head)
+        magic, _, _, hlen, n = _HEAD.unpack(head) if len(head) == _HEAD.size else (b"", 0, 0, 0, 0)  # (shrunk)
         if magic != MAGIC or _HEAD.size + hlen + 17 * n + 16 != size:
             raise OSError(errno.EINVAL, f"a file of {size} bytes whose head is not a manifest's of that size, not "
                                         "read", str(p))
