@@ -40,6 +40,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence, Set
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
@@ -698,6 +699,75 @@ _RETIRED: list[_Shared] = []
 #: Write transactions in progress per environment. A child forked while one was open cannot take over the
 #: environment: closing the inherited handle would wait forever for the parent thread that holds it.
 _WRITERS: dict[tuple[int, str], int] = {}
+#: LMDB calls in progress, per thread (:func:`_lmdb_calls`). A fork waits until no other thread has one
+#: (:func:`_before_fork`): py-lmdb's close of an environment waits until no call on it is in progress, and in a
+#: child forked during one (a thread's lookup, a load's read, with the GIL released) the call never ends, so the
+#: child's first open of the store, which closes the inherited environment, hung forever.
+_CALLS: dict[int, int] = {}
+_GATE = threading.Condition(threading.Lock())
+#: the thread whose fork waits for the others' calls to end (they start no new one meanwhile), or None
+_FORKING: int | None = None
+#: how long a fork waits for the calls of other threads; past that it goes on, and its child refuses to open
+#: the store (:func:`_drop_inherited`)
+FORK_WAIT_S = 30.0
+#: in a child: a call of another thread of the parent was still in progress at the fork
+_CALL_AT_FORK = False
+_REGISTRY_HELD = False  # (by the fork in progress)
+
+
+@contextmanager
+def _lmdb_calls() -> Iterator[None]:
+    """Count the calling thread's LMDB calls while the block runs (a transaction's, without user code in it), so
+    that a fork waits for them to end. A block starts no sooner than a fork that waits ends (a nested one of a
+    thread already inside one does: the fork waits for that thread)."""
+    me = threading.get_ident()
+    with _GATE:
+        if me not in _CALLS:
+            _GATE.wait_for(lambda: _FORKING is None or _FORKING == me)
+        _CALLS[me] = _CALLS.get(me, 0) + 1
+    try:
+        yield
+    finally:
+        with _GATE:
+            _CALLS[me] -= 1
+            if not _CALLS[me]:
+                del _CALLS[me]
+                _GATE.notify_all()
+
+
+def _before_fork() -> None:
+    """Wait, at most :data:`FORK_WAIT_S`, until no other thread is inside an LMDB call, and let none start one
+    until the fork is done; then for :data:`_REGISTRY_LOCK` (a thread opening an environment holds it), which a
+    child would otherwise inherit held by a thread it does not have. Holds both across the fork."""
+    global _FORKING, _CALL_AT_FORK, _REGISTRY_HELD
+    me = threading.get_ident()
+    deadline = time.monotonic() + FORK_WAIT_S
+    _GATE.acquire()
+    _FORKING = me
+    _CALL_AT_FORK = not _GATE.wait_for(lambda: all(t == me for t in _CALLS), FORK_WAIT_S)
+    # (no holder of _REGISTRY_LOCK waits for the gate: the counted blocks take it, never the other way round)
+    _REGISTRY_HELD = _REGISTRY_LOCK.acquire(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _after_fork_in_parent() -> None:
+    global _FORKING, _CALL_AT_FORK
+    if _REGISTRY_HELD:
+        _REGISTRY_LOCK.release()
+    _FORKING, _CALL_AT_FORK = None, False
+    _GATE.notify_all()
+    _GATE.release()
+
+
+def _after_fork_in_child() -> None:
+    global _GATE, _CALLS, _FORKING, _REGISTRY_LOCK
+    me = threading.get_ident()
+    _CALLS = {me: _CALLS[me]} if me in _CALLS else {}  # (the forking thread's own blocks end in the child)
+    _GATE, _FORKING = threading.Condition(threading.Lock()), None
+    _REGISTRY_LOCK = threading.Lock()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
 
 
 def _identity(path: Path) -> str:
@@ -716,7 +786,8 @@ def _drop_inherited(real: str) -> None:
 
     py-lmdb refuses to open an environment whose files are already open in the process, and a handle
     inherited across fork counts. Closing it in the child is safe (LMDB's fcntl locks and reader slots belong to
-    the parent's pid) unless a parent thread was inside a write transaction at the fork.
+    the parent's pid) unless a parent thread was inside a write transaction or an LMDB call at the fork (the
+    fork waits for those, :func:`_before_fork`, up to :data:`FORK_WAIT_S`).
     Caller holds _REGISTRY_LOCK.
     """
     me = os.getpid()
@@ -725,6 +796,12 @@ def _drop_inherited(real: str) -> None:
             raise DeltackptError(
                 f"index {real}: this process was forked while another thread was committing to the store; open "
                 "stores in processes started with the 'spawn' method, or fork outside of saves"
+            )
+        if _CALL_AT_FORK:  # its close would wait forever for the call (the fork waited FORK_WAIT_S for it)
+            raise DeltackptError(
+                f"index {real}: this process was forked while another thread was inside a call of LMDB on the "
+                f"store that did not end within {FORK_WAIT_S:g} s; open stores in processes started with the "
+                "'spawn' method, or fork outside of saves and loads"
             )
         sh = _REGISTRY.pop(key)
         _WRITERS.pop(key, None)
@@ -818,7 +895,8 @@ class ChunkReader:
         """Those of ``keys`` the index holds."""
         get = self._get
         try:
-            return {k for k in keys if get(k) is not None}
+            with _lmdb_calls():
+                return {k for k in keys if get(k) is not None}
         except LMDB_DAMAGE as exc:
             raise _damage_error(self._index, exc) from exc
 
@@ -828,15 +906,16 @@ class ChunkReader:
         out: dict[bytes, ChunkLoc] = {}
         get = self._get
         try:
-            for k in keys:
-                v = get(k)
-                if v is not None:
-                    try:
-                        out[k] = ChunkLoc.unpack(bytes(v), k)
-                    except CorruptIndexError as exc:
-                        if damaged is None:
-                            raise
-                        damaged[k] = str(exc)
+            with _lmdb_calls():
+                for k in keys:
+                    v = get(k)
+                    if v is not None:
+                        try:
+                            out[k] = ChunkLoc.unpack(bytes(v), k)
+                        except CorruptIndexError as exc:
+                            if damaged is None:
+                                raise
+                            damaged[k] = str(exc)
         except LMDB_DAMAGE as exc:
             raise _damage_error(self._index, exc) from exc
         return out
@@ -937,13 +1016,21 @@ class Index:
         """The environment, counted in :data:`_WRITERS` while the caller holds a write transaction on it."""
         key = (os.getpid(), self._real)
         env = self.env
-        with _REGISTRY_LOCK:
-            _WRITERS[key] = _WRITERS.get(key, 0) + 1
-        try:
-            yield env
-        finally:
+        with _lmdb_calls():  # (outside the count of writers: a fork never falls between the two)
             with _REGISTRY_LOCK:
-                _WRITERS[key] -= 1
+                _WRITERS[key] = _WRITERS.get(key, 0) + 1
+            try:
+                yield env
+            finally:
+                with _REGISTRY_LOCK:
+                    _WRITERS[key] -= 1
+
+    @contextmanager
+    def _read(self, db: Any = None) -> Iterator[lmdb.Transaction[bytes]]:
+        """A read transaction, its LMDB calls counted for a fork (:func:`_lmdb_calls`)."""
+        env = self.env  # (outside the count: it may take _REGISTRY_LOCK, and open the environment)
+        with _lmdb_calls(), env.begin(db=db) as txn:
+            yield txn
 
     @contextmanager
     def _write(self) -> Iterator[lmdb.Transaction]:
@@ -989,7 +1076,7 @@ class Index:
         want = read_last_commit(self.path.parent)  # first: a commit between the two reads only makes the index newer
         if want is None:
             return
-        with self.env.begin() as txn:
+        with self._read() as txn:
             raw = txn.get(b"seq", db=self.db_meta)
         have = _U64.unpack(raw)[0] if raw is not None and len(raw) == 8 else 0
         if have < want:
@@ -1048,21 +1135,35 @@ class Index:
         """One read transaction of the chunk table for many lookups (a save's, tensor after tensor), answered
         as of when it began, without a transaction (and the environment's checks) per call. Damaged pages raise
         :class:`CorruptIndexError`."""
+        env, db = self.env, self.db_chunks
         try:
-            txn = self.env.begin(db=self.db_chunks, buffers=True)
+            with _lmdb_calls():
+                txn = env.begin(db=db, buffers=True)
         except LMDB_DAMAGE as exc:
             raise _damage_error(self, exc) from exc
         try:
-            yield ChunkReader(self, txn)
+            yield ChunkReader(self, txn)  # (its lookups count their calls: the caller's code in between does not)
         finally:
-            txn.abort()
+            with _lmdb_calls():
+                txn.abort()
 
     @_damage_is_corruption
     def iter_chunks(self) -> Iterator[tuple[bytes, ChunkLoc]]:
+        # in batches, each read inside the count of LMDB calls and yielded outside it: a caller that forks, or
+        # takes its time, between two entries holds up no other thread's fork
         with self.env.begin(db=self.db_chunks) as txn:
-            self._walkable(txn, "chunks")
-            for k, v in txn.cursor():
-                yield k, ChunkLoc.unpack(v, k)
+            with _lmdb_calls():
+                self._walkable(txn, "chunks")
+                cur = txn.cursor()
+                more = cur.first()
+            while more:
+                with _lmdb_calls():
+                    batch: list[tuple[bytes, bytes]] = []
+                    while more and len(batch) < 4096:
+                        batch.append(cur.item())
+                        more = cur.next()
+                for k, v in batch:
+                    yield k, ChunkLoc.unpack(v, k)
 
     @_damage_is_corruption
     def chunks_in_packs(self, pack_ids: Iterable[str]) -> tuple[Commit, dict[str, list[tuple[bytes, ChunkLoc]]]]:
@@ -1071,7 +1172,8 @@ class Index:
         the commit it read (:meth:`last_commit`)."""
         pids = {bytes.fromhex(p): p for p in pack_ids}
         found: dict[str, list[tuple[bytes, ChunkLoc]]] = {p: [] for p in pids.values()}
-        with self.env.begin(db=self.db_chunks, buffers=True) as txn:
+        env = self.env
+        with _lmdb_calls(), env.begin(db=self.db_chunks, buffers=True) as txn:
             self._walkable(txn, "chunks")
             for k, v in txn.cursor():
                 pack_id = pids.get(bytes(v[:16]))
@@ -1083,12 +1185,12 @@ class Index:
     def last_commit(self) -> Commit:
         """Which commit the index is at (the environment and its transaction id): equal to an earlier answer
         exactly when nothing committed in between."""
-        with self.env.begin() as txn:
+        with self._read() as txn:
             return self.env, txn.id()
 
     @_damage_is_corruption
     def count_chunks(self) -> int:
-        with self.env.begin() as txn:
+        with self._read() as txn:
             return int(txn.stat(self.db_chunks)["entries"])
 
     # -- checkpoints ----------------------------------------------------------------------------------
@@ -1184,13 +1286,13 @@ class Index:
     @_damage_is_corruption
     def dropped_bytes(self) -> int:
         """Bytes written by the checkpoints deleted or replaced (rewritten, thinned) since the last gc."""
-        with self.env.begin() as txn:
+        with self._read() as txn:
             return _dropped_value(txn.get(DROPPED, db=self.db_meta))
 
     @_damage_is_corruption
     def get(self, *, step: int | None = None, id: str | None = None) -> Record | None:
         """The newest record with this step (or this id); the newest of all when both are None."""
-        with self.env.begin() as txn:
+        with self._read() as txn:
             if id is not None:
                 sk = txn.get(id.encode(), db=self.db_ids)
             elif step is not None:
@@ -1232,7 +1334,7 @@ class Index:
     def raw_records(self) -> list[tuple[bytes, bytes]]:
         """(key, value) of every checkpoint record in commit order, undecoded (:func:`record_at` decodes one):
         for callers that keep what they decoded before."""
-        with self.env.begin(db=self.db_ckpts) as txn:
+        with self._read(db=self.db_ckpts) as txn:
             self._walkable(txn, "ckpts")
             return list(txn.cursor())
 
@@ -1242,7 +1344,7 @@ class Index:
         id and from its step, and every id and step entry must reach a record of that id and step. A problem
         of a record comes with it; one of an id or step entry with None. For ``verify``."""
         out: list[tuple[Record | None, str]] = []
-        with self.env.begin() as txn:
+        with self._read() as txn:
             self._walkable(txn, "ckpts", "ids", "steps")
             recs: dict[bytes, Record] = {}
             for k, v in txn.cursor(db=self.db_ckpts):
@@ -1269,14 +1371,14 @@ class Index:
 
     @_damage_is_corruption
     def count(self) -> int:
-        with self.env.begin() as txn:
+        with self._read() as txn:
             return int(txn.stat(self.db_ckpts)["entries"])
 
     # -- maintenance ----------------------------------------------------------------------------------
     @_damage_is_corruption
     def has_format_record(self) -> bool:
         """Whether the index holds its ``format`` record (an index a repair opened may not: emptied, or lost)."""
-        with self.env.begin() as txn:
+        with self._read() as txn:
             return txn.get(b"format", db=self.db_meta) is not None
 
     def apply_chunk_changes(self, delete: Iterable[bytes], move: dict[bytes, ChunkLoc], *,

@@ -1317,6 +1317,85 @@ def test_a_child_that_opens_the_store_leaves_the_parents_reads_their_snapshot(tm
     assert out.stdout.strip() == "True", "the parent's read transaction lost its snapshot"
 
 
+_FORK_DURING_LMDB_CALLS = r"""
+import os, sys, threading, time, torch, deltackpt, deltackpt.index as index
+path, mode = sys.argv[1], sys.argv[2]
+st = deltackpt.Store(path, chunk_size=4096)
+st.save({f"w{j}": torch.full((1024,), float(j)) for j in range(50)}, step=0)
+stop, inside = threading.Event(), threading.Event()
+if mode == "reads":  # an async save's lookups (one LMDB call per key, the GIL released in each) at every fork
+    keys = [os.urandom(32) for _ in range(5000)]
+    def work():
+        while not stop.is_set():
+            st.index.lookup_chunks(keys)
+            inside.set()
+    forks, want = 10, [0]
+elif mode == "registry":  # a thread opening another store's index holds the lock of the process's environments
+    def work():
+        with index._REGISTRY_LOCK:
+            inside.set()
+            time.sleep(1.0)
+    forks, want = 1, [0]
+else:  # a thread inside the index's write transaction of a save (commit) or inside a read that does not end
+    slow = index.record_at if mode == "stuck" else index.Record.dumps
+    def held(*args):
+        inside.set()
+        time.sleep(1.0 if mode == "commit" else 3.0)
+        return slow(*args)
+    if mode == "stuck":
+        index.FORK_WAIT_S = 0.2
+        index.record_at = held
+        work = lambda: st.index.get(step=0)
+    else:
+        index.Record.dumps = held
+        work = lambda: st.save({"w0": torch.ones(4)}, step=1)
+    forks, want = 1, [0, 1] if mode == "commit" else [0]
+worker = threading.Thread(target=work)
+worker.start()
+inside.wait()
+out = []
+for _ in range(forks):
+    time.sleep(0.01)
+    pid = os.fork()
+    if pid == 0:  # a Pool's worker, say, that opens the store to evaluate a checkpoint
+        try:
+            child = deltackpt.Store(path, readonly=True)
+            code = 0 if [i.step for i in child.list()] == want else 1
+            child.close()
+        except deltackpt.DeltackptError as exc:
+            code = 3 if "did not end within 0.2 s" in str(exc) else 2
+        os._exit(code)
+    deadline = time.monotonic() + 10
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    out.append("hung" if done[0] == 0 else str(os.waitstatus_to_exitcode(done[1])))
+    if out[-1] != "0":
+        break
+stop.set()
+worker.join()
+print(" ".join(out))
+"""
+
+
+@pytest.mark.parametrize("mode", ["reads", "commit", "registry", "stuck"])
+def test_a_child_forked_during_lmdb_calls_of_another_thread_opens_the_store(tmp_path: Path, mode: str) -> None:
+    """A child that opens the store closes the LMDB environment it inherited, and py-lmdb's close waits until
+    no call on it is in progress. A call of another parent thread in progress at the fork (a lookup of an async
+    save, a load, the GIL released inside it) never ends in the child: its open hung forever (every fork of 10
+    while a thread looked chunks up), and one forked during a commit raised DeltackptError. The fork now waits
+    for the calls of the other threads to end; one that does not end within ``FORK_WAIT_S`` ("stuck") makes the
+    child's open raise DeltackptError instead of hanging. It waits too for the lock of the process's LMDB
+    environments, which a thread opening one holds: the child inherited it held and waited for it forever."""
+    out = subprocess.run([sys.executable, "-c", _FORK_DURING_LMDB_CALLS, str(tmp_path / "store"), mode],
+                         capture_output=True, text=True, timeout=TIMEOUT, env=cw.worker_env())
+    assert out.returncode == 0, out.stderr
+    want = "3" if mode == "stuck" else " ".join(["0"] * (10 if mode == "reads" else 1))
+    assert out.stdout.strip() == want, out.stdout + out.stderr
+
+
 _FORK_DURING_SAVE = r"""
 import os, sys, threading, time, torch, deltackpt
 path, use = sys.argv[1], sys.argv[2]
