@@ -224,6 +224,18 @@ def _checkpointer_layout(state: Any) -> bool:
     return isinstance(state, Mapping) and "step" in state and "model" in state
 
 
+def step_mismatch(state: Mapping[str, Any], manifest_step: int) -> str | None:
+    """Why a restore refuses a checkpoint whose 'step' entry (a valid step) is not the step its manifest lists it
+    at, or None when they agree. A Checkpointer saves the two equal; they differ in a ``Store.save(state,
+    step=N)`` of a state captured at another step, or a crafted manifest, and which of the two the run should
+    go on from is not for a restore to guess (the store's listings, retention and the next save's numbering go by
+    the manifest's step, the RNG seeding and the training loop by the entry's)."""
+    if int(state["step"]) == manifest_step:
+        return None
+    return (f"its 'step' entry is {int(state['step'])} but its manifest's step is {manifest_step} (a Store.save of "
+            "a state captured at another step?)")
+
+
 def newest_restorable(
     store: Store, attempt: Callable[[CheckpointInfo], T], damaged: Callable[[CheckpointInfo, CorruptionError], None]
 ) -> T | None:
@@ -391,18 +403,23 @@ class Checkpointer:
             state["rng"] = rng_state()
         return state
 
-    def _check(self, state: Any, live_model: Any = None, *, strict: bool = True) -> list[str]:
+    def _check(self, state: Any, live_model: Any = None, *, strict: bool = True,
+               manifest_step: int | None = None) -> list[str]:
         """Raise unless ``state`` (a captured state, or its skeleton with tensor entries in place of tensors)
         holds everything :meth:`apply` puts back into this run's components, and fits them; changes nothing.
         ``live_model``: the model's state dicts when the caller has them (else they are taken). Without
         ``strict`` a component other than the model that the checkpoint lacks is no error: the names of those
-        are returned (what :meth:`_apply` then leaves as it is)."""
+        are returned (what :meth:`_apply` then leaves as it is). ``manifest_step``: the step the store lists the
+        checkpoint at, which its 'step' entry must equal (:func:`step_mismatch`)."""
         if not _checkpointer_layout(state):
             raise DeltackptError("this checkpoint was not written by a Checkpointer (no 'step'/'model' entry)")
         try:
             check_step(state["step"])
         except (TypeError, ValueError) as exc:
             raise DeltackptError(f"the checkpoint's 'step' entry is not a step: {exc}") from None
+        if manifest_step is not None and (mismatch := step_mismatch(state, manifest_step)) is not None:
+            raise DeltackptError(f"{mismatch}: restore() does not guess which to resume from; restore another "
+                                 "step, or Store.load this one and apply() it")
         if state.get("thinned"):
             raise DeltackptError(
                 f"checkpoint at step {state['step']} was thinned to model weights only and cannot resume training; "
@@ -603,14 +620,14 @@ class Checkpointer:
         live = group_state(self.model)  # (once: for FSDP a state dict is a gather)
         if skeleton is not None:
             with _naming(info):
-                lacking = self._check(skeleton, live, strict=strict)
+                lacking = self._check(skeleton, live, strict=strict, manifest_step=info.step)
         # the model's own tensors are offered: they are decoded in place, and load_state_dict then copies nothing
         # (and a plain extra entry's tensors: an EMA kept as a dict of tensors is decoded into the run's own)
         into = {"model": live, "extra": plain_extras(self.extra)}
         state = self.store.load(id=info.id, map_location=self.map_location, into=into)
         with _naming(info):
             if skeleton is None:
-                lacking = self._check(state, live, strict=strict)
+                lacking = self._check(state, live, strict=strict, manifest_step=info.step)
             restored = self._apply(state, strict=strict, decoded=True)
         if lacking:
             warnings.warn(f"deltackpt: checkpoint {info.id} (step {info.step}) holds no {', '.join(lacking)}: "

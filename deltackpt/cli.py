@@ -29,7 +29,7 @@ import lmdb
 import numpy as np
 
 from deltackpt import _lazy, codec, collector, maintenance, manifest, packs, tree
-from deltackpt.checkpointer import _checkpointer_layout, newest_restorable
+from deltackpt.checkpointer import _checkpointer_layout, newest_restorable, step_mismatch
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptIndexError,
@@ -1067,6 +1067,10 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
                   f"{when(latest.created)}), was not written by a Checkpointer (no 'step' and 'model' entries): a "
                   "Checkpointer's restore() refuses it; Store.load it directly")
             return 1 if args.verify else 0  # (--verify: no checkpoint would restore)
+        if (why := _refusal(state, m, latest.step)) is not None:
+            print(f"the newest checkpoint, step {latest.step} (checkpoint {latest.id}, saved "
+                  f"{when(latest.created)}): {why}: a Checkpointer's restore() refuses it")
+            return 1 if args.verify else 0  # (--verify: no checkpoint would restore)
         if state.get("thinned") and args.verify:  # restore() refuses it: no checkpoint would restore
             raise DeltackptError(f"no checkpoint of {args.store} would restore: the newest one left, step "
                                  f"{latest.step} ({latest.id}), was thinned to model weights only")
@@ -1102,6 +1106,19 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
         if latest.metadata:
             print(f"metadata: {_meta_str(latest.metadata)}")
     return 0
+
+
+def _refusal(state: dict[str, Any], m: manifest.Manifest, step: int) -> str | None:
+    """Why ``Checkpointer.restore()`` refuses the checkpoint of Checkpointer layout whose skeleton is ``state``,
+    manifest ``m``, listed at ``step``, beyond what its chunks hold (damage: ``--verify``): a 'step' entry that is
+    no step or not the manifest's step. None when it does not."""
+    try:
+        check_step(state["step"])
+    except (TypeError, ValueError) as exc:
+        return f"its 'step' entry is not a step: {exc}"
+    if (mismatch := step_mismatch(state, step)) is not None:
+        return mismatch
+    return None
 
 
 def _entries(value: Any) -> list[manifest.TensorEntry]:

@@ -1319,7 +1319,7 @@ def test_resume_info_of_a_checkpoint_holding_pickled_values_says_so(capsys: pyte
         ck.save(3)
     with deltackpt.Store(store_path) as s:
         state = s.load()
-        state["extra"] = {"obj": fractions.Fraction(1, 3)}
+        state["extra"], state["step"] = {"obj": fractions.Fraction(1, 3)}, 4
         s.save(state, step=4, allow_pickle=True)
     for flags, code in (((), 0), (("--verify",), 1)):
         rc, out, err = cli(capsys, "resume-info", store_path, *flags)
@@ -1346,6 +1346,35 @@ def test_resume_info_says_a_checkpoint_holds_no_rng_states(capsys: pytest.Captur
             ck.restore()
     with deltackpt.Checkpointer(store_path, model=model, handle_signals=False, rng=False) as ck:
         assert ck.restore() == 3
+
+
+def test_a_step_entry_that_is_not_the_manifest_step_is_refused_and_resume_info_says_so(
+        capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """A Store.save(state, step=N) of a state a Checkpointer captured at another step: restore() returned the
+    state's 'step' entry while the store lists the checkpoint at N, and resume-info said a run resumes from N.
+    restore() refuses it, naming both steps and the checkpoint, before the model is touched; resume-info says
+    so (and --verify exits 1), as it does for other checkpoints restore() refuses."""
+    model = torch.nn.Linear(4, 3)
+    with deltackpt.Checkpointer(store_path, model=model, async_save=False, handle_signals=False) as ck:
+        ck.save(3)
+    with deltackpt.Store(store_path) as s:
+        info = s.save(s.load(), step=7)  # its 'step' entry is 3
+    for flags, code in (((), 0), (("--verify",), 1)):
+        rc, out, err = cli(capsys, "resume-info", store_path, *flags)
+        assert rc == code and err == ""
+        assert out.startswith(f"the newest checkpoint, step 7 (checkpoint {info.id}, saved ")
+        assert "its 'step' entry is 3 but its manifest's step is 7" in out and "restore() refuses it" in out
+        assert "would resume" not in out
+    live = torch.nn.Linear(4, 3)
+    before = live.weight.detach().clone()
+    with deltackpt.Checkpointer(store_path, model=live, handle_signals=False) as ck:
+        for kw in ({}, {"step": 7}):
+            with pytest.raises(deltackpt.DeltackptError,
+                               match=rf"checkpoint {info.id} \(step 7\): its 'step' entry is 3 but its manifest's "
+                                     r"step is 7"):
+                ck.restore(**kw)
+        assert torch.equal(live.weight, before)  # refused before anything was decoded into it
+        assert ck.restore(3) == 3
 
 
 def test_resume_info_verify_passes_over_damage_as_restore_does(capsys: pytest.CaptureFixture[str],
