@@ -38,6 +38,7 @@ from deltackpt.errors import (
     DeltackptError,
     InvalidNameError,
     UnsafeLoadError,
+    UnsupportedTypeError,
 )
 from deltackpt.layout import holds_checkpoints
 from deltackpt.rng import has_rng
@@ -1111,13 +1112,20 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
 def _refusal(state: dict[str, Any], m: manifest.Manifest, step: int) -> str | None:
     """Why ``Checkpointer.restore()`` refuses the checkpoint of Checkpointer layout whose skeleton is ``state``,
     manifest ``m``, listed at ``step``, beyond what its chunks hold (damage: ``--verify``): a 'step' entry that is
-    no step or not the manifest's step. None when it does not."""
+    no step or not the manifest's step, a torch dtype this torch does not know (the load raises
+    UnsupportedTypeError). None when it does not."""
     try:
         check_step(state["step"])
     except (TypeError, ValueError) as exc:
         return f"its 'step' entry is not a step: {exc}"
     if (mismatch := step_mismatch(state, step)) is not None:
         return mismatch
+    for t in m.tensors:
+        if t.kind == "torch":
+            try:
+                tree.torch_dtype(t.dtype)
+            except UnsupportedTypeError as exc:
+                return f"tensor {t.key!r:.60}: {exc}"
     return None
 
 

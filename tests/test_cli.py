@@ -1377,6 +1377,34 @@ def test_a_step_entry_that_is_not_the_manifest_step_is_refused_and_resume_info_s
         assert ck.restore(3) == 3
 
 
+def test_resume_info_says_restore_refuses_a_dtype_this_torch_does_not_know(
+        capsys: pytest.CaptureFixture[str], store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The newest checkpoint holds a tensor of a dtype a newer torch wrote: restore() raises UnsupportedTypeError
+    (it is not damage, and it is not passed over), while `resume-info --verify` said a run would resume from
+    it. It says restore() refuses it, naming the dtype, and --verify exits 1."""
+    import dataclasses
+
+    from deltackpt import tree
+
+    model = torch.nn.Linear(3, 2)
+    with deltackpt.Checkpointer(store_path, model=model, handle_signals=False, async_save=False) as ck:
+        ck.save(1)
+        real = tree._torch_leaf
+        monkeypatch.setattr(tree, "_torch_leaf",
+                            lambda t, p, **kw: dataclasses.replace(real(t, p, **kw), dtype="float4_e9m9_future"))
+        ck.save(2)
+        monkeypatch.undo()
+    for flags, code in (((), 0), (("--verify",), 1)):
+        rc, out, err = cli(capsys, "resume-info", store_path, *flags)
+        assert rc == code and err == ""
+        assert out.startswith("the newest checkpoint, step 2 (checkpoint ")
+        assert "'float4_e9m9_future' is unknown to this torch" in out and "restore() refuses it" in out
+        assert "would resume" not in out
+    with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(3, 2), handle_signals=False) as ck:
+        with pytest.raises(deltackpt.UnsupportedTypeError, match="float4_e9m9_future"):
+            ck.restore()
+
+
 def test_resume_info_verify_passes_over_damage_as_restore_does(capsys: pytest.CaptureFixture[str],
                                                                store_path: Path) -> None:
     """With the newest checkpoint damaged, `resume-info` names it (it reads no chunk, and says so) while
