@@ -688,6 +688,8 @@ def _decode_md(fqn: str, d: Any, where: str) -> Any:
         if d["kind"] == "tensor":
             if not isinstance(d["dtype"], torch.dtype):
                 raise TypeError("dtype")
+            if type(d["requires_grad"]) is not bool:  # (bool() would take "yes", or "false", as True)
+                raise TypeError(f"requires_grad {d['requires_grad']!r:.60}")
             size = _dims(d["size"], "size")
             chunks = []
             for o, n in d["chunks"]:
@@ -699,7 +701,7 @@ def _decode_md(fqn: str, d: Any, where: str) -> Any:
                     raise ValueError(f"a shard at {list(offsets)} of {list(sizes)} outside the size {list(size)}")
                 chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
             return TensorStorageMetadata(
-                properties=TensorProperties(dtype=d["dtype"], requires_grad=bool(d["requires_grad"])),
+                properties=TensorProperties(dtype=d["dtype"], requires_grad=d["requires_grad"]),
                 size=torch.Size(size),
                 chunks=chunks,
             )

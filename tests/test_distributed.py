@@ -1454,6 +1454,24 @@ def test_malformed_items_in_dcp_metadata_are_manifest_damage(monkeypatch: pytest
         assert distributed._named(_Meta(), "abc") in ({((1 << 63) - 1, ok)}, {(7, ok)})  # type: ignore[arg-type]
 
 
+def test_a_requires_grad_that_is_no_bool_in_dcp_metadata_is_manifest_damage() -> None:
+    """A tensor's ``requires_grad`` in DCP metadata (format 3's compact entry, or formats 1 and 2's dict) that is
+    not a bool is CorruptManifestError naming the fqn, as other malformed fields are; ``bool()`` took "yes" (and
+    "false") as True."""
+    from deltackpt import distributed
+
+    for value in ("yes", "false", 1, None, [True]):
+        for d in (distributed._expand_md("w", ["float32", value, [4], [[[0], [4]]]]),
+                  {"kind": "tensor", "dtype": torch.float32, "requires_grad": value, "size": [4],
+                   "chunks": [[[0], [4]]]}):
+            with pytest.raises(deltackpt.CorruptManifestError, match=r"WHERE: DCP metadata of 'w' is malformed "
+                                                                     r"\(requires_grad"):
+                distributed._decode_md("w", d, "WHERE")
+    for value in (True, False):
+        md = distributed._decode_md("w", distributed._expand_md("w", ["float32", value, [4], [[[0], [4]]]]), "W")
+        assert md.properties.requires_grad is value
+
+
 def test_dcp_metadata_is_deduplicated_and_kept_out_of_the_index(tmp_path: Path) -> None:
     """Meta format 3: DCP's metadata document (a few hundred bytes per tensor) is chunked in the meta
     checkpoint's state, so a step whose plan did not change writes almost none of it again, and the meta
