@@ -382,6 +382,11 @@ class _Handle:
         self.dropped = False
 
 
+#: what a read of a pack's bytes raises when the file cannot give them: damage, as a checksum mismatch is (an I/O
+#: error of the disk, a file in the pack's place that is not one). Other errors are the reading process's own.
+_UNREADABLE = frozenset({errno.EIO, errno.ENXIO, errno.EINVAL, errno.EISDIR, errno.EOVERFLOW, errno.ENODATA})
+
+
 class PackReader:
     """Reads frames by (pack id, offset, length). Thread-safe. Keeps up to ``max_open`` pack files open (the
     least recently read are closed first, once no read is using them; default :func:`open_files_budget`)."""
@@ -492,16 +497,22 @@ class PackReader:
         if into is not None and len(into) != length:
             raise ValueError(f"read buffer has {len(into)} bytes for {length}")
         with self._fd(pack_id) as fd:
-            if into is None:
-                data: bytes | np.ndarray = os.pread(fd, length, offset)
-                got = len(data)
-            else:
-                data = into
-                got = _read_cached(fd, into, offset) if before_blocking is not None else 0
-                if got < length:
-                    if before_blocking is not None:
-                        before_blocking()
-                    got += os.preadv(fd, [into[got:]], offset + got)
+            try:
+                if into is None:
+                    data: bytes | np.ndarray = os.pread(fd, length, offset)
+                    got = len(data)
+                else:
+                    data = into
+                    got = _read_cached(fd, into, offset) if before_blocking is not None else 0
+                    if got < length:
+                        if before_blocking is not None:
+                            before_blocking()
+                        got += os.preadv(fd, [into[got:]], offset + got)
+            except OSError as exc:  # (a bad sector's EIO; a file in the pack's place that reads as none does)
+                if exc.errno not in _UNREADABLE:
+                    raise  # (EBADF, ENOMEM, ...: this process's trouble, not the pack's)
+                raise CorruptChunkError(f"pack {pack_id} cannot be read: frame at offset {offset}: "
+                                        f"{exc.strerror or exc}") from None
         if got != length:
             raise CorruptChunkError(
                 f"pack {pack_id} is truncated: frame at offset {offset} needs {length} bytes, got {got}"

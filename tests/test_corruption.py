@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -447,6 +449,49 @@ def test_pack_or_manifest_that_is_no_file(store_path: Path, what: str) -> None:
                             text=True, timeout=60)
     assert "Traceback" not in repair.stderr
     assert repair.returncode == 1 and info.id in repair.stdout  # that checkpoint lost, or restored incomplete
+
+
+def _eio_file() -> str:
+    """A file that opens as a regular file and whose read at offset 0 raises EIO: /proc/self/mem (Linux; the
+    process's lowest addresses are never mapped)."""
+    try:
+        fd = os.open("/proc/self/mem", os.O_RDONLY)
+    except OSError:
+        pytest.skip("no /proc/self/mem")
+    try:
+        os.pread(fd, 16, 0)
+    except OSError as exc:
+        if exc.errno == errno.EIO and stat.S_ISREG(os.fstat(fd).st_mode):
+            return "/proc/self/mem"
+    finally:
+        os.close(fd)
+    pytest.skip("/proc/self/mem does not raise EIO at offset 0 here")
+
+
+def test_a_pack_whose_read_fails_is_damage_naming_pack_checkpoint_and_chunk(store_path: Path) -> None:
+    """A pack whose read raises OSError (EIO: a bad sector; here a link to /proc/self/mem, a regular file that
+    reads as none at offset 0): the load raises CorruptChunkError naming the pack, the checkpoint, the tensor
+    and the chunk, as for a truncated pack, and verify reports it; it was a bare OSError naming no chunk."""
+    eio = _eio_file()
+    a, b = _rand(2 * CS, 0), _rand(2 * CS, 1)
+    with _open(store_path) as s:
+        s.save({"a": a}, step=1)
+    with _open(store_path) as s:
+        info = s.save({"a": a, "b": b}, step=2)
+        chunks = _chunks_of(s, 2)["b"]
+    (pack_b,) = {loc.pack_id for _, loc in chunks}
+    assert all(loc.offset + loc.frame_len < 1 << 16 for _, loc in chunks)
+    victim = store_path / "packs" / f"{pack_b}.pack"
+    victim.unlink()
+    victim.symlink_to(eio)
+    with _open(store_path) as s:
+        with pytest.raises(CorruptChunkError, match=f"pack {pack_b} cannot be read") as ei:
+            s.load(2)
+        _assert_names(ei.value, info.id, "b", ei.value.chunk_id or "")
+        assert ei.value.chunk_id in {c for c, _ in chunks}
+        assert_same_state({"a": a}, s.load(1))
+        problems = s.verify().problems
+        assert problems and {(p.checkpoint, p.key) for p in problems} == {(info.id, "b")}
 
 
 @pytest.mark.parametrize("name", ["gc.lock", "maint.lock"])
