@@ -1472,6 +1472,21 @@ def test_a_requires_grad_that_is_no_bool_in_dcp_metadata_is_manifest_damage() ->
         assert md.properties.requires_grad is value
 
 
+def test_torch_dcp_planner_refuses_sub_byte_and_bits_dtypes_before_the_writer_writes(tmp_path: Path) -> None:
+    """What the README's DCP section says: torch's own planner raises TypeError for the sub-byte and bits dtypes
+    (its ``_element_size`` takes ``torch.iinfo`` of them) before the writer writes, and nothing is committed. If a
+    torch saves them, the README sentence is out of date."""
+    for name in ("uint4", "int3", "bits8", "bits16", "bits4x2"):
+        dtype = getattr(torch, name)
+        w = DeltaStorageWriter(tmp_path / name, step=0)
+        with warnings.catch_warnings(), pytest.raises(CheckpointException) as ei:
+            warnings.simplefilter("ignore")
+            dcp.save({"x": torch.zeros(4 * dtype.itemsize, dtype=torch.uint8).view(dtype)}, storage_writer=w)
+        w.close()
+        assert "TypeError: torch.iinfo() requires an integer input type" in str(ei.value), name
+        assert not list((tmp_path / name).rglob("*.manifest")), name
+
+
 def test_dcp_metadata_is_deduplicated_and_kept_out_of_the_index(tmp_path: Path) -> None:
     """Meta format 3: DCP's metadata document (a few hundred bytes per tensor) is chunked in the meta
     checkpoint's state, so a step whose plan did not change writes almost none of it again, and the meta
