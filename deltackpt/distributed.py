@@ -32,7 +32,7 @@ import re
 import secrets
 import threading
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -183,6 +183,8 @@ class _Kept:
     named: dict[str, set[tuple[int, str]]] = field(default_factory=dict)  #: meta checkpoint id -> what it names
     #: meta checkpoint id -> the metadata its writer was given, as its manifest holds it (retention's)
     user: dict[str, Any] = field(default_factory=dict)
+    #: ids of the meta checkpoints retention could not read and said so about (once per writer: it keeps them)
+    unreadable: set[str] = field(default_factory=set)
     #: rank -> the optimizer groups' betas and eps (DCP's flat keys) at the rank's last save: what the update that
     #: the next save holds used, where a schedule changes them (OneCycleLR cycles β1; see predict.choose_coefs)
     betas: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -497,17 +499,34 @@ class DeltaStorageWriter(StorageWriter):
                     self.root, readonly=True, allow_network_fs=self.store_options.get("allow_network_fs"))
             # (each meta checkpoint's manifest read once per writer: a manifest never changes, and reading
             # every kept one at every save made retention's cost grow with the square of the kept steps)
-            memo = self._kept.named
-            self._kept.named = {i.id: memo[i.id] if i.id in memo else _names_of(meta, i, "retention")
-                                for i in meta._listing()}
+            memo, self._kept.named, kept_steps = self._kept.named, {}, set()
+            for i in meta._listing():
+                try:
+                    self._kept.named[i.id] = memo[i.id] if i.id in memo else _named(meta, i.id)
+                except (CorruptManifestError, FormatVersionError) as exc:
+                    # (what it names cannot be read: a step names the rank checkpoints saved as that step, and
+                    # those stay, as the step does; the rank's other dropped checkpoints go)
+                    kept_steps.add(i.step)
+                    self._unreadable_step(meta, i, exc)
             named = set().union(set(), *self._kept.named.values())
-            store._delete([(None, c.id) for c in _unnamed(store._listing(), _mine(store, rank, named))],
-                          missing_ok=True)
+            store._delete([(None, c.id) for c in _unnamed(store._listing(), _mine(store, rank, named))
+                           if c.step not in kept_steps], missing_ok=True)
             self._gc_if_due(store)
         except (DeltackptError, OSError) as exc:
             warnings.warn(f"deltackpt: DCP retention on rank {rank} failed; the checkpoints of dropped steps stay "
                           f"until a later save or 'deltackpt dcp ROOT --prune' ({type(exc).__name__}: {exc})",
                           RuntimeWarning, stacklevel=2)
+
+    def _unreadable_step(self, meta: Store, info: CheckpointInfo, exc: DeltackptError) -> None:
+        """Warn (once per writer and meta checkpoint) that retention keeps the step of meta checkpoint ``info``,
+        which it cannot read, and thins the others."""
+        with _SHARED_LOCK:
+            if info.id in self._kept.unreadable:
+                return
+            self._kept.unreadable.add(info.id)
+        warnings.warn(f"deltackpt: DCP retention keeps {_unreadable(info, exc)}; it goes on thinning the other "
+                      f"steps, and never deletes this one or its shards ('deltackpt rm {meta.path} {info.id}' "
+                      "deletes the step)", RuntimeWarning, stacklevel=3)
 
     def _gc_if_due(self, store: Store) -> None:
         """gc ``store`` once what retention deleted from it is worth a pass (see the class docstring)."""
@@ -554,8 +573,9 @@ class DeltaStorageWriter(StorageWriter):
         if self.retention is not None:
             try:
                 # gone now; their shards go at the next save
-                meta._delete([(None, info.id) for info in _dropped_steps(meta, self.retention, self._kept.user)],
-                             missing_ok=True)
+                dropped = _dropped_steps(meta, self.retention, self._kept.user,
+                                         unreadable=lambda i, exc: self._unreadable_step(meta, i, exc))
+                meta._delete([(None, info.id) for info in dropped], missing_ok=True)
                 self._gc_if_due(meta)
             except (DeltackptError, OSError) as exc:
                 warnings.warn(f"deltackpt: DCP retention after step {self.step} failed; the step is saved "
@@ -985,15 +1005,23 @@ class StepInfo:
     id: str = ""  # the meta checkpoint's: DeltaStorageReader(root, id=) loads this one of a step saved twice
 
 
-def _dropped_steps(meta: Store, retention: Retention, known: dict[str, Any] | None = None) -> list[CheckpointInfo]:
+def _dropped_steps(meta: Store, retention: Retention, known: dict[str, Any] | None = None, *,
+                   unreadable: Callable[[CheckpointInfo, DeltackptError], None] | None = None
+                   ) -> list[CheckpointInfo]:
     """The meta checkpoints ``retention`` does not keep (oldest first), each with the metadata its writer was
     given, read from its checksummed manifest (what keep_best and keep_tagged go by: a damaged index copy must
     not decide a delete). ``known`` (a writer's, from one save to the next) holds what earlier calls read, by
     checkpoint id (a manifest never changes): a writer's retention read every kept step's manifest at every
-    save, 2.4 s a save with 3,000 steps kept. It is left holding the steps listed now."""
+    save, 2.4 s a save with 3,000 steps kept. It is left holding the steps listed now.
+
+    A meta checkpoint that cannot be read (a damaged manifest, a newer format) raises, naming the step: nothing
+    is deleted. With ``unreadable`` (a writer's retention) it is reported there instead and kept: it takes part
+    in the plan with no metadata (its place, step and time are the index's), so no rule keeps fewer of the others
+    than it would with its metadata known, and it is never among the dropped."""
     infos = []
     memo = {} if known is None else known
     seen: dict[str, Any] = {}
+    kept: set[str] = set()
     for i in meta._listing():  # (each info replaced below: none of them is changed)
         try:
             user = memo[i.id] if i.id in memo else _user_metadata(_doc(meta, i.id))
@@ -1001,13 +1029,17 @@ def _dropped_steps(meta: Store, retention: Retention, known: dict[str, Any] | No
             infos.append(replace(i, metadata=user))
         except CheckpointNotFoundError:
             continue  # deleted meanwhile (a delete in another process)
-        except CorruptManifestError as exc:  # (its metadata may be what keeps it: nothing is deleted)
-            raise CorruptManifestError(f"{_unreadable(i, exc)}; retention deletes nothing ('deltackpt rm "
-                                       f"{meta.path} {i.id}' deletes the step)") from None
+        except (CorruptManifestError, FormatVersionError) as exc:  # (its metadata may be what keeps it)
+            if unreadable is None:
+                raise type(exc)(f"{_unreadable(i, exc)}; retention deletes nothing ('deltackpt rm "
+                                f"{meta.path} {i.id}' deletes the step)") from None
+            unreadable(i, exc)
+            kept.add(i.id)
+            infos.append(replace(i, metadata=None))
     if known is not None:
         known.clear()
         known.update(seen)
-    drop = set(retention.plan(infos).delete)
+    drop = set(retention.plan(infos).delete) - kept
     return [i for i in infos if i.id in drop]
 
 

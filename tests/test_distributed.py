@@ -2111,18 +2111,35 @@ def test_retention_names_a_step_whose_meta_manifest_is_damaged(tmp_path: Path,
     assert cli.main(["keep", str(root), "--last", "1"]) == 1
     err = capsys.readouterr().err
     assert f"step 2 (DCP checkpoint {ids[1]}): its DCP metadata cannot be read" in err and hint in err
+    assert distributed.steps(root) == [1, 2, 3]
+
+
+def test_a_writers_retention_goes_on_beside_a_step_whose_meta_manifest_is_damaged(tmp_path: Path) -> None:
+    """A writer's retention with one step's meta manifest damaged thinned nothing for the rest of the run, with
+    a warning at every save: it thins the readable steps (meta checkpoints at the save, each rank's checkpoints
+    of dropped steps at its next save), keeps the damaged step and its shards (it cannot read what keeps it, nor
+    what it names), and says so once."""
+    root = tmp_path / "ckpt"
+    ids, path, intact = _steps_with_a_damaged_meta_manifest(root)
     w = DeltaStorageWriter(root, step=4, retention=deltackpt.Retention(keep_last=1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        dcp.save(expected(4), storage_writer=w)
+        for step in (4, 5):
+            w.step = step
+            dcp.save(expected(step), storage_writer=w)
     w.close()
-    said = [str(c.message) for c in caught if f"step 2 (DCP checkpoint {ids[1]})" in str(c.message)]
-    # the rank's (at its save, before the commit) and the coordinator's
-    assert len(said) == 2 and all(f"'deltackpt rm {root / 'meta'} {ids[1]}' deletes the step" in m for m in said)
-    assert "retention cannot tell which rank checkpoints the step names, so it deletes nothing" in said[0]
-    assert hint in said[1]
-    assert distributed.steps(root) == [1, 2, 3, 4]
-    assert_state(load_full(root, 4), expected(4))
+    said = [str(c.message) for c in caught if "retention" in str(c.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith(f"deltackpt: DCP retention keeps step 2 (DCP checkpoint {ids[1]}): its DCP metadata "
+                              "cannot be read")
+    assert "goes on thinning the other steps" in said[0]
+    assert f"'deltackpt rm {root / 'meta'} {ids[1]}' deletes the step" in said[0]
+    with deltackpt.Store(root / "meta") as meta, deltackpt.Store(root / "rank-00000") as rank:
+        assert [i.step for i in meta.list()] == [2, 5] and meta.list()[0].id == ids[1]
+        assert [c.step for c in rank.list()] == [2, 4, 5]  # (step 4's goes at the next save)
+    assert_state(load_full(root, 5), expected(5))
+    path.write_bytes(intact)  # the damaged step, repaired, loads: nothing it names was deleted
+    assert_state(load_full(root, 2), expected(2))
 
 
 def test_dcp_verify_names_a_step_whose_meta_document_is_damaged(tmp_path: Path,
