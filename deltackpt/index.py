@@ -712,7 +712,7 @@ _FORKING: int | None = None
 FORK_WAIT_S = 30.0
 #: in a child: a call of another thread of the parent was still in progress at the fork
 _CALL_AT_FORK = False
-_REGISTRY_HELD = False  # (by the fork in progress)
+_GATE_HELD = _REGISTRY_HELD = False  # (by the fork in progress)
 
 
 @contextmanager
@@ -739,10 +739,16 @@ def _before_fork() -> None:
     """Wait, at most :data:`FORK_WAIT_S`, until no other thread is inside an LMDB call, and let none start one
     until the fork is done; then for :data:`_REGISTRY_LOCK` (a thread opening an environment holds it), which a
     child would otherwise inherit held by a thread it does not have. Holds both across the fork."""
-    global _FORKING, _CALL_AT_FORK, _REGISTRY_HELD
+    global _FORKING, _CALL_AT_FORK, _GATE_HELD, _REGISTRY_HELD
+    # Each held only once taken, and a call in progress until the wait says otherwise: an exception may end the
+    # waits (a KeyboardInterrupt at Ctrl-C, which Python reports and drops before it forks all the same), and the
+    # hooks after the fork then release only what this fork took (releasing the registry lock an earlier fork
+    # had taken raised there, and the gate stayed shut: every LMDB call of the process waited forever).
+    _GATE_HELD = _REGISTRY_HELD = False
+    _CALL_AT_FORK = True
     me = threading.get_ident()
     deadline = time.monotonic() + FORK_WAIT_S
-    _GATE.acquire()
+    _GATE_HELD = _GATE.acquire()
     _FORKING = me
     _CALL_AT_FORK = not _GATE.wait_for(lambda: all(t == me for t in _CALLS), FORK_WAIT_S)
     # (no holder of _REGISTRY_LOCK waits for the gate: the counted blocks take it, never the other way round)
@@ -750,12 +756,14 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_parent() -> None:
-    global _FORKING, _CALL_AT_FORK
+    global _FORKING, _CALL_AT_FORK, _GATE_HELD, _REGISTRY_HELD
     if _REGISTRY_HELD:
         _REGISTRY_LOCK.release()
-    _FORKING, _CALL_AT_FORK = None, False
-    _GATE.notify_all()
-    _GATE.release()
+    if _GATE_HELD:
+        _FORKING = None
+        _GATE.notify_all()
+        _GATE.release()
+    _CALL_AT_FORK = _GATE_HELD = _REGISTRY_HELD = False
 
 
 def _after_fork_in_child() -> None:

@@ -1396,6 +1396,58 @@ def test_a_child_forked_during_lmdb_calls_of_another_thread_opens_the_store(tmp_
     assert out.stdout.strip() == want, out.stdout + out.stderr
 
 
+
+_FORK_WAIT_INTERRUPTED = r"""
+import os, signal, sys, threading, time, torch, deltackpt, deltackpt.index as index
+st = deltackpt.Store(sys.argv[1])
+st.save({"w": torch.zeros(8)}, step=0)
+pid = os.fork()  # an earlier fork (a DataLoader's worker): it took the registry lock and gave it back
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+slow, inside = index.record_at, threading.Event()
+def held(*args):  # a read of another thread that the fork waits for
+    inside.set()
+    time.sleep(2.0)
+    return slow(*args)
+index.record_at = held
+worker = threading.Thread(target=st.index.get, kwargs={"step": 0})
+worker.start()
+inside.wait()
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while the fork waits
+pid = os.fork()
+if pid == 0:
+    try:
+        deltackpt.Store(sys.argv[1], readonly=True).list()
+        code = 0
+    except deltackpt.DeltackptError:
+        code = 3  # (refused: the read of the parent's thread had not ended)
+    os._exit(code)
+child = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+worker.join(10)
+index.record_at = slow
+done = []
+t = threading.Thread(target=lambda: done.append([i.step for i in st.list()]), daemon=True)
+t.start()
+t.join(10)
+print(child, "hung" if worker.is_alive() or t.is_alive() else done[0])
+sys.stdout.flush()
+os._exit(0)
+"""
+
+
+def test_a_fork_whose_wait_is_interrupted_leaves_the_store_usable(tmp_path: Path) -> None:
+    """A KeyboardInterrupt (Ctrl-C) that ends a fork's wait for another thread's LMDB call (Python reports and
+    drops an exception of a fork hook, and forks) left the hook after the fork releasing what it had not taken:
+    the registry lock, which an earlier fork had taken ("release unlocked lock"), so it never gave the fork's
+    gate back, and every LMDB call of every thread of the process waited for it forever. The child refuses to
+    open the store (the call had not ended) rather than hang."""
+    out = subprocess.run([sys.executable, "-c", _FORK_WAIT_INTERRUPTED, str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=TIMEOUT, env=cw.worker_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "3 [0]", out.stdout + out.stderr
+
+
 _FORK_DURING_SAVE = r"""
 import os, sys, threading, time, torch, deltackpt
 path, use = sys.argv[1], sys.argv[2]
