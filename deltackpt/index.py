@@ -29,6 +29,7 @@ import ctypes
 import errno
 import functools
 import inspect
+import itertools
 import json
 import mmap
 import os
@@ -715,6 +716,17 @@ _CALL_AT_FORK = False
 _GATE_HELD = _REGISTRY_HELD = False  # (by the fork in progress)
 
 
+#: entries read in one count of LMDB calls where a caller reads many (lookups, scans): a fork waits for one batch
+#: at most, not for a verify's lookup of every chunk of the store (seconds for a million)
+_CALLS_BATCH = 4096
+
+
+def _batches(items: Iterable[bytes]) -> Iterator[list[bytes]]:
+    it = iter(items)
+    while batch := list(itertools.islice(it, _CALLS_BATCH)):
+        yield batch
+
+
 @contextmanager
 def _lmdb_calls() -> Iterator[None]:
     """Count the calling thread's LMDB calls while the block runs (a transaction's, without user code in it), so
@@ -902,11 +914,14 @@ class ChunkReader:
     def has(self, keys: Iterable[bytes]) -> set[bytes]:
         """Those of ``keys`` the index holds."""
         get = self._get
+        out: set[bytes] = set()
         try:
-            with _lmdb_calls():
-                return {k for k in keys if get(k) is not None}
+            for batch in _batches(keys):
+                with _lmdb_calls():
+                    out.update(k for k in batch if get(k) is not None)
         except LMDB_DAMAGE as exc:
             raise _damage_error(self._index, exc) from exc
+        return out
 
     def lookup(self, keys: Iterable[bytes], damaged: dict[bytes, str] | None = None) -> dict[bytes, ChunkLoc]:
         """The locations of those of ``keys`` the index holds. A damaged entry raises
@@ -914,16 +929,17 @@ class ChunkReader:
         out: dict[bytes, ChunkLoc] = {}
         get = self._get
         try:
-            with _lmdb_calls():
-                for k in keys:
-                    v = get(k)
-                    if v is not None:
-                        try:
-                            out[k] = ChunkLoc.unpack(bytes(v), k)
-                        except CorruptIndexError as exc:
-                            if damaged is None:
-                                raise
-                            damaged[k] = str(exc)
+            for batch in _batches(keys):
+                with _lmdb_calls():  # (a batch at a time: :data:`_CALLS_BATCH`)
+                    for k in batch:
+                        v = get(k)
+                        if v is not None:
+                            try:
+                                out[k] = ChunkLoc.unpack(bytes(v), k)
+                            except CorruptIndexError as exc:
+                                if damaged is None:
+                                    raise
+                                damaged[k] = str(exc)
         except LMDB_DAMAGE as exc:
             raise _damage_error(self._index, exc) from exc
         return out
@@ -1167,7 +1183,7 @@ class Index:
             while more:
                 with _lmdb_calls():
                     batch: list[tuple[bytes, bytes]] = []
-                    while more and len(batch) < 4096:
+                    while more and len(batch) < _CALLS_BATCH:
                         batch.append(cur.item())
                         more = cur.next()
                 for k, v in batch:

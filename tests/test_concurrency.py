@@ -1448,6 +1448,48 @@ def test_a_fork_whose_wait_is_interrupted_leaves_the_store_usable(tmp_path: Path
     assert out.stdout.strip() == "3 [0]", out.stdout + out.stderr
 
 
+
+_FORK_DURING_MANY_LOOKUPS = r"""
+import os, sys, threading, time, torch, deltackpt, deltackpt.index as index
+st = deltackpt.Store(sys.argv[1])
+st.save({"w": torch.zeros(8)}, step=0)
+pack = os.urandom(16).hex()
+entries = {os.urandom(16) + (4096).to_bytes(4, "big"): index.ChunkLoc(pack, 16 + 100 * i, 100, 0, 0, bytes(16))
+           for i in range(10 * 4096)}
+st.index.apply_chunk_changes((), entries)
+keys = list(entries)
+slow_keys, unpack, inside = set(keys[::4096]), index.ChunkLoc.unpack, threading.Event()
+def slow(cls, raw, key=None):  # a lookup of a big store's every chunk (verify's), taking its time
+    if key in slow_keys:
+        inside.set()
+        time.sleep(0.3)
+    return unpack(raw, key)
+index.ChunkLoc.unpack = classmethod(slow)
+found = []
+worker = threading.Thread(target=lambda: found.append(len(st.index.lookup_chunks(keys))))
+worker.start()
+inside.wait()
+start = time.monotonic()
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+waited = time.monotonic() - start
+os.waitpid(pid, 0)
+worker.join()
+print(waited < 1.5 or f"the fork waited {waited:.1f} s", found)
+"""
+
+
+def test_a_fork_waits_for_one_batch_of_a_threads_many_lookups(tmp_path: Path) -> None:
+    """A lookup of many chunks (verify's of every chunk of the store, a load's of a big checkpoint) was one count
+    of LMDB calls: a fork in another thread (a DataLoader's workers) waited for all of it, 3 s for a million
+    chunks, and held every other thread's LMDB calls meanwhile. It now counts one batch of lookups at a time."""
+    out = subprocess.run([sys.executable, "-c", _FORK_DURING_MANY_LOOKUPS, str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=TIMEOUT, env=cw.worker_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True [40960]", out.stdout + out.stderr
+
+
 _FORK_DURING_SAVE = r"""
 import os, sys, threading, time, torch, deltackpt
 path, use = sys.argv[1], sys.argv[2]
