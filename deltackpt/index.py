@@ -1014,10 +1014,13 @@ class Index:
         if self._closed:
             return
         self._closed = True
+        # closed under the lock: until LMDB has closed it, py-lmdb refuses another open of the files, and another
+        # thread's open of the store (no longer in the registry) raised DeltackptError; a fork (which waits for
+        # the lock) in between left the child a handle it could neither find nor open beside
         with _REGISTRY_LOCK:
             last = self._let_go()
-        if last is not None:
-            last.env.close()
+            if last is not None:
+                last.env.close()
 
     def _let_go(self) -> _Shared | None:
         """Drop this object's reference to its environment; return the environment when that was its last

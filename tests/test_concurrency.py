@@ -1490,6 +1490,33 @@ def test_a_fork_waits_for_one_batch_of_a_threads_many_lookups(tmp_path: Path) ->
     assert out.stdout.strip() == "True [40960]", out.stdout + out.stderr
 
 
+
+def test_threads_opening_and_closing_handles_of_one_store(tmp_path: Path) -> None:
+    """The last handle of a store closed its LMDB environment after taking it out of the process's registry,
+    outside the registry's lock: another thread's open meanwhile found no environment and opened one, which
+    py-lmdb refused (the files still open), so that open raised DeltackptError ("this process holds it open
+    through an LMDB handle of its own"; 8 of 400 opens of two threads). A fork in between left the child the
+    same refusal."""
+    with Store(tmp_path / "s") as st:
+        st.save({"w": torch.zeros(8)}, step=0)
+    errors: list[str] = []
+
+    def work() -> None:
+        for _ in range(300):
+            try:
+                with Store(tmp_path / "s") as st:
+                    st.list()
+            except deltackpt.DeltackptError as exc:
+                errors.append(str(exc))
+
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
 _FORK_DURING_SAVE = r"""
 import os, sys, threading, time, torch, deltackpt
 path, use = sys.argv[1], sys.argv[2]
