@@ -2028,7 +2028,11 @@ _HANDLES: weakref.WeakSet[Store] = weakref.WeakSet()
 def _locks_after_fork() -> None:
     """A child forked while a thread of the parent was inside a save (DataLoader workers starting during an
     async save) inherits the handle's save lock held, by a thread the child does not have: the child's close()
-    of the handle (a ``with`` block it leaves by ``sys.exit``) or its save through it waited for it forever."""
+    of the handle (a ``with`` block it leaves by ``sys.exit``) or its save through it waited for it forever. So
+    too the lock of the damaged-chunk sets, which a thread opening a store holds: every Store() of the child
+    waited for it."""
+    global _DAMAGED_LOCK
+    _DAMAGED_LOCK = threading.Lock()
     for st in list(_HANDLES):
         st._save_lock = threading.Lock()
         st._pool_lock = threading.Lock()

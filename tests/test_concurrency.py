@@ -1517,6 +1517,44 @@ def test_threads_opening_and_closing_handles_of_one_store(tmp_path: Path) -> Non
     assert errors == []
 
 
+
+_FORK_DURING_AN_OPEN = r"""
+import os, sys, threading, time, torch, deltackpt, deltackpt.store
+path = sys.argv[1]
+with deltackpt.Store(path) as st:
+    st.save({"w": torch.zeros(8)}, step=0)
+inside, release = threading.Event(), threading.Event()
+def opening():  # a thread inside Store() as the fork comes: it holds the lock of the damaged-chunk sets
+    with deltackpt.store._DAMAGED_LOCK:
+        inside.set()
+        release.wait()
+threading.Thread(target=opening).start()
+inside.wait()
+pid = os.fork()
+if pid == 0:  # a DataLoader's worker that opens the store
+    with deltackpt.Store(path, readonly=True) as st:
+        os._exit(0 if [i.step for i in st.list()] == [0] else 1)
+release.set()
+deadline = time.monotonic() + 10
+while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+if done[0] == 0:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+print("hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
+"""
+
+
+def test_a_child_forked_while_a_thread_opens_a_store_opens_it(tmp_path: Path) -> None:
+    """Store() takes a lock of the process's sets of damaged chunks; a child forked while another thread held
+    it (opening a store, 3 of 60 forks against two threads opening stores) inherited it held for good, and its
+    own Store() of any store waited forever. The child takes that lock afresh."""
+    out = subprocess.run([sys.executable, "-c", _FORK_DURING_AN_OPEN, str(tmp_path / "store")],
+                         capture_output=True, text=True, timeout=TIMEOUT, env=cw.worker_env())
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0", out.stdout + out.stderr
+
+
 _FORK_DURING_SAVE = r"""
 import os, sys, threading, time, torch, deltackpt
 path, use = sys.argv[1], sys.argv[2]
