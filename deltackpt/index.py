@@ -1199,13 +1199,20 @@ class Index:
         the commit it read (:meth:`last_commit`)."""
         pids = {bytes.fromhex(p): p for p in pack_ids}
         found: dict[str, list[tuple[bytes, ChunkLoc]]] = {p: [] for p in pids.values()}
-        env = self.env
-        with _lmdb_calls(), env.begin(db=self.db_chunks, buffers=True) as txn:
-            self._walkable(txn, "chunks")
-            for k, v in txn.cursor():
-                pack_id = pids.get(bytes(v[:16]))
-                if pack_id is not None:
-                    found[pack_id].append((bytes(k), ChunkLoc.unpack(bytes(v), bytes(k))))
+        with self.env.begin(db=self.db_chunks, buffers=True) as txn:
+            with _lmdb_calls():
+                self._walkable(txn, "chunks")
+                cur = txn.cursor()
+                more = cur.first()
+            while more:
+                with _lmdb_calls():  # (a batch at a time, as iter_chunks: a fork waits for one, not the scan)
+                    for _ in range(_CALLS_BATCH):
+                        k, v = cur.item()
+                        pack_id = pids.get(bytes(v[:16]))
+                        if pack_id is not None:
+                            found[pack_id].append((bytes(k), ChunkLoc.unpack(bytes(v), bytes(k))))
+                        if not (more := cur.next()):
+                            break
             return (self.env, txn.id()), found
 
     @_damage_is_corruption

@@ -1396,7 +1396,6 @@ def test_a_child_forked_during_lmdb_calls_of_another_thread_opens_the_store(tmp_
     assert out.stdout.strip() == want, out.stdout + out.stderr
 
 
-
 _FORK_WAIT_INTERRUPTED = r"""
 import os, signal, sys, threading, time, torch, deltackpt, deltackpt.index as index
 st = deltackpt.Store(sys.argv[1])
@@ -1448,7 +1447,6 @@ def test_a_fork_whose_wait_is_interrupted_leaves_the_store_usable(tmp_path: Path
     assert out.stdout.strip() == "3 [0]", out.stdout + out.stderr
 
 
-
 _FORK_DURING_MANY_LOOKUPS = r"""
 import os, sys, threading, time, torch, deltackpt, deltackpt.index as index
 st = deltackpt.Store(sys.argv[1])
@@ -1466,7 +1464,10 @@ def slow(cls, raw, key=None):  # a lookup of a big store's every chunk (verify's
     return unpack(raw, key)
 index.ChunkLoc.unpack = classmethod(slow)
 found = []
-worker = threading.Thread(target=lambda: found.append(len(st.index.lookup_chunks(keys))))
+if sys.argv[2] == "lookups":
+    worker = threading.Thread(target=lambda: found.append(len(st.index.lookup_chunks(keys))))
+else:  # gc's repack, reading the whole chunk table for the entries of the packs it rewrites
+    worker = threading.Thread(target=lambda: found.append(len(st.index.chunks_in_packs([pack])[1][pack])))
 worker.start()
 inside.wait()
 start = time.monotonic()
@@ -1480,15 +1481,16 @@ print(waited < 1.5 or f"the fork waited {waited:.1f} s", found)
 """
 
 
-def test_a_fork_waits_for_one_batch_of_a_threads_many_lookups(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reads", ["lookups", "repack scan"])
+def test_a_fork_waits_for_one_batch_of_a_threads_many_lookups(tmp_path: Path, reads: str) -> None:
     """A lookup of many chunks (verify's of every chunk of the store, a load's of a big checkpoint) was one count
     of LMDB calls: a fork in another thread (a DataLoader's workers) waited for all of it, 3 s for a million
-    chunks, and held every other thread's LMDB calls meanwhile. It now counts one batch of lookups at a time."""
-    out = subprocess.run([sys.executable, "-c", _FORK_DURING_MANY_LOOKUPS, str(tmp_path / "store")],
+    chunks, and held every other thread's LMDB calls meanwhile. It now counts one batch of lookups at a time, and
+    gc's repack scan of the chunk table one batch of entries."""
+    out = subprocess.run([sys.executable, "-c", _FORK_DURING_MANY_LOOKUPS, str(tmp_path / "store"), reads],
                          capture_output=True, text=True, timeout=TIMEOUT, env=cw.worker_env())
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "True [40960]", out.stdout + out.stderr
-
 
 
 def test_threads_opening_and_closing_handles_of_one_store(tmp_path: Path) -> None:
@@ -1515,7 +1517,6 @@ def test_threads_opening_and_closing_handles_of_one_store(tmp_path: Path) -> Non
     for t in threads:
         t.join()
     assert errors == []
-
 
 
 _FORK_DURING_AN_OPEN = r"""
