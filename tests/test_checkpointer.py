@@ -2839,7 +2839,6 @@ def test_a_child_forked_during_an_async_save_exits_without_waiting_for_it(fast_d
         assert [i.step for i in s.list()] == [1]
 
 
-
 _FORK_IN_WITH_SCRIPT = """
 import os, sys, threading, time, torch, deltackpt
 model = torch.nn.Linear(64, 64)

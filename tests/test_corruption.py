@@ -1799,7 +1799,6 @@ def test_damaged_index_pages_are_typed_errors(varied_store: Path, tmp_path: Path
     assert "CorruptIndexError" in seen
 
 
-
 # -- damaged pages of an index table that a full scan would step onto ---------------------------------------------
 
 
