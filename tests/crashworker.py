@@ -157,6 +157,19 @@ def worker_env() -> dict[str, str]:
     return env
 
 
+def child_outcome(pid: int, timeout: float = 10.0) -> int | str:
+    """The exit code of forked child ``pid``, or "hung" for one still running after ``timeout`` seconds, which is
+    then killed (for test scripts that fork: ``from tests.crashworker import child_outcome``)."""
+    deadline = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return "hung"
+    return os.waitstatus_to_exitcode(done[1])
+
+
 def _ack(path: str, value: str) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:

@@ -2841,6 +2841,7 @@ def test_a_child_forked_during_an_async_save_exits_without_waiting_for_it(fast_d
 
 _FORK_IN_WITH_SCRIPT = """
 import os, sys, threading, time, torch, deltackpt
+from tests.crashworker import child_outcome
 model = torch.nn.Linear(64, 64)
 release = threading.Event()
 with deltackpt.Checkpointer(sys.argv[1], model=model) as ck:
@@ -2856,13 +2857,7 @@ with deltackpt.Checkpointer(sys.argv[1], model=model) as ck:
         if sys.argv[2] == "save":
             ck.save(5, wait=True)  # saves of the child's own are waited for, and go through its own thread
         sys.exit(0)  # leaves the with block: close() runs in the child
-    deadline = time.monotonic() + 10
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if done[0] == 0:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-    print("hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
+    print(child_outcome(pid))
     release.set()
     ck.step(2)
 with deltackpt.Store(sys.argv[1]) as s:

@@ -1319,6 +1319,7 @@ def test_a_child_that_opens_the_store_leaves_the_parents_reads_their_snapshot(tm
 
 _FORK_DURING_LMDB_CALLS = r"""
 import os, sys, threading, time, torch, deltackpt, deltackpt.index as index
+from tests.crashworker import child_outcome
 path, mode = sys.argv[1], sys.argv[2]
 st = deltackpt.Store(path, chunk_size=4096)
 st.save({f"w{j}": torch.full((1024,), float(j)) for j in range(50)}, step=0)
@@ -1365,13 +1366,7 @@ for _ in range(forks):
         except deltackpt.DeltackptError as exc:
             code = 3 if "did not end within 0.2 s" in str(exc) else 2
         os._exit(code)
-    deadline = time.monotonic() + 10
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    if done[0] == 0:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-    out.append("hung" if done[0] == 0 else str(os.waitstatus_to_exitcode(done[1])))
+    out.append(str(child_outcome(pid)))
     if out[-1] != "0":
         break
 stop.set()
@@ -1521,6 +1516,7 @@ def test_threads_opening_and_closing_handles_of_one_store(tmp_path: Path) -> Non
 
 _FORK_DURING_AN_OPEN = r"""
 import os, sys, threading, time, torch, deltackpt, deltackpt.store
+from tests.crashworker import child_outcome
 path = sys.argv[1]
 with deltackpt.Store(path) as st:
     st.save({"w": torch.zeros(8)}, step=0)
@@ -1536,13 +1532,7 @@ if pid == 0:  # a DataLoader's worker that opens the store
     with deltackpt.Store(path, readonly=True) as st:
         os._exit(0 if [i.step for i in st.list()] == [0] else 1)
 release.set()
-deadline = time.monotonic() + 10
-while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-    time.sleep(0.01)
-if done[0] == 0:
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-print("hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
+print(child_outcome(pid))
 """
 
 
@@ -1558,6 +1548,7 @@ def test_a_child_forked_while_a_thread_opens_a_store_opens_it(tmp_path: Path) ->
 
 _FORK_DURING_SAVE = r"""
 import os, sys, threading, time, torch, deltackpt
+from tests.crashworker import child_outcome
 path, use = sys.argv[1], sys.argv[2]
 st = deltackpt.Store(path)
 st.save({"w": torch.zeros(8)}, step=0)
@@ -1578,13 +1569,7 @@ if pid == 0:  # a DataLoader's worker or a Pool's, forked while the parent's (as
         st.save({"w": torch.full((8,), 2.0)}, step=2)
     st.close()  # as a with block of the parent's that the child leaves (sys.exit) closes it
     os._exit(0)
-deadline = time.monotonic() + 10
-while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-    time.sleep(0.02)
-if done[0] == 0:
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-print("hung" if done[0] == 0 else os.waitstatus_to_exitcode(done[1]))
+print(child_outcome(pid))
 release.set()
 saver.join()
 print(sorted(i.step for i in st.list()), st.verify().ok)
