@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 import deltackpt
 from deltackpt import distributed
-from deltackpt.data import ResumableLoader, ResumableSampler
+from deltackpt.data import ResumableLoader, ResumableSampler, SeededDataset
 from deltackpt.distributed import DeltaStorageReader, DeltaStorageWriter, StepInfo
 from deltackpt.errors import CheckpointNotFoundError, CorruptChunkError
 from deltackpt.maintenance import GcReport, RepairReport, VerifyReport, open_for_repair
@@ -63,6 +63,9 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim
           dataset: torch.utils.data.TensorDataset) -> None:
     sampler = ResumableSampler(dataset, shuffle=True, seed=0)
     loader = ResumableLoader(torch.utils.data.DataLoader(dataset, batch_size=32, sampler=sampler))
+    seeded = SeededDataset(dataset, seed=0)
+    assert_type(seeded.sample_seed(0, 3), int)
+    ResumableLoader(torch.utils.data.DataLoader(seeded, batch_size=32, sampler=ResumableSampler(seeded)))
     ckpt = deltackpt.Checkpointer("ckpts", model=model, optimizer=opt, scheduler=sched, data=loader,
                                   extra={"cfg": {"lr": 3e-4}}, every_n_steps=10, async_save=True,
                                   retention=deltackpt.Retention(keep_last=5, keep_every=1000))

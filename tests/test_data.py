@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import random
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -22,7 +24,7 @@ from torch.utils.data import (
 )
 
 import deltackpt
-from deltackpt.data import ResumableLoader, ResumableSampler
+from deltackpt.data import ResumableLoader, ResumableSampler, SeededDataset
 
 EPOCHS = 3
 N, BS = 23, 4  # 5 full batches and one of 3 per epoch; 5 batches with drop_last
@@ -406,6 +408,127 @@ def test_a_users_generator_checkpointed_with_the_cursor_replays_the_later_epochs
     got += [next(it).tolist() for _ in range(12 - stop)]
     assert got[4:] == ref[4:]  # every epoch after the one resumed in
     assert got[:stop] == ref[:stop]
+
+
+class _Augmented(Dataset):
+    """Each sample is its index plus one draw from each of the three RNGs an augmentation pipeline uses."""
+
+    def __len__(self) -> int:
+        return 13
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([float(i), torch.rand(()).item(), float(np.random.rand()), random.random()],
+                            dtype=torch.float64)
+
+
+def _seeded(workers: int, *, seed: int = 5, bs: int = 3, **kw: Any) -> ResumableLoader:
+    ds = SeededDataset(_Augmented(), seed=seed)
+    return ResumableLoader(DataLoader(ds, sampler=ResumableSampler(ds, seed=1), batch_size=bs, num_workers=workers,
+                                      **kw))
+
+
+def _rows(batches: list[torch.Tensor]) -> list[list[float]]:
+    return [row for b in batches for row in b.tolist()]
+
+
+@pytest.mark.parametrize(("workers", "resumed_workers", "kw"), [
+    (0, 0, {}), (2, 1, {}), (2, 2, {"persistent_workers": True}), (1, 0, {}),
+], ids=["main-process", "2-then-1-workers", "persistent-workers", "worker-then-main"])
+def test_a_seeded_dataset_replays_augmentations_after_any_resume(workers: int, resumed_workers: int,
+                                                                 kw: dict[str, Any]) -> None:
+    """A run stopped anywhere (mid-epoch, at an epoch boundary) and resumed in new objects, with another number
+    of workers, reads every later sample with the same augmentations as the run that never stopped. Without the
+    wrapper, a worker's stream depends on the batches it read before, so a mid-epoch resume changes them."""
+    it = _seeded(0).batches(max_epochs=3)
+    ref = _rows(list(it))  # three epochs of 13 samples, read in the main process
+    assert len(ref) == 39 and len({r[1] for r in ref}) == 39  # (every sample drew afresh: epochs differ)
+    loader = _seeded(workers, **kw)
+    assert _rows(list(loader.batches(max_epochs=3))) == ref  # the same whichever worker reads a sample
+    for stop in (2, 5, 7):  # batches: mid-epoch, at the end of the first epoch (13 = 4 * 3 + 1), in the second
+        loader = _seeded(workers, **kw)
+        it = loader.batches(max_epochs=3)
+        got = [next(it) for _ in range(stop)]
+        state = loader.state_dict()
+        del it
+        resumed = _seeded(resumed_workers, **kw)
+        resumed.load_state_dict(state)
+        got += list(resumed.batches(max_epochs=3))
+        assert _rows(got) == ref, f"resumed after {stop} batches"
+
+
+def test_a_seeded_dataset_depends_on_its_seed_and_leaves_the_processs_rngs_alone() -> None:
+    """Reading samples in the main process puts the three RNGs back: the training loop's draws after it are
+    those it would have made without the reads. The seed, the epoch and the index pick a sample's draws; a
+    plain int reads the wrapped sample with the RNGs as they are."""
+    torch.manual_seed(11), np.random.seed(11), random.seed(11)
+    untouched = (torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)])
+    torch.manual_seed(11), np.random.seed(11), random.seed(11)
+    a = _rows(list(_seeded(0, seed=5).batches(max_epochs=2)))
+    assert (torch.rand(3).tolist(), np.random.rand(3).tolist(), [random.random() for _ in range(3)]) == untouched
+    b = _rows(list(_seeded(0, seed=6).batches(max_epochs=2)))
+    assert [r[0] for r in a] == [r[0] for r in b]  # the same order (the sampler's seed) ...
+    assert all(x[1:] != y[1:] for x, y in zip(a, b, strict=True))  # ... other augmentations (the dataset's)
+    ds = SeededDataset(_Augmented(), seed=5)
+    assert torch.equal(ds[(1, 4)], ds[(1, 4)]) and not torch.equal(ds[(0, 4)][1:], ds[(1, 4)][1:])
+    torch.manual_seed(3)
+    plain = ds[4][1].item()
+    torch.manual_seed(3)
+    assert plain == torch.rand(()).item()  # an int key: no seeding, the draw came from the global stream
+    assert len(ds) == 13 and ds.dataset.__class__ is _Augmented and "seed=5" in repr(ds)
+    with pytest.raises(TypeError, match=r"\(epoch, index\)"):
+        ds[(1, 2, 3)]
+    with pytest.raises(TypeError, match="map-style"):
+        SeededDataset(_RandomStream())
+    with pytest.raises(TypeError, match="seed must be an int"):
+        SeededDataset(_Augmented(), seed=1.5)  # type: ignore[arg-type]
+
+
+class _RandomStream(torch.utils.data.IterableDataset):
+    def __iter__(self) -> Any:
+        return iter(())
+
+
+def test_a_seeded_dataset_puts_the_rngs_back_when_a_read_raises() -> None:
+    class Failing(Dataset):
+        def __len__(self) -> int:
+            return 2
+
+        def __getitem__(self, i: int) -> Any:
+            torch.rand(5), np.random.rand(), random.random()
+            raise KeyError(i)
+
+    ds = SeededDataset(Failing())
+    torch.manual_seed(2), np.random.seed(2), random.seed(2)
+    with pytest.raises(KeyError):
+        ds[(0, 1)]
+    got = (torch.rand(()).item(), float(np.random.rand()), random.random())
+    torch.manual_seed(2), np.random.seed(2), random.seed(2)
+    assert got == (torch.rand(()).item(), float(np.random.rand()), random.random())
+
+
+def test_a_checkpointer_resumes_a_run_with_random_augmentations_bit_exactly(tmp_path: Path) -> None:
+    """Training on augmented samples read by two workers: a run stopped mid-epoch and restored in new objects
+    ends with the weights of the run that never stopped."""
+    def train(store: Path, steps: int, stop: int | None = None) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = _seeded(2, bs=2)
+        with deltackpt.Checkpointer(store, model=model, optimizer=opt, data=loader, every_n_steps=1) as ckpt:
+            step = ckpt.restore()
+            batches = loader.batches()
+            while step < (stop or steps):
+                loss = model(next(batches)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                step += 1
+                ckpt.step(step)
+        return model.weight.detach().clone()
+
+    ref = train(tmp_path / "ref", 11)
+    train(tmp_path / "run", 11, stop=4)  # 8 of 13 samples: mid-epoch
+    assert torch.equal(train(tmp_path / "run", 11), ref)
 
 
 # -- (3) through a deltackpt store -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ first user who copies it."""
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -36,8 +37,8 @@ def train_step():
 def _blocks() -> list[tuple[int, str]]:
     """(line number, code) of every ```python block of README.md."""
     text = (ROOT / "README.md").read_text()
-    return [(text.count("\n", 0, m.start()) + 2, m.group(1))
-            for m in re.finditer(r"^```python\n(.*?)^```", text, re.M | re.S)]
+    return [(text.count("\n", 0, m.start()) + 2, textwrap.dedent(m.group(2)))  # (one in a list item is indented)
+            for m in re.finditer(r"^( *)```python\n(.*?)^\1```", text, re.M | re.S)]
 
 
 def test_the_readme_has_examples() -> None:
