@@ -1,7 +1,8 @@
 """The ``deltackpt`` command: inspect and maintain a store from the shell.
 
 Where it sits: a thin layer over :class:`deltackpt.Store` and :mod:`deltackpt.maintenance`; it owns argument
-parsing, tables, progress bars and exit codes, nothing else. Every subcommand takes the store directory first.
+parsing, tables (or JSON with ``--json``), progress bars and exit codes, nothing else. Every subcommand takes the
+store directory first.
 A checkpoint is named by its step (the newest checkpoint with that step), ``latest``, or its 16-hex id.
 On failure it prints one line ``deltackpt: error: ...`` to stderr and exits 1 (2 for usage errors; 130 when
 interrupted, 141 when the output pipe closes early).
@@ -137,6 +138,9 @@ def _open(path: str, *, readonly: bool = False) -> Store:
 def cmd_ls(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         infos = s.list()
+        if args.json:
+            _print_json([_info_json(i) for i in infos])
+            return 0
         rows = [
             (i.step, i.id, when(i.created), human(i.logical_bytes), human(i.written_bytes),
              _meta_str(i.metadata))
@@ -170,21 +174,58 @@ def _escaped(text: str) -> str:
     return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
+def _jsonable(value: Any) -> Any:
+    """``value`` (plain values as checkpoint metadata holds them) as JSON can hold it: tuples (a ``torch.Size``)
+    become lists, numpy scalars Python numbers, bytes their hex, a dict key that is not a str its ``repr``, a
+    float that is not finite the string ``"nan"``, ``"inf"`` or ``"-inf"``, and anything else JSON has no kind
+    for (a torch dtype or device) its ``str``."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if np.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {k if isinstance(k, str) else repr(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value).hex()
+    return str(value)
+
+
+def _print_json(value: Any) -> None:
+    """``--json``: one JSON document on stdout (strict JSON: no NaN)."""
+    print(json.dumps(_jsonable(value), indent=2, allow_nan=False))
+
+
+def _info_json(i: CheckpointInfo) -> dict[str, Any]:
+    return {"step": i.step, "id": i.id, "created": i.created, "parent": i.parent, "logical_bytes": i.logical_bytes,
+            "written_bytes": i.written_bytes, "metadata": i.metadata}
+
+
 @collector.paused_during  # (as diff, below)
 def cmd_show(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         info = s.info(**_which(args.checkpoint, s))
         m = s.manifest(id=info.id)
+        also: dict[int, list[str]] = {}  # further paths of a tensor the state holds twice (tied weights)
+        for _, path, i in tree.leaf_refs(m.tree):
+            if 0 <= i < len(m.tensors) and path != m.tensors[i].key:
+                also.setdefault(i, []).append(path)
+        if args.json:
+            _print_json({**_info_json(info), "chunk_size": m.chunk_size, "tensors": [
+                {"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "logical_bytes": t.nbytes,
+                 "written_bytes": t.written, "also_at": also.get(i, [])} for i, t in enumerate(m.tensors)]})
+            return 0
         print(f"checkpoint {info.id}  step {info.step}  created {when(info.created)}  parent {info.parent or '-'}")
         if info.metadata:
             print(f"metadata   {_meta_str(info.metadata)}")
         print(f"logical    {human(info.logical_bytes)}   written {human(info.written_bytes)}   "
               f"tensors {len(m.tensors)}   chunk size {human(m.chunk_size)}")
         print()
-        also: dict[int, list[str]] = {}  # further paths of a tensor the state holds twice (tied weights)
-        for _, path, i in tree.leaf_refs(m.tree):
-            if 0 <= i < len(m.tensors) and path != m.tensors[i].key:
-                also.setdefault(i, []).append(path)
         rows = [
             (_escaped(t.key) or "<root>", _escaped(t.dtype), "x".join(map(str, t.shape)) or "()", human(t.nbytes),
              human(t.written)) + ((", ".join(map(_escaped, also.get(i, []))),) if also else ())
@@ -490,6 +531,12 @@ def cmd_log(args: argparse.Namespace) -> int:
         for i in infos:
             if i.parent is not None:
                 first_child.setdefault(i.parent, i.id)
+        if args.json:
+            _print_json([{**_info_json(i),
+                          "parent_step": by_id[i.parent].step if i.parent in by_id else None,
+                          "parent_deleted": i.parent is not None and i.parent not in by_id,
+                          "branch": i.parent is not None and first_child[i.parent] != i.id} for i in infos])
+            return 0
         rows = []
         for i in infos:
             if i.parent is None:
@@ -540,6 +587,19 @@ def cmd_du(args: argparse.Namespace) -> int:
         headers = packs.PACK_HEADER.size * len(pack_sizes)  # (a pack's header is not dead: gc keeps it too)
         man_bytes = sum(p.stat().st_size for p in (s.path / "manifests").glob("*.manifest") if p.is_file())
         on_disk = packs_bytes + man_bytes
+        if args.json:
+            _print_json({
+                "checkpoints": len(infos), "logical_bytes": logical,
+                "chunks_counted": "live" if live is not None else "all",
+                "unique_chunk_bytes": unique_raw, "chunks": n_chunks, "stored_frame_bytes": frames,
+                "pack_bytes": packs_bytes, "manifest_bytes": man_bytes,
+                "delta_frames": {"count": deltas[0], "raw_bytes": deltas[1], "frame_bytes": deltas[2]},
+                "predicted_frames": {"count": predicted[0], "raw_bytes": predicted[1], "frame_bytes": predicted[2]},
+                "deepest_chain": deepest + 1 if n_chunks else 0,
+                "dead_pack_bytes": max(0, packs_bytes - headers - frames),
+                "dropped_since_gc_bytes": s.index.dropped_bytes(),
+            })
+            return 0
         rows = [
             ("checkpoints", len(infos)),
             ("logical bytes (all checkpoints)", human(logical)),
@@ -568,6 +628,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if args.checkpoint == "latest":
             which = {"id": s.info().id}
         report = s.verify(progress=bar, **which)
+    if args.json:
+        _print_json({"ok": report.ok, "checkpoints": report.checkpoints, "chunk_references": report.chunks,
+                     "problems": [{"checkpoint": p.checkpoint, "step": p.step, "key": p.key, "chunk_id": p.chunk_id,
+                                   "message": p.message} for p in report.problems]})
+        return 0 if report.ok else 1
     for p in report.problems:
         print(p)
     status = "OK" if report.ok else f"{len(report.problems)} problem(s)"
@@ -1150,8 +1215,11 @@ def build_parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
-    add("ls", cmd_ls, "list checkpoints")
-    add("show", cmd_show, "show a checkpoint's tensors").add_argument("checkpoint", help="step, 'latest' or id")
+    json_help = "print one JSON document instead of the table"
+    add("ls", cmd_ls, "list checkpoints").add_argument("--json", action="store_true", help=json_help)
+    sh = add("show", cmd_show, "show a checkpoint's tensors")
+    sh.add_argument("checkpoint", help="step, 'latest' or id")
+    sh.add_argument("--json", action="store_true", help=json_help)
     df = add("diff", cmd_diff, "what changed between two checkpoints: tensors (by chunk digests, nothing decoded) "
              "and plain values")
     df.add_argument("a", help="step, 'latest' or id")
@@ -1162,11 +1230,13 @@ def build_parser() -> argparse.ArgumentParser:
              "read); a key path names a subtree too")
     gt.add_argument("checkpoint", help="step, 'latest' or id")
     gt.add_argument("key", help="key path, as show and diff print it (model.fc.weight, optimizer.param_groups[0].lr)")
-    add("log", cmd_log, "show checkpoint lineage (parents and branches)")
-    add("du", cmd_du, "logical vs stored bytes, dedup and compression ratios")
-    add("verify", cmd_verify, "decode and check every chunk (exit 1 on damage)").add_argument(
-        "checkpoint", nargs="?", help="step, 'latest' or id (default: all)"
-    )
+    add("log", cmd_log, "show checkpoint lineage (parents and branches)").add_argument(
+        "--json", action="store_true", help=json_help)
+    add("du", cmd_du, "logical vs stored bytes, dedup and compression ratios").add_argument(
+        "--json", action="store_true", help=json_help)
+    vf = add("verify", cmd_verify, "decode and check every chunk (exit 1 on damage)")
+    vf.add_argument("checkpoint", nargs="?", help="step, 'latest' or id (default: all)")
+    vf.add_argument("--json", action="store_true", help="print the report as one JSON document")
     add("rm", cmd_rm, "delete checkpoints").add_argument("checkpoint", nargs="+", help="steps, 'latest' or ids")
     gc = add("gc", cmd_gc, "reclaim space no retained checkpoint uses")
     gc.add_argument("--repack-below", type=float, default=0.5, metavar="F",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fractions
 import gc
+import json
 import os
 import pickle
 import re
@@ -122,7 +123,8 @@ def test_listings_do_not_import_torch(tmp_path: Path) -> None:
     with deltackpt.Store(path) as s:
         s.save({"w": torch.ones(3, dtype=torch.float8_e4m3fn), "a": np.arange(3.0)}, step=2)
     for args in (["ls"], ["log"], ["du"], ["show", str(path), "2"], ["resume-info"], ["verify"], ["gc"],
-                 ["get", str(path), "2", "a"]):
+                 ["get", str(path), "2", "a"], *([c, str(path), "--json"] for c in ("ls", "log", "du", "verify")),
+                 ["show", str(path), "2", "--json"]):
         argv = args if len(args) > 1 else [*args, str(path)]
         done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *argv], capture_output=True, text=True)
         assert done.returncode == 0, (args, done.stderr[-2000:])
@@ -592,6 +594,83 @@ def test_verify_names_the_damaged_chunk(capsys: pytest.CaptureFixture[str], stor
     assert rc == 1 and chunk in out
     rc, out, _ = cli(capsys, "verify", store_path, 2)  # the other checkpoint is intact
     assert rc == 0 and out.strip().endswith(": OK")
+
+
+def _strict_json(out: str) -> Any:
+    """``out`` parsed as one strict JSON document (NaN and Infinity refused)."""
+    def refuse(name: str) -> None:
+        raise AssertionError(f"not strict JSON: {name}")
+    return json.loads(out, parse_constant=refuse)
+
+
+def test_listings_and_verify_print_json_that_matches_the_python_api(capsys: pytest.CaptureFixture[str],
+                                                                    store_path: Path) -> None:
+    """``--json`` of ls, log, show, du and verify: one strict JSON document holding what the Python API says
+    (metadata JSON cannot hold as is converted, not dropped), and verify's exit status as without it."""
+    w = rand(3 * CS, 1)
+    with open_store(store_path) as s:
+        s.save({"w": w, "b": torch.arange(4)}, step=1,
+               metadata={"loss": float("nan"), "best": float("inf"), "pair": (1, 2.5), 7: b"\x01\xff",
+                         "s": np.float32(0.5), "dt": torch.bfloat16, "size": torch.Size([2, 3]), "name": "run\n1"})
+        w2 = w + 1
+        s.save({"w": w2, "b": torch.arange(4), "tied": {"w": w2}}, step=2)
+        s.load(step=1)
+        s.save({"w": w - 1, "b": torch.arange(4)}, step=2, metadata={"epoch": 1})  # a branch
+        infos = s.list()
+        m = s.manifest(id=infos[1].id)
+    rc, out, err = cli(capsys, "ls", store_path, "--json")
+    assert rc == 0 and err == ""
+    listed = _strict_json(out)
+    assert [(e["step"], e["id"], e["parent"], e["created"], e["logical_bytes"], e["written_bytes"])
+            for e in listed] == [(i.step, i.id, i.parent, i.created, i.logical_bytes, i.written_bytes)
+                                 for i in infos]
+    assert listed[0]["metadata"] == {"loss": "nan", "best": "inf", "pair": [1, 2.5], "7": "01ff", "s": 0.5,
+                                     "dt": "torch.bfloat16", "size": [2, 3], "name": "run\n1"}
+    assert listed[2]["metadata"] == {"epoch": 1} and listed[1]["metadata"] is None
+
+    rc, out, err = cli(capsys, "log", store_path, "--json")
+    assert rc == 0 and err == ""
+    log = _strict_json(out)
+    assert [(e["id"], e["parent_step"], e["parent_deleted"], e["branch"]) for e in log] == [
+        (infos[0].id, None, False, False), (infos[1].id, 1, False, False), (infos[2].id, 1, False, True)]
+    with open_store(store_path) as s:
+        s.delete(id=infos[0].id)
+    rc, out, _ = cli(capsys, "log", store_path, "--json")
+    assert [(e["parent_step"], e["parent_deleted"]) for e in _strict_json(out)] == [(None, True), (None, True)]
+
+    rc, out, err = cli(capsys, "show", store_path, infos[1].id, "--json")
+    assert rc == 0 and err == ""
+    shown = _strict_json(out)
+    assert shown["id"] == infos[1].id and shown["chunk_size"] == CS
+    assert [(t["key"], t["dtype"], t["shape"], t["logical_bytes"], t["written_bytes"]) for t in shown["tensors"]] \
+        == [(t.key, t.dtype, list(t.shape), t.nbytes, t.written) for t in m.tensors]
+    assert {t["key"]: t["also_at"] for t in shown["tensors"]} == {"w": ["tied.w"], "b": []}
+
+    rc, out, err = cli(capsys, "du", store_path, "--json")
+    assert rc == 0 and err == ""
+    du = _strict_json(out)
+    assert du["checkpoints"] == 2 and du["chunks_counted"] == "live"
+    assert du["logical_bytes"] == sum(i.logical_bytes for i in infos[1:])
+    assert du["pack_bytes"] == sum(p.stat().st_size for p in pack_files(store_path))
+    assert 0 < du["stored_frame_bytes"] <= du["pack_bytes"] and du["deepest_chain"] >= 1
+
+    rc, out, err = cli(capsys, "verify", store_path, "--json")
+    assert (rc, err) == (0, "")
+    assert _strict_json(out) == {"ok": True, "checkpoints": 2, "chunk_references": 8, "problems": []}
+    (_, d, n), = m.chunk_keys(m.tensors[1])  # step 2's b
+    with open_store(store_path) as s:
+        loc = s.index.lookup_chunks([chunk_key(d, n)])[chunk_key(d, n)]
+    with open(store_path / "packs" / f"{loc.pack_id}.pack", "r+b") as f:
+        f.seek(loc.offset + loc.frame_len - 1)
+        b = f.read(1)
+        f.seek(loc.offset + loc.frame_len - 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    rc, out, err = cli(capsys, "verify", store_path, "--json")
+    report = _strict_json(out)
+    assert (rc, err, report["ok"]) == (1, "", False)
+    assert {(p["checkpoint"], p["step"], p["key"], p["chunk_id"]) for p in report["problems"]} == {
+        (i.id, 2, "b", f"{d.hex()}-{n}") for i in infos[1:]}
+    assert all(p["message"] for p in report["problems"])
 
 
 def test_get_prints_values_and_tensors(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
