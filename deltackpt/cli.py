@@ -1086,10 +1086,10 @@ def _settings(value: dict[Any, Any], limit: int = 80) -> str:
     return out
 
 
-def _resume_point(s: Store) -> CheckpointInfo | None:
+def _resume_point(s: Store, passed: list[dict[str, Any]] | None = None) -> CheckpointInfo | None:
     """The checkpoint ``Checkpointer.restore()`` would restore, found as it does (``newest_restorable``): the
-    newest whose chunks all decode and verify, passing over damaged ones (printed); None for an empty store.
-    Raises :class:`DeltackptError` when no checkpoint would restore."""
+    newest whose chunks all decode and verify, passing over damaged ones (printed, or with ``passed`` put there);
+    None for an empty store. Raises :class:`DeltackptError` when no checkpoint would restore."""
 
     def verified(info: CheckpointInfo) -> CheckpointInfo:
         report = s.verify(id=info.id)  # (a damaged manifest raises CorruptionError itself)
@@ -1101,7 +1101,10 @@ def _resume_point(s: Store) -> CheckpointInfo | None:
 
     def damaged(info: CheckpointInfo, exc: CorruptionError) -> None:
         passed_over.append(info)
-        print(f"checkpoint {info.id} (step {info.step}) is damaged, a restore passes over it: {_first_line(exc)}")
+        if passed is not None:
+            passed.append({"id": info.id, "step": info.step, "damage": _first_line(exc)})
+        else:
+            print(f"checkpoint {info.id} (step {info.step}) is damaged, a restore passes over it: {_first_line(exc)}")
 
     try:
         return newest_restorable(s, verified, damaged)
@@ -1113,43 +1116,64 @@ def _resume_point(s: Store) -> CheckpointInfo | None:
 
 def cmd_resume_info(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
-        latest = _resume_point(s) if args.verify else s.latest()
+        passed: list[dict[str, Any]] | None = [] if args.json else None
+        latest = _resume_point(s, passed) if args.verify else s.latest()
+        doc: dict[str, Any] = {"start_step": None, "checkpoint": None, "refused": None, "verified": args.verify,
+                               "passed_over": passed or [], "rng": None, "parts": {}}
+
+        def refused(why: str) -> int:  # (--json: restore() refuses the newest checkpoint, for this reason)
+            _print_json({**doc, "refused": why})
+            return 1 if args.verify else 0  # (--verify: no checkpoint would restore)
+
         if latest is None:
+            if args.json:
+                _print_json({**doc, "start_step": 0})
+                return 0
             print(f"{args.store} holds no checkpoint: a run would start from step 0")
             return 0
+        doc["checkpoint"] = _info_json(latest)
         m = s.manifest(id=latest.id)
         # the skeleton with tensor descriptions in place of tensors: plain values without loading any bytes
         pickled = tree.pickled_paths(m.tree)
         # (no Checkpointer writes one: a Store.save of the same layout with allow_pickle=True did; its top-level
         # keys are read without unpickling anything)
         if pickled and _checkpointer_layout(dict(tree.node_children(m.tree)) if tree.is_dict_node(m.tree) else None):
+            if args.json:
+                return refused(f"it holds pickled values (saved with allow_pickle=True) at {pickled[0]!r}")
             print(f"the newest checkpoint, step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)}), "
                   f"holds pickled values (saved with allow_pickle=True) at {', '.join(map(repr, pickled[:3]))}"
                   f"{' ...' if len(pickled) > 3 else ''}: a Checkpointer's restore() refuses it (it never unpickles)")
             return 1 if args.verify else 0  # (--verify: no checkpoint would restore)
         state = m.skeleton() if not pickled else None
         if not isinstance(state, dict) or not _checkpointer_layout(state):
+            if args.json:
+                return refused("it was not written by a Checkpointer (no 'step' and 'model' entries)")
             print(f"the newest checkpoint, step {latest.step} (checkpoint {latest.id}, saved "
                   f"{when(latest.created)}), was not written by a Checkpointer (no 'step' and 'model' entries): a "
                   "Checkpointer's restore() refuses it; Store.load it directly")
             return 1 if args.verify else 0  # (--verify: no checkpoint would restore)
         if (why := _refusal(state, m, latest.step)) is not None:
+            if args.json:
+                return refused(why)
             print(f"the newest checkpoint, step {latest.step} (checkpoint {latest.id}, saved "
                   f"{when(latest.created)}): {why}: a Checkpointer's restore() refuses it")
             return 1 if args.verify else 0  # (--verify: no checkpoint would restore)
+        if state.get("thinned") and args.json:
+            return refused("it was thinned to model weights only and cannot resume training")
         if state.get("thinned") and args.verify:  # restore() refuses it: no checkpoint would restore
             raise DeltackptError(f"no checkpoint of {args.store} would restore: the newest one left, step "
                                  f"{latest.step} ({latest.id}), was thinned to model weights only")
+        if args.json:
+            doc.update(start_step=latest.step, rng=has_rng(state), parts=_parts_json(state))
+            _print_json(doc)
+            return 0
         print(f"a run would resume from step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)})"
               + ("" if args.verify else "; its chunks were not read ('--verify' decodes them and passes over "
                  "damaged checkpoints, as a restore does)"))
         if state.get("thinned"):
             print("warning: it was thinned to model weights only and cannot resume training")
         rows = []
-        for part in ("model", "optimizer", "scheduler", "scaler", "data", "extra", "rng"):
-            value = state.get(part)
-            if value is None or value == {}:
-                continue
+        for part, value in _parts(state):
             entries = list({id(e): e for e in _entries(value)}.values())  # a tied weight is one tensor
             size = sum(e.nbytes for e in entries)
             detail = f"{len(entries)} tensors, {human(size)}" if entries else ""
@@ -1172,6 +1196,34 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
         if latest.metadata:
             print(f"metadata: {_meta_str(latest.metadata)}")
     return 0
+
+
+def _parts(state: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """The parts a Checkpointer's checkpoint holds, in the order resume-info lists them."""
+    for part in ("model", "optimizer", "scheduler", "scaler", "data", "extra", "rng"):
+        value = state.get(part)
+        if value is not None and value != {}:
+            yield part, value
+
+
+def _parts_json(state: dict[str, Any]) -> dict[str, Any]:
+    """resume-info's table as JSON: each part's tensors and bytes, and what the table says of it besides (the
+    data position's and a scheduler's or scaler's plain values, the optimizer's param groups, extra's keys, the
+    RNG states' names)."""
+    out: dict[str, Any] = {}
+    for part, value in _parts(state):
+        entries = list({id(e): e for e in _entries(value)}.values())  # a tied weight is one tensor
+        item: dict[str, Any] = {"tensors": len(entries), "bytes": sum(e.nbytes for e in entries)}
+        if isinstance(value, dict):
+            if part == "optimizer" and "param_groups" in value:
+                item["param_groups"] = len(value["param_groups"])
+            elif part in ("rng", "extra"):
+                item["keys"] = list(value)
+            elif part != "model":  # data, scheduler, scaler: their plain values
+                item["values"] = {k: v for k, v in value.items()
+                                  if isinstance(k, str) and isinstance(v, (bool, int, float, str))}
+        out[part] = item
+    return out
 
 
 def _refusal(state: dict[str, Any], m: manifest.Manifest, step: int) -> str | None:
@@ -1249,6 +1301,7 @@ def build_parser() -> argparse.ArgumentParser:
     im.add_argument("file", help="source file")
     im.add_argument("--step", type=int, required=True, help="step to record")
     ri = add("resume-info", cmd_resume_info, "which step a training run would resume from, and what it holds")
+    ri.add_argument("--json", action="store_true", help=json_help)
     ri.add_argument("--verify", action="store_true",
                     help="decode the checkpoints as a restore does, passing over damaged ones (reads their chunks)")
     kp = add("keep", cmd_keep, "apply a retention policy now: delete the checkpoints (or a DCP root's steps) it "

@@ -1381,6 +1381,18 @@ def test_resume_info_checkpointer_store(capsys: pytest.CaptureFixture[str], stor
     assert parts["extra"] == "keys: epoch"
     assert parts["rng"] == "python, numpy, torch"
     assert lines[-1] == "metadata: loss=1.5"
+    rc, out, err = cli(capsys, "resume-info", store_path, "--json")  # the same, for scripts
+    doc = _strict_json(out)
+    assert (rc, err, doc["start_step"], doc["refused"], doc["rng"], doc["verified"]) == (0, "", 5, None, True, False)
+    assert doc["checkpoint"]["id"] == latest.id and doc["checkpoint"]["metadata"] == {"loss": 1.5}
+    assert doc["parts"] == {
+        "model": {"tensors": 2, "bytes": 60},
+        "optimizer": {"tensors": 2, "bytes": 60, "param_groups": 1},
+        "scheduler": {"tensors": 0, "bytes": 0, "values": {
+            k: v for k, v in sched.state_dict().items() if isinstance(v, (int, float, str))}},
+        "extra": {"tensors": 0, "bytes": 0, "keys": ["epoch"]},
+        "rng": doc["parts"]["rng"] | {"keys": ["python", "numpy", "torch"]},
+    }
     # it is the step a Checkpointer would resume from
     with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(4, 3), handle_signals=False) as ck2:
         with pytest.warns(RuntimeWarning, match=r"also holds optimizer, scheduler, extra\['epoch'\]"):
@@ -1444,6 +1456,10 @@ def test_a_step_entry_that_is_not_the_manifest_step_is_refused_and_resume_info_s
         assert out.startswith(f"the newest checkpoint, step 7 (checkpoint {info.id}, saved ")
         assert "its 'step' entry is 3 but its manifest's step is 7" in out and "restore() refuses it" in out
         assert "would resume" not in out
+        rc, out, err = cli(capsys, "resume-info", store_path, "--json", *flags)
+        doc = _strict_json(out)
+        assert (rc, err, doc["start_step"], doc["checkpoint"]["step"]) == (code, "", None, 7)
+        assert "its 'step' entry is 3 but its manifest's step is 7" in doc["refused"]
     live = torch.nn.Linear(4, 3)
     before = live.weight.detach().clone()
     with deltackpt.Checkpointer(store_path, model=live, handle_signals=False) as ck:
@@ -1509,6 +1525,10 @@ def test_resume_info_verify_passes_over_damage_as_restore_does(capsys: pytest.Ca
     lines = out.splitlines()
     assert lines[0].startswith(f"checkpoint {ids[5]} (step 5) is damaged, a restore passes over it: ")
     assert lines[1].startswith(f"a run would resume from step 3 (checkpoint {ids[3]}, saved ")
+    rc, out, err = cli(capsys, "resume-info", store_path, "--verify", "--json")
+    doc = _strict_json(out)
+    assert (rc, err, doc["start_step"], doc["checkpoint"]["id"], doc["verified"]) == (0, "", 3, ids[3], True)
+    assert [(p["id"], p["step"]) for p in doc["passed_over"]] == [(ids[5], 5)] and doc["passed_over"][0]["damage"]
     with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(4, 3), handle_signals=False) as ck2:
         with pytest.warns(RuntimeWarning):
             assert ck2.restore() == 3
@@ -1526,6 +1546,10 @@ def test_resume_info_empty_store(capsys: pytest.CaptureFixture[str], store_path:
     rc, out, err = cli(capsys, "resume-info", store_path)
     assert rc == 0 and err == ""
     assert out.strip() == f"{store_path} holds no checkpoint: a run would start from step 0"
+    rc, out, err = cli(capsys, "resume-info", store_path, "--json")
+    assert (rc, err) == (0, "") and _strict_json(out) == {
+        "start_step": 0, "checkpoint": None, "refused": None, "verified": False, "passed_over": [], "rng": None,
+        "parts": {}}
 
 
 def test_resume_info_plain_store(capsys: pytest.CaptureFixture[str], store_path: Path,
@@ -1538,6 +1562,11 @@ def test_resume_info_plain_store(capsys: pytest.CaptureFixture[str], store_path:
     assert "was not written by a Checkpointer (no 'step' and 'model' entries): a Checkpointer's restore() refuses " \
            "it" in out
     assert "would resume" not in out
+    for flags, code in (([], 0), (["--verify"], 1)):
+        rc, out, _ = cli(capsys, "resume-info", store_path, "--json", *flags)
+        doc = _strict_json(out)
+        assert (rc, doc["start_step"], doc["checkpoint"]["id"]) == (code, None, three["ids"][3])
+        assert "not written by a Checkpointer" in doc["refused"]
     with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(2, 2), handle_signals=False) as ck:
         with pytest.raises(deltackpt.DeltackptError, match="not written by a Checkpointer"):
             ck.restore()
