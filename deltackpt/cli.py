@@ -43,7 +43,7 @@ from deltackpt.errors import (
 )
 from deltackpt.layout import holds_checkpoints
 from deltackpt.rng import has_rng
-from deltackpt.store import CheckpointInfo, Store, check_step
+from deltackpt.store import CheckpointInfo, Store, as_saved, check_step
 
 if TYPE_CHECKING:
     import torch
@@ -884,9 +884,10 @@ def _tensor_dict(state: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def _tensor_leaves(skeleton: Any) -> list[tuple[str, int]]:
+def _tensor_leaves(skeleton: Any, at: str = "") -> list[tuple[str, int]]:
     """(safetensors name, leaf index) of each tensor of ``skeleton`` (a state's, as :func:`tree.flatten` returns
-    it and a manifest holds it); raises where it holds anything else, or a key that names no tensor faithfully."""
+    it and a manifest holds it); raises where it holds anything else, or a key that names no tensor faithfully.
+    ``at``: the key path of ``skeleton`` in its checkpoint (``export --key``), which errors name paths under."""
     found: list[tuple[str, int]] = []
     plain: list[str] = []
 
@@ -904,23 +905,38 @@ def _tensor_leaves(skeleton: Any) -> list[tuple[str, int]]:
         else:
             plain.append(path or "<root>")  # (named as get and show name it)
 
-    walk(skeleton, "", "")
+    walk(skeleton, "", at)
     if plain:
         raise DeltackptError(
             f"safetensors holds tensors only; this checkpoint also holds other values at {plain[:3]}: export .pt"
+            + (", or a subtree of tensors only with --key (--key model)" if not at else "")
         )
     return found
 
 
-def _unwritable_dtypes(m: manifest.Manifest, write: Callable[[Any], Any], fmt: str, other: str) -> None:
+def _subtree(m: manifest.Manifest, key: str, store: str) -> Any:
+    """The node of ``m``'s skeleton at key path ``key`` (as show, diff and get print paths; ``<root>`` for all), or
+    :class:`DeltackptError` naming the checkpoint when it holds nothing there."""
+    if key == "<root>":
+        return m.tree
+    for _, path, node in tree.container_nodes(m.tree) + tree.leaf_nodes(m.tree):
+        if key in (path, _escaped(path)):
+            return node
+    raise DeltackptError(f"checkpoint {m.id} (step {m.step}) holds nothing at {key!r} ('deltackpt diff {store} "
+                         f"{m.id} {m.id} --all' lists its key paths)")
+
+
+def _unwritable_dtypes(m: manifest.Manifest, write: Callable[[Any], Any], fmt: str, other: str,
+                       indices: set[int] | None = None) -> None:
     """Raise, naming the key path, where ``m`` holds a torch tensor of a dtype that ``write`` (the export's writer,
     given ``{"x": <empty tensor>}``) cannot write: torch.save has no encoding for the sub-byte integers (int1-int7,
     uint1-uint7), safetensors neither for those nor for complex32, complex128, the bits types, ... Each dtype is
     tried once, on an empty tensor, before the checkpoint is loaded; before, a whole checkpoint was loaded and
-    then refused with the writer's bare words (``cannot write out.safetensors: torch.bits16``)."""
+    then refused with the writer's bare words (``cannot write out.safetensors: torch.bits16``). ``indices``: only
+    those tensors of the table (an export of a subtree)."""
     verdict: dict[str, bool] = {}
-    for t in m.tensors:
-        if t.kind != "torch":
+    for n, t in enumerate(m.tensors):
+        if t.kind != "torch" or (indices is not None and n not in indices):
             continue
         if t.dtype not in verdict:
             try:
@@ -952,24 +968,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         which = _which(args.checkpoint, s)
         m = s.manifest(**which)
-        pickled = tree.pickled_paths(m.tree)
+        node = m.tree if args.key is None else _subtree(m, args.key, args.store)
+        indices = {i for _, _, i in tree.leaf_refs(node)}
+        pickled = tree.pickled_paths(node)  # (key paths within the subtree exported)
         if pickled:
-            raise UnsafeLoadError(f"checkpoint {m.id} holds pickled values (saved with allow_pickle=True) at "
+            under = "" if args.key is None else f" under {args.key!r}"
+            raise UnsafeLoadError(f"checkpoint {m.id} holds pickled values (saved with allow_pickle=True){under} at "
                                   f"{', '.join(map(repr, pickled[:3]))}{' ...' if len(pickled) > 3 else ''}, which "
                                   "export never unpickles; if you trust the store, Store.load(..., allow_pickle=True) "
                                   "them in Python")
         # (a state safetensors cannot hold is refused from the manifest's skeleton, before the load: a checkpoint
         # of 10^5 plain values was loaded whole first, 3.7 s; the loaded state is checked again)
         if dest.suffix == ".safetensors":
-            _tensor_leaves(m.tree)
+            if node[0] != "T":  # (a tensor alone is named by its key path)
+                _tensor_leaves(node, "" if args.key in (None, "<root>") else args.key)
             _unwritable_dtypes(m, save_file_bytes, "safetensors",
-                               "export .pt, or convert the tensor (Store.load it in Python)")
+                               "export .pt, or convert the tensor (Store.load it in Python)", indices)
         else:
             _unwritable_dtypes(m, lambda obj: torch.save(obj, io.BytesIO()), "torch.save (.pt)",
-                               "Store.load the checkpoint in Python, or convert the tensor before saving")
-        state = s.load(id=m.id, map_location="cpu")
+                               "Store.load the checkpoint in Python, or convert the tensor before saving", indices)
+        if args.key is None:
+            state = s.load(id=m.id, map_location="cpu")
+        else:  # only the subtree's chunks are read
+            wanted = sorted(indices)
+            objs: list[Any] = [None] * len(m.tensors)
+            for i, value in zip(wanted, s._read_tensors(m.id, wanted)):
+                objs[i] = as_saved(m.tensors[i], value)
+            state = tree.unflatten(node, objs)
     if dest.suffix == ".safetensors":
-        tensors = _tensor_dict(state)
+        tensors = _tensor_dict(state if not isinstance(state, torch.Tensor) else {args.key: state})
 
         def write(tmp: Path) -> None:
             save_file(tensors, str(tmp))
@@ -993,7 +1020,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                 tmp.unlink(missing_ok=True)
         raise DeltackptError(f"cannot write {dest}: {_first_line(exc)}") from None
     size = f" ({human(real.stat().st_size)})" if real.is_file() else ""
-    print(f"exported checkpoint {m.id} (step {m.step}) to {dest}{size}")  # (not "latest", or a step saved twice)
+    what = "" if args.key is None else f"{args.key!r} of "
+    print(f"exported {what}checkpoint {m.id} (step {m.step}) to {dest}{size}")  # (not "latest", or a step saved twice)
     return 0
 
 
@@ -1297,6 +1325,7 @@ def build_parser() -> argparse.ArgumentParser:
     ex = add("export", cmd_export, "write a checkpoint as .pt (.pth) or .safetensors")
     ex.add_argument("checkpoint", help="step, 'latest' or id")
     ex.add_argument("file", help="destination (.pt, .pth or .safetensors)")
+    ex.add_argument("--key", metavar="KEY", help="export only what the checkpoint holds at this key path (model)")
     im = add("import", cmd_import, "store a .pt (weights_only) or .safetensors file as a checkpoint")
     im.add_argument("file", help="source file")
     im.add_argument("--step", type=int, required=True, help="step to record")

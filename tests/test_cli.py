@@ -1048,6 +1048,64 @@ def test_export_safetensors_tensor_only(capsys: pytest.CaptureFixture[str], stor
         assert got[k].dtype == t.dtype and got[k].shape == t.shape and torch.equal(got[k], t), k
 
 
+def test_export_key_writes_one_subtree_and_reads_only_its_chunks(capsys: pytest.CaptureFixture[str],
+                                                                  store_path: Path, tmp_path: Path) -> None:
+    """A Checkpointer's checkpoint holds its step and optimizer beside the model, which safetensors cannot hold:
+    --key model exports the model's weights alone, named as its state_dict() names them; --key of one tensor or
+    of the optimizer (.pt) works the same way. Only the subtree's chunks are read: a damaged optimizer chunk does
+    not stop an export of the model. A key path the checkpoint lacks writes nothing."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(CS // 16, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, CS // 16)).sum().backward()
+    opt.step()
+    with deltackpt.Checkpointer(store_path, model=model, optimizer=opt, handle_signals=False) as ck:
+        ck.save(5)
+    with deltackpt.Store(store_path) as s:
+        saved = s.load(5)
+    dest = tmp_path / "model.safetensors"
+    rc, out, err = cli(capsys, "export", store_path, 5, dest)  # the whole checkpoint: refused, with the way out
+    assert rc == 1 and not dest.exists()
+    assert_one_line_error(err, "['step', 'optimizer.param_groups[0].lr'", "--key model")
+    rc, out, err = cli(capsys, "export", store_path, 5, dest, "--key", "model")
+    assert rc == 0 and err == "" and out.startswith("exported 'model' of checkpoint ")
+    got = load_file(str(dest))
+    assert set(got) == set(model.state_dict())
+    assert all(torch.equal(got[k], v) for k, v in model.state_dict().items())
+    rc, _, err = cli(capsys, "export", store_path, 5, tmp_path / "w.safetensors", "--key", "model.0.weight")
+    assert rc == 0 and err == ""
+    assert list(load_file(str(tmp_path / "w.safetensors"))) == ["model.0.weight"]
+    rc, _, err = cli(capsys, "export", store_path, 5, tmp_path / "o.safetensors", "--key", "optimizer")
+    assert rc == 1 and not (tmp_path / "o.safetensors").exists()
+    assert_one_line_error(err, "['optimizer.param_groups[0].lr'")
+    rc, _, err = cli(capsys, "export", store_path, 5, tmp_path / "o.pt", "--key", "optimizer")
+    assert rc == 0 and err == ""
+    o = torch.load(tmp_path / "o.pt", weights_only=True)
+    assert o["param_groups"] == saved["optimizer"]["param_groups"]
+    assert all(torch.equal(o["state"][0][k], v) for k, v in saved["optimizer"]["state"][0].items())
+    rc, _, err = cli(capsys, "export", store_path, 5, tmp_path / "x.pt", "--key", "model.2")
+    assert rc == 1 and not (tmp_path / "x.pt").exists()
+    assert_one_line_error(err, "holds nothing at 'model.2'")
+
+    with deltackpt.Store(store_path) as s:
+        m = s.manifest(5)
+        t = next(t for t in m.tensors if t.key == "optimizer.state[0].exp_avg")
+        (_, d, n), = m.chunk_keys(t)[:1]
+        loc = s.index.lookup_chunks([chunk_key(d, n)])[chunk_key(d, n)]
+    with open(store_path / "packs" / f"{loc.pack_id}.pack", "r+b") as f:
+        f.seek(loc.offset + loc.frame_len - 1)
+        b = f.read(1)
+        f.seek(loc.offset + loc.frame_len - 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    rc, _, err = cli(capsys, "export", store_path, 5, tmp_path / "o2.pt", "--key", "optimizer")
+    assert rc == 1 and "exp_avg" in err
+    dest.unlink()
+    rc, _, err = cli(capsys, "export", store_path, 5, dest, "--key", "model")
+    assert rc == 0 and err == "" and set(load_file(str(dest))) == set(model.state_dict())
+
+
 def test_export_safetensors_refuses_plain_values(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                  tmp_path: Path) -> None:
     with open_store(store_path) as s:
