@@ -75,6 +75,15 @@ def open_store(path: Path) -> deltackpt.Store:
     return deltackpt.Store(path, chunk_size=CS, threads=2)
 
 
+def damage_frame(path: Path, loc: Any) -> None:
+    """Flip the last byte of the frame at ``loc`` (an index ChunkLoc) in the store at ``path``."""
+    with open(path / "packs" / f"{loc.pack_id}.pack", "r+b") as f:
+        f.seek(loc.offset + loc.frame_len - 1)
+        b = f.read(1)
+        f.seek(loc.offset + loc.frame_len - 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def rand(n_bytes: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n_bytes // 4, generator=g)
@@ -660,11 +669,7 @@ def test_listings_and_verify_print_json_that_matches_the_python_api(capsys: pyte
     (_, d, n), = m.chunk_keys(m.tensors[1])  # step 2's b
     with open_store(store_path) as s:
         loc = s.index.lookup_chunks([chunk_key(d, n)])[chunk_key(d, n)]
-    with open(store_path / "packs" / f"{loc.pack_id}.pack", "r+b") as f:
-        f.seek(loc.offset + loc.frame_len - 1)
-        b = f.read(1)
-        f.seek(loc.offset + loc.frame_len - 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    damage_frame(store_path, loc)
     rc, out, err = cli(capsys, "verify", store_path, "--json")
     report = _strict_json(out)
     assert (rc, err, report["ok"]) == (1, "", False)
@@ -1094,11 +1099,7 @@ def test_export_key_writes_one_subtree_and_reads_only_its_chunks(capsys: pytest.
         t = next(t for t in m.tensors if t.key == "optimizer.state[0].exp_avg")
         (_, d, n), = m.chunk_keys(t)[:1]
         loc = s.index.lookup_chunks([chunk_key(d, n)])[chunk_key(d, n)]
-    with open(store_path / "packs" / f"{loc.pack_id}.pack", "r+b") as f:
-        f.seek(loc.offset + loc.frame_len - 1)
-        b = f.read(1)
-        f.seek(loc.offset + loc.frame_len - 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    damage_frame(store_path, loc)
     rc, _, err = cli(capsys, "export", store_path, 5, tmp_path / "o2.pt", "--key", "optimizer")
     assert rc == 1 and "exp_avg" in err
     dest.unlink()
@@ -1986,11 +1987,7 @@ def test_repair_exits_1_for_a_damaged_pack_even_when_every_checkpoint_is_whole(
         loc = s.index.lookup_chunks([chunk_key(d, n)])[chunk_key(d, n)]
         s.save({"w": torch.randint(0, 256, (SMALL_CHUNK,), dtype=torch.uint8, generator=g)}, step=2, keyframe=True)
         s.delete(1)  # step 1's chunk is dead, not yet gc'd
-    with open(path / "packs" / f"{loc.pack_id}.pack", "r+b") as f:
-        f.seek(loc.offset + loc.frame_len - 1)
-        b = f.read(1)
-        f.seek(loc.offset + loc.frame_len - 1)
-        f.write(bytes([b[0] ^ 0xFF]))
+    damage_frame(path, loc)
     capsys.readouterr()
     rc = main(["repair", str(path)])
     out = capsys.readouterr().out
