@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import datetime as _dt
 import io
 import json
@@ -657,6 +658,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         raise ValueError(f"--repack-below must be a fraction between 0 and 1, got {args.repack_below}")
     with _open(args.store) as s, progress("gc") as bar:
         r = s.gc(repack_below=args.repack_below, progress=bar)
+    if args.json:  # (the exit status as without --json: 1 when repacking stopped or met damage)
+        _print_json(dataclasses.asdict(r))
+        return 1 if r.repack_stopped or r.damaged_packs else 0
     print(f"dropped {r.dead_chunks} dead chunk(s); deleted {r.deleted_packs} pack(s) ({r.repacked_packs} of them "
           f"repacked: {r.moved_chunks} live chunk(s) moved); removed {r.orphan_manifests} orphan manifest(s); "
           f"freed {human(r.freed_bytes)}")
@@ -1321,6 +1325,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc = add("gc", cmd_gc, "reclaim space no retained checkpoint uses")
     gc.add_argument("--repack-below", type=float, default=0.5, metavar="F",
                     help="repack packs whose live fraction is below F, between 0 and 1 (0.5)")
+    gc.add_argument("--json", action="store_true", help="print the report as one JSON document")
     add("repair", cmd_repair, "rebuild the index from packs and manifests")
     ex = add("export", cmd_export, "write a checkpoint as .pt (.pth) or .safetensors")
     ex.add_argument("checkpoint", help="step, 'latest' or id")

@@ -666,6 +666,12 @@ def test_listings_and_verify_print_json_that_matches_the_python_api(capsys: pyte
     rc, out, err = cli(capsys, "verify", store_path, "--json")
     assert (rc, err) == (0, "")
     assert _strict_json(out) == {"ok": True, "checkpoints": 2, "chunk_references": 8, "problems": []}
+    packs_before = sum(p.stat().st_size for p in pack_files(store_path))
+    rc, out, err = cli(capsys, "gc", store_path, "--json", "--repack-below", "1")
+    gc_report = _strict_json(out)
+    assert (rc, err, gc_report["repack_stopped"], gc_report["damaged_packs"]) == (0, "", None, [])
+    assert gc_report["dead_chunks"] == 3 and gc_report["freed_bytes"] > 0  # step 1's w (its b is the others' too)
+    assert gc_report["freed_bytes"] == packs_before - sum(p.stat().st_size for p in pack_files(store_path))
     (_, d, n), = m.chunk_keys(m.tensors[1])  # step 2's b
     with open_store(store_path) as s:
         loc = s.index.lookup_chunks([chunk_key(d, n)])[chunk_key(d, n)]
