@@ -373,7 +373,7 @@ class SeededDataset(Dataset):
         self.seed = _int(seed, "seed", minimum=None)
 
     def sample_seed(self, epoch: int, index: int) -> int:
-        """The seed (in [0, 2**64)) that sample ``index`` of ``epoch`` is read with."""
+        """The seed (in [0, 2**64)) that sample ``index`` of ``epoch`` is read with (NumPy's: mixed from it)."""
         key = f"deltackpt.sample:{self.seed}:{_int(epoch, 'epoch')}:{_int(index, 'index', minimum=None)}"
         return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
 
@@ -388,7 +388,9 @@ class SeededDataset(Dataset):
         saved = random.getstate(), np.random.get_state(), cpu.get_state()
         try:
             random.seed(seed)
-            np.random.seed([seed & 0xFFFF_FFFF, seed >> 32])
+            # (NumPy's legacy RNG and random are both MT19937 seeded by init_by_array: seeded with the same
+            # words, np.random.rand() would draw exactly random.random(), so NumPy's seed is mixed first)
+            np.random.seed(np.random.SeedSequence(seed).generate_state(4))
             cpu.manual_seed(seed)
             return self.dataset[index]
         finally:

@@ -488,6 +488,14 @@ class _RandomStream(torch.utils.data.IterableDataset):
         return iter(())
 
 
+def test_a_seeded_datasets_python_and_numpy_draws_are_not_the_same_numbers() -> None:
+    """Python's random and NumPy's legacy RNG are both MT19937: seeded with the same words they draw the same
+    floats, and an augmentation using both (a crop's x from one, its y from the other) would lie on a line."""
+    ds = SeededDataset(_Augmented(), seed=5)
+    rows = [ds[(0, i)].tolist() for i in range(13)]
+    assert not any(r[2] == r[3] for r in rows)
+
+
 def test_a_seeded_dataset_puts_the_rngs_back_when_a_read_raises() -> None:
     class Failing(Dataset):
         def __len__(self) -> int:
