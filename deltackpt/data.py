@@ -458,6 +458,12 @@ class ResumableLoader:
                 f"the DataLoader's sampler is a {type(sampler).__name__}; build it with "
                 f"sampler=deltackpt.data.ResumableSampler(dataset, {order})"
             )
+        if isinstance(loader.dataset, SeededDataset) and not sampler._keyed:
+            raise TypeError(
+                "the DataLoader's dataset is a SeededDataset, but its ResumableSampler was built over a length or "
+                "another dataset: its plain indices would read every sample unseeded; build it with "
+                "ResumableSampler(seeded_dataset, ...)"
+            )
         self.loader = loader
         self.sampler = sampler
         self._batch_size = batch_size

@@ -496,6 +496,16 @@ def test_a_seeded_datasets_python_and_numpy_draws_are_not_the_same_numbers() -> 
     assert not any(r[2] == r[3] for r in rows)
 
 
+def test_a_loader_over_a_seeded_dataset_refuses_a_sampler_that_yields_plain_indices() -> None:
+    """A sampler built over the length (or the unwrapped dataset) yields ints, which read samples unseeded:
+    the augmentations would silently not replay after a resume."""
+    ds = SeededDataset(_Augmented(), seed=5)
+    for source in (len(ds), ds.dataset):
+        with pytest.raises(TypeError, match="SeededDataset"):
+            ResumableLoader(DataLoader(ds, sampler=ResumableSampler(source), batch_size=2))
+    ResumableLoader(DataLoader(ds, sampler=ResumableSampler(ds), batch_size=2))
+
+
 def test_a_seeded_dataset_puts_the_rngs_back_when_a_read_raises() -> None:
     class Failing(Dataset):
         def __len__(self) -> int:
