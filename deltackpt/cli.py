@@ -177,7 +177,8 @@ def _escaped(text: str) -> str:
 
 def _jsonable(value: Any) -> Any:
     """``value`` (plain values as checkpoint metadata holds them) as JSON can hold it: tuples (a ``torch.Size``)
-    become lists, numpy scalars Python numbers, bytes their hex, a dict key that is not a str its ``repr``, a
+    become lists, numpy scalars Python numbers, bytes their hex, a dict key that is not a str its ``repr`` (every
+    key of a dict where that repr is also a str key of it: ``{1: .., "1": ..}`` becomes ``{"1": .., "'1'": ..}``), a
     float that is not finite the string ``"nan"``, ``"inf"`` or ``"-inf"``, and anything else JSON has no kind
     for (a torch dtype or device) its ``str``."""
     if isinstance(value, np.generic):
@@ -189,7 +190,10 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, float):
         return float(value) if np.isfinite(value) else str(value)
     if isinstance(value, dict):
-        return {k if isinstance(k, str) else repr(k): _jsonable(v) for k, v in value.items()}
+        keys = [k if isinstance(k, str) else repr(k) for k in value]
+        if len(set(keys)) < len(keys):  # ({1: .., "1": ..}: every key its repr, which tells them apart)
+            keys = [repr(k) for k in value]
+        return {k: _jsonable(v) for k, v in zip(keys, value.values())}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [_jsonable(v) for v in value]
     if isinstance(value, (bytes, bytearray)):

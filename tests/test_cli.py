@@ -684,6 +684,16 @@ def test_listings_and_verify_print_json_that_matches_the_python_api(capsys: pyte
     assert all(p["message"] for p in report["problems"])
 
 
+def test_json_keeps_an_int_key_beside_the_str_key_of_its_digits(capsys: pytest.CaptureFixture[str],
+                                                                  store_path: Path) -> None:
+    """Metadata converted for JSON is never dropped: an int key and a str key that read alike both stay."""
+    with open_store(store_path) as s:
+        s.save({"w": torch.ones(2)}, step=1, metadata={1: "int", "1": "str", "k": {2: "a", "b": 3}})
+    rc, out, err = cli(capsys, "ls", store_path, "--json")
+    assert (rc, err) == (0, "")
+    assert _strict_json(out)[0]["metadata"] == {"1": "int", "'1'": "str", "'k'": {"2": "a", "b": 3}}
+
+
 def test_get_prints_values_and_tensors(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     w = torch.tensor([[1.0, -2.0, float("nan")], [4.0, float("inf"), 0.5]])
     state = {"w": w, "n": torch.arange(3, dtype=torch.int64), "b": torch.tensor([True, False, True]),
