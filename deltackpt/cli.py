@@ -202,8 +202,17 @@ def _jsonable(value: Any) -> Any:
 
 
 def _print_json(value: Any) -> None:
-    """``--json``: one JSON document on stdout (strict JSON: no NaN)."""
-    print(json.dumps(_jsonable(value), indent=2, allow_nan=False))
+    """``--json``: one JSON document on stdout (strict JSON: no NaN; ints of any size in full, so Python's limit on
+    the digits of an int converted to text, global to the process, is lifted while it is written)."""
+    limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()  # (0: no limit, or a Python without one)
+    if limit:
+        sys.set_int_max_str_digits(0)
+    try:
+        text = json.dumps(_jsonable(value), indent=2, allow_nan=False)
+    finally:
+        if limit:
+            sys.set_int_max_str_digits(limit)
+    print(text)
 
 
 def _info_json(i: CheckpointInfo) -> dict[str, Any]:

@@ -694,6 +694,22 @@ def test_json_keeps_an_int_key_beside_the_str_key_of_its_digits(capsys: pytest.C
     assert _strict_json(out)[0]["metadata"] == {"1": "int", "'1'": "str", "'k'": {"2": "a", "b": 3}}
 
 
+def test_json_prints_a_metadata_int_of_any_size(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """An int of more digits than Python converts at once (4300) is metadata ls prints; --json prints it too, in
+    full, and leaves the process's limit as it was."""
+    big = 7 * 10**5000
+    with open_store(store_path) as s:
+        s.save({"w": torch.ones(2)}, step=1, metadata={"n": big, "k": [-big]})
+    limit = sys.get_int_max_str_digits()
+    for command in ("ls", "log"):
+        rc, out, err = cli(capsys, command, store_path, "--json")
+        assert (rc, err) == (0, "")
+        assert re.search(r'"n": 7(0{5000}),', out) and re.search(r"-7(0{5000})\n", out)
+    rc, out, err = cli(capsys, "show", store_path, 1, "--json")
+    assert (rc, err) == (0, "") and '"n": 7' in out
+    assert sys.get_int_max_str_digits() == limit
+
+
 def test_get_prints_values_and_tensors(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     w = torch.tensor([[1.0, -2.0, float("nan")], [4.0, float("inf"), 0.5]])
     state = {"w": w, "n": torch.arange(3, dtype=torch.int64), "b": torch.tensor([True, False, True]),
