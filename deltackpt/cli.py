@@ -933,12 +933,20 @@ def _tensor_leaves(skeleton: Any, at: str = "") -> list[tuple[str, int]]:
 
 def _subtree(m: manifest.Manifest, key: str, store: str) -> Any:
     """The node of ``m``'s skeleton at key path ``key`` (as show, diff and get print paths; ``<root>`` for all), or
-    :class:`DeltackptError` naming the checkpoint when it holds nothing there."""
+    :class:`DeltackptError` naming the checkpoint when it holds nothing there, or more than one thing (key paths
+    need not be distinct: ``{"a.b": x, "a": {"b": y}}``)."""
     if key == "<root>":
         return m.tree
-    for _, path, node in tree.container_nodes(m.tree) + tree.leaf_nodes(m.tree):
-        if key in (path, _escaped(path)):
-            return node
+    # (an empty container is listed as a container and as a leaf; a registered type's value has its key path)
+    at = {place: node for place, path, node in tree.container_nodes(m.tree) + tree.leaf_nodes(m.tree)
+          if key in (path, _escaped(path))}
+    found = [v for place, v in at.items() if not any(place[:len(p)] == p for p in at if len(p) < len(place))]
+    if len(found) > 1:
+        raise DeltackptError(f"checkpoint {m.id} (step {m.step}) holds {len(found)} values at {key!r} (keys such as "
+                             "'a.b' and 'a' holding 'b' have one key path): export the whole checkpoint to .pt, or "
+                             "Store.load it in Python")
+    if found:
+        return found[0]
     raise DeltackptError(f"checkpoint {m.id} (step {m.step}) holds nothing at {key!r} ('deltackpt diff {store} "
                          f"{m.id} {m.id} --all' lists its key paths)")
 

@@ -1139,6 +1139,38 @@ def test_export_key_writes_one_subtree_and_reads_only_its_chunks(capsys: pytest.
     assert rc == 0 and err == "" and set(load_file(str(dest))) == set(model.state_dict())
 
 
+def test_export_key_refuses_a_key_path_that_names_two_values(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                             tmp_path: Path) -> None:
+    """Key paths need not be distinct ('a.b' and 'a' holding 'b'; an empty key adds nothing to a path): --key of
+    such a path is refused rather than writing one of the values it names."""
+    with deltackpt.Store(store_path) as s:
+        s.save({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}, "": {"k": torch.ones(2)}, "k": torch.zeros(2),
+                "e": {}}, step=1)
+    rc, _, err = cli(capsys, "export", store_path, 1, tmp_path / "e.pt", "--key", "e")  # (an empty container: one node)
+    assert rc == 0 and torch.load(tmp_path / "e.pt", weights_only=True) == {}
+    for key in ("a.b", "k"):
+        dest = tmp_path / "x.pt"
+        rc, _, err = cli(capsys, "export", store_path, 1, dest, "--key", key)
+        assert rc == 1 and not dest.exists()
+        assert_one_line_error(err, f"holds 2 values at {key!r}")
+    rc, _, err = cli(capsys, "export", store_path, 1, tmp_path / "a.pt", "--key", "a")
+    assert rc == 0 and torch.equal(torch.load(tmp_path / "a.pt", weights_only=True)["b"], torch.zeros(1))
+    deltackpt.register_type(_Box, "test_cli.box", lambda b: {"t": b.t}, lambda v: _Box(v["t"]))
+    try:  # (a registered type's encoded value has the type's key path: one value)
+        with deltackpt.Store(store_path) as s:
+            s.save({"box": _Box(torch.ones(2))}, step=2)
+        rc, _, err = cli(capsys, "export", store_path, 2, tmp_path / "box.pt", "--key", "box")
+        assert (rc, err) == (0, "")
+        assert torch.equal(torch.load(tmp_path / "box.pt", weights_only=False).t, torch.ones(2))
+    finally:
+        deltackpt.unregister_type(_Box)
+
+
+class _Box:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
 def test_export_safetensors_refuses_plain_values(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                  tmp_path: Path) -> None:
     with open_store(store_path) as s:
