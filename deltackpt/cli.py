@@ -931,14 +931,15 @@ def _tensor_leaves(skeleton: Any, at: str = "") -> list[tuple[str, int]]:
     return found
 
 
-def _subtree(m: manifest.Manifest, key: str, store: str) -> Any:
-    """The node of ``m``'s skeleton at key path ``key`` (as show, diff and get print paths; ``<root>`` for all), or
+def _subtree(m: manifest.Manifest, key: str, store: str) -> tuple[str, Any]:
+    """The key path and node of ``m``'s skeleton at key path ``key`` (as show, diff and get print paths, control
+    characters escaped or not; ``<root>`` for all), or
     :class:`DeltackptError` naming the checkpoint when it holds nothing there, or more than one thing (key paths
     need not be distinct: ``{"a.b": x, "a": {"b": y}}``)."""
     if key == "<root>":
-        return m.tree
+        return key, m.tree
     # (an empty container is listed as a container and as a leaf; a registered type's value has its key path)
-    at = {place: node for place, path, node in tree.container_nodes(m.tree) + tree.leaf_nodes(m.tree)
+    at = {place: (path, node) for place, path, node in tree.container_nodes(m.tree) + tree.leaf_nodes(m.tree)
           if key in (path, _escaped(path))}
     found = [v for place, v in at.items() if not any(place[:len(p)] == p for p in at if len(p) < len(place))]
     if len(found) > 1:
@@ -993,7 +994,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         which = _which(args.checkpoint, s)
         m = s.manifest(**which)
-        node = m.tree if args.key is None else _subtree(m, args.key, args.store)
+        at, node = ("", m.tree) if args.key is None else _subtree(m, args.key, args.store)
         indices = {i for _, _, i in tree.leaf_refs(node)}
         pickled = tree.pickled_paths(node)  # (key paths within the subtree exported)
         if pickled:
@@ -1006,7 +1007,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         # of 10^5 plain values was loaded whole first, 3.7 s; the loaded state is checked again)
         if dest.suffix == ".safetensors":
             if node[0] != "T":  # (a tensor alone is named by its key path)
-                _tensor_leaves(node, "" if args.key in (None, "<root>") else args.key)
+                _tensor_leaves(node, "" if at == "<root>" else at)
             _unwritable_dtypes(m, save_file_bytes, "safetensors",
                                "export .pt, or convert the tensor (Store.load it in Python)", indices)
         else:
@@ -1021,7 +1022,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 objs[i] = as_saved(m.tensors[i], value)
             state = tree.unflatten(node, objs)
     if dest.suffix == ".safetensors":
-        tensors = _tensor_dict(state if not isinstance(state, torch.Tensor) else {args.key: state})
+        tensors = _tensor_dict(state if not isinstance(state, torch.Tensor) else {at: state})
 
         def write(tmp: Path) -> None:
             save_file(tensors, str(tmp))

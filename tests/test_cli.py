@@ -1171,6 +1171,22 @@ class _Box:
         self.t = t
 
 
+def test_export_names_a_tensor_alone_by_its_key_path(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                     tmp_path: Path) -> None:
+    """A tensor exported alone to .safetensors is named by its key path: the path itself where --key gave it
+    with escapes as show prints it, and "" for a checkpoint that is one tensor (exported whole, as before --key)."""
+    from safetensors.torch import load_file
+
+    with deltackpt.Store(store_path) as s:
+        s.save({"n": {"a\nb": torch.ones(1)}}, step=1)
+        s.save(torch.arange(3.0), step=2)
+    rc, _, err = cli(capsys, "export", store_path, 1, tmp_path / "a.safetensors", "--key", "n.a\\nb")
+    assert (rc, err) == (0, "") and list(load_file(str(tmp_path / "a.safetensors"))) == ["n.a\nb"]
+    rc, _, err = cli(capsys, "export", store_path, 2, tmp_path / "b.safetensors")
+    assert (rc, err) == (0, "")
+    assert torch.equal(load_file(str(tmp_path / "b.safetensors"))[""], torch.arange(3.0))
+
+
 def test_export_safetensors_refuses_plain_values(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                  tmp_path: Path) -> None:
     with open_store(store_path) as s:
