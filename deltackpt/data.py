@@ -464,6 +464,12 @@ class ResumableLoader:
                 "another dataset: its plain indices would read every sample unseeded; build it with "
                 "ResumableSampler(seeded_dataset, ...)"
             )
+        if sampler._keyed and not isinstance(loader.dataset, SeededDataset):
+            raise TypeError(
+                f"the ResumableSampler was built over a SeededDataset, but the DataLoader reads a "
+                f"{type(loader.dataset).__name__}, which its (epoch, index) keys would index wrongly (an array's "
+                "[epoch, index]); give the DataLoader the SeededDataset"
+            )
         self.loader = loader
         self.sampler = sampler
         self._batch_size = batch_size

@@ -506,6 +506,15 @@ def test_a_loader_over_a_seeded_dataset_refuses_a_sampler_that_yields_plain_indi
     ResumableLoader(DataLoader(ds, sampler=ResumableSampler(ds), batch_size=2))
 
 
+def test_a_loader_refuses_a_seeded_datasets_sampler_over_another_dataset() -> None:
+    """A sampler over a SeededDataset yields (epoch, index) keys: a DataLoader over the unwrapped data (an array,
+    whose [epoch, index] is some other element) or a Subset of it would read them wrongly."""
+    ds = SeededDataset(torch.arange(12.0).reshape(6, 2), seed=5)
+    for data in (ds.dataset, torch.utils.data.Subset(ds, [0, 1])):
+        with pytest.raises(TypeError, match="SeededDataset"):
+            ResumableLoader(DataLoader(data, sampler=ResumableSampler(ds), batch_size=2))
+
+
 def test_a_seeded_dataset_puts_the_rngs_back_when_a_read_raises() -> None:
     class Failing(Dataset):
         def __len__(self) -> int:
