@@ -1217,6 +1217,11 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
         if state.get("thinned") and args.verify:  # restore() refuses it: no checkpoint would restore
             raise DeltackptError(f"no checkpoint of {args.store} would restore: the newest one left, step "
                                  f"{latest.step} ({latest.id}), was thinned to model weights only")
+        if state.get("thinned"):  # (as the refusals above: it said "a run would resume from" it, then warned)
+            print(f"the newest checkpoint, step {latest.step} (checkpoint {latest.id}, saved "
+                  f"{when(latest.created)}), was thinned to model weights only and cannot resume training: a "
+                  "Checkpointer's restore() refuses it; Store.load its weights")
+            return 0
         if args.json:
             doc.update(start_step=latest.step, rng=has_rng(state), parts=_parts_json(state))
             _print_json(doc)
@@ -1224,8 +1229,6 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
         print(f"a run would resume from step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)})"
               + ("" if args.verify else "; its chunks were not read ('--verify' decodes them and passes over "
                  "damaged checkpoints, as a restore does)"))
-        if state.get("thinned"):
-            print("warning: it was thinned to model weights only and cannot resume training")
         rows = []
         for part, value in _parts(state):
             entries = list({id(e): e for e in _entries(value)}.values())  # a tied weight is one tensor
@@ -1243,7 +1246,7 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
                 detail = _settings(value)
             rows.append((part, _escaped(detail)))  # (keys and values are the run's: a newline, an escape)
         print(table(rows, ["part", "holds"]))
-        if not state.get("thinned") and not has_rng(state):
+        if not has_rng(state):
             print("note: it holds no RNG states (a Checkpointer made with rng=False saved it, or a Store.save of "
                   "the same layout did): a default restore() refuses it; a Checkpointer restores it with rng=False, "
                   "or with restore(strict=False), which leaves the RNGs as they are")

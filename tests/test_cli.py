@@ -1966,8 +1966,9 @@ def test_resume_info_verify_fails_when_only_a_thinned_checkpoint_is_left(capsys:
     rc, out, err = cli(capsys, "resume-info", store_path, "--verify")
     assert rc == 1 and out == ""  # (it printed "a run would resume from step 1" before the error)
     assert_one_line_error(err, "would restore", "step 1", "thinned to model weights only")
-    rc, out, _ = cli(capsys, "resume-info", store_path)
-    assert rc == 0 and "cannot resume training" in out
+    rc, out, _ = cli(capsys, "resume-info", store_path)  # (it said "a run would resume from step 1", then warned)
+    assert rc == 0 and "cannot resume training" in out and "restore() refuses it" in out
+    assert "would resume" not in out
 
 
 def test_every_command_says_a_store_lost_its_store_file(capsys: pytest.CaptureFixture[str],
