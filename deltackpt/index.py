@@ -290,6 +290,10 @@ def _lmdb_open(path: Path, **opts: Any) -> lmdb.Environment:
 class _Shared:
     """One LMDB environment per process and path: LMDB forbids opening an environment twice in a process."""
 
+    #: LMDB refused the environment for good (``MDB_PANIC``) and it was closed: the next use opens it afresh
+    #: (:meth:`Index._reopen_if_failed`)
+    failed = False
+
     def __init__(self, path: Path, readonly: bool, create: bool, rebuilding: bool) -> None:
         """``readonly``: create nothing and write nothing. The environment is still opened for writing where
         that is allowed (LMDB's reader table then works as for any reader, and a writing handle of this process
@@ -974,9 +978,13 @@ class Index:
             raise DeltackptError(f"the index of {self.path.parent} is closed")
         key = (os.getpid(), self._real)
         sh = _REGISTRY.get(key)
-        if sh is None or self._held != key:
+        if sh is None or self._held != key or sh.failed:
             with _REGISTRY_LOCK:
                 sh = _REGISTRY.get(key)
+                if sh is not None and sh.failed:  # closed after LMDB refused it for good (_reopen_if_failed)
+                    fresh = _Shared(self.path, sh.readonly, False, self._rebuilding)
+                    fresh.refs = sh.refs
+                    sh = _REGISTRY[key] = fresh
                 if sh is None:
                     _drop_inherited(self._real)
                     sh = _REGISTRY[key] = _Shared(self.path, self.readonly, self._create, self._rebuilding)
@@ -1061,14 +1069,44 @@ class Index:
 
     @contextmanager
     def _write(self) -> Iterator[lmdb.Transaction]:
+        env = None
         try:
             with self._writing() as env, env.begin(write=True) as txn:
                 yield txn
         except lmdb.Error as exc:  # a write or the commit failed: LMDB aborted the transaction
+            if env is not None:
+                self._reopen_if_failed(env)
             raise IndexWriteError(
                 _write_errno(exc),
                 f"could not write the index of {self.path.parent} ({exc}); the operation did not commit",
             ) from exc
+
+    def _reopen_if_failed(self, env: lmdb.Environment) -> None:
+        """Close ``env`` and open the environment afresh when LMDB marked it failed for good. A commit whose meta
+        page write fails (an I/O error of the disk) leaves the files at the commit before (LMDB writes the old meta
+        page back), but LMDB refuses every later transaction of that handle (``MDB_PANIC``): the store's next
+        saves, loads and listings in this process raised :class:`CorruptIndexError` naming a repair, for an index
+        that is intact. The handles of this process share the new environment; one that cannot be opened now is
+        opened at their next use (:meth:`_shared`), which raises until it can."""
+        key = (os.getpid(), self._real)
+        sh = _REGISTRY.get(key)
+        if sh is None or sh.env is not env or sh.failed:
+            return  # (another thread opened it afresh meanwhile, or a repair replaced it)
+        try:
+            with _lmdb_calls():
+                env.begin().abort()
+            return
+        except lmdb.PanicError:
+            pass
+        except lmdb.Error:
+            return
+        with _REGISTRY_LOCK:
+            if _REGISTRY.get(key) is not sh or sh.failed:
+                return
+            sh.failed = True
+            env.close()  # (py-lmdb refuses a second open of its files in this process)
+        with contextlib.suppress(lmdb.Error, DeltackptError, OSError):  # (the failed write's error is the one raised)
+            self._shared()
 
     def refresh(self) -> None:
         """Make this process's next reads see every commit that survived, including one whose writer died.

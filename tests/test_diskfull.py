@@ -3,7 +3,8 @@
 Most tests put the store on a real, small tmpfs filled up with a filler file, so every write fails as it would
 on a full disk (the pack appends, the fsyncs, the manifest, LMDB's commit). Mounting needs root; elsewhere
 those tests skip, and the pack writer's rollback and a process over its file size limit (real failed writes,
-no root needed) still run.
+no root needed) still run. Other I/O errors (an EIO, a quota) come from tests/fail_io.c, an LD_PRELOAD shim
+that makes one chosen system call of a child process fail, which then goes on saving.
 """
 
 from __future__ import annotations
@@ -396,3 +397,65 @@ def test_an_index_write_error_carries_the_errno_lmdb_reported(tmp_path: Path, er
         assert info.value.errno == code
         assert "the operation did not commit" in str(info.value)
         assert [c.step for c in s.list()] == [1]
+
+
+# I/O errors the process survives: tests/fail_io.c, preloaded into a child, makes one chosen system call fail with
+# an errno (a disk's EIO, a quota's EDQUOT) and lets the process go on; this process then checks the store.
+
+
+@pytest.fixture(scope="module")
+def fail_io(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the LD_PRELOAD shim")
+    out = tmp_path_factory.mktemp("shim") / "fail_io.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(Path(__file__).parent / "fail_io.c"), "-ldl"],
+                   check=True)
+    return out
+
+
+def run_failing(shim: Path, code: str, *args: str) -> dict[str, object]:
+    """Run ``code`` in a child with the shim preloaded (``fail_io`` is its handle on it); return the JSON of its
+    last line of output."""
+    prelude = "import ctypes, errno, json, sys, torch, deltackpt\nfail_io = ctypes.CDLL(None)\n"
+    done = subprocess.run([sys.executable, "-c", prelude + code, *args], env={**os.environ, "LD_PRELOAD": str(shim)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+_META_FAILS = """
+s = deltackpt.Store(sys.argv[1], chunk_size=4096)
+s.save({"w": torch.full((4096,), 1.0)}, step=1)
+fail_io.fail_io_arm(b"meta", 1, int(sys.argv[2]))
+try:
+    s.save({"w": torch.full((4096,), 2.0)}, step=2)
+    failed = None
+except deltackpt.errors.IndexWriteError as exc:
+    failed = exc.errno
+after = []
+for step in (3, 4):
+    try:
+        after.append(s.save({"w": torch.full((4096,), float(step))}, step=step).step)
+    except Exception as exc:
+        after.append(f"{type(exc).__name__}: {exc}")
+print(json.dumps({"fired": fail_io.fail_io_fired(), "failed": failed, "after": after,
+                  "listed": [c.step for c in s.list()]}))
+"""
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
+def test_a_save_whose_index_commit_failed_at_its_meta_page_lets_the_next_saves_commit(
+    tmp_path: Path, fail_io: Path, err: int
+) -> None:
+    """A failed write of LMDB's meta page (the commit's last write) leaves the index intact at the commit before,
+    but LMDB refuses every later transaction of that environment (MDB_PANIC). The save raises IndexWriteError,
+    and the same process's next saves commit (the store opens its environment afresh): they raised
+    CorruptIndexError naming a repair, for an index a fresh process found intact."""
+    out = run_failing(fail_io, _META_FAILS, str(tmp_path / "s"), str(err))
+    assert out == {"fired": 1, "failed": err, "after": [3, 4], "listed": [1, 3, 4]}, out
+    with deltackpt.Store(tmp_path / "s") as s:
+        assert [c.step for c in s.list()] == [1, 3, 4]
+        for step in (1, 3, 4):
+            assert torch.equal(s.load(step=step)["w"], torch.full((4096,), float(step)))
+        assert s.verify().ok
