@@ -824,6 +824,26 @@ def _unlink_packs(store: Store, paths: list[Path], report: GcReport) -> None:
     packs.fsync_dir(store.path / "packs")
 
 
+def _make_durable(store: Store, path: Path, what: str) -> None:
+    """fsync the pack or manifest ``path`` before a repair indexes it. A file that cannot be opened is left to the
+    read that follows (damage, reported). An fsync that fails (EIO) says nothing of the file's bytes, and after
+    one Linux may have dropped those not yet on the disk: the repair raises ``OSError`` before it changes
+    anything. (Taken for damage, a transient error dropped an intact checkpoint from the index, whose manifest
+    and chunks the next gc then deleted, or every frame of a pack.)"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise OSError(exc.errno, f"repair of {store.path} stopped before it changed anything: {what} {path.name} "
+                                 f"could not be made durable ({exc.strerror}); run it again once the disk is "
+                                 "healthy") from None
+    finally:
+        os.close(fd)
+
+
 def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
     """Rebuild the LMDB index from the packs and manifests on disk (after the index was lost or damaged).
 
@@ -847,10 +867,10 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
         for n, path in enumerate(pack_paths, 1):
             report.packs += 1
             damaged: list[int] = []
+            # Durable before the index names its frames: a save killed before its fsync left them in the page
+            # cache only, and a later save that deduplicates onto them writes and syncs nothing of its own.
+            _make_durable(store, path, "pack")
             try:
-                # Durable before the index names its frames: a save killed before its fsync left them in the page
-                # cache only, and a later save that deduplicates onto them writes and syncs nothing of its own.
-                packs.fsync_file(path)
                 for offset, h in packs.scan(path, damaged=damaged):
                     k = chunk_key(h.digest, h.raw_len)
                     loc = ChunkLoc(path.stem, offset, h.frame_len, h.codec, 0, h.base)
@@ -872,12 +892,12 @@ def repair(store: Store, *, progress: Progress | None = None) -> RepairReport:
             try:
                 data = manifest.file_bytes(p)
                 m = manifest.parse(data, where=p.name)
-                packs.fsync_file(p)  # (as the packs: one a killed save left unsynced becomes a checkpoint)
             except FormatVersionError as exc:
                 raise _newer(exc) from None
             except (DeltackptError, OSError):
                 report.lost_checkpoints.append(p.stem)
                 continue
+            _make_durable(store, p, "manifest")  # (as the packs: one a killed save left unsynced becomes a checkpoint)
             if p.stem != m.id:
                 report.lost_checkpoints.append(p.stem)
                 continue

@@ -459,3 +459,41 @@ def test_a_save_whose_index_commit_failed_at_its_meta_page_lets_the_next_saves_c
         for step in (1, 3, 4):
             assert torch.equal(s.load(step=step)["w"], torch.full((4096,), float(step)))
         assert s.verify().ok
+
+
+_REPAIR_FSYNC_FAILS = """
+from deltackpt import maintenance
+fail_io.fail_io_arm(sys.argv[2].encode(), 1, errno.EIO)
+try:
+    with maintenance.open_for_repair(sys.argv[1]) as s:
+        outcome = repr(s.repair())
+except OSError as exc:
+    outcome = f"OSError {errno.errorcode[exc.errno]}: {exc.strerror}"
+print(json.dumps({"fired": fail_io.fail_io_fired(), "outcome": outcome}))
+"""
+
+
+@pytest.mark.parametrize("where", ["/manifests/", "/packs/"])
+def test_a_repair_whose_fsync_fails_changes_nothing_and_loses_nothing(tmp_path: Path, fail_io: Path,
+                                                                      where: str) -> None:
+    """A repair fsyncs each pack and manifest before it indexes them. One whose fsync fails (EIO) is no damage: the
+    repair raises OSError before it changes anything, and the next one restores every checkpoint. Taken for damage,
+    a manifest was reported lost and left out of the index (and the next gc deleted it and its chunks as an
+    orphan's), a pack's frames all left out."""
+    d = tmp_path / "s"
+    kept = states(3)
+    with deltackpt.Store(d, chunk_size=4096) as s:
+        for i, state in enumerate(kept):
+            s.save(state, step=i)
+    shutil.rmtree(d / "index")
+    out = run_failing(fail_io, _REPAIR_FSYNC_FAILS, str(d), "fsync:" + where)
+    assert out["fired"] == 1 and str(out["outcome"]).startswith("OSError EIO: repair of"), out
+    assert "could not be made durable" in str(out["outcome"]), out
+    with deltackpt.maintenance.open_for_repair(d) as s:
+        report = s.repair()
+    assert (report.checkpoints, report.lost_checkpoints, report.incomplete_checkpoints) == (3, [], []), report
+    with deltackpt.Store(d) as s:
+        s.gc()
+        for i, state in enumerate(kept):
+            assert_same_state(s.load(step=i), state)
+        assert s.verify().ok
