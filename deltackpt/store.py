@@ -879,8 +879,7 @@ class Store:
                 # manifest give their space back (else gc reclaims them).
                 if not self._committed(ckpt_id):
                     self._writer.rollback(mark)
-                    with contextlib.suppress(OSError):  # best effort: the save's own error is what propagates
-                        self._unlink_manifest(ckpt_id)
+                    self._unlink_manifests([ckpt_id])  # (best effort: the save's own error is what propagates)
                 raise
             self._damaged.difference_update(new_locs)
             if _replace is None:
@@ -892,7 +891,7 @@ class Store:
                 # a state's worth (at least _SEAL_BYTES), so what retention deletes is freed by the next gc
                 self._writer.seal_past(max(_SEAL_BYTES, m.logical_bytes))
             else:  # still under gc.lock, so that no repair restores the replaced checkpoint from its manifest
-                self._unlink_manifest(_replace.id)
+                self._unlink_manifests([_replace.id])
                 if self._head == _replace.id:  # (under the save lock: a save by another thread is not undone)
                     self._head = ckpt_id
         return CheckpointInfo.from_record(rec)
@@ -1927,10 +1926,7 @@ class Store:
             finally:  # (what a commit removed loses its manifest, whatever came after)
                 if any(r.id == self._head for r in removed.values()):
                     self._head = None
-                for rec in removed.values():
-                    self._unlink_manifest(rec.id, sync=False)
-                if removed:
-                    fsync_dir(self._manifests_dir)
+                self._unlink_manifests([rec.id for rec in removed.values()])
         return {pos: CheckpointInfo.from_record(removed[seq]) for pos, seq in where.items() if seq in removed}
 
     @_operation
@@ -1954,13 +1950,20 @@ class Store:
         # what was deleted (a rewrite's replacement under its own id), once each, in the listing's order
         return list({info.seq: info for _, info in sorted(deleted.items())}.values())
 
-    def _unlink_manifest(self, checkpoint_id: str, *, sync: bool = True) -> None:
-        try:
-            manifest.path_for(self._manifests_dir, checkpoint_id).unlink()
-            if sync:
+    def _unlink_manifests(self, checkpoint_ids: Iterable[str]) -> None:
+        """Unlink the manifests of checkpoints the index does not hold (deleted, replaced by a rewrite, or a save
+        that did not commit), then fsync ``manifests/`` once. Best effort: it runs once the operation's outcome is
+        decided, and a manifest an error here leaves (or one a crash brings back) is an orphan gc deletes. Raised,
+        an I/O error of the directory fsync made a delete that had committed look failed (tried again, it raised
+        CheckpointNotFoundError), and a Checkpointer's save whose retention deleted raise after its commit."""
+        unlinked = False
+        for checkpoint_id in checkpoint_ids:
+            with contextlib.suppress(OSError):
+                manifest.path_for(self._manifests_dir, checkpoint_id).unlink()
+                unlinked = True
+        if unlinked:
+            with contextlib.suppress(OSError):
                 fsync_dir(self._manifests_dir)
-        except FileNotFoundError:
-            pass
 
     # -- maintenance ------------------------------------------------------------------------------------------
     @_operation

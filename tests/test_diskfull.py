@@ -497,3 +497,27 @@ def test_a_repair_whose_fsync_fails_changes_nothing_and_loses_nothing(tmp_path: 
         for i, state in enumerate(kept):
             assert_same_state(s.load(step=i), state)
         assert s.verify().ok
+
+
+_DELETE_FSYNC_FAILS = """
+s = deltackpt.Store(sys.argv[1], chunk_size=4096)
+for step in range(3):
+    s.save({"w": torch.full((4096,), float(step))}, step=step)
+fail_io.fail_io_arm(b"fsync:/manifests", 1, errno.EIO)
+try:
+    outcome = s.delete(step=1).step
+except Exception as exc:
+    outcome = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"fired": fail_io.fail_io_fired(), "outcome": outcome, "listed": [c.step for c in s.list()]}))
+"""
+
+
+def test_a_delete_whose_directory_fsync_fails_reports_the_delete_it_committed(tmp_path: Path, fail_io: Path) -> None:
+    """A delete commits, then unlinks the manifest and fsyncs ``manifests/``. An I/O error of that fsync comes
+    after the commit: the delete returns what it deleted (it raised a bare OSError, for a checkpoint gone already:
+    tried again, CheckpointNotFoundError). A manifest a crash would bring back is an orphan, which gc deletes."""
+    out = run_failing(fail_io, _DELETE_FSYNC_FAILS, str(tmp_path / "s"))
+    assert out == {"fired": 1, "outcome": 1, "listed": [0, 2]}, out
+    with deltackpt.Store(tmp_path / "s") as s:
+        assert [c.step for c in s.list()] == [0, 2] and s.verify().ok
+        assert sorted(p.stem for p in (tmp_path / "s" / "manifests").iterdir()) == sorted(c.id for c in s.list())
