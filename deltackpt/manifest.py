@@ -51,7 +51,7 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
-from deltackpt.packs import fsync_dir, read_file
+from deltackpt.packs import fsync_dir, named, read_file
 
 MAGIC = b"DCKMANIF"
 #: the newest manifest version this code reads and writes; a manifest records the oldest one its content needs
@@ -409,6 +409,10 @@ def write(directory: Path, tmp_dir: Path, manifest: Manifest) -> tuple[Path, str
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
+        except OSError as exc:  # (a full disk: the error names the file, as a bare ENOSPC did not)
+            if (err := named(exc, tmp)) is exc:
+                raise
+            raise err from None
         finally:
             os.close(fd)
         os.rename(tmp, final)

@@ -267,9 +267,12 @@ class PackWriter:
         assert self._fd is not None
         try:
             _write_all(self._fd, data)
-        except OSError:
+        except OSError as exc:
+            err = named(exc, self.directory / f"{self.pack_id}.pack")
             self._abandon()
-            raise
+            if err is exc:
+                raise
+            raise err from None
 
     def sync(self) -> None:
         """Write the frames held back, then fsync the pack (and, the first time, its directory entry). A failed
@@ -277,14 +280,19 @@ class PackWriter:
         if self._fd is None or not self._unsynced:
             return
         self._write_held()
+        what = self.directory / f"{self.pack_id}.pack"
         try:
             os.fsync(self._fd)
             if self._dir_dirty:
+                what = self.directory
                 fsync_dir(self.directory)
                 self._dir_dirty = False
-        except OSError:
+        except OSError as exc:
+            err = named(exc, what)
             self._abandon()  # the state of unsynced data after a failed fsync is unknown: never reuse it
-            raise
+            if err is exc:
+                raise
+            raise err from None
         self._unsynced = False
 
     def seal_past(self, nbytes: int) -> None:
@@ -342,6 +350,15 @@ class PackWriter:
     def close(self) -> None:
         """Stop appending to the current pack (it stays on disk) and release its lock."""
         self._abandon()
+
+
+def named(exc: OSError, path: Path) -> OSError:
+    """``exc`` (of a write or fsync of a pack or manifest, or of a directory's fsync) naming ``path`` where it
+    names no file: a bare ``[Errno 28] No space left on device`` said nothing of which store or disk. The same
+    class and errno."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror, str(path))
 
 
 def _write_all(fd: int, data: bytes | memoryview) -> None:
