@@ -165,6 +165,19 @@ def _finish_saves_at_exit() -> None:
                                  "checkpoints before it)\n")
 
 
+def _run_for(fut: Future[T], fn: Callable[..., T], *args: Any) -> None:
+    """Run ``fn(*args)`` on an executor's thread for ``fut``, a future made before the submit (as the
+    executor's own work item does for the future it makes); nothing when ``fut`` was cancelled first."""
+    if not fut.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args)
+    except BaseException as exc:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
 def _forget_saves_after_fork() -> None:
     """A forked child (a DataLoader's or a Pool's worker) inherits the parent's saves in flight, but not the threads
     running them: its exit must not wait for them (it used to, forever), nor its close() of an inherited
@@ -702,10 +715,21 @@ class Checkpointer:
             snap = self._staging.snapshot(state)
             with self._closing:
                 self._check_open()
-                self._inflight = self._executor.submit(self._run_save, snap, step, meta, keyframe, pairs, stopping,
-                                                       whole, self._staging.devices)
-                self._inflight_step, self._inflight_prev = step, (self.last_saved_step, self.last_info)
-                self.last_saved_step = step  # (step() of it again must not start a second save)
+                # The save is in flight (its future kept) before it is submitted: an exception that interrupts the
+                # submit or comes right after it (a second Ctrl-C's KeyboardInterrupt) left a save running that
+                # the next one did not wait for; it snapshotted into the staging buffers under it, and the
+                # checkpoint of this step held bytes of the next.
+                fut: Future[CheckpointInfo] = Future()
+                prev = (self.last_saved_step, self.last_info)
+                try:
+                    self._inflight, self._inflight_step, self._inflight_prev = fut, step, prev
+                    self.last_saved_step = step  # (step() of it again must not start a second save)
+                    self._executor.submit(_run_for, fut, self._run_save, snap, step, meta, keyframe, pairs, stopping,
+                                          whole, self._staging.devices)
+                except BaseException:
+                    if fut.cancel():  # not started, and now it never will: nothing reads the staging buffers
+                        self._inflight, self.last_saved_step = None, prev[0]
+                    raise
             if wait:
                 self.wait()
 

@@ -2061,6 +2061,47 @@ def test_an_interrupted_wait_keeps_the_save_in_flight(fast_dir: Path, monkeypatc
             assert torch.equal(s.load(step)["model"]["weight"], torch.full((64, 64), float(step))), step
 
 
+def test_an_exception_just_after_an_async_submit_keeps_the_save_in_flight(fast_dir: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception raised in the main thread as an async save is handed to its thread (a second Ctrl-C's
+    KeyboardInterrupt during the submit, or just after it) leaves that save either never run or in flight, so
+    the next save does not snapshot into the staging buffers under it. (The save ran untracked: the next step's
+    snapshot overwrote its buffers, and checkpoint 1 was committed holding step 2's weights.)"""
+    model = torch.nn.Linear(64, 64)
+    ckpt = Checkpointer(fast_dir, model=model, async_save=True, handle_signals=False)
+    assert ckpt._executor is not None
+    release = threading.Event()
+    submit = ckpt._executor.submit
+
+    def held(fn: Any, *args: Any) -> Any:
+        release.wait(30)  # the job starts only once released
+        return fn(*args)
+
+    def interrupted_submit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        submit(held, fn, *args, **kwargs)
+        raise KeyboardInterrupt  # arrives as the submit returns
+
+    monkeypatch.setattr(ckpt._executor, "submit", interrupted_submit)
+    try:
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save(1)
+        monkeypatch.undo()
+        with torch.no_grad():
+            model.weight.fill_(2.0)
+        threading.Timer(0.2, release.set).start()
+        ckpt.save(2)  # waits for save 1 if it is running, then snapshots
+        ckpt.close()
+    finally:
+        release.set()
+    with Store(fast_dir) as s:
+        steps = [i.step for i in s.list()]
+        assert 2 in steps
+        for step in steps:
+            assert torch.equal(s.load(step)["model"]["weight"], torch.full((64, 64), float(step))), step
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_step_metadata_goes_with_the_save_it_makes(tmp_path: Path, async_save: bool) -> None:
     """``step(n, metadata=...)`` puts the metadata on the save that step makes (the metric keep_best ranks
