@@ -388,6 +388,9 @@ class Checkpointer:
         self._stopped_by = 0  # the signal it saved at while in _stopped
         self._previous: dict[int, Any] = {}
         self._closed = False
+        #: close() has released everything (it stays False after a close() that an exception interrupted: a
+        #: second Ctrl-C while it waited for the last save; close() again then finishes the release)
+        self._released = False
         #: taken by close() to mark the checkpointer closed and by a save as it starts (for all of a sync save): a
         #: close() on another thread while the loop's step() snapshots makes that save raise "closed", not
         #: concurrent.futures' "cannot schedule new futures after shutdown", and is not left unwaited for
@@ -868,9 +871,11 @@ class Checkpointer:
         then, as :meth:`step` would have: to the handler installed before the checkpointer (Python's SIGINT
         handler raises KeyboardInterrupt; the default action exits with status 128 + signal). Called on another
         thread while the loop's :meth:`step` or :meth:`save` runs, it waits for a synchronous save in progress;
-        a save that had not started yet raises :class:`DeltackptError` ("the checkpointer is closed")."""
+        a save that had not started yet raises :class:`DeltackptError` ("the checkpointer is closed"). A close()
+        that an exception interrupts (a second Ctrl-C while it waits) leaves the checkpointer closed to saves; call
+        it again to finish releasing the store and the signal handlers. Once it has, close() does nothing."""
         with self._closing:  # (after a save starting on another thread has started, or before it checks)
-            if self._closed:
+            if self._released:
                 return
             self._closed = True
         pending = self._signal if self._signal is not None else self._stopped_by if self in _stopped else None
@@ -886,6 +891,7 @@ class Checkpointer:
                 self._restore_signals()
                 if self._owns_store:
                     self.store.close()
+                self._released = True
         except BaseException as exc:
             failure = exc
         self._signal = None

@@ -2102,6 +2102,36 @@ def test_an_exception_just_after_an_async_submit_keeps_the_save_in_flight(fast_d
             assert torch.equal(s.load(step)["model"]["weight"], torch.full((64, 64), float(step))), step
 
 
+def test_a_close_interrupted_as_it_releases_can_be_called_again(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() waits for the last save, then for its thread: an exception there (a second Ctrl-C, the first having
+    interrupted the wait for the save) left the store open, the signal handlers installed and close() a no-op
+    that said nothing. close() again now finishes the release; once done it does nothing."""
+    before = signal.getsignal(signal.SIGINT)
+    ckpt = Checkpointer(tmp_path / "s", model=torch.nn.Linear(8, 8), async_save=True)
+    assert ckpt._executor is not None
+    try:
+        ckpt.step(1)
+
+        def interrupted(*_: Any, **__: Any) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(ckpt._executor, "shutdown", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.close()
+        monkeypatch.undo()
+        with pytest.raises(deltackpt.DeltackptError, match="closed"):
+            ckpt.step(2)  # closed all the same
+        ckpt.close()
+        assert ckpt.store._closed and ckpt._executor._shutdown
+        assert signal.getsignal(signal.SIGINT) is before
+        ckpt.close()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    with Store(tmp_path / "s") as s:
+        assert [i.step for i in s.list()] == [1]
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_step_metadata_goes_with_the_save_it_makes(tmp_path: Path, async_save: bool) -> None:
     """``step(n, metadata=...)`` puts the metadata on the save that step makes (the metric keep_best ranks
