@@ -568,6 +568,13 @@ class Store:
             # Unlock, then close: a process forked meanwhile (a DataLoader starting its workers while an async
             # save runs) closed its copy at the fork (packs.open_lock), but one forked from C, without Python's
             # fork hooks, shares this open file, and closing alone would leave the lock held for its life.
+            # Unlocked here first, before a Python function is called: signal handlers run as one starts, and a
+            # Ctrl-C's KeyboardInterrupt at close_lock's start left the lock held by a descriptor nothing closes
+            # (every gc and repair, of any process, then waited for this one to exit).
+            try:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except OSError:
+                pass
             close_lock(fd, pid)
 
     def _refresh(self) -> None:

@@ -1589,3 +1589,37 @@ def test_a_child_forked_during_a_save_closes_or_uses_the_inherited_handle_withou
     child, listed = out.stdout.splitlines()
     assert child == "0", "the child hung in close()" if child == "hung" else out.stderr
     assert listed == ("[0, 1, 2] True" if use == "save" else "[0, 1] True")
+
+
+@pytest.mark.parametrize(("op", "nth"), [("load", 1), ("save", 1), ("gc", 1), ("gc", 2)])
+def test_an_interrupt_as_an_operation_lets_go_of_its_lock_releases_it(tmp_path: Path, op: str, nth: int) -> None:
+    """A KeyboardInterrupt raised as an operation lets go of the store's gc lock or maintenance lock (a Ctrl-C's
+    handler runs as a Python function starts: here ``close_lock``'s, the ``nth`` call) still releases the lock.
+    (It stayed held by a descriptor nothing closed: every later gc and repair, of any process, waited for it.)"""
+    from deltackpt import packs
+
+    s = Store(tmp_path / "s")
+    s.save({"a": torch.zeros(4)}, step=1)
+    calls = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event == "call" and frame.f_code is packs.close_lock.__code__:
+            calls += 1
+            if calls == nth:
+                sys.settrace(None)
+                raise KeyboardInterrupt
+
+    run = {"load": lambda: s.load(step=1), "save": lambda: s.save({"a": torch.ones(4)}, step=2),
+           "gc": lambda: s.gc()}[op]
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run()
+    finally:
+        sys.settrace(None)
+    assert calls == nth
+    s.gc(timeout=2)  # raised StoreLockedError
+    with Store(tmp_path / "s") as other:
+        other.gc(timeout=2)
+    s.close()
