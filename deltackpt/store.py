@@ -477,18 +477,24 @@ class Store:
         :class:`DeltackptError` when the handle is closed (or closing): closing the index or the pools under a
         running load or verify crashed the process or raised lmdb's and concurrent.futures' own errors."""
         me = (os.getpid(), threading.get_ident())
-        with self._users_changed:
-            if self._closed and not self._users[me]:  # (one it runs inside, retain's delete, goes on)
-                raise DeltackptError(f"store {self.path} is closed")
-            self._users[me] += 1
+        counted = False
+        # (counted inside the try: a signal handler runs as the with block's __exit__ returns, and a Ctrl-C's
+        # KeyboardInterrupt there left the operation counted for good: every later close() of the handle raised
+        # "called from inside an operation", or, on another thread, waited forever)
         try:
+            with self._users_changed:
+                if self._closed and not self._users[me]:  # (one it runs inside, retain's delete, goes on)
+                    raise DeltackptError(f"store {self.path} is closed")
+                self._users[me] += 1
+                counted = True
             yield
         finally:
-            with self._users_changed:
-                self._users[me] -= 1
-                if not self._users[me]:
-                    del self._users[me]
-                    self._users_changed.notify_all()
+            if counted:
+                with self._users_changed:
+                    self._users[me] -= 1
+                    if not self._users[me]:
+                        del self._users[me]
+                        self._users_changed.notify_all()
 
     def __enter__(self) -> Store:
         return self

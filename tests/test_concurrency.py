@@ -1623,3 +1623,27 @@ def test_an_interrupt_as_an_operation_lets_go_of_its_lock_releases_it(tmp_path: 
     with Store(tmp_path / "s") as other:
         other.gc(timeout=2)
     s.close()
+
+
+def test_an_interrupt_as_an_operation_starts_leaves_it_uncounted(tmp_path: Path) -> None:
+    """A KeyboardInterrupt raised as an operation has counted itself in (a Ctrl-C's handler runs as the with
+    block's ``__exit__`` returns) does not leave it counted: close() closes the handle. (It raised "close() called
+    from inside an operation on this store" at every call, and close() on another thread waited forever.)"""
+    s = Store(tmp_path / "s")
+    s.save({"a": torch.zeros(4)}, step=1)
+
+    class Interrupting(threading.Condition):
+        armed = True
+
+        def __exit__(self, *exc: Any) -> None:
+            super().__exit__(*exc)
+            if self.armed:
+                self.armed = False
+                raise KeyboardInterrupt
+
+    s._users_changed = Interrupting(threading.Lock())
+    with pytest.raises(KeyboardInterrupt):
+        s.load(step=1)
+    assert not s._users
+    s.close()
+    assert s._closed
