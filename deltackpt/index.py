@@ -1026,14 +1026,12 @@ class Index:
         # thread's open of the store (no longer in the registry) raised DeltackptError; a fork (which waits for
         # the lock) in between left the child a handle it could neither find nor open beside
         with _REGISTRY_LOCK:
-            last = self._let_go()
-            if last is not None:
-                last.env.close()
+            self._let_go(close=True)
 
-    def _let_go(self) -> _Shared | None:
+    def _let_go(self, *, close: bool = False) -> _Shared | None:
         """Drop this object's reference to its environment; return the environment when that was its last
-        reference in this process (it is then out of the registry). One inherited across fork is never
-        returned. Caller holds _REGISTRY_LOCK."""
+        reference in this process (it is then out of the registry), or with ``close`` close it. One inherited
+        across fork is never returned. Caller holds _REGISTRY_LOCK."""
         key, self._held = self._held, None
         if key is None or key[0] != os.getpid():
             return None
@@ -1042,6 +1040,16 @@ class Index:
             return None
         sh.refs -= 1
         if sh.refs > 0:
+            return None
+        if close:
+            # closed here, between the two steps nothing else runs: the caller closed an environment returned to
+            # it, and a Ctrl-C's KeyboardInterrupt as the return reached it (signal handlers run as a call
+            # returns) left it out of the registry but open; every later open of the store in this process then
+            # raised that the process "holds it open through an LMDB handle of its own"
+            try:
+                sh.env.close()
+            finally:
+                del _REGISTRY[key]
             return None
         del _REGISTRY[key]
         return sh

@@ -104,3 +104,39 @@ def test_an_index_held_open_by_another_lmdb_handle_is_not_called_damage(tmp_path
         env.close()
     with deltackpt.Store(tmp_path / "s") as s:  # (closed: the store opens)
         assert s.load(1)["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_an_interrupt_as_a_store_closes_its_index_lets_the_store_open_again(tmp_path: Path) -> None:
+    """A KeyboardInterrupt raised as the last handle of a store lets go of its LMDB environment (a Ctrl-C's
+    handler runs as a call returns: here as the environment, taken out of the registry, returned to be closed)
+    leaves the store openable again in this process. (The environment stayed open out of the registry for as long
+    as the traceback lived, a notebook's last one say, and every Store() of it meanwhile raised that the process
+    "holds it open through an LMDB handle of its own".)"""
+    import sys
+    from typing import Any
+
+    import torch
+
+    from deltackpt import Store
+
+    s = Store(tmp_path / "s")
+    s.save({"a": torch.zeros(4)}, step=1)
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "return" and (arg is not None or frame.f_locals.get("close")):  # (the last reference)
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code is index.Index._let_go.__code__ else None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt) as caught:  # (kept, as a notebook keeps its last traceback)
+            s.close()
+    finally:
+        sys.settrace(None)
+    with Store(tmp_path / "s") as again:
+        assert [i.step for i in again.list()] == [1]
+    del caught
