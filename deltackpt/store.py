@@ -366,6 +366,9 @@ class Store:
         self._clean: set[bytes] = set()
         self._clean_for: set[bytes] = set()
         self._closed = False
+        #: close() has released everything (False after a close() that an exception interrupted, a Ctrl-C while it
+        #: waited for another thread's load: close() again finishes; it returned at once, leaving all held)
+        self._released = False
         #: operations of this handle in progress (:meth:`_in_use`), by (process, thread): close() waits for them
         self._users: collections.Counter[tuple[int, int]] = collections.Counter()
         self._users_changed = threading.Condition(threading.Lock())
@@ -449,10 +452,12 @@ class Store:
         those that start once close() began raise :class:`DeltackptError` ("store ... is closed"). Called from
         inside an operation of this thread on this handle (a ``progress`` callback of verify, gc or repair, a
         signal handler interrupting a load) it raises :class:`DeltackptError` and closes nothing: the operation
-        would go on with its index and workers closed under it."""
+        would go on with its index and workers closed under it. A close() that an exception interrupts (a Ctrl-C
+        while it waits for another thread's operation) leaves the handle closed to new operations; close() again
+        finishes releasing it."""
         me = (os.getpid(), threading.get_ident())
         with self._users_changed:
-            if self._closed:
+            if self._released:
                 return
             if self._users[me]:
                 raise DeltackptError(f"store {self.path}: close() called from inside an operation on this store "
@@ -470,6 +475,7 @@ class Store:
         self._release_alone()
         self._base_cache.clear()
         self._last_manifest = None
+        self._released = True
 
     @contextmanager
     def _in_use(self) -> Iterator[None]:

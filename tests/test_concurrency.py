@@ -1647,3 +1647,24 @@ def test_an_interrupt_as_an_operation_starts_leaves_it_uncounted(tmp_path: Path)
     assert not s._users
     s.close()
     assert s._closed
+
+
+def test_a_store_close_interrupted_can_be_called_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A close() that an exception interrupts (a Ctrl-C while it waits for another thread's load or verify, or as it
+    shuts the workers down) leaves the handle closed to new operations, and close() again finishes the release.
+    (close() again returned at once: the index, the pack lock and the read workers stayed held for good.)"""
+    s = Store(tmp_path / "s")
+    s.save({"a": torch.zeros(4)}, step=1)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(s.reader, "close", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        s.close()
+    monkeypatch.undo()
+    with pytest.raises(deltackpt.DeltackptError, match="closed"):
+        s.load(step=1)
+    s.close()
+    assert s.index._closed
+    s.close()
