@@ -489,10 +489,10 @@ def test_rewrite_unlinks_the_replaced_manifest_under_the_gc_lock(tmp_path: Path)
     d = tmp_path / "store"
     with Store(d, chunk_size=CS) as st:
         old = st.save({"w": torch.ones(CS)}, step=1).id
-        real = st._unlink_manifest
+        real = st._unlink_manifests
         exclusive_was_free: list[bool] = []
 
-        def unlink_manifest(checkpoint_id: str) -> None:
+        def unlink_manifests(checkpoint_ids: Any) -> None:
             fd = os.open(d / "gc.lock", os.O_RDONLY)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -501,9 +501,9 @@ def test_rewrite_unlinks_the_replaced_manifest_under_the_gc_lock(tmp_path: Path)
                 exclusive_was_free.append(False)
             finally:
                 os.close(fd)
-            real(checkpoint_id)
+            real(checkpoint_ids)
 
-        st._unlink_manifest = unlink_manifest  # type: ignore[method-assign]
+        st._unlink_manifests = unlink_manifests  # type: ignore[method-assign]
         st.rewrite({"w": torch.zeros(4)}, id=old)
         assert exclusive_was_free == [False]
         assert not (d / "manifests" / f"{old}.manifest").exists()
