@@ -208,7 +208,9 @@ class PackWriter:
         self.max_size = max_size
         self.pack_id: str | None = None
         self._fd: int | None = None
-        self._offset = 0
+        self._offset = 0  # where the next appended frame goes
+        self._end = 0  # where the next write goes: _offset less the frames held (file offsets are this
+        # writer's own, written with pwrite, never the file position: see rollback)
         self._dir_dirty = False
         self._unsynced = False
         self._pid = os.getpid()
@@ -224,12 +226,12 @@ class PackWriter:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             header = PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0)
-            _write_all(fd, header)
+            _write_all(fd, header, 0)
         except BaseException:
             close_lock(fd, os.getpid(), unlock=False)
             path.unlink(missing_ok=True)
             raise
-        self._fd, self.pack_id, self._offset = fd, pack_id, len(header)
+        self._fd, self.pack_id, self._offset, self._end = fd, pack_id, len(header), len(header)
         self._opened.append(pack_id)
         self._pid = os.getpid()
         self._dir_dirty = True
@@ -266,7 +268,8 @@ class PackWriter:
     def _write(self, data: bytes | memoryview) -> None:
         assert self._fd is not None
         try:
-            _write_all(self._fd, data)
+            _write_all(self._fd, data, self._end)
+            self._end += len(data)
         except OSError as exc:
             err = named(exc, self.directory / f"{self.pack_id}.pack")
             self._abandon()
@@ -320,19 +323,22 @@ class PackWriter:
         after the pack's lock was released: bytes past the mark are nobody's, and no other writer appends to
         this writer's packs."""
         pack_id, offset = mark
-        opened, self._opened = self._opened, []
-        self._held, self._held_len = [], 0
+        opened = self._opened
         try:
-            if self.pack_id is not None and self.pack_id in opened:
+            if self._fd is not None and self.pack_id == pack_id and pack_id not in opened:
+                # Appends go on in this pack from the mark. One statement resets all that the next append uses:
+                # no signal handler runs between its stores, so a second Ctrl-C here leaves the writer either
+                # as it was or cut back (a Ctrl-C between a seek and the offset's update made later frames land
+                # elsewhere than their index entries said). Writes go to _end with pwrite, not to the file
+                # position; the cut below is only space given back (bytes left past the mark are overwritten).
+                self._held, self._held_len, self._offset, self._end, self._opened = [], 0, offset, offset, []
+                os.ftruncate(self._fd, offset)
+            else:  # (the pack open at the mark was left, or none was open: the next append opens a new one)
                 self._abandon()
-            for p in opened:
-                (self.directory / f"{p}.pack").unlink(missing_ok=True)
-            if pack_id is not None:
-                if self.pack_id == pack_id and self._fd is not None:
-                    os.ftruncate(self._fd, offset)
-                    os.lseek(self._fd, offset, os.SEEK_SET)  # appends write at the file position
-                    self._offset = offset
-                else:
+                self._opened = []
+                for p in opened:
+                    (self.directory / f"{p}.pack").unlink(missing_ok=True)
+                if pack_id is not None:
                     fd = os.open(self.directory / f"{pack_id}.pack", os.O_WRONLY | os.O_CLOEXEC)
                     try:
                         os.ftruncate(fd, offset)
@@ -361,13 +367,15 @@ def named(exc: OSError, path: Path) -> OSError:
     return OSError(exc.errno, exc.strerror, str(path))
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
+def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of ``data`` at ``offset`` of ``fd`` (pwrite: the file position is not used)."""
     view = memoryview(data).cast("B")
     while view:
-        n = os.write(fd, view)
+        n = os.pwrite(fd, view, offset)
         if n <= 0:
             raise OSError(errno.EIO, "short write to pack")
         view = view[n:]
+        offset += n
 
 
 def open_files_budget() -> int:

@@ -42,7 +42,7 @@ class Trace:
 @pytest.fixture
 def trace(monkeypatch: pytest.MonkeyPatch) -> Iterator[Trace]:
     t = Trace()
-    real = {name: getattr(os, name) for name in ("write", "fsync", "mkdir", "rename", "replace", "link")}
+    real = {name: getattr(os, name) for name in ("write", "pwrite", "fsync", "mkdir", "rename", "replace", "link")}
 
     def name(fd: int) -> str:
         return os.readlink(f"/proc/self/fd/{fd}")
@@ -50,6 +50,10 @@ def trace(monkeypatch: pytest.MonkeyPatch) -> Iterator[Trace]:
     def write(fd: int, data: bytes | memoryview) -> int:
         t.events.append(("write", name(fd)))
         return real["write"](fd, data)
+
+    def pwrite(fd: int, data: bytes | memoryview, offset: int) -> int:  # (packs are written at their offsets)
+        t.events.append(("write", name(fd)))
+        return real["pwrite"](fd, data, offset)
 
     def fsync(fd: int) -> None:
         real["fsync"](fd)
@@ -66,6 +70,7 @@ def trace(monkeypatch: pytest.MonkeyPatch) -> Iterator[Trace]:
         return call
 
     monkeypatch.setattr(os, "write", write)
+    monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "mkdir", mkdir)
     for what in ("rename", "replace", "link"):

@@ -69,6 +69,46 @@ def test_frames_read_back_where_append_said(buffer: int, ops: list[tuple[str, in
         packs.WRITE_BUFFER = old
 
 
+def test_a_rollback_interrupted_anywhere_leaves_appends_where_they_say(tmp_path: Path) -> None:
+    """A second Ctrl-C lands while a failed save rolls its frames back (a KeyboardInterrupt at any line of
+    rollback, as a signal handler raises it after a call returns). The frames appended after it still read back
+    at the offsets their appends returned. Before, one landing between the seek to the mark and the offset's
+    update made later frames land at the mark while their index entries named the old end."""
+    import sys
+
+    lines = range(PackWriter.rollback.__code__.co_firstlineno, PackWriter.rollback.__code__.co_firstlineno + 60)
+    for at in lines:
+        root = tmp_path / str(at)
+        root.mkdir()
+        w = PackWriter(root)
+        live = [(*w.append(b"a" * 100), b"a" * 100)]
+        mark = w.mark()
+        w.append(b"b" * 5000)  # (the failed save's frame, written: past the write buffer)
+        w.append(b"c" * 10)
+
+        def interrupt(frame, event, arg, at=at):  # type: ignore[no-untyped-def]
+            if event == "line" and frame.f_code is PackWriter.rollback.__code__ and frame.f_lineno == at:
+                raise KeyboardInterrupt
+            return interrupt
+
+        def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+            return interrupt if frame.f_code is PackWriter.rollback.__code__ else None
+
+        sys.settrace(tracer)
+        try:
+            w.rollback(mark)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        for n in range(3):  # the next save's frames
+            frame = bytes([n + 1]) * (3000 if n == 1 else 50)
+            live.append((*w.append(frame), frame))
+        w.sync()
+        w.close()
+        _check(root, live)
+
+
 def _check(root: Path, live: list[tuple[str, int, bytes]]) -> None:
     r = PackReader(root)
     try:
