@@ -36,20 +36,24 @@ def paused() -> Iterator[None]:
     collector is left as found: disabled stays disabled.
     """
     global _depth, _owned
-    with _lock:
-        if _depth == 0:
-            _owned = gc.isenabled()
-            if _owned:
-                gc.disable()
-        _depth += 1
+    counted = False
     try:
+        with _lock:
+            # One statement counts this call and notes the collector's state: a Ctrl-C's KeyboardInterrupt (a
+            # signal handler runs after a call returns) lands before it or after it, never between its stores.
+            # Counted before the collector is disabled, and inside the try: an interrupt right after gc.disable()
+            # (or before the try) left it disabled for the rest of the process.
+            _depth, _owned, counted = _depth + 1, gc.isenabled() if _depth == 0 else _owned, True
+            if _depth == 1 and _owned:
+                gc.disable()
         yield
     finally:
-        with _lock:
-            if _depth > 0:  # else this call began before a fork, in the parent: the child reset the count
-                _depth -= 1
-                if _depth == 0 and _owned:
-                    gc.enable()
+        if counted:
+            with _lock:
+                if _depth > 0:  # else this call began before a fork, in the parent: the child reset the count
+                    _depth -= 1
+                    if _depth == 0 and _owned:
+                        gc.enable()
 
 
 def paused_during(fn: _F) -> _F:

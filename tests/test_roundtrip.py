@@ -1155,6 +1155,44 @@ def test_cyclic_gc_waits_while_a_save_or_load_runs(store: deltackpt.Store, probe
     assert gc.isenabled()
 
 
+def test_an_interrupt_anywhere_in_the_collector_pause_leaves_it_as_it_was() -> None:
+    """A KeyboardInterrupt as each call inside collector.paused returns (where a Ctrl-C's signal handler runs: a
+    save or load starting or ending): the collector is enabled again once nothing is paused. Before, one right
+    after gc.disable(), before the pause was counted, left it disabled for the rest of the process (every later
+    pause took that for the user's setting)."""
+    import sys
+
+    from deltackpt import collector
+
+    code = collector.paused.__wrapped__.__code__  # type: ignore[attr-defined]
+    hits = 0
+    for n in range(1, 12):
+        gc.enable()
+        seen = 0
+
+        def interrupt(frame, event, arg, n=n):  # type: ignore[no-untyped-def]
+            nonlocal seen, hits
+            if event == "c_return" and frame.f_code is code:
+                seen += 1
+                if seen == n:
+                    hits += 1
+                    raise KeyboardInterrupt
+
+        sys.setprofile(interrupt)
+        try:
+            with collector.paused():
+                pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        assert collector._depth == 0, n
+        with collector.paused():
+            assert not gc.isenabled()
+        assert gc.isenabled(), f"the collector stayed disabled after an interrupt at the return of call {n}"
+    assert hits >= 3  # (gc.isenabled, gc.disable, gc.enable: the lock's are not calls)
+
+
 def test_a_disabled_cyclic_gc_stays_disabled(store: deltackpt.Store, probe: type[_GcProbe]) -> None:
     gc.disable()
     store.save({"w": torch.arange(10.0), "p": probe()}, step=1, allow_pickle=True)
