@@ -145,16 +145,7 @@ def flock_within(fd: int, mode: int, timeout: float | None, busy: str) -> None:
 
 def fsync_dir(path: Path) -> None:
     """Make a directory entry (a created, renamed or removed file in ``path``) durable."""
-    _fsync(path, os.O_DIRECTORY)
-
-
-def fsync_file(path: Path) -> None:
-    """Make a file's data durable (whoever wrote it)."""
-    _fsync(path, os.O_CLOEXEC)
-
-
-def _fsync(path: Path, flags: int) -> None:
-    fd = os.open(path, os.O_RDONLY | flags)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
