@@ -138,6 +138,21 @@ def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def preload_shim(factory: pytest.TempPathFactory, source: str) -> Path:
+    """Compile ``tests/<source>.c`` (an LD_PRELOAD shim that wraps system calls of a child process) into a shared
+    library for the tests of a module; skip them where there is no C compiler."""
+    import shutil
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("needs a C compiler to build the LD_PRELOAD shim")
+    out = factory.mktemp("shim") / f"{source}.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(Path(__file__).parent / f"{source}.c"),
+                    "-ldl"], check=True)
+    return out
+
+
 def pack_files(store_path: Path) -> list[Path]:
     return sorted((store_path / "packs").glob("*.pack"))
 

@@ -27,6 +27,7 @@ from typing import Any
 import crashworker as cw  # tests/ is on sys.path, as for conftest
 import pytest
 import torch
+from conftest import preload_shim
 
 import deltackpt
 from deltackpt import Store
@@ -259,16 +260,7 @@ def test_sigkill_during_rewrite(tmp_path: Path, zygote: Any, rng: random.Random)
 
 @pytest.fixture(scope="module")
 def die_after_meta(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import shutil
-    import subprocess
-
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("needs a C compiler to build the LD_PRELOAD shim")
-    out = tmp_path_factory.mktemp("shim") / "die_after_meta.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(Path(__file__).parent / "die_after_meta.c"),
-                    "-ldl"], check=True)
-    return out
+    return preload_shim(tmp_path_factory, "die_after_meta")
 
 
 def _run_killed_at_commit(shim: Path, code: str) -> None:

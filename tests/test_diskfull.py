@@ -22,7 +22,7 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-from conftest import assert_same_state
+from conftest import assert_same_state, preload_shim
 
 import deltackpt
 from deltackpt.cli import main
@@ -409,13 +409,7 @@ def test_an_index_write_error_carries_the_errno_lmdb_reported(tmp_path: Path, er
 
 @pytest.fixture(scope="module")
 def fail_io(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        pytest.skip("needs a C compiler to build the LD_PRELOAD shim")
-    out = tmp_path_factory.mktemp("shim") / "fail_io.so"
-    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(out), str(Path(__file__).parent / "fail_io.c"), "-ldl"],
-                   check=True)
-    return out
+    return preload_shim(tmp_path_factory, "fail_io")
 
 
 def run_failing(shim: Path, code: str, *args: str) -> dict[str, object]:
