@@ -771,8 +771,9 @@ def _maintenance_lock(store: Store, timeout: float | None = None) -> Iterator[No
     try:
         yield
     finally:
-        try:  # (before a Python function is called, as the gc lock's release: see Store._gc_lock)
-            fcntl.flock(fd, fcntl.LOCK_UN)
+        try:  # (before a Python function is called, and not in a forked child, as the gc lock's: Store._gc_lock)
+            if pid == packs._pid:
+                fcntl.flock(fd, fcntl.LOCK_UN)
         except OSError:
             pass
         packs.close_lock(fd, pid)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
-from deltackpt import _lazy, codec, collector, config, kernel, manifest, predict, staging, tree
+from deltackpt import _lazy, codec, collector, config, kernel, manifest, packs, predict, staging, tree
 from deltackpt.cache import ChunkCache
 from deltackpt.errors import (
     CheckpointNotFoundError,
@@ -582,9 +582,12 @@ class Store:
             # fork hooks, shares this open file, and closing alone would leave the lock held for its life.
             # Unlocked here first, before a Python function is called: signal handlers run as one starts, and a
             # Ctrl-C's KeyboardInterrupt at close_lock's start left the lock held by a descriptor nothing closes
-            # (every gc and repair, of any process, then waited for this one to exit).
+            # (every gc and repair, of any process, then waited for this one to exit). Not in a forked child
+            # (packs._pid, no call: the child closed the descriptor at the fork, and its number may be another
+            # file's by now, one the child locked itself).
             try:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+                if pid == packs._pid:
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             except OSError:
                 pass
             close_lock(fd, pid)

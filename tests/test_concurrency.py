@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -1668,3 +1669,38 @@ def test_a_store_close_interrupted_can_be_called_again(tmp_path: Path, monkeypat
     s.close()
     assert s.index._closed
     s.close()
+
+
+@pytest.mark.parametrize("lock", ["gc", "maintenance"])
+def test_a_child_leaving_a_lock_block_it_was_forked_in_unlocks_no_file_of_its_own(tmp_path: Path, lock: str) -> None:
+    """A child forked inside a block that holds the gc or the maintenance lock (a progress callback that forks,
+    say), which then leaves the block, does not unlock the descriptor number the lock had: the child closed that
+    descriptor at the fork, and the number is another file's once the child opens one (here one it flocks)."""
+    from deltackpt import maintenance, packs
+
+    st = Store(tmp_path / "s", chunk_size=CS)
+    other = tmp_path / "other"
+    other.touch()
+    block = st._gc_lock() if lock == "gc" else maintenance._maintenance_lock(st)
+    before = set(packs._lock_fds)
+    with block:
+        (fd,) = set(packs._lock_fds) - before
+        pid = os.fork()
+        if pid == 0:
+            try:
+                mine = os.open(other, os.O_RDONLY)
+                os.dup2(mine, fd)  # (the number the child's next open gets, as a rule)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os._exit(3)
+    if pid == 0:
+        probe = os.open(other, os.O_RDONLY)
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os._exit(1)  # the child's own lock was released as it left the block
+        except BlockingIOError:
+            os._exit(0)
+    try:
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        st.close()
