@@ -606,10 +606,15 @@ class Store:
 
     def _release_alone(self) -> None:
         """Let go of the gc lock a repair's handle holds (see ``_alone_fd``)."""
-        for fd in (self._alone_fd, self._maint_fd):  # (the gc lock first: taken last)
-            if fd is not None:
-                close_lock(fd, self._alone_pid)
-        self._alone_fd = self._maint_fd = None
+        # Each dropped before it is closed: close() may run again after an interrupted one (a Ctrl-C's
+        # KeyboardInterrupt as a close_lock starts), and a descriptor closed twice closed whatever file had its
+        # number by then.
+        fd, self._alone_fd = self._alone_fd, None  # (the gc lock first: taken last)
+        if fd is not None:
+            close_lock(fd, self._alone_pid)
+        fd, self._maint_fd = self._maint_fd, None
+        if fd is not None:
+            close_lock(fd, self._alone_pid)
 
     def _open_gc_lock(self) -> int | None:
         """The lock file, opened for flock(); None for a read-only handle that cannot open it."""

@@ -1704,3 +1704,39 @@ def test_a_child_leaving_a_lock_block_it_was_forked_in_unlocks_no_file_of_its_ow
         assert os.waitpid(pid, 0)[1] == 0
     finally:
         st.close()
+
+
+def test_a_repair_handle_close_interrupted_between_its_locks_closes_no_descriptor_twice(tmp_path: Path) -> None:
+    """close() of an open_for_repair handle, interrupted as it lets go of its second lock (a Ctrl-C's
+    KeyboardInterrupt as close_lock starts), then called again (as close() now may be) does not close the first
+    lock's descriptor again: its number is another file's by then."""
+    from deltackpt import maintenance, packs
+
+    with Store(tmp_path / "s") as s:
+        s.save({"a": torch.zeros(4)}, step=1)
+    s = maintenance.open_for_repair(tmp_path / "s")
+    calls = []
+    real = packs.close_lock
+
+    def close_lock(fd: int, pid: int, **kw: Any) -> None:
+        calls.append(fd)
+        if len(calls) == 2:  # (the maintenance lock's, after the gc lock's)
+            raise KeyboardInterrupt
+        real(fd, pid, **kw)
+
+    deltackpt.store.close_lock = close_lock  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            s.close()
+    finally:
+        deltackpt.store.close_lock = real
+    other = os.open(tmp_path / "s" / "STORE", os.O_RDONLY)  # takes the number the gc lock's descriptor had
+    try:
+        assert other == calls[0]
+        s.close()
+        os.fstat(other)  # (EBADF: the second close() closed it as the gc lock's)
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(other)
+        with contextlib.suppress(OSError):
+            real(calls[1], os.getpid())
