@@ -304,6 +304,10 @@ class PackWriter:
     def mark(self) -> tuple[str | None, int]:
         """Where the next frame goes, for :meth:`rollback`."""
         self._write_held()  # a rollback cuts the file back to the mark: everything before it must be in the file
+        if self._fd is not None and self._end != self._offset:
+            # an append interrupted between its updates (a KeyboardInterrupt as a call returns) whose save's
+            # rollback did not run either (a second Ctrl-C): where it writes is not where it says frames go
+            self._abandon()
         self._opened = []
         return self.pack_id, self._offset
 

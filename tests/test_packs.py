@@ -109,6 +109,50 @@ def test_a_rollback_interrupted_anywhere_leaves_appends_where_they_say(tmp_path:
         _check(root, live)
 
 
+@pytest.mark.parametrize(("where", "line", "size"), [
+    ("_write", "self._end += len(data)", 1),  # (written, not counted: pwrite writes at _end again)
+    ("append", "self._offset += len(frame)", 1),  # written and counted as written, not as appended
+    ("append", "self._held_len += len(frame)", 0),  # held, not counted
+])
+def test_a_mark_after_an_interrupted_append_puts_frames_where_it_says(tmp_path: Path, where: str, line: str,
+                                                                      size: int) -> None:
+    """An append interrupted between two of its updates (a Ctrl-C's KeyboardInterrupt as a call returns), whose
+    rollback did not run either (a second Ctrl-C as the failed save asked the index whether it committed): the
+    next save's mark and appends still put frames where they say. (The frames after it were written past the
+    offsets their appends returned: their checkpoint's chunks read back as damage.)"""
+    import sys
+
+    w = PackWriter(tmp_path)
+    first = b"b" * (packs.WRITE_BUFFER if size else 60)  # (a large frame is written at once, a small one held)
+    live = [(*w.append(b"a" * 100), b"a" * 100)]
+    w.sync()
+    code = getattr(PackWriter, where).__code__
+    src = [text.strip() for text in open(code.co_filename).read().splitlines()]
+    at = next(n for n in range(code.co_firstlineno, code.co_firstlineno + 40) if src[n - 1] == line)
+
+    def interrupt(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "line" and frame.f_code is code and frame.f_lineno == at:
+            raise KeyboardInterrupt
+        return interrupt
+
+    def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+        return interrupt if frame.f_code is code else None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            w.append(first)
+    finally:
+        sys.settrace(None)
+    w.mark()  # the next save
+    for n in range(3):
+        frame = bytes([n + 1]) * (packs.WRITE_BUFFER if n == 1 else 50)
+        live.append((*w.append(frame), frame))
+    w.sync()
+    w.close()
+    _check(tmp_path, live)
+
+
 def _check(root: Path, live: list[tuple[str, int, bytes]]) -> None:
     r = PackReader(root)
     try:
