@@ -937,7 +937,7 @@ def _subtree(m: manifest.Manifest, key: str, store: str) -> tuple[str, Any]:
     :class:`DeltackptError` naming the checkpoint when it holds nothing there, or more than one thing (key paths
     need not be distinct: ``{"a.b": x, "a": {"b": y}}``)."""
     if key == "<root>":
-        return key, m.tree
+        return "", m.tree  # (its key path: a tensor alone is named by it, as by an export without --key)
     # (an empty container is listed as a container and as a leaf; a registered type's value has its key path)
     at = {place: (path, node) for place, path, node in tree.container_nodes(m.tree) + tree.leaf_nodes(m.tree)
           if key in (path, _escaped(path))}
@@ -1007,7 +1007,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         # of 10^5 plain values was loaded whole first, 3.7 s; the loaded state is checked again)
         if dest.suffix == ".safetensors":
             if node[0] != "T":  # (a tensor alone is named by its key path)
-                _tensor_leaves(node, "" if at == "<root>" else at)
+                _tensor_leaves(node, at)
             _unwritable_dtypes(m, save_file_bytes, "safetensors",
                                "export .pt, or convert the tensor (Store.load it in Python)", indices)
         else:

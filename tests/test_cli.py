@@ -1185,6 +1185,9 @@ def test_export_names_a_tensor_alone_by_its_key_path(capsys: pytest.CaptureFixtu
     rc, _, err = cli(capsys, "export", store_path, 2, tmp_path / "b.safetensors")
     assert (rc, err) == (0, "")
     assert torch.equal(load_file(str(tmp_path / "b.safetensors"))[""], torch.arange(3.0))
+    rc, _, err = cli(capsys, "export", store_path, 2, tmp_path / "c.safetensors", "--key", "<root>")
+    assert (rc, err) == (0, "")  # (the same file: --key <root> names all of it, as show prints it)
+    assert list(load_file(str(tmp_path / "c.safetensors"))) == [""]
 
 
 def test_export_safetensors_refuses_plain_values(capsys: pytest.CaptureFixture[str], store_path: Path,
