@@ -371,7 +371,10 @@ class Store:
         self._released = False
         #: operations of this handle in progress (:meth:`_in_use`), by (process, thread): close() waits for them
         self._users: collections.Counter[tuple[int, int]] = collections.Counter()
-        self._users_changed = threading.Condition(threading.Lock())
+        # (taken as the lock itself, a C one, not through the condition: Condition.__enter__ and __exit__ are Python
+        # functions, at whose start a Ctrl-C's KeyboardInterrupt left an operation counted, or the lock held)
+        self._users_lock = threading.Lock()
+        self._users_changed = threading.Condition(self._users_lock)
         _HANDLES.add(self)  # (a forked child takes its locks afresh)
         #: the gc lock file, held exclusively from :func:`~deltackpt.maintenance.open_for_repair` until the
         #: repair commits (or the store closes); this handle's own operations then take no lock
@@ -456,7 +459,7 @@ class Store:
         while it waits for another thread's operation) leaves the handle closed to new operations; close() again
         finishes releasing it."""
         me = (os.getpid(), threading.get_ident())
-        with self._users_changed:
+        with self._users_lock:
             if self._released:
                 return
             if self._users[me]:
@@ -488,7 +491,7 @@ class Store:
         # KeyboardInterrupt there left the operation counted for good: every later close() of the handle raised
         # "called from inside an operation", or, on another thread, waited forever)
         try:
-            with self._users_changed:
+            with self._users_lock:
                 if self._closed and not self._users[me]:  # (one it runs inside, retain's delete, goes on)
                     raise DeltackptError(f"store {self.path} is closed")
                 self._users[me] += 1
@@ -496,10 +499,11 @@ class Store:
             yield
         finally:
             if counted:
-                with self._users_changed:
-                    self._users[me] -= 1
-                    if not self._users[me]:
-                        del self._users[me]
+                with self._users_lock:
+                    left = self._users.pop(me) - 1  # (dict's pop: Counter's __delitem__ is a Python function)
+                    if left:
+                        self._users[me] = left
+                    else:
                         self._users_changed.notify_all()
 
     def __enter__(self) -> Store:
@@ -2066,7 +2070,8 @@ def _locks_after_fork() -> None:
     for st in list(_HANDLES):
         st._save_lock = threading.Lock()
         st._pool_lock = threading.Lock()
-        st._users_changed = threading.Condition(threading.Lock())
+        st._users_lock = threading.Lock()
+        st._users_changed = threading.Condition(st._users_lock)
 
 
 os.register_at_fork(after_in_child=_locks_after_fork)

@@ -1633,16 +1633,24 @@ def test_an_interrupt_as_an_operation_starts_leaves_it_uncounted(tmp_path: Path)
     s = Store(tmp_path / "s")
     s.save({"a": torch.zeros(4)}, step=1)
 
-    class Interrupting(threading.Condition):
+    class Interrupting:  # (the lock the count is taken under, and its condition's)
         armed = True
 
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+            self.acquire, self.release = self.lock.acquire, self.lock.release
+
+        def __enter__(self) -> None:
+            self.lock.acquire()
+
         def __exit__(self, *exc: Any) -> None:
-            super().__exit__(*exc)
+            self.lock.release()
             if self.armed:
                 self.armed = False
                 raise KeyboardInterrupt
 
-    s._users_changed = Interrupting(threading.Lock())
+    s._users_lock = Interrupting()  # type: ignore[assignment]
+    s._users_changed = threading.Condition(s._users_lock)  # type: ignore[arg-type]
     with pytest.raises(KeyboardInterrupt):
         s.load(step=1)
     assert not s._users
@@ -1740,3 +1748,43 @@ def test_a_repair_handle_close_interrupted_between_its_locks_closes_no_descripto
             os.close(other)
         with contextlib.suppress(OSError):
             real(calls[1], os.getpid())
+
+
+def test_an_interrupt_as_an_operation_ends_leaves_it_uncounted(tmp_path: Path) -> None:
+    """A Ctrl-C's KeyboardInterrupt at any Python call of a Store operation's count once it is counted (a signal
+    handler runs as a Python function starts: Condition.__enter__ as the finished operation let go of its count)
+    leaves it uncounted, as one as it starts does: close() then closes the handle. (It raised "called from inside
+    an operation" for good on that thread, and on another waited forever.)"""
+    in_use = Store._in_use.__wrapped__.__code__  # type: ignore[attr-defined]
+    n = 0
+    while True:
+        s = Store(tmp_path / str(n))
+        calls = 0
+
+        def tracer(frame: Any, event: str, arg: Any, n: int = n) -> Any:
+            nonlocal calls
+            caller = frame.f_back
+            if event == "call" and caller is not None and caller.f_code is in_use and caller.f_locals.get("counted"):
+                calls += 1
+                if calls == n + 1:
+                    raise KeyboardInterrupt
+            return None
+
+        def op(s: Store = s, tracer: Any = tracer) -> None:
+            sys.settrace(tracer)
+            try:
+                s.list()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+
+        t = threading.Thread(target=op, daemon=True)
+        t.start()
+        t.join(30)
+        assert not t.is_alive(), n  # (it waited for the count's lock, which its own start had left held)
+        assert not s._users and not s._users_changed._lock.locked(), n  # (held: every later call waited forever)
+        s.close()
+        if calls <= n:  # (no call left to interrupt)
+            break
+        n += 1
