@@ -7,6 +7,7 @@ examples); pick one with ``HYPOTHESIS_PROFILE=thorough``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import os
 import signal
@@ -136,6 +137,20 @@ def dir_snapshot(path: Path) -> dict[str, str]:
 
 def dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@contextlib.contextmanager
+def entries_written_as(**fields: Any) -> Iterator[None]:
+    """Saves in the block write every torch tensor's entry with ``fields`` replaced: a dtype or device that a
+    newer torch or another backend wrote (``dtype="float4_e9m9_future"``, ``device="npu:0"``)."""
+    import dataclasses
+
+    from deltackpt import tree
+
+    real = tree._torch_leaf
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tree, "_torch_leaf", lambda t, p, **kw: dataclasses.replace(real(t, p, **kw), **fields))
+        yield
 
 
 def preload_shim(factory: pytest.TempPathFactory, source: str) -> Path:

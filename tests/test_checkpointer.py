@@ -2873,16 +2873,25 @@ def test_a_save_in_flight_as_the_interpreter_exits_is_committed(fast_dir: Path, 
         assert s.verify().ok
 
 
-_FORK_SCRIPT = """
-import multiprocessing, sys, threading, time, torch, deltackpt
+#: (the fork scripts' start) hold_saves(ck): ck's saves stay in flight until ``release`` is set; returns the real
+#: save method
+_HOLD_SAVES = """
+import threading
+release = threading.Event()
+def hold_saves(ck):
+    save = ck.store._save
+    def held_save(*args, **kwargs):  # the save stays in flight until the child has been waited for
+        release.wait()
+        return save(*args, **kwargs)
+    ck.store._save = held_save
+    return save
+"""
+
+_FORK_SCRIPT = _HOLD_SAVES + """
+import multiprocessing, sys, time, torch, deltackpt
 model = torch.nn.Linear(64, 64)
 ck = deltackpt.Checkpointer(sys.argv[1], model=model, handle_signals=False)
-release = threading.Event()
-save = ck.store._save
-def held_save(*args, **kwargs):  # the save stays in flight until the child has been waited for
-    release.wait()
-    return save(*args, **kwargs)
-ck.store._save = held_save
+hold_saves(ck)
 ck.step(1)
 child = multiprocessing.get_context("fork").Process(target=int)  # returns at once, as a finished worker does
 child.start()
@@ -2910,17 +2919,12 @@ def test_a_child_forked_during_an_async_save_exits_without_waiting_for_it(fast_d
         assert [i.step for i in s.list()] == [1]
 
 
-_FORK_IN_WITH_SCRIPT = """
-import os, sys, threading, time, torch, deltackpt
+_FORK_IN_WITH_SCRIPT = _HOLD_SAVES + """
+import os, sys, time, torch, deltackpt
 from tests.crashworker import child_outcome
 model = torch.nn.Linear(64, 64)
-release = threading.Event()
 with deltackpt.Checkpointer(sys.argv[1], model=model) as ck:
-    save = ck.store._save
-    def held_save(*args, **kwargs):  # the save stays in flight until the child has been waited for
-        release.wait()
-        return save(*args, **kwargs)
-    ck.store._save = held_save
+    save = hold_saves(ck)
     ck.step(1)
     pid = os.fork()
     if pid == 0:

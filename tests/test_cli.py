@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SMALL_CHUNK, assert_same_state, dir_snapshot, pack_files
+from conftest import ROOT, SMALL_CHUNK, assert_same_state, dir_snapshot, entries_written_as, pack_files
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1615,22 +1615,15 @@ def test_a_step_entry_that_is_not_the_manifest_step_is_refused_and_resume_info_s
 
 
 def test_resume_info_says_restore_refuses_a_dtype_this_torch_does_not_know(
-        capsys: pytest.CaptureFixture[str], store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     """The newest checkpoint holds a tensor of a dtype a newer torch wrote: restore() raises UnsupportedTypeError
     (it is not damage, and it is not passed over), while `resume-info --verify` said a run would resume from
     it. It says restore() refuses it, naming the dtype, and --verify exits 1."""
-    import dataclasses
-
-    from deltackpt import tree
-
     model = torch.nn.Linear(3, 2)
     with deltackpt.Checkpointer(store_path, model=model, handle_signals=False, async_save=False) as ck:
         ck.save(1)
-        real = tree._torch_leaf
-        monkeypatch.setattr(tree, "_torch_leaf",
-                            lambda t, p, **kw: dataclasses.replace(real(t, p, **kw), dtype="float4_e9m9_future"))
-        ck.save(2)
-        monkeypatch.undo()
+        with entries_written_as(dtype="float4_e9m9_future"):
+            ck.save(2)
     for flags, code in (((), 0), (("--verify",), 1)):
         rc, out, err = cli(capsys, "resume-info", store_path, *flags)
         assert rc == code and err == ""

@@ -189,6 +189,17 @@ def test_predicted_store_takes_new_saves_deletes_and_gc(predicted_store: Path) -
         assert s.verify().ok
 
 
+def _dcp_fixture(fixture: Path, tmp_path: Path) -> Path:
+    """A copy of a DCP root fixture (one step, one rank) with its two stores' indexes rebuilt: fixtures hold packs
+    and manifests only."""
+    root = tmp_path / "root"
+    shutil.copytree(fixture, root)
+    for store in ("meta", "rank-00000"):
+        with maintenance.open_for_repair(root / store) as s:
+            assert s.repair().checkpoints == 1
+    return root
+
+
 def dcp_meta3_skeleton_state() -> dict[str, Any]:
     return {"w": torch.arange(12, dtype=torch.float32).reshape(3, 4) / 8, "ints": torch.arange(5, dtype=torch.int64),
             "extra": {"step": 7, "name": "run"}}
@@ -208,11 +219,7 @@ def test_dcp_meta3_skeleton_document_loads(tmp_path: Path) -> None:
     import torch.distributed.checkpoint as dcp
 
     from deltackpt import distributed
-    root = tmp_path / "root"
-    shutil.copytree(DCP_META3_SKELETON, root)
-    for store in ("meta", "rank-00000"):
-        with maintenance.open_for_repair(root / store) as s:
-            assert s.repair().checkpoints == 1
+    root = _dcp_fixture(DCP_META3_SKELETON, tmp_path)
     want = dcp_meta3_skeleton_state()
     got = {"w": torch.zeros(3, 4), "ints": torch.zeros(5, dtype=torch.int64), "extra": {"step": 0, "name": ""}}
     dcp.load(got, storage_reader=distributed.DeltaStorageReader(root, step=7))
@@ -288,11 +295,7 @@ def test_dcp_values_pickled_by_earlier_writers_load_as_before(tmp_path: Path) ->
     from torch.distributed.checkpoint.api import CheckpointException
 
     from deltackpt import distributed
-    root = tmp_path / "root"
-    shutil.copytree(DCP_META3_PICKLED, root)
-    for store in ("meta", "rank-00000"):
-        with maintenance.open_for_repair(root / store) as s:
-            assert s.repair().checkpoints == 1
+    root = _dcp_fixture(DCP_META3_PICKLED, tmp_path)
     want = dcp_meta3_pickled_state()
 
     def load(**kw: Any) -> dict[str, Any]:

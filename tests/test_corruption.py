@@ -21,7 +21,7 @@ import pytest
 import torch
 import xxhash
 import zstandard
-from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot
+from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot, entries_written_as
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -2172,22 +2172,14 @@ def test_gc_runs_after_a_repair_that_left_checkpoints_incomplete(store_path: Pat
 
 
 @pytest.mark.parametrize("what", ["device", "dtype"])
-def test_a_tensor_this_torch_cannot_load_keeps_its_checkpoint(store_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                              what: str) -> None:
+def test_a_tensor_this_torch_cannot_load_keeps_its_checkpoint(store_path: Path, what: str) -> None:
     """A tensor saved on a device backend this process lacks (torch_npu records "npu:0") or of a dtype of a
     newer torch is not damage: the manifest parses, load raises a typed error (a device is loadable with
     map_location), and repair and gc keep the checkpoint. Before, manifest parsing refused the device, so a
     repair dropped the checkpoint as lost and the next gc freed it."""
-    import dataclasses
-
-    from deltackpt import tree
-
-    real = tree._torch_leaf
-    monkeypatch.setattr(tree, "_torch_leaf", lambda t, p, **kw: dataclasses.replace(
-        real(t, p, **kw), **({"device": "npu:0"} if what == "device" else {"dtype": "float4_e9m9_future"})))
-    with _open(store_path) as s:
-        s.save({"w": torch.ones(1000)}, step=1)
-    monkeypatch.undo()
+    with entries_written_as(**({"device": "npu:0"} if what == "device" else {"dtype": "float4_e9m9_future"})):
+        with _open(store_path) as s:
+            s.save({"w": torch.ones(1000)}, step=1)
     with _open(store_path) as s:
         with pytest.raises(deltackpt.UnsupportedTypeError, match="npu:0" if what == "device" else "float4_e9m9_future"):
             s.load(1)
@@ -2199,23 +2191,18 @@ def test_a_tensor_this_torch_cannot_load_keeps_its_checkpoint(store_path: Path, 
         assert [i.step for i in s.list()] == [1] and s.manifest(1).tensors[0].nbytes == 4000
 
 
-def test_a_newer_torch_dtype_is_not_damage_a_restore_skips(store_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_newer_torch_dtype_is_not_damage_a_restore_skips(store_path: Path) -> None:
     """The newest checkpoint holding a dtype this torch does not know is refused with UnsupportedTypeError (the
     store is fine; the process needs a newer torch), not skipped as damaged for an older one, which a
     CorruptManifestError did: the restore went back a step and the job lost the newest one. A dtype name that
     is no identifier is damage still."""
-    import dataclasses
-
     from deltackpt import tree
 
     model = torch.nn.Linear(3, 2)
     with deltackpt.Checkpointer(_open(store_path), model=model, handle_signals=False, async_save=False) as ckpt:
         ckpt.save(1)
-        real = tree._torch_leaf
-        monkeypatch.setattr(tree, "_torch_leaf",
-                            lambda t, p, **kw: dataclasses.replace(real(t, p, **kw), dtype="float4_e9m9_future"))
-        ckpt.save(2)
-        monkeypatch.undo()
+        with entries_written_as(dtype="float4_e9m9_future"):
+            ckpt.save(2)
     with deltackpt.Checkpointer(_open(store_path), model=torch.nn.Linear(3, 2), handle_signals=False) as ckpt:
         with pytest.raises(deltackpt.UnsupportedTypeError, match="float4_e9m9_future"):
             ckpt.restore()
