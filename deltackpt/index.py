@@ -884,17 +884,35 @@ def _damage_error(index: Index, exc: lmdb.Error) -> CorruptIndexError:
     return CorruptIndexError(f"the index of {index.path.parent} is damaged ({exc}); {REPAIR_HINT}")
 
 
+def _closed_under(exc: lmdb.Error) -> bool:
+    """``exc`` is py-lmdb's refusal of a transaction or cursor whose environment was closed: one that began
+    before :meth:`Index._reopen_if_failed` replaced the environment."""
+    return type(exc) is lmdb.Error and "closed/deleted/dropped" in str(exc)
+
+
+def _reopened_error(index: Index, exc: lmdb.Error) -> DeltackptError:
+    return DeltackptError(
+        f"the index of {index.path.parent} was opened afresh while this operation read it, after another "
+        f"operation's write of it failed (an I/O error of the disk; {exc}); this operation changed nothing, and "
+        "running it again reads the index as it is now")
+
+
 def _damage_is_corruption(method: Callable[..., Any]) -> Callable[..., Any]:
     """Make LMDB's errors for damaged pages, raised while ``method`` reads, a :class:`CorruptIndexError` naming
-    the repair (a generator's too, while it is iterated)."""
-    typed = _damage_error
+    the repair (a generator's too, while it is iterated), and py-lmdb's refusal of a transaction whose
+    environment was opened afresh meanwhile a :class:`DeltackptError`."""
+
+    def typed(self: Index, exc: lmdb.Error) -> DeltackptError:
+        return _reopened_error(self, exc) if _closed_under(exc) else _damage_error(self, exc)
 
     if inspect.isgeneratorfunction(method):
         @functools.wraps(method)
         def gen(self: Index, *args: Any, **kwargs: Any) -> Any:
             try:
                 yield from method(self, *args, **kwargs)
-            except LMDB_DAMAGE as exc:
+            except lmdb.Error as exc:
+                if not (isinstance(exc, LMDB_DAMAGE) or _closed_under(exc)):
+                    raise
                 raise typed(self, exc) from exc
         return gen
 
@@ -902,50 +920,86 @@ def _damage_is_corruption(method: Callable[..., Any]) -> Callable[..., Any]:
     def call(self: Index, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
-        except LMDB_DAMAGE as exc:
+        except lmdb.Error as exc:
+            if not (isinstance(exc, LMDB_DAMAGE) or _closed_under(exc)):
+                raise
             raise typed(self, exc) from exc
     return call
 
 
 class ChunkReader:
     """Lookups in one read transaction of the chunk table (:meth:`Index.chunk_reader`); for the thread that
-    opened it, while its ``with`` block runs."""
+    opened it, while its ``with`` block runs. Should another operation's failed write make the process open the
+    environment afresh meanwhile (:meth:`Index._reopen_if_failed`, which closes the old one), the lookups go on in a
+    transaction of the new environment: what they answer is then as of that transaction's start."""
 
-    def __init__(self, index: Index, txn: Any) -> None:
+    def __init__(self, index: Index) -> None:
         self._index = index
-        self._get = txn.get
+        self._begin()
+
+    def _begin(self) -> None:
+        for _ in range(2):
+            sh = self._index._shared()  # (outside the count: it may open the environment)
+            with _lmdb_calls():
+                if not sh.failed:  # (not closed since: that waits for the counted calls to end)
+                    self._txn, self._sh = sh.env.begin(db=sh.dbs["chunks"], buffers=True), sh
+                    return
+        raise DeltackptError(f"the index of {self._index.path.parent} was opened afresh twice as a read of it "
+                             "began, after other operations' writes of it failed (an I/O error of the disk)")
+
+    def _end(self) -> None:
+        with _lmdb_calls():
+            self._txn.abort()  # (a transaction of an environment closed since: nothing to do)
+
+    def _each_batch(self, keys: Iterable[bytes], read: Callable[[Any, list[bytes]], None]) -> None:
+        """``read(get, batch)`` for each batch of ``keys`` inside the count of LMDB calls; a batch whose
+        transaction's environment was opened afresh meanwhile once more in a transaction of the new one."""
+        for batch in _batches(keys):
+            try:
+                with _lmdb_calls():
+                    read(self._txn.get, batch)
+                continue
+            except lmdb.Error as exc:
+                if isinstance(exc, LMDB_DAMAGE):
+                    raise _damage_error(self._index, exc) from exc
+                if not (_closed_under(exc) and self._sh.failed):
+                    raise
+            try:
+                self._begin()
+                with _lmdb_calls():
+                    read(self._txn.get, batch)
+            except lmdb.Error as exc:
+                if isinstance(exc, LMDB_DAMAGE):
+                    raise _damage_error(self._index, exc) from exc
+                if not _closed_under(exc):
+                    raise
+                raise _reopened_error(self._index, exc) from exc
 
     def has(self, keys: Iterable[bytes]) -> set[bytes]:
         """Those of ``keys`` the index holds."""
-        get = self._get
         out: set[bytes] = set()
-        try:
-            for batch in _batches(keys):
-                with _lmdb_calls():
-                    out.update(k for k in batch if get(k) is not None)
-        except LMDB_DAMAGE as exc:
-            raise _damage_error(self._index, exc) from exc
+
+        def read(get: Any, batch: list[bytes]) -> None:
+            out.update(k for k in batch if get(k) is not None)
+        self._each_batch(keys, read)
         return out
 
     def lookup(self, keys: Iterable[bytes], damaged: dict[bytes, str] | None = None) -> dict[bytes, ChunkLoc]:
         """The locations of those of ``keys`` the index holds. A damaged entry raises
         :class:`CorruptIndexError`, or with ``damaged`` (verify) goes there, key -> what is wrong."""
         out: dict[bytes, ChunkLoc] = {}
-        get = self._get
-        try:
-            for batch in _batches(keys):
-                with _lmdb_calls():  # (a batch at a time: :data:`_CALLS_BATCH`)
-                    for k in batch:
-                        v = get(k)
-                        if v is not None:
-                            try:
-                                out[k] = ChunkLoc.unpack(bytes(v), k)
-                            except CorruptIndexError as exc:
-                                if damaged is None:
-                                    raise
-                                damaged[k] = str(exc)
-        except LMDB_DAMAGE as exc:
-            raise _damage_error(self._index, exc) from exc
+
+        def read(get: Any, batch: list[bytes]) -> None:  # (a batch at a time: :data:`_CALLS_BATCH`)
+            for k in batch:
+                v = get(k)
+                if v is not None:
+                    try:
+                        out[k] = ChunkLoc.unpack(bytes(v), k)
+                    except CorruptIndexError as exc:
+                        if damaged is None:
+                            raise
+                        damaged[k] = str(exc)
+        self._each_batch(keys, read)
         return out
 
 
@@ -1055,11 +1109,25 @@ class Index:
         return sh
 
     @contextmanager
+    def _counted_env(self) -> Iterator[lmdb.Environment]:
+        """The environment, inside the count of this thread's LMDB calls (:func:`_lmdb_calls`) while the block
+        runs. Taken outside the count (it may take _REGISTRY_LOCK, and open the environment), and taken again
+        when :meth:`_reopen_if_failed` closed it in between (which it does only while no call is counted)."""
+        for _ in range(2):
+            env = self.env
+            with _lmdb_calls():
+                sh = _REGISTRY.get((os.getpid(), self._real))
+                if sh is not None and sh.env is env and not sh.failed:
+                    yield env
+                    return
+        with _lmdb_calls():  # (opened afresh twice meanwhile: its calls raise, as a DeltackptError where typed)
+            yield env
+
+    @contextmanager
     def _writing(self) -> Iterator[lmdb.Environment]:
         """The environment, counted in :data:`_WRITERS` while the caller holds a write transaction on it."""
         key = (os.getpid(), self._real)
-        env = self.env
-        with _lmdb_calls():  # (outside the count of writers: a fork never falls between the two)
+        with self._counted_env() as env:  # (outside the count of writers: a fork never falls between the two)
             with _REGISTRY_LOCK:
                 _WRITERS[key] = _WRITERS.get(key, 0) + 1
             try:
@@ -1071,8 +1139,7 @@ class Index:
     @contextmanager
     def _read(self, db: Any = None) -> Iterator[lmdb.Transaction[bytes]]:
         """A read transaction, its LMDB calls counted for a fork (:func:`_lmdb_calls`)."""
-        env = self.env  # (outside the count: it may take _REGISTRY_LOCK, and open the environment)
-        with _lmdb_calls(), env.begin(db=db) as txn:
+        with self._counted_env() as env, env.begin(db=db) as txn:
             yield txn
 
     @contextmanager
@@ -1095,7 +1162,14 @@ class Index:
         page back), but LMDB refuses every later transaction of that handle (``MDB_PANIC``): the store's next
         saves, loads and listings in this process raised :class:`CorruptIndexError` naming a repair, for an index
         that is intact. The handles of this process share the new environment; one that cannot be opened now is
-        opened at their next use (:meth:`_shared`), which raises until it can."""
+        opened at their next use (:meth:`_shared`), which raises until it can.
+
+        The close waits, as a fork does (:func:`_before_fork`, at most :data:`FORK_WAIT_S`), until no other
+        thread is inside an LMDB call, and lets none start one meanwhile: py-lmdb frees what a call of another
+        thread may be reading. A transaction another thread holds between its calls ends with the close; its next
+        call raises, which a save's lookups (:class:`ChunkReader`) answer from a transaction of the new
+        environment, and other reads as a :class:`DeltackptError` saying so. When other threads' calls do not
+        end in time, the environment is left as it is (refusing every transaction, as before this existed)."""
         key = (os.getpid(), self._real)
         sh = _REGISTRY.get(key)
         if sh is None or sh.env is not env or sh.failed:
@@ -1108,11 +1182,23 @@ class Index:
             pass
         except lmdb.Error:
             return
-        with _REGISTRY_LOCK:
-            if _REGISTRY.get(key) is not sh or sh.failed:
-                return
-            sh.failed = True
-            env.close()  # (py-lmdb refuses a second open of its files in this process)
+        global _FORKING
+        me = threading.get_ident()
+        with _GATE:  # (the gate, then the registry lock: the order a fork takes them in)
+            if _FORKING is not None:
+                return  # (a fork in progress holds the gate's turn: the next failed write tries again)
+            _FORKING = me
+            try:
+                if not _GATE.wait_for(lambda: all(t == me for t in _CALLS), FORK_WAIT_S):
+                    return
+                with _REGISTRY_LOCK:
+                    if _REGISTRY.get(key) is not sh or sh.failed:
+                        return
+                    sh.failed = True
+                    env.close()  # (py-lmdb refuses a second open of its files in this process)
+            finally:
+                _FORKING = None
+                _GATE.notify_all()
         with contextlib.suppress(lmdb.Error, DeltackptError, OSError):  # (the failed write's error is the one raised)
             self._shared()
 
@@ -1208,17 +1294,14 @@ class Index:
         """One read transaction of the chunk table for many lookups (a save's, tensor after tensor), answered
         as of when it began, without a transaction (and the environment's checks) per call. Damaged pages raise
         :class:`CorruptIndexError`."""
-        env, db = self.env, self.db_chunks
         try:
-            with _lmdb_calls():
-                txn = env.begin(db=db, buffers=True)
+            reader = ChunkReader(self)
         except LMDB_DAMAGE as exc:
             raise _damage_error(self, exc) from exc
         try:
-            yield ChunkReader(self, txn)  # (its lookups count their calls: the caller's code in between does not)
+            yield reader  # (its lookups count their calls: the caller's code in between does not)
         finally:
-            with _lmdb_calls():
-                txn.abort()
+            reader._end()
 
     @_damage_is_corruption
     def iter_chunks(self) -> Iterator[tuple[bytes, ChunkLoc]]:

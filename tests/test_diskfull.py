@@ -519,3 +519,59 @@ def test_a_delete_whose_directory_fsync_fails_reports_the_delete_it_committed(tm
     with deltackpt.Store(tmp_path / "s") as s:
         assert [c.step for c in s.list()] == [0, 2] and s.verify().ok
         assert sorted(p.stem for p in (tmp_path / "s" / "manifests").iterdir()) == sorted(c.id for c in s.list())
+
+
+_META_FAILS_UNDER_READERS = """
+import threading
+from deltackpt import index
+index._CALLS_BATCH = 2  # (scans read 2 entries at a time: the scan below reads again after the failure)
+s = deltackpt.Store(sys.argv[1], chunk_size=4096)
+s.save({"w": torch.arange(4 * 4096.0)}, step=1)
+stored = sorted(k for k, _ in s.index.iter_chunks())
+scan = s.index.iter_chunks()
+next(scan)
+outcomes, stop = [], threading.Event()
+def read_on():  # another thread's loads, before, during and after the failed commit
+    while not stop.is_set():
+        try:
+            outcomes.append(torch.equal(s.load(step=1)["w"], torch.arange(4 * 4096.0)))
+        except deltackpt.DeltackptError as exc:
+            outcomes.append(type(exc).__name__)
+reader = threading.Thread(target=read_on)
+reader.start()
+with s.index.chunk_reader() as chunks:  # a save's lookups, begun before the environment is opened afresh
+    before = chunks.has(stored)
+    fail_io.fail_io_arm(b"meta", 1, errno.EIO)
+    try:
+        s.save({"w": -torch.arange(4 * 4096.0)}, step=2)
+    except deltackpt.errors.IndexWriteError:
+        pass
+    after = chunks.has(stored)
+try:
+    scanned = f"went on: {len(list(scan))} more"
+except Exception as exc:
+    scanned = f"{type(exc).__module__}.{type(exc).__name__}: {exc}"
+stop.set()
+reader.join()
+print(json.dumps({"fired": fail_io.fail_io_fired(), "before": len(before), "after": len(after),
+                  "stored": len(stored), "scan": scanned, "reads": sorted(set(map(str, outcomes))),
+                  "saved": s.save({"w": torch.arange(4 * 4096.0) + 3}, step=3).step}))
+"""
+
+
+def test_reads_in_progress_when_a_failed_commit_reopens_the_index_go_on_or_raise_typed(tmp_path: Path,
+                                                                                       fail_io: Path) -> None:
+    """The environment a failed meta page write left refusing every transaction is closed and opened afresh
+    (above). Transactions other code held across that close ended with it, and their next call raised py-lmdb's
+    own ``lmdb.Error`` ("Attempt to operate on closed/deleted/dropped object"), which is no DeltackptError: an
+    async save's lookups failed that way. A save's lookups now go on in a transaction of the new environment, a
+    scan begun before raises a DeltackptError saying what happened, and another thread's loads meanwhile either
+    load the checkpoint or raise a DeltackptError."""
+    out = run_failing(fail_io, _META_FAILS_UNDER_READERS, str(tmp_path / "s"))
+    assert out["fired"] == 1 and out["before"] == out["after"] == out["stored"] > 0, out
+    assert str(out["scan"]).startswith("deltackpt.errors.DeltackptError: the index of ") \
+        and "was opened afresh while this operation read it" in str(out["scan"]), out
+    assert "True" in out["reads"] and set(out["reads"]) <= {"True", "DeltackptError", "CorruptIndexError"}, out
+    assert out["saved"] == 3, out
+    with deltackpt.Store(tmp_path / "s") as s:
+        assert [c.step for c in s.list()] == [1, 3] and s.verify().ok
