@@ -251,23 +251,24 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def _tensor_change(ma: manifest.Manifest, a: manifest.TensorEntry, mb: manifest.Manifest,
-                   b: manifest.TensorEntry) -> tuple[str, str]:
-    """(what changed, chunks that differ of the chunks compared) between a tensor of ``ma`` and the tensor at
-    the same place in ``mb``; ('', ...) when their bytes and attributes are the same."""
+                   b: manifest.TensorEntry) -> tuple[str, int | None]:
+    """(what changed, how many of the tensor's chunks differ: None when its values were not compared) between a
+    tensor of ``ma`` and the tensor at the same place in ``mb``; what changed is '' when their bytes and
+    attributes are the same."""
     what = [f"{name} {_escaped(str(x))} -> {_escaped(str(y))}" for name, x, y in (
         ("kind", a.kind, b.kind), ("dtype", a.dtype, b.dtype),
         ("shape", "x".join(map(str, a.shape)) or "()", "x".join(map(str, b.shape)) or "()"),
         ("device", a.device, b.device), ("requires_grad", a.requires_grad, b.requires_grad),
         ("parameter", a.parameter, b.parameter)) if x != y]
     if (a.kind, a.dtype, a.shape) != (b.kind, b.dtype, b.shape):  # other values: nothing to compare
-        return ", ".join(what), ""
+        return ", ".join(what), None
     if ma.chunk_size != mb.chunk_size:  # (saved with another chunk size: digests of other byte ranges)
-        return ", ".join(["values not compared (chunk sizes differ)", *what]), ""
+        return ", ".join(["values not compared (chunk sizes differ)", *what]), None
     ra, rb = slice(a.first, a.first + a.count), slice(b.first, b.first + b.count)
     differ = int(((ma.digests[ra] != mb.digests[rb]).any(axis=1) | (ma.flags[ra] != mb.flags[rb])).sum())
     if differ:
         what.insert(0, "values")
-    return ", ".join(what), f"{differ}/{a.count}" if differ else ""
+    return ", ".join(what), differ
 
 
 def _tensor_index(m: manifest.Manifest, node: Any) -> int:
@@ -286,14 +287,16 @@ def cmd_diff(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         infos = [s.info(**_which(arg, s)) for arg in (args.a, args.b)]
         ma, mb = (s.manifest(id=i.id) for i in infos)
-    for side, i in zip("AB", infos):
-        print(f"{side}: checkpoint {i.id}  step {i.step}  created {when(i.created)}")
+    if not args.json:
+        for side, i in zip("AB", infos):
+            print(f"{side}: checkpoint {i.id}  step {i.step}  created {when(i.created)}")
     leaves = [{place: (path, node) for place, path, node in tree.leaf_nodes(m.tree)} for m in (ma, mb)]
     tensors = [{p: m.tensors[_tensor_index(m, n)] for p, (_, n) in lv.items() if n[0] in ("T", "A")} for m, lv in
                zip((ma, mb), leaves)]
     prefixes = [{place[:i] for place in lv for i in range(len(place) + 1)} for lv in leaves]
     gone: dict[tuple[str, tree.Place], list[int]] = {}  # (added|removed, subtree) -> [row, leaves, tensor bytes]
     rows: list[tuple[str, ...]] = []
+    docs: list[dict[str, Any]] = []  # (--json: each row as exact values, in the rows' order)
     counts: Counter[str] = Counter()
     for place in list(leaves[0]) + [p for p in leaves[1] if p not in leaves[0]]:
         a, b = leaves[0].get(place), leaves[1].get(place)
@@ -302,11 +305,14 @@ def cmd_diff(args: argparse.Namespace) -> int:
         assert either is not None  # (the place is a leaf of one side at least)
         path = _escaped(either[0]) or "<root>"
         shown = (_shown(a, ta), _shown(b, tb))
+        sides = (_side_json(a, ta), _side_json(b, tb)) if args.json else (None, None)
         if ta is not None and tb is not None:
-            what, chunks = _tensor_change(ma, ta, mb, tb)
+            what, differ = _tensor_change(ma, ta, mb, tb)
             counts["tensors changed" if what else "tensors the same"] += 1
             if what or args.all:
-                rows.append((path, what or "same", chunks, *shown))
+                rows.append((path, what or "same", f"{differ}/{ta.count}" if differ else "", *shown))
+                docs.append(_row_json(either[0], what or "same", *sides,
+                                      chunks=None if differ is None else {"differ": differ, "of": ta.count}))
         elif (a is None or b is None) and either[1][0] in _CONTAINER_NAMES \
                 and place in prefixes[0 if a is None else 1]:
             continue  # an empty container the other side fills: its entries are the rows
@@ -319,6 +325,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
             if (kind, root) not in gone:
                 gone[kind, root] = [len(rows), 0, 0]
                 rows.append((path, kind, "", *shown))
+                docs.append(_row_json(either[0], kind, *sides))
             group = gone[kind, root]
             group[1] += 1
             entry = ta if ta is not None else tb
@@ -326,16 +333,21 @@ def cmd_diff(args: argparse.Namespace) -> int:
             if group[1] > 1:
                 size = f"{group[1]} leaves, {human(group[2])}"
                 rows[group[0]] = (_place_path(root), kind, "", "-" if a is None else size, size if a is None else "-")
+                subtree = {"leaves": group[1], "bytes": group[2]}
+                docs[group[0]] = _row_json(_place_key(root), kind, None if a is None else subtree,
+                                           subtree if a is None else None)
         elif a[1] != b[1] and a[1][0] in _CONTAINER_NAMES and b[1][0] in _CONTAINER_NAMES:
             continue  # two empty containers of other types: that is the containers' row below
         elif ta is not None or tb is not None or a[1] != b[1]:
             counts["values changed"] += 1
             kind = "tensor -> value" if ta is not None else "value -> tensor" if tb is not None else "value"
             rows.append((path, kind, "", *shown))
+            docs.append(_row_json(either[0], kind, *sides))
         else:
             counts["values the same"] += 1
             if args.all:
                 rows.append((path, "same", "", *shown))
+                docs.append(_row_json(either[0], "same", *sides))
     kinds = [{place: (path, _container(node)) for place, path, node in tree.container_nodes(m.tree)}
              for m in (ma, mb)]
     for place, (path, ka) in kinds[0].items():  # a tuple that became a list, a deque's maxlen, key 1 become True
@@ -344,19 +356,55 @@ def cmd_diff(args: argparse.Namespace) -> int:
             counts["containers changed"] += 1
             what = f"type {ka[0]} -> {kb[0]}" if ka[0] != kb[0] else "dict key types"
             # the keys each side stores and the other does not, as Python shows them (1 on one side, True on the other)
-            keys = [_escaped(", ".join(sorted(dict(k[3])[j] for j in k[1] - o[1])))[:40] if ka[0] == kb[0] else k[0]
-                    for k, o in ((ka, kb), (kb, ka))]
+            only = [sorted(dict(k[3])[j] for j in k[1] - o[1]) for k, o in ((ka, kb), (kb, ka))]
+            keys = [_escaped(", ".join(o))[:40] if ka[0] == kb[0] else k[0] for o, k in zip(only, (ka, kb))]
             rows.append((_escaped(path) or "<root>", what, "", *keys))
+            side_a, side_b = ({"keys": o} if ka[0] == kb[0] else {"type": k[0]} for o, k in zip(only, (ka, kb)))
+            docs.append(_row_json(path, what, side_a, side_b))
         elif ka[0] == kb[0] and (order := _common_order(ka[3], kb[3])):  # (loads keep the order)
             counts["containers changed"] += 1
-            rows.append((_escaped(path) or "<root>", "dict key order", "", *(_escaped(o)[:40] for o in order)))
+            rows.append((_escaped(path) or "<root>", "dict key order", "",
+                         *(_escaped(", ".join(o))[:40] for o in order)))
+            docs.append(_row_json(path, "dict key order", {"keys": order[0]}, {"keys": order[1]}))
+    differ = sum(n for what, n in counts.items() if not what.endswith("the same"))
+    rc = 1 if args.exit_code and differ else 0
+    if args.json:
+        _print_json({"a": _info_json(infos[0]), "b": _info_json(infos[1]), "changes": docs,
+                     "counts": {what.replace(" the ", " ").replace(" ", "_"): counts[what] for what in _DIFF_COUNTS},
+                     "differ": bool(differ)})
+        return rc
     if rows:
         print()
         print(table(rows, ["key", "change", "chunks", "A", "B"], right={2}))
     print()
     print(", ".join(f"{what}: {n}" for what, n in counts.items() if n) or "both states are empty")
-    differ = sum(n for what, n in counts.items() if not what.endswith("the same"))
-    return 1 if args.exit_code and differ else 0
+    return rc
+
+
+#: what ``diff`` counts (its last line; ``--json``'s ``counts``, named with underscores: ``tensors_same``)
+_DIFF_COUNTS = ("tensors changed", "tensors the same", "values changed", "values the same", "added", "removed",
+                "containers changed")
+
+
+def _row_json(key: str, change: str, a: Any, b: Any, chunks: dict[str, int] | None = None) -> dict[str, Any]:
+    """A row of ``diff``'s table as ``--json`` prints it: the key path as the state holds it ('' for the root),
+    what changed, the chunks that differ of those compared (null when the values were not compared: another
+    dtype, shape or chunk size, or no tensor on one side), and each side (null when it has nothing there)."""
+    return {"key": key, "change": change, "chunks": chunks, "a": a, "b": b}
+
+
+def _side_json(leaf: tuple[str, Any] | None, t: manifest.TensorEntry | None) -> dict[str, Any] | None:
+    """One side of a ``diff --json`` row (what :func:`_shown` shows, exactly): a tensor's ``dtype``, ``shape``
+    and ``bytes``; a plain value's ``value`` in full; ``undecoded`` (as ``get`` shows it) for a value not
+    decoded here (a pickled one is never unpickled); None when absent."""
+    if leaf is None:
+        return None
+    if t is not None:
+        return {"dtype": t.dtype, "shape": list(t.shape), "bytes": t.nbytes}
+    try:
+        return {"value": tree.decode_plain(leaf[1])}
+    except DeltackptError:
+        return {"undecoded": _undecoded(leaf[1])}
 
 
 _CONTAINER_NAMES = {"d": "dict", "o": "OrderedDict", "C": "Counter", "D": "defaultdict", "l": "list", "t": "tuple",
@@ -382,13 +430,13 @@ def _container(node: Any) -> tuple[str, frozenset[str], frozenset[Any], tuple[tu
     return name, frozenset(stored), frozenset(keys), tuple(zip(stored, map(_repr, keys)))
 
 
-def _common_order(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]) -> tuple[str, str] | None:
-    """The keys both sides hold, as each orders them (``repr``s, comma-separated), when the orders differ."""
+def _common_order(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]) -> tuple[list[str], list[str]] | None:
+    """The keys both sides hold, as each orders them (``repr``s), when the orders differ."""
     common = {k for k, _ in a} & {k for k, _ in b}
     order = [[(k, r) for k, r in side if k in common] for side in (a, b)]
     if [k for k, _ in order[0]] == [k for k, _ in order[1]]:
         return None
-    return ", ".join(r for _, r in order[0]), ", ".join(r for _, r in order[1])
+    return [r for _, r in order[0]], [r for _, r in order[1]]
 
 
 def _repr(value: Any) -> str:
@@ -396,6 +444,15 @@ def _repr(value: Any) -> str:
         return repr(value)
     except ValueError:  # an int of more digits than Python converts at once (or a container holding one)
         return tree.int_text(value) if type(value) is int else f"<{type(value).__name__}>"
+
+
+def _place_key(place: tree.Place) -> str:
+    """The key path of ``place`` as the state holds it (not escaped; '' for the root)."""
+    path = ""
+    for kind, key in place:
+        if kind in ("k", "i"):
+            path = tree.child_path(path, key)
+    return path
 
 
 def _place_path(place: tree.Place) -> str:
@@ -1335,6 +1392,7 @@ def build_parser() -> argparse.ArgumentParser:
     df.add_argument("b", help="step, 'latest' or id")
     df.add_argument("--all", action="store_true", help="also list what is the same")
     df.add_argument("--exit-code", action="store_true", help="exit 1 when they differ (as git diff --exit-code)")
+    df.add_argument("--json", action="store_true", help=json_help)
     gt = add("get", cmd_get, "print a value of a checkpoint, or a tensor's statistics and values (only its chunks are "
              "read); a key path names a subtree too")
     gt.add_argument("checkpoint", help="step, 'latest' or id")

@@ -284,6 +284,73 @@ def test_diff_lists_what_changed_between_two_checkpoints(capsys: pytest.CaptureF
     assert dir_snapshot(store_path) == before
 
 
+def test_diff_json_holds_each_row_exactly_and_keeps_the_exit_status(capsys: pytest.CaptureFixture[str],
+                                                                     store_path: Path) -> None:
+    """``diff --json``: both checkpoints' fields, one entry per row of the table with exact sizes, chunk counts and
+    values in full, the counts of the last line, and the exit status as without it (--exit-code: 1 when they
+    differ); an error is one line on stderr and nothing on stdout."""
+    import collections
+
+    w = rand(3 * CS, 0)
+    w2 = w.clone()
+    w2[CS // 4 + 1] += 1  # one element of the second of three chunks
+    long = "x" * 100  # (the table shortens it to 40 characters; --json prints it in full)
+    s1 = {"w": w, "x": torch.zeros(4), "gone": torch.ones(1), "lr": 0.1, "name": long, "t": (1, 2),
+          "k": {1: "v"}, "od": collections.OrderedDict(a=1, b=2), "same": [1, 2]}
+    s2 = {"w": w2, "x": torch.zeros(4, dtype=torch.float64), "lr": float("nan"), "name": long + "!", "t": [1, 2],
+          "k": {True: "v"}, "od": collections.OrderedDict(b=2, a=1), "same": [1, 2],
+          "opt": {"m": torch.ones(3), "v": torch.ones(3), "k": 1}}
+    with open_store(store_path) as s:
+        s.save(s1, step=1)
+        s.save(s2, step=2)
+        infos = s.list()
+        ma, mb = (s.manifest(id=i.id) for i in infos)
+    by_key = [{t.key: t for t in m.tensors} for m in (ma, mb)]
+    rc, out, err = cli(capsys, "diff", store_path, 1, 2, "--json")
+    assert (rc, err) == (0, "")
+    doc = _strict_json(out)
+    assert [doc["a"]["id"], doc["b"]["id"]] == [i.id for i in infos]
+    assert (doc["a"]["step"], doc["b"]["created"], doc["b"]["logical_bytes"]) == (1, infos[1].created,
+                                                                                 infos[1].logical_bytes)
+    rows = {r["key"]: r for r in doc["changes"]}
+    assert len(rows) == len(doc["changes"])
+    wa, wb = by_key[0]["w"], by_key[1]["w"]
+    assert rows["w"] == {"key": "w", "change": "values", "chunks": {"differ": 1, "of": wa.count},
+                         "a": {"dtype": wa.dtype, "shape": list(wa.shape), "bytes": wa.nbytes},
+                         "b": {"dtype": wb.dtype, "shape": list(wb.shape), "bytes": wb.nbytes}}
+    assert (rows["x"]["change"], rows["x"]["chunks"]) == ("dtype float32 -> float64", None)
+    assert (rows["x"]["a"]["bytes"], rows["x"]["b"]["bytes"]) == (by_key[0]["x"].nbytes, by_key[1]["x"].nbytes)
+    assert (rows["gone"]["change"], rows["gone"]["a"]["bytes"], rows["gone"]["b"]) == ("removed", 4, None)
+    assert (rows["lr"]["a"], rows["lr"]["b"]) == ({"value": 0.1}, {"value": "nan"})
+    assert (rows["name"]["a"], rows["name"]["b"]) == ({"value": long}, {"value": long + "!"})
+    assert rows["opt"]["change"] == "added" and rows["opt"]["a"] is None
+    assert rows["opt"]["b"] == {"leaves": 3, "bytes": by_key[1]["opt.m"].nbytes + by_key[1]["opt.v"].nbytes}
+    assert (rows["t"]["change"], rows["t"]["a"], rows["t"]["b"]) == ("type tuple -> list", {"type": "tuple"},
+                                                                     {"type": "list"})
+    assert (rows["k"]["change"], rows["k"]["a"], rows["k"]["b"]) == ("dict key types", {"keys": ["1"]},
+                                                                     {"keys": ["True"]})
+    assert (rows["od"]["a"], rows["od"]["b"]) == ({"keys": ["'a'", "'b'"]}, {"keys": ["'b'", "'a'"]})
+    assert "same" not in rows and "same[0]" not in rows
+    assert doc["differ"] is True and doc["counts"] == {
+        "tensors_changed": 2, "tensors_same": 0, "values_changed": 2, "values_same": 7, "added": 3, "removed": 1,
+        "containers_changed": 3}
+    rc, out, _ = cli(capsys, "diff", store_path, 1, 2)  # the same rows and counts as the table
+    assert set(_diff_rows(out)) == set(rows) and rc == 0
+    assert set(out.splitlines()[-1].split(", ")) == {f"{k.replace('_', ' ').replace('same', 'the same')}: {n}"
+                                                     for k, n in doc["counts"].items() if n}
+    assert cli(capsys, "diff", store_path, 1, 2, "--json", "--exit-code")[0] == 1
+    rc, out, err = cli(capsys, "diff", store_path, 2, 2, "--json", "--exit-code", "--all")
+    doc = _strict_json(out)
+    assert (rc, err, doc["differ"]) == (0, "", False)
+    assert {r["change"] for r in doc["changes"]} == {"same"} and len(doc["changes"]) == sum(doc["counts"].values())
+    assert {r["key"]: r["chunks"] for r in doc["changes"] if r["a"].get("dtype")} == {
+        t.key: {"differ": 0, "of": t.count} for t in mb.tensors}
+    assert next(r for r in doc["changes"] if r["key"] == "same[1]")["b"] == {"value": 2}
+    rc, out, err = cli(capsys, "diff", store_path, 1, 3, "--json")
+    assert (rc, out) == (1, "")
+    assert_one_line_error(err, "step 3")
+
+
 @pytest.mark.parametrize("command", [("diff", 1, 2), ("show", 2)], ids=["diff", "show"])
 def test_manifest_commands_run_no_garbage_collection(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                      command: tuple[Any, ...]) -> None:
