@@ -498,6 +498,16 @@ def cmd_get(args: argparse.Namespace) -> int:
                                  f"{args.store} {ref} {ref} --all' lists its key paths)")
         wanted = sorted({_tensor_index(m, node) for _, node in chosen if node[0] in ("T", "A")})
         arrays = dict(zip(wanted, s._read_tensors(info.id, wanted)))
+    if args.json:
+        # a key path naming one leaf itself: that leaf (a plain value as itself); else (a container, or a path
+        # that names several leaves) a list of the leaves under it, as the table's lines
+        first = chosen[0][0]
+        if len(chosen) == 1 and (key in (first, _escaped(first)) or (key == "<root>" and first == "")):
+            leaf = _leaf_json(*chosen[0], m, arrays, values=True)
+            _print_json(leaf if chosen[0][1][0] in ("T", "A") else leaf["value"])
+        else:
+            _print_json([_leaf_json(p, n, m, arrays, values=len(chosen) == 1) for p, n in chosen])
+        return 0
     for path, node in chosen:
         if node[0] in ("T", "A"):
             t, value = m.tensors[int(node[1])], arrays[int(node[1])]
@@ -511,6 +521,33 @@ def cmd_get(args: argparse.Namespace) -> int:
         else:
             print(f"{_escaped(path) or '<root>'}: {_shown((path, node), None) if len(chosen) > 1 else _plain(node)}")
     return 0
+
+
+def _leaf_json(path: str, node: Any, m: manifest.Manifest, arrays: dict[int, Any], *,
+               values: bool) -> dict[str, Any]:
+    """A leaf as ``get --json`` prints it: its ``key`` (as the state holds it), and a plain value's ``value`` in
+    full (a pickled one, never unpickled here, as the table shows it), or a tensor's ``kind``, ``dtype``,
+    ``shape``, ``statistics`` (:func:`_statistics`) and, with ``values``, its ``values`` as nested lists when
+    the table prints every one (at most torch's and numpy's print threshold, 1000 elements), else null."""
+    if node[0] not in ("T", "A"):
+        try:
+            return {"key": path, "value": tree.decode_plain(node)}
+        except DeltackptError:
+            return {"key": path, "value": _undecoded(node)}
+    t, value = m.tensors[int(node[1])], arrays[int(node[1])]
+    doc: dict[str, Any] = {"key": path, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
+                           "statistics": _statistics(value)}
+    if values:
+        size = value.size if isinstance(value, np.ndarray) else value.numel()
+        try:
+            doc["values"] = value.tolist() if size <= _PRINT_THRESHOLD else None
+        except (RuntimeError, TypeError):  # (sub-byte dtypes: torch cannot convert their values)
+            doc["values"] = None
+    return doc
+
+
+#: elements up to which torch and numpy print every value of a tensor (their default print threshold)
+_PRINT_THRESHOLD = 1000
 
 
 def _plain(node: Any) -> str:
@@ -532,25 +569,43 @@ _STATS_BLOCK = 1 << 18
 
 
 def _stats(value: torch.Tensor | Any) -> str:
-    """Summary statistics of a tensor or array for ``deltackpt get``: min, max, mean and std (population:
-    ddof=0) of its finite values and how many are not finite (floats), min and max (integers, exact), how many
-    are true (bools)."""
-    if value.size == 0 if isinstance(value, np.ndarray) else value.numel() == 0:
+    """Summary statistics of a tensor or array for ``deltackpt get`` (:func:`_statistics`), as its line shows
+    them."""
+    size = value.size if isinstance(value, np.ndarray) else value.numel()
+    if size == 0:
         return "  (empty)"
+    st = _statistics(value)
+    if "true" in st:
+        return f"  true {st['true']} of {size}"
+    tail = f"  non-finite {st['non_finite']}" if st.get("non_finite") else ""
+    if "mean" in st:
+        return f"  min {st['min']:.6g} max {st['max']:.6g} mean {st['mean']:.6g} std {st['std']:.6g}{tail}"
+    if "min" in st:
+        return f"  min {tree.int_text(st['min'])} max {tree.int_text(st['max'])}"
+    return tail
+
+
+def _statistics(value: torch.Tensor | Any) -> dict[str, Any]:
+    """Summary statistics of a tensor or array for ``deltackpt get``: ``min``, ``max``, ``mean`` and ``std``
+    (population: ddof=0) of its finite values and how many are not finite, ``non_finite`` (floats; only that when
+    none is finite), ``min`` and ``max`` (integers, exact), how many are ``true`` (bools); none of an empty one,
+    or of a dtype with no order (complex) or that torch cannot compute with."""
+    if value.size == 0 if isinstance(value, np.ndarray) else value.numel() == 0:
+        return {}
     try:
         if not isinstance(value, np.ndarray):  # a tensor (asked this way round, an array's get imports no torch)
             t = value.detach().reshape(-1)
             if t.dtype == torch.bool:
-                return f"  true {int(t.sum())} of {t.numel()}"
+                return {"true": int(t.sum())}
             if t.is_complex():
-                return ""
+                return {}
             if not t.is_floating_point():  # (exact: not through float64, which rounds past 2**53)
                 try:
                     lo, hi = (int(v) for v in t.aminmax())
                 except RuntimeError:  # (not implemented for every dtype: uint64, say)
                     a = t.numpy()
                     lo, hi = int(a.min()), int(a.max())
-                return f"  min {tree.int_text(lo)} max {tree.int_text(hi)}"
+                return {"min": lo, "max": hi}
             try:
                 value = t.numpy()  # (float16, 32, 64: numpy converts the blocks below, no torch call each)
             except TypeError:  # (bfloat16, float8: torch converts them)
@@ -562,17 +617,17 @@ def _stats(value: torch.Tensor | Any) -> str:
         if isinstance(value, np.ndarray):
             a = value.reshape(-1)
             if a.dtype.kind == "b":
-                return f"  true {int(a.sum())} of {a.size}"
+                return {"true": int(a.sum())}
             if a.dtype.kind in "iu":
-                return f"  min {tree.int_text(int(a.min()))} max {tree.int_text(int(a.max()))}"
+                return {"min": int(a.min()), "max": int(a.max())}
             if a.dtype.kind != "f":
-                return ""
+                return {}
             size = a.size
 
             def block(i: int) -> np.ndarray:
                 return a[i:i + _STATS_BLOCK].astype(np.float64)
     except (RuntimeError, TypeError):  # (a dtype torch cannot compute with: sub-byte integers, say)
-        return ""
+        return {}
     # Block by block in float64, two passes as numpy's std makes them: whole-array temporaries (the float64 copy,
     # the finite values, std's deviations) took seven times a large tensor's own memory.
     count, total, least, most = 0, 0.0, np.inf, -np.inf
@@ -582,16 +637,16 @@ def _stats(value: torch.Tensor | Any) -> str:
         if x.size:
             count, total = count + x.size, total + float(x.sum())
             least, most = min(least, float(x.min())), max(most, float(x.max()))
-    tail = f"  non-finite {size - count}" if count < size else ""
     if count == 0:
-        return tail
+        return {"non_finite": size}
     mean = total / count
     squares = 0.0
     for i in range(0, size, _STATS_BLOCK):
         x = block(i)
         x = x[np.isfinite(x)] - mean
         squares += float(np.dot(x, x))
-    return f"  min {least:.6g} max {most:.6g} mean {mean:.6g} std {np.sqrt(squares / count):.6g}{tail}"
+    return {"min": least, "max": most, "mean": mean, "std": float(np.sqrt(squares / count)),
+            "non_finite": size - count}
 
 
 def cmd_log(args: argparse.Namespace) -> int:
@@ -1397,6 +1452,8 @@ def build_parser() -> argparse.ArgumentParser:
              "read); a key path names a subtree too")
     gt.add_argument("checkpoint", help="step, 'latest' or id")
     gt.add_argument("key", help="key path, as show and diff print it (model.fc.weight, optimizer.param_groups[0].lr)")
+    gt.add_argument("--json", action="store_true", help="print the value (or the tensor, or the leaves under the "
+                    "key path) as one JSON document")
     add("log", cmd_log, "show checkpoint lineage (parents and branches)").add_argument(
         "--json", action="store_true", help=json_help)
     add("du", cmd_du, "logical vs stored bytes, dedup and compression ratios").add_argument(

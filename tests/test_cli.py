@@ -812,6 +812,61 @@ def test_get_prints_values_and_tensors(capsys: pytest.CaptureFixture[str], store
     assert dir_snapshot(store_path) == before
 
 
+def test_get_json_prints_a_value_a_tensor_or_the_leaves_of_a_subtree(capsys: pytest.CaptureFixture[str],
+                                                                     store_path: Path) -> None:
+    """``get --json``: a plain value as itself; a tensor's kind, dtype, shape, exact statistics (those numpy
+    computes of its finite values) and its values where the table prints every one; a subtree (a container, even
+    of one leaf; a key path naming several leaves) a list of its leaves as the table's lines. Errors stay one line
+    with nothing on stdout."""
+    w = torch.tensor([[1.0, -2.0, float("nan")], [4.0, float("inf"), 0.5]])
+    big = torch.arange(1001, dtype=torch.float32) / 7  # (past the print threshold: the table summarizes)
+    state = {"w": w, "n": torch.tensor([-(2**62) - 1, 5]), "b": torch.tensor([True, False, True]),
+             "e": torch.zeros(0), "a": np.arange(4, dtype=np.int16), "big": big, "nan": torch.full((2,), float("nan")),
+             "opt": {"lr": 0.25, "name": "a\nb", "k": [1, 2], "m": torch.ones(2)}, "one": {"x": (7,)},
+             "": {"d": 5}, "d": 6, "f": float("-inf")}
+    with open_store(store_path) as s:
+        s.save(state, step=1)
+        loaded = s.load(step=1)
+
+    def get(key: str) -> Any:
+        rc, out, err = cli(capsys, "get", store_path, 1, key, "--json")
+        assert (rc, err) == (0, "")
+        return _strict_json(out)
+
+    assert get("opt.lr") == loaded["opt"]["lr"] and get("opt.name") == "a\nb" and get("f") == "-inf"
+    assert get("opt.k[1]") == loaded["opt"]["k"][1]
+    doc = get("w")
+    x = loaded["w"].double().numpy()
+    finite = x[np.isfinite(x)]
+    assert (doc["key"], doc["kind"], doc["dtype"], doc["shape"]) == ("w", "torch", "float32", list(w.shape))
+    assert doc["statistics"] == {"min": finite.min(), "max": finite.max(), "mean": pytest.approx(finite.mean()),
+                                 "std": pytest.approx(finite.std()), "non_finite": x.size - finite.size}
+    assert doc["values"] == [[1.0, -2.0, "nan"], [4.0, "inf", 0.5]]
+    assert get("n")["statistics"] == {"min": -(2**62) - 1, "max": 5}  # (exact, past 2**53)
+    assert get("n")["values"] == loaded["n"].tolist()
+    assert get("b")["statistics"] == {"true": int(loaded["b"].sum())}
+    assert (get("e")["statistics"], get("e")["values"]) == ({}, [])
+    assert get("nan")["statistics"] == {"non_finite": 2}
+    doc = get("a")
+    assert (doc["kind"], doc["statistics"], doc["values"]) == ("numpy", {"min": 0, "max": 3}, loaded["a"].tolist())
+    doc = get("big")
+    assert doc["values"] is None and doc["statistics"]["max"] == pytest.approx(float(loaded["big"].max()))
+    rc, out, _ = cli(capsys, "get", store_path, 1, "big")
+    assert "..." in out  # (the table prints some of its values only)
+    leaves = get("opt")  # a subtree: its leaves in order, tensors without their values
+    assert [leaf["key"] for leaf in leaves] == ["opt.lr", "opt.name", "opt.k[0]", "opt.k[1]", "opt.m"]
+    assert [leaf.get("value") for leaf in leaves[:4]] == [0.25, "a\nb", 1, 2]
+    assert leaves[4] == {"key": "opt.m", "kind": "torch", "dtype": "float32", "shape": [2],
+                         "statistics": {"min": 1.0, "max": 1.0, "mean": 1.0, "std": 0.0, "non_finite": 0}}
+    assert get("one") == get("one.x") == [{"key": "one.x[0]", "value": 7}]  # (a container of one leaf)
+    assert get("d") == [{"key": "d", "value": 5}, {"key": "d", "value": 6}]  # (two leaves of one key path)
+    rc, out, _ = cli(capsys, "get", store_path, 1, "<root>")  # every leaf, as the table's lines
+    assert [leaf["key"] for leaf in get("<root>")] == [line.split(": ")[0] for line in out.splitlines()]
+    rc, out, err = cli(capsys, "get", store_path, 1, "op", "--json")
+    assert (rc, out) == (1, "")
+    assert_one_line_error(err, "holds nothing at 'op'")
+
+
 def test_get_statistics_work_in_blocks_not_float64_copies() -> None:
     """``get``'s statistics of a large float tensor or array take a few blocks of temporaries, not several float64
     copies of it (a 300 MB tensor peaked 2.1 GB above it: its float64 copy, the finite values' copy, std's
