@@ -851,7 +851,8 @@ def cmd_keep(args: argparse.Namespace) -> int:
         raise DeltackptError(f"{args.store} is a store of the sharded (DCP) root {parent}: thinning it alone would "
                              f"break the steps that name its checkpoints; 'deltackpt keep {parent}' thins the "
                              "root's steps")
-    if _is_dcp_root(root):  # its steps
+    dcp = _is_dcp_root(root)
+    if dcp:  # its steps
         from deltackpt import distributed
 
         # the steps, with the metadata their writers were given (from the meta store alone: no rank store opened)
@@ -860,9 +861,11 @@ def cmd_keep(args: argparse.Namespace) -> int:
         _check_metric(policy, listed)
         total = len(listed)
         dropped = distributed.retain(root, policy, dry_run=args.dry_run)
-        for info in dropped:
-            print(f"{verb} step {info.step} (committed {when(info.created)}) {_meta_str(info.metadata)}".rstrip())
-        print(f"{verb} {len(dropped)} of {total} step(s)")
+        deleted = [{"step": i.step, "id": i.id, "committed": i.created, "metadata": i.metadata} for i in dropped]
+        if not args.json:
+            for info in dropped:
+                print(f"{verb} step {info.step} (committed {when(info.created)}) {_meta_str(info.metadata)}".rstrip())
+            print(f"{verb} {len(dropped)} of {total} step(s)")
         stores = distributed.stores(root)
         verify, gc = f"deltackpt dcp {root} --verify", f"deltackpt dcp {root} --gc"
     else:
@@ -871,10 +874,18 @@ def cmd_keep(args: argparse.Namespace) -> int:
             _check_metric(policy, infos)
             total = len(infos)
             dropped = s.retain(policy, dry_run=args.dry_run)
-        for info in dropped:
-            print(f"{verb} checkpoint {info.id} (step {info.step}) {_meta_str(info.metadata)}".rstrip())
-        print(f"{verb} {len(dropped)} of {total} checkpoint(s)")
+        deleted = [_info_json(i) for i in dropped]
+        if not args.json:
+            for info in dropped:
+                print(f"{verb} checkpoint {info.id} (step {info.step}) {_meta_str(info.metadata)}".rstrip())
+            print(f"{verb} {len(dropped)} of {total} checkpoint(s)")
         stores, verify, gc = [Path(args.store)], "deltackpt verify", "deltackpt gc"
+    if args.json:  # (the exit status as without --json: 1 when a gc's repacking stopped or met damage)
+        reports: list[dict[str, Any]] | None = [] if args.gc and not args.dry_run else None
+        rc = _gc_stores(stores, verify, reports) if reports is not None else 0
+        _print_json({"dry_run": args.dry_run, "dcp_root": dcp, "deleted": deleted, "total": total,
+                     "gc": reports})
+        return rc
     if args.gc and not args.dry_run:
         return _gc_stores(stores, verify)
     if dropped and not args.dry_run:
@@ -909,12 +920,18 @@ def _check_metric(policy: Any, infos: Sequence[Any]) -> None:
                              "nothing deleted")
 
 
-def _gc_stores(stores: Sequence[Path], verify: str) -> int:
-    """gc each store, printing what each freed; the worst exit status of :func:`_gc_problems`."""
+def _gc_stores(stores: Sequence[Path], verify: str, reports: list[dict[str, Any]] | None = None) -> int:
+    """gc each store, printing what each freed (or, given ``reports``, putting there each store's ``store`` name
+    and the fields of its report, and printing nothing: ``--json``); the worst exit status of
+    :func:`_gc_problems`."""
     rc = 0
     for path in stores:
         with Store(path) as s:
             r = s.gc()
+        if reports is not None:
+            reports.append({"store": path.name, **dataclasses.asdict(r)})
+            rc = max(rc, 1 if r.repack_stopped or r.damaged_packs else 0)
+            continue
         print(f"gc {path.name}: freed {human(r.freed_bytes)}")
         rc = max(rc, _gc_problems(r, f"{path.name}: ", verify))
     return rc
@@ -1488,6 +1505,8 @@ def build_parser() -> argparse.ArgumentParser:
     kp.add_argument("--no-tagged", action="store_true", help="do not keep tagged checkpoints for their tag")
     kp.add_argument("--dry-run", action="store_true", help="print what would be deleted, delete nothing")
     kp.add_argument("--gc", action="store_true", help="then reclaim the space (gc every store)")
+    kp.add_argument("--json", action="store_true", help="print what it deleted (and what gc did) as one JSON "
+                    "document")
     dc = add("dcp", cmd_dcp,
              "list (and delete, prune, gc, verify) the steps of a sharded torch.distributed.checkpoint root",
              store="the sharded (DCP) checkpoint root (holding meta/ and rank-NNNNN/ stores)")

@@ -1103,6 +1103,99 @@ def test_keep_applies_a_retention_policy_and_dry_run_changes_nothing(capsys: pyt
             assert_same_state(s.load(id=i.id), states[i.step])
 
 
+def test_keep_json_names_what_it_deleted_and_what_gc_did(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                         tmp_path: Path) -> None:
+    """``keep --json``: the checkpoints the policy drops (as ``Store.retain`` names them), with --dry-run deleting
+    nothing; with --gc each store's gc report, and the exit status 1 when a gc met a damaged live frame, as
+    without --json. A refused policy is one line on stderr and nothing on stdout."""
+    with open_store(store_path) as s:
+        for i in range(6):
+            s.save({"w": rand(2 * CS, i)}, step=i, metadata={"loss": 0.5 if i == 1 else 10.0 - i, "run": (i, "x")})
+        policy = deltackpt.Retention(keep_last=2, keep_best=("loss", "min"))
+        dropped = s.retain(policy, dry_run=True)
+    before = dir_snapshot(store_path)
+    rc, out, err = cli(capsys, "keep", store_path, "--last", "2", "--best", "loss:min", "--dry-run", "--json")
+    doc = _strict_json(out)
+    assert (rc, err, doc["dry_run"], doc["dcp_root"], doc["total"], doc["gc"]) == (0, "", True, False, 6, None)
+    assert [(d["id"], d["step"], d["created"], d["parent"], d["logical_bytes"], d["written_bytes"]) for d in
+            doc["deleted"]] == [(i.id, i.step, i.created, i.parent, i.logical_bytes, i.written_bytes) for i in dropped]
+    assert [d["metadata"] for d in doc["deleted"]] == [{"loss": i.metadata["loss"], "run": [i.step, "x"]}
+                                                      for i in dropped]
+    assert dir_snapshot(store_path) == before and len(dropped) == 3
+    packs_before = sum(p.stat().st_size for p in pack_files(store_path))
+    rc, out, err = cli(capsys, "keep", store_path, "--last", "2", "--best", "loss:min", "--gc", "--json")
+    doc = _strict_json(out)
+    assert (rc, err, doc["dry_run"], doc["total"]) == (0, "", False, 6)
+    assert [d["id"] for d in doc["deleted"]] == [i.id for i in dropped]
+    with open_store(store_path) as s:
+        assert {i.id for i in s.list()}.isdisjoint(d["id"] for d in doc["deleted"]) and len(s.list()) == 3
+    (report,) = doc["gc"]
+    assert report["store"] == store_path.name and (report["repack_stopped"], report["damaged_packs"]) == (None, [])
+    assert report["freed_bytes"] == packs_before - sum(p.stat().st_size for p in pack_files(store_path)) > 0
+    rc, out, err = cli(capsys, "keep", store_path, "--last", "1", "--best", "lost:min", "--json")
+    assert (rc, out) == (1, "")
+    assert_one_line_error(err, "no checkpoint records 'lost'")
+
+    damaged = tmp_path / "damaged"  # a sparse pack whose live frame is damaged: gc does not repack it
+    a = rand(CS, 7)
+    with open_store(damaged) as s:
+        s.save({"a": a, "b": rand(6 * CS, 8)}, step=1)
+        s.save({"a": a}, step=2)
+        m = s.manifest(step=2)
+        (_, d, n), = m.chunk_keys(m.tensors[0])
+        loc = s.index.lookup_chunks([chunk_key(d, n)])[chunk_key(d, n)]
+    damage_frame(damaged, loc)
+    rc, out, err = cli(capsys, "keep", damaged, "--last", "1", "--gc", "--json")
+    doc = _strict_json(out)
+    assert (rc, err, [d["step"] for d in doc["deleted"]]) == (1, "", [1])
+    assert len(doc["gc"][0]["damaged_packs"]) == 1 and loc.pack_id in doc["gc"][0]["damaged_packs"][0]
+
+
+def _dcp_root(root: Path, steps: Any) -> None:
+    """A sharded (DCP) root under ``root`` of one rank, one step each of ``steps`` (a float tensor that changes a
+    little each step), saved in this process; each step's metadata records its ``loss``."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from deltackpt.distributed import DeltaStorageWriter
+
+    x = rand(4 * CS, 0)
+    w = DeltaStorageWriter(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in steps:
+            w.step, w.metadata = step, {"loss": 0.1 if step == 2 else 10.0 - step}
+            x[:10] += 1.0
+            dcp.save({"x": x}, storage_writer=w, no_dist=True)
+    w.close()
+
+
+def test_keep_json_on_a_dcp_root_names_the_steps(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """``keep --json`` on a sharded (DCP) root: the steps it drops (as ``distributed.retain`` names them, with
+    their writers' metadata), and with --gc the report of each store of the root."""
+    from deltackpt import distributed
+
+    root = tmp_path / "ckpt"
+    _dcp_root(root, range(1, 6))
+    policy = deltackpt.Retention(keep_last=2, keep_best=("loss", "min"))
+    dropped = distributed.retain(root, policy, dry_run=True)
+    listed = {i.step: i for i in distributed.summary(root)}
+    before = dir_snapshot(root)
+    rc, out, err = cli(capsys, "keep", root, "--last", "2", "--best", "loss:min", "--dry-run", "--json")
+    doc = _strict_json(out)
+    assert (rc, err, doc["dry_run"], doc["dcp_root"], doc["total"], doc["gc"]) == (0, "", True, True, 5, None)
+    assert doc["deleted"] == [{"step": i.step, "id": i.id, "committed": i.created,
+                               "metadata": listed[i.step].metadata} for i in dropped]
+    assert [d["step"] for d in doc["deleted"]] == [1, 3] and dir_snapshot(root) == before
+    rc, out, err = cli(capsys, "keep", root, "--last", "2", "--best", "loss:min", "--gc", "--json")
+    doc = _strict_json(out)
+    assert (rc, err, [d["step"] for d in doc["deleted"]]) == (0, "", [1, 3])
+    assert distributed.steps(root) == [2, 4, 5]
+    assert [r["store"] for r in doc["gc"]] == [p.name for p in distributed.stores(root)] == ["meta", "rank-00000"]
+    assert all(r["damaged_packs"] == [] and r["repack_stopped"] is None for r in doc["gc"])
+
+
 def test_keep_refuses_a_best_metric_no_checkpoint_records(capsys: pytest.CaptureFixture[str],
                                                           store_path: Path) -> None:
     """``--best`` with a metric no checkpoint records (a typo) would keep only what the other rules keep,
