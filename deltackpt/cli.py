@@ -755,15 +755,20 @@ def cmd_verify(args: argparse.Namespace) -> int:
             which = {"id": s.info().id}
         report = s.verify(progress=bar, **which)
     if args.json:
-        _print_json({"ok": report.ok, "checkpoints": report.checkpoints, "chunk_references": report.chunks,
-                     "problems": [{"checkpoint": p.checkpoint, "step": p.step, "key": p.key, "chunk_id": p.chunk_id,
-                                   "message": p.message} for p in report.problems]})
+        _print_json(_verify_json(report))
         return 0 if report.ok else 1
     for p in report.problems:
         print(p)
     status = "OK" if report.ok else f"{len(report.problems)} problem(s)"
     print(f"verified {report.checkpoints} checkpoint(s), {report.chunks} chunk reference(s): {status}")
     return 0 if report.ok else 1
+
+
+def _verify_json(report: maintenance.VerifyReport) -> dict[str, Any]:
+    """A verify report as ``verify --json`` prints it (and ``dcp --verify --json`` each store's)."""
+    return {"ok": report.ok, "checkpoints": report.checkpoints, "chunk_references": report.chunks,
+            "problems": [{"checkpoint": p.checkpoint, "step": p.step, "key": p.key, "chunk_id": p.chunk_id,
+                          "message": p.message} for p in report.problems]}
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -951,30 +956,48 @@ def cmd_dcp(args: argparse.Namespace) -> int:
         missing = sorted(set(args.rm) - set(distributed.steps(root)))
         if missing:  # refused before any step is deleted
             raise DeltackptError(f"{root} has no DCP checkpoint of step {', '.join(map(str, missing))}")
+    doc: dict[str, Any] = {"deleted_steps": [], "pruned": None, "gc": None, "verify": None}  # (--json)
     for step in dict.fromkeys(args.rm):
         distributed.delete(root, step)
-        print(f"deleted DCP checkpoint of step {step}")
+        doc["deleted_steps"].append(step)
+        if not args.json:
+            print(f"deleted DCP checkpoint of step {step}")
     if args.prune:
-        print(f"pruned {distributed.prune(root)} rank checkpoint(s) no step names")
+        doc["pruned"] = distributed.prune(root)
+        if not args.json:
+            print(f"pruned {doc['pruned']} rank checkpoint(s) no step names")
     rc = 0
     stores = distributed.stores(root)
     if args.gc:
-        rc = _gc_stores(stores, f"deltackpt dcp {root} --verify")
+        doc["gc"] = [] if args.json else None
+        rc = _gc_stores(stores, f"deltackpt dcp {root} --verify", doc["gc"])
     if args.verify:
+        doc["verify"] = {"stores": [], "steps": []}
         for path in stores:
             with Store(path) as s, progress(f"verify {path.name}") as bar:
                 report = s.verify(progress=bar)
-            for problem in report.problems:
-                print(f"{path.name}: {problem}")
-            print(f"verify {path.name}: {report.checkpoints} checkpoint(s), "
-                  f"{'OK' if report.ok else f'{len(report.problems)} problem(s)'}")
+            doc["verify"]["stores"].append({"store": path.name, **_verify_json(report)})
+            if not args.json:
+                for problem in report.problems:
+                    print(f"{path.name}: {problem}")
+                print(f"verify {path.name}: {report.checkpoints} checkpoint(s), "
+                      f"{'OK' if report.ok else f'{len(report.problems)} problem(s)'}")
             rc = rc if report.ok else 1
-        names = distributed.verify_names(root)
-        for line in names:
-            print(line)
-        print(f"verify steps: {'OK' if not names else f'{len(names)} problem(s)'}")
+        names = doc["verify"]["steps"] = distributed.verify_names(root)
+        if not args.json:
+            for line in names:
+                print(line)
+            print(f"verify steps: {'OK' if not names else f'{len(names)} problem(s)'}")
         rc = rc if not names else 1
     steps, unreadable = distributed._summary(root)  # (a step whose meta checkpoint is damaged is listed apart)
+    if args.json:
+        _print_json({**doc, "steps": [
+            {"step": i.step, "id": i.id, "committed": i.created, "ranks": i.ranks, "logical_bytes": i.logical_bytes,
+             "written_bytes": i.written_bytes, "metadata": i.metadata} for i in steps],
+            "unreadable": [{"step": info.step, "id": info.id, "message": distributed._unreadable(info, exc)}
+                           for info, exc in unreadable],
+            "missing_ranks": distributed.missing_stores(root)})
+        return rc if not unreadable else 1
     rows: list[tuple[Any, ...]] = [(i.step, i.id, when(i.created), i.ranks, human(i.logical_bytes),
                                     human(i.written_bytes)) for i in steps]
     head = ["step", "id", "committed", "ranks", "logical", "written"]
@@ -1515,6 +1538,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="delete rank checkpoints no step names (of saves that never committed, interrupted deletes)")
     dc.add_argument("--gc", action="store_true", help="then gc every store of the root")
     dc.add_argument("--verify", action="store_true", help="then verify every store of the root (exit 1 on damage)")
+    dc.add_argument("--json", action="store_true", help="print the steps (and what --rm, --prune, --gc and --verify "
+                    "did) as one JSON document")
     return p
 
 

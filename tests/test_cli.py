@@ -1196,6 +1196,72 @@ def test_keep_json_on_a_dcp_root_names_the_steps(capsys: pytest.CaptureFixture[s
     assert all(r["damaged_packs"] == [] and r["repack_stopped"] is None for r in doc["gc"])
 
 
+def test_dcp_json_lists_the_steps_and_what_rm_prune_gc_and_verify_did(capsys: pytest.CaptureFixture[str],
+                                                                      tmp_path: Path) -> None:
+    """``dcp --json``: the root's steps as ``distributed.summary`` gives them, the steps --rm deleted, what --prune
+    pruned, each store's gc and verify report, the steps whose names are wrong, and apart the steps that cannot be
+    read and the ranks whose store is gone; exit 1 on damage, as without --json."""
+    import shutil
+
+    from deltackpt import distributed
+    from deltackpt.maintenance import GcReport
+
+    root = tmp_path / "ckpt"
+    _dcp_root(root, [1, 2, 3])
+    rc, out, err = cli(capsys, "dcp", root, "--json")
+    doc = _strict_json(out)
+    assert (rc, err) == (0, "")
+    assert doc["steps"] == [{"step": i.step, "id": i.id, "committed": i.created, "ranks": i.ranks,
+                             "logical_bytes": i.logical_bytes, "written_bytes": i.written_bytes,
+                             "metadata": i.metadata} for i in distributed.summary(root)]
+    assert [d["metadata"] for d in doc["steps"]] == [{"loss": 9.0}, {"loss": 0.1}, {"loss": 7.0}]
+    assert {k: doc[k] for k in ("deleted_steps", "pruned", "gc", "verify", "unreadable", "missing_ranks")} == {
+        "deleted_steps": [], "pruned": None, "gc": None, "verify": None, "unreadable": [], "missing_ranks": []}
+    rc, out, err = cli(capsys, "dcp", root, "--rm", "1", "--prune", "--gc", "--verify", "--json")
+    doc = _strict_json(out)
+    assert (rc, err, doc["deleted_steps"], doc["pruned"]) == (0, "", [1], 0)
+    assert [d["step"] for d in doc["steps"]] == distributed.steps(root) == [2, 3]
+    assert [r["store"] for r in doc["gc"]] == ["meta", "rank-00000"]
+    assert all(set(r) == {"store", *vars(GcReport())} and r["damaged_packs"] == [] for r in doc["gc"])
+    assert doc["verify"]["steps"] == []
+    for report in doc["verify"]["stores"]:
+        with deltackpt.Store(root / report["store"]) as st:
+            v = st.verify()
+        assert report == {"store": report["store"], "ok": True, "checkpoints": v.checkpoints,
+                          "chunk_references": v.chunks, "problems": []}
+    pack = next((root / "rank-00000" / "packs").glob("*.pack"))
+    intact = pack.read_bytes()
+    data = bytearray(intact)
+    data[len(data) // 2] ^= 0xFF  # damage a frame of the steps' shards
+    pack.write_bytes(bytes(data))
+    rc, out, err = cli(capsys, "dcp", root, "--verify", "--json")
+    doc = _strict_json(out)
+    assert (rc, err) == (1, "")
+    with deltackpt.Store(root / "rank-00000") as st:
+        v = st.verify()
+    rank = doc["verify"]["stores"][1]
+    assert (rank["store"], rank["ok"], len(rank["problems"])) == ("rank-00000", False, len(v.problems))
+    assert {(p["checkpoint"], p["chunk_id"]) for p in rank["problems"]} == {(p.checkpoint, p.chunk_id)
+                                                                           for p in v.problems}
+    assert cli(capsys, "dcp", root, "--json")[0] == 0  # (the listing reads no chunks)
+    pack.write_bytes(intact)
+    manifest = root / "meta" / "manifests" / f"{doc['steps'][0]['id']}.manifest"
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # step 2's meta checkpoint cannot be read
+    manifest.write_bytes(bytes(data))
+    rc, out, err = cli(capsys, "dcp", root, "--json")
+    doc = _strict_json(out)
+    assert (rc, err, [d["step"] for d in doc["steps"]]) == (1, "", [3])
+    assert [(u["step"], u["message"]) for u in doc["unreadable"]] == [(2, m) for m in distributed.verify_names(root)]
+    shutil.rmtree(root / "rank-00000")
+    rc, out, err = cli(capsys, "dcp", root, "--json")
+    doc = _strict_json(out)
+    assert (rc, doc["missing_ranks"]) == (1, distributed.missing_stores(root)) and doc["missing_ranks"] == [0]
+    rc, out, err = cli(capsys, "dcp", root, "--rm", "7", "--json")
+    assert (rc, out) == (1, "")
+    assert_one_line_error(err, "no DCP checkpoint of step 7")
+
+
 def test_keep_refuses_a_best_metric_no_checkpoint_records(capsys: pytest.CaptureFixture[str],
                                                           store_path: Path) -> None:
     """``--best`` with a metric no checkpoint records (a typo) would keep only what the other rules keep,
