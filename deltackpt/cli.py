@@ -777,6 +777,9 @@ def cmd_rm(args: argparse.Namespace) -> int:
         # deleted nothing (one named twice is deleted once)
         ids = list(dict.fromkeys(s.info(**_which(c, s)).id for c in args.checkpoint))
         deleted = list(s._delete([(None, i) for i in ids]).values())  # (one commit: all of them or none)
+    if args.json:
+        _print_json({"deleted": [_info_json(i) for i in deleted]})
+        return 0
     for info in deleted:
         print(f"deleted checkpoint {info.id} (step {info.step})")
     print("run 'deltackpt gc' to reclaim space")
@@ -1023,6 +1026,9 @@ def cmd_repair(args: argparse.Namespace) -> int:
     store = maintenance.open_for_repair(args.store)
     with store as s, progress("repair") as bar:
         r = s.repair(progress=bar)
+    if args.json:  # (the exit status as without --json: 1 when anything was passed over)
+        _print_json(dataclasses.asdict(r))
+        return 0 if not (r.lost_checkpoints or r.incomplete_checkpoints or r.damaged_packs) else 1
     print(f"indexed {r.chunks} chunk(s) from {r.packs} pack(s); {r.checkpoints} checkpoint(s) restored")
     for p in r.damaged_packs:
         print(f"pack {p} is damaged: its intact frames were indexed, the damaged ones skipped")
@@ -1501,12 +1507,15 @@ def build_parser() -> argparse.ArgumentParser:
     vf = add("verify", cmd_verify, "decode and check every chunk (exit 1 on damage)")
     vf.add_argument("checkpoint", nargs="?", help="step, 'latest' or id (default: all)")
     vf.add_argument("--json", action="store_true", help="print the report as one JSON document")
-    add("rm", cmd_rm, "delete checkpoints").add_argument("checkpoint", nargs="+", help="steps, 'latest' or ids")
+    rm = add("rm", cmd_rm, "delete checkpoints")
+    rm.add_argument("checkpoint", nargs="+", help="steps, 'latest' or ids")
+    rm.add_argument("--json", action="store_true", help="print what it deleted as one JSON document")
     gc = add("gc", cmd_gc, "reclaim space no retained checkpoint uses")
     gc.add_argument("--repack-below", type=float, default=0.5, metavar="F",
                     help="repack packs whose live fraction is below F, between 0 and 1 (0.5)")
     gc.add_argument("--json", action="store_true", help="print the report as one JSON document")
-    add("repair", cmd_repair, "rebuild the index from packs and manifests")
+    add("repair", cmd_repair, "rebuild the index from packs and manifests").add_argument(
+        "--json", action="store_true", help="print the report as one JSON document")
     ex = add("export", cmd_export, "write a checkpoint as .pt (.pth) or .safetensors")
     ex.add_argument("checkpoint", help="step, 'latest' or id")
     ex.add_argument("file", help="destination (.pt, .pth or .safetensors)")

@@ -6,6 +6,7 @@ points (``python -m deltackpt`` and the installed console script) in a subproces
 
 from __future__ import annotations
 
+import dataclasses
 import fractions
 import gc
 import json
@@ -1057,6 +1058,53 @@ def test_repair_restores_checkpoints_after_index_loss(capsys: pytest.CaptureFixt
     with open_store(store_path) as s:
         for step, st in three["states"].items():
             assert_same_state(st, s.load(step))
+
+
+def test_rm_and_repair_json_name_what_they_deleted_and_what_the_index_holds(capsys: pytest.CaptureFixture[str],
+                                                                           store_path: Path,
+                                                                           three: dict[str, Any]) -> None:
+    """``rm --json``: the checkpoints it deleted, with the fields ``ls`` gives them (a bad argument deletes
+    nothing and prints nothing on stdout). ``repair --json``: the fields of ``Store.repair()``'s report, what
+    the rebuilt index holds and what it passed over, with its exit status (1 when it passed anything over)."""
+    from deltackpt import maintenance
+
+    with open_store(store_path) as s:
+        infos = {i.step: i for i in s.list()}
+        m3 = s.manifest(step=3)
+        (_, d, n), *_ = m3.chunk_keys(next(t for t in m3.tensors if t.key == "w"))
+        loc = s.index.lookup_chunks([chunk_key(d, n)])[chunk_key(d, n)]
+    rc, out, err = cli(capsys, "rm", store_path, 1, "9", "--json")
+    assert (rc, out) == (1, "")
+    assert_one_line_error(err, "step 9")
+    rc, out, err = cli(capsys, "rm", store_path, 1, "1", "--json")
+    assert (rc, err) == (0, "")
+    assert _strict_json(out) == {"deleted": [{"step": 1, "id": infos[1].id, "created": infos[1].created,
+                                              "parent": infos[1].parent, "logical_bytes": infos[1].logical_bytes,
+                                              "written_bytes": infos[1].written_bytes, "metadata": {"epoch": 1}}]}
+    assert ls_pairs(capsys, store_path) == [(2, infos[2].id), (3, infos[3].id)]
+
+    shutil.rmtree(store_path / "index")
+    rc, out, err = cli(capsys, "repair", store_path, "--json")
+    doc = _strict_json(out)
+    assert (rc, err) == (0, "")
+    with open_store(store_path) as s:
+        assert doc == {"packs": len(pack_files(store_path)), "chunks": sum(1 for _ in s.index.iter_chunks()),
+                       "checkpoints": len(s.list()), "lost_checkpoints": [], "incomplete_checkpoints": [],
+                       "damaged_packs": []}
+        assert doc["checkpoints"] == 2  # (the deleted step's manifest is gone: rm deleted it for good)
+    manifest = store_path / "manifests" / f"{infos[2].id}.manifest"
+    data = bytearray(manifest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    manifest.write_bytes(bytes(data))
+    damage_frame(store_path, loc)  # a chunk of step 3's
+    shutil.rmtree(store_path / "index")
+    rc, out, err = cli(capsys, "repair", store_path, "--json")
+    doc = _strict_json(out)
+    assert (rc, err) == (1, "")
+    assert (doc["lost_checkpoints"], doc["incomplete_checkpoints"]) == ([infos[2].id], [infos[3].id])
+    assert len(doc["damaged_packs"]) == 1 and loc.pack_id in doc["damaged_packs"][0]
+    with maintenance.open_for_repair(store_path) as s:  # what the Python API says of the same store
+        assert doc == dataclasses.asdict(s.repair())
 
 
 def test_damaged_index_is_a_one_line_error(capsys: pytest.CaptureFixture[str], store_path: Path,
