@@ -125,7 +125,7 @@ assert "torch" not in sys.modules, "imported torch"
 def test_listings_do_not_import_torch(tmp_path: Path) -> None:
     """ls, log, du, show and resume-info read the index and manifests only: importing torch was 1.0 s of ls's 1.5.
     verify and gc check digests, not tensors (verify of a small store: 1.8 s -> 0.26 s); get of a numpy array
-    decodes no tensor."""
+    decodes no tensor. Their --json reads no more."""
     path = tmp_path / "s"
     model = torch.nn.Linear(8, 4).to(torch.bfloat16)
     with deltackpt.Checkpointer(path, model=model, handle_signals=False) as ckpt:
@@ -134,7 +134,8 @@ def test_listings_do_not_import_torch(tmp_path: Path) -> None:
         s.save({"w": torch.ones(3, dtype=torch.float8_e4m3fn), "a": np.arange(3.0)}, step=2)
     for args in (["ls"], ["log"], ["du"], ["show", str(path), "2"], ["resume-info"], ["verify"], ["gc"],
                  ["get", str(path), "2", "a"], *([c, str(path), "--json"] for c in ("ls", "log", "du", "verify")),
-                 ["show", str(path), "2", "--json"]):
+                 ["show", str(path), "2", "--json"], ["diff", str(path), "1", "2", "--json"],
+                 ["get", str(path), "2", "a", "--json"]):
         argv = args if len(args) > 1 else [*args, str(path)]
         done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *argv], capture_output=True, text=True)
         assert done.returncode == 0, (args, done.stderr[-2000:])
