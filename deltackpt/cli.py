@@ -499,12 +499,12 @@ def cmd_get(args: argparse.Namespace) -> int:
         wanted = sorted({_tensor_index(m, node) for _, node in chosen if node[0] in ("T", "A")})
         arrays = dict(zip(wanted, s._read_tensors(info.id, wanted)))
     if args.json:
-        # a key path naming one leaf itself: that leaf (a plain value as itself); else (a container, or a path
-        # that names several leaves) a list of the leaves under it, as the table's lines
+        # a key path naming one leaf itself: that leaf's object; else (a container, or a path that names several
+        # leaves) a list of the leaves' objects under it, as the table's lines (every leaf an object, so that a
+        # string, a dict value and a value never unpickled are told apart)
         first = chosen[0][0]
         if len(chosen) == 1 and (key in (first, _escaped(first)) or (key == "<root>" and first == "")):
-            leaf = _leaf_json(*chosen[0], m, arrays, values=True)
-            _print_json(leaf if chosen[0][1][0] in ("T", "A") else leaf["value"])
+            _print_json(_leaf_json(*chosen[0], m, arrays, values=True))
         else:
             _print_json([_leaf_json(p, n, m, arrays, values=len(chosen) == 1) for p, n in chosen])
         return 0
@@ -526,14 +526,15 @@ def cmd_get(args: argparse.Namespace) -> int:
 def _leaf_json(path: str, node: Any, m: manifest.Manifest, arrays: dict[int, Any], *,
                values: bool) -> dict[str, Any]:
     """A leaf as ``get --json`` prints it: its ``key`` (as the state holds it), and a plain value's ``value`` in
-    full (a pickled one, never unpickled here, as the table shows it), or a tensor's ``kind``, ``dtype``,
-    ``shape``, ``statistics`` (:func:`_statistics`) and, with ``values``, its ``values`` as nested lists when
-    the table prints every one (at most torch's and numpy's print threshold, 1000 elements), else null."""
+    full (``undecoded`` for one not decoded here, as the table shows it: a pickled one is never unpickled), or a
+    tensor's ``kind``, ``dtype``, ``shape``, ``statistics`` (:func:`_statistics`) and, with ``values``, its
+    ``values`` as nested lists when the table prints every one (at most torch's and numpy's print threshold, 1000
+    elements), else null."""
     if node[0] not in ("T", "A"):
         try:
             return {"key": path, "value": tree.decode_plain(node)}
         except DeltackptError:
-            return {"key": path, "value": _undecoded(node)}
+            return {"key": path, "undecoded": _undecoded(node)}
     t, value = m.tensors[int(node[1])], arrays[int(node[1])]
     doc: dict[str, Any] = {"key": path, "kind": t.kind, "dtype": t.dtype, "shape": list(t.shape),
                            "statistics": _statistics(value)}

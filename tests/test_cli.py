@@ -816,27 +816,33 @@ def test_get_prints_values_and_tensors(capsys: pytest.CaptureFixture[str], store
 
 def test_get_json_prints_a_value_a_tensor_or_the_leaves_of_a_subtree(capsys: pytest.CaptureFixture[str],
                                                                      store_path: Path) -> None:
-    """``get --json``: a plain value as itself; a tensor's kind, dtype, shape, exact statistics (those numpy
-    computes of its finite values) and its values where the table prints every one; a subtree (a container, even
-    of one leaf; a key path naming several leaves) a list of its leaves as the table's lines. Errors stay one line
-    with nothing on stdout."""
+    """``get --json``: a leaf as an object with its key and a plain value's value, or a tensor's kind, dtype,
+    shape, exact statistics (those numpy computes of its finite values) and its values where the table prints every
+    one, or what a value never unpickled is; a subtree (a container, even of one leaf; a key path naming several
+    leaves) a list of its leaves' objects as the table's lines. Errors stay one line with nothing on stdout."""
     w = torch.tensor([[1.0, -2.0, float("nan")], [4.0, float("inf"), 0.5]])
     big = torch.arange(1001, dtype=torch.float32) / 7  # (past the print threshold: the table summarizes)
     state = {"w": w, "n": torch.tensor([-(2**62) - 1, 5]), "b": torch.tensor([True, False, True]),
              "e": torch.zeros(0), "a": np.arange(4, dtype=np.int16), "big": big, "nan": torch.full((2,), float("nan")),
              "opt": {"lr": 0.25, "name": "a\nb", "k": [1, 2], "m": torch.ones(2)}, "one": {"x": (7,)},
-             "": {"d": 5}, "d": 6, "f": float("-inf")}
+             "": {"d": 5}, "d": 6, "f": float("-inf"), "obj": fractions.Fraction(1, 3),
+             "s": "<pickled, not unpickled here>", "dtype": {"dtype": "float32"}}
     with open_store(store_path) as s:
-        s.save(state, step=1)
-        loaded = s.load(step=1)
+        s.save(state, step=1, allow_pickle=True)
+        loaded = s.load(step=1, allow_pickle=True)
 
     def get(key: str) -> Any:
         rc, out, err = cli(capsys, "get", store_path, 1, key, "--json")
         assert (rc, err) == (0, "")
         return _strict_json(out)
 
-    assert get("opt.lr") == loaded["opt"]["lr"] and get("opt.name") == "a\nb" and get("f") == "-inf"
-    assert get("opt.k[1]") == loaded["opt"]["k"][1]
+    assert get("opt.lr") == {"key": "opt.lr", "value": loaded["opt"]["lr"]}
+    assert get("opt.name") == {"key": "opt.name", "value": "a\nb"} and get("f") == {"key": "f", "value": "-inf"}
+    assert get("opt.k[1]") == {"key": "opt.k[1]", "value": loaded["opt"]["k"][1]}
+    # a value never unpickled, a string that reads like one, a dict value that reads like a tensor's: told apart
+    assert get("obj") == {"key": "obj", "undecoded": "<pickled, not unpickled here>"}
+    assert get("s") == {"key": "s", "value": "<pickled, not unpickled here>"}
+    assert get("dtype") == [{"key": "dtype.dtype", "value": "float32"}]
     doc = get("w")
     x = loaded["w"].double().numpy()
     finite = x[np.isfinite(x)]
