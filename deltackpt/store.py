@@ -911,21 +911,32 @@ class Store:
                 if not self._committed(ckpt_id):
                     self._writer.rollback(mark)
                     self._unlink_manifests([ckpt_id])  # (best effort: the save's own error is what propagates)
+                    raise
+                # An exception after the commit (a Ctrl-C's KeyboardInterrupt as the index returned): the
+                # checkpoint stands, so the handle's next save descends from it, as after a save that returned
+                # (the next one branched from the checkpoint before).
+                self._committed_as(ckpt_id, m, state_keys, new_locs, _replace)
                 raise
-            self._damaged.difference_update(new_locs)
-            if _replace is None:
-                self._head = ckpt_id
-                self._last_manifest = m
-                # the next save's delta bases are this state's chunks: the cache keeps those, no older ones
-                self._base_cache.retain(state_keys)
-                # a pack this writer still appends to is one gc cannot delete: move on once it holds more than
-                # a state's worth (at least _SEAL_BYTES), so what retention deletes is freed by the next gc
-                self._writer.seal_past(max(_SEAL_BYTES, m.logical_bytes))
-            else:  # still under gc.lock, so that no repair restores the replaced checkpoint from its manifest
-                self._unlink_manifests([_replace.id])
-                if self._head == _replace.id:  # (under the save lock: a save by another thread is not undone)
-                    self._head = ckpt_id
+            self._committed_as(ckpt_id, m, state_keys, new_locs, _replace)
         return CheckpointInfo.from_record(rec)
+
+    def _committed_as(self, ckpt_id: str, m: Manifest, state_keys: set[bytes],
+                      new_locs: Mapping[bytes, ChunkLoc], replace: Record | None) -> None:
+        """The handle's bookkeeping after a save (or rewrite) committed as ``ckpt_id``: its parent for the next
+        save, the delta bases kept, the pack writer moved on. Caller holds the save lock (and a rewrite's
+        ``gc.lock``)."""
+        self._damaged.difference_update(new_locs)
+        if replace is None:
+            self._head, self._last_manifest = ckpt_id, m  # (one statement: no interrupt between the two)
+            # the next save's delta bases are this state's chunks: the cache keeps those, no older ones
+            self._base_cache.retain(state_keys)
+            # a pack this writer still appends to is one gc cannot delete: move on once it holds more than a
+            # state's worth (at least _SEAL_BYTES), so what retention deletes is freed by the next gc
+            self._writer.seal_past(max(_SEAL_BYTES, m.logical_bytes))
+        else:  # still under gc.lock, so that no repair restores the replaced checkpoint from its manifest
+            if self._head == replace.id:  # (under the save lock: a save by another thread is not undone)
+                self._head = ckpt_id
+            self._unlink_manifests([replace.id])
 
     def _committed(self, checkpoint_id: str) -> bool:
         """Whether a save's commit took place after all (true when the index cannot say)."""

@@ -1626,6 +1626,43 @@ def test_an_interrupt_as_an_operation_lets_go_of_its_lock_releases_it(tmp_path: 
     s.close()
 
 
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_an_interrupt_as_a_save_commits_leaves_the_next_save_its_child(tmp_path: Path, rewrite: bool) -> None:
+    """A KeyboardInterrupt raised as the index's commit returns (a Ctrl-C's handler runs as a call returns) leaves
+    the checkpoint committed, and the save raises it. The handle's next save descends from that checkpoint, as
+    after a save that returned (it descended from the checkpoint before: a branch beside the one just made), and a
+    rewrite interrupted so still replaces the old one for the handle."""
+    from deltackpt import index
+
+    s = Store(tmp_path / "s")
+    first = s.save({"a": torch.zeros(4)}, step=1)
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is index.Index.commit_checkpoint.__code__:
+            if event == "return":
+                sys.settrace(None)
+                raise KeyboardInterrupt
+            return tracer
+        return None
+
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            if rewrite:
+                s.rewrite({"a": torch.full((4,), 3.0)}, id=first.id)
+            else:
+                s.save({"a": torch.ones(4)}, step=2)
+    finally:
+        sys.settrace(None)
+    made = s.info()
+    assert made.step == (1 if rewrite else 2) and made.id != first.id
+    third = s.save({"a": torch.full((4,), 2.0)}, step=3)
+    assert third.parent == made.id
+    assert [c.step for c in s.list()] == ([1, 3] if rewrite else [1, 2, 3])
+    assert torch.equal(s.load(step=3)["a"], torch.full((4,), 2.0)) and s.verify().ok
+    s.close()
+
+
 def test_an_interrupt_as_an_operation_starts_leaves_it_uncounted(tmp_path: Path) -> None:
     """A KeyboardInterrupt raised as an operation has counted itself in (a Ctrl-C's handler runs as the with
     block's ``__exit__`` returns) does not leave it counted: close() closes the handle. (It raised "close() called
