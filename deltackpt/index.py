@@ -1185,8 +1185,8 @@ class Index:
         global _FORKING
         me = threading.get_ident()
         with _GATE:  # (the gate, then the registry lock: the order a fork takes them in)
-            if _FORKING is not None:
-                return  # (a fork in progress holds the gate's turn: the next failed write tries again)
+            if not _GATE.wait_for(lambda: _FORKING is None, FORK_WAIT_S):  # (a fork waiting for calls to end)
+                return
             _FORKING = me
             try:
                 if not _GATE.wait_for(lambda: all(t == me for t in _CALLS), FORK_WAIT_S):
