@@ -43,17 +43,20 @@ class ChunkCache:
         n = len(raw)
         if n > self.capacity:
             return None
+        data = self._data
+        if key in data:  # (a plain read outside the lock: the copy below is only saved, never taken wrongly)
+            with self._lock:
+                kept = data.get(key)
+                if kept is not None:
+                    data.move_to_end(key)
+                    return kept
+        copy = np.empty(n, dtype=np.uint8)
+        copy.data[:] = raw  # (a copy of the bytes; np.array(raw) of a memoryview took three times as long)
         with self._lock:
-            kept = self._data.get(key)
-            if kept is not None:
-                self._data.move_to_end(key)
-                return kept
-        copy = np.array(raw, dtype=np.uint8, copy=True)
-        with self._lock:
-            kept = self._data.get(key)
+            kept = data.get(key)
             if kept is not None:
                 return kept
-            self._data[key] = copy
+            data[key] = copy
             self._size += n
             self.peak = max(self.peak, min(self._size, self.capacity))
             while self._size > self.capacity:

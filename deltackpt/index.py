@@ -935,6 +935,9 @@ class ChunkReader:
 
     def __init__(self, index: Index) -> None:
         self._index = index
+        #: the entries :meth:`prefetch` read (None: not in the index), which :meth:`has` and :meth:`lookup` answer
+        #: from: the transaction's snapshot, read earlier
+        self._read: dict[bytes, bytes | None] = {}
         self._begin()
 
     def _begin(self) -> None:
@@ -975,9 +978,27 @@ class ChunkReader:
                     raise
                 raise _reopened_error(self._index, exc) from exc
 
+    def prefetch(self, keys: Iterable[bytes]) -> None:
+        """Read the entries of ``keys`` now, for the next calls of :meth:`has` and :meth:`lookup` (in place of
+        those of the previous call). A save reads those of many small tensors at once: a count of LMDB calls
+        (:func:`_lmdb_calls`) per tensor cost more than its lookups. An entry is only read here; a damaged one
+        raises when a lookup unpacks it, as it would have."""
+        read: dict[bytes, bytes | None] = {}
+
+        def fetch(get: Any, batch: list[bytes]) -> None:
+            for k in batch:
+                v = get(k)
+                read[k] = None if v is None else bytes(v)
+        self._each_batch(keys, fetch)
+        self._read = read
+
     def has(self, keys: Iterable[bytes]) -> set[bytes]:
         """Those of ``keys`` the index holds."""
         out: set[bytes] = set()
+        if self._read:
+            keys = list(keys)
+            if all(k in self._read for k in keys):  # (prefetched)
+                return {k for k in keys if self._read[k] is not None}
 
         def read(get: Any, batch: list[bytes]) -> None:
             out.update(k for k in batch if get(k) is not None)
@@ -989,16 +1010,26 @@ class ChunkReader:
         :class:`CorruptIndexError`, or with ``damaged`` (verify) goes there, key -> what is wrong."""
         out: dict[bytes, ChunkLoc] = {}
 
+        def unpack(k: bytes, v: Any) -> None:
+            try:
+                out[k] = ChunkLoc.unpack(bytes(v), k)
+            except CorruptIndexError as exc:
+                if damaged is None:
+                    raise
+                damaged[k] = str(exc)
+
+        if self._read:
+            keys = list(keys)
+            if all(k in self._read for k in keys):  # (prefetched)
+                for k in keys:
+                    if (v := self._read[k]) is not None:
+                        unpack(k, v)
+                return out
+
         def read(get: Any, batch: list[bytes]) -> None:  # (a batch at a time: :data:`_CALLS_BATCH`)
             for k in batch:
-                v = get(k)
-                if v is not None:
-                    try:
-                        out[k] = ChunkLoc.unpack(bytes(v), k)
-                    except CorruptIndexError as exc:
-                        if damaged is None:
-                            raise
-                        damaged[k] = str(exc)
+                if (v := get(k)) is not None:
+                    unpack(k, v)
         self._each_batch(keys, read)
         return out
 

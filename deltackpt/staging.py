@@ -45,7 +45,12 @@ def host_bytes(obj: torch.Tensor | np.ndarray, staging: Pinned | None = None) ->
     """
     if isinstance(obj, torch.Tensor):
         if obj.is_cpu and obj.is_contiguous() and not obj.is_conj() and not obj.is_neg():
-            # the usual case, taken first: a view of the tensor's own memory (what byte_view makes of it)
+            # the usual case, taken first: a view of the tensor's own memory (what byte_view makes of it); numpy
+            # views a dtype it has in fewer torch calls (half the cost, for a save of many small tensors)
+            if obj.dtype in _numpy_viewable():
+                a = obj.detach().numpy().reshape(-1)
+                if a.flags.c_contiguous:
+                    return a.view(np.uint8)
             whole = obj.detach().reshape(-1)
             if whole.stride(0) == 1:
                 return whole.view(torch.uint8).numpy()
@@ -66,6 +71,13 @@ def host_bytes(obj: torch.Tensor | np.ndarray, staging: Pinned | None = None) ->
         return flat.numpy()
     a = np.ascontiguousarray(obj)
     return a.reshape(-1).view(np.uint8)
+
+
+@functools.cache
+def _numpy_viewable() -> frozenset[Any]:
+    """The torch dtypes whose CPU tensors ``Tensor.numpy()`` views (a function: torch is imported at first use)."""
+    return frozenset((torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                      torch.uint8, torch.bool))
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor | None:

@@ -92,6 +92,10 @@ _CHUNK_WORK_BYTES = 2 << 30
 #: chunks smaller than this are encoded on the saving thread: handing a 4 KiB chunk to a worker (a future, a
 #: queue and two GIL handoffs) costs more than encoding it (docs/performance.md, "Many small tensors")
 _INLINE_BELOW = 64 << 10
+#: how many CPU tensors a save hashes ahead of encoding them, reading their chunks' index entries together
+#: (:meth:`Store._write_leaves`), and about how many bytes of them at most
+_AHEAD_TENSORS = 512
+_AHEAD_BYTES = 64 << 20
 #: the least a writer's pack holds before a save moves on to a new one (:meth:`PackWriter.seal_past`)
 _SEAL_BYTES = 64 << 20
 #: per read worker of :meth:`Store._read_each`: what to call before a frame read waits on the disk
@@ -270,6 +274,10 @@ def check_options(what: str, options: Mapping[str, Any]) -> None:
         _settings(**options)  # (its keywords are Store's settings)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{what}: {exc}") from None
+
+
+#: a tensor's bytes on the host, its chunks' digests and zero flags, (position, key) of its chunks not all zero
+_Hashed = tuple[np.ndarray, np.ndarray, np.ndarray, list[tuple[int, bytes]]]
 
 
 def _concurrent_chunks(chunk_size: int, most: int) -> int:
@@ -1033,19 +1041,20 @@ class Store:
                 except StateChangedError as exc:
                     raise StateChangedError(f"{entry.key!r}: {exc}") from None
                 for b in read:
-                    reads[b] -= 1
-                    if reads[b] <= 0:
+                    left = reads[b] - 1
+                    reads[b] = left
+                    if left <= 0:
                         del reads[b]
                         if b not in state_keys:
                             self._base_cache.discard(b)
                 pack_id, offset = self._writer.append(frame)
-                h = codec.parse_header(frame)
-                depth = {codec.DELTA: delta_depth, codec.PREDICTED: pred_depth}.get(h.codec, 0)
+                kind, base = codec.built_header(frame)
+                depth = delta_depth if kind == codec.DELTA else pred_depth if kind == codec.PREDICTED else 0
                 if pred_depth > 0:  # a prediction was tried: did it win?
-                    self._count_delta(entry.key, h.codec == codec.PREDICTED, self._predict_stats)
-                elif delta_depth > 0 and h.codec != codec.RAW:  # did the offered delta win?
-                    self._count_delta(entry.key, h.codec == codec.DELTA)
-                new_locs[key] = ChunkLoc(pack_id, offset, len(frame), h.codec, depth, h.base)
+                    self._count_delta(entry.key, kind == codec.PREDICTED, self._predict_stats)
+                elif delta_depth > 0 and kind != codec.RAW:  # did the offered delta win?
+                    self._count_delta(entry.key, kind == codec.DELTA)
+                new_locs[key] = ChunkLoc(pack_id, offset, len(frame), kind, depth, base)
                 entry.written += len(frame)
                 written += len(frame)
 
@@ -1055,8 +1064,10 @@ class Store:
             """Encode chunk ``i`` on the pool. ``read``: the parent's chunks it reads, counted in ``reads`` already
             (by default its base, counted here)."""
             if read is None:
-                read = (base[0],) if base else ()
-                reads.update(read)
+                read = ()
+                if base:
+                    read = (base[0],)
+                    reads[base[0]] = reads.get(base[0], 0) + 1
             view = memoryview(buf)[i * cs : i * cs + min(cs, leaf.nbytes - i * cs)]
             run = self._submit if len(view) >= _INLINE_BELOW else _Done.run
             if prediction is not None:
@@ -1073,20 +1084,62 @@ class Store:
                 inflight.append((fut, k, entry, base[1] + 1 if base else 0, 0, read))
             drain(limit)
 
+        def hashed(leaf: tree.Leaf, pinned: staging.Pinned | None) -> _Hashed:
+            """The leaf's bytes on the host, its chunks' digests and zero flags, and (position, key) of each chunk
+            that is not all zero."""
+            try:
+                buf = staging.host_bytes(leaf.obj, pinned)
+            # (NotImplementedError: a dtype torch cannot copy this way; tree refuses those it knows)
+            except NotImplementedError as exc:
+                raise UnsupportedTypeError(f"cannot store {leaf.path}: torch cannot read its bytes: {exc}") from None
+            digests, zero = kernel.chunk_digests(buf, cs, self.threads)
+            nbytes, raw = leaf.nbytes, digests.tobytes()
+            keyed = [(i, chunk_key(raw[16 * i : 16 * i + 16], min(cs, nbytes - i * cs)))
+                     for i, z in enumerate(zero.tolist()) if not z]
+            return buf, digests, zero, keyed
+
+        # CPU tensors hashed ahead of the loop below, a group at a time, by position in ``leaves``
+        ahead: dict[int, _Hashed] = {}
+
+        def look_ahead(start: int, chunks: ChunkReader) -> None:
+            """Hash the CPU tensors from ``leaves[start]`` on (up to :data:`_AHEAD_TENSORS` of them, about
+            :data:`_AHEAD_BYTES`) and read at once the index entries the loop below will look up for them: of
+            their chunks not named yet in this save, and of the parent's chunks at the same positions (delta
+            bases; read for a few more positions than the loop asks for: those on their keyframe turn, those whose
+            bytes another tensor holds too). The loop then decides as before, without an LMDB call per tensor."""
+            ahead.clear()
+            size = 0
+            for j in range(start, min(len(leaves), start + _AHEAD_TENSORS)):
+                leaf = leaves[j]
+                if (ahead and size + leaf.nbytes > _AHEAD_BYTES) or (
+                        isinstance(leaf.obj, torch.Tensor) and not leaf.obj.is_cpu):
+                    break
+                ahead[j] = hashed(leaf, None)
+                size += leaf.nbytes
+            read: dict[bytes, None] = {}
+            for j, (_, _, _, keyed) in ahead.items():
+                read.update((k, None) for _, k in keyed if k not in pending)
+                leaf = leaves[j]
+                pt = parents.get(leaf.path)
+                if (k_max and pt is not None and pm is not None and leaf.path not in first_moments
+                        and (pt.kind, pt.dtype, list(pt.shape)) == (leaf.kind, leaf.dtype, list(leaf.shape))):
+                    pf, pd = pm.flags, pm.digests
+                    read.update((pd[pt.first + i].tobytes() + k[16:], None) for i, k in keyed
+                                if not pf[pt.first + i] & manifest.FLAG_ZERO)
+            chunks.prefetch(read)
+
         try:
             # one read transaction of the chunk table for the lookups of every tensor (not one per tensor)
             with self.index.chunk_reader() as chunks:
-                for leaf in leaves:
+                for li, leaf in enumerate(leaves):
                     on_device = isinstance(leaf.obj, torch.Tensor) and not leaf.obj.is_cpu
                     if on_device:
                         drain(0)  # the pinned staging buffer is about to be overwritten
-                    try:
-                        buf = staging.host_bytes(leaf.obj, self._pinned if on_device else None)
-                    # (NotImplementedError: a dtype torch cannot copy this way; tree refuses those it knows)
-                    except NotImplementedError as exc:
-                        raise UnsupportedTypeError(f"cannot store {leaf.path}: torch cannot read its bytes: {exc}") \
-                            from None
-                    digests, zero = kernel.chunk_digests(buf, cs, self.threads)
+                        buf, digests, zero, todo = hashed(leaf, self._pinned)
+                    else:
+                        if li not in ahead:
+                            look_ahead(li, chunks)
+                        buf, digests, zero, todo = ahead.pop(li)
                     n = len(zero)
                     entry = TensorEntry(
                         key=leaf.path, kind=leaf.kind, dtype=leaf.dtype, shape=list(leaf.shape), nbytes=leaf.nbytes,
@@ -1096,14 +1149,9 @@ class Store:
                     first += n
                     entries.append(entry)
                     all_digests.append(digests)
-                    all_flags.append(zero.astype(np.uint8))
+                    all_flags.append(zero)
                     if not on_device and (leaf.path in roles or leaf.path in sources):
                         hosted[leaf.path] = (buf, digests, zero)  # kept until the predictions are encoded
-                    todo = [
-                        (i, chunk_key(digests[i].tobytes(), min(cs, leaf.nbytes - i * cs)))
-                        for i in range(n)
-                        if not zero[i]
-                    ]
                     state_keys.update(k for _, k in todo)
                     todo = [(i, k) for i, k in todo if k not in pending and k not in new_locs]
                     if self_contained:
@@ -1169,7 +1217,7 @@ class Store:
                         pass
             raise
         digests = np.concatenate(all_digests) if all_digests else np.empty((0, 16), np.uint8)
-        flags = np.concatenate(all_flags) if all_flags else np.empty(0, np.uint8)
+        flags = np.concatenate(all_flags).astype(np.uint8) if all_flags else np.empty(0, np.uint8)
         return entries, digests, flags, new_locs, written, state_keys
 
     def _prediction_inputs(
@@ -1271,21 +1319,23 @@ class Store:
             return {}
         period = self.max_chain + 1
         cand: dict[int, bytes] = {}
+        flags, digests, first = pm.flags, pm.digests, pt.first
         for i, k in todo:
             if (phase + i) % period == 0:
                 continue
-            j = pt.first + i
-            if pm.flags[j] & manifest.FLAG_ZERO:
+            j = first + i
+            if flags[j] & manifest.FLAG_ZERO:
                 continue
-            cand[i] = pm.digests[j].tobytes() + k[16:]
+            cand[i] = digests[j].tobytes() + k[16:]
         if self._damaged:
             self._taint(cand.values())
             cand = {i: bk for i, bk in cand.items() if bk not in self._damaged}
-        locs = chunks.lookup(cand.values())
+        locs = chunks.lookup(list(cand.values()))
         out: dict[int, tuple[bytes, int]] = {}
+        k_max = self.max_chain
         for i, bk in cand.items():
             loc = locs.get(bk)
-            if loc is not None and loc.depth + 1 <= self.max_chain:
+            if loc is not None and loc.depth + 1 <= k_max:
                 out[i] = (bk, loc.depth)
         return out
 
@@ -2177,6 +2227,7 @@ def _moved_in(rows: Iterable[tuple[CheckpointInfo, tuple[str, ...]]]) -> dict[st
 _INDEX_PART = re.compile(r"(?<![^.])\d+(?![^.])|(?<=\[)\d+(?=\])")
 
 
+@functools.lru_cache(maxsize=1 << 16)  # (twice per changed chunk of a save: the regex cost more than the rest)
 def _role(path: str) -> str:
     """A tensor's key path with its numeric parts (layer and parameter indices) replaced by ``#``:
     ``model.blocks.3.attn.weight`` -> ``model.blocks.#.attn.weight``, ``optimizer.state[7].exp_avg`` ->
