@@ -641,6 +641,8 @@ def _optimizer_dicts(obj: Any, path: str) -> Iterable[tuple[str, Mapping[str, An
 def _inside_any(path: str, prefixes: Set[str]) -> bool:
     """Whether ``path`` is one of ``prefixes`` or lies under one (``prefix.`` or ``prefix[`` follows), in time
     linear in the path, not in the number of prefixes (a state may hold one optimizer per parameter)."""
+    if not prefixes:  # (a state without optimizer state: nothing to walk the path for)
+        return False
     if "" in prefixes or path in prefixes:
         return True
     return any(c in ".[" and path[:i] in prefixes for i, c in enumerate(path))

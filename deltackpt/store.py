@@ -1100,6 +1100,9 @@ class Store:
 
         # CPU tensors hashed ahead of the loop below, a group at a time, by position in ``leaves``
         ahead: dict[int, _Hashed] = {}
+        # the parent's digests and zero flags, read without a numpy call per chunk
+        parent_digests = pm.digests.tobytes() if parents and pm is not None else b""
+        parent_zero = (pm.flags & manifest.FLAG_ZERO).tolist() if parents and pm is not None else []
 
         def look_ahead(start: int, chunks: ChunkReader) -> None:
             """Hash the CPU tensors from ``leaves[start]`` on (up to :data:`_AHEAD_TENSORS` of them, about
@@ -1116,23 +1119,22 @@ class Store:
                     break
                 ahead[j] = hashed(leaf, None)
                 size += leaf.nbytes
-            read: dict[bytes, None] = {}
+            read: list[bytes] = []
             for j, (_, _, _, keyed) in ahead.items():
-                read.update((k, None) for _, k in keyed if k not in pending)
+                read += [k for _, k in keyed if k not in pending]
                 leaf = leaves[j]
                 pt = parents.get(leaf.path)
-                if (k_max and pt is not None and pm is not None and leaf.path not in first_moments
+                if (k_max and pt is not None and leaf.path not in first_moments
                         and (pt.kind, pt.dtype, list(pt.shape)) == (leaf.kind, leaf.dtype, list(leaf.shape))):
-                    pf, pd = pm.flags, pm.digests
-                    read.update((pd[pt.first + i].tobytes() + k[16:], None) for i, k in keyed
-                                if not pf[pt.first + i] & manifest.FLAG_ZERO)
+                    read += [parent_digests[16 * (pt.first + i) : 16 * (pt.first + i) + 16] + k[16:]
+                             for i, k in keyed if not parent_zero[pt.first + i]]
             chunks.prefetch(read)
 
         try:
             # one read transaction of the chunk table for the lookups of every tensor (not one per tensor)
             with self.index.chunk_reader() as chunks:
                 for li, leaf in enumerate(leaves):
-                    on_device = isinstance(leaf.obj, torch.Tensor) and not leaf.obj.is_cpu
+                    on_device = li not in ahead and isinstance(leaf.obj, torch.Tensor) and not leaf.obj.is_cpu
                     if on_device:
                         drain(0)  # the pinned staging buffer is about to be overwritten
                         buf, digests, zero, todo = hashed(leaf, self._pinned)
@@ -1171,7 +1173,8 @@ class Store:
                     # a first moment that predictions reference stays standalone: its deltas gain 2-3%, and their
                     # depth would add to every prediction's, which then reaches the chain bound sooner
                     if k_max and leaf.path not in first_moments and leaf.path not in shared:
-                        bases = self._bases(leaf, parents.get(leaf.path), pm, todo, phase, chunks)
+                        bases = self._bases(leaf, parents.get(leaf.path), pm, todo, phase, chunks,
+                                            (parent_digests, parent_zero))
                     for i, k in todo:
                         if k in pending:
                             continue  # the same bytes twice in this tensor
@@ -1301,6 +1304,7 @@ class Store:
         todo: builtins.list[tuple[int, bytes]],
         phase: int,
         chunks: ChunkReader,
+        table: tuple[bytes, builtins.list[int]],
     ) -> dict[int, tuple[bytes, int]]:
         """Delta base (key, depth) for each new chunk position whose parent chunk may serve as one.
 
@@ -1311,7 +1315,8 @@ class Store:
         of a checkpoint (small one-chunk tensors too) and over checkpoints: every checkpoint restores in about
         the same time. (A tensor with a predictor role takes the generation plus a hash of its first moment's
         key path instead, + 1 for an average: see :meth:`_write_leaves`, which keeps a parameter's chunks and
-        their moments' on the same turn.)
+        their moments' on the same turn.) ``table``: ``pm``'s digests as bytes and its zero flags as a list (read
+        once per save, not with a numpy call per chunk).
         """
         if pt is None or pm is None or not todo:
             return {}
@@ -1319,14 +1324,15 @@ class Store:
             return {}
         period = self.max_chain + 1
         cand: dict[int, bytes] = {}
-        flags, digests, first = pm.flags, pm.digests, pt.first
+        digests, zero = table
+        first = pt.first
         for i, k in todo:
             if (phase + i) % period == 0:
                 continue
             j = first + i
-            if flags[j] & manifest.FLAG_ZERO:
+            if zero[j]:
                 continue
-            cand[i] = digests[j].tobytes() + k[16:]
+            cand[i] = digests[16 * j : 16 * j + 16] + k[16:]
         if self._damaged:
             self._taint(cand.values())
             cand = {i: bk for i, bk in cand.items() if bk not in self._damaged}

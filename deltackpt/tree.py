@@ -449,8 +449,8 @@ def alias_key(obj: torch.Tensor | np.ndarray) -> Hashable:
         plain = type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided
         if not plain or obj.numel() == 0 or obj.is_meta or obj.is_quantized or obj.is_nested:
             return id(obj)
-        return ("T", type(obj), str(obj.device), obj.data_ptr(), tuple(obj.shape), obj.stride(), obj.dtype,
-                obj.requires_grad, obj.is_conj(), obj.is_neg())
+        return ("T", type(obj), "cpu" if obj.is_cpu else str(obj.device), obj.data_ptr(), tuple(obj.shape),
+                obj.stride(), obj.dtype, obj.requires_grad, obj.is_conj(), obj.is_neg())
     if isinstance(obj, np.ndarray) and obj.size > 0:
         return ("A", obj.__array_interface__["data"][0], obj.shape, obj.strides, obj.dtype.str)
     return id(obj)
@@ -623,7 +623,7 @@ def _torch_leaf(t: torch.Tensor, path: str, saving: bool = True) -> Leaf:
         width=width,
         requires_grad=bool(t.requires_grad),
         parameter=isinstance(t, torch.nn.Parameter),
-        device=str(t.device),
+        device="cpu" if t.is_cpu else str(t.device),  # (str of a device object costs more than the test)
     )
 
 
