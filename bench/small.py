@@ -8,6 +8,10 @@ everything), the first save's, the latest checkpoint's load against ``torch.load
 cache, same process), and how many collections of the oldest generation Python's cyclic garbage collector
 ran during the saves. Bytes are not the point here: every tensor is one chunk, so the per-tensor work is.
 
+``--elements E`` (default 1024): weights of E float32 elements in place of 4 KiB (64 x 16) ones; ``--all-change``:
+every weight changes before every save (every chunk is encoded, as a delta), not a seventh of them, and the state
+holds the weights only (the brief reproducer of docs/performance.md, "Every tensor changing").
+
 ``--mixed``: N tensors of 16..4096 elements each (uniform, fixed seed), float32 for half of them and bfloat16,
 float16, int64 for a sixth each, in place of the 4 KiB weights and optimizer state. ``--via sync|async``: the
 saves go through a :class:`deltackpt.Checkpointer` (``extra={"state": state}``, no RNG state) in sync or async
@@ -33,13 +37,14 @@ import deltackpt
 from bench.util import fsync_path
 
 
-def _state(n: int) -> dict[str, Any]:
+def _state(n: int, elements: int = 1024, optimizer: bool = True) -> dict[str, Any]:
     torch.manual_seed(0)
-    return {
-        "model": {f"layer{i}.weight": torch.randn(64, 16) for i in range(n)},
-        "optimizer": {"state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.randn(64, 16)}
-                                for i in range(n // 10)}},
-    }
+    shape = (64, 16) if elements == 1024 else (elements,)
+    state: dict[str, Any] = {"model": {f"layer{i}.weight": torch.randn(shape) for i in range(n)}}
+    if optimizer:
+        state["optimizer"] = {"state": {i: {"step": torch.tensor(float(i)), "exp_avg": torch.randn(shape)}
+                                        for i in range(n // 10)}}
+    return state
 
 
 def _mixed(n: int) -> dict[str, Any]:
@@ -65,13 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--saves", type=int, default=6)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     ap.add_argument("--mixed", action="store_true", help="tensors of 16..4096 elements of mixed dtypes")
+    ap.add_argument("--elements", type=int, default=1024, help="float32 elements per weight (default 1024: 4 KiB)")
+    ap.add_argument("--all-change", action="store_true",
+                    help="every weight changes before every save (and no optimizer state)")
     ap.add_argument("--via", choices=("store", "sync", "async"), default="store",
                     help="Store.save, or a Checkpointer's step() in sync or async mode")
     args = ap.parse_args(argv)
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="deltackpt-small-"))
     full: list[int] = []
     gc.callbacks.append(lambda phase, info: full.append(1) if phase == "stop" and info["generation"] == 2 else None)
-    state = _mixed(args.tensors) if args.mixed else _state(args.tensors)
+    state = _mixed(args.tensors) if args.mixed else _state(args.tensors, args.elements, not args.all_change)
     weights = state["model"]
     names = list(weights)
     # (wall, cpu) per save and per load
@@ -98,9 +106,12 @@ def main(argv: list[str] | None = None) -> int:
                 ckpt.wait()
 
         for step in range(args.saves):
-            for name in names[step % 7 :: 7]:
+            for name in names if args.all_change else names[step % 7 :: 7]:
                 w = weights[name]
-                w.add_(1 if not w.is_floating_point() else 1e-3)
+                if not w.is_floating_point():
+                    w.add_(1)
+                else:
+                    w.add_(torch.randn_like(w) * 1e-3 if args.all_change else 1e-3)
             full.clear()
             times["deltackpt"].append(timed(save, step))
             gen2_in_saves += len(full)
@@ -116,11 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
+    size = "4 KiB" if args.elements == 1024 else f"{args.elements} float32 elements"
     what = (f"{args.tensors} tensors of 16..4096 elements, mixed dtypes" if args.mixed else
-            f"{args.tensors} weights of 4 KiB, optimizer state for {args.tensors // 10}")
+            f"{args.tensors} weights of {size}, every one changing before each save" if args.all_change else
+            f"{args.tensors} weights of {size}, optimizer state for {args.tensors // 10}")
     print(f"{n} tensors ({what}); deltackpt backend {deltackpt.backend}; saves through "
-          f"{'Store.save' if args.via == 'store' else 'a Checkpointer, ' + args.via}; {args.saves} saves, a "
-          f"seventh of the weights changing before each; wall (CPU) time\n")
+          f"{'Store.save' if args.via == 'store' else 'a Checkpointer, ' + args.via}; {args.saves} saves, "
+          f"{'every weight' if args.all_change else 'a seventh of the weights'} changing before each; wall (CPU) "
+          "time\n")
     print("| | first save | save (median of saves 2-) | load latest (median of 5) "
           "| per tensor: first, later, load (wall; CPU) |")
     print("|---|---:|---:|---:|---:|")
