@@ -529,3 +529,48 @@ def test_a_fully_live_pack_is_not_repacked_at_repack_below_1(tmp_path: Path) -> 
         s.save({"w": torch.randn(5000, generator=torch.Generator().manual_seed(0))}, step=1)
         r = s.gc(repack_below=1.0)
         assert r.repacked_packs == 0 and r.moved_chunks == 0, r
+
+
+def test_tensors_hashed_ahead_in_groups_write_the_frames_one_at_a_time_would(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save hashes CPU tensors a group ahead and reads their index entries together: whatever the group size,
+    the same chunks are deduplicated, offered the same delta bases and written as the same frames in the same
+    order (dedup inside a group and across groups, zero chunks, a multi-chunk tensor, a tensor of a new shape)."""
+    from deltackpt import index as index_mod
+    from deltackpt import store as store_mod
+
+    def frames(ahead: int, nbytes: int, prefetch: bool = True) -> list[tuple[int, bytes, int, int, bytes, bytes]]:
+        monkeypatch.setattr(store_mod, "_AHEAD_TENSORS", ahead)
+        monkeypatch.setattr(store_mod, "_AHEAD_BYTES", nbytes)
+        if not prefetch:  # every lookup asks LMDB, one tensor at a time, as before the look-ahead
+            monkeypatch.setattr(index_mod.ChunkReader, "prefetch", lambda self, keys: None)
+        state = _random_tensors(12, 700, seed=3)
+        state["same1"] = torch.ones(900)
+        state["same2"] = torch.ones(900)  # (the same bytes as same1: one chunk, written once)
+        state["zero"] = torch.zeros(2000)
+        state["big"] = torch.randn(5 * SMALL_CHUNK // 4, generator=torch.Generator().manual_seed(4))
+        path = tmp_path / f"s{ahead}-{nbytes}-{prefetch}"
+        with deltackpt.Store(path, chunk_size=SMALL_CHUNK) as s:
+            for step in range(4):
+                for i, (name, t) in enumerate(state.items()):
+                    if name.startswith("layer") and (i + step) % 2 == 0:
+                        t.add_(1e-3)
+                if step == 2:
+                    # (a new shape: no delta base)
+                    state["layer005.weight"] = torch.randn(350, generator=torch.Generator().manual_seed(5))
+                    state["big"][:100] += 1
+                s.save(state, step=step)
+            got = []
+            for k, loc in s.index.iter_chunks():
+                with open(path / "packs" / f"{loc.pack_id}.pack", "rb") as f:
+                    f.seek(loc.offset)
+                    got.append((loc.offset, k, loc.codec, loc.depth, loc.base, f.read(loc.frame_len)))
+            monkeypatch.undo()
+            return sorted(got)
+
+    one = frames(1, 1 << 30, prefetch=False)
+    assert {c for _, _, c, *_ in one} >= {codec.DELTA}
+    assert frames(1, 1 << 30) == one
+    assert frames(3, 1 << 30) == one
+    assert frames(512, 6000) == one  # (groups cut by bytes)
+    assert frames(512, 64 << 20) == one

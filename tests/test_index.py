@@ -140,3 +140,38 @@ def test_an_interrupt_as_a_store_closes_its_index_lets_the_store_open_again(tmp_
     with Store(tmp_path / "s") as again:
         assert [i.step for i in again.list()] == [1]
     del caught
+
+
+def test_prefetched_lookups_answer_as_the_index_does(tmp_path: Path) -> None:
+    """A save reads the entries of many tensors at once (``ChunkReader.prefetch``): has and lookup answer from
+    them as LMDB would, a key not read goes to LMDB, and a damaged entry raises where it is looked up (as without
+    the prefetch), not where it was read."""
+    import torch
+
+    import deltackpt
+
+    with deltackpt.Store(tmp_path / "s", chunk_size=4096) as s:
+        s.save({"w": torch.arange(3 * 1024.0)}, step=1)
+        stored = sorted(k for k, _ in s.index.iter_chunks())
+        bad = chunk_key(bytes(15) + b"\x01", 4096)
+        with s.index.env.begin(db=s.index.db_chunks, write=True) as txn:
+            txn.put(bad, b"\x00" * 7)  # (a record of the wrong size)
+        absent = [chunk_key(bytes(16), 4096), chunk_key(DIGEST, 4096)]
+        with s.index.chunk_reader() as plain:
+            want_has = plain.has([*stored, *absent])
+            want = plain.lookup([*stored, *absent])
+            with pytest.raises(CorruptIndexError) as plain_error:
+                plain.lookup([stored[0], bad])
+        with s.index.chunk_reader() as chunks:
+            chunks.prefetch([*stored[:2], absent[0], bad])  # (reads the damaged entry: no error yet)
+            assert chunks.has([*stored[:2], absent[0]]) == set(stored[:2])
+            assert chunks.has([*stored, *absent]) == want_has  # (keys not prefetched: read from LMDB)
+            assert chunks.lookup([*stored, *absent]) == want
+            assert chunks.lookup(stored[:2]) == {k: want[k] for k in stored[:2]}
+            assert chunks.has([bad]) == {bad}
+            with pytest.raises(CorruptIndexError) as error:
+                chunks.lookup([stored[0], bad])
+            assert str(error.value) == str(plain_error.value)
+            damaged: dict[bytes, str] = {}
+            assert chunks.lookup([stored[0], bad], damaged) == {stored[0]: want[stored[0]]}
+            assert list(damaged) == [bad]
