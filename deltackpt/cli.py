@@ -490,7 +490,8 @@ def cmd_get(args: argparse.Namespace) -> int:
     with _open(args.store, readonly=True) as s:
         info = s.info(**_which(args.checkpoint, s))
         m = s.manifest(id=info.id)
-        chosen = [(path, node) for place, path, node in tree.leaf_nodes(m.tree) if key in _place_paths(place)]
+        found = [(place, path, node) for place, path, node in tree.leaf_nodes(m.tree) if key in _place_paths(place)]
+        places, chosen = [place for place, _, _ in found], [(path, node) for _, path, node in found]
         if not chosen:
             # (the step names it when it is the newest checkpoint of its step; else its id does)
             ref = info.step if s.info(step=info.step).id == info.id else info.id
@@ -502,8 +503,7 @@ def cmd_get(args: argparse.Namespace) -> int:
         # a key path naming one leaf itself: that leaf's object; else (a container, or a path that names several
         # leaves) a list of the leaves' objects under it, as the table's lines (every leaf an object, so that a
         # string, a dict value and a value never unpickled are told apart)
-        first = chosen[0][0]
-        if len(chosen) == 1 and (key in (first, _escaped(first)) or (key == "<root>" and first == "")):
+        if len(chosen) == 1 and not _names_a_container(key, places[0]):
             _print_json(_leaf_json(*chosen[0], m, arrays, values=True))
         else:
             _print_json([_leaf_json(p, n, m, arrays, values=len(chosen) == 1) for p, n in chosen])
@@ -521,6 +521,13 @@ def cmd_get(args: argparse.Namespace) -> int:
         else:
             print(f"{_escaped(path) or '<root>'}: {_shown((path, node), None) if len(chosen) > 1 else _plain(node)}")
     return 0
+
+
+def _names_a_container(key: str, place: tree.Place) -> bool:
+    """``key`` names a container that the leaf at ``place`` lies in, not the leaf alone: ``<root>`` names the root
+    of ``{"": 5}`` as well as its one leaf."""
+    steps = [i for i, (kind, _) in enumerate(place) if kind in ("k", "i")]
+    return bool(steps) and key in _place_paths(place[:steps[-1]])
 
 
 def _leaf_json(path: str, node: Any, m: manifest.Manifest, arrays: dict[int, Any], *,

@@ -875,6 +875,22 @@ def test_get_json_prints_a_value_a_tensor_or_the_leaves_of_a_subtree(capsys: pyt
     assert_one_line_error(err, "holds nothing at 'op'")
 
 
+def test_get_json_of_a_container_whose_one_leaf_has_its_key_path_is_a_list(capsys: pytest.CaptureFixture[str],
+                                                                           store_path: Path) -> None:
+    """``get --json`` of a key path naming a container is a list of its leaves, also where the container's one leaf
+    has that key path too: ``<root>`` of ``{"": 5}`` (an empty ``str`` key adds nothing to a path) or of
+    ``{"<root>": 5}`` is a dict, not the leaf; it printed the leaf's object, as for a state that is ``5``."""
+    with open_store(store_path) as s:
+        s.save({"": 5}, step=1)
+        s.save({"<root>": 5}, step=2)
+        s.save(5, step=3)
+    for step, key in ((1, ""), (2, "<root>")):
+        rc, out, err = cli(capsys, "get", store_path, step, "<root>", "--json")
+        assert (rc, err, _strict_json(out)) == (0, "", [{"key": key, "value": 5}])
+    rc, out, err = cli(capsys, "get", store_path, 3, "<root>", "--json")  # (the state is the leaf itself)
+    assert (rc, err, _strict_json(out)) == (0, "", {"key": "", "value": 5})
+
+
 def test_get_statistics_work_in_blocks_not_float64_copies() -> None:
     """``get``'s statistics of a large float tensor or array take a few blocks of temporaries, not several float64
     copies of it (a 300 MB tensor peaked 2.1 GB above it: its float64 copy, the finite values' copy, std's
