@@ -941,12 +941,17 @@ class ChunkReader:
         self._begin()
 
     def _begin(self) -> None:
-        for _ in range(2):
+        for attempt in range(2):
             sh = self._index._shared()  # (outside the count: it may open the environment)
             with _lmdb_calls():
                 if not sh.failed:  # (not closed since: that waits for the counted calls to end)
-                    self._txn, self._sh = sh.env.begin(db=sh.dbs["chunks"], buffers=True), sh
-                    return
+                    try:
+                        self._txn, self._sh = sh.env.begin(db=sh.dbs["chunks"], buffers=True), sh
+                        return
+                    except lmdb.PanicError:  # (another thread's write failed: not yet opened afresh)
+                        if attempt:
+                            raise
+            self._index._reopen_if_failed(sh.env)
         raise DeltackptError(f"the index of {self._index.path.parent} was opened afresh twice as a read of it "
                              "began, after other operations' writes of it failed (an I/O error of the disk)")
 
@@ -1169,9 +1174,21 @@ class Index:
 
     @contextmanager
     def _read(self, db: Any = None) -> Iterator[lmdb.Transaction[bytes]]:
-        """A read transaction, its LMDB calls counted for a fork (:func:`_lmdb_calls`)."""
-        with self._counted_env() as env, env.begin(db=db) as txn:
-            yield txn
+        """A read transaction, its LMDB calls counted for a fork (:func:`_lmdb_calls`). One begun while another
+        thread's failed write left the environment refusing every transaction (``MDB_PANIC``, until
+        :meth:`_reopen_if_failed` opens it afresh) begins again in the environment opened afresh."""
+        for attempt in range(2):
+            with self._counted_env() as env:
+                try:
+                    txn = env.begin(db=db)
+                except lmdb.PanicError:
+                    if attempt:
+                        raise
+                else:
+                    with txn:
+                        yield txn
+                    return
+            self._reopen_if_failed(env)  # (outside the count: it waits for the other threads' counted calls)
 
     @contextmanager
     def _write(self) -> Iterator[lmdb.Transaction]:

@@ -575,3 +575,51 @@ def test_reads_in_progress_when_a_failed_commit_reopens_the_index_go_on_or_raise
     assert out["saved"] == 3, out
     with deltackpt.Store(tmp_path / "s") as s:
         assert [c.step for c in s.list()] == [1, 3] and s.verify().ok
+
+
+_META_FAILS_BEFORE_THE_REOPEN = """
+import threading
+from deltackpt import index
+s = deltackpt.Store(sys.argv[1], chunk_size=4096)
+s.save({"w": torch.arange(4 * 4096.0)}, step=1)
+reopen = index.Index._reopen_if_failed
+seen = []
+stored = sorted(k for k, _ in s.index.iter_chunks())
+def load_and_look_up():
+    for what in ("load", "lookups"):
+        try:
+            if what == "load":
+                seen.append(torch.equal(s.load(step=1)["w"], torch.arange(4 * 4096.0)))
+            else:
+                with s.index.chunk_reader() as chunks:  # (a save's)
+                    seen.append(len(chunks.has(stored)))
+        except Exception as exc:
+            seen.append(f"{type(exc).__name__}: {exc}")
+def between(self, env):  # another thread's load and lookups after the failed commit, before its thread reopens
+    index.Index._reopen_if_failed = reopen
+    other = threading.Thread(target=load_and_look_up, daemon=True)
+    other.start()
+    other.join(60)
+    return reopen(self, env)
+index.Index._reopen_if_failed = between
+fail_io.fail_io_arm(b"meta", 1, errno.EIO)
+try:
+    s.save({"w": -torch.arange(4 * 4096.0)}, step=2)
+except deltackpt.errors.IndexWriteError:
+    pass
+print(json.dumps({"fired": fail_io.fail_io_fired(), "seen": seen, "stored": len(stored),
+                  "saved": s.save({"w": torch.arange(4 * 4096.0) + 3}, step=3).step}))
+"""
+
+
+def test_reads_begun_before_a_failed_commit_reopens_the_index_go_on_in_the_new_environment(tmp_path: Path,
+                                                                                          fail_io: Path) -> None:
+    """Between a failed meta page write and the reopen of the environment (on the thread whose commit failed),
+    LMDB refuses every transaction of it (MDB_PANIC). Another thread's load then raised CorruptIndexError, which
+    calls the index damaged and names a repair, for an index intact at the commit before; a save's lookups did
+    too. Now they open the environment afresh themselves and go on."""
+    out = run_failing(fail_io, _META_FAILS_BEFORE_THE_REOPEN, str(tmp_path / "s"))
+    assert out["stored"] > 0 and out == {"fired": 1, "seen": [True, out["stored"]], "stored": out["stored"],
+                                         "saved": 3}, out
+    with deltackpt.Store(tmp_path / "s") as s:
+        assert [c.step for c in s.list()] == [1, 3] and s.verify().ok
