@@ -177,12 +177,14 @@ def _escaped(text: str) -> str:
 
 def _jsonable(value: Any) -> Any:
     """``value`` (plain values as checkpoint metadata holds them) as JSON can hold it: tuples (a ``torch.Size``)
-    become lists, numpy scalars Python numbers, bytes their hex, a dict key that is not a str its ``repr`` (every
-    key of a dict where that repr is also a str key of it: ``{1: .., "1": ..}`` becomes ``{"1": .., "'1'": ..}``), a
-    float that is not finite the string ``"nan"``, ``"inf"`` or ``"-inf"``, and anything else JSON has no kind
-    for (a torch dtype or device) its ``str``."""
+    become lists, numpy scalars Python numbers (a longdouble its nearest float), bytes their hex, a dict key that
+    is not a str its ``repr`` (every key of a dict where that repr is also a str key of it: ``{1: .., "1": ..}``
+    becomes ``{"1": .., "'1'": ..}``), a float that is not finite the string ``"nan"``, ``"inf"`` or ``"-inf"``,
+    and anything else JSON has no kind for (a torch dtype or device) its ``str``."""
     if isinstance(value, np.generic):
         value = value.item()
+        if isinstance(value, np.floating):  # (a longdouble, which item() keeps: its nearest float)
+            value = float(value)
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):

@@ -891,6 +891,18 @@ def test_get_json_of_a_container_whose_one_leaf_has_its_key_path_is_a_list(capsy
     assert (rc, err, _strict_json(out)) == (0, "", {"key": "", "value": 5})
 
 
+def test_get_json_values_of_a_longdouble_array_are_numbers(capsys: pytest.CaptureFixture[str],
+                                                           store_path: Path) -> None:
+    """``get --json`` of a longdouble (float128) array: its values numbers (their nearest floats) as its
+    statistics are, not strings: numpy's ``tolist()`` keeps longdouble scalars, which JSON output turned into their
+    ``str`` ("1.5"); a value that is not finite is still ``"nan"``."""
+    with open_store(store_path) as s:
+        s.save({"x": np.array([1.5, -0.25, np.nan], dtype=np.longdouble)}, step=1)
+    rc, out, err = cli(capsys, "get", store_path, 1, "x", "--json")
+    doc = _strict_json(out)
+    assert (rc, err, doc["values"], doc["statistics"]["max"]) == (0, "", [1.5, -0.25, "nan"], 1.5)
+
+
 def test_get_statistics_work_in_blocks_not_float64_copies() -> None:
     """``get``'s statistics of a large float tensor or array take a few blocks of temporaries, not several float64
     copies of it (a 300 MB tensor peaked 2.1 GB above it: its float64 copy, the finite values' copy, std's
