@@ -946,12 +946,13 @@ def _gc_stores(stores: Sequence[Path], verify: str, reports: list[dict[str, Any]
     for path in stores:
         with Store(path) as s:
             r = s.gc()
+        name = path.name or str(path)  # (a DCP root's meta, rank-00000, ...; '.' for the store in the directory)
         if reports is not None:
-            reports.append({"store": path.name, **dataclasses.asdict(r)})
+            reports.append({"store": name, **dataclasses.asdict(r)})
             rc = max(rc, 1 if r.repack_stopped or r.damaged_packs else 0)
             continue
-        print(f"gc {path.name}: freed {human(r.freed_bytes)}")
-        rc = max(rc, _gc_problems(r, f"{path.name}: ", verify))
+        print(f"gc {name}: freed {human(r.freed_bytes)}")
+        rc = max(rc, _gc_problems(r, f"{name}: ", verify))
     return rc
 
 

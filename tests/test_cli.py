@@ -1234,6 +1234,20 @@ def test_keep_json_names_what_it_deleted_and_what_gc_did(capsys: pytest.CaptureF
     assert len(doc["gc"][0]["damaged_packs"]) == 1 and loc.pack_id in doc["gc"][0]["damaged_packs"][0]
 
 
+def test_keep_gc_names_the_store_in_the_current_directory(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keep . --gc`` (run inside the store) names the store it gc'ed '.', in the table and in ``--json``'s
+    ``store``: ``Path('.').name`` is empty, and the table printed 'gc : freed', the JSON an empty name."""
+    with open_store(store_path) as s:
+        for i in range(3):
+            s.save({"w": rand(2 * CS, i)}, step=i)
+    monkeypatch.chdir(store_path)
+    rc, out, err = cli(capsys, "keep", ".", "--last", "2", "--gc", "--json")
+    assert (rc, err) == (0, "") and [r["store"] for r in _strict_json(out)["gc"]] == ["."]
+    rc, out, err = cli(capsys, "keep", ".", "--last", "1", "--gc")
+    assert (rc, err) == (0, "") and "gc .: freed " in out
+
+
 def _dcp_root(root: Path, steps: Any) -> None:
     """A sharded (DCP) root under ``root`` of one rank, one step each of ``steps`` (a float tensor that changes a
     little each step), saved in this process; each step's metadata records its ``loss``."""
