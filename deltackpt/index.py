@@ -1355,7 +1355,7 @@ class Index:
     def iter_chunks(self) -> Iterator[tuple[bytes, ChunkLoc]]:
         # in batches, each read inside the count of LMDB calls and yielded outside it: a caller that forks, or
         # takes its time, between two entries holds up no other thread's fork
-        with self.env.begin(db=self.db_chunks) as txn:
+        with self._scan() as (_, txn):
             with _lmdb_calls():
                 self._walkable(txn, "chunks")
                 cur = txn.cursor()
@@ -1376,7 +1376,7 @@ class Index:
         the commit it read (:meth:`last_commit`)."""
         pids = {bytes.fromhex(p): p for p in pack_ids}
         found: dict[str, list[tuple[bytes, ChunkLoc]]] = {p: [] for p in pids.values()}
-        with self.env.begin(db=self.db_chunks, buffers=True) as txn:
+        with self._scan(buffers=True) as (made, txn):
             with _lmdb_calls():
                 self._walkable(txn, "chunks")
                 cur = txn.cursor()
@@ -1390,7 +1390,21 @@ class Index:
                             found[pack_id].append((bytes(k), ChunkLoc.unpack(bytes(v), bytes(k))))
                         if not (more := cur.next()):
                             break
-            return (self.env, txn.id()), found
+            return made, found
+
+    @contextmanager
+    def _scan(self, *, buffers: bool = False) -> Iterator[tuple[Commit, Any]]:
+        """A read transaction of the chunk table for a scan, with the commit it reads (:meth:`last_commit`). It
+        begins and ends inside the count of LMDB calls (:func:`_lmdb_calls`), which a fork and
+        :meth:`_reopen_if_failed`'s close wait for; the scan counts its own calls in between."""
+        with self._counted_env() as env:
+            txn = env.begin(db=self.db_chunks, buffers=True) if buffers else env.begin(db=self.db_chunks)
+            made = (env, txn.id())
+        try:
+            yield made, txn
+        finally:
+            with _lmdb_calls():
+                txn.abort()
 
     @_damage_is_corruption
     def last_commit(self) -> Commit:
