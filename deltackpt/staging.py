@@ -46,8 +46,9 @@ def host_bytes(obj: torch.Tensor | np.ndarray, staging: Pinned | None = None) ->
     if isinstance(obj, torch.Tensor):
         if obj.is_cpu and obj.is_contiguous() and not obj.is_conj() and not obj.is_neg():
             # the usual case, taken first: a view of the tensor's own memory (what byte_view makes of it); numpy
-            # views a dtype it has in fewer torch calls (half the cost, for a save of many small tensors)
-            if obj.dtype in _numpy_viewable():
+            # views a dtype it has in fewer torch calls (half the cost, for a save of many small tensors); not an
+            # empty tensor, whose dimensions numpy may refuse (4611686018427387903 x 4 x 0: "array is too big")
+            if obj.dtype in _numpy_viewable() and obj.numel():
                 a = obj.detach().numpy().reshape(-1)
                 if a.flags.c_contiguous:
                     return a.view(np.uint8)
