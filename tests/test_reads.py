@@ -8,6 +8,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from hypothesis import strategies as st
 
 import deltackpt
 from bench.util import evict
+from deltackpt import codec as codec_module
 from deltackpt import packs
 from deltackpt import store as store_module
 from deltackpt.index import chunk_key
@@ -246,3 +248,61 @@ def test_load_from_a_dropped_page_cache_is_exact(tmp_path: Path) -> None:
         for step in (3, 0, 2):
             evict(tmp_path / "s" / "packs")
             assert_same_state(states[step], s.load(step))
+
+
+def test_a_chunk_held_at_many_places_is_decoded_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AdamW's step counts (an equal scalar per parameter) and equal tensors share their chunks: a load looks each
+    distinct chunk up and decodes it once, then copies it to every other place holding it (a store of 400 small
+    layers decoded its step counts' one chunk 800 times)."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(5 * CS // 8, generator=g)  # (3 chunks, the last in part)
+    state = {"steps": [torch.tensor(7.0) for _ in range(30)], "w": [w.clone() for _ in range(3)], "x": w[:7].clone()}
+    decoded: list[bytes] = []
+    real = codec_module._run
+
+    def counted(frames: list[Any], headers: list[codec_module.FrameHeader], *args: Any, **kwargs: Any) -> None:
+        decoded.append(headers[-1].digest)
+        real(frames, headers, *args, **kwargs)
+
+    with deltackpt.Store(tmp_path / "s", chunk_size=CS, threads=2) as s:
+        s.save(state, step=1)
+        monkeypatch.setattr(codec_module, "_run", counted)
+        assert_same_state(s.load(step=1), state)
+        assert len(decoded) == len(set(decoded)) == 5  # the step count, w's three chunks, x
+        target = {"steps": [torch.zeros(()) for _ in range(30)], "w": [torch.zeros_like(w) for _ in range(3)],
+                  "x": torch.zeros(7)}
+        assert s.load_into(target, step=1) == []
+        assert_same_state(target, state)
+
+
+def test_prediction_inputs_are_looked_up_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunks a load's predictions read beyond its own (older checkpoints' parameters and moments, and what
+    those are predicted from) have their index entries looked up in one batch per level before decoding, not in a
+    read transaction each as the decode reaches them; the load's values are the same."""
+    from deltackpt.index import Index
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with deltackpt.Store(tmp_path / "s", chunk_size=CS) as s:
+        for step in range(6):
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            s.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=step)
+        want = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+        m = s.manifest(5)
+        keys = [chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)]
+        predicted = [k for k, loc in s.index.lookup_chunks(keys).items() if loc.codec == codec_module.PREDICTED]
+        assert len(predicted) >= 12  # (the 12 weights and biases, and their second moments)
+        calls: list[int] = []
+        real = Index.lookup_chunks
+
+        def counted(self: Index, keys: Any, *args: Any) -> Any:
+            keys = list(keys)
+            calls.append(len(keys))
+            return real(self, keys, *args)
+
+        monkeypatch.setattr(Index, "lookup_chunks", counted)
+        assert_same_state(s.load(step=5), want)
+        assert len(calls) <= 2 * 4, calls  # the state's chunks, then a few levels of bases and inputs
