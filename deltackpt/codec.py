@@ -462,20 +462,37 @@ def prediction_record(payload: bytes | memoryview, where: str | None = None,
 def _prediction(frame: bytes | memoryview, h: FrameHeader, where: str | None,
                 resolve: Callable[[bytes], memoryview | np.ndarray] | None, *, top: bool,
                 cid: str) -> tuple[int, tuple[float, ...], Any, list[Any]]:
-    """The prediction of the predicted frame ``frame``, as :func:`deltackpt.kernel.decode_frames` computes it:
-    ``(predictor, coefs, base, refs)``, its inputs decoded (its checksum is checked first, so a damaged record is
-    reported as damage, not as a missing reference)."""
+    """The prediction of the predicted frame ``frame`` (whose length :func:`_parse` checked), as
+    :func:`deltackpt.kernel.decode_frames` computes it: ``(predictor, coefs, base, refs)``, its inputs decoded.
+
+    Its checksum is left to the kernel, which checks it before the frame is used, except where something goes
+    wrong first: a record that cannot be read, an input that cannot be decoded. The checksum is then checked
+    before reporting that, so that damage to the frame (its record naming a chunk that does not exist, say) is
+    reported as damage to it, not as a bad record or a missing input. Checking it up front hashed every predicted
+    frame twice."""
+
+    def reported(exc: CorruptChunkError) -> CorruptChunkError:
+        """``exc``, damage found in this frame, as this chunk's decode reports it."""
+        if top:
+            return CorruptChunkError(exc.reason, chunk_id=cid)
+        return CorruptChunkError(f"its delta base {chunk_hex(h.digest, h.raw_len)} is damaged: {_root(exc.reason)}",
+                                 chunk_id=cid)
+
+    def checksum_damage() -> CorruptChunkError | None:
+        """This frame's checksum mismatch, reported, when its checksum does not match."""
+        try:
+            check_frame(frame, expect_digest=h.digest, expect_len=h.raw_len, where=where)
+        except CorruptChunkError as own:
+            return reported(own)
+        return None
+
     try:
-        _, payload = check_frame(frame, expect_digest=h.digest, expect_len=h.raw_len, where=where)
-        rec = prediction_record(payload, where, h.version)
+        rec = prediction_record(memoryview(frame)[HEADER_SIZE : h.frame_len], where, h.version)
         if h.raw_len % 4:  # predictions are of float32 values
             raise CorruptChunkError(f"predicted frame of {h.raw_len} bytes, not a whole number of float32 values"
                                     f"{_at(where)}")
     except CorruptChunkError as exc:
-        if top:
-            raise CorruptChunkError(exc.reason, chunk_id=cid) from None
-        raise CorruptChunkError(f"its delta base {chunk_hex(h.digest, h.raw_len)} is damaged: {_root(exc.reason)}",
-                                chunk_id=cid) from None
+        raise (checksum_damage() or reported(exc)) from None
     if resolve is None:
         raise ValueError(f"predicted chunk {chunk_hex(h.digest, h.raw_len)} needs a resolver for the chunks it "
                          "references")
@@ -484,10 +501,13 @@ def _prediction(frame: bytes | memoryview, h: FrameHeader, where: str | None,
         try:
             inputs.append(resolve(ref))
         except CorruptChunkError as exc:
-            raise CorruptChunkError(
+            raise (checksum_damage() or CorruptChunkError(
                 f"its prediction input {chunk_hex(ref, h.raw_len)} is damaged: {_root(exc.reason)}", chunk_id=cid
-            ) from None
+            )) from None
         except FormatVersionError as exc:
+            own = checksum_damage()
+            if own is not None:
+                raise own from None
             raise FormatVersionError(f"chunk {cid}: its prediction input {chunk_hex(ref, h.raw_len)}: "
                                      f"{_version_root(str(exc))}") from None
     return rec.predictor, rec.coefs, inputs[0], inputs[1:]
