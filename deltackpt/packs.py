@@ -424,11 +424,15 @@ class PackReader:
         try:
             yield h.fd
         finally:
-            with self._lock:
-                h.users -= 1
-                close = h.dropped and h.users == 0
-            if close:
-                os.close(h.fd)
+            self._let_go(h)
+
+    def _let_go(self, h: _Handle) -> None:
+        """The end of a read of ``h`` (:meth:`_take`): closed when it was dropped and this was its last read."""
+        with self._lock:
+            h.users -= 1
+            close = h.dropped and h.users == 0
+        if close:
+            os.close(h.fd)
 
     def _take(self, pack_id: str) -> _Handle:
         with self._lock:
@@ -516,7 +520,9 @@ class PackReader:
         ``before_blocking()`` before it waits on the disk for the rest."""
         if into is not None and len(into) != length:
             raise ValueError(f"read buffer has {len(into)} bytes for {length}")
-        with self._fd(pack_id) as fd:
+        h = self._take(pack_id)  # (not self._fd: its generator and context manager were a third of a read's Python)
+        try:
+            fd = h.fd
             try:
                 if into is None:
                     data: bytes | np.ndarray = os.pread(fd, length, offset)
@@ -533,6 +539,8 @@ class PackReader:
                     raise  # (EBADF, ENOMEM, ...: this process's trouble, not the pack's)
                 raise CorruptChunkError(f"pack {pack_id} cannot be read: frame at offset {offset}: "
                                         f"{exc.strerror or exc}") from None
+        finally:
+            self._let_go(h)
         if got != length:
             raise CorruptChunkError(
                 f"pack {pack_id} is truncated: frame at offset {offset} needs {length} bytes, got {got}"
