@@ -1858,8 +1858,9 @@ class Store:
         and, where such an input is itself predicted, the chunks its record names, and so on: one batch lookup per
         level. Decoding looked each up when it reached it, in a read transaction of its own (about 85 µs: 62 of
         them in a restore of 9 every-step AdamW checkpoints of an 8-layer MLP, 216 of 400 small layers). Reading
-        an input's record costs a read of its first 180 bytes. Entries that are missing or damaged are left out:
-        the decode that needs them looks them up and reports it as before."""
+        an input's record costs a read of its first 180 bytes, on the read workers (a cold read waits on the disk
+        there, alongside others, as the frame's own read would have). Entries that are missing or damaged are
+        left out: the decode that needs them looks them up and reports it as before."""
         read = {k for k, loc in locs.items() if loc.codec == codec.PREDICTED}  # (records read by _named_inputs)
         named = {r for rs in refs for r in rs}
         for _ in range(codec.MAX_CHAIN_FRAMES):
@@ -1873,7 +1874,7 @@ class Store:
             if not todo:
                 return
             read.update(k for k, _ in todo)
-            named = {r for k, loc in todo for r in self._named_inputs(k, loc)}
+            named = {r for rs in self._read_each(lambda item: self._named_inputs(*item), todo) for r in rs}
 
     def _read_alone(self, key: bytes, loc: ChunkLoc, out: np.ndarray, verify: bool, scratch: Scratch) -> bool:
         """:meth:`read_chunk` of a chunk whose index entry names a standalone frame: its frame read and decoded into
