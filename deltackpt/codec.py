@@ -360,14 +360,15 @@ def decode_chain(
     frame is a delta, down to a keyframe or a predicted frame; then the frames are applied oldest first in one
     kernel call (:func:`deltackpt.kernel.decode_frames`: checksums, zstd, byte planes, XOR, and with ``verify``
     the digest of the result; the bases' own digests need no separate check, as any error in them changes the
-    result). A predicted frame at the bottom of the chain first has its checksum checked, then its prediction
-    computed (as :func:`deltackpt.predict.predict` would, inside the same kernel call, a few KiB at a time just
-    before its residual is XORed on) from chunks that ``resolve(digest)`` decodes in full: its base and its
-    references. Damage to a base frame is reported for this chunk, naming the base: ``its delta base
-    <id> is damaged``; damage to a predicted frame's base or reference likewise, as ``its prediction input <id>
-    is damaged``. ``have(digest)``, when given, returns the raw bytes of a chunk the caller decoded already (or
-    None): the chain stops at such a base, whose bytes the deltas above it are applied to, instead of decoding
-    its frames (and a predicted base's inputs) again.
+    result). A predicted frame at the bottom of the chain has its prediction computed (as
+    :func:`deltackpt.predict.predict` would, inside the same kernel call, a few KiB at a time just before its
+    residual is XORed on) from chunks that ``resolve(digest)`` decodes in full: its base and its references; its
+    checksum is checked by that call, or first where its record cannot be read or an input cannot be decoded, so
+    that damage to the frame is reported as such. Damage to a base frame is reported for this chunk, naming the
+    base: ``its delta base <id> is damaged``; damage to a predicted frame's base or reference likewise, as ``its
+    prediction input <id> is damaged``. ``have(digest)``, when given, returns the raw bytes of a chunk the caller
+    decoded already (or None): the chain stops at such a base, whose bytes the deltas above it are applied to,
+    instead of decoding its frames (and a predicted base's inputs) again.
     """
     cid = chunk_hex(digest, raw_len)
     frames: list[bytes | memoryview] = []
@@ -493,9 +494,9 @@ def _prediction(frame: bytes | memoryview, h: FrameHeader, where: str | None,
                                     f"{_at(where)}")
     except CorruptChunkError as exc:
         raise (checksum_damage() or reported(exc)) from None
-    if resolve is None:
-        raise ValueError(f"predicted chunk {chunk_hex(h.digest, h.raw_len)} needs a resolver for the chunks it "
-                         "references")
+    if resolve is None:  # (a damaged frame is damage, whatever the caller passed)
+        raise checksum_damage() or ValueError(f"predicted chunk {chunk_hex(h.digest, h.raw_len)} needs a resolver "
+                                              "for the chunks it references")
     inputs = []
     for ref in (h.base, *rec.refs):
         try:

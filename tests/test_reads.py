@@ -306,3 +306,31 @@ def test_prediction_inputs_are_looked_up_in_batches(tmp_path: Path, monkeypatch:
         monkeypatch.setattr(Index, "lookup_chunks", counted)
         assert_same_state(s.load(step=5), want)
         assert len(calls) <= 2 * 4, calls  # the state's chunks, then a few levels of bases and inputs
+
+
+def test_a_damaged_predicted_frame_decoded_without_a_resolver_is_damage(tmp_path: Path) -> None:
+    """``codec.decode_chain`` leaves a predicted frame's checksum to the kernel call (checking it in Python first
+    hashed every predicted frame twice). Without ``resolve`` the decode stops before that call: a damaged predicted
+    frame then raised ``ValueError`` ("needs a resolver"), not the ``CorruptChunkError`` it raised before; an
+    intact one still raises ValueError."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(2)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with deltackpt.Store(tmp_path / "s", chunk_size=CS) as s:
+        for step in range(3):
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            s.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=step)
+        m = s.manifest(2)
+        keys = [chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)]
+        key, loc = next((k, loc) for k, loc in s.index.lookup_chunks(keys).items()
+                        if loc.codec == codec_module.PREDICTED)
+    with open(tmp_path / "s" / "packs" / f"{loc.pack_id}.pack", "rb") as f:
+        f.seek(loc.offset)
+        intact = f.read(loc.frame_len)
+    damaged = bytearray(intact)
+    damaged[-1] ^= 0x01  # (the end of its residual: its record still reads)
+    for frame, raised in ((intact, ValueError), (bytes(damaged), deltackpt.CorruptChunkError)):
+        with pytest.raises(raised):
+            codec_module.decode_chain(key[:16], int.from_bytes(key[16:], "big"), lambda d, f=frame: (f, None))
