@@ -275,25 +275,36 @@ def test_a_chunk_held_at_many_places_is_decoded_once(tmp_path: Path, monkeypatch
         assert_same_state(target, state)
 
 
+def _adamw_saves(s: deltackpt.Store, *, layers: int, steps: int) -> dict[str, Any]:
+    """Train ``layers`` Linear(64, 64) layers with AdamW, saving model and optimizer at each of ``steps`` steps
+    (so later checkpoints hold predicted frames); return the last state saved."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for step in range(steps):
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        s.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=step)
+    return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def _predicted_chunks(s: deltackpt.Store, *, step: int) -> dict[bytes, Any]:
+    """The chunks of checkpoint ``step`` stored as predicted frames, with their index entries."""
+    m = s.manifest(step)
+    keys = [chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)]
+    return {k: loc for k, loc in s.index.lookup_chunks(keys).items() if loc.codec == codec_module.PREDICTED}
+
+
 def test_prediction_inputs_are_looked_up_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The chunks a load's predictions read beyond its own (older checkpoints' parameters and moments, and what
     those are predicted from) have their index entries looked up in one batch per level before decoding, not in a
     read transaction each as the decode reaches them; the load's values are the same."""
     from deltackpt.index import Index
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with deltackpt.Store(tmp_path / "s", chunk_size=CS) as s:
-        for step in range(6):
-            model(torch.randn(8, 64)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            s.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=step)
-        want = {"model": model.state_dict(), "optimizer": opt.state_dict()}
-        m = s.manifest(5)
-        keys = [chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)]
-        predicted = [k for k, loc in s.index.lookup_chunks(keys).items() if loc.codec == codec_module.PREDICTED]
+        want = _adamw_saves(s, layers=6, steps=6)
+        predicted = _predicted_chunks(s, step=5)
         assert len(predicted) >= 12  # (the 12 weights and biases, and their second moments)
         calls: list[int] = []
         real = Index.lookup_chunks
@@ -313,19 +324,9 @@ def test_a_damaged_predicted_frame_decoded_without_a_resolver_is_damage(tmp_path
     hashed every predicted frame twice). Without ``resolve`` the decode stops before that call: a damaged predicted
     frame then raised ``ValueError`` ("needs a resolver"), not the ``CorruptChunkError`` it raised before; an
     intact one still raises ValueError."""
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(2)])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with deltackpt.Store(tmp_path / "s", chunk_size=CS) as s:
-        for step in range(3):
-            model(torch.randn(8, 64)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-            s.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, step=step)
-        m = s.manifest(2)
-        keys = [chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)]
-        key, loc = next((k, loc) for k, loc in s.index.lookup_chunks(keys).items()
-                        if loc.codec == codec_module.PREDICTED)
+        _adamw_saves(s, layers=2, steps=3)
+        key, loc = next(iter(_predicted_chunks(s, step=2).items()))
     with open(tmp_path / "s" / "packs" / f"{loc.pack_id}.pack", "rb") as f:
         f.seek(loc.offset)
         intact = f.read(loc.frame_len)
