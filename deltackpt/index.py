@@ -963,25 +963,20 @@ class ChunkReader:
         """``read(get, batch)`` for each batch of ``keys`` inside the count of LMDB calls; a batch whose
         transaction's environment was opened afresh meanwhile once more in a transaction of the new one."""
         for batch in _batches(keys):
-            try:
-                with _lmdb_calls():
-                    read(self._txn.get, batch)
-                continue
-            except lmdb.Error as exc:
-                if isinstance(exc, LMDB_DAMAGE):
-                    raise _damage_error(self._index, exc) from exc
-                if not (_closed_under(exc) and self._sh.failed):
-                    raise
-            try:
-                self._begin()
-                with _lmdb_calls():
-                    read(self._txn.get, batch)
-            except lmdb.Error as exc:
-                if isinstance(exc, LMDB_DAMAGE):
-                    raise _damage_error(self._index, exc) from exc
-                if not _closed_under(exc):
-                    raise
-                raise _reopened_error(self._index, exc) from exc
+            for again in (False, True):
+                try:
+                    if again:
+                        self._begin()
+                    with _lmdb_calls():
+                        read(self._txn.get, batch)
+                    break
+                except lmdb.Error as exc:
+                    if isinstance(exc, LMDB_DAMAGE):
+                        raise _damage_error(self._index, exc) from exc
+                    if not _closed_under(exc) or not (again or self._sh.failed):
+                        raise
+                    if again:
+                        raise _reopened_error(self._index, exc) from exc
 
     def prefetch(self, keys: Iterable[bytes]) -> None:
         """Read the entries of ``keys`` now, for the next calls of :meth:`has` and :meth:`lookup` (in place of
