@@ -900,15 +900,30 @@ def cmd_keep(args: argparse.Namespace) -> int:
         stores, verify, gc = [Path(args.store)], "deltackpt verify", "deltackpt gc"
     if args.json:  # (the exit status as without --json: 1 when a gc's repacking stopped or met damage)
         reports: list[dict[str, Any]] | None = [] if args.gc and not args.dry_run else None
-        rc = _gc_stores(stores, verify, reports) if reports is not None else 0
-        _print_json({"dry_run": args.dry_run, "dcp_root": dcp, "deleted": deleted, "total": total,
-                     "gc": reports})
+        doc = {"dry_run": args.dry_run, "dcp_root": dcp, "deleted": deleted, "total": total, "gc": reports,
+               "error": None}
+        with _json_even_on_error(doc):  # (the deletes are committed whatever the gc does)
+            rc = _gc_stores(stores, verify, reports) if reports is not None else 0
         return rc
     if args.gc and not args.dry_run:
         return _gc_stores(stores, verify)
     if dropped and not args.dry_run:
         print(f"run '{gc}' (or this command with --gc) to reclaim space")
     return 0
+
+
+@contextmanager
+def _json_even_on_error(doc: dict[str, Any]) -> Iterator[None]:
+    """Print ``doc`` (``--json``) when the body returns, and also when it raises: then with the error's first line
+    as ``error``, before the error goes on to main (which prints it and exits 1), so that a script reads what the
+    command did before it failed (checkpoints deleted, then a gc that failed)."""
+    try:
+        yield
+    except Exception as exc:
+        doc["error"] = _first_line(exc)
+        _print_json(doc)
+        raise
+    _print_json(doc)
 
 
 def _is_dcp_root(path: Path) -> bool:
@@ -970,7 +985,16 @@ def cmd_dcp(args: argparse.Namespace) -> int:
         missing = sorted(set(args.rm) - set(distributed.steps(root)))
         if missing:  # refused before any step is deleted
             raise DeltackptError(f"{root} has no DCP checkpoint of step {', '.join(map(str, missing))}")
-    doc: dict[str, Any] = {"deleted_steps": [], "pruned": None, "gc": None, "verify": None}  # (--json)
+    doc: dict[str, Any] = {"deleted_steps": [], "pruned": None, "gc": None, "verify": None, "steps": None,
+                           "unreadable": None, "missing_ranks": None, "error": None}  # (--json)
+    # (with --json, what the options did is printed even when one fails: steps deleted, then a failed gc)
+    with _json_even_on_error(doc) if args.json else contextlib.nullcontext():
+        return _dcp(args, root, doc)
+
+
+def _dcp(args: argparse.Namespace, root: Path, doc: dict[str, Any]) -> int:
+    """``deltackpt dcp``'s work once its arguments are checked (``doc``: the ``--json`` document it fills)."""
+    from deltackpt import distributed
     for step in dict.fromkeys(args.rm):
         distributed.delete(root, step)
         doc["deleted_steps"].append(step)
@@ -1004,13 +1028,13 @@ def cmd_dcp(args: argparse.Namespace) -> int:
             print(f"verify steps: {'OK' if not names else f'{len(names)} problem(s)'}")
         rc = rc if not names else 1
     steps, unreadable = distributed._summary(root)  # (a step whose meta checkpoint is damaged is listed apart)
-    if args.json:
-        _print_json({**doc, "steps": [
+    if args.json:  # (printed by cmd_dcp)
+        doc["steps"] = [
             {"step": i.step, "id": i.id, "committed": i.created, "ranks": i.ranks, "logical_bytes": i.logical_bytes,
-             "written_bytes": i.written_bytes, "metadata": i.metadata} for i in steps],
-            "unreadable": [{"step": info.step, "id": info.id, "message": distributed._unreadable(info, exc)}
-                           for info, exc in unreadable],
-            "missing_ranks": distributed.missing_stores(root)})
+             "written_bytes": i.written_bytes, "metadata": i.metadata} for i in steps]
+        doc["unreadable"] = [{"step": info.step, "id": info.id, "message": distributed._unreadable(info, exc)}
+                             for info, exc in unreadable]
+        doc["missing_ranks"] = distributed.missing_stores(root)
         return rc if not unreadable else 1
     rows: list[tuple[Any, ...]] = [(i.step, i.id, when(i.created), i.ranks, human(i.logical_bytes),
                                     human(i.written_bytes)) for i in steps]

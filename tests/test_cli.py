@@ -7,6 +7,7 @@ points (``python -m deltackpt`` and the installed console script) in a subproces
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fractions
 import gc
 import json
@@ -1357,6 +1358,42 @@ def test_dcp_json_lists_the_steps_and_what_rm_prune_gc_and_verify_did(capsys: py
     rc, out, err = cli(capsys, "dcp", root, "--rm", "7", "--json")
     assert (rc, out) == (1, "")
     assert_one_line_error(err, "no DCP checkpoint of step 7")
+
+
+def test_json_says_what_was_deleted_when_the_gc_after_it_fails(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keep --gc --json`` and ``dcp --rm --gc --json`` whose gc fails (here: the disk fills) after the deletes
+    were committed: stdout still holds the document, with what was deleted and the error's line as ``error``;
+    stderr and the exit status are those without --json. (stdout was empty: a script could not tell that
+    checkpoints had gone.)"""
+    store_path = tmp_path / "store"
+    with open_store(store_path) as s:
+        for i in range(3):
+            s.save({"w": rand(2 * CS, i)}, step=i)
+    root = tmp_path / "ckpt"
+    _dcp_root(root, [1, 2, 3])
+    rc, out, err = cli(capsys, "keep", store_path, "--last", "2", "--gc", "--json")  # (gc works: error null)
+    assert (rc, err, [d["step"] for d in _strict_json(out)["deleted"]], _strict_json(out)["error"]) == (
+        0, "", [0], None)
+
+    def full(self: deltackpt.Store, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(deltackpt.Store, "gc", full)
+    rc, out, err = cli(capsys, "keep", store_path, "--last", "1", "--gc", "--json")
+    doc = _strict_json(out)
+    line = assert_one_line_error(err, "No space left on device")
+    assert (rc, [d["step"] for d in doc["deleted"]], doc["gc"]) == (1, [1], [])
+    assert line.endswith(doc["error"]) and "No space left" in doc["error"]
+    with deltackpt.Store(store_path, readonly=True) as s:
+        assert [i.step for i in s.list()] == [2]
+    rc, out, err = cli(capsys, "dcp", root, "--rm", "1", "--gc", "--json")
+    doc = _strict_json(out)
+    assert_one_line_error(err, "No space left on device")
+    assert (rc, doc["deleted_steps"], doc["gc"], doc["steps"]) == (1, [1], [], None)
+    assert "No space left" in doc["error"]
+    rc, out, err = cli(capsys, "dcp", root, "--rm", "9", "--json")  # refused before anything is done: no document
+    assert (rc, out) == (1, "")
 
 
 def test_keep_refuses_a_best_metric_no_checkpoint_records(capsys: pytest.CaptureFixture[str],
