@@ -1238,6 +1238,10 @@ def cmd_export(args: argparse.Namespace) -> int:
             with contextlib.suppress(OSError):  # (best effort: the write's own error is what is reported)
                 tmp.unlink(missing_ok=True)
         raise DeltackptError(f"cannot write {dest}: {_first_line(exc)}") from None
+    if args.json:  # (bytes: null for a destination that is not a regular file, a pipe)
+        _print_json({"id": m.id, "step": m.step, "key": args.key, "file": str(dest),
+                     "bytes": real.stat().st_size if real.is_file() else None})
+        return 0
     size = f" ({human(real.stat().st_size)})" if real.is_file() else ""
     what = "" if args.key is None else f"{args.key!r} of "
     print(f"exported {what}checkpoint {m.id} (step {m.step}) to {dest}{size}")  # (not "latest", or a step saved twice)
@@ -1283,6 +1287,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     tree.flatten(state)
     with Store(dest) as s:
         info = s.save(state, step=args.step, metadata={"imported_from": src.name})
+    if args.json:
+        _print_json({"file": str(src), "checkpoint": _info_json(info)})
+        return 0
     print(f"imported {src} as checkpoint {info.id} (step {info.step}); wrote {human(info.written_bytes)}")
     return 0
 
@@ -1555,9 +1562,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("checkpoint", help="step, 'latest' or id")
     ex.add_argument("file", help="destination (.pt, .pth or .safetensors)")
     ex.add_argument("--key", metavar="KEY", help="export only what the checkpoint holds at this key path (model)")
+    ex.add_argument("--json", action="store_true", help="print what it wrote as one JSON document")
     im = add("import", cmd_import, "store a .pt (weights_only) or .safetensors file as a checkpoint")
     im.add_argument("file", help="source file")
     im.add_argument("--step", type=int, required=True, help="step to record")
+    im.add_argument("--json", action="store_true", help="print the checkpoint it stored as one JSON document")
     ri = add("resume-info", cmd_resume_info, "which step a training run would resume from, and what it holds")
     ri.add_argument("--json", action="store_true", help=json_help)
     ri.add_argument("--verify", action="store_true",

@@ -1738,6 +1738,26 @@ def test_import_pt(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_pat
         assert_same_state(state, s.load(7))
 
 
+def test_export_and_import_json(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path) -> None:
+    """``export --json`` names the checkpoint written (by id and step), the key path, the file and its size;
+    ``import --json`` the file read and the checkpoint stored, with the fields ``ls --json`` gives it."""
+    with open_store(store_path) as s:
+        s.save({"model": {"w": rand(2 * CS, 1)}, "step": 3}, step=3)
+        cid = s.info(3).id
+    dest = tmp_path / "w.safetensors"
+    rc, out, err = cli(capsys, "export", store_path, "latest", dest, "--key", "model", "--json")
+    assert (rc, err) == (0, "")
+    assert _strict_json(out) == {"id": cid, "step": 3, "key": "model", "file": str(dest),
+                                 "bytes": dest.stat().st_size}
+    other = tmp_path / "other"
+    rc, out, err = cli(capsys, "import", other, dest, "--step", 9, "--json")
+    doc = _strict_json(out)
+    assert (rc, err, doc["file"]) == (0, "", str(dest))
+    rc, listed, _ = cli(capsys, "ls", other, "--json")
+    assert [doc["checkpoint"]] == _strict_json(listed) and doc["checkpoint"]["step"] == 9
+    assert doc["checkpoint"]["metadata"] == {"imported_from": "w.safetensors"}
+
+
 def test_import_with_a_bad_step_creates_no_store(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     src = tmp_path / "weights.pt"
     torch.save({"w": torch.ones(3)}, src)
