@@ -744,6 +744,16 @@ class DeltaStorageReader(StorageReader):
         kernel.check()  # (here rather than wrapped in dcp.load's CheckpointException, as the writer's checks)
         if step is not None and id is not None:
             raise ValueError("DeltaStorageReader takes a step or an id, not both")
+        # checked here, as the writer's arguments: inside dcp.load a TypeError or ValueError comes wrapped in
+        # torch's CheckpointException (a BaseException) around an AssertionError
+        if type(step) is str:  # (a checkpoint id given where the step goes)
+            raise TypeError(f"step must be an int, got str {step!r:.40}; pass a checkpoint id as id=")
+        if step is not None:
+            step = check_step(step)
+        if id is not None:
+            manifest.check_id(id)
+        if allow_network_fs is not None:
+            config.boolean("allow_network_fs", allow_network_fs)
         self.root = None if root is None else Path(root)
         self.step = step
         self.id = id

@@ -1033,6 +1033,25 @@ def test_a_dcp_writer_checks_its_arguments_when_it_is_made(tmp_path: Path, kwarg
     assert not (tmp_path / "root").exists()
 
 
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"step": "3"}, TypeError, "step must be an int, got str '3'; pass a checkpoint id as id="),
+    ({"step": 1.5}, TypeError, "step must be an int, got float"),
+    ({"step": -1}, ValueError, "step must be between 0"),
+    ({"id": "../x"}, InvalidNameError, "invalid checkpoint id '../x'"),
+    ({"id": 5}, InvalidNameError, "invalid checkpoint id 5"),
+    ({"allow_network_fs": "no"}, TypeError, "allow_network_fs must be True or False"),
+])
+def test_a_dcp_reader_checks_its_arguments_when_it_is_made(tmp_path: Path, kwargs: dict[str, Any], error: type,
+                                                           match: str) -> None:
+    """As the writer's: ``DeltaStorageReader(root, step="3")`` was taken, and ``dcp.load`` then raised torch's
+    CheckpointException (a BaseException) around an AssertionError holding the message."""
+    from deltackpt.distributed import DeltaStorageReader
+
+    with pytest.raises(error, match=match):
+        DeltaStorageReader(tmp_path / "root", **kwargs)
+    assert not (tmp_path / "root").exists()
+
+
 def test_a_step_and_an_id_that_disagree_are_named(store: deltackpt.Store) -> None:
     """It said "no checkpoint with id ...", of an id the store holds (at another step)."""
     store.save({"w": torch.ones(3)}, step=1)
