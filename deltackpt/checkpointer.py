@@ -702,6 +702,8 @@ class Checkpointer:
         a self-contained one (:meth:`_kept_for_good`)."""
         self._check_open()
         step = check_step(step)
+        # (checked at the call: an async save would raise a bad keyframe at the next step(), its step unsaved)
+        keyframe, wait = config.boolean("keyframe", keyframe), config.boolean("wait", wait)
         whole = self._kept_for_good(step)
         keyframe = keyframe or whole
         self._raise_background_error()

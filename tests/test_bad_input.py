@@ -806,6 +806,20 @@ def test_switches_take_only_true_or_false(store: deltackpt.Store, tmp_path: Path
     assert store.load(1, allow_pickle=True)["x"] == 7 and marker.exists()  # (the opt-in itself works)
 
 
+@pytest.mark.parametrize("value", ["no", 0, 1])
+def test_a_checkpointer_save_takes_only_true_or_false_at_the_call(tmp_path: Path, value: Any) -> None:
+    """``ckpt.save(step, keyframe="no")`` of an async Checkpointer returned, and its background save raised the
+    TypeError at the next step() or close(), the step not saved; ``wait="no"`` waited."""
+    with deltackpt.Checkpointer(tmp_path / "s", model=torch.nn.Linear(2, 2), handle_signals=False) as ck:
+        for name in ("keyframe", "wait"):
+            with pytest.raises(TypeError, match=f"{name} must be True or False"):
+                ck.save(1, **{name: value})
+            assert ck.wait() is None  # nothing was started
+        assert ck.store.list() == []
+        ck.save(1, wait=True)
+        assert [i.step for i in ck.store.list()] == [1]
+
+
 def test_what_a_checkpointer_is_given_is_checked_member_by_member(store: deltackpt.Store) -> None:
     """A list or dict of models or optimizers was taken as it came; a member without state_dict() failed at the
     first step() with AttributeError. Now the constructor names it; so for extra that is not a dict."""
