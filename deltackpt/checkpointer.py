@@ -403,6 +403,7 @@ class Checkpointer:
     # -- state ---------------------------------------------------------------------------------------------
     def capture(self, step: int) -> dict[str, Any]:
         """The training state at ``step`` as a tree of live objects (no copies)."""
+        step = check_step(step)  # (a str step went into the state, which a restore then refused as another step)
         extra: dict[str, Any] = {}
         for k, v in self.extra.items():
             extra[k] = v.state_dict() if stateful(v) else v

@@ -820,6 +820,17 @@ def test_a_checkpointer_save_takes_only_true_or_false_at_the_call(tmp_path: Path
         assert [i.step for i in ck.store.list()] == [1]
 
 
+def test_capture_checks_its_step(tmp_path: Path) -> None:
+    """``ckpt.capture("3")`` returned a state whose step entry was the string, which a save stored and a restore
+    then refused as a checkpoint of another step than the one listed."""
+    with deltackpt.Checkpointer(tmp_path / "s", model=torch.nn.Linear(2, 2), handle_signals=False) as ck:
+        with pytest.raises(TypeError, match="step must be an int, got str"):
+            ck.capture("3")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="step must be between 0"):
+            ck.capture(-1)
+        assert ck.capture(np.int64(3))["step"] == 3
+
+
 def test_what_a_checkpointer_is_given_is_checked_member_by_member(store: deltackpt.Store) -> None:
     """A list or dict of models or optimizers was taken as it came; a member without state_dict() failed at the
     first step() with AttributeError. Now the constructor names it; so for extra that is not a dict."""
