@@ -1497,7 +1497,7 @@ def _refusal(state: dict[str, Any], m: manifest.Manifest, step: int) -> str | No
     for t in m.tensors:
         if t.kind == "torch":
             try:
-                tree.torch_dtype(t.dtype)
+                tree.check_known_torch_dtype(t.dtype)  # (torch imported only for a rarer dtype)
             except UnsupportedTypeError as exc:
                 return f"tensor {t.key!r:.60}: {exc}"
     return None

@@ -198,6 +198,19 @@ def torch_itemsize(name: str) -> int:
     return size if size is not None else torch_dtype(name).itemsize
 
 
+#: dtypes every torch that deltackpt runs on (torch>=2.3) knows, by stored name: a check that this torch knows a
+#: tensor's dtype needs no torch for them (deltackpt resume-info, as ls, runs without importing it)
+_EVERY_TORCH_KNOWS = frozenset(("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32",
+                                "float64", "complex64", "complex128"))
+
+
+def check_known_torch_dtype(name: str) -> None:
+    """Raise as :func:`torch_dtype` does for a tensor entry's dtype ``name`` (UnsupportedTypeError: one this torch
+    does not know), importing torch only for a name outside those every supported torch knows."""
+    if not (type(name) is str and name in _EVERY_TORCH_KNOWS):
+        torch_dtype(name)
+
+
 def torch_dtype(name: str, *, value: bool = False) -> torch.dtype:
     """torch dtype from its name, without evaluating anything. Quantized dtypes are refused for tensor entries, as
     saves refuse their tensors: they hold fewer bytes than elements (``quint4x2``: two per byte), and no writer

@@ -142,6 +142,19 @@ def test_listings_do_not_import_torch(tmp_path: Path) -> None:
         assert done.returncode == 0, (args, done.stderr[-2000:])
 
 
+def test_resume_info_of_a_checkpointer_checkpoint_does_not_import_torch(tmp_path: Path) -> None:
+    """resume-info checks that this torch knows each tensor's dtype (restore() refuses one it does not): it looked
+    every name up in torch, so resume-info of a store whose newest checkpoint a Checkpointer wrote imported it."""
+    path = tmp_path / "s"
+    model = torch.nn.Linear(8, 4)
+    with deltackpt.Checkpointer(path, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+                                handle_signals=False) as ckpt:
+        ckpt.save(1)
+    for args in (["resume-info", str(path)], ["resume-info", str(path), "--json"]):
+        done = subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, *args], capture_output=True, text=True)
+        assert done.returncode == 0, (args, done.stderr[-2000:])
+
+
 def test_ls_lists_every_step_and_id(capsys: pytest.CaptureFixture[str], store_path: Path,
                                     three: dict[str, Any]) -> None:
     rc, out, err = cli(capsys, "ls", store_path)
