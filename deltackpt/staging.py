@@ -283,6 +283,9 @@ def check_map_location(map_location: Any) -> None:
         raise TypeError("map_location must be None, a device, a device string or a dict {stored: target}, got "
                         f"{type(map_location).__name__}")
     for stored, target in map_location.items() if isinstance(map_location, Mapping) else [(None, map_location)]:
+        if isinstance(map_location, Mapping) and not isinstance(stored, (str, torch.device)):
+            raise TypeError("map_location's keys must be stored devices (a device or a device string, 'cuda:0'), got "
+                            f"{type(stored).__name__} {stored!r:.40}")
         where = "map_location" if stored is None else f"map_location[{stored!r:.60}]"
         if not isinstance(target, (str, torch.device)):
             raise TypeError(f"{where} must be a device or a device string, got {type(target).__name__} {target!r:.40}")
@@ -293,12 +296,23 @@ def check_map_location(map_location: Any) -> None:
                              "knows") from None
 
 
+def _mapped_from(map_location: Mapping[Any, Any], stored: str) -> Any:
+    """What a ``map_location`` dict maps the stored device ``stored`` (a device string) to, keyed by that string or
+    by a device (``{torch.device("cuda:0"): "cpu"}``); ``stored`` itself where it names none."""
+    if stored in map_location:
+        return map_location[stored]
+    for key, target in map_location.items():
+        if isinstance(key, torch.device) and str(key) == stored:
+            return target
+    return stored
+
+
 def _resolve_device(stored: str, map_location: Any) -> torch.device:
     """The device a tensor stored on ``stored`` loads onto, for a ``map_location`` that
     :func:`check_map_location` passed; UnsupportedTypeError for a device this process cannot use, saying
     whether it came from the checkpoint or from ``map_location``."""
     if map_location is None or isinstance(map_location, Mapping):
-        target = stored if map_location is None else map_location.get(stored, stored)
+        target = stored if map_location is None else _mapped_from(map_location, stored)
         mapped = target is not stored
     else:
         target, mapped = map_location, True

@@ -1470,8 +1470,8 @@ class Store:
         """Load a checkpoint (the latest when ``step`` and ``id`` are None) and return its state.
 
         ``map_location`` works like ``torch.load``'s (a device, a device string, or a dict mapping stored
-        device strings to targets). ``verify=False`` skips re-hashing decoded chunks (frame checksums are
-        still checked). The next ``save`` through this handle descends from the loaded checkpoint.
+        devices, as strings or devices, to targets). ``verify=False`` skips re-hashing decoded chunks (frame
+        checksums are still checked). The next ``save`` through this handle descends from the loaded checkpoint.
 
         ``into`` (e.g. ``{"model": model.state_dict()}``) offers tensors to decode into: a stored tensor whose
         place in the state (dict keys and list positions, matched structurally) holds a tensor of the same dtype

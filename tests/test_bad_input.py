@@ -886,6 +886,20 @@ def test_a_bad_map_location_is_named(store: deltackpt.Store, map_location: Any, 
             store.load(2, map_location=map_location)
 
 
+def test_a_map_location_dict_keyed_by_devices_applies(store: deltackpt.Store) -> None:
+    """``map_location={torch.device("cuda:0"): "cpu"}`` (the README's ``{stored device: target}``) was looked up by
+    the stored device's string only, so a device key never matched and the mapping was ignored without a word: a
+    CUDA checkpoint then loaded onto the GPU, or failed for want of the map_location it had been given. A key that
+    is neither a device nor a device string is refused."""
+    store.save({"y": torch.arange(3.0)}, step=1)
+    with pytest.raises(UnsupportedTypeError, match="map_location sends tensors stored on 'cpu' to 'meta'"):
+        store.load(1, map_location={torch.device("cpu"): "meta"})
+    assert torch.equal(store.load(1, map_location={torch.device("cpu"): torch.device("cpu")})["y"], torch.arange(3.0))
+    for key in (5, None):
+        with pytest.raises(TypeError, match=f"map_location's keys must be stored devices .*got {type(key).__name__}"):
+            store.load(1, map_location={key: "cpu"})
+
+
 def test_loads_ignore_the_default_device(store: deltackpt.Store) -> None:
     """Loads allocated their tensors and staging buffers on torch's default device: inside
     ``with torch.device("meta")`` (or after set_default_device("cuda")) load raised "can't convert meta device
