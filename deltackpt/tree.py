@@ -118,8 +118,11 @@ def register_type(
     if _stored_natively(cls):
         raise TypeError(f"{cls.__qualname__} is a type deltackpt stores itself: a hook for it would never run, or "
                         "would take its values away from the store's own encoding (a tensor's chunks, say)")
-    if not name or not isinstance(name, str):
-        raise ValueError("a registered type needs a non-empty name")
+    if not isinstance(name, str):
+        raise TypeError(f"register_type({cls.__qualname__}): name must be a str, got {type(name).__name__} "
+                        f"{name!r:.40}")
+    if not name:
+        raise ValueError(f"register_type({cls.__qualname__}): a registered type needs a non-empty name")
     for what, fn in (("encode", encode), ("decode", decode)):
         if not callable(fn):
             raise TypeError(f"register_type({cls.__qualname__}): {what} must be a callable, got {type(fn).__name__}")

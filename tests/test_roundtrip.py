@@ -1457,6 +1457,21 @@ def test_register_type_refuses_types_deltackpt_stores_itself(cls: Any) -> None:
     assert "tests.builtin" not in tree._HOOKS_BY_NAME
 
 
+def test_register_type_names_a_name_of_the_wrong_type() -> None:
+    """``register_type(cls, 5, ...)`` raised ValueError("a registered type needs a non-empty name"), which a name of
+    5 is not told by; a name that is not a str is a TypeError naming it, an empty one a ValueError."""
+
+    class Thing:
+        pass
+
+    for name, error, match in ((5, TypeError, r"register_type\(.*Thing\): name must be a str, got int 5"),
+                               (b"x", TypeError, "name must be a str, got bytes"),
+                               ("", ValueError, "needs a non-empty name")):
+        with pytest.raises(error, match=match):
+            deltackpt.register_type(Thing, name, lambda x: 1, lambda x: Thing())  # type: ignore[arg-type]
+        assert Thing not in tree._HOOKS_BY_TYPE
+
+
 def test_quantized_dtypes_as_values_round_trip(store: deltackpt.Store) -> None:
     """A quantized dtype held as a value (a quantization config's) is stored, in a version-3 manifest: it used to
     be saved and then refused by every load as damage, so a Checkpointer holding one could never restore. In
