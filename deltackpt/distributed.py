@@ -247,6 +247,8 @@ class DeltaStorageWriter(StorageWriter):
         # inside dcp.save it comes wrapped in torch's CheckpointException, which `except Exception` does not catch.
         kernel.check()  # (a DELTACKPT_BACKEND that cannot run: the ImportError the stores would raise)
         check_options("DeltaStorageWriter", store_options)
+        if store_options.get("readonly") is True:  # (every save would fail, wrapped in DCP's CheckpointException)
+            raise ValueError("DeltaStorageWriter: readonly=True opens no store to write; a writer saves (leave it out)")
         if step is not None:
             step = check_step(step)
         if metadata is not None:

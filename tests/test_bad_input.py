@@ -1056,6 +1056,7 @@ def test_switches_of_dcp_and_the_sampler_take_bools_only(tmp_path: Path) -> None
     ({"zstd_level": 99}, ValueError, "DeltaStorageWriter: zstd_level must be between"),
     ({"chunk_size": 1000}, ValueError, "DeltaStorageWriter: chunk_size must be a power of two"),
     ({"predict": "no"}, TypeError, "DeltaStorageWriter: predict must be True or False"),
+    ({"readonly": True}, ValueError, "DeltaStorageWriter: readonly=True"),  # (its saves failed, inside DCP's error)
     ({"metadata": "x"}, TypeError, "metadata must be a mapping"),
     ({"metadata": {"t": torch.ones(2)}}, UnsupportedTypeError, "DeltaStorageWriter metadata: .*tensors"),
     ({"step": True}, TypeError, "step must be an int"),
