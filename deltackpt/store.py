@@ -335,9 +335,12 @@ class Store:
             check_local(self.path)  # before anything is created
         why = why_readonly(self.path)
         if why is not None and readonly is False:
+            if not (self.path / "STORE").exists():  # (readonly=True would not make one either)
+                raise ReadOnlyStoreError(f"cannot create a store at {self.path}: it is {why}")
             raise ReadOnlyStoreError(f"store {self.path} is {why}: open it with readonly=True")
         self.readonly = why is not None if readonly is None else bool(readonly)
         self._readonly_why = why or "open read-only"
+        self._readonly_unasked = self.readonly and readonly is None
         self.index: Index = None  # type: ignore[assignment]  # a new store's is opened as it is created
         try:
             self.chunk_size = self._init_layout(chunk_size, allow)
@@ -413,6 +416,8 @@ class Store:
         if lost_store(self.path):
             raise lost_store_file(self.path)
         if not cfg_path.exists() and self.readonly:
+            if self._readonly_unasked:  # (the filesystem or permissions decide)
+                raise ReadOnlyStoreError(f"cannot create a store at {self.path}: it is {self._readonly_why}")
             raise DeltackptError(f"{self.path} is not a deltackpt store (no STORE file; a read-only open creates none)")
         if not cfg_path.exists():
             cs = (config.check_chunk_size(config.chunk_size(), "DELTACKPT_CHUNK_SIZE") if chunk_size is None

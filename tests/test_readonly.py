@@ -125,6 +125,13 @@ def test_store_on_a_readonly_filesystem(readonly_mount: tuple[Path, list[dict]],
             s.save(states[0], step=7)
     with pytest.raises(ReadOnlyStoreError, match="readonly=True"):
         deltackpt.Store(mnt, readonly=False)
+    # a new store there: it said "not a deltackpt store (no STORE file; a read-only open creates none)", of an open
+    # no one had asked to be read-only
+    with pytest.raises(ReadOnlyStoreError, match=f"cannot create a store at {mnt / 'new'}: it is on a read-only "
+                                                 "filesystem"):
+        deltackpt.Store(mnt / "new")
+    with pytest.raises(ReadOnlyStoreError, match="cannot create a store at .*: it is on a read-only filesystem"):
+        deltackpt.Store(mnt / "new", readonly=False)  # (not "open it with readonly=True", which creates none)
     assert cli(["ls", str(mnt)]) == 0
     assert cli(["diff", str(mnt), "latest", "latest"]) == 0
     assert cli(["gc", str(mnt)]) == 1
