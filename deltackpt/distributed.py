@@ -72,7 +72,7 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
-from deltackpt.retention import Retention, deleting_only
+from deltackpt.retention import Retention, check_ranked, deleting_only
 from deltackpt.store import CheckpointInfo, Store, as_saved, check_metadata, check_options, check_step
 
 #: version of the layout of DCP metadata in ``root/meta`` checkpoints. 4: items of kind "tree" (a value holding arrays,
@@ -1051,6 +1051,8 @@ def _dropped_steps(meta: Store, retention: Retention, known: dict[str, Any] | No
     if known is not None:
         known.clear()
         known.update(seen)
+    if unreadable is None:  # (retain(): a metric no step records is refused, as Store.retain refuses it)
+        check_ranked(retention, infos)
     drop = set(retention.plan(infos).delete) - kept
     return [i for i in infos if i.id in drop]
 

@@ -159,6 +159,18 @@ def unranked_metric(retention: Retention, infos: Sequence[Any]) -> tuple[str, li
     return None if metric in found else (metric, sorted(found))
 
 
+def check_ranked(retention: Retention, infos: Sequence[Any]) -> None:
+    """Refuse (ValueError, nothing deleted) a one-off application of ``retention`` (``Store.retain``,
+    ``distributed.retain``) whose ``keep_best`` metric none of ``infos`` records as a number: a misspelt metric
+    would delete every checkpoint the other rules do not keep, the best one included."""
+    missing = unranked_metric(retention, infos)
+    if missing is not None and infos:
+        metric, found = missing
+        recorded = f"numbers they record: {', '.join(map(repr, found))}" if found else "they record no numbers"
+        raise ValueError(f"Retention(keep_best) ranks by {metric!r}, which no checkpoint records as a number "
+                         f"({recorded}); nothing deleted")
+
+
 def deleting_only(retention: Any, why: str) -> Retention:
     """``retention`` checked for a caller that deletes but cannot thin (``Store.retain``, DCP steps): a
     :class:`Retention` without ``full_last``; ``why`` ends the ValueError that refuses one with it."""

@@ -72,7 +72,7 @@ from deltackpt.packs import (
     make_dirs,
     open_lock,
 )
-from deltackpt.retention import Retention, deleting_only
+from deltackpt.retention import Retention, check_ranked, deleting_only
 from deltackpt.scratch import Scratch
 
 if TYPE_CHECKING:
@@ -2086,6 +2086,7 @@ class Store:
         if not dry_run:
             self._writable("apply a retention policy (delete checkpoints)")
         infos = self._listing()
+        check_ranked(retention, infos)
         drop = set(retention.plan(infos).delete)
         dropped = [info for info in infos if info.id in drop]
         if dry_run:

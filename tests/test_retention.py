@@ -693,6 +693,39 @@ def test_store_retain_applies_a_policy_now(tmp_path: Path) -> None:
         assert s.retain(policy) == []
 
 
+def test_store_and_dcp_retain_refuse_a_metric_no_checkpoint_records(tmp_path: Path) -> None:
+    """``Store.retain`` and ``distributed.retain`` with a ``keep_best`` metric no checkpoint records (a misspelt
+    one) deleted every checkpoint the other rules do not keep, the best included, as ``deltackpt keep --best``
+    refuses to. They now refuse too, dry runs included, and delete nothing; a metric recorded by some works."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from deltackpt import distributed
+    from deltackpt.distributed import DeltaStorageWriter
+
+    with Store(tmp_path / "s") as s:
+        for i in range(5):
+            s.save({"w": torch.full((10,), float(i))}, step=i, metadata={"loss": 0.1 if i == 1 else 9.0 - i})
+        for dry_run in (True, False):
+            with pytest.raises(ValueError, match=r"ranks by 'lost', .*numbers they record: 'loss'.*nothing deleted"):
+                s.retain(Retention(keep_last=1, keep_best=("lost", "min")), dry_run=dry_run)
+        assert [i.step for i in s.list()] == [0, 1, 2, 3, 4]
+        assert [i.step for i in s.retain(Retention(keep_last=1, keep_best=("loss", "min")))] == [0, 2, 3]
+    root = tmp_path / "dcp"
+    w = DeltaStorageWriter(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in (1, 2, 3):
+            w.step, w.metadata = step, {"loss": 0.1 if step == 1 else 9.0 - step}
+            dcp.save({"x": torch.full((10,), float(step))}, storage_writer=w, no_dist=True)
+    w.close()
+    with pytest.raises(ValueError, match="ranks by 'lost'.*nothing deleted"):
+        distributed.retain(root, Retention(keep_last=1, keep_best=("lost", "min")))
+    assert distributed.steps(root) == [1, 2, 3]
+    assert [i.step for i in distributed.retain(root, Retention(keep_last=1, keep_best=("loss", "min")))] == [2]
+
+
 def _infos(steps: list[int], metas: list[Any] | None = None) -> list[CheckpointInfo]:
     metas = metas or [None] * len(steps)
     return [CheckpointInfo(f"{i:016x}", s, NOW, None, 0, 0, m, i + 1) for i, (s, m) in enumerate(zip(steps, metas))]
