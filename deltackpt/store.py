@@ -2230,6 +2230,8 @@ def _span_places(refs: Sequence[tuple[tree.Place, str, int]],
             out[places[0]] = (operator.index(lo), operator.index(hi))
         except (TypeError, ValueError):
             raise ValueError(f"spans[{path!r}]: (start, end) must be two ints, not {span!r}") from None
+        if min(out[places[0]]) < 0:  # (byte offsets: a slice's "from the end" would be a guess here)
+            raise ValueError(f"spans[{path!r}]: (start, end) must be byte offsets of 0 or more, not {span!r}")
     return out
 
 

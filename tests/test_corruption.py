@@ -166,6 +166,11 @@ def test_a_span_reads_only_the_chunks_it_reaches(store_path: Path) -> None:
         assert s.load_into({"w": target, "b": torch.zeros(2 * CS // 4)}, spans={"w": (5, 5)}) == []  # empty
         with pytest.raises(ValueError, match="contiguous CPU target"):
             s.load_into({"w": torch.zeros(32 * CS // 4)[::2], "b": torch.zeros(2 * CS // 4)}, spans={"w": (0, 4)})
+        for span in ((-8, 16), (0, -1)):  # (-8 read as 0, writing bytes 0..16: not a slice's "from the end")
+            untouched = target.clone()
+            with pytest.raises(ValueError, match=r"spans\['w'\]: \(start, end\) must be byte offsets of 0 or more"):
+                s.load_into({"w": target, "b": torch.zeros(2 * CS // 4)}, spans={"w": span})
+            assert torch.equal(target, untouched)
 
 
 @given(lo=st.integers(0, 5 * CS + 17), n=st.integers(0, 5 * CS + 17))
