@@ -135,6 +135,9 @@ def stores(root: str | os.PathLike[str]) -> list[Path]:
     """The stores of the DCP root ``root``: its meta store, then each rank's (``rank-NNNNN``, by rank), those
     that exist. Other directories (a copy named ``rank-00000.bak``) are not the root's."""
     root = Path(root)
+    if not root.is_dir():  # (a bare [Errno 2] or [Errno 20] named nothing; steps() and the others say it so)
+        raise CheckpointNotFoundError(f"{root} is not a sharded (DCP) checkpoint root: "
+                                      f"{'it is not a directory' if root.exists() else 'it does not exist'}")
     ranks = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _RANK_DIR.fullmatch(p.name)))
     return [p for p in [root / "meta", *(p for _, p in ranks)] if (p / "STORE").exists()]
 

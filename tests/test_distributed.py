@@ -219,6 +219,11 @@ def test_a_plain_store_given_as_a_root_is_named_so(tmp_path: Path) -> None:
             call()
     with pytest.raises(deltackpt.CheckpointNotFoundError, match="no deltackpt store at .*nothing/meta"):
         distributed.steps(tmp_path / "nothing")
+    # stores() raised a bare FileNotFoundError / NotADirectoryError
+    (tmp_path / "file").write_bytes(b"x")
+    for path, why in ((tmp_path / "nothing", "it does not exist"), (tmp_path / "file", "it is not a directory")):
+        with pytest.raises(deltackpt.CheckpointNotFoundError, match=f"not a sharded \\(DCP\\) checkpoint root: {why}"):
+            distributed.stores(path)
 
 
 def test_large_bytes_values_are_chunked_and_plain_values_stay_out_of_the_index(tmp_path: Path) -> None:
