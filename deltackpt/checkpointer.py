@@ -47,6 +47,7 @@ from deltackpt.components import (
     group_members,
     group_state,
     load_group,
+    param_layouts,
     param_pairs,
     plain_extras,
     present_members,
@@ -531,6 +532,8 @@ class Checkpointer:
                 current = f"extra[{k!r}]"
                 if stateful(v):
                     v.load_state_dict(saved_extra[k])
+                    if isinstance(v, torch.optim.Optimizer):
+                        param_layouts(v)
                 else:  # (into the run's own tensors and containers, which its training loop holds)
                     self.extra[k] = put_back(v, saved_extra[k])
                 applied.append(current)

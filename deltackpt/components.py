@@ -150,6 +150,23 @@ def load_group(g: Any, state: Any) -> None:
             # from modules of the versions this code has, the best guess there is.
             saved._metadata = getattr(member.state_dict(), "_metadata", None)  # type: ignore[attr-defined]
         member.load_state_dict(saved)
+        if isinstance(member, torch.optim.Optimizer):
+            param_layouts(member)
+
+
+def param_layouts(opt: torch.optim.Optimizer) -> None:
+    """Give each tensor of ``opt``'s loaded state that has its parameter's shape the parameter's memory layout, as
+    the optimizer made it (``zeros_like(p)``): the store restores tensors contiguous, and for a parameter in
+    another layout (a channels_last CNN's) torch's fused kernels would pair the elements of parameter and state
+    wrongly, and the others round otherwise than the run that saved."""
+    for p, st in opt.state.items():
+        if not isinstance(p, torch.Tensor) or not isinstance(st, dict) or torch.nn.parameter.is_lazy(p):
+            continue  # (a lazy parameter has no shape yet)
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 1 and v.stride() != p.stride():
+                laid = torch.empty_like(p, dtype=v.dtype, device=v.device)  # (preserve_format: p's strides)
+                if laid.stride() != v.stride():
+                    st[k] = laid.copy_(v)
 
 
 def plain_extras(extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -444,6 +444,43 @@ def test_restore_decodes_into_the_model(fast_dir: Path) -> None:
     assert_bitwise(opt.state_dict(), opt2.state_dict(), "optimizer")
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_channels_last_model_resumes_exactly(fast_dir: Path, fused: bool) -> None:
+    """A CNN trained in channels_last memory format: the optimizer's moments come back in their parameters'
+    layout, as the optimizer made them (the store restores tensors contiguous). In another layout torch's fused
+    AdamW pairs the elements of parameter and moments wrongly, and the other kernels round otherwise."""
+    x = torch.randn(4, 3, 6, 6, generator=torch.Generator().manual_seed(1)).contiguous(
+        memory_format=torch.channels_last)
+
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+        model.to(memory_format=torch.channels_last)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01, fused=fused)
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+        for _ in range(steps):
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+    ref_model, ref_opt = build()
+    train(ref_model, ref_opt, 4)
+    model, opt = build()
+    train(model, opt, 2)
+    with deltackpt.Checkpointer(fast_dir / "s", model=model, optimizer=opt, async_save=False,
+                                handle_signals=False) as ckpt:
+        ckpt.save(2)
+    model, opt = build()
+    with deltackpt.Checkpointer(fast_dir / "s", model=model, optimizer=opt, handle_signals=False) as ckpt:
+        assert ckpt.restore() == 2
+    w = model[0].weight
+    assert opt.state[w]["exp_avg"].stride() == w.stride()
+    train(model, opt, 2)
+    assert_bitwise(ref_model.state_dict(), model.state_dict(), "model")
+    assert_bitwise(ref_opt.state_dict(), opt.state_dict(), "optimizer")
+
+
 # -- 2. async saves do not see later mutations ------------------------------------------------------------
 
 @pytest.mark.parametrize("device", [
