@@ -779,7 +779,7 @@ class Checkpointer:
             self._warned_metric = True
             warnings.warn(f"deltackpt: Retention(keep_best) ranks by {missing[0]!r}, which no checkpoint's metadata "
                           f"records as a number (they record {', '.join(map(repr, missing[1]))}); only the other "
-                          "rules keep checkpoints", RuntimeWarning, stacklevel=3)
+                          "rules keep checkpoints", RuntimeWarning, stacklevel=caller_level())
         plan = self.retention.plan(infos)
         by_id = {i.id: i for i in infos}
         self.store._delete([(None, cid) for cid in plan.delete], missing_ok=True)  # (one index commit)
@@ -797,12 +797,12 @@ class Checkpointer:
             report = self._gc_rule.gc_if_due(self.store, kept)
         except (DeltackptError, OSError) as exc:
             warnings.warn(f"deltackpt: gc after retention failed, what retention deleted still takes its space "
-                          f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
+                          f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=caller_level())
             return
         if report is not None and report.damaged_packs:
             warnings.warn(f"deltackpt: gc after retention left {len(report.damaged_packs)} pack(s) holding damaged "
                           f"frames in place: {report.damaged_packs[0]}; 'deltackpt verify' names the checkpoints",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=caller_level())
 
     def _thin(self, ids: list[str], by_id: dict[str, CheckpointInfo]) -> None:
         """Rewrite the checkpoints ``ids`` with their step and model weights only. Only checkpoints a Checkpointer
@@ -837,7 +837,7 @@ class Checkpointer:
             except CorruptionError as exc:
                 self._unthinnable.add(cid)
                 warnings.warn(f"deltackpt: retention cannot thin checkpoint {cid} (step {info.step}), which is "
-                              f"damaged; it stays as it is: {exc}", RuntimeWarning, stacklevel=2)
+                              f"damaged; it stays as it is: {exc}", RuntimeWarning, stacklevel=caller_level())
 
     def wait(self) -> CheckpointInfo | None:
         """Block until the save in flight (if any) is committed; raise its error."""
@@ -958,7 +958,7 @@ class Checkpointer:
     def _install_signals(self) -> None:
         if threading.current_thread() is not threading.main_thread():
             warnings.warn("Checkpointer: signal handlers can only be installed from the main thread; "
-                          "SIGTERM/SIGINT will not trigger a save", RuntimeWarning, stacklevel=3)
+                          "SIGTERM/SIGINT will not trigger a save", RuntimeWarning, stacklevel=caller_level())
             return
         self._pid = os.getpid()
         for sig in sorted(STOP_SIGNALS):  # (SIGINT, SIGTERM)

@@ -71,6 +71,7 @@ from deltackpt.errors import (
     FormatVersionError,
     UnsafeLoadError,
     UnsupportedTypeError,
+    caller_level,
 )
 from deltackpt.retention import Retention, check_ranked, deleting_only
 from deltackpt.store import CheckpointInfo, Store, as_saved, check_metadata, check_options, check_step
@@ -358,7 +359,7 @@ class DeltaStorageWriter(StorageWriter):
                           f"{torch.distributed.get_world_size()} but saves as rank 0 of its own (no_dist=True, or a "
                           "process group of its own): processes that save this way into one root replace each "
                           "other's shards at each step; save with the job's process group, or give each its own "
-                          "root", RuntimeWarning, stacklevel=2)
+                          "root", RuntimeWarning, stacklevel=caller_level())
         return [replace(p, storage_data=_Slot(rank, self.step)) for rank, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -520,7 +521,7 @@ class DeltaStorageWriter(StorageWriter):
         except (DeltackptError, OSError) as exc:
             warnings.warn(f"deltackpt: DCP retention on rank {rank} failed; the checkpoints of dropped steps stay "
                           f"until a later save or 'deltackpt dcp ROOT --prune' ({type(exc).__name__}: {exc})",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=caller_level())
 
     def _unreadable_step(self, meta: Store, info: CheckpointInfo, exc: DeltackptError) -> None:
         """Warn (once per writer and meta checkpoint) that retention keeps the step of meta checkpoint ``info``,
@@ -531,7 +532,7 @@ class DeltaStorageWriter(StorageWriter):
             self._kept.unreadable.add(info.id)
         warnings.warn(f"deltackpt: DCP retention keeps {_unreadable(info, exc)}; it goes on thinning the other "
                       f"steps, and never deletes this one or its shards ('deltackpt rm {meta.path} {info.id}' "
-                      "deletes the step)", RuntimeWarning, stacklevel=3)
+                      "deletes the step)", RuntimeWarning, stacklevel=caller_level())
 
     def _gc_if_due(self, store: Store) -> None:
         """gc ``store`` once what retention deleted from it is worth a pass (see the class docstring)."""
@@ -541,7 +542,7 @@ class DeltaStorageWriter(StorageWriter):
         if report is not None and report.damaged_packs:
             warnings.warn(f"deltackpt: gc of {store.path} after DCP retention left {len(report.damaged_packs)} "
                           f"pack(s) holding damaged frames in place: {report.damaged_packs[0]}",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=caller_level())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.root is not None and self.step is not None
@@ -584,7 +585,7 @@ class DeltaStorageWriter(StorageWriter):
                 self._gc_if_due(meta)
             except (DeltackptError, OSError) as exc:
                 warnings.warn(f"deltackpt: DCP retention after step {self.step} failed; the step is saved "
-                              f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
+                              f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=caller_level())
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=None if self.root is None else str(self.root))

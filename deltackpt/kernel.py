@@ -58,6 +58,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from deltackpt.errors import caller_level
+
 #: Bumped whenever the native functions' signatures or semantics change; compiled into the extension.
 API_VERSION = 5
 
@@ -126,7 +128,7 @@ def _select() -> tuple[str, Any]:
         warnings.warn(
             f"deltackpt: native kernel unavailable ({exc}); using the slow pure-Python backend",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=caller_level(),
         )
         from deltackpt import _pykernel
 

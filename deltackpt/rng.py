@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from deltackpt import _lazy
+from deltackpt.errors import caller_level
 
 if TYPE_CHECKING:
     import torch
@@ -68,7 +69,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         if len(cuda) != torch.cuda.device_count():
             warnings.warn(
                 f"checkpoint holds RNG states of {len(cuda)} CUDA devices, this process sees "
-                f"{torch.cuda.device_count()}; restoring the common ones", RuntimeWarning, stacklevel=3,
+                f"{torch.cuda.device_count()}; restoring the common ones", RuntimeWarning, stacklevel=caller_level(),
             )
         for i, s in enumerate(cuda[: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(s.cpu(), i)

@@ -2206,6 +2206,12 @@ def test_keep_best_by_a_metric_no_checkpoint_records_warns_once(tmp_path: Path) 
         assert len(said) == 1, said
         assert "ranks by 'val-loss'" in said[0] and "'val_loss'" in said[0]
         assert [i.step for i in ckpt.store.list()] == [4, 5]
+    # a save in the caller's thread: the warning points at its step() call here, not into checkpointer.py
+    with Checkpointer(tmp_path / "s2", model=model, optimizer=opt, handle_signals=False, async_save=False,
+                      retention=Retention(keep_last=2, keep_best=("val-loss", "min"))) as ckpt:
+        with pytest.warns(RuntimeWarning, match="ranks by 'val-loss'") as warned:
+            ckpt.step(1, metadata={"val_loss": 1.0})
+        assert [w.filename for w in warned] == [__file__]
 
 
 def test_an_async_save_stores_the_metadata_as_it_was_at_its_step(tmp_path: Path) -> None:
