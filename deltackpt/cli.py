@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as _dt
+import glob
 import io
 import json
 import os
@@ -1225,7 +1226,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     real = Path(os.path.realpath(dest))  # (through a symlink, the file it names is written)
     # a regular file is written next to the destination and renamed over it, so a failed export leaves no
     # partial file; anything else (a pipe, a device) is written directly
-    tmp = real.with_name(f".{real.name}.{os.getpid()}.tmp") if not real.exists() or real.is_file() else None
+    tmp = None
+    if not real.exists() or real.is_file():
+        host = re.sub(r"[^A-Za-z0-9-]", "_", os.uname().nodename)
+        _remove_killed_exports(real, host)
+        tmp = real.with_name(f".{real.name}.{host}.{os.getpid()}.tmp")
     try:
         write(tmp or real)
         if tmp is not None:  # durable before it takes the place of an earlier export (a power loss keeps one)
@@ -1246,6 +1251,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     what = "" if args.key is None else f"{args.key!r} of "
     print(f"exported {what}checkpoint {m.id} (step {m.step}) to {dest}{size}")  # (not "latest", or a step saved twice)
     return 0
+
+
+def _remove_killed_exports(real: Path, host: str) -> None:
+    """Remove what exports to ``real`` killed while writing left next to it: the temporary files of this host's
+    processes that are gone (``.NAME.HOST.PID.tmp``; another host's, or a live process's, are left alone)."""
+    for leftover in real.parent.glob(f".{glob.escape(real.name)}.{glob.escape(host)}.*.tmp"):
+        pid = leftover.name[len(real.name) + len(host) + 3:-4]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # (gone; PermissionError: another user's live process)
+            with contextlib.suppress(OSError):
+                leftover.unlink()
+        except (OSError, OverflowError):
+            continue
 
 
 def cmd_import(args: argparse.Namespace) -> int:

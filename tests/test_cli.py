@@ -1684,6 +1684,42 @@ def test_export_refuses_a_dtype_its_format_cannot_hold(capsys: pytest.CaptureFix
     assert torch.equal(torch.load(tmp_path / "out.pt")["b"]["c"], torch.ones(2, dtype=torch.complex128))
 
 
+def test_export_removes_what_a_killed_export_left(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                 tmp_path: Path) -> None:
+    """An export killed while it wrote leaves its temporary file next to the destination (a real one is killed
+    here); the next export to that name removes those of this host's processes that are gone, and leaves a live
+    process's and another host's alone."""
+    with open_store(store_path) as s:
+        s.save({"w": rand(64 * CS, 1)}, step=1)
+    dest = tmp_path / "out.pt"
+    host = re.sub(r"[^A-Za-z0-9-]", "_", os.uname().nodename)
+    code = """if True:
+        import os, sys, torch, deltackpt.cli
+        save = torch.save
+        def killed_while_writing(obj, f, *args, **kwargs):
+            if not isinstance(f, (str, os.PathLike)):  # (the dtype check's save into memory)
+                return save(obj, f, *args, **kwargs)
+            with open(f, "wb") as out:
+                out.write(b"partial")
+            os.kill(os.getpid(), 9)
+        torch.save = killed_while_writing
+        deltackpt.cli.main(sys.argv[1:])
+    """
+    done = subprocess.run([sys.executable, "-c", code, "export", str(store_path), "1", str(dest)],
+                          capture_output=True, text=True)
+    assert done.returncode == -9, done.stderr[-2000:]
+    (killed,) = tmp_path.glob(f".out.pt.{host}.*.tmp")
+    live = tmp_path / f".out.pt.{host}.{os.getppid()}.tmp"  # (the process that ran these tests)
+    elsewhere = tmp_path / f".out.pt.otherhost.{2**22 + 7}.tmp"
+    for f in (live, elsewhere):
+        f.write_bytes(b"x")
+    rc, out, err = cli(capsys, "export", store_path, 1, dest)
+    assert (rc, err) == (0, "") and dest.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == sorted([live.name,
+                                                                                            elsewhere.name])
+    assert not killed.exists()
+
+
 def test_export_refuses_a_destination_before_it_loads(capsys: pytest.CaptureFixture[str], store_path: Path,
                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A destination export cannot write (another suffix, a directory, a missing directory) is refused before the
