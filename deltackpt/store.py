@@ -1075,6 +1075,9 @@ class Store:
                     reads[base[0]] = reads.get(base[0], 0) + 1
             view = memoryview(buf)[i * cs : i * cs + min(cs, leaf.nbytes - i * cs)]
             run = self._submit if len(view) >= _INLINE_BELOW else _Done.run
+            # room first: with this chunk, at most ``limit`` are encoded at once (a drain after the submit let
+            # limit + 1 run: two 1 GiB chunks where the bound allows one)
+            drain(limit - 1)
             if prediction is not None:
                 assert base is not None
                 role, refs, pred_depth = prediction
@@ -1087,7 +1090,6 @@ class Store:
                 mode = "both" if (entry.first + i + generation) % 16 == 0 else self._delta_mode(leaf.path)
                 fut = run(self._encode, view, k, leaf.width, base[0] if base else None, mode)
                 inflight.append((fut, k, entry, base[1] + 1 if base else 0, 0, read))
-            drain(limit)
 
         def hashed(leaf: tree.Leaf, pinned: staging.Pinned | None) -> _Hashed:
             """The leaf's bytes on the host, its chunks' digests and zero flags, and (position, key) of each chunk

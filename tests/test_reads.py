@@ -142,6 +142,38 @@ def test_read_workers_shrink_for_chunks_too_large_for_that_many(tmp_path: Path, 
         assert report.problems == [] and report.chunks == 2
 
 
+@pytest.mark.parametrize("most", [1, 2])
+def test_a_saves_chunks_in_flight_stay_within_the_bound_for_very_large_chunks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, most: int) -> None:
+    """A save encodes at most as many chunks at once as :data:`_CHUNK_WORK_BYTES` holds (four chunk-sized
+    buffers each), at least one, however many worker threads it has: with 1 GiB chunks one at a time (3.7 GiB
+    above the state), not two (a 2.5 GiB state of 1 GiB chunks peaked 9.4 GiB above it). Here 64 KiB chunks
+    under a bound made to fit ``most`` of them, on four workers."""
+    monkeypatch.setattr(store_module, "_CHUNK_WORK_BYTES", 4 * CS * most)
+    lock = threading.Lock()
+    now, peak = [0], [0]
+    real = store_module.Store._encode
+
+    def encode(self: Any, *args: Any, **kwargs: Any) -> bytes:
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        try:
+            time.sleep(0.01)  # (long enough for the other workers to start theirs, were they let)
+            return real(self, *args, **kwargs)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(store_module.Store, "_encode", encode)
+    g = torch.Generator().manual_seed(5)
+    state = {"w": torch.randn(12 * CS // 4, generator=g)}
+    with deltackpt.Store(tmp_path / "s", chunk_size=CS, threads=4) as s:
+        s.save(state, step=1)
+        assert_same_state(s.load(step=1), state)
+    assert peak[0] == most
+
+
 def test_a_load_leaves_no_reference_cycle_behind(tmp_path: Path) -> None:
     """What a load returns, and what it decoded on the way (prediction inputs, scratch buffers), is freed when
     the caller drops it: read_each's two worker closures once referred to each other, a reference cycle that
