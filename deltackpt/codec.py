@@ -131,6 +131,13 @@ def _frame(codec: int, width: int, raw_len: int, digest: bytes, base: bytes, pay
     return head56 + struct.pack("<Q", frame_checksum(head56, payload)) + payload
 
 
+#: The largest byte-plane buffer an :class:`Encoder` keeps for its next chunk; the planes of a larger chunk are
+#: freed once compressed. A save's workers each keep an encoder for as long as the store is open: a kept buffer
+#: of a chunk's size pinned one chunk of memory per worker that ever encoded one between saves (512 MiB after a
+#: save of 256 MiB chunks on 4 threads). The native kernel's decoding scratch has the same limit.
+SCRATCH_KEEP = 16 << 20
+
+
 #: zstd levels at which byte planes are compressed with :data:`PLANES_PARAMS` instead of the level's own
 PLANES_TUNED_LEVELS = (1, 2)
 #: Match finding for byte planes at the fast levels: matches of at least 7 bytes, a 256-entry hash table. Planes
@@ -156,9 +163,12 @@ class Encoder:
         self._scratch = np.empty(0, dtype=np.uint8)
 
     def _planes(self, raw: memoryview, width: int, base: memoryview | None) -> memoryview:
-        if len(self._scratch) < len(raw):
-            self._scratch = np.empty(len(raw), dtype=np.uint8)
-        out = self._scratch[: len(raw)]
+        if len(raw) > SCRATCH_KEEP:  # (freed once compressed: see SCRATCH_KEEP)
+            out = np.empty(len(raw), dtype=np.uint8)
+        else:
+            if len(self._scratch) < len(raw):
+                self._scratch = np.empty(len(raw), dtype=np.uint8)
+            out = self._scratch[: len(raw)]
         if base is None:
             kernel.split_planes(raw, width, out)
         else:
