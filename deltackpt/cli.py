@@ -996,6 +996,7 @@ def cmd_dcp(args: argparse.Namespace) -> int:
 def _dcp(args: argparse.Namespace, root: Path, doc: dict[str, Any]) -> int:
     """``deltackpt dcp``'s work once its arguments are checked (``doc``: the ``--json`` document it fills)."""
     from deltackpt import distributed
+
     for step in dict.fromkeys(args.rm):
         distributed.delete(root, step)
         doc["deleted_steps"].append(step)

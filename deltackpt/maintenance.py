@@ -678,7 +678,7 @@ def _repack(store: Store, plan: _Plan, report: GcReport,
     delete left dead meanwhile is copied all the same; the next gc frees it. The scan covers every pack still to
     come and is taken again only when something other than gc's own re-pointing committed since (a save, a
     rewrite, a repair): one scan per pack made a repack of P packs read the table P times."""
-    writer = packs.PackWriter(store.path / "packs")
+    writer = packs.PackWriter(store.path / "packs", max_size=store._writer.max_size)  # (the store's pack_size)
     entries = _PackEntries(store, [pack_id for pack_id, _ in plan])
     try:
         for n, (pack_id, path) in enumerate(plan, 1):

@@ -552,6 +552,24 @@ def test_a_fully_live_pack_is_not_repacked_at_repack_below_1(tmp_path: Path) -> 
         assert r.repacked_packs == 0 and r.moved_chunks == 0, r
 
 
+def test_gc_repacks_into_packs_of_the_stores_pack_size(tmp_path: Path) -> None:
+    """The packs gc writes as it repacks roll over at the store's ``pack_size``, as a save's do (they used the
+    default 1 GiB: repacking a store of small packs made one big pack)."""
+    w = torch.randn(24 * 1024, generator=torch.Generator().manual_seed(0))  # 24 chunks, random: 6-7 packs
+    with deltackpt.Store(tmp_path / "s", chunk_size=4096, pack_size=16384, max_chain=0, predict=False) as s:
+        s.save({"w": w}, step=1)
+        w2 = w.clone()
+        w2.view(24, 1024)[::2] += 1.0  # every other chunk changes: step 1's packs are left half live
+        s.save({"w": w2}, step=2)
+        s.delete(step=1)
+        before = {p.name for p in (tmp_path / "s" / "packs").glob("*.pack")}
+        r = s.gc(repack_below=1.0)
+        assert r.repacked_packs > 0 and r.moved_chunks >= 12, r
+        new = [p.stat().st_size for p in (tmp_path / "s" / "packs").glob("*.pack") if p.name not in before]
+        assert len(new) > 1 and max(new) < 16384 + 2 * 4096, new  # (rolls over once past pack_size)
+        assert torch.equal(s.load(2)["w"], w2) and s.verify().ok
+
+
 def test_tensors_hashed_ahead_in_groups_write_the_frames_one_at_a_time_would(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """A save hashes CPU tensors a group ahead and reads their index entries together: whatever the group size,
