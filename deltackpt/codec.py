@@ -124,7 +124,7 @@ def frame_checksum(header56: bytes | memoryview, payload: bytes | memoryview) ->
     return h.intdigest()
 
 
-def _frame(codec: int, width: int, raw_len: int, digest: bytes, base: bytes, payload: bytes,
+def _frame(codec: int, width: int, raw_len: int, digest: bytes, base: bytes, payload: bytes | memoryview,
            version: int = FRAME_VERSION) -> bytes:
     head = HEADER.pack(MAGIC, version, codec, width, 0, raw_len, len(payload), digest, base, 0)
     head56 = head[:CHECKED]
@@ -216,7 +216,7 @@ class Encoder:
             if base is None or len(best) > len(alone) * DELTA_MIN_GAIN:
                 best_codec, best, base_id = (PLANES_ZSTD if width > 1 else ZSTD), alone, NO_BASE
         if len(best) >= n:
-            return _frame(RAW, width, n, digest, NO_BASE, bytes(raw))
+            return _frame(RAW, width, n, digest, NO_BASE, raw)  # (no bytes(raw): one chunk-sized copy less)
         return _frame(best_codec, width, n, digest, base_id, best)
 
     def encode_predicted(
