@@ -279,7 +279,8 @@ class DeltaStorageWriter(StorageWriter):
         # they held their files open (the pack locked, so gc skipped it) until the process ended, about 2.5
         # descriptors a save. (Only the writer made here: the copies that a process-based async save unpickles
         # share what one writer keeps, from save to save, in their process.)
-        weakref.finalize(self, _release, self._kept)
+        # (not at exit: the process's end releases them)
+        weakref.finalize(self, _release_collected, self._kept).atexit = False
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled writer leaves its open stores (locks, files, threads) behind. DCP's process-based
@@ -604,6 +605,13 @@ def _release(kept: _Kept) -> None:
         s.close()
     kept.stores.clear()
     kept.reader = None
+
+
+def _release_collected(kept: _Kept) -> None:
+    """:func:`_release` for a writer that was collected, on a thread of its own: a collection of garbage in a
+    reference cycle runs inside whatever allocation triggers it, also one this thread makes while it holds a lock
+    that closing a store takes (the index registry's), and closing there would wait for itself forever."""
+    threading.Thread(target=_release, args=(kept,), name="deltackpt-release", daemon=True).start()
 
 
 def _root_key(root: Path) -> str:
