@@ -356,6 +356,10 @@ class Store:
         self._tmp_dir = self.path / "tmp"
         self._writer = PackWriter(self._packs_dir, max_size=pack_size)
         self.reader = PackReader(self._packs_dir)
+        # a handle dropped unclosed releases its files once collected (close() detaches this; not at exit: the
+        # process's end releases them)
+        self._finalizer = weakref.finalize(self, _release_dropped, self._writer, self.reader, self.index)
+        self._finalizer.atexit = False
         self._save_lock = threading.Lock()
         self._pool_lock = threading.Lock()
         self._pools_of: tuple[int, ThreadPoolExecutor, ThreadPoolExecutor] | None = None
@@ -488,6 +492,7 @@ class Store:
                 pool.shutdown(wait=True)
         self.reader.close()
         self.index.close()
+        self._finalizer.detach()
         self._release_alone()
         self._base_cache.clear()
         self._last_manifest = None
@@ -2235,6 +2240,19 @@ def _span_places(refs: Sequence[tuple[tree.Place, str, int]],
         if min(out[places[0]]) < 0:  # (byte offsets: a slice's "from the end" would be a guess here)
             raise ValueError(f"spans[{path!r}]: (start, end) must be byte offsets of 0 or more, not {span!r}")
     return out
+
+
+def _release_dropped(writer: PackWriter, reader: PackReader, index: Index) -> None:
+    """Release the files of a :class:`Store` collected unclosed (its pack's lock, open packs, its index), as
+    :meth:`Store.close` does, on a thread of its own: a collection of garbage in a reference cycle runs inside
+    whatever allocation triggers it, also one this thread makes while it holds a lock that closing the index
+    takes (the registry's), and closing there would wait for itself forever."""
+    def release() -> None:
+        for part in (writer, reader, index):
+            with contextlib.suppress(Exception):  # (best effort, as a file's close at collection)
+                part.close()
+
+    threading.Thread(target=release, name="deltackpt-release", daemon=True).start()
 
 
 def _some(paths: list[str], shown: int = 5) -> str:
