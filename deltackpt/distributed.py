@@ -140,7 +140,9 @@ def stores(root: str | os.PathLike[str]) -> list[Path]:
     if not root.is_dir():  # (a bare [Errno 2] or [Errno 20] named nothing; steps() and the others say it so)
         raise CheckpointNotFoundError(f"{root} is not a sharded (DCP) checkpoint root: "
                                       f"{'it is not a directory' if root.exists() else 'it does not exist'}")
-    ranks = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _RANK_DIR.fullmatch(p.name)))
+    # (by the name the writer gives each rank: 'rank-000001' is no store of the root's, as its prune knows)
+    ranks = sorted((int(m.group(1)), p) for p in root.iterdir()
+                   if (m := _RANK_DIR.fullmatch(p.name)) and p.name == _rank_path(root, int(m.group(1))).name)
     return [p for p in [root / "meta", *(p for _, p in ranks)] if (p / "STORE").exists()]
 
 

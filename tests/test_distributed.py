@@ -1055,7 +1055,9 @@ def test_the_dcp_command_with_a_left_over_rank_a_copied_store_and_a_missing_one(
         for step in (7, 8, 9):
             s.save({"x": torch.full((10,), float(step))}, step=step)
     shutil.copytree(root / "rank-00000", root / "rank-00000.bak")
+    shutil.copytree(root / "rank-00001", root / "rank-000001")  # (rank 1's name, zero-padded otherwise: not it)
     assert [p.name for p in distributed.stores(root)] == ["meta", "rank-00000", "rank-00001"]
+    shutil.rmtree(root / "rank-000001")
     capsys.readouterr()
     assert main(["dcp", str(root), "--prune", "--gc", "--verify"]) == 0
     out = capsys.readouterr().out
