@@ -43,7 +43,7 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
-from deltackpt.layout import holds_checkpoints
+from deltackpt.layout import holds_checkpoints, why_readonly
 from deltackpt.rng import has_rng
 from deltackpt.store import CheckpointInfo, Store, as_saved, check_step
 
@@ -1180,6 +1180,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not parent.is_dir():  # (checked here: the writers' own messages call a file "a missing directory")
         what = "is not a directory" if parent.exists() else "does not exist"
         raise DeltackptError(f"cannot export to {dest}: {parent} {what}")
+    if not dest.exists() or Path(os.path.realpath(dest)).is_file():  # (a regular file: written beside it)
+        why = why_readonly(parent)
+        if why is None and not os.access(parent, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
+            why = "not writable by this user"
+        if why is not None:  # (torch's own words for it: "[enforce fail at inline_container.cc:...] ...")
+            raise DeltackptError(f"cannot export to {dest}: {parent} is {why}")
     if dest.suffix == ".safetensors":
         try:
             from safetensors.torch import save as save_file_bytes

@@ -139,6 +139,10 @@ def test_store_on_a_readonly_filesystem(readonly_mount: tuple[Path, list[dict]],
     assert cli(["repair", str(mnt)]) == 1  # refused as such, not a raw "[Errno 30] ... gc.lock"
     err = capsys.readouterr().err
     assert "cannot repair" in err and "Errno" not in err
+    # an export there: refused before the load, not with torch's "[enforce fail at inline_container.cc:...]"
+    assert cli(["export", str(mnt), "latest", str(mnt / "out.pt")]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot export to {mnt / 'out.pt'}: {mnt} is on a read-only filesystem" in err and "enforce" not in err
 
 
 def test_a_sharded_checkpoint_on_a_readonly_filesystem(tmp_path: Path) -> None:
