@@ -1098,6 +1098,7 @@ def open_for_repair(path: str | os.PathLike[str], **kwargs: Any) -> Store:
             packs.close_lock(f, pid)
         raise
     store._alone_fd, store._maint_fd, store._alone_pid = fd, mfd, pid
+    store._alone_held[:] = [(fd, pid), (mfd, pid)]  # (released by its finalizer, were it dropped unclosed)
     return store
 
 

@@ -358,7 +358,12 @@ class Store:
         self.reader = PackReader(self._packs_dir)
         # a handle dropped unclosed releases its files once collected (close() detaches this; not at exit: the
         # process's end releases them)
-        self._finalizer = weakref.finalize(self, _release_dropped, self._writer, self.reader, self.index)
+        #: (descriptor, process) of the gc and maintenance locks a repair's handle holds (``_alone_fd``), for the
+        #: finalizer: a repair's handle dropped unrepaired kept them, and every gc, repair, or open of a store whose
+        #: index needs a look, in this process then waited for them forever
+        self._alone_held: list[tuple[int, int]] = []
+        self._finalizer = weakref.finalize(self, _release_dropped, self._writer, self.reader, self.index,
+                                           self._alone_held)
         self._finalizer.atexit = False
         self._save_lock = threading.Lock()
         self._pool_lock = threading.Lock()
@@ -631,6 +636,7 @@ class Store:
         # Each dropped before it is closed: close() may run again after an interrupted one (a Ctrl-C's
         # KeyboardInterrupt as a close_lock starts), and a descriptor closed twice closed whatever file had its
         # number by then.
+        self._alone_held.clear()
         fd, self._alone_fd = self._alone_fd, None  # (the gc lock first: taken last)
         if fd is not None:
             close_lock(fd, self._alone_pid)
@@ -2242,8 +2248,9 @@ def _span_places(refs: Sequence[tuple[tree.Place, str, int]],
     return out
 
 
-def _release_dropped(writer: PackWriter, reader: PackReader, index: Index) -> None:
-    """Release the files of a :class:`Store` collected unclosed (its pack's lock, open packs, its index), as
+def _release_dropped(writer: PackWriter, reader: PackReader, index: Index, alone: list[tuple[int, int]]) -> None:
+    """Release the files of a :class:`Store` collected unclosed (its pack's lock, open packs, its index, and a
+    repair's handle's gc and maintenance locks, ``alone``), as
     :meth:`Store.close` does, on a thread of its own: a collection of garbage in a reference cycle runs inside
     whatever allocation triggers it, also one this thread makes while it holds a lock that closing the index
     takes (the registry's), and closing there would wait for itself forever."""
@@ -2251,6 +2258,9 @@ def _release_dropped(writer: PackWriter, reader: PackReader, index: Index) -> No
         for part in (writer, reader, index):
             with contextlib.suppress(Exception):  # (best effort, as a file's close at collection)
                 part.close()
+        for fd, pid in alone:  # (the gc lock first: taken last)
+            with contextlib.suppress(Exception):
+                close_lock(fd, pid)
 
     threading.Thread(target=release, name="deltackpt-release", daemon=True).start()
 

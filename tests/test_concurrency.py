@@ -1729,6 +1729,33 @@ def test_a_store_dropped_unclosed_releases_its_files_once_collected(tmp_path: Pa
     assert open_files() == []
 
 
+def test_a_repair_handle_dropped_unclosed_releases_its_locks_once_collected(tmp_path: Path) -> None:
+    """A repair's handle (``open_for_repair``) dropped unrepaired and unclosed (an exception between the open and the
+    repair) kept the gc and maintenance locks for as long as the process lived, though its finalizer released the
+    rest: every later gc or repair of the store in the process, another process's too, waited for them forever."""
+    import fcntl
+    import gc
+
+    from deltackpt import maintenance
+
+    with Store(tmp_path / "s") as s:
+        s.save({"w": torch.ones(10)}, step=1)
+    r = maintenance.open_for_repair(tmp_path / "s")
+    del r
+    gc.collect()
+    for t in threading.enumerate():  # (the files are released on a thread of its own)
+        if t.name == "deltackpt-release":
+            t.join(30)
+    for name in ("gc.lock", "maint.lock"):
+        fd = os.open(tmp_path / "s" / name, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (BlockingIOError while the dropped handle held it)
+        finally:
+            os.close(fd)
+    with Store(tmp_path / "s") as s:
+        assert s.gc().dead_chunks == 0
+
+
 def test_a_store_close_interrupted_can_be_called_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A close() that an exception interrupts (a Ctrl-C while it waits for another thread's load or verify, or as it
     shuts the workers down) leaves the handle closed to new operations, and close() again finishes the release.
