@@ -2250,10 +2250,10 @@ def _span_places(refs: Sequence[tuple[tree.Place, str, int]],
 
 def _release_dropped(writer: PackWriter, reader: PackReader, index: Index, alone: list[tuple[int, int]]) -> None:
     """Release the files of a :class:`Store` collected unclosed (its pack's lock, open packs, its index, and a
-    repair's handle's gc and maintenance locks, ``alone``), as
-    :meth:`Store.close` does, on a thread of its own: a collection of garbage in a reference cycle runs inside
-    whatever allocation triggers it, also one this thread makes while it holds a lock that closing the index
-    takes (the registry's), and closing there would wait for itself forever."""
+    repair's handle's gc and maintenance locks, ``alone``), as :meth:`Store.close` does, on a thread of its own:
+    a collection of garbage in a reference cycle runs inside whatever allocation triggers it, also one this
+    thread makes while it holds a lock that closing the index takes (the registry's), and closing there would
+    wait for itself forever."""
     def release() -> None:
         for part in (writer, reader, index):
             with contextlib.suppress(Exception):  # (best effort, as a file's close at collection)
