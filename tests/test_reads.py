@@ -171,7 +171,7 @@ def test_a_saves_chunks_in_flight_stay_within_the_bound_for_very_large_chunks(
     with deltackpt.Store(tmp_path / "s", chunk_size=CS, threads=4) as s:
         s.save(state, step=1)
         assert_same_state(s.load(step=1), state)
-    assert peak[0] == most
+    assert 1 <= peak[0] <= most  # (before: most + 1; equal to most whenever the workers overlap, as they do here)
 
 
 def test_a_load_leaves_no_reference_cycle_behind(tmp_path: Path) -> None:
