@@ -976,9 +976,7 @@ def cmd_dcp(args: argparse.Namespace) -> int:
     from deltackpt import distributed  # imports torch.distributed.checkpoint: only for this command
 
     root = Path(args.store)
-    if not root.is_dir():  # (as "no deltackpt store" for a directory without one, not a bare [Errno 2])
-        raise DeltackptError(f"{root} is not a sharded (DCP) checkpoint root: "
-                             f"{'it is not a directory' if root.exists() else 'it does not exist'}")
+    distributed.check_dir(root)  # (not "no deltackpt store" as for a directory without one, or a bare [Errno 2])
     if (root / "STORE").exists():
         raise DeltackptError(f"{root} is a deltackpt store, not a sharded (DCP) checkpoint root: 'deltackpt ls "
                              f"{root}' lists its checkpoints")

@@ -137,13 +137,18 @@ def stores(root: str | os.PathLike[str]) -> list[Path]:
     """The stores of the DCP root ``root``: its meta store, then each rank's (``rank-NNNNN``, by rank), those
     that exist. Other directories (a copy named ``rank-00000.bak``) are not the root's."""
     root = Path(root)
-    if not root.is_dir():  # (a bare [Errno 2] or [Errno 20] named nothing; steps() and the others say it so)
-        raise CheckpointNotFoundError(f"{root} is not a sharded (DCP) checkpoint root: "
-                                      f"{'it is not a directory' if root.exists() else 'it does not exist'}")
+    check_dir(root)  # (a bare [Errno 2] or [Errno 20] named nothing)
     # (by the name the writer gives each rank: 'rank-000001' is no store of the root's, as its prune knows)
     ranks = sorted((int(m.group(1)), p) for p in root.iterdir()
                    if (m := _RANK_DIR.fullmatch(p.name)) and p.name == _rank_path(root, int(m.group(1))).name)
     return [p for p in [root / "meta", *(p for _, p in ranks)] if (p / "STORE").exists()]
+
+
+def check_dir(root: Path) -> None:
+    """CheckpointNotFoundError when ``root`` is not a directory, saying whether it exists."""
+    if not root.is_dir():
+        raise CheckpointNotFoundError(f"{root} is not a sharded (DCP) checkpoint root: "
+                                      f"{'it is not a directory' if root.exists() else 'it does not exist'}")
 
 
 def _item_key(index: MetadataIndex) -> str:
