@@ -783,10 +783,13 @@ def _verify_json(report: maintenance.VerifyReport) -> dict[str, Any]:
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
+    rank_of = _rank_store_of(Path(args.store)) if args.store else None
     with _open(args.store) as s:
         # every argument resolved before anything is deleted: a bad or missing one fails the call, which then
         # deleted nothing (one named twice is deleted once)
         ids = list(dict.fromkeys(s.info(**_which(c, s)).id for c in args.checkpoint))
+        if rank_of is not None and not args.force:
+            _refuse_named_shards(args.store, *rank_of, s, ids)
         deleted = list(s._delete([(None, i) for i in ids]).values())  # (one commit: all of them or none)
     if args.json:
         _print_json({"deleted": [_info_json(i) for i in deleted]})
@@ -795,6 +798,31 @@ def cmd_rm(args: argparse.Namespace) -> int:
         print(f"deleted checkpoint {info.id} (step {info.step})")
     print("run 'deltackpt gc' to reclaim space")
     return 0
+
+
+def _refuse_named_shards(path: str, root: Path, rank: int, store: Any, ids: Sequence[str]) -> None:
+    """Refuse deleting checkpoints ``ids`` of ``store``, rank ``rank``'s store of the sharded (DCP) root ``root``,
+    that a step of the root names (that step would no longer load); also when a step cannot be read, as it may
+    name them. ``deltackpt rm --force`` deletes them all the same."""
+    from deltackpt import distributed
+
+    steps, unreadable = distributed._named_steps(root)
+    if unreadable:
+        info, exc = unreadable[0]
+        raise DeltackptError(f"{distributed._unreadable(info, exc)}; it may name checkpoints of {path} (rank "
+                             f"{rank}'s shards), so nothing was deleted ('deltackpt dcp {root} --rm {info.step}' "
+                             "deletes that step; --force deletes the checkpoints all the same)")
+    naming: dict[str, list[int]] = {}
+    for info, named in steps:
+        for ckpt in distributed._mine(store, rank, {p for p in named if p[0] == rank}):
+            naming.setdefault(ckpt, []).append(info.step)
+    hit = [i for i in ids if i in naming]
+    if hit:
+        which = "; ".join(f"checkpoint {i} by step {', '.join(map(str, sorted(set(naming[i]))))}" for i in hit[:3])
+        raise DeltackptError(f"{path} holds rank {rank}'s shards of the sharded (DCP) root {root}, and steps of the "
+                             f"root name what this would delete ({which}{' ...' if len(hit) > 3 else ''}): those "
+                             f"steps would no longer load, so nothing was deleted. 'deltackpt dcp {root} --rm STEP' "
+                             "deletes a step with its shards; --force deletes the checkpoints all the same")
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
@@ -936,9 +964,23 @@ def _is_dcp_root(path: Path) -> bool:
 def _dcp_root_of(path: Path) -> Path | None:
     """The sharded (DCP) root whose ``meta`` or ``rank-NNNNN`` store ``path`` is, else None."""
     real = Path(os.path.realpath(path))  # (not Path.resolve(): a symbolic link loop is the store open's to name)
-    if (real.parent / "meta" / "STORE").exists() and re.fullmatch(r"meta|rank-\d{5,}", real.name):
+    if (real.parent / "meta" / "STORE").exists() and (real.name == "meta" or _rank_number(real.name) is not None):
         return real.parent
     return None
+
+
+def _rank_number(name: str) -> int | None:
+    """The rank whose store a root's directory ``name`` is, by the name the writer gives it (``rank-00001``; not
+    ``rank-000001``, which no rank's store of the root is named), else None."""
+    m = re.fullmatch(r"rank-(\d{5,})", name)
+    return int(m.group(1)) if m and name == f"rank-{int(m.group(1)):05d}" else None
+
+
+def _rank_store_of(path: Path) -> tuple[Path, int] | None:
+    """(the sharded root, the rank) when ``path`` is a rank's store of a sharded (DCP) root, else None."""
+    root = _dcp_root_of(path)
+    rank = _rank_number(Path(os.path.realpath(path)).name)
+    return (root, rank) if root is not None and rank is not None else None
 
 
 def _check_metric(policy: Any, infos: Sequence[Any]) -> None:
@@ -1578,6 +1620,8 @@ def build_parser() -> argparse.ArgumentParser:
     rm = add("rm", cmd_rm, "delete checkpoints")
     rm.add_argument("checkpoint", nargs="+", help="steps, 'latest' or ids")
     rm.add_argument("--json", action="store_true", help="print what it deleted as one JSON document")
+    rm.add_argument("--force", action="store_true",
+                    help="in a rank's store of a sharded (DCP) root, delete checkpoints that steps name all the same")
     gc = add("gc", cmd_gc, "reclaim space no retained checkpoint uses")
     gc.add_argument("--repack-below", type=float, default=0.5, metavar="F",
                     help="repack packs whose live fraction is below F, between 0 and 1 (0.5)")

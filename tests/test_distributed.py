@@ -1415,13 +1415,59 @@ def test_dcp_verify_reports_a_step_whose_rank_checkpoint_is_gone(tmp_path: Path,
 
     root = tmp_path / "ckpt"
     _save_steps(root, [1, 2])
-    assert cli.main(["rm", str(root / "rank-00000"), "2"]) == 0
+    assert cli.main(["rm", str(root / "rank-00000"), "2", "--force"]) == 0
     problems = distributed.verify_names(root)
     assert len(problems) == 1 and "step 2" in problems[0] and "cannot load" in problems[0]
     capsys.readouterr()
     assert cli.main(["dcp", str(root), "--verify"]) == 1
     assert "step 2 (DCP checkpoint" in capsys.readouterr().out
     assert_state(load_full(root, 1), expected(1))
+
+
+def test_rm_on_a_rank_store_refuses_checkpoints_that_steps_name(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`deltackpt rm` on a rank's store deleted a rank checkpoint that a step names, without a word, and the step
+    then no longer loaded. It now refuses (naming the step, deleting nothing of the call), also for a checkpoint
+    a rewrite replaced (the step names its old id), and when a step's metadata cannot be read; it deletes
+    checkpoints no step names (a crashed save's), and everything with --force. A directory named rank-000001 is
+    no store of the root (its writer names rank 1's rank-00001): rm treats it as any store."""
+    import shutil
+
+    from deltackpt import cli, distributed
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, [1, 2])
+    rank0 = root / "rank-00000"
+    with deltackpt.Store(rank0) as s:
+        orphan = s.save({"x": torch.zeros(3)}, step=9).id  # (a save whose step never committed)
+        old = s.info(1)
+        new = s.rewrite(s.load(id=old.id), id=old.id).id
+    capsys.readouterr()
+    for which in (["2"], [orphan, "2"], [new]):
+        assert cli.main(["rm", str(rank0), *which]) == 1
+        err = capsys.readouterr().err
+        step = "1" if which == [new] else "2"
+        assert f"by step {step}" in err and "nothing was deleted" in err and "--force" in err, err
+    with deltackpt.Store(rank0, readonly=True) as s:
+        assert sorted(i.step for i in s.list()) == [1, 2, 9]
+    for step in (1, 2):
+        assert_state(load_full(root, step), expected(step))
+    assert cli.main(["rm", str(rank0), orphan]) == 0  # no step names it
+    assert distributed.verify_names(root) == []
+    assert cli.main(["rm", str(rank0), "2", "--force"]) == 0
+    assert "step 2" in distributed.verify_names(root)[0]
+
+    shutil.copytree(rank0, root / "rank-000001")  # (not the root's: its steps do not constrain it)
+    assert cli.main(["rm", str(root / "rank-000001"), "1"]) == 0
+    assert distributed.stores(root) == [root / "meta", rank0]
+
+    with deltackpt.Store(root / "meta") as meta:  # a step whose metadata cannot be read may name anything
+        meta.save({"x": np.zeros(2, np.uint8)}, step=3, metadata={"format": "?"})
+    capsys.readouterr()
+    assert cli.main(["rm", str(rank0), "1"]) == 1
+    err = capsys.readouterr().err
+    assert "step 3" in err and "cannot be read" in err and "nothing was deleted" in err, err
+    assert cli.main(["rm", str(rank0), "1", "--force"]) == 0
 
 
 def test_dcp_metadata_is_read_from_the_checksummed_manifest(tmp_path: Path) -> None:
