@@ -298,7 +298,41 @@ def wrapper_hint(mine: list[str], saved: list[str]) -> str:
             return (f"; {whose} keys hold {prefix!r} under {', '.join(map(repr, subs[:3]))}: {who} wrapped {what} "
                     f"in {saving} only; wrap {what} as in the run that saved, or unwrap in both "
                     f"({subs[0]}.{attr})")
-    return ""
+    return _wrappers_hint(mine, saved)
+
+
+def _wrappers_hint(mine: list[str], saved: list[str]) -> str:
+    """:func:`wrapper_hint` where the keys of both runs start with wrappers' parts, or one run's with several (a
+    model saved under DistributedDataParallel, ``module.``, restored compiled, ``_orig_mod.``; or
+    ``module._orig_mod.``): the parts that start each run's keys, when the keys are the same without them, else
+    ""."""
+    names = {prefix[:-1] for prefix in _WRAPPER_PREFIXES}
+
+    def bare(key: str) -> str:
+        return ".".join(part for part in key.split(".") if part not in names)
+
+    if (not mine or set(mine) == set(saved) or len({bare(k) for k in mine}) != len(mine)
+            or {bare(k) for k in mine} != {bare(k) for k in saved}):
+        return ""
+
+    def lead(keys: list[str]) -> str:  # the wrappers' parts that start every key ("module._orig_mod."), or ""
+        parts: list[str] = []
+        for part in keys[0].split(".")[:-1]:
+            if part not in names or not all(k.startswith(".".join([*parts, part]) + ".") for k in keys):
+                break
+            parts.append(part)
+        return ".".join(parts) + "." if parts else ""
+
+    def starts(prefix: str) -> str:
+        who = " and ".join(_WRAPPER_PREFIXES[p + "."][0] for p in prefix.split(".")[:-1])
+        return f"all start with {prefix!r} ({who})" if prefix else "start with no wrapper's part"
+
+    theirs, ours = lead(saved), lead(mine)
+    if theirs == ours or not all(bare(k) == k.removeprefix(theirs) for k in saved) or not all(
+            bare(k) == k.removeprefix(ours) for k in mine):
+        return ""  # (wrappers' parts inside the keys: a submodule may be named "module")
+    return (f"; the checkpoint's keys {starts(theirs)}, this run's {starts(ours)}: give the Checkpointer the model "
+            "wrapped as in the run that saved, or unwrapped in both (model.module, model._orig_mod)")
 
 
 def warn_converted(where: str, mine: Mapping[str, Any], saved: Mapping[str, Any]) -> None:

@@ -3623,6 +3623,34 @@ def test_the_wrapper_hint_is_given_only_where_it_explains_the_keys() -> None:
     assert wrapper_hint(["weight", "head.weight"], ["module.weight", "head.weight"]) == ""
     assert wrapper_hint(["a.weight"], ["a.module.weight", "extra"]) == ""
     assert "under 'a'" in wrapper_hint(["a.weight", "h.w"], ["a.module.weight", "h.w"])
+    assert wrapper_hint(["_orig_mod.w", "_orig_mod.x"], ["module.w", "module.y"]) == ""
+    assert wrapper_hint(["a.w", "b.x"], ["a._orig_mod.w", "b.module.x"]) == ""  # (a submodule may be "module")
+
+
+@pytest.mark.parametrize("saved,restored", [("ddp", "compile"), ("compile", "ddp"), ("ddp+compile", "none"),
+                                            ("none", "ddp+compile")])
+def test_a_restore_refused_for_another_wrappers_keys_names_both(fast_dir: Path, saved: str, restored: str) -> None:
+    """A model saved under one wrapper (DistributedDataParallel's ``module.``, here DataParallel's) and restored
+    under another (torch.compile's ``_orig_mod.``), or wrapped twice in one run only, got no hint: the missing
+    and extra keys were listed with nothing saying why. The refusal now names each run's prefix."""
+    def build(how: str) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model: torch.nn.Module = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2))
+        if "compile" in how:
+            model = torch.compile(model)
+        return torch.nn.DataParallel(model) if "ddp" in how else model
+
+    with Checkpointer(fast_dir / "s", model=build(saved), async_save=False, handle_signals=False) as ck:
+        ck.save(1)
+    prefix = {"ddp": "module.", "compile": "_orig_mod.", "ddp+compile": "module._orig_mod."}
+    said = {"none": "start with no wrapper's part", **{k: f"all start with '{v}'" for k, v in prefix.items()}}
+    other = build(restored)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    match = f"the checkpoint's keys {re.escape(said[saved])}.*this run's {re.escape(said[restored])}"
+    with Checkpointer(fast_dir / "s", model=other, handle_signals=False) as ck:
+        with pytest.raises(deltackpt.ShapeMismatchError, match=match + ".*unwrapped in both"):
+            ck.restore()
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
 
 
 def test_a_restore_into_a_model_of_other_dtypes_warns(fast_dir: Path) -> None:
