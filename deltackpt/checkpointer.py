@@ -109,12 +109,41 @@ def _end_round() -> None:
     _delivered.clear()
 
 
-def _owner(handler: Any) -> Checkpointer | None:
-    """The checkpointer whose signal handler ``handler`` is, if it is one."""
-    owner = getattr(handler, "__self__", None)
-    if isinstance(owner, Checkpointer) and getattr(handler, "__func__", None) is Checkpointer._on_signal:
-        return owner
-    return None
+class _StopHandler:
+    """A checkpointer's handler of one stop signal, as ``signal.signal`` installs it. It holds the checkpointer
+    weakly, so that one dropped without ``close()`` is collected (its store released, as a dropped ``Store``'s is):
+    a bound method there held it until the process ended. Once it is collected, the handler passes signals on to
+    the one it replaced (``previous``), as a closed checkpointer's does."""
+
+    __slots__ = ("ref", "previous")
+
+    def __init__(self, ckpt: Checkpointer) -> None:
+        self.ref = weakref.ref(ckpt)
+        self.previous: Any = signal.SIG_DFL
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        ckpt = self.ref()
+        if ckpt is None:
+            _pass_to(self.previous, signum, frame)
+        else:
+            ckpt._on_signal(signum, frame)
+
+
+def _unquiet(loaders: list[Any], owner: Checkpointer | None) -> None:
+    """Stop protecting the workers of ``loaders`` for ``owner`` (None: a checkpointer collected unclosed, which
+    their wrappers' weak sets have dropped already): a loader no open checkpointer protects gets its own
+    ``worker_init_fn`` back, and its workers end at SIGTERM again."""
+    for loader in loaders:
+        wrapper = loader.worker_init_fn
+        if isinstance(wrapper, WorkersIgnoreStopSignals):
+            if owner is not None:
+                wrapper.owners.discard(owner)
+            if not wrapper.owners:
+                wrapper.release()  # workers still running (persistent ones) end at SIGTERM again
+                loader.worker_init_fn = wrapper.fn
+                if "_get_iterator" in vars(loader):  # (the class's again)
+                    del loader._get_iterator
+    loaders.clear()
 
 
 def _pass_to(handler: Any, signum: int, frame: Any, *, kill: bool = False) -> None:
@@ -388,6 +417,7 @@ class Checkpointer:
         self._signal: int | None = None  # a signal this checkpointer is to save at, at its next step
         self._stopped_by = 0  # the signal it saved at while in _stopped
         self._previous: dict[int, Any] = {}
+        self._handlers: dict[int, _StopHandler] = {}  # (what it installed, to tell whether it is still installed)
         self._closed = False
         #: close() has released everything (it stays False after a close() that an exception interrupted: a
         #: second Ctrl-C while it waited for the last save; close() again then finishes the release)
@@ -962,8 +992,11 @@ class Checkpointer:
             return
         self._pid = os.getpid()
         for sig in sorted(STOP_SIGNALS):  # (SIGINT, SIGTERM)
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+            handler = self._handlers[sig] = _StopHandler(self)
+            self._previous[sig] = handler.previous = signal.signal(sig, handler)
         self._handling = True
+        # collected unclosed (nothing but its handlers referred to it): its loaders' workers are released
+        weakref.finalize(self, _unquiet, self._quieted, None).atexit = False
         self._quiet(getattr(self.data, "loader", self.data))  # a ResumableLoader's DataLoader, or one given as is
 
     def protect_workers(self, *loaders: Any) -> None:
@@ -1002,40 +1035,33 @@ class Checkpointer:
         """Where this checkpointer's handler is the one installed, put back the one before it (skipping closed
         checkpointers' handlers). Elsewhere (off the main thread, or under another handler) it stays, and
         passes signals on once the checkpointer is closed."""
-        for loader in self._quieted:
-            wrapper = loader.worker_init_fn
-            if isinstance(wrapper, WorkersIgnoreStopSignals):
-                wrapper.owners.discard(self)
-                if not wrapper.owners:
-                    wrapper.release()  # workers still running (persistent ones) end at SIGTERM again
-                    loader.worker_init_fn = wrapper.fn
-                    if "_get_iterator" in vars(loader):  # (the class's again)
-                        del loader._get_iterator
-        self._quieted.clear()
+        _unquiet(self._quieted, self)
         if threading.current_thread() is not threading.main_thread():
             return
         for sig, handler in list(self._previous.items()):
-            if signal.getsignal(sig) == self._on_signal:
-                while (owner := _owner(handler)) is not None and owner._closed:
-                    handler = owner._previous.get(sig, signal.SIG_DFL)
+            if signal.getsignal(sig) is self._handlers.get(sig):
+                # (past closed and collected checkpointers' handlers)
+                while isinstance(handler, _StopHandler) and ((owner := handler.ref()) is None or owner._closed):
+                    handler = handler.previous
                 signal.signal(sig, handler)
                 del self._previous[sig]
 
     def _chained(self, signum: int) -> list[Checkpointer]:
-        """The open checkpointers whose handlers lie directly beneath this one's (no other handler between)."""
+        """The open checkpointers whose handlers lie directly beneath this one's (no other handler between; the
+        handlers of checkpointers collected unclosed pass over)."""
         out: list[Checkpointer] = []
         handler = self._previous.get(signum)
-        while (owner := _owner(handler)) is not None:
-            if not owner._closed:
+        while isinstance(handler, _StopHandler):
+            if (owner := handler.ref()) is not None and not owner._closed:
                 out.append(owner)
-            handler = owner._previous.get(signum)
+            handler = handler.previous
         return out
 
     def _beneath(self, signum: int) -> Any:
         """The first handler beneath this one's that is no checkpointer's: where the signal goes once saved."""
         handler = self._previous.get(signum, signal.SIG_DFL)
-        while (owner := _owner(handler)) is not None:
-            handler = owner._previous.get(signum, signal.SIG_DFL)
+        while isinstance(handler, _StopHandler):
+            handler = handler.previous
         return handler
 
     def _on_signal(self, signum: int, frame: Any) -> None:

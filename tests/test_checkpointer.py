@@ -1151,6 +1151,66 @@ print("still running after close", flush=True)
         assert [i.step for i in store.list()] == [1]  # the save in flight was committed first
 
 
+@pytest.mark.parametrize("beneath", ["default", "checkpointer"])
+@pytest.mark.plumbing
+def test_a_checkpointer_dropped_unclosed_is_collected_and_its_handlers_pass_signals_on(fast_dir: Path,
+                                                                                        beneath: str) -> None:
+    """Its signal handlers (bound methods) held a Checkpointer dropped without close() until the process ended,
+    and with it its store: files, the pack lock, up to delta_cache_bytes of bases (a sweep of trials in one
+    process). Now it is collected like any object, its store's files are released, the DataLoaders it protected
+    get their own worker_init_fn back, and a SIGTERM goes through its handlers to what they replaced: the default
+    action, or an open checkpointer beneath, which saves at its next step and then passes it on (status 143 both
+    ways). Sync and async checkpointers, in a real process."""
+    script = f"""
+import gc, os, signal, sys, threading, weakref
+from pathlib import Path
+import torch, deltackpt
+root = Path(sys.argv[1])
+model = torch.nn.Linear(8, 8)
+opt = torch.optim.AdamW(model.parameters())
+loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2)), num_workers=1)
+keep = deltackpt.Checkpointer(root / "a", model=model, optimizer=opt) if {beneath!r} == "checkpointer" else None
+refs = []
+for i, async_save in enumerate((False, True, False)):
+    ckpt = deltackpt.Checkpointer(root / f"b{{i}}", model=model, optimizer=opt, async_save=async_save)
+    ckpt.protect_workers(loader)
+    ckpt.step(1)
+    ckpt.step(2)
+    ckpt.wait()
+    refs.append(weakref.ref(ckpt))
+    del ckpt
+gc.collect()
+for t in threading.enumerate():  # (a dropped store's files are released on a thread of its own)
+    if t.name == "deltackpt-release":
+        t.join(30)
+held = []
+for fd in Path("/proc/self/fd").iterdir():
+    try:
+        held.append(os.readlink(fd))
+    except OSError:
+        pass
+print("alive", sum(r() is not None for r in refs), "held", [h for h in held if "/b" in h], flush=True)
+print("loader's own", loader.worker_init_fn is None and "_get_iterator" not in vars(loader), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)
+if keep is not None:
+    print("flagged", keep.stop_requested, flush=True)
+    keep.step(7)
+print("still running", flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(fast_dir)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    assert "alive 0 held []" in proc.stdout and "loader's own True" in proc.stdout, proc.stdout + proc.stderr
+    assert "still running" not in proc.stdout and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr
+    for i in range(3):
+        with Store(fast_dir / f"b{i}", readonly=True) as store:
+            assert [c.step for c in store.list()] == [1, 2]
+    if beneath == "checkpointer":
+        assert "flagged True" in proc.stdout
+        with Store(fast_dir / "a", readonly=True) as store:
+            assert [c.step for c in store.list()] == [7]  # saved at its step boundary, then passed on
+
+
 @pytest.mark.parametrize("how", ["with", "catch"])
 @pytest.mark.plumbing
 def test_a_signal_after_the_last_step_is_passed_on_when_the_last_save_fails(fast_dir: Path, how: str) -> None:
