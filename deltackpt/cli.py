@@ -812,10 +812,16 @@ def _refuse_named_shards(path: str, root: Path, rank: int, store: Any, ids: Sequ
         raise DeltackptError(f"{distributed._unreadable(info, exc)}; it may name checkpoints of {path} (rank "
                              f"{rank}'s shards), so nothing was deleted ('deltackpt dcp {root} --rm {info.step}' "
                              "deletes that step; --force deletes the checkpoints all the same)")
-    naming: dict[str, list[int]] = {}
+    naming: dict[str, list[int]] = {}  # rank checkpoint id -> the steps that name it
     for info, named in steps:
-        for ckpt in distributed._mine(store, rank, {p for p in named if p[0] == rank}):
-            naming.setdefault(ckpt, []).append(info.step)
+        for r, ckpt in named:
+            if r == rank:
+                naming.setdefault(ckpt, []).append(info.step)
+    store._refresh()
+    moved = store._moved()  # (a checkpoint that a rewrite replaced is named by its old id: the new one is too)
+    for old, new in moved.items():
+        if old in naming:
+            naming.setdefault(new, []).extend(naming[old])
     hit = [i for i in ids if i in naming]
     if hit:
         which = "; ".join(f"checkpoint {i} by step {', '.join(map(str, sorted(set(naming[i]))))}" for i in hit[:3])
