@@ -501,6 +501,7 @@ class Store:
         self._release_alone()
         self._base_cache.clear()
         self._last_manifest = None
+        self._pinned = staging.Pinned()  # (page-locked host memory of the largest GPU tensor saved)
         self._released = True
 
     @contextmanager

@@ -154,3 +154,24 @@ def test_restore_with_map_location_on_the_gpu_puts_the_rng_states_back(tmp_path:
         assert ckpt.restore() == 1
         got = torch.rand(3), torch.rand(3, device="cuda")
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+
+
+@cuda
+def test_close_frees_the_pinned_staging_buffer(tmp_path: Path) -> None:
+    """A save of GPU tensors copies them through a pinned host buffer of the largest one's size, which the
+    handle kept after close() for as long as anything referred to the handle (``ckpt.store`` of a closed
+    Checkpointer): page-locked memory the system cannot page out. close() drops it, as the other caches."""
+    import gc
+    import weakref
+
+    s = deltackpt.Store(tmp_path / "s")
+    s.save({"w": torch.randn(1 << 20, device="cuda")}, step=1)
+    buf = s._pinned._buf
+    assert buf is not None and buf.is_pinned()
+    ref = weakref.ref(buf)
+    del buf
+    s.close()
+    gc.collect()
+    assert ref() is None
+    with deltackpt.Store(tmp_path / "s") as s2:
+        assert s2.load(map_location="cpu")["w"].shape == (1 << 20,)
