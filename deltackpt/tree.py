@@ -500,6 +500,8 @@ def pair_leaves(skeleton: Any, target: Any) -> Iterator[tuple[int, Any]]:
             keys = [_plain_build(k) for k in knodes]
         elif tag in ("l", "t", "q"):
             vals = skeleton[1]
+    except UnsupportedTypeError:  # a key this torch cannot build (a device or dtype it lacks): not damage
+        raise
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         raise CorruptManifestError(f"malformed state skeleton: {exc!r}") from None
     if tag in ("T", "A"):
@@ -576,6 +578,8 @@ def _nodes(n: Any, path: str, place: Place, tags: tuple[str, ...],
                 yield from _nodes(v, child_path(path, i), (*place, ("i", i)), tags, attributes)
         elif tag == "x":
             yield from _nodes(n[2], path, (*place, ("x", str(n[1]))), tags, attributes)
+    except UnsupportedTypeError:  # a key this torch cannot build (a device or dtype it lacks): not damage
+        raise
     except (IndexError, KeyError, TypeError, ValueError) as exc:
         raise CorruptManifestError(f"malformed state skeleton at {path or '<root>'}: {exc!r}") from None
 

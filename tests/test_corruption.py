@@ -2196,6 +2196,43 @@ def test_a_tensor_this_torch_cannot_load_keeps_its_checkpoint(store_path: Path, 
         assert [i.step for i in s.list()] == [1] and s.manifest(1).tensors[0].nbytes == 4000
 
 
+@pytest.mark.parametrize("node", [["dv", "npu:0"], ["dt", "float4_e9m9_future"]])
+@pytest.mark.parametrize("holder", ["value", "dict key", "set element"])
+def test_a_device_or_dtype_this_torch_lacks_is_not_damage_wherever_it_is(store_path: Path, node: list[str],
+                                                                         holder: str) -> None:
+    """A torch.device of a backend this process lacks, or a newer torch's dtype, held in the state is what the
+    process cannot load, not damage (format.md §6): load raises UnsupportedTypeError naming it, verify reports
+    nothing, and repair keeps the checkpoint, whether the node is a value, a dict key or a set element. As a dict
+    key (a version-2 manifest) load and load_into reported it as a malformed state skeleton (CorruptManifestError):
+    the walks of the skeleton that build keys turned the UnsupportedTypeError (a TypeError) into damage."""
+    value = {"value": {"v": torch.device("cpu")}, "dict key": {torch.device("cpu"): 1},
+             "set element": {torch.device("cpu")}}[holder]
+    with _open(store_path) as s:
+        info = s.save({"w": torch.ones(3), "x": value}, step=1)
+
+    def edit(header: dict[str, Any]) -> None:
+        def swap(n: Any) -> None:
+            if isinstance(n, list):
+                if n[:2] == ["dv", "cpu"]:
+                    n[:] = node
+                for child in n:
+                    swap(child)
+        swap(header["tree"])
+    _edit_manifest_header(store_path, 1, info.id, edit)
+    with _open(store_path) as s:
+        with pytest.raises(deltackpt.UnsupportedTypeError, match=node[1]):
+            s.load(1)
+        target = torch.zeros(3)
+        try:  # (a place under such a key is none a target can name: filling the others is fine too)
+            s.load_into({"w": target}, step=1, strict=False)
+            assert target.sum().item() == 3
+        except deltackpt.UnsupportedTypeError as exc:
+            assert node[1] in str(exc)
+        assert s.verify().ok
+        report = s.repair()
+        assert report.checkpoints == 1 and not report.lost_checkpoints
+
+
 def test_a_newer_torch_dtype_is_not_damage_a_restore_skips(store_path: Path) -> None:
     """The newest checkpoint holding a dtype this torch does not know is refused with UnsupportedTypeError (the
     store is fine; the process needs a newer torch), not skipped as damaged for an older one, which a
