@@ -124,9 +124,24 @@ class _StopHandler:
     def __call__(self, signum: int, frame: Any) -> None:
         ckpt = self.ref()
         if ckpt is None:
-            _pass_to(self.previous, signum, frame)
+            if not _take_forwarded(signum, frame):  # (a loop's thread handed it over, then dropped its checkpointer)
+                _pass_to(self.previous, signum, frame)
         else:
             ckpt._on_signal(signum, frame)
+
+
+def _take_forwarded(signum: int, frame: Any) -> bool:
+    """Pass on the signal ``signum`` that a checkpointer stepped on another thread handed to the main thread, if
+    it did (True); else False. Every handler of a checkpointer's, collected or not, takes it first: one left in
+    ``_forward`` would make the next such signal skip its save."""
+    for i, (sig, handler) in enumerate(_forward):
+        if sig == signum:
+            del _forward[i]
+            if handler is signal.default_int_handler:  # Python's Ctrl-C: its KeyboardInterrupt would end the
+                handler = signal.SIG_DFL  # main thread only, and the loop's thread would train on
+            _pass_to(handler, signum, frame, kill=True)
+            return True
+    return False
 
 
 def _unquiet(loaders: list[Any], owner: Checkpointer | None) -> None:
@@ -1065,13 +1080,8 @@ class Checkpointer:
         return handler
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        for i, (sig, handler) in enumerate(_forward):  # handed over by a checkpointer stepped on another thread
-            if sig == signum:
-                del _forward[i]
-                if handler is signal.default_int_handler:  # Python's Ctrl-C: its KeyboardInterrupt would end the
-                    handler = signal.SIG_DFL  # main thread only, and the loop's thread would train on
-                _pass_to(handler, signum, frame, kill=True)
-                return
+        if _take_forwarded(signum, frame):  # handed over by a checkpointer stepped on another thread
+            return
         if os.getpid() != self._pid:  # inherited by a forked child (a Pool's, a DataLoader's worker): nothing
             if dataloader_worker():
                 # A stop signal sent to the whole job (SLURM's, a process group's) reaches the DataLoader's workers

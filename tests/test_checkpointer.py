@@ -1211,6 +1211,52 @@ print("still running", flush=True)
             assert [c.step for c in store.list()] == [7]  # saved at its step boundary, then passed on
 
 
+@pytest.mark.plumbing
+def test_a_signal_handed_to_the_main_thread_by_a_dropped_checkpointer_is_not_left_for_the_next(
+        fast_dir: Path) -> None:
+    """A checkpointer stepped on a loop's thread hands the SIGTERM it saved at to the main thread (``_forward``);
+    dropped by that thread and collected before the main thread ran its handler, its handler passed the signal
+    to the one before it but left the hand-over in ``_forward``, so the next checkpointer's handler took a later
+    SIGTERM for it and passed it straight on, without saving. In a real process, with the main thread's handler
+    held back by a blocked SIGTERM (a main thread busy in C code, a torch op, holds it back the same way)."""
+    script = """
+import gc, os, signal, sys, threading, time
+from pathlib import Path
+import torch, deltackpt
+root = Path(sys.argv[1])
+calls = []
+signal.signal(signal.SIGTERM, lambda s, f: calls.append(s))  # the user's handler, which returns
+model = torch.nn.Linear(4, 4)
+ckpt = deltackpt.Checkpointer(root / "a", model=model, async_save=False)
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+def loop(c, n):
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    c.step(n)
+    if n == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # (its handler runs on the main thread)
+for n in (1, 2):  # step 2 saves at the signal and hands it over: pending, the main thread blocks it
+    t = threading.Thread(target=loop, args=(ckpt, n))
+    t.start()
+    t.join()
+    time.sleep(0.05)
+del ckpt, t
+gc.collect()
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+print("passed on", calls, flush=True)
+other = deltackpt.Checkpointer(root / "b", model=model, async_save=False)
+os.kill(os.getpid(), signal.SIGTERM)
+print("flagged", other.stop_requested, calls, flush=True)
+other.step(5)
+print("passed on", calls, flush=True)
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(fast_dir)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["passed on [15]", "flagged True [15]", "passed on [15, 15]"], proc.stdout
+    with Store(fast_dir / "b", readonly=True) as store:
+        assert [c.step for c in store.list()] == [5]  # saved at the signal, then passed on
+
+
 @pytest.mark.parametrize("how", ["with", "catch"])
 @pytest.mark.plumbing
 def test_a_signal_after_the_last_step_is_passed_on_when_the_last_save_fails(fast_dir: Path, how: str) -> None:
