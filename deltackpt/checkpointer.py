@@ -115,17 +115,20 @@ class _StopHandler:
     a bound method there held it until the process ended. Once it is collected, the handler passes signals on to
     the one it replaced (``previous``), as a closed checkpointer's does."""
 
-    __slots__ = ("ref", "previous")
+    __slots__ = ("ref", "previous", "pid")
 
     def __init__(self, ckpt: Checkpointer) -> None:
         self.ref = weakref.ref(ckpt)
         self.previous: Any = signal.SIG_DFL
+        self.pid = os.getpid()  # (the process that installed it: a forked child inherits it)
 
     def __call__(self, signum: int, frame: Any) -> None:
         ckpt = self.ref()
         if ckpt is None:
             if not _take_forwarded(signum, frame):  # (a loop's thread handed it over, then dropped its checkpointer)
-                _pass_to(self.previous, signum, frame)
+                # in a forked child, the default action ends it by the signal (as an open or closed checkpointer's
+                # handler there does), not by a SystemExit raised into the code the child runs
+                _pass_to(self.previous, signum, frame, kill=os.getpid() != self.pid)
         else:
             ckpt._on_signal(signum, frame)
 

@@ -1212,6 +1212,42 @@ print("still running", flush=True)
 
 
 @pytest.mark.plumbing
+def test_a_forked_child_ends_by_sigterm_under_a_collected_checkpointers_handler(fast_dir: Path) -> None:
+    """A child forked after a checkpointer was dropped and collected inherits its handler, which passed the
+    default action on as SystemExit(143): raised into the child's code (a Pool's worker's task), its ``except
+    BaseException`` and finally clauses ran in the child, where the handler of an open or closed checkpointer
+    ends the child by the signal itself (as the code before collected it did too). ``terminate()`` ends it by
+    SIGTERM again, in a real process."""
+    script = """
+import gc, multiprocessing, sys, time
+from pathlib import Path
+import torch, deltackpt
+root = Path(sys.argv[1])
+def child(flag):
+    try:
+        flag.write_text("started")
+        time.sleep(60)
+    except BaseException as exc:
+        flag.write_text(f"caught {type(exc).__name__}")
+        raise
+ckpt = deltackpt.Checkpointer(root / "a", model=torch.nn.Linear(4, 4), async_save=False)
+del ckpt
+gc.collect()
+proc = multiprocessing.get_context("fork").Process(target=child, args=(root / "flag",))
+proc.start()
+while not (root / "flag").exists():
+    time.sleep(0.01)
+proc.terminate()
+proc.join(60)
+print("child exit", proc.exitcode, (root / "flag").read_text(), flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(fast_dir)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"child exit {-signal.SIGTERM} started" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.plumbing
 def test_a_signal_handed_to_the_main_thread_by_a_dropped_checkpointer_is_not_left_for_the_next(
         fast_dir: Path) -> None:
     """A checkpointer stepped on a loop's thread hands the SIGTERM it saved at to the main thread (``_forward``);
