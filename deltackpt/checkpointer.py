@@ -126,9 +126,14 @@ class _StopHandler:
         ckpt = self.ref()
         if ckpt is None:
             if not _take_forwarded(signum, frame):  # (a loop's thread handed it over, then dropped its checkpointer)
+                # past the handlers of other collected checkpointers in a loop, not one call deeper for each: a sweep
+                # of trials that each dropped one stacked them up, and the signal raised RecursionError
+                handler, kill = self.previous, os.getpid() != self.pid
+                while isinstance(handler, _StopHandler) and handler.ref() is None:
+                    handler, kill = handler.previous, kill or os.getpid() != handler.pid
                 # in a forked child, the default action ends it by the signal (as an open or closed checkpointer's
                 # handler there does), not by a SystemExit raised into the code the child runs
-                _pass_to(self.previous, signum, frame, kill=os.getpid() != self.pid)
+                _pass_to(handler, signum, frame, kill=kill)
         else:
             ckpt._on_signal(signum, frame)
 

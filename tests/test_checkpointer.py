@@ -1212,6 +1212,32 @@ print("still running", flush=True)
 
 
 @pytest.mark.plumbing
+def test_sigterm_ends_a_sweep_that_dropped_many_checkpointers_unclosed(fast_dir: Path) -> None:
+    """A sweep of trials in one process that each drop their Checkpointer unclosed leaves each one's handler
+    installed over the one before; a collected one's handler passed the signal on one call deeper per handler,
+    and a SIGTERM after some hundreds of trials raised RecursionError (a traceback, status 1) instead of ending
+    the process with status 143. Here 80 trials under a recursion limit of 100 (the default 1,000 took 600)."""
+    script = """
+import gc, os, signal, sys
+from pathlib import Path
+import torch, deltackpt
+root = Path(sys.argv[1])
+model = torch.nn.Linear(2, 2)
+for i in range(80):
+    ckpt = deltackpt.Checkpointer(root / f"t{i}", model=model, async_save=False)
+    del ckpt
+gc.collect()
+sys.setrecursionlimit(100)
+os.kill(os.getpid(), signal.SIGTERM)
+print("still running", flush=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script, str(fast_dir)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+    assert done.returncode == 128 + signal.SIGTERM, done.stdout + done.stderr
+    assert "still running" not in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
+
+
+@pytest.mark.plumbing
 def test_a_forked_child_ends_by_sigterm_under_a_collected_checkpointers_handler(fast_dir: Path) -> None:
     """A child forked after a checkpointer was dropped and collected inherits its handler, which passed the
     default action on as SystemExit(143): raised into the child's code (a Pool's worker's task), its ``except
