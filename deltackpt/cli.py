@@ -969,9 +969,19 @@ def _is_dcp_root(path: Path) -> bool:
 
 def _dcp_root_of(path: Path) -> Path | None:
     """The sharded (DCP) root whose ``meta`` or ``rank-NNNNN`` store ``path`` is, else None."""
-    real = Path(os.path.realpath(path))  # (not Path.resolve(): a symbolic link loop is the store open's to name)
-    if (real.parent / "meta" / "STORE").exists() and (real.name == "meta" or _rank_number(real.name) is not None):
-        return real.parent
+    member = _root_member(path)
+    return None if member is None else member[0]
+
+
+def _root_member(path: Path) -> tuple[Path, str] | None:
+    """(the sharded (DCP) root, the name there) when ``path`` is the root's ``meta`` or ``rank-NNNNN`` store: by
+    its real path, or by the path as given (the root's ``rank-00001`` a symbolic link to a store elsewhere, which
+    the root's writer and loads go through all the same), else None."""
+    # (not Path.resolve(): a symbolic link loop is the store open's to name)
+    for where in (Path(os.path.realpath(path)), Path(os.path.abspath(path))):
+        if (where.parent / "meta" / "STORE").exists() and (where.name == "meta" or
+                                                            _rank_number(where.name) is not None):
+            return where.parent, where.name
     return None
 
 
@@ -984,9 +994,9 @@ def _rank_number(name: str) -> int | None:
 
 def _rank_store_of(path: Path) -> tuple[Path, int] | None:
     """(the sharded root, the rank) when ``path`` is a rank's store of a sharded (DCP) root, else None."""
-    root = _dcp_root_of(path)
-    rank = _rank_number(Path(os.path.realpath(path)).name)
-    return (root, rank) if root is not None and rank is not None else None
+    member = _root_member(path)
+    rank = None if member is None else _rank_number(member[1])
+    return None if member is None or rank is None else (member[0], rank)
 
 
 def _check_metric(policy: Any, infos: Sequence[Any]) -> None:

@@ -1470,6 +1470,33 @@ def test_rm_on_a_rank_store_refuses_checkpoints_that_steps_name(tmp_path: Path,
     assert cli.main(["rm", str(rank0), "1", "--force"]) == 0
 
 
+def test_rm_and_keep_know_a_rank_store_the_root_links_to_elsewhere(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A root whose rank-00000 is a symbolic link to a store on another disk: its writer and loads go through the
+    link, but rm and keep looked for the root beside the real path only, so `deltackpt rm ROOT/rank-00000 STEP`
+    deleted a checkpoint a step names without a word (and keep thinned the rank's store alone). Both refuse, as
+    for a rank's store inside the root."""
+    import shutil
+
+    from deltackpt import cli
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, [1, 2])
+    rank0 = root / "rank-00000"
+    shutil.move(rank0, tmp_path / "disk2")
+    rank0.symlink_to(tmp_path / "disk2")
+    assert_state(load_full(root, 2), expected(2))  # (the root loads through the link)
+    capsys.readouterr()
+    assert cli.main(["rm", str(rank0), "2"]) == 1
+    err = capsys.readouterr().err
+    assert "by step 2" in err and "nothing was deleted" in err, err
+    assert cli.main(["keep", str(rank0), "--last", "1"]) == 1
+    assert "is a store of the sharded (DCP) root" in capsys.readouterr().err
+    for step in (1, 2):
+        assert_state(load_full(root, step), expected(step))
+    assert cli.main(["rm", str(rank0), "2", "--force"]) == 0
+
+
 def test_dcp_metadata_is_read_from_the_checksummed_manifest(tmp_path: Path) -> None:
     """The index record's copy of a step's DCP metadata has no checksum: loads, prune and delete go by the
     manifest's, so a damaged copy changes nothing they do (it made a load report a wrong shape)."""
