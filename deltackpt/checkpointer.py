@@ -164,8 +164,8 @@ def _unquiet(loaders: list[Any], owner: Checkpointer | None) -> None:
             if not wrapper.owners:
                 wrapper.release()  # workers still running (persistent ones) end at SIGTERM again
                 loader.worker_init_fn = wrapper.fn
-                if "_get_iterator" in vars(loader):  # (the class's again)
-                    del loader._get_iterator
+                # the class's again (a pop: the finalizer of one collected on another thread may run beside)
+                vars(loader).pop("_get_iterator", None)
     loaders.clear()
 
 

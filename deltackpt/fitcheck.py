@@ -324,15 +324,17 @@ def _wrappers_hint(mine: list[str], saved: list[str]) -> str:
         return ".".join(parts) + "." if parts else ""
 
     def starts(prefix: str) -> str:
-        who = " and ".join(_WRAPPER_PREFIXES[p + "."][0] for p in prefix.split(".")[:-1])
+        who = " and ".join(dict.fromkeys(_WRAPPER_PREFIXES[p + "."][0] for p in prefix.split(".")[:-1]))
         return f"all start with {prefix!r} ({who})" if prefix else "start with no wrapper's part"
 
     theirs, ours = lead(saved), lead(mine)
     if theirs == ours or not all(bare(k) == k.removeprefix(theirs) for k in saved) or not all(
             bare(k) == k.removeprefix(ours) for k in mine):
         return ""  # (wrappers' parts inside the keys: a submodule may be named "module")
+    unwrapped = ", ".join(f"model.{p[:-1]} in {run}" for p, run in ((theirs, "the run that saved"), (ours, "this run"))
+                          if p)
     return (f"; the checkpoint's keys {starts(theirs)}, this run's {starts(ours)}: give the Checkpointer the model "
-            "wrapped as in the run that saved, or unwrapped in both (model.module, model._orig_mod)")
+            f"wrapped as in the run that saved, or unwrapped in both ({unwrapped})")
 
 
 def warn_converted(where: str, mine: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
