@@ -147,6 +147,18 @@ PLANES_TUNED_LEVELS = (1, 2)
 #: decoding 1.5× and encoding 2-3× as fast; residuals of predicted frames 0.064 -> 0.060 of raw, decoding 1.1×
 #: as fast. Any parameters decode with any zstd decoder: the format does not change.
 PLANES_PARAMS = {"min_match": 7, "hash_log": 8}
+#: Byte planes of at least this many bytes each are compressed in zstd blocks of their own (the planes of a
+#: chunk under 512 KiB are shorter than zstd's 128 KiB blocks). A block that held parts of several planes
+#: Huffman-coded all of its literals with one table, fitted to none of them: the near-random low mantissa
+#: bytes, which a block of their own stores raw, then decoded at a quarter of the speed, and the skewed
+#: exponent plane lost its good code. Standalone frames of a 1.3M-parameter GPT's AdamW state: 64 KiB chunks
+#: 0.911 -> 0.832 of raw and zstd decoding 51 -> 13 µs, 256 KiB chunks 0.876 -> 0.830 and 179 -> 47 µs (encoding
+#: 1.2x as long); see docs/performance.md. Below this the calls cost more than they gain.
+PLANE_BLOCKS_MIN = 1024
+#: zstd's largest block (ZSTD_BLOCKSIZE_MAX), which its fast levels cut every frame into: planes of a multiple of
+#: it (1 MiB chunks of float32) fall into blocks of their own already, and are compressed in one call (the
+#: streaming calls that cut blocks elsewhere cost a 1 MiB chunk half as much time again)
+ZSTD_BLOCK = 128 << 10
 
 
 class Encoder:
@@ -174,6 +186,22 @@ class Encoder:
         else:
             kernel.xor_split_planes(raw, base, width, out)
         return memoryview(out)
+
+    def _zstd_planes(self, cctx: zstandard.ZstdCompressor, planes: memoryview, width: int) -> bytes:
+        """One zstd frame of byte planes (``width`` > 1), each plane in blocks of its own (see
+        :data:`PLANE_BLOCKS_MIN`): the frame any zstd decoder reads, as :meth:`ZstdCompressor.compress` makes
+        it (content size declared), only cut into blocks where the planes are."""
+        n = len(planes)
+        m = n // width
+        if width == 1 or m < PLANE_BLOCKS_MIN or m % ZSTD_BLOCK == 0:  # (planes of whole blocks: they align)
+            return cctx.compress(planes)
+        co = cctx.compressobj(size=n)
+        parts = []
+        for k in range(width):  # (the last plane holds the n % width bytes past the whole elements, §3)
+            parts.append(co.compress(planes[k * m : (k + 1) * m if k < width - 1 else n]))
+            parts.append(co.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK))
+        parts.append(co.flush())
+        return b"".join(parts)
 
     def encode(
         self,
@@ -209,10 +237,11 @@ class Encoder:
             base = memoryview(base).cast("B")
             if len(base) != n:
                 raise ValueError(f"delta base has {len(base)} bytes, the chunk {n}")
-            best_codec, best, base_id = DELTA, cctx.compress(self._planes(raw, width, base)), base_digest
+            delta = self._zstd_planes(cctx, self._planes(raw, width, base), width)
+            best_codec, best, base_id = DELTA, delta, base_digest
         # A delta this small is not beaten by a standalone encoding of float data: skip the second compression.
         if base is None or (try_alone and len(best) > n * DELTA_GOOD_ENOUGH):
-            alone = cctx.compress(self._planes(raw, width, None) if width > 1 else raw)
+            alone = self._zstd_planes(cctx, self._planes(raw, width, None), width) if width > 1 else cctx.compress(raw)
             if base is None or len(best) > len(alone) * DELTA_MIN_GAIN:
                 best_codec, best, base_id = (PLANES_ZSTD if width > 1 else ZSTD), alone, NO_BASE
         if len(best) >= n:
@@ -231,7 +260,7 @@ class Encoder:
         raw = memoryview(raw).cast("B")
         if len(raw) > MAX_RAW:
             raise ValueError(f"chunk of {len(raw)} bytes exceeds the frame limit of {MAX_RAW}")
-        residual = self._pctx.compress(self._planes(raw, width, memoryview(prediction).cast("B")))
+        residual = self._zstd_planes(self._pctx, self._planes(raw, width, memoryview(prediction).cast("B")), width)
         payload = struct.pack("<I", len(record)) + record + residual
         return _frame(PREDICTED, width, len(raw), digest, base_digest, payload, predicted_version(record[0]))
 
