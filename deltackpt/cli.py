@@ -43,7 +43,7 @@ from deltackpt.errors import (
     UnsafeLoadError,
     UnsupportedTypeError,
 )
-from deltackpt.layout import holds_checkpoints, why_readonly
+from deltackpt.layout import holds_checkpoints, rank_of_dir, why_readonly
 from deltackpt.rng import has_rng
 from deltackpt.store import CheckpointInfo, Store, as_saved, check_step
 
@@ -980,22 +980,15 @@ def _root_member(path: Path) -> tuple[Path, str] | None:
     # (not Path.resolve(): a symbolic link loop is the store open's to name)
     for where in (Path(os.path.realpath(path)), Path(os.path.abspath(path))):
         if (where.parent / "meta" / "STORE").exists() and (where.name == "meta" or
-                                                            _rank_number(where.name) is not None):
+                                                            rank_of_dir(where.name) is not None):
             return where.parent, where.name
     return None
-
-
-def _rank_number(name: str) -> int | None:
-    """The rank whose store a root's directory ``name`` is, by the name the writer gives it (``rank-00001``; not
-    ``rank-000001``, which no rank's store of the root is named), else None."""
-    m = re.fullmatch(r"rank-(\d{5,})", name)
-    return int(m.group(1)) if m and name == f"rank-{int(m.group(1)):05d}" else None
 
 
 def _rank_store_of(path: Path) -> tuple[Path, int] | None:
     """(the sharded root, the rank) when ``path`` is a rank's store of a sharded (DCP) root, else None."""
     member = _root_member(path)
-    rank = None if member is None else _rank_number(member[1])
+    rank = None if member is None else rank_of_dir(member[1])
     return None if member is None or rank is None else (member[0], rank)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import secrets
 import threading
 import warnings
@@ -63,7 +62,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from deltackpt import config, kernel, manifest, tree
+from deltackpt import config, kernel, layout, manifest, tree
 from deltackpt.errors import (
     CheckpointNotFoundError,
     CorruptionError,
@@ -75,7 +74,15 @@ from deltackpt.errors import (
     caller_level,
 )
 from deltackpt.retention import Retention, check_ranked, deleting_only
-from deltackpt.store import CheckpointInfo, Store, as_saved, check_metadata, check_options, check_step
+from deltackpt.store import (
+    CheckpointInfo,
+    Store,
+    as_saved,
+    check_metadata,
+    check_options,
+    check_step,
+    on_release_thread,
+)
 
 #: version of the layout of DCP metadata in ``root/meta`` checkpoints. 4: items of kind "tree" (a value holding arrays,
 #: stored as a state tree under ``_TREES`` of the rank checkpoint), written only by steps that hold one, so that the
@@ -126,11 +133,8 @@ class _Stored:
     nbytes: int
 
 
-_RANK_DIR = re.compile(r"rank-(\d{5,})")
-
-
 def _rank_path(root: Path, rank: int) -> Path:
-    return root / f"rank-{rank:05d}"
+    return root / layout.rank_dir(rank)
 
 
 def stores(root: str | os.PathLike[str]) -> list[Path]:
@@ -139,8 +143,7 @@ def stores(root: str | os.PathLike[str]) -> list[Path]:
     root = Path(root)
     check_dir(root)  # (a bare [Errno 2] or [Errno 20] named nothing)
     # (by the name the writer gives each rank: 'rank-000001' is no store of the root's, as its prune knows)
-    ranks = sorted((int(m.group(1)), p) for p in root.iterdir()
-                   if (m := _RANK_DIR.fullmatch(p.name)) and p.name == _rank_path(root, int(m.group(1))).name)
+    ranks = sorted((rank, p) for p in root.iterdir() if (rank := layout.rank_of_dir(p.name)) is not None)
     return [p for p in [root / "meta", *(p for _, p in ranks)] if (p / "STORE").exists()]
 
 
@@ -287,7 +290,7 @@ class DeltaStorageWriter(StorageWriter):
         # descriptors a save. (Only the writer made here: the copies that a process-based async save unpickles
         # share what one writer keeps, from save to save, in their process.)
         # (not at exit: the process's end releases them)
-        weakref.finalize(self, _release_collected, self._kept).atexit = False
+        weakref.finalize(self, on_release_thread, _release, self._kept).atexit = False
 
     def __getstate__(self) -> dict[str, Any]:
         """A pickled writer leaves its open stores (locks, files, threads) behind. DCP's process-based
@@ -612,13 +615,6 @@ def _release(kept: _Kept) -> None:
         s.close()
     kept.stores.clear()
     kept.reader = None
-
-
-def _release_collected(kept: _Kept) -> None:
-    """:func:`_release` for a writer that was collected, on a thread of its own: a collection of garbage in a
-    reference cycle runs inside whatever allocation triggers it, also one this thread makes while it holds a lock
-    that closing a store takes (the index registry's), and closing there would wait for itself forever."""
-    threading.Thread(target=_release, args=(kept,), name="deltackpt-release", daemon=True).start()
 
 
 def _root_key(root: Path) -> str:

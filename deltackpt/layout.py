@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -136,3 +137,15 @@ def why_readonly(path: Path) -> str | None:
             if sub.exists() and not os.access(sub, os.W_OK, effective_ids=os.access in os.supports_effective_ids):
                 return f"not writable by this user (no write permission on {sub})"
     return None
+
+
+def rank_dir(rank: int) -> str:
+    """The name of rank ``rank``'s store in a sharded (DCP) root, beside its ``meta`` store."""
+    return f"rank-{rank:05d}"
+
+
+def rank_of_dir(name: str) -> int | None:
+    """The rank whose store a sharded root's directory ``name`` is, by the name :func:`rank_dir` gives it
+    (``rank-00001``; not ``rank-000001`` or ``rank-00001.bak``, which no rank's store is named), else None."""
+    m = re.fullmatch(r"rank-(\d{5,})", name)
+    return int(m.group(1)) if m and name == rank_dir(int(m.group(1))) else None

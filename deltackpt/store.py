@@ -2249,12 +2249,18 @@ def _span_places(refs: Sequence[tuple[tree.Place, str, int]],
     return out
 
 
+def on_release_thread(fn: Callable[..., Any], *args: Any) -> None:
+    """Run ``fn(*args)``, which releases what a handle collected unclosed held, on a short thread of its own: a
+    collection of garbage in a reference cycle runs inside whatever allocation triggers it, also one this thread
+    makes while it holds a lock that closing takes (the index registry's), and closing there would wait for
+    itself forever."""
+    threading.Thread(target=fn, args=args, name="deltackpt-release", daemon=True).start()
+
+
 def _release_dropped(writer: PackWriter, reader: PackReader, index: Index, alone: list[tuple[int, int]]) -> None:
     """Release the files of a :class:`Store` collected unclosed (its pack's lock, open packs, its index, and a
-    repair's handle's gc and maintenance locks, ``alone``), as :meth:`Store.close` does, on a thread of its own:
-    a collection of garbage in a reference cycle runs inside whatever allocation triggers it, also one this
-    thread makes while it holds a lock that closing the index takes (the registry's), and closing there would
-    wait for itself forever."""
+    repair's handle's gc and maintenance locks, ``alone``), as :meth:`Store.close` does
+    (:func:`on_release_thread`)."""
     def release() -> None:
         for part in (writer, reader, index):
             with contextlib.suppress(Exception):  # (best effort, as a file's close at collection)
@@ -2263,7 +2269,7 @@ def _release_dropped(writer: PackWriter, reader: PackReader, index: Index, alone
             with contextlib.suppress(Exception):
                 close_lock(fd, pid)
 
-    threading.Thread(target=release, name="deltackpt-release", daemon=True).start()
+    on_release_thread(release)
 
 
 def _some(paths: list[str], shown: int = 5) -> str:
