@@ -100,8 +100,19 @@ def delta_cache_bytes() -> int:
     return _env_int("DELTACKPT_DELTA_CACHE", DEFAULT_DELTA_CACHE)
 
 
+def _env_flag(name: str, default: bool) -> bool:
+    """An on/off variable: ``1`` or ``0`` (empty: the default). Anything else is refused, naming the variable: a
+    ``2``, ``yes`` or ``off`` read as on before, which ``off`` certainly did not mean."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(f"{name} must be 1 (on) or 0 (off), got {raw!r}")
+    return raw.strip() == "1"
+
+
 def predict() -> bool:
-    return _env_int("DELTACKPT_PREDICT", 1) != 0
+    return _env_flag("DELTACKPT_PREDICT", True)
 
 
 def gc_min_bytes() -> int:
@@ -112,7 +123,7 @@ def gc_min_bytes() -> int:
 
 
 def allow_network_fs() -> bool:
-    return _env_int("DELTACKPT_ALLOW_NETWORK_FS", 0) != 0
+    return _env_flag("DELTACKPT_ALLOW_NETWORK_FS", False)
 
 
 def check_chunk_size(value: int, what: str = "chunk_size") -> int:

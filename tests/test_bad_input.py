@@ -456,6 +456,18 @@ def test_bad_settings_from_the_environment_name_the_variable(tmp_path: Path, mon
     monkeypatch.setenv("DELTACKPT_THREADS", "8 threads")
     with pytest.raises(ValueError, match="DELTACKPT_THREADS must be an integer, got '8 threads'"):
         deltackpt.Store(tmp_path / "s")
+    monkeypatch.delenv("DELTACKPT_THREADS")
+    # the switches: only 1 and 0 (a "2", "yes" or "off" read as on before: "off" certainly meant otherwise)
+    for name in ("DELTACKPT_PREDICT", "DELTACKPT_ALLOW_NETWORK_FS"):
+        for bad in ("2", "off", "yes", "-1"):
+            monkeypatch.setenv(name, bad)
+            with pytest.raises(ValueError, match=f"{name} must be 1 \\(on\\) or 0 \\(off\\), got '{bad}'"):
+                deltackpt.Store(tmp_path / "s")
+        monkeypatch.delenv(name)
+    for raw, on in ((" 0 ", False), ("1", True), ("", True)):
+        monkeypatch.setenv("DELTACKPT_PREDICT", raw)
+        with deltackpt.Store(tmp_path / "s") as s:
+            assert s.predict is on
 
 
 @pytest.mark.parametrize(
