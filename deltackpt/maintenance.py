@@ -232,6 +232,13 @@ def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str |
                 if progress is not None:
                     progress(len(results), len(unique))
         del groups
+        for pack_id in sorted({loc.pack_id for loc in locs.values()}):
+            why = _header_damage(store.path / "packs" / f"{pack_id}.pack")
+            if why is not None:
+                report.problems.append(Problem(None, None, None, None, (
+                    f"pack {pack_id}: {why}. Its frames are found through the index and each one was checked on "
+                    f"its own, so no chunk is lost, but the file was changed on disk; 'deltackpt gc STORE' copies "
+                    f"them to a new pack")))
         if step is None and id is None:
             for problem in store._read_each(lambda item: _entry_problem(store, *item), list(locs.items())):
                 if problem is not None:
@@ -285,6 +292,14 @@ def _record_differs(rec: Record, m: manifest.Manifest) -> list[str]:
         "replaces": (rec.extra.get("replaces", []), m.extra.get("replaces", [])),
     }
     return [name for name, (a, b) in pairs.items() if a != b]
+
+
+def _header_damage(path: Path) -> str | None:
+    """:func:`packs.header_damage`, None for a pack that cannot be opened (gone: its chunks report that)."""
+    try:
+        return packs.header_damage(path)
+    except OSError:
+        return None
 
 
 def _entry_problem(store: Store, k: bytes, loc: ChunkLoc) -> Problem | None:
@@ -616,7 +631,8 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
         # frames as damage (damaged_packs), rather than being passed over without a word: its lost frames counted
         # as live bytes, so it never looked sparse.
         lost = any(loc.offset + loc.frame_len > size for _, loc in live_entries)
-        if frames > 0 and (lost or live_bytes / frames < repack_below):
+        # A damaged header is repaired the same way: the copy's new pack has an intact one (loads never needed it).
+        if frames > 0 and (lost or live_bytes / frames < repack_below or _header_damage(path) is not None):
             to_repack.append(pack_id)
     # Live chunks whose entry names a pack that does not exist: the pack was lost, or the entry is damaged (one
     # flipped bit in its pack id) and the frame is in another pack, maybe one gc is about to free. The entry has

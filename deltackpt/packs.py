@@ -600,6 +600,21 @@ def pack_files(directory: Path) -> dict[str, Path]:
     return {p.stem: p for p in directory.glob("*.pack") if valid_pack_id(p.stem) and p.is_file()}
 
 
+def header_damage(path: Path) -> str | None:
+    """What is wrong with the pack's 16-byte header, or None when it is the one writers write (magic, version,
+    zero). Readers find frames through the index and check each on its own, so a damaged header loses nothing;
+    but it is damage on disk, which verify reports and gc repairs by copying the frames to a new pack."""
+    with open(path, "rb") as f:
+        head = f.read(PACK_HEADER.size)
+    if len(head) < PACK_HEADER.size:
+        return f"{len(head)} bytes long, shorter than its {PACK_HEADER.size}-byte header"
+    magic, version, reserved = PACK_HEADER.unpack(head)
+    if (magic, version, reserved) == (PACK_MAGIC, PACK_VERSION, 0):
+        return None
+    return (f"its header is damaged (magic {magic!r}, version {version}, reserved {reserved}; written as "
+            f"{PACK_MAGIC!r}, {PACK_VERSION}, 0)")
+
+
 def is_active(path: Path) -> bool:
     """True while some writer holds the pack open for appending (its exclusive flock)."""
     try:

@@ -611,7 +611,35 @@ def test_repair_reads_the_frames_of_a_pack_whose_header_is_damaged(store_path: P
     with maintenance.open_for_repair(store_path) as s:
         report = s.repair()
         assert report.checkpoints == 3 and report.lost_checkpoints == [] and report.damaged_packs == [pack.stem]
+        (problem,) = s.verify().problems  # the header is still damaged: a gc copies the frames to a new pack
+        assert f"pack {pack.stem}: its header is damaged" in str(problem)
+        assert s.gc().repacked_packs == 1
         _check_repaired(s, filled)
+
+
+@pytest.mark.parametrize("at", [0, 8, 12])  # magic, version, the zero after them
+def test_verify_reports_a_damaged_pack_header_and_gc_repairs_it(store_path: Path, at: int) -> None:
+    """Loads never need a pack's header (frames are found through the index), but a changed header byte is
+    damage on disk all the same: verify reported nothing for it. It now names the pack (and loses no chunk),
+    and gc copies the pack's frames to a new one, after which verify is clean."""
+    states = {i: {"a": torch.randn(3000), "b": torch.arange(float(i), i + 500.0)} for i in (1, 2)}
+    with _open(store_path) as s:
+        for i, state in states.items():
+            s.save(state, step=i)
+    (pack,) = (store_path / "packs").glob("*.pack")
+    _flip(pack, at, 0x01)
+    with _open(store_path) as s:
+        for check in (s.verify(), s.verify(2)):
+            assert [(p.checkpoint, p.chunk_id) for p in check.problems] == [(None, None)]
+            assert f"pack {pack.stem}: its header is damaged" in str(check.problems[0])
+            assert "'deltackpt gc STORE'" in str(check.problems[0])
+        for i, state in states.items():
+            assert_same_state(state, s.load(i))
+        gc = s.gc()
+        assert gc.repacked_packs == 1 and gc.damaged_packs == [] and not pack.exists()
+        assert s.verify().problems == []
+        for i, state in states.items():
+            assert_same_state(state, s.load(i))
 
 
 @pytest.mark.parametrize("what", ["manifest", "frame"])
