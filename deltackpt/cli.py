@@ -779,7 +779,7 @@ def _verify_json(report: maintenance.VerifyReport) -> dict[str, Any]:
     """A verify report as ``verify --json`` prints it (and ``dcp --verify --json`` each store's)."""
     return {"ok": report.ok, "checkpoints": report.checkpoints, "chunk_references": report.chunks,
             "problems": [{"checkpoint": p.checkpoint, "step": p.step, "key": p.key, "chunk_id": p.chunk_id,
-                          "message": p.message} for p in report.problems]}
+                          "pack": p.pack, "message": p.message} for p in report.problems]}
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

@@ -59,17 +59,19 @@ Progress = Callable[[int, int], None]  # (done, total)
 
 @dataclass
 class Problem:
-    """One thing ``verify`` found wrong: in a checkpoint (its tensor and chunk when known), or in the index
-    (``checkpoint`` None when no checkpoint record is concerned)."""
+    """One thing ``verify`` found wrong: in a checkpoint (its tensor and chunk when known), in a pack file
+    (``pack``: its id), or in the index (``checkpoint`` and ``pack`` None)."""
 
     checkpoint: str | None
     step: int | None
     key: str | None
     chunk_id: str | None
     message: str
+    pack: str | None = None
 
     def __str__(self) -> str:
-        where = "index" if self.checkpoint is None else f"checkpoint {self.checkpoint} (step {self.step})"
+        where = (f"checkpoint {self.checkpoint} (step {self.step})" if self.checkpoint is not None
+                 else "index" if self.pack is None else f"pack {self.pack}")
         if self.key is not None:
             where += f", tensor {self.key!r}"
         if self.chunk_id is not None:
@@ -236,9 +238,9 @@ def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str |
             why = _header_damage(store.path / "packs" / f"{pack_id}.pack")
             if why is not None:
                 report.problems.append(Problem(None, None, None, None, (
-                    f"pack {pack_id}: {why}. Its frames are found through the index and each one was checked on "
-                    f"its own, so no chunk is lost, but the file was changed on disk; 'deltackpt gc STORE' copies "
-                    f"them to a new pack")))
+                    f"{why}. Its frames are found through the index and each one was checked on its own, so no "
+                    f"chunk is lost, but the file was changed on disk; 'deltackpt gc STORE' copies them to a new "
+                    f"pack"), pack=pack_id))
         if step is None and id is None:
             for problem in store._read_each(lambda item: _entry_problem(store, *item), list(locs.items())):
                 if problem is not None:

@@ -762,9 +762,18 @@ def test_listings_and_verify_print_json_that_matches_the_python_api(capsys: pyte
     rc, out, err = cli(capsys, "verify", store_path, "--json")
     report = _strict_json(out)
     assert (rc, err, report["ok"]) == (1, "", False)
-    assert {(p["checkpoint"], p["step"], p["key"], p["chunk_id"]) for p in report["problems"]} == {
-        (i.id, 2, "b", f"{d.hex()}-{n}") for i in infos[1:]}
+    assert {(p["checkpoint"], p["step"], p["key"], p["chunk_id"], p["pack"]) for p in report["problems"]} == {
+        (i.id, 2, "b", f"{d.hex()}-{n}", None) for i in infos[1:]}
     assert all(p["message"] for p in report["problems"])
+    with open(store_path / "packs" / f"{loc.pack_id}.pack", "r+b") as f:  # a pack's own damage: its header
+        f.write(b"X")
+    rc, out, err = cli(capsys, "verify", store_path, "--json")
+    report = _strict_json(out)
+    assert (rc, err, report["ok"]) == (1, "", False)
+    assert [(p["checkpoint"], p["chunk_id"], p["pack"]) for p in report["problems"] if p["pack"]] == [
+        (None, None, loc.pack_id)]
+    rc, out, err = cli(capsys, "verify", store_path)
+    assert rc == 1 and f"pack {loc.pack_id}: its header is damaged" in out
 
 
 def test_json_keeps_an_int_key_beside_the_str_key_of_its_digits(capsys: pytest.CaptureFixture[str],
