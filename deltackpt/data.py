@@ -18,7 +18,8 @@ Two pieces, and an optional third:
 * :class:`SeededDataset` - wraps a map-style dataset so that its random augmentations replay exactly: each
   sample is read with the Python, NumPy and torch CPU RNGs seeded from ``(seed, epoch, index)`` (a
   ResumableSampler over it yields ``(epoch, index)`` keys) and put back afterwards. A sample then looks the same
-  whichever worker reads it and however often the run was stopped and resumed.
+  whichever worker reads it and however often the run was stopped and resumed. A ResumableLoader over it also
+  runs the DataLoader's ``collate_fn`` with the RNGs seeded from the batch's keys (a MixUp there replays too).
 
 Why the wrapper: the sampler runs in the main process and hands indices to the DataLoader *ahead* of the
 training loop - with ``num_workers > 0`` the DataLoader keeps ``prefetch_factor * num_workers`` batches in
@@ -76,6 +77,7 @@ of order, so what was consumed is not a prefix), and custom batch samplers other
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import operator
@@ -374,8 +376,7 @@ class SeededDataset(Dataset):
 
     def sample_seed(self, epoch: int, index: int) -> int:
         """The seed (in [0, 2**64)) that sample ``index`` of ``epoch`` is read with (NumPy's: mixed from it)."""
-        key = f"deltackpt.sample:{self.seed}:{_int(epoch, 'epoch')}:{_int(index, 'index', minimum=None)}"
-        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+        return _seed_of(f"deltackpt.sample:{self.seed}:{_int(epoch, 'epoch')}:{_int(index, 'index', minimum=None)}")
 
     def __getitem__(self, key: Any) -> Any:
         if not isinstance(key, tuple):
@@ -383,20 +384,22 @@ class SeededDataset(Dataset):
         if len(key) != 2:
             raise TypeError(f"a SeededDataset key is (epoch, index), got a tuple of {len(key)}")
         epoch, index = key
-        seed = self.sample_seed(epoch, index)
-        cpu = torch.default_generator  # (torch.manual_seed would also seed CUDA's generators)
-        saved = random.getstate(), np.random.get_state(), cpu.get_state()
-        try:
-            random.seed(seed)
-            # (NumPy's legacy RNG and random are both MT19937 seeded by init_by_array: seeded with the same
-            # words, np.random.rand() would draw exactly random.random(), so NumPy's seed is mixed first)
-            np.random.seed(np.random.SeedSequence(seed).generate_state(4))
-            cpu.manual_seed(seed)
+        with _rngs_seeded(self.sample_seed(epoch, index)):
             return self.dataset[index]
-        finally:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            cpu.set_state(saved[2])
+
+    def __getitems__(self, keys: list[Any]) -> list[Any]:
+        """The samples of a batch (the DataLoader reads a batch through this), keeping the batch's keys for the
+        collate_fn that a :class:`ResumableLoader` seeds from them (:func:`_SeededCollate`)."""
+        samples = [self[key] for key in keys]
+        if not all(isinstance(key, tuple) for key in keys):
+            return samples
+        batch = _SeededBatch(samples)
+        batch.keys = tuple(keys)
+        return batch
+
+    def batch_seed(self, keys: Any) -> int:
+        """The seed (in [0, 2**64)) that the batch of these ``(epoch, index)`` keys is collated with."""
+        return _batch_seed(self.seed, keys)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -409,6 +412,58 @@ class SeededDataset(Dataset):
 
     def __repr__(self) -> str:
         return f"SeededDataset({self.dataset!r}, seed={self.seed})"
+
+
+def _seed_of(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+
+
+def _batch_seed(seed: int, keys: Any) -> int:
+    keys = ",".join(f"{_int(e, 'epoch')}:{_int(i, 'index', minimum=None)}" for e, i in keys)
+    return _seed_of(f"deltackpt.batch:{seed}:{keys}")
+
+
+@contextlib.contextmanager
+def _rngs_seeded(seed: int) -> Iterator[None]:
+    """Python's ``random``, NumPy's global RNG and torch's CPU generator seeded from ``seed``; put back after."""
+    cpu = torch.default_generator  # (torch.manual_seed would also seed CUDA's generators)
+    saved = random.getstate(), np.random.get_state(), cpu.get_state()
+    try:
+        random.seed(seed)
+        # (NumPy's legacy RNG and random are both MT19937 seeded by init_by_array: seeded with the same
+        # words, np.random.rand() would draw exactly random.random(), so NumPy's seed is mixed first)
+        np.random.seed(np.random.SeedSequence(seed).generate_state(4))
+        cpu.manual_seed(seed)
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        cpu.set_state(saved[2])
+
+
+class _SeededBatch(list):
+    """The samples of a batch read from a SeededDataset, with the keys they were read with."""
+
+    keys: tuple[Any, ...] = ()
+
+
+class _SeededCollate:
+    """A DataLoader's ``collate_fn`` run with the RNGs seeded from the batch's keys (a :class:`SeededDataset`'s
+    batch), so that a random batch-level augmentation (MixUp, CutMix in the collate_fn) draws the same whichever
+    worker collates the batch and wherever the run was resumed. Other input is collated as it is."""
+
+    def __init__(self, fn: Any, dataset: SeededDataset) -> None:
+        self.fn = fn
+        self.seed = dataset.seed
+
+    def __call__(self, batch: Any) -> Any:
+        if not isinstance(batch, _SeededBatch):
+            return self.fn(batch)
+        with _rngs_seeded(_batch_seed(self.seed, batch.keys)):
+            return self.fn(list(batch))
+
+    def __repr__(self) -> str:
+        return f"_SeededCollate({self.fn!r}, seed={self.seed})"
 
 
 class ResumableLoader:
@@ -470,6 +525,11 @@ class ResumableLoader:
                 f"{type(loader.dataset).__name__}, which its (epoch, index) keys would index wrongly (an array's "
                 "[epoch, index]); give the DataLoader the SeededDataset"
             )
+        if isinstance(loader.dataset, SeededDataset) and bs is not None and not isinstance(loader.collate_fn,
+                                                                                           _SeededCollate):
+            # (a collate_fn that draws, run in whichever worker gets the batch, would draw from that worker's
+            # stream: seeded from the batch's keys instead)
+            loader.collate_fn = _SeededCollate(loader.collate_fn, loader.dataset)
         self.loader = loader
         self.sampler = sampler
         self._batch_size = batch_size

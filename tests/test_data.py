@@ -456,6 +456,39 @@ def test_a_seeded_dataset_replays_augmentations_after_any_resume(workers: int, r
         assert _rows(got) == ref, f"resumed after {stop} batches"
 
 
+def _mix(samples: list[torch.Tensor]) -> torch.Tensor:
+    """A batch-level augmentation in the collate_fn (as torchvision's CutMix/MixUp): one draw per batch."""
+    batch = torch.stack(samples)
+    draws = [torch.rand(()).item(), float(np.random.rand()), random.random()]
+    return torch.cat([batch, torch.tensor([draws] * len(batch), dtype=batch.dtype)], 1)
+
+
+@pytest.mark.parametrize(("workers", "resumed_workers", "kw"), [
+    (0, 0, {}), (2, 1, {}), (2, 2, {"persistent_workers": True}), (1, 0, {}),
+], ids=["main-process", "2-then-1-workers", "persistent-workers", "worker-then-main"])
+def test_a_seeded_dataset_replays_a_random_collate_fn_after_any_resume(workers: int, resumed_workers: int,
+                                                                       kw: dict[str, Any]) -> None:
+    """A collate_fn that draws (MixUp, CutMix) runs in the worker that read the batch: without seeding, its draws
+    depend on the batches that worker collated before, so a mid-epoch resume changed them. Over a SeededDataset,
+    each batch is collated with the RNGs seeded from its keys."""
+    ref = _rows(list(_seeded(0, collate_fn=_mix).batches(max_epochs=3)))
+    assert len({r[4] for r in ref}) == 15  # (one draw per batch: 5 batches an epoch, every epoch afresh)
+    before = torch.get_rng_state(), np.random.get_state()[1].tolist(), random.getstate()
+    assert _rows(list(_seeded(workers, collate_fn=_mix, **kw).batches(max_epochs=3))) == ref
+    assert torch.equal(torch.get_rng_state(), before[0])  # (the training loop's RNGs are left alone)
+    assert (np.random.get_state()[1].tolist(), random.getstate()) == before[1:]
+    for stop in (2, 5, 7):
+        loader = _seeded(workers, collate_fn=_mix, **kw)
+        it = loader.batches(max_epochs=3)
+        got = [next(it) for _ in range(stop)]
+        state = loader.state_dict()
+        del it
+        resumed = _seeded(resumed_workers, collate_fn=_mix, **kw)
+        resumed.load_state_dict(state)
+        got += list(resumed.batches(max_epochs=3))
+        assert _rows(got) == ref, f"resumed after {stop} batches"
+
+
 def test_a_seeded_dataset_depends_on_its_seed_and_leaves_the_processs_rngs_alone() -> None:
     """Reading samples in the main process puts the three RNGs back: the training loop's draws after it are
     those it would have made without the reads. The seed, the epoch and the index pick a sample's draws; a
