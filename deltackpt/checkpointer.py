@@ -1020,7 +1020,11 @@ class Checkpointer:
         self._handling = True
         # collected unclosed (nothing but its handlers referred to it): its loaders' workers are released
         weakref.finalize(self, _unquiet, self._quieted, None).atexit = False
-        self._quiet(getattr(self.data, "loader", self.data))  # a ResumableLoader's DataLoader, or one given as is
+        # a ResumableLoader's DataLoader, a ResumableSampler's (that of the ResumableLoader driving it), or one as is
+        loader = getattr(self.data, "loader", None)
+        if loader is None:
+            loader = getattr(self.data, "dataloader", None)
+        self._quiet(self.data if loader is None else loader)
 
     def protect_workers(self, *loaders: Any) -> None:
         """Make the workers of these DataLoaders (an evaluation loader, say; the one given as ``data`` already

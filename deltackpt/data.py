@@ -83,6 +83,7 @@ import math
 import operator
 import random
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
@@ -178,6 +179,16 @@ class ResumableSampler(Sampler[int]):
         self._warned = False
         self._token = 0  # bumped when an iteration starts or the cursor is moved: older iterations stop
         self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, its global order)
+        self._dataloader: weakref.ref[DataLoader] | None = None  # the DataLoader a ResumableLoader drives it in
+
+    def __getstate__(self) -> dict[str, Any]:  # (a weak reference does not pickle)
+        return {**self.__dict__, "_dataloader": None}
+
+    @property
+    def dataloader(self) -> DataLoader | None:
+        """The DataLoader whose :class:`ResumableLoader` drives this sampler (a Checkpointer given the sampler as
+        ``data=`` protects that loader's workers), or None."""
+        return self._dataloader() if self._dataloader is not None else None
 
     def _epoch_in_range(self, epoch: int, what: str) -> int:
         """``epoch``, or ValueError when seed + epoch, which seeds a shuffled epoch's order, is past what a
@@ -535,6 +546,7 @@ class ResumableLoader:
         self._batch_size = batch_size
         self._drop_last = drop_last
         sampler._driven = True
+        sampler._dataloader = weakref.ref(loader)
         sampler._token += 1  # an undriven iteration in flight no longer moves the cursor
 
     # -- the cursor -----------------------------------------------------------------------------------------

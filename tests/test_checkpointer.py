@@ -1046,6 +1046,22 @@ def test_a_dataloader_subclass_is_protected_and_two_checkpointers_share_a_loader
     assert next(iter(shared)).tolist() == [0.0] * 4
 
 
+def test_a_resumable_sampler_given_as_data_protects_the_workers_of_its_loader(fast_dir: Path) -> None:
+    """data= may be the ResumableSampler rather than its ResumableLoader (the same state): the workers of the
+    DataLoader that the sampler feeds are protected all the same. They were not, and a SIGTERM to the whole job
+    killed them, so the DataLoader raised before the step boundary and the stop saved nothing."""
+    from deltackpt.data import ResumableLoader, ResumableSampler
+
+    ds = _StopSignalDisposition()
+    sampler = ResumableSampler(ds, shuffle=False)
+    dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1, sampler=sampler)
+    loader = ResumableLoader(dl)
+    with Checkpointer(fast_dir / "store", model=torch.nn.Linear(1, 1), data=sampler):
+        assert next(iter(loader)).tolist() == [1.0] * 4
+    assert dl.worker_init_fn is None
+    assert next(iter(loader)).tolist() == [0.0] * 4
+
+
 def test_protect_workers_takes_dataloaders_only_and_is_undone_at_close(fast_dir: Path) -> None:
     ds = _StopSignalDisposition()
     dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1)
