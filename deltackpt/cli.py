@@ -1290,6 +1290,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         write(tmp or real)
         if tmp is not None:  # durable before it takes the place of an earlier export (a power loss keeps one)
+            # (the mode any new file gets from the umask, as torch.save's: safetensors creates its files 0600)
+            os.chmod(tmp, 0o666 & ~_umask())
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(tmp, real)
@@ -1307,6 +1309,18 @@ def cmd_export(args: argparse.Namespace) -> int:
     what = "" if args.key is None else f"{args.key!r} of "
     print(f"exported {what}checkpoint {m.id} (step {m.step}) to {dest}{size}")  # (not "latest", or a step saved twice)
     return 0
+
+
+def _umask() -> int:
+    """This process's umask (read from /proc where it can be, which changes nothing; else set and set back)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _remove_killed_exports(real: Path, host: str) -> None:

@@ -2607,3 +2607,22 @@ def test_dcp_help_summary_names_everything_it_does() -> None:
     summary = next(c.help for c in sub._choices_actions if c.dest == "dcp")
     for word in ("list", "delete", "prune", "gc", "verify"):
         assert word in summary, word
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_export_file_mode_follows_the_umask(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path,
+                                            suffix: str) -> None:
+    """An export is a file to share (a model hub, a colleague's job): its mode is what the umask gives any new
+    file, as torch.save's own files have, not safetensors' 0600 (which only its owner can read)."""
+    with open_store(store_path) as s:
+        s.save({"w": torch.ones(3)}, step=1)
+    old = os.umask(0o022)
+    try:
+        for umask in (0o022, 0o027):
+            os.umask(umask)
+            dest = tmp_path / f"out{umask:o}{suffix}"
+            rc, _, err = cli(capsys, "export", store_path, "1", dest)
+            assert rc == 0 and err == ""
+            assert dest.stat().st_mode & 0o777 == 0o666 & ~umask, (oct(dest.stat().st_mode), oct(umask))
+    finally:
+        os.umask(old)
