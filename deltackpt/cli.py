@@ -1696,7 +1696,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(AttributeError, ValueError):  # (a stream without reconfigure: tests)
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
-        rc = _run(args)
+        with warnings.catch_warnings():
+            # torch's note, the first time a process makes a complex32 tensor (get's loaded one, export's probe of
+            # what its format holds), is no news to whoever stored one: stderr stays the command's own (one line on
+            # an error)
+            warnings.filterwarnings("ignore", message="ComplexHalf support is experimental", category=UserWarning)
+            rc = _run(args)
         sys.stdout.flush()
         return rc
     except BrokenPipeError:

@@ -2626,3 +2626,26 @@ def test_export_file_mode_follows_the_umask(capsys: pytest.CaptureFixture[str], 
             assert dest.stat().st_mode & 0o777 == 0o666 & ~umask, (oct(dest.stat().st_mode), oct(umask))
     finally:
         os.umask(old)
+
+
+@pytest.mark.plumbing
+def test_complex32_adds_no_torch_warning_to_stderr(store_path: Path, tmp_path: Path) -> None:
+    """torch warns that ComplexHalf is experimental the first time a process makes a complex32 tensor; get and
+    export make one (the loaded tensor; export's probe of what its format can hold), which put torch's two-line
+    warning before the command's output or its one error line."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        state = {"c": torch.zeros(3, dtype=torch.complex32), "w": torch.ones(2)}
+    with open_store(store_path) as s:
+        s.save(state, step=1)
+    run = [sys.executable, "-m", "deltackpt"]
+    for argv in (["get", store_path, "1", "c"], ["get", store_path, "1", "c", "--json"],
+                 ["export", store_path, "1", tmp_path / "c.pt"]):
+        p = subprocess.run([*run, *map(str, argv)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0 and p.stderr == "", (argv, p.stderr)
+    p = subprocess.run([*run, "export", str(store_path), "1", str(tmp_path / "c.safetensors")], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and p.stdout == ""
+    assert_one_line_error(p.stderr, "complex32")
