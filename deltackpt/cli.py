@@ -17,6 +17,7 @@ import datetime as _dt
 import glob
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -642,21 +643,32 @@ def _statistics(value: torch.Tensor | Any) -> dict[str, Any]:
     # Block by block in float64, two passes as numpy's std makes them: whole-array temporaries (the float64 copy,
     # the finite values, std's deviations) took seven times a large tensor's own memory.
     count, total, least, most = 0, 0.0, np.inf, -np.inf
-    for i in range(0, size, _STATS_BLOCK):
-        x = block(i)
-        x = x[np.isfinite(x)]
-        if x.size:
-            count, total = count + x.size, total + float(x.sum())
-            least, most = min(least, float(x.min())), max(most, float(x.max()))
+    with np.errstate(over="ignore", invalid="ignore"):  # (a sum that overflows is summed again below)
+        for i in range(0, size, _STATS_BLOCK):
+            x = block(i)
+            x = x[np.isfinite(x)]
+            if x.size:
+                count, total = count + x.size, total + float(x.sum())
+                least, most = min(least, float(x.min())), max(most, float(x.max()))
     if count == 0:
         return {"non_finite": size}
-    mean = total / count
+    # Values near float64's largest sum (and square) past it: the sums are then taken of the values over a power
+    # of two, which is exact, and leaves every value in (-2, 2); the mean and std of finite values are finite.
+    scale = math.ldexp(1.0, math.frexp(max(abs(least), abs(most)))[1] - 1)
+    if math.isfinite(total):
+        mean = total / count
+    else:
+        total = 0.0
+        for i in range(0, size, _STATS_BLOCK):
+            x = block(i)
+            total += float((x[np.isfinite(x)] / scale).sum())
+        mean = total / count * scale
     squares = 0.0
     for i in range(0, size, _STATS_BLOCK):
         x = block(i)
-        x = x[np.isfinite(x)] - mean
+        x = x[np.isfinite(x)] / scale - mean / scale
         squares += float(np.dot(x, x))
-    return {"min": least, "max": most, "mean": mean, "std": float(np.sqrt(squares / count)),
+    return {"min": least, "max": most, "mean": mean, "std": float(np.sqrt(squares / count)) * scale,
             "non_finite": size - count}
 
 

@@ -2649,3 +2649,25 @@ def test_complex32_adds_no_torch_warning_to_stderr(store_path: Path, tmp_path: P
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and p.stdout == ""
     assert_one_line_error(p.stderr, "complex32")
+
+
+def test_get_statistics_of_values_near_float_max(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """The mean and std of finite values are finite: values near float64's largest summed to inf, so get printed
+    a mean and std of inf (and numpy's overflow warnings on stderr)."""
+    import warnings
+
+    big = 1e308
+    with open_store(store_path) as s:
+        s.save({"t": torch.tensor([big, big], dtype=torch.float64), "a": np.array([big, -big, np.inf]),
+                "s": torch.tensor([3.0, 5.0], dtype=torch.float64)}, step=1)
+    want = {"t": {"min": big, "max": big, "mean": big, "std": 0.0, "non_finite": 0},
+            "a": {"min": -big, "max": big, "mean": 0.0, "std": big, "non_finite": 1},
+            "s": {"min": 3.0, "max": 5.0, "mean": 4.0, "std": 1.0, "non_finite": 0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for key, stats in want.items():
+            rc, out, err = cli(capsys, "get", store_path, "1", key, "--json")
+            assert rc == 0 and err == ""
+            assert json.loads(out)["statistics"] == stats, key
+            rc, out, err = cli(capsys, "get", store_path, "1", key)
+            assert rc == 0 and err == "" and "inf" not in out.splitlines()[0], out
