@@ -1283,14 +1283,25 @@ def cmd_export(args: argparse.Namespace) -> int:
             for i, value in zip(wanted, s._read_tensors(m.id, wanted)):
                 objs[i] = as_saved(m.tensors[i], value)
             state = tree.unflatten(node, objs)
+    # (a destination that is not a regular file, a named pipe or a device, is written through a file object:
+    # torch.save given its path checks positions a pipe does not have, and safetensors' save_file puts a regular
+    # file in its place)
     if dest.suffix == ".safetensors":
         tensors = _tensor_dict(state if not isinstance(state, torch.Tensor) else {at: state})
 
-        def write(tmp: Path) -> None:
-            save_file(tensors, str(tmp))
+        def write(path: Path, direct: bool) -> None:
+            if direct:
+                with open(path, "wb") as f:
+                    f.write(save_file_bytes(tensors))
+            else:
+                save_file(tensors, str(path))
     else:
-        def write(tmp: Path) -> None:
-            torch.save(state, tmp)
+        def write(path: Path, direct: bool) -> None:
+            if direct:
+                with open(path, "wb") as f:
+                    torch.save(state, f)
+            else:
+                torch.save(state, path)
     real = Path(os.path.realpath(dest))  # (through a symlink, the file it names is written)
     # a regular file is written next to the destination and renamed over it, so a failed export leaves no
     # partial file; anything else (a pipe, a device) is written directly
@@ -1300,7 +1311,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         _remove_killed_exports(real, host)
         tmp = real.with_name(f".{real.name}.{host}.{os.getpid()}.tmp")
     try:
-        write(tmp or real)
+        write(tmp or real, tmp is None)
         if tmp is not None:  # durable before it takes the place of an earlier export (a power loss keeps one)
             # (the mode any new file gets from the umask, as torch.save's: safetensors creates its files 0600)
             os.chmod(tmp, 0o666 & ~_umask())

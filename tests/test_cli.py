@@ -6,10 +6,12 @@ points (``python -m deltackpt`` and the installed console script) in a subproces
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fractions
 import gc
+import io
 import json
 import os
 import pickle
@@ -2671,3 +2673,39 @@ def test_get_statistics_of_values_near_float_max(capsys: pytest.CaptureFixture[s
             assert json.loads(out)["statistics"] == stats, key
             rc, out, err = cli(capsys, "get", store_path, "1", key)
             assert rc == 0 and err == "" and "inf" not in out.splitlines()[0], out
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_export_to_a_named_pipe_writes_into_it(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path,
+                                               suffix: str) -> None:
+    """A destination that is not a regular file (a named pipe to a compressor or an upload) is written directly:
+    torch.save given the pipe's path failed ('unexpected pos'), and safetensors put a regular file in the pipe's
+    place, which no reader ever saw, while export reported success."""
+    import threading
+
+    state = {"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(3, dtype=torch.bool),
+             "c": torch.ones(5, dtype=torch.bfloat16), "e": torch.zeros(0, 3)}
+    with open_store(store_path) as s:
+        s.save(state, step=1)
+    fifo = tmp_path / f"pipe{suffix}"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    rc, out, err = cli(capsys, "export", store_path, "1", fifo, "--json")
+    if rc != 0:  # (unblock the reader)
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    reader.join(30)
+    assert rc == 0 and err == "", err
+    assert json.loads(out)["bytes"] is None
+    assert fifo.is_fifo()
+    if suffix == ".pt":
+        loaded = torch.load(io.BytesIO(got[0]), weights_only=True)
+    else:
+        from safetensors.torch import load as load_bytes
+
+        loaded = load_bytes(got[0])
+    assert set(loaded) == set(state)
+    for k, t in state.items():
+        assert loaded[k].dtype == t.dtype and torch.equal(loaded[k], t), k
