@@ -1309,7 +1309,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if not real.exists() or real.is_file():
         host = re.sub(r"[^A-Za-z0-9-]", "_", os.uname().nodename)
         _remove_killed_exports(real, host)
-        tmp = real.with_name(f".{real.name}.{host}.{os.getpid()}.tmp")
+        tmp = _export_tmp(real, host, os.getpid())
     try:
         write(tmp or real, tmp is None)
         if tmp is not None:  # durable before it takes the place of an earlier export (a power loss keeps one)
@@ -1346,11 +1346,32 @@ def _umask() -> int:
     return mask
 
 
+#: the longest file name: Linux's and macOS's file systems (ext4, xfs, btrfs, tmpfs, APFS) take 255 bytes
+_NAME_MAX = 255
+#: digits kept for a process id in an export's temporary name (pid_max is at most 2**22 on Linux)
+_PID_DIGITS = 10
+
+
+def _export_tmp_stem(real: Path, host: str) -> str:
+    """``.NAME.HOST.`` of the temporary files that exports to ``real`` write beside it, NAME cut short (by bytes,
+    as the file system counts them) where the whole name, with a process id and ``.tmp`` after it, would pass the
+    file system's limit: a destination whose name is near that limit is a valid name."""
+    name = os.fsencode(real.name)
+    room = _NAME_MAX - len(os.fsencode(f"..{host}..tmp")) - _PID_DIGITS
+    return f".{os.fsdecode(name[:max(room, 1)])}.{host}."
+
+
+def _export_tmp(real: Path, host: str, pid: int) -> Path:
+    """The temporary file that process ``pid`` of ``host`` writes an export to ``real`` into, beside it."""
+    return real.with_name(f"{_export_tmp_stem(real, host)}{pid}.tmp")
+
+
 def _remove_killed_exports(real: Path, host: str) -> None:
     """Remove what exports to ``real`` killed while writing left next to it: the temporary files of this host's
     processes that are gone (``.NAME.HOST.PID.tmp``; another host's, or a live process's, are left alone)."""
-    for leftover in real.parent.glob(f".{glob.escape(real.name)}.{glob.escape(host)}.*.tmp"):
-        pid = leftover.name[len(real.name) + len(host) + 3:-4]
+    stem = _export_tmp_stem(real, host)
+    for leftover in real.parent.glob(f"{glob.escape(stem)}*.tmp"):
+        pid = leftover.name[len(stem):-4]
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:

@@ -2709,3 +2709,28 @@ def test_export_to_a_named_pipe_writes_into_it(capsys: pytest.CaptureFixture[str
     assert set(loaded) == set(state)
     for k, t in state.items():
         assert loaded[k].dtype == t.dtype and torch.equal(loaded[k], t), k
+
+
+@pytest.mark.parametrize("char", ["x", "ü"])
+def test_export_to_a_long_file_name(capsys: pytest.CaptureFixture[str], store_path: Path, tmp_path: Path,
+                                    char: str) -> None:
+    """A destination whose name is near the file system's limit (255 bytes) is a valid name: the export's
+    temporary file, .NAME.HOST.PID.tmp beside it, cuts NAME short instead of failing ('File name too long'), and
+    the next export to that name finds what a killed one left under the shortened name."""
+    with open_store(store_path) as s:
+        s.save({"w": torch.arange(10.0)}, step=1)
+    for suffix in (".pt", ".safetensors"):
+        dest = tmp_path / f"{char * ((255 - len(suffix)) // len(char.encode()))}{suffix}"
+        assert 254 <= len(os.fsencode(dest.name)) <= 255
+        rc, out, err = cli(capsys, "export", store_path, "1", dest)
+        assert (rc, err) == (0, ""), err
+        assert dest.is_file()
+        from deltackpt import cli as cli_module
+
+        host = re.sub(r"[^A-Za-z0-9-]", "_", os.uname().nodename)
+        left = cli_module._export_tmp(Path(os.path.realpath(dest)), host, 2**22 + 11)  # (no such process)
+        assert len(os.fsencode(left.name)) <= 255
+        left.write_bytes(b"partial")
+        rc, out, err = cli(capsys, "export", store_path, "1", dest)
+        assert (rc, err) == (0, "") and not left.exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
