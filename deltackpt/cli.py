@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime as _dt
+import errno
 import glob
 import io
 import json
@@ -131,7 +132,14 @@ def _open(path: str, *, readonly: bool = False) -> Store:
                                  f"steps; its stores are {p / 'meta'} and {p / 'rank-*'} (each rank's shards)")
         if not os.path.lexists(p):  # (a symbolic link loop exists, as a link: the message below names it)
             raise DeltackptError(f"{path} is not a deltackpt store: it does not exist")
-        if os.path.exists(p) and not p.is_dir():
+        try:
+            os.stat(p)
+        except OSError as exc:  # (a link to nothing, or a loop of links; else what stat says: EACCES)
+            if exc.errno not in (errno.ENOENT, errno.ELOOP):
+                raise
+            raise DeltackptError(f"{path} is not a deltackpt store: it is a dangling symbolic link (or a loop of "
+                                 "them)") from None
+        if not p.is_dir():
             raise DeltackptError(f"{path} is not a deltackpt store: it is not a directory")
         if not holds_checkpoints(p):  # (else the store names what is wrong: STORE lost)
             raise DeltackptError(f"{path} is not a deltackpt store (no STORE file)")

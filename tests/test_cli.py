@@ -2734,3 +2734,17 @@ def test_export_to_a_long_file_name(capsys: pytest.CaptureFixture[str], store_pa
         rc, out, err = cli(capsys, "export", store_path, "1", dest)
         assert (rc, err) == (0, "") and not left.exists()
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_dangling_link_as_store_is_named_as_such(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A store path that is a symbolic link to nothing (a store moved or deleted, or a loop of links) is said to be
+    that, by every command, as Store() says it for import, not 'no STORE file'."""
+    dangling, loop = tmp_path / "dangling", tmp_path / "loop"
+    dangling.symlink_to(tmp_path / "gone")
+    loop.symlink_to(loop)
+    for link in (dangling, loop):
+        for argv in (["ls", link], ["verify", link, "--json"], ["gc", link], ["keep", link, "--last", "1"]):
+            rc, out, err = cli(capsys, *argv)
+            assert rc == 1 and out == ""
+            assert_one_line_error(err, str(link), "dangling symbolic link")
+        assert link.is_symlink()
