@@ -858,7 +858,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         r = s.gc(repack_below=args.repack_below, progress=bar)
     if args.json:  # (the exit status as without --json: 1 when repacking stopped or met damage)
         _print_json(dataclasses.asdict(r))
-        return 1 if r.repack_stopped or r.damaged_packs else 0
+        return 1 if r.failed else 0
     print(f"dropped {r.dead_chunks} dead chunk(s); deleted {r.deleted_packs} pack(s) ({r.repacked_packs} of them "
           f"repacked: {r.moved_chunks} live chunk(s) moved); removed {r.orphan_manifests} orphan manifest(s); "
           f"freed {human(r.freed_bytes)}")
@@ -867,14 +867,18 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def _gc_problems(r: maintenance.GcReport, where: str, verify: str) -> int:
     """Report what a gc left alone and why (``where``: the store it ran on, as a prefix); its exit status: 1 when
-    repacking stopped or met a damaged live frame (``verify``: the command that lists the damage)."""
+    repacking stopped or met a damaged live frame, or a pack is missing (``verify``: the command that lists the
+    damage)."""
     if r.skipped_active_packs:
         print(f"{where}{r.skipped_active_packs} pack(s) still being written by another process were left alone")
     for damage in r.damaged_packs:
         print(f"deltackpt: {where}not repacked, a live frame is damaged: {damage}; run '{verify}'", file=sys.stderr)
+    for pack_id in r.missing_packs:
+        print(f"deltackpt: {where}pack {pack_id} is missing, and retained checkpoints need chunks in it; run "
+              f"'{verify}'", file=sys.stderr)
     if r.repack_stopped:
         print(f"deltackpt: {where}repacking stopped: {r.repack_stopped}", file=sys.stderr)
-    return 1 if r.repack_stopped or r.damaged_packs else 0
+    return 1 if r.failed else 0
 
 
 #: a duration (a negative one is well-formed: Retention refuses it as out of range, status 1)
@@ -1036,7 +1040,7 @@ def _gc_stores(stores: Sequence[Path], verify: str, reports: list[dict[str, Any]
         name = path.name or str(path)  # (a DCP root's meta, rank-00000, ...; '.' for the store in the directory)
         if reports is not None:
             reports.append({"store": name, **dataclasses.asdict(r)})
-            rc = max(rc, 1 if r.repack_stopped or r.damaged_packs else 0)
+            rc = max(rc, 1 if r.failed else 0)
             continue
         print(f"gc {name}: freed {human(r.freed_bytes)}")
         rc = max(rc, _gc_problems(r, f"{name}: ", verify))

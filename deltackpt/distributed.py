@@ -557,6 +557,10 @@ class DeltaStorageWriter(StorageWriter):
             warnings.warn(f"deltackpt: gc of {store.path} after DCP retention left {len(report.damaged_packs)} "
                           f"pack(s) holding damaged frames in place: {report.damaged_packs[0]}",
                           RuntimeWarning, stacklevel=caller_level())
+        if report is not None and report.missing_packs:
+            warnings.warn(f"deltackpt: gc of {store.path} after DCP retention found {len(report.missing_packs)} "
+                          f"pack(s) missing that retained checkpoints need: {report.missing_packs[0]}",
+                          RuntimeWarning, stacklevel=caller_level())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.root is not None and self.step is not None

@@ -107,6 +107,14 @@ class GcReport:
     #: sparse packs left in place because a live frame in them is damaged (copying would spread the damage;
     #: ``verify`` names the checkpoints that need it, ``repair`` rebuilds around it), each with the damage
     damaged_packs: list[str] = field(default_factory=list)
+    #: packs that the index says hold chunks retained checkpoints need, but which do not exist (lost, or deleted
+    #: by hand): gc frees none of those chunks' checkpoints' other chunks; ``verify`` names the checkpoints
+    missing_packs: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        """Whether gc met something to look into: repacking stopped, damage, a missing pack."""
+        return bool(self.repack_stopped or self.damaged_packs or self.missing_packs)
 
 
 @dataclass
@@ -639,7 +647,8 @@ def _collect(store: Store, repack_below: float, report: GcReport) -> _Plan:
     # Live chunks whose entry names a pack that does not exist: the pack was lost, or the entry is damaged (one
     # flipped bit in its pack id) and the frame is in another pack, maybe one gc is about to free. The entry has
     # no checksum, so such a chunk counts as one without an entry.
-    missing |= {k for pack_id, entries in by_pack.items() if pack_id not in all_packs for k, _ in entries}
+    report.missing_packs = sorted(pack_id for pack_id in by_pack if pack_id not in all_packs)
+    missing |= {k for pack_id in report.missing_packs for k, _ in by_pack[pack_id]}
     if missing:
         # Live chunks without an index entry: lost (a damaged frame: repair left its checkpoint incomplete),
         # or their entries are (a damaged index). Then the packs gc would free must not hold them.

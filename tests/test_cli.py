@@ -208,6 +208,33 @@ def test_gc_refuses_a_repack_fraction_outside_0_to_1(capsys: pytest.CaptureFixtu
     assert dir_snapshot(store_path) == before
 
 
+def test_gc_names_a_missing_pack_and_exits_1(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """A pack file deleted by hand (or lost) that retained checkpoints need chunks in: gc said nothing of it and
+    exited 0 ("freed 0 B"), though verify reports the checkpoints as damaged. It now names the pack (stderr, and
+    missing_packs in --json and in the Python report) and exits 1, and still frees what nothing needs."""
+    packs_of = {}
+    for step in (1, 2, 3):
+        with open_store(store_path) as s:  # (each handle writes a pack of its own)
+            info = s.save({"a": torch.randn(3000) + step}, step=step, keyframe=True)
+            m = s.manifest(id=info.id)
+            keys = [chunk_key(d, n) for _, d, n in m.chunk_keys(m.tensors[0])]
+            packs_of[step] = {loc.pack_id for loc in s.index.lookup_chunks(keys).values()}
+    with open_store(store_path) as s:
+        s.delete(1)
+    (lost,) = packs_of[3] - packs_of[2] - packs_of[1]
+    lost = store_path / "packs" / f"{lost}.pack"
+    lost.unlink()
+    rc, out, err = cli(capsys, "gc", store_path)
+    assert rc == 1 and f"pack {lost.stem} is missing, and retained checkpoints need chunks in it" in err
+    assert "dropped" in out and "freed" in out  # (step 1's chunks: freed as ever)
+    rc, out, err = cli(capsys, "gc", store_path, "--json")
+    assert (rc, err) == (1, "") and _strict_json(out)["missing_packs"] == [lost.stem]
+    with open_store(store_path) as s:
+        report = s.gc()
+        assert report.missing_packs == [lost.stem] and report.failed and report.damaged_packs == []
+        assert s.load(2)["a"].shape == (3000,)  # (what does not need the pack is untouched)
+
+
 def test_gc_on_a_damaged_manifest_says_how_to_go_on(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     """gc cannot tell what a checkpoint whose manifest is damaged needs, so it frees nothing; its error names
     the checkpoint and the way on (rm it, or repair a stale index), and after `rm` gc runs."""
