@@ -242,13 +242,20 @@ def _verify_into(report: VerifyReport, store: Store, step: int | None, id: str |
                 if progress is not None:
                     progress(len(results), len(unique))
         del groups
+        # (a pack whose frames are damaged too, cut short say, does lose chunks, and gc does not copy a pack with
+        # a damaged live frame: its message says so rather than that nothing is lost)
+        hurt = {locs[k].pack_id for k, why in results.items() if why is not None and k in locs}
         for pack_id in sorted({loc.pack_id for loc in locs.values()}):
             why = _header_damage(store.path / "packs" / f"{pack_id}.pack")
-            if why is not None:
-                report.problems.append(Problem(None, None, None, None, (
-                    f"{why}. Its frames are found through the index and each one was checked on its own, so no "
-                    f"chunk is lost, but the file was changed on disk; 'deltackpt gc STORE' copies them to a new "
-                    f"pack"), pack=pack_id))
+            if why is None:
+                continue
+            if pack_id in hurt:
+                why += (". Chunks in it are damaged too (reported apart): once the checkpoints that use them are "
+                        "deleted ('deltackpt rm'), 'deltackpt gc STORE' copies the rest to a new pack")
+            else:
+                why += (". Its frames are found through the index and each one was checked on its own, so no chunk "
+                        "is lost, but the file was changed on disk; 'deltackpt gc STORE' copies them to a new pack")
+            report.problems.append(Problem(None, None, None, None, why, pack=pack_id))
         if step is None and id is None:
             for problem in store._read_each(lambda item: _entry_problem(store, *item), list(locs.items())):
                 if problem is not None:

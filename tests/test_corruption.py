@@ -642,6 +642,28 @@ def test_verify_reports_a_damaged_pack_header_and_gc_repairs_it(store_path: Path
             assert_same_state(state, s.load(i))
 
 
+@pytest.mark.parametrize("size", [10, "tail"])  # shorter than its header; a header flipped and the tail cut
+def test_verify_does_not_call_chunks_of_a_damaged_pack_safe_when_they_are_not(store_path: Path, size: Any) -> None:
+    """A pack whose header is damaged and whose frames are damaged too (a pack cut short: under its 16-byte header,
+    or its tail): verify said of the pack 'no chunk is lost' and that gc would copy its frames to a new pack, while
+    it reported the pack's chunks as lost and gc refuses to copy a pack with a damaged live frame."""
+    with _open(store_path) as s:
+        for i in (1, 2):
+            s.save({"a": torch.randn(3000) + i}, step=i)
+    (pack,) = (store_path / "packs").glob("*.pack")
+    if size == "tail":
+        os.truncate(pack, pack.stat().st_size - 100)
+        _flip(pack, 0, 0x01)
+    else:
+        os.truncate(pack, size)
+    with _open(store_path) as s:
+        report = s.verify()
+        (header,) = [p for p in report.problems if p.pack is not None]
+        assert any(p.chunk_id is not None for p in report.problems)
+        assert "no chunk is lost" not in header.message and "copies them to a new pack" not in header.message
+        assert "damaged too" in header.message
+
+
 @pytest.mark.parametrize("what", ["manifest", "frame"])
 def test_repair_refuses_what_a_newer_format_wrote(store_path: Path, what: str) -> None:
     """An intact manifest or frame of a version this reader does not know (a newer deltackpt's) stops a repair
