@@ -1062,6 +1062,8 @@ def _restore_store_file(root: Path) -> None:
     if len(sizes) != 1:
         raise DeltackptError(
             (f"{root} is not a deltackpt store: it does not exist" if not os.path.lexists(root) else
+             f"{root} is not a deltackpt store: it is a dangling symbolic link (or a loop of them)"
+             if not os.path.exists(root) else  # (a link to nothing, or a loop: as the other commands say it)
              f"{root} is not a deltackpt store (no readable STORE file)") if not sizes else
             f"{root} lost its STORE file (or it is damaged) and its manifests name several chunk sizes "
             f"{sorted(sizes)}")

@@ -2775,3 +2775,16 @@ def test_a_dangling_link_as_store_is_named_as_such(capsys: pytest.CaptureFixture
             assert rc == 1 and out == ""
             assert_one_line_error(err, str(link), "dangling symbolic link")
         assert link.is_symlink()
+
+
+def test_repair_names_a_dangling_link_as_store(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """repair, like the other commands, says a store path that is a link to nothing (or a loop of links) is that,
+    not that it has 'no readable STORE file'."""
+    dangling, loop = tmp_path / "dangling", tmp_path / "loop"
+    dangling.symlink_to(tmp_path / "gone")
+    loop.symlink_to(loop)
+    for link in (dangling, loop):
+        rc, out, err = cli(capsys, "repair", link)
+        assert rc == 1 and out == ""
+        assert_one_line_error(err, str(link), "dangling symbolic link")
+        assert link.is_symlink()
