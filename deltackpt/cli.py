@@ -1311,7 +1311,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         def write(path: Path, direct: bool) -> None:
             if direct:
                 with open(path, "wb") as f:
-                    torch.save(state, f)
+                    sink = _Sink(f)
+                    try:
+                        torch.save(state, sink)
+                    except RuntimeError:
+                        # (torch's writer turns the pipe's own error, a reader gone, into 'unexpected pos')
+                        if sink.error is not None:
+                            raise sink.error from None
+                        raise
             else:
                 torch.save(state, path)
     real = Path(os.path.realpath(dest))  # (through a symlink, the file it names is written)
@@ -1344,6 +1351,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     what = "" if args.key is None else f"{args.key!r} of "
     print(f"exported {what}checkpoint {m.id} (step {m.step}) to {dest}{size}")  # (not "latest", or a step saved twice)
     return 0
+
+
+class _Sink:
+    """A file for torch.save that keeps the error its writes raised (torch reports a short write only)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def _umask() -> int:

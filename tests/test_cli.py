@@ -2788,3 +2788,28 @@ def test_repair_names_a_dangling_link_as_store(capsys: pytest.CaptureFixture[str
         assert rc == 1 and out == ""
         assert_one_line_error(err, str(link), "dangling symbolic link")
         assert link.is_symlink()
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_export_into_a_pipe_whose_reader_goes_away_says_so(capsys: pytest.CaptureFixture[str], store_path: Path,
+                                                           tmp_path: Path, suffix: str) -> None:
+    """A reader of the named pipe that stops early (a crashed torch.load): the .pt export said only torch's
+    'unexpected pos 704 vs 598', which names nothing the user did; it now says the pipe broke, as .safetensors'."""
+    import threading
+
+    with open_store(store_path) as s:
+        s.save({"w": torch.randn(50_000)}, step=1)
+    fifo = tmp_path / f"pipe{suffix}"
+    os.mkfifo(fifo)
+
+    def read_a_little() -> None:
+        with open(fifo, "rb") as f:
+            f.read(10)
+
+    reader = threading.Thread(target=read_a_little, daemon=True)
+    reader.start()
+    rc, out, err = cli(capsys, "export", store_path, "1", fifo)
+    reader.join(30)
+    assert rc == 1 and out == ""
+    assert_one_line_error(err, str(fifo), "Broken pipe")
+    assert "unexpected pos" not in err
