@@ -1029,6 +1029,14 @@ class Checkpointer:
         if loader is None:
             loader = getattr(self.data, "dataloader", None)
         self._quiet(self.data if loader is None else loader)
+        hooks = getattr(self.data, "_on_dataloader", None)  # (a ResumableSampler: its loaders built from now on)
+        if isinstance(hooks, list):
+            hooks.append(weakref.WeakMethod(self._quiet_while_open))
+
+    def _quiet_while_open(self, loader: Any) -> None:
+        """:meth:`_quiet` a DataLoader that a ResumableLoader made after this checkpointer drives its sampler in."""
+        if not self._closed and self._handling:
+            self._quiet(loader)
 
     def protect_workers(self, *loaders: Any) -> None:
         """Make the workers of these DataLoaders (an evaluation loader, say; the one given as ``data`` already

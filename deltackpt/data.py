@@ -180,9 +180,12 @@ class ResumableSampler(Sampler[int]):
         self._token = 0  # bumped when an iteration starts or the cursor is moved: older iterations stop
         self._cache: tuple[int, torch.Tensor] | None = None  # (epoch, its global order)
         self._dataloader: weakref.ref[DataLoader] | None = None  # the DataLoader a ResumableLoader drives it in
+        # (weakly) what to call with each DataLoader a ResumableLoader drives it in from now on: a Checkpointer
+        # given the sampler as data= protects the workers of a loader built after it
+        self._on_dataloader: list[weakref.WeakMethod[Any]] = []
 
     def __getstate__(self) -> dict[str, Any]:  # (a weak reference does not pickle)
-        return {**self.__dict__, "_dataloader": None}
+        return {**self.__dict__, "_dataloader": None, "_on_dataloader": []}
 
     @property
     def dataloader(self) -> DataLoader | None:
@@ -547,6 +550,12 @@ class ResumableLoader:
         self._drop_last = drop_last
         sampler._driven = True
         sampler._dataloader = weakref.ref(loader)
+        for ref in list(getattr(sampler, "_on_dataloader", ())):
+            callback = ref()
+            if callback is None:
+                sampler._on_dataloader.remove(ref)
+            else:
+                callback(loader)
         sampler._token += 1  # an undriven iteration in flight no longer moves the cursor
 
     # -- the cursor -----------------------------------------------------------------------------------------

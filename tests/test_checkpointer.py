@@ -1062,6 +1062,25 @@ def test_a_resumable_sampler_given_as_data_protects_the_workers_of_its_loader(fa
     assert next(iter(loader)).tolist() == [0.0] * 4
 
 
+def test_a_resumable_sampler_given_as_data_protects_a_loader_built_after_the_checkpointer(fast_dir: Path) -> None:
+    """A run that restores the sampler before it builds its loaders makes the Checkpointer first (data=sampler),
+    then the ResumableLoader: the sampler had no DataLoader yet, so that loader's workers were left unprotected
+    (a SIGTERM to the job killed them and the stop saved nothing). A loader that drives the sampler later is
+    protected too, while the checkpointer is open."""
+    from deltackpt.data import ResumableLoader, ResumableSampler
+
+    ds = _StopSignalDisposition()
+    sampler = ResumableSampler(ds, shuffle=False)
+    with Checkpointer(fast_dir / "store", model=torch.nn.Linear(1, 1), data=sampler):
+        dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1, sampler=sampler)
+        loader = ResumableLoader(dl)
+        assert next(iter(loader)).tolist() == [1.0] * 4
+    assert dl.worker_init_fn is None
+    later = ResumableLoader(torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1, sampler=sampler))
+    assert later.loader.worker_init_fn is None  # (closed: no longer protects anything)
+    assert next(iter(later)).tolist() == [0.0] * 4
+
+
 def test_protect_workers_takes_dataloaders_only_and_is_undone_at_close(fast_dir: Path) -> None:
     ds = _StopSignalDisposition()
     dl = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=1)
