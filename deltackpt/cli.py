@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import lmdb
 import numpy as np
@@ -1313,7 +1313,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 with open(path, "wb") as f:
                     sink = _Sink(f)
                     try:
-                        torch.save(state, sink)
+                        torch.save(state, cast(IO[bytes], sink))  # (it writes and flushes only)
                     except RuntimeError:
                         # (torch's writer turns the pipe's own error, a reader gone, into 'unexpected pos')
                         if sink.error is not None:
