@@ -603,8 +603,13 @@ def pack_files(directory: Path) -> dict[str, Path]:
 def header_damage(path: Path) -> str | None:
     """What is wrong with the pack's 16-byte header, or None when it is the one writers write (magic, version,
     zero). Readers find frames through the index and check each on its own, so a damaged header loses nothing;
-    but it is damage on disk, which verify reports and gc repairs by copying the frames to a new pack."""
-    with open(path, "rb") as f:
+    but it is damage on disk, which verify reports and gc repairs by copying the frames to a new pack. Raises
+    ``OSError`` (``EINVAL``) for anything but a regular file, opened without blocking: a FIFO in a pack's place
+    waited for a writer forever (its chunks' reads report it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
         head = f.read(PACK_HEADER.size)
     if len(head) < PACK_HEADER.size:
         return f"{len(head)} bytes long, shorter than its {PACK_HEADER.size}-byte header"
