@@ -108,7 +108,7 @@ class GcReport:
     #: ``verify`` names the checkpoints that need it, ``repair`` rebuilds around it), each with the damage
     damaged_packs: list[str] = field(default_factory=list)
     #: packs that the index says hold chunks retained checkpoints need, but which do not exist (lost, or deleted
-    #: by hand): gc frees none of those chunks' checkpoints' other chunks; ``verify`` names the checkpoints
+    #: by hand); gc frees what it would have all the same, and ``verify`` names the checkpoints that lost chunks
     missing_packs: list[str] = field(default_factory=list)
 
     @property
