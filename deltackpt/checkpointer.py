@@ -852,14 +852,8 @@ class Checkpointer:
             warnings.warn(f"deltackpt: gc after retention failed, what retention deleted still takes its space "
                           f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=caller_level())
             return
-        if report is not None and report.damaged_packs:
-            warnings.warn(f"deltackpt: gc after retention left {len(report.damaged_packs)} pack(s) holding damaged "
-                          f"frames in place: {report.damaged_packs[0]}; 'deltackpt verify' names the checkpoints",
-                          RuntimeWarning, stacklevel=caller_level())
-        if report is not None and report.missing_packs:
-            warnings.warn(f"deltackpt: gc after retention found {len(report.missing_packs)} pack(s) missing that "
-                          f"retained checkpoints need: {report.missing_packs[0]}; 'deltackpt verify' names the "
-                          "checkpoints", RuntimeWarning, stacklevel=caller_level())
+        for damage in report.damage() if report is not None else ():
+            warnings.warn(f"deltackpt: gc after retention {damage}", RuntimeWarning, stacklevel=caller_level())
 
     def _thin(self, ids: list[str], by_id: dict[str, CheckpointInfo]) -> None:
         """Rewrite the checkpoints ``ids`` with their step and model weights only. Only checkpoints a Checkpointer

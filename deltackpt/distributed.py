@@ -553,14 +553,9 @@ class DeltaStorageWriter(StorageWriter):
         if not self.gc:
             return
         report = self._kept.gc_rule.gc_if_due(store, sum(i.written_bytes for i in store._listing()))
-        if report is not None and report.damaged_packs:
-            warnings.warn(f"deltackpt: gc of {store.path} after DCP retention left {len(report.damaged_packs)} "
-                          f"pack(s) holding damaged frames in place: {report.damaged_packs[0]}",
-                          RuntimeWarning, stacklevel=caller_level())
-        if report is not None and report.missing_packs:
-            warnings.warn(f"deltackpt: gc of {store.path} after DCP retention found {len(report.missing_packs)} "
-                          f"pack(s) missing that retained checkpoints need: {report.missing_packs[0]}",
-                          RuntimeWarning, stacklevel=caller_level())
+        for damage in report.damage() if report is not None else ():
+            warnings.warn(f"deltackpt: gc of {store.path} after DCP retention {damage}", RuntimeWarning,
+                          stacklevel=caller_level())
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         assert self.root is not None and self.step is not None

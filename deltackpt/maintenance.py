@@ -116,6 +116,18 @@ class GcReport:
         """Whether gc met something to look into: repacking stopped, damage, a missing pack."""
         return bool(self.repack_stopped or self.damaged_packs or self.missing_packs)
 
+    def damage(self) -> list[str]:
+        """What gc met of damage, a line each (the first pack named), for a warning after a gc that no one
+        asked for (a Checkpointer's or DCP writer's after retention)."""
+        out = []
+        if self.damaged_packs:
+            out.append(f"left {len(self.damaged_packs)} pack(s) holding damaged frames in place: "
+                       f"{self.damaged_packs[0]}; 'deltackpt verify' names the checkpoints")
+        if self.missing_packs:
+            out.append(f"found {len(self.missing_packs)} pack(s) missing that retained checkpoints need: "
+                       f"{self.missing_packs[0]}; 'deltackpt verify' names the checkpoints")
+        return out
+
 
 @dataclass
 class RepairReport:

@@ -79,15 +79,18 @@ def open_lock(path: Path, flags: int) -> int:
     return fd
 
 
-def read_file(path: Path, limit: int | None = None, *, follow: bool = True) -> bytes:
-    """The bytes of the store file ``path`` (``STORE``, ``LAST_COMMIT``, a manifest). Raises ``OSError`` when it
-    cannot be read, with ``EINVAL`` for anything but a regular file (opened without blocking: a FIFO in its place
-    raises rather than waits for a writer; a device is not read), ``EFBIG`` past ``limit`` bytes (a link to a
-    large file is not read whole), ``ELOOP`` for a symbolic link unless ``follow``."""
+def read_file(path: Path, limit: int | None = None, *, follow: bool = True, head: int | None = None) -> bytes:
+    """The bytes of the store file ``path`` (``STORE``, ``LAST_COMMIT``, a manifest), or its first ``head`` bytes
+    only (a pack's header). Raises ``OSError`` when it cannot be read, with ``EINVAL`` for anything but a regular
+    file (opened without blocking: a FIFO in its place raises rather than waits for a writer; a device is not
+    read), ``EFBIG`` past ``limit`` bytes (a link to a large file is not read whole), ``ELOOP`` for a symbolic link
+    unless ``follow``."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW))
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if head is not None:
+            return f.read(head)
         data = f.read() if limit is None else f.read(limit + 1)
     if limit is not None and len(data) > limit:
         raise OSError(errno.EFBIG, f"larger than {limit} bytes", str(path))
@@ -604,13 +607,9 @@ def header_damage(path: Path) -> str | None:
     """What is wrong with the pack's 16-byte header, or None when it is the one writers write (magic, version,
     zero). Readers find frames through the index and check each on its own, so a damaged header loses nothing;
     but it is damage on disk, which verify reports and gc repairs by copying the frames to a new pack. Raises
-    ``OSError`` (``EINVAL``) for anything but a regular file, opened without blocking: a FIFO in a pack's place
-    waited for a writer forever (its chunks' reads report it)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        head = f.read(PACK_HEADER.size)
+    ``OSError`` as :func:`read_file` does (``EINVAL`` for a FIFO in a pack's place, which a plain open would wait
+    on for a writer forever; its chunks' reads report it)."""
+    head = read_file(path, head=PACK_HEADER.size)
     if len(head) < PACK_HEADER.size:
         return f"{len(head)} bytes long, shorter than its {PACK_HEADER.size}-byte header"
     magic, version, reserved = PACK_HEADER.unpack(head)
