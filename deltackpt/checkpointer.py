@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from deltackpt import _lazy, config, maintenance, manifest, staging, tree
+from deltackpt import _lazy, config, maintenance, manifest, ranks, staging, tree
 from deltackpt.components import (
     Members,
     Stateful,
@@ -362,6 +362,12 @@ class Checkpointer:
     rng: save the process's RNG states (Python, NumPy, torch CPU and CUDA) and put them back on restore. The
         states are the process's, not this checkpointer's: of several checkpointers of one loop, give all but
         one ``rng=False``, or a restore of one to another step than the other's winds them to that step.
+    rank: this process's rank in a data-parallel job whose ranks all restore from this store and of which rank 0
+        saves into it (DistributedDataParallel; the README's "Data-parallel jobs"). A checkpointer of a rank
+        other than 0 saves no checkpoint: its :meth:`step` writes the process's RNG states beside the store
+        (``STORE/rng/``, :mod:`deltackpt.ranks`; fsynced at the steps rank 0 saves), and its :meth:`restore`
+        puts back the ones of the restored step, so every rank draws after a resume what it drew before. It
+        leaves retention and gc to rank 0. Default 0: the checkpointer saves.
     """
 
     def __init__(
@@ -381,6 +387,7 @@ class Checkpointer:
         handle_signals: bool = True,
         map_location: Any = "cpu",
         rng: bool = True,
+        rank: int = 0,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, (int, np.integer)):
             raise TypeError(f"every_n_steps must be a positive int, got {type(every_n_steps).__name__} "
@@ -388,6 +395,11 @@ class Checkpointer:
         every_n_steps = int(every_n_steps)  # (a numpy int, as steps and Retention take them)
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
+        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+            raise TypeError(f"rank must be an int (torch.distributed.get_rank()), got {type(rank).__name__} "
+                            f"{rank!r:.40}")
+        if not 0 <= rank < 1 << 20:
+            raise ValueError(f"rank must be between 0 and 2**20-1, got {rank!r}")
         for name, value in (("async_save", async_save), ("gc", gc), ("handle_signals", handle_signals),
                             ("rng", rng)):
             config.boolean(name, value)
@@ -420,6 +432,12 @@ class Checkpointer:
         self.gc = gc
         self.map_location = map_location
         self.rng = rng
+        #: the data-parallel rank: other than 0, the checkpointer keeps the process's RNG states and saves nothing
+        self.rank = int(rank)
+        #: the run's name (:func:`deltackpt.ranks.run_name`): recorded in its checkpoints' ``rng`` entry, and the
+        #: name under which ranks other than 0 keep their RNG states; set again by a restore
+        self._run = ranks.run_name(None, self.store) if rng else ""
+        self._rank_files = 0  # RNG state files a rank other than 0 wrote since it last pruned them
         self.last_saved_step: int | None = None
         self.last_info: CheckpointInfo | None = None
         #: the checkpoint this checkpointer last saved or restored, which its next save descends from (before either,
@@ -428,6 +446,7 @@ class Checkpointer:
         self._head: str | None = None
         self._staging = StagingBuffers()
         self._unthinnable: set[str] = set()  # checkpoints retention found damaged when it came to thin them
+        async_save = async_save and not self.rank  # (a rank other than 0 saves nothing)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="deltackpt-save") if async_save else None
         if async_save:
             _async.add(self)
@@ -472,6 +491,7 @@ class Checkpointer:
         }
         if self.rng:
             state["rng"] = rng_state()
+            state["rng"][ranks.RUN_KEY] = self._run  # (which the other ranks' states are kept under)
         return state
 
     def _check(self, state: Any, live_model: Any = None, *, strict: bool = True,
@@ -540,8 +560,8 @@ class Checkpointer:
 
     def _unused(self, state: Mapping[str, Any]) -> list[str]:
         """What the checkpoint holds that this run gave no object for, so a restore leaves it where it is: an
-        optimizer, scheduler, scaler, data position or ``extra`` entry. (Not RNG states: a rank of a
-        data-parallel job other than 0 restores none, as the README's pattern has it.)"""
+        optimizer, scheduler, scaler, data position or ``extra`` entry. (Not RNG states: a checkpointer
+        made with ``rng=False`` leaves them alone on purpose, a loop's second one, say.)"""
         unused = [what for what in ("optimizer", "scheduler", "scaler", "data")
                   if getattr(self, what) is None and state.get(what) is not None]
         saved_extra = state.get("extra")
@@ -598,7 +618,10 @@ class Checkpointer:
                 f"{', '.join(applied) or 'nothing'} (restore again, from another step if need be)") from exc
         if self.rng and (strict or has_rng(state)):
             try:
-                self._put_rng_back(state["rng"], int(state["step"]))
+                if self.rank:
+                    self._put_rank_rng_back(state["rng"], int(state["step"]))
+                else:
+                    self._put_rng_back(state["rng"], int(state["step"]))
             except DeltackptError:
                 raise
             except Exception as exc:  # (states the generators refuse: none of them was set, set_rng_state)
@@ -626,6 +649,22 @@ class Checkpointer:
                 stacklevel=caller_level())
         set_rng_state(rng)
         _rng_owner = weakref.ref(self)
+
+    def _put_rank_rng_back(self, rng: Mapping[str, Any], step: int) -> None:
+        """A rank other than 0: put back the RNG states it kept at ``step`` of the run the checkpoint names (its
+        ``rng`` entry holds rank 0's). Where there are none (a checkpoint saved before deltackpt kept them, a
+        file lost or damaged), a RuntimeWarning says so and the generators stay as they are."""
+        run = rng.get(ranks.RUN_KEY)
+        try:
+            if not isinstance(run, str):
+                raise ranks.RankStateError("the checkpoint names no run (saved by an older deltackpt?)")
+            own = ranks.read(self.store.path, self.rank, step, run)
+        except ranks.RankStateError as exc:
+            warnings.warn(f"deltackpt: rank {self.rank} has no RNG states of step {step} to restore: {exc}; its "
+                          "generators stay as they are, and its random draws from here differ from the run's that "
+                          "saved", RuntimeWarning, stacklevel=caller_level())
+            return
+        self._put_rng_back(own, step)
 
     def _misfit(self, data_state: Any) -> ValueError | TypeError | None:
         """Why this run's loader does not take ``data_state`` (its ``check_state_dict``'s error), or None: it does,
@@ -711,6 +750,8 @@ class Checkpointer:
                           "which this Checkpointer was not given: not restored", RuntimeWarning,
                           stacklevel=caller_level())
         self.last_saved_step, self._head = restored, info.id
+        if self.rng:  # (every rank names the run alike: they all restored this, before any saved)
+            self._run = ranks.run_name(info.id, self.store)
         return restored
 
     # -- saving ----------------------------------------------------------------------------------------------
@@ -727,6 +768,10 @@ class Checkpointer:
         self._check_open()  # (at every step, not only at those that save)
         step = check_step(step)
         metadata = _plain_metadata(metadata)
+        if self.rank:
+            due = step % self.every_n_steps == 0 or self._signal is not None
+            self._keep_rank_rng(step, durable=due)
+            return due
         self._raise_background_error()
         if self in _stopped:  # saved at a signal already, at an earlier step
             if max(_stopped.values()) > _stopped[self]:
@@ -761,6 +806,10 @@ class Checkpointer:
         step = check_step(step)
         # (checked at the call: an async save would raise a bad keyframe at the next step(), its step unsaved)
         keyframe, wait = config.boolean("keyframe", keyframe), config.boolean("wait", wait)
+        if self.rank:
+            _plain_metadata(metadata)
+            self._keep_rank_rng(step, durable=True)
+            return
         whole = self._kept_for_good(step)
         keyframe = keyframe or whole
         self._raise_background_error()
@@ -794,6 +843,24 @@ class Checkpointer:
                     raise
             if wait:
                 self.wait()
+
+    def _keep_rank_rng(self, step: int, *, durable: bool) -> None:
+        """A rank other than 0 at ``step``: write its RNG states (``durable``: fsynced, at the steps rank 0 saves
+        and at a signal), and now and then remove those of steps the store has no checkpoint of and whose save
+        cannot be under way: rank 0 saves a step of the schedule at most two intervals late (one save in flight
+        while the next snapshots), and one off the schedule (at a signal) right away."""
+        if not self.rng:
+            return
+        ranks.write(self.store.path, self.rank, step, self._run, rng_state(), durable=durable)
+        self._rank_files += 1
+        if self._rank_files >= 32:
+            self._rank_files = 0
+            n = self.every_n_steps
+            listed = {info.step for info in self.store._listing()  # (a thinned one is never restored)
+                      if not (isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY))}
+            ranks.prune(self.store.path, self.rank,
+                        lambda s: s in listed or s >= step - (2 * n if s % n == 0 else 1))
+        self.last_saved_step = step
 
     def _kept_for_good(self, step: int) -> bool:
         """Whether retention keeps ``step`` for good while it deletes saves around it: a multiple of

@@ -33,7 +33,7 @@ from typing import IO, TYPE_CHECKING, Any, cast
 import lmdb
 import numpy as np
 
-from deltackpt import _lazy, codec, collector, maintenance, manifest, packs, tree
+from deltackpt import _lazy, codec, collector, maintenance, manifest, packs, ranks, tree
 from deltackpt.checkpointer import _checkpointer_layout, newest_restorable, step_mismatch
 from deltackpt.errors import (
     CheckpointNotFoundError,
@@ -1594,8 +1594,10 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
                   f"{when(latest.created)}), was thinned to model weights only and cannot resume training: a "
                   "Checkpointer's restore() refuses it; Store.load its weights")
             return 0
+        kept = _rank_rng(s, state, latest.step)
         if args.json:
-            doc.update(start_step=latest.step, rng=has_rng(state), parts=_parts_json(state))
+            doc.update(start_step=latest.step, rng=has_rng(state), parts=_parts_json(state),
+                       rank_rng=[{"rank": r, "problem": why} for r, why in kept])
             _print_json(doc)
             return 0
         print(f"a run would resume from step {latest.step} (checkpoint {latest.id}, saved {when(latest.created)})"
@@ -1622,9 +1624,34 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
             print("note: it holds no RNG states (a Checkpointer made with rng=False saved it, or a Store.save of "
                   "the same layout did): a default restore() refuses it; a Checkpointer restores it with rng=False, "
                   "or with restore(strict=False), which leaves the RNGs as they are")
+        if kept:
+            good = [str(r) for r, why in kept if why is None]
+            who = (f"rank {good[0]} keeps" if len(good) == 1 else f"ranks {', '.join(good)} keep" if good
+                   else "no rank keeps")
+            print(f"ranks' own RNG states (rng/): {who} this step's")
+            for r, why in kept:
+                if why is not None:
+                    print(f"  rank {r}: {_escaped(why)}: its restore warns and leaves its generators as they are")
         if latest.metadata:
             print(f"metadata: {_meta_str(latest.metadata)}")
     return 0
+
+
+def _rank_rng(s: Store, state: dict[str, Any], step: int) -> list[tuple[int, str | None]]:
+    """For each data-parallel rank that keeps RNG states beside the store (:mod:`deltackpt.ranks`), why its
+    restore of the checkpoint whose skeleton is ``state`` finds none (None: it finds them, checked whole)."""
+    rng = state.get("rng")
+    run = rng.get(ranks.RUN_KEY) if isinstance(rng, dict) else None
+    out: list[tuple[int, str | None]] = []
+    for r in ranks.ranks_kept(s.path):
+        try:
+            if not isinstance(run, str):
+                raise ranks.RankStateError("the checkpoint names no run (saved by an older deltackpt?)")
+            ranks.read(s.path, r, step, run, tensors=False)  # (checked whole; torch is not imported)
+            out.append((r, None))
+        except ranks.RankStateError as exc:
+            out.append((r, str(exc)))
+    return out
 
 
 def _parts(state: dict[str, Any]) -> Iterator[tuple[str, Any]]:

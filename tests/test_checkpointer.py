@@ -388,28 +388,77 @@ def test_exact_resume_in_process(fast_dir: Path, total: int, split: int) -> None
     assert_bitwise(ref, tw.final_state(parts), "final")
 
 
+def _ddp_job(tmp_path: Path, store: Path, steps: int, out: Path, mode: str, stop_at: int | None = None) -> list[int]:
+    """Two gloo ranks of tests/ddp_worker.py; their exit statuses."""
+    worker = Path(__file__).resolve().parent / "ddp_worker.py"
+    init = tmp_path / f"pg-{out.name}"
+    args = [str(store), str(steps), str(out), mode] + ([str(stop_at)] if stop_at is not None else [])
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(init), *args], stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    codes = []
+    for p in procs:
+        _, err = p.communicate(timeout=120)
+        assert stop_at is not None or p.returncode == 0, err[-3000:]
+        codes.append(p.returncode)
+    return codes
+
+
+def _same_weights(a: Path, b: Path) -> bool:
+    want, got = torch.load(a), torch.load(b)
+    return want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
 @pytest.mark.plumbing
 def test_data_parallel_ranks_resume_exactly_from_rank_0s_saves(tmp_path: Path) -> None:
-    """The README's data-parallel pattern, two gloo ranks of DistributedDataParallel (tests/ddp_worker.py): 10
-    uninterrupted steps == 5 steps, a new job, restore on every rank, 5 more; on both ranks, bit for bit."""
-    worker = Path(__file__).resolve().parent / "ddp_worker.py"
-
-    def job(store: Path, steps: int, out: Path) -> None:
-        init = tmp_path / f"pg-{out.name}"
-        procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(init), str(store), str(steps),
-                                   str(out)], stderr=subprocess.PIPE, text=True) for r in range(2)]
-        for p in procs:
-            _, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err[-3000:]
-
-    job(tmp_path / "a", 10, tmp_path / "full")
-    job(tmp_path / "b", 5, tmp_path / "half")
-    job(tmp_path / "b", 10, tmp_path / "resumed")
+    """The older data-parallel pattern, two gloo ranks of DistributedDataParallel (tests/ddp_worker.py seeded):
+    rank 0 alone steps its Checkpointer, each rank seeds its generator from the step. 10 uninterrupted steps ==
+    5 steps, a new job, restore on every rank, 5 more; on both ranks, bit for bit."""
+    _ddp_job(tmp_path, tmp_path / "a", 10, tmp_path / "full", "seeded")
+    _ddp_job(tmp_path, tmp_path / "b", 5, tmp_path / "half", "seeded")
+    _ddp_job(tmp_path, tmp_path / "b", 10, tmp_path / "resumed", "seeded")
     with Store(tmp_path / "b") as s:
         assert [c.step for c in s.list()] == [2, 4, 6, 8, 10]  # rank 0's saves only
     for rank in range(2):
         want, got = (torch.load(tmp_path / f"{name}.{rank}") for name in ("full", "resumed"))
         assert_bitwise(want, got, f"rank {rank}")
+
+
+@pytest.mark.plumbing
+def test_data_parallel_ranks_keep_their_own_rng_states(tmp_path: Path) -> None:
+    """The README's data-parallel pattern (tests/ddp_worker.py ranks): every rank passes rank= and steps its
+    Checkpointer, and draws its dropout and a NumPy noise term from streams seeded apart at start, never from the
+    step. 10 uninterrupted steps == 5, a new job, 5 more; and == a job stopped by a job-wide SIGTERM after step 5
+    (rank 0 saves step 6 and exits, rank 1 fails in the next all-reduce), restarted. On both ranks, bit for bit.
+    Without rank 1's kept states (their directory removed) rank 1 resumes otherwise, with a warning, and the job
+    ends elsewhere: the test can tell."""
+    _ddp_job(tmp_path, tmp_path / "a", 10, tmp_path / "full", "ranks")
+    _ddp_job(tmp_path, tmp_path / "b", 5, tmp_path / "half", "ranks")
+    shutil.copytree(tmp_path / "b", tmp_path / "c")
+    _ddp_job(tmp_path, tmp_path / "b", 10, tmp_path / "resumed", "ranks")
+    with Store(tmp_path / "b") as s:
+        assert [c.step for c in s.list()] == [2, 4, 6, 8, 10]  # rank 0's saves only
+    assert sorted(p.name for p in (tmp_path / "b" / "rng").iterdir()) == ["rank-00001"]
+    for rank in range(2):
+        assert _same_weights(tmp_path / f"full.{rank}", tmp_path / f"resumed.{rank}"), f"rank {rank}"
+
+    codes = _ddp_job(tmp_path, tmp_path / "d", 10, tmp_path / "stopped", "ranks", stop_at=5)
+    assert codes == [128 + signal.SIGTERM] * 2, codes  # (each passed the signal on: SIG_DFL exits so)
+    with Store(tmp_path / "d") as s:
+        assert [c.step for c in s.list()] == [2, 4, 6]
+    _ddp_job(tmp_path, tmp_path / "d", 10, tmp_path / "stop-resumed", "ranks")
+    for rank in range(2):
+        assert _same_weights(tmp_path / f"full.{rank}", tmp_path / f"stop-resumed.{rank}"), f"rank {rank}"
+
+    shutil.rmtree(tmp_path / "c" / "rng")
+    worker = Path(__file__).resolve().parent / "ddp_worker.py"
+    procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(tmp_path / "pg-x"),
+                               str(tmp_path / "c"), "10", str(tmp_path / "lost"), "ranks"], stderr=subprocess.PIPE,
+                              text=True) for r in range(2)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert "rank 1 has no RNG states of step 4 to restore" in errs[1] and "RNG" not in errs[0], errs
+    # (the gradients are averaged over the ranks: rank 1's other draws move the weights of both)
+    assert not _same_weights(tmp_path / "full.0", tmp_path / "lost.0")
 
 
 def test_restore_decodes_into_the_model(fast_dir: Path) -> None:

@@ -2044,7 +2044,7 @@ def test_resume_info_checkpointer_store(capsys: pytest.CaptureFixture[str], stor
     assert parts["model"].startswith("2 tensors, 60 B")  # weight 3x4 + bias 3, float32
     assert parts["optimizer"].startswith("1 param group(s), 2 tensors")  # two momentum buffers
     assert parts["extra"] == "keys: epoch"
-    assert parts["rng"] == "python, numpy, torch"
+    assert parts["rng"] == "python, numpy, torch, run"
     assert lines[-1] == "metadata: loss=1.5"
     rc, out, err = cli(capsys, "resume-info", store_path, "--json")  # the same, for scripts
     doc = _strict_json(out)
@@ -2056,7 +2056,7 @@ def test_resume_info_checkpointer_store(capsys: pytest.CaptureFixture[str], stor
         "scheduler": {"tensors": 0, "bytes": 0, "values": {
             k: v for k, v in sched.state_dict().items() if isinstance(v, (int, float, str))}},
         "extra": {"tensors": 0, "bytes": 0, "keys": ["epoch"]},
-        "rng": doc["parts"]["rng"] | {"keys": ["python", "numpy", "torch"]},
+        "rng": doc["parts"]["rng"] | {"keys": ["python", "numpy", "torch", "run"]},
     }
     # it is the step a Checkpointer would resume from
     with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(4, 3), handle_signals=False) as ck2:

@@ -1,0 +1,225 @@
+"""RNG states of data-parallel ranks other than 0 (deltackpt.ranks, Checkpointer(rank=)): the file format, the
+files a rank keeps and prunes, and what its restore puts back or warns of. Real multi-process runs are in
+tests/test_checkpointer.py (tests/ddp_worker.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import deltackpt
+from deltackpt import ranks
+from deltackpt.rng import rng_state, set_rng_state
+
+
+def draws() -> tuple[Any, ...]:
+    """The next draws of each generator a state holds (Python's Gaussian too, which caches its second value)."""
+    return (random.random(), random.gauss(0, 1), np.random.rand(2).tolist(), np.random.randn(),
+            torch.rand(3).tolist())
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), python_gauss=st.booleans(), numpy_gauss=st.booleans(),
+       rank=st.integers(1, 1 << 19), step=st.integers(0, 2**63 - 1))
+def test_a_state_file_puts_back_what_the_generators_draw_next(seed: int, python_gauss: bool, numpy_gauss: bool,
+                                                               rank: int, step: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if python_gauss:
+        random.gauss(0, 1)  # (one of a pair drawn: the other is cached in the state)
+    if numpy_gauss:
+        np.random.randn()
+    data = ranks.encode(rng_state(), rank=rank, step=step, run="abc-3")
+    want = draws()
+    set_rng_state(ranks.decode(data, rank=rank, step=step, run="abc-3"))
+    assert draws() == want
+
+
+def _crafted(body: dict[str, Any]) -> bytes:
+    data = json.dumps(body).encode()
+    return data + xxhash.xxh3_128_digest(data)
+
+
+def test_a_file_that_is_damaged_or_not_the_one_asked_for_is_refused() -> None:
+    data = ranks.encode(rng_state(), rank=2, step=7, run="new-0")
+    for i in (0, len(data) // 2, len(data) - 1):
+        bad = bytearray(data)
+        bad[i] ^= 1
+        with pytest.raises(ranks.RankStateError, match="checksum"):
+            ranks.decode(bytes(bad), rank=2, step=7, run="new-0")
+    with pytest.raises(ranks.RankStateError, match="checksum"):
+        ranks.decode(data[:-1], rank=2, step=7, run="new-0")
+    for rank, step, run in ((1, 7, "new-0"), (2, 8, "new-0"), (2, 7, "new-1")):
+        with pytest.raises(ranks.RankStateError, match="rank 2's state at step 7 of run 'new-0'"):
+            ranks.decode(data, rank=rank, step=step, run=run)
+    body = json.loads(data[:-16])
+    with pytest.raises(ranks.RankStateError, match="format version 2"):
+        ranks.decode(_crafted({**body, "version": 2}), rank=2, step=7, run="new-0")
+    with pytest.raises(ranks.RankStateError, match="not a rank RNG state file"):
+        ranks.decode(_crafted({"format": "other"}), rank=2, step=7, run="new-0")
+    for broken in ({**body, "torch": "not base64!"}, {k: v for k, v in body.items() if k != "numpy"},
+                   {**body, "python": {**body["python"], "gauss": "1.0"}}):
+        with pytest.raises(ranks.RankStateError):
+            ranks.decode(_crafted(broken), rank=2, step=7, run="new-0")
+    with pytest.raises(ranks.RankStateError, match="not a well-formed"):
+        ranks.decode(b"[1, 2" + xxhash.xxh3_128_digest(b"[1, 2"), rank=2, step=7, run="new-0")
+
+
+def _pair(path: Path, **kw: Any) -> tuple[deltackpt.Checkpointer, deltackpt.Checkpointer]:
+    """Rank 0's and rank 1's checkpointers of one model, in this process (whose RNGs both see)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    common = {"model": model, "optimizer": opt, "handle_signals": False, **kw}
+    return (deltackpt.Checkpointer(path, async_save=False, **common),
+            deltackpt.Checkpointer(path, rank=1, **common))
+
+
+def test_a_rank_other_than_0_keeps_rng_states_and_saves_nothing(tmp_path: Path) -> None:
+    c0, c1 = _pair(tmp_path / "s", every_n_steps=3)
+    with c1:
+        assert [c1.step(s) for s in range(1, 7)] == [False, False, True, False, False, True]  # (rank 0's schedule)
+        c1.save(7)
+        assert len(c1.store) == 0
+        names = sorted(os.listdir(tmp_path / "s" / "rng" / "rank-00001"))
+        assert names == [f"{s}-new-0.rng" for s in range(1, 8)]
+    c0.close()
+    for bad, err in ((True, TypeError), ("1", TypeError), (1.0, TypeError), (-1, ValueError), (1 << 20, ValueError)):
+        with pytest.raises(err, match="rank must be"):
+            deltackpt.Checkpointer(tmp_path / "s", rank=bad, handle_signals=False)
+
+
+def test_a_rank_restores_its_own_states_of_the_step_and_run(tmp_path: Path) -> None:
+    """Rank 1 puts back what it kept at the restored step, on the line of runs that saved it: after a rollback to
+    step 2 both lines' steps 3 and 4 keep their own states."""
+    c0, c1 = _pair(tmp_path / "s")
+    seen: dict[tuple[str, int], Any] = {}
+
+    def train(steps: range) -> None:
+        for s in steps:
+            torch.rand(5)
+            c0.step(s)
+            c1.step(s)
+            seen[(c0.last_info.id, s)] = draws()  # type: ignore[union-attr]
+
+    train(range(1, 5))
+    first = {s: c0.store.info(s).id for s in (2, 3, 4)}
+    assert c0.restore(step=2) == c1.restore(step=2) == 2
+    train(range(3, 5))
+    second = {s: c0.store.info(s).id for s in (3, 4)}
+    assert second[4] != first[4]
+    for ids in (first, second):
+        for s in (3, 4):
+            torch.manual_seed(99)
+            random.seed(99)
+            c1.restore(id=ids[s])
+            assert draws() == seen[(ids[s], s)]
+    c0.close()
+    c1.close()
+
+
+def test_a_rank_without_states_to_restore_warns_and_leaves_its_generators(tmp_path: Path) -> None:
+    c0, c1 = _pair(tmp_path / "s")
+    for s in (1, 2, 3):
+        c0.step(s)
+        c1.step(s)
+    files = {int(p.name.split("-")[0]): p for p in (tmp_path / "s" / "rng" / "rank-00001").iterdir()}
+    files[1].unlink()
+    data = bytearray(files[2].read_bytes())
+    data[10] ^= 1
+    files[2].write_bytes(bytes(data))
+    for step, why in ((1, "does not exist"), (2, "checksum does not match")):
+        torch.manual_seed(5)
+        want = torch.rand(4)
+        torch.manual_seed(5)
+        with pytest.warns(RuntimeWarning, match=f"rank 1 has no RNG states of step {step} to restore: .*{why}"):
+            assert c1.restore(step=step) == step
+        assert torch.equal(torch.rand(4), want)  # (the generators as they were)
+    # a checkpoint rank 0 saved without naming its run (before deltackpt kept the ranks' states)
+    state = c0.capture(4)
+    del state["rng"][ranks.RUN_KEY]
+    c0.store.save(state, step=4)
+    with pytest.warns(RuntimeWarning, match="names no run"):
+        assert c1.restore() == 4
+    c0.close()
+    c1.close()
+
+
+def test_a_rank_prunes_the_states_of_steps_no_checkpoint_holds(tmp_path: Path) -> None:
+    """With retention deleting rank 0's older saves, rank 1's directory stays small: the states of retained steps
+    and of the last two intervals, whatever the number of steps."""
+    c0, c1 = _pair(tmp_path / "s", every_n_steps=4, retention=deltackpt.Retention(keep_last=2))
+    d = tmp_path / "s" / "rng" / "rank-00001"
+    (d.parent).mkdir(parents=True)
+    d.mkdir()
+    (d / "notes.txt").write_text("not deltackpt's")  # (left alone)
+    old_tmp = d / ".9-new-0.rng.1.tmp"  # (what a rank killed while it wrote left)
+    old_tmp.write_bytes(b"x")
+    os.utime(old_tmp, (1, 1))
+    for s in range(1, 201):
+        c0.step(s)
+        c1.step(s)
+    kept = sorted(int(p.name.split("-")[0]) for p in d.glob("*.rng"))
+    assert {196, 200} <= set(kept) and len(kept) <= 32 + 8, kept
+    assert not old_tmp.exists() and (d / "notes.txt").exists()
+    assert [i.step for i in c0.store.list()] == [196, 200]
+    c0.close()
+    c1.close()
+
+
+def test_a_rank_holds_a_stop_signal_until_close(tmp_path: Path) -> None:
+    """SIGTERM at a rank other than 0: its next step() keeps its states durably and returns True, and the
+    signal goes on at close() (rank 0 saves; this rank ends when the job's next collective fails)."""
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        c1 = deltackpt.Checkpointer(tmp_path / "s", model=model, rank=1, every_n_steps=10)
+        assert c1.step(1) is False
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert c1.stop_requested
+        assert c1.step(2) is True and c1.step(3) is True
+        assert got == [] and (tmp_path / "s" / "rng" / "rank-00001" / "3-new-0.rng").exists()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            c1.close()
+        assert got == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_resume_info_says_which_ranks_keep_states_of_the_step(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from deltackpt.cli import main
+
+    c0, c1 = _pair(tmp_path / "s")
+    c2 = deltackpt.Checkpointer(tmp_path / "s", model=c0.model, rank=2, handle_signals=False)
+    for s in (1, 2):
+        c0.step(s)
+        c1.step(s)
+        c2.step(s)
+    (tmp_path / "s" / "rng" / "rank-00002" / f"2-{c0._run}.rng").unlink()
+    capsys.readouterr()
+    assert main(["resume-info", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "ranks' own RNG states (rng/): rank 1 keeps this step's" in out
+    assert f"rank 2: {tmp_path / 's'}/rng/rank-00002/2-{c0._run}.rng does not exist: its restore warns" in out
+    assert main(["resume-info", str(tmp_path / "s"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(d["rank"], d["problem"] is None) for d in doc["rank_rng"]] == [(1, True), (2, False)]
+    for c in (c0, c1, c2):
+        c.close()
