@@ -19,9 +19,10 @@ step, which tests/test_distributed.py checks loads against.
   ``loads`` (steps 1 and 2 saved, then rank r loads step 1 + r);
 - ``branch``: saves the states of steps 0 to 3 through one writer, loads step 1 (a rollback) and saves steps 2
   and 3 again through a new writer: a branch from step 1 on every rank;
-- ``rng``: saves STEP's sharded state with each rank's NumPy RNG state and a tuple holding a tensor (values DCP
-  pickles) under keys of the rank's own, loads it back into a fresh state without ``allow_pickle`` and prints
-  ``ok`` when the values match and the RNG draws after ``np.random.set_state`` repeat;
+- ``rng``: saves STEP's sharded state with each rank's NumPy RNG state, a tuple holding a tensor (values DCP
+  pickles) and all its RNG states (``deltackpt.rng.rng_state()``, the README's recipe) under keys of the rank's
+  own, loads it back into a fresh state without ``allow_pickle`` and prints ``ok`` when the values match and
+  the RNG draws after ``np.random.set_state`` and ``set_rng_state`` repeat;
 - ``retain``: saves the states of steps STEP to STEP + COUNT - 1 (``retain RANK WORLD ROOT INIT STEP COUNT``)
   through one writer with ``Retention(keep_last=2)``, gc after every retention that deleted anything (the
   threshold lowered to 0), printing ``saved N`` after each step (a test kills the ranks at some point).
@@ -90,22 +91,35 @@ def main() -> int:
             writer.close()
             return 0
         if mode == "rng":
+            import random
+
             import numpy as np
+
+            from deltackpt.rng import rng_state, set_rng_state
 
             step = int(sys.argv[6])
             np.random.seed(100 * step + rank)
             np.random.random(rank + 1)
+            random.seed(step + rank)
+            random.gauss(0, 1)  # (the second of the pair is cached in Python's state)
+            torch.manual_seed(step + rank)
             mine = {f"np_rng_{rank}": np.random.get_state(),
-                    f"pair_{rank}": (torch.arange(5, dtype=torch.int16) * rank, [np.float32(rank), rank])}
+                    f"pair_{rank}": (torch.arange(5, dtype=torch.int16) * rank, [np.float32(rank), rank]),
+                    f"all_rng_{rank}": rng_state()}  # (the README's recipe for each rank's RNG states)
             writer = DeltaStorageWriter(root, step=step)
             dcp.save({**sharded(step), **mine}, storage_writer=writer)
             writer.close()
-            state = {**sharded(0), f"np_rng_{rank}": None, f"pair_{rank}": None}
+            state = {**sharded(0), f"np_rng_{rank}": None, f"pair_{rank}": None, f"all_rng_{rank}": rng_state()}
             dcp.load(state, storage_reader=DeltaStorageReader(root))  # (no allow_pickle)
             draws = np.random.random(8)
+            others = (torch.rand(4).tolist(), random.gauss(0, 1), random.random())
             np.random.set_state(state[f"np_rng_{rank}"])
+            same_np = np.array_equal(np.random.random(8), draws)
+            set_rng_state(state[f"all_rng_{rank}"])
+            same_all = (np.array_equal(np.random.random(8), draws)
+                        and (torch.rand(4).tolist(), random.gauss(0, 1), random.random()) == others)
             pair = state[f"pair_{rank}"]
-            ok = (np.array_equal(np.random.random(8), draws) and type(state[f"np_rng_{rank}"]) is tuple
+            ok = (same_np and same_all and type(state[f"np_rng_{rank}"]) is tuple
                   and type(pair) is tuple and pair[0].dtype == torch.int16
                   and torch.equal(pair[0], mine[f"pair_{rank}"][0]) and pair[1] == mine[f"pair_{rank}"][1]
                   and type(pair[1][0]) is np.float32 and state["step"] == step

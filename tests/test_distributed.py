@@ -305,7 +305,8 @@ def test_a_root_of_an_older_meta_format_still_loads(tmp_path: Path, fmt: int) ->
 @pytest.mark.plumbing
 def test_two_ranks_save_and_load_their_rng_states_without_pickle(tmp_path: Path) -> None:
     """Each rank's NumPy RNG state and a tuple holding a tensor, beside sharded tensors: each lies in its rank's
-    store as a state tree, and loads back on each rank without allow_pickle (its draws repeat)."""
+    store as a state tree, and loads back on each rank without allow_pickle (its draws repeat). So do all of a
+    rank's RNG states as the README's recipe saves them (``rng_state()`` under a key of the rank's own)."""
     root = tmp_path / "ckpt"
     for r in ranks("rng", root, tmp_path, 2, 4):
         assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr[-3000:]
