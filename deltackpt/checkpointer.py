@@ -302,6 +302,18 @@ def step_mismatch(state: Mapping[str, Any], manifest_step: int) -> str | None:
             "a state captured at another step?)")
 
 
+def _ddp_rank(model: Any) -> int:
+    """The process's rank when a member of ``model`` is a DistributedDataParallel and the default process group
+    is up (0 otherwise)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return 0
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if not any(isinstance(m, ddp) for _, m in group_members(model, "model")):
+        return 0
+    return int(dist.get_rank())
+
+
 def newest_restorable(
     store: Store, attempt: Callable[[CheckpointInfo], T], damaged: Callable[[CheckpointInfo, CorruptionError], None]
 ) -> T | None:
@@ -367,7 +379,9 @@ class Checkpointer:
         other than 0 saves no checkpoint: its :meth:`step` writes the process's RNG states beside the store
         (``STORE/rng/``, :mod:`deltackpt.ranks`; fsynced at the steps rank 0 saves), and its :meth:`restore`
         puts back the ones of the restored step, so every rank draws after a resume what it drew before. It
-        leaves retention and gc to rank 0. Default 0: the checkpointer saves.
+        leaves retention and gc to rank 0. 0, or None (the default), makes a checkpointer that saves; None
+        warns at the first save when the model is a DistributedDataParallel of a rank other than 0 (pass 0
+        where each rank saves into a store of its own).
     """
 
     def __init__(
@@ -387,7 +401,7 @@ class Checkpointer:
         handle_signals: bool = True,
         map_location: Any = "cpu",
         rng: bool = True,
-        rank: int = 0,
+        rank: int | None = None,
     ) -> None:
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, (int, np.integer)):
             raise TypeError(f"every_n_steps must be a positive int, got {type(every_n_steps).__name__} "
@@ -395,10 +409,10 @@ class Checkpointer:
         every_n_steps = int(every_n_steps)  # (a numpy int, as steps and Retention take them)
         if every_n_steps < 1:
             raise ValueError(f"every_n_steps must be a positive int, got {every_n_steps!r}")
-        if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, (int, np.integer))):
             raise TypeError(f"rank must be an int (torch.distributed.get_rank()), got {type(rank).__name__} "
                             f"{rank!r:.40}")
-        if not 0 <= rank < 1 << 20:
+        if rank is not None and not 0 <= rank < 1 << 20:
             raise ValueError(f"rank must be between 0 and 2**20-1, got {rank!r}")
         for name, value in (("async_save", async_save), ("gc", gc), ("handle_signals", handle_signals),
                             ("rng", rng)):
@@ -433,7 +447,8 @@ class Checkpointer:
         self.map_location = map_location
         self.rng = rng
         #: the data-parallel rank: other than 0, the checkpointer keeps the process's RNG states and saves nothing
-        self.rank = int(rank)
+        self.rank = 0 if rank is None else int(rank)
+        self._rank_unsaid = rank is None  # (its first save looks whether it runs on another rank than 0)
         #: the run's name (:func:`deltackpt.ranks.run_name`): recorded in its checkpoints' ``rng`` entry, and the
         #: name under which ranks other than 0 keep their RNG states; set again by a restore
         self._run = ranks.run_name(None, self.store) if rng else ""
@@ -810,6 +825,14 @@ class Checkpointer:
             _plain_metadata(metadata)
             self._keep_rank_rng(step, durable=True)
             return
+        if self._rank_unsaid:
+            self._rank_unsaid = False
+            if ddp := _ddp_rank(self.model):
+                # (every rank saving into the job's one store: each step saved once per rank, lines interleaved)
+                warnings.warn(f"deltackpt: rank {ddp} of a DistributedDataParallel job saves a checkpoint: where the "
+                              "job's ranks share this store, make each rank's Checkpointer with rank=torch."
+                              "distributed.get_rank() (rank 0 saves, the others keep their RNG states); where each "
+                              "rank has a store of its own, with rank=0", RuntimeWarning, stacklevel=caller_level())
         whole = self._kept_for_good(step)
         keyframe = keyframe or whole
         self._raise_background_error()

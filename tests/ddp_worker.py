@@ -6,7 +6,8 @@ script, not a test module; used by tests/test_checkpointer.py)::
 Every rank makes a Checkpointer on STORE, saving every 2 steps, and restores from it. The data comes through a
 ``ResumableSampler`` sharded over the ranks. MODE ``ranks`` (the default) is the README's pattern: every rank
 passes ``rank=`` and calls ``step()``; each seeded its generators differently at start, and draws its dropout and
-a NumPy noise term from them. MODE ``seeded`` is the older one: ``rng`` on rank 0 only, rank 0 alone calls
+a NumPy noise term from them; MODE ``unranked`` does the same without ``rank=`` (a mistake: every rank saves).
+MODE ``seeded`` is the older one: ``rng`` on rank 0 only, rank 0 alone calls
 ``step()``, and each rank seeds its generator from (step, rank) at every step. With STOP_AT, every rank sends
 itself SIGTERM after that step (a job-wide stop). After STEPS steps the model's state goes to ``OUT.RANK`` with
 ``torch.save``.
@@ -43,7 +44,7 @@ loader = ResumableLoader(torch.utils.data.DataLoader(
     data, batch_size=4, sampler=ResumableSampler(data, shuffle=True, seed=0, num_replicas=world, rank=rank)))
 torch.manual_seed(100 + rank)  # (each rank its own streams; a restore puts back the saved ones)
 np.random.seed(100 + rank)
-kw = {"rank": rank} if mode == "ranks" else {"rng": rank == 0}
+kw = {"rank": rank} if mode == "ranks" else {} if mode == "unranked" else {"rng": rank == 0}
 with deltackpt.Checkpointer(store, model=model, optimizer=opt, data=loader, every_n_steps=2, **kw) as ckpt:
     step = ckpt.restore()
     while step < steps:
@@ -57,7 +58,7 @@ with deltackpt.Checkpointer(store, model=model, optimizer=opt, data=loader, ever
             loss.backward()
             opt.step()
             step += 1
-            if mode == "ranks" or rank == 0:
+            if mode != "seeded" or rank == 0:
                 ckpt.step(step)
             if step == stop_at:
                 os.kill(os.getpid(), signal.SIGTERM)

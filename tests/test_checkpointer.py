@@ -388,19 +388,30 @@ def test_exact_resume_in_process(fast_dir: Path, total: int, split: int) -> None
     assert_bitwise(ref, tw.final_state(parts), "final")
 
 
-def _ddp_job(tmp_path: Path, store: Path, steps: int, out: Path, mode: str, stop_at: int | None = None) -> list[int]:
-    """Two gloo ranks of tests/ddp_worker.py; their exit statuses."""
+def _ddp_job(tmp_path: Path, store: Path, steps: int, out: Path, mode: str,
+             stop_at: int | None = None) -> tuple[list[int], list[str]]:
+    """Two gloo ranks of tests/ddp_worker.py; their exit statuses and stderr."""
     worker = Path(__file__).resolve().parent / "ddp_worker.py"
     init = tmp_path / f"pg-{out.name}"
     args = [str(store), str(steps), str(out), mode] + ([str(stop_at)] if stop_at is not None else [])
     procs = [subprocess.Popen([sys.executable, str(worker), str(r), "2", str(init), *args], stderr=subprocess.PIPE,
                               text=True) for r in range(2)]
-    codes = []
+    codes, errs = [], []
     for p in procs:
         _, err = p.communicate(timeout=120)
         assert stop_at is not None or p.returncode == 0, err[-3000:]
         codes.append(p.returncode)
-    return codes
+        errs.append(err)
+    return codes, errs
+
+
+@pytest.mark.plumbing
+def test_a_data_parallel_rank_other_than_0_that_saves_is_warned(tmp_path: Path) -> None:
+    """Every rank of a DDP job stepping a Checkpointer made without rank= saves each step once per rank into the
+    job's store: rank 1's first save warns, naming rank=; rank 0's does not."""
+    _, errs = _ddp_job(tmp_path, tmp_path / "s", 2, tmp_path / "out", "unranked")
+    assert "rank 1 of a DistributedDataParallel job saves a checkpoint" in errs[1], errs[1][-2000:]
+    assert "rank=torch.distributed.get_rank()" in errs[1] and "DistributedDataParallel" not in errs[0], errs
 
 
 def _same_weights(a: Path, b: Path) -> bool:
@@ -415,7 +426,8 @@ def test_data_parallel_ranks_resume_exactly_from_rank_0s_saves(tmp_path: Path) -
     5 steps, a new job, restore on every rank, 5 more; on both ranks, bit for bit."""
     _ddp_job(tmp_path, tmp_path / "a", 10, tmp_path / "full", "seeded")
     _ddp_job(tmp_path, tmp_path / "b", 5, tmp_path / "half", "seeded")
-    _ddp_job(tmp_path, tmp_path / "b", 10, tmp_path / "resumed", "seeded")
+    _, errs = _ddp_job(tmp_path, tmp_path / "b", 10, tmp_path / "resumed", "seeded")
+    assert not any("DistributedDataParallel job saves" in e for e in errs), errs  # (rank 1 saves nothing)
     with Store(tmp_path / "b") as s:
         assert [c.step for c in s.list()] == [2, 4, 6, 8, 10]  # rank 0's saves only
     for rank in range(2):
@@ -441,7 +453,7 @@ def test_data_parallel_ranks_keep_their_own_rng_states(tmp_path: Path) -> None:
     for rank in range(2):
         assert _same_weights(tmp_path / f"full.{rank}", tmp_path / f"resumed.{rank}"), f"rank {rank}"
 
-    codes = _ddp_job(tmp_path, tmp_path / "d", 10, tmp_path / "stopped", "ranks", stop_at=5)
+    codes, _ = _ddp_job(tmp_path, tmp_path / "d", 10, tmp_path / "stopped", "ranks", stop_at=5)
     assert codes == [128 + signal.SIGTERM] * 2, codes  # (each passed the signal on: SIG_DFL exits so)
     with Store(tmp_path / "d") as s:
         assert [c.step for c in s.list()] == [2, 4, 6]
