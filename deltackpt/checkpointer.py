@@ -879,10 +879,15 @@ class Checkpointer:
         if self._rank_files >= 32:
             self._rank_files = 0
             n = self.every_n_steps
-            listed = {info.step for info in self.store._listing()  # (a thinned one is never restored)
-                      if not (isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY))}
-            ranks.prune(self.store.path, self.rank,
-                        lambda s: s in listed or s >= step - (2 * n if s % n == 0 else 1))
+            try:
+                listed = {info.step for info in self.store._listing()  # (a thinned one is never restored)
+                          if not (isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY))}
+                ranks.prune(self.store.path, self.rank,
+                            lambda s: s in listed or s >= step - (2 * n if s % n == 0 else 1))
+            except (DeltackptError, OSError) as exc:  # (the states are kept: only their clean-up waits)
+                warnings.warn(f"deltackpt: rank {self.rank} could not remove its RNG states of steps the store no "
+                              f"longer holds, tried again in 32 steps ({type(exc).__name__}: {exc})",
+                              RuntimeWarning, stacklevel=caller_level())
         self.last_saved_step = step
 
     def _kept_for_good(self, step: int) -> bool:

@@ -223,3 +223,22 @@ def test_resume_info_says_which_ranks_keep_states_of_the_step(tmp_path: Path,
     assert [(d["rank"], d["problem"] is None) for d in doc["rank_rng"]] == [(1, True), (2, False)]
     for c in (c0, c1, c2):
         c.close()
+
+
+def test_a_prune_that_fails_warns_and_the_rank_trains_on(tmp_path: Path) -> None:
+    """A file rank 1 cannot remove (a directory in its place, named like one of its files) makes the prune warn;
+    step() goes on keeping states, and the next prune tries again."""
+    c0, c1 = _pair(tmp_path / "s")
+    d = tmp_path / "s" / "rng" / "rank-00001"
+    (d / "1-other-0.rng").mkdir(parents=True)
+    (d / "1-other-0.rng" / "x").write_text("")
+    with pytest.warns(RuntimeWarning, match="rank 1 could not remove its RNG states .*IsADirectoryError"):
+        for s in range(1, 33):
+            c1.step(s)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(33, 40):
+            c1.step(s)
+    assert not caught and (d / "39-new-0.rng").exists()
+    c0.close()
+    c1.close()
