@@ -744,6 +744,7 @@ def cmd_du(args: argparse.Namespace) -> int:
         headers = packs.PACK_HEADER.size * len(pack_sizes)  # (a pack's header is not dead: gc keeps it too)
         man_bytes = sum(p.stat().st_size for p in (s.path / "manifests").glob("*.manifest") if p.is_file())
         on_disk = packs_bytes + man_bytes
+        rank_files, rank_bytes = ranks.usage(s.path)
         if args.json:
             _print_json({
                 "checkpoints": len(infos), "logical_bytes": logical,
@@ -755,6 +756,7 @@ def cmd_du(args: argparse.Namespace) -> int:
                 "deepest_chain": deepest + 1 if n_chunks else 0,
                 "dead_pack_bytes": max(0, packs_bytes - headers - frames),
                 "dropped_since_gc_bytes": s.index.dropped_bytes(),
+                "rank_rng_files": rank_files, "rank_rng_bytes": rank_bytes,
             })
             return 0
         rows = [
@@ -775,6 +777,8 @@ def cmd_du(args: argparse.Namespace) -> int:
             ("dead bytes in packs (what gc --repack-below 1 frees)", human(max(0, packs_bytes - headers - frames))),
             ("written by checkpoints deleted or thinned since the last gc", human(s.index.dropped_bytes())),
         ]
+        if rank_files:  # (a data-parallel job's ranks other than 0, Checkpointer(rank=))
+            rows.append(("RNG states ranks keep beside the store (rng/)", f"{rank_files} files, {human(rank_bytes)}"))
         print(table(rows, ["", ""]))
     return 0
 

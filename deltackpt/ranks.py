@@ -69,6 +69,18 @@ def ranks_kept(store_path: Path) -> list[int]:
     return sorted(int(m.group(1)) for n in names if (m := _RANK_DIR.fullmatch(n)) is not None)
 
 
+def usage(store_path: Path) -> tuple[int, int]:
+    """(files, bytes) of the RNG states ranks keep beside the store (what ``deltackpt du`` reports)."""
+    files = size = 0
+    for rank in ranks_kept(store_path):
+        with contextlib.suppress(OSError):  # (a directory removed meanwhile)
+            for e in os.scandir(directory(store_path, rank)):
+                if _NAME.fullmatch(e.name) and e.is_file(follow_symlinks=False):
+                    files += 1
+                    size += e.stat(follow_symlinks=False).st_size
+    return files, size
+
+
 def run_name(restored: str | None, store: Store) -> str:
     """The name of a run: the id of the checkpoint it restored from (``new`` when none) and the commit number of
     the newest checkpoint in ``store`` when it did, as ``ID-SEQ``. (0 for an empty store, and for one whose index
@@ -227,4 +239,5 @@ def prune(store_path: Path, rank: int, keep: Callable[[int], bool]) -> int:
     return removed
 
 
-__all__ = ["RUN_KEY", "RankStateError", "decode", "encode", "prune", "ranks_kept", "read", "run_name", "write"]
+__all__ = ["RUN_KEY", "RankStateError", "decode", "encode", "prune", "ranks_kept", "read", "run_name", "usage",
+           "write"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import warnings
 from pathlib import Path
@@ -240,5 +241,30 @@ def test_a_prune_that_fails_warns_and_the_rank_trains_on(tmp_path: Path) -> None
         for s in range(33, 40):
             c1.step(s)
     assert not caught and (d / "39-new-0.rng").exists()
+    c0.close()
+    c1.close()
+
+
+def test_du_counts_the_states_ranks_keep(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from deltackpt.cli import human, main
+
+    c0, c1 = _pair(tmp_path / "s")
+    capsys.readouterr()
+    assert main(["du", str(tmp_path / "s"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert (doc["rank_rng_files"], doc["rank_rng_bytes"]) == (0, 0)
+    assert main(["du", str(tmp_path / "s")]) == 0
+    assert "rng/" not in capsys.readouterr().out
+    for s in (1, 2, 3):
+        c0.step(s)
+        c1.step(s)
+    files = list((tmp_path / "s" / "rng" / "rank-00001").iterdir())
+    assert main(["du", str(tmp_path / "s"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    size = sum(p.stat().st_size for p in files)
+    assert (doc["rank_rng_files"], doc["rank_rng_bytes"]) == (3, size)
+    assert main(["du", str(tmp_path / "s")]) == 0
+    line = f"^RNG states ranks keep beside the store \\(rng/\\) +3 files, {re.escape(human(size))}$"
+    assert re.search(line, capsys.readouterr().out, re.M)
     c0.close()
     c1.close()
