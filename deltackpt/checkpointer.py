@@ -452,7 +452,9 @@ class Checkpointer:
         #: the run's name (:func:`deltackpt.ranks.run_name`): recorded in its checkpoints' ``rng`` entry, and the
         #: name under which ranks other than 0 keep their RNG states; set again by a restore
         self._run = ranks.run_name(None, self.store) if rng else ""
-        self._rank_files = 0  # RNG state files a rank other than 0 wrote since it last pruned them
+        #: RNG state files a rank other than 0 wrote since it last pruned them: its first step() prunes (a job
+        #: whose every run ends within 32 steps, preempted say, would never prune otherwise)
+        self._rank_files = 32
         self.last_saved_step: int | None = None
         self.last_info: CheckpointInfo | None = None
         #: the checkpoint this checkpointer last saved or restored, which its next save descends from (before either,

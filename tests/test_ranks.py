@@ -8,6 +8,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import warnings
 from pathlib import Path
@@ -181,6 +182,25 @@ def test_a_rank_prunes_the_states_of_steps_no_checkpoint_holds(tmp_path: Path) -
     c1.close()
 
 
+def test_every_run_of_a_rank_prunes_however_short(tmp_path: Path) -> None:
+    """Runs of a few steps each (a job preempted often): each run's first step prunes what the runs before left
+    of steps the store has no checkpoint of."""
+    d = tmp_path / "s" / "rng" / "rank-00001"
+    for _ in range(6):
+        c0, c1 = _pair(tmp_path / "s", every_n_steps=4, retention=deltackpt.Retention(keep_last=1))
+        start = c0.restore()
+        assert c1.restore() == start
+        for s in range(start + 1, start + 7):  # (6 steps: a save at one multiple of 4, 2 unsaved after it)
+            c0.step(s)
+            c1.step(s)
+        c0.close()
+        c1.close()
+    kept = sorted(int(p.name.split("-")[0]) for p in d.iterdir())
+    # this run's 6 steps; the run before's past its save, which this one's first prune keeps as its save may
+    # still be under way (the step before; the schedule's steps of two intervals: 16 and 20)
+    assert kept == [start - 4, start, start + 1, start + 1, start + 2, start + 2, *range(start + 3, start + 7)], kept
+
+
 def test_a_rank_holds_a_stop_signal_until_close(tmp_path: Path) -> None:
     """SIGTERM at a rank other than 0: its next step() keeps its states durably and returns True, and the
     signal goes on at close() (rank 0 saves; this rank ends when the job's next collective fails)."""
@@ -227,20 +247,23 @@ def test_resume_info_says_which_ranks_keep_states_of_the_step(tmp_path: Path,
 
 
 def test_a_prune_that_fails_warns_and_the_rank_trains_on(tmp_path: Path) -> None:
-    """A file rank 1 cannot remove (a directory in its place, named like one of its files) makes the prune warn;
-    step() goes on keeping states, and the next prune tries again."""
+    """A file rank 1 cannot remove (a directory in its place, named like one of its files) makes the prune (at
+    the first step, then every 32) warn; step() goes on keeping states, and the next prune tries again."""
     c0, c1 = _pair(tmp_path / "s")
     d = tmp_path / "s" / "rng" / "rank-00001"
     (d / "1-other-0.rng").mkdir(parents=True)
     (d / "1-other-0.rng" / "x").write_text("")
-    with pytest.warns(RuntimeWarning, match="rank 1 could not remove its RNG states .*IsADirectoryError"):
-        for s in range(1, 33):
-            c1.step(s)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for s in range(33, 40):
+        for s in range(1, 33):  # (the first step's prune keeps the steps this run may still need: all so far)
             c1.step(s)
-    assert not caught and (d / "39-new-0.rng").exists()
+    assert not caught and (d / "32-new-0.rng").exists()
+    with pytest.warns(RuntimeWarning, match="rank 1 could not remove its RNG states .*IsADirectoryError"):
+        c1.step(33)
+    shutil.rmtree(d / "1-other-0.rng")
+    for s in range(34, 66):
+        c1.step(s)
+    assert sorted(int(p.name.split("-")[0]) for p in d.iterdir()) == [63, 64, 65]
     c0.close()
     c1.close()
 
