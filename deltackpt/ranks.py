@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from deltackpt import _lazy
+from deltackpt import _lazy, layout
 from deltackpt.errors import DeltackptError
 from deltackpt.packs import fsync_dir, make_dirs, read_file
 
@@ -48,7 +48,6 @@ VERSION = 1
 MAX_FILE = 1 << 22
 #: ``rng`` entry of a checkpoint that names the run which saved it (:func:`run_name`)
 RUN_KEY = "run"
-_RANK_DIR = re.compile(r"rank-(\d{5})")
 _NAME = re.compile(r"(\d{1,19})-([0-9a-z]{1,16})-(\d{1,19})\.rng")
 
 
@@ -57,7 +56,7 @@ class RankStateError(ValueError):
 
 
 def directory(store_path: Path, rank: int) -> Path:
-    return store_path / "rng" / f"rank-{rank:05d}"
+    return store_path / "rng" / layout.rank_dir(rank)  # (named as a sharded root's rank stores: rank-00001)
 
 
 def ranks_kept(store_path: Path) -> list[int]:
@@ -66,7 +65,7 @@ def ranks_kept(store_path: Path) -> list[int]:
         names = [e.name for e in os.scandir(store_path / "rng") if e.is_dir(follow_symlinks=False)]
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(int(m.group(1)) for n in names if (m := _RANK_DIR.fullmatch(n)) is not None)
+    return sorted(r for n in names if (r := layout.rank_of_dir(n)) is not None)
 
 
 def usage(store_path: Path) -> tuple[int, int]:
