@@ -85,6 +85,10 @@ def train(model: torch.nn.Module, opt: torch.optim.Optimizer, sched: torch.optim
     ckpt.close()
     with deltackpt.Checkpointer("ckpts", model={"encoder": model, "head": model}, scaler=[]) as again:
         again.restore(strict=False)
+    with deltackpt.Checkpointer("ckpts", model=model, optimizer=opt, rank=1) as follower:  # (a DDP rank)
+        kept: bool = follower.step(1)
+        print(kept, follower.rank)
+    deltackpt.Checkpointer("ckpts", model=model, rank="1")  # type: ignore[arg-type]
     # what is not stateful is refused by the type checker too (an unused ignore fails under --strict)
     deltackpt.Checkpointer("ckpts", model=42)  # type: ignore[arg-type]
     deltackpt.Checkpointer("ckpts", optimizer=[opt, "lr"])  # type: ignore[list-item]
