@@ -455,6 +455,7 @@ class Checkpointer:
         #: RNG state files a rank other than 0 wrote since it last pruned them: its first step() prunes (a job
         #: whose every run ends within 32 steps, preempted say, would never prune otherwise)
         self._rank_files = 32
+        self._stepped = False  # step() or save() called: a restore from here is a rollback mid-run (ranks.next_run)
         self.last_saved_step: int | None = None
         self.last_info: CheckpointInfo | None = None
         #: the checkpoint this checkpointer last saved or restored, which its next save descends from (before either,
@@ -767,8 +768,9 @@ class Checkpointer:
                           "which this Checkpointer was not given: not restored", RuntimeWarning,
                           stacklevel=caller_level())
         self.last_saved_step, self._head = restored, info.id
-        if self.rng:  # (every rank names the run alike: they all restored this, before any saved)
-            self._run = ranks.run_name(info.id, self.store)
+        if self.rng:  # (every rank names the run alike: they all restored this, before any saved, or mid-run
+            # at the same step from the same run, where rank 0's save of that step may or may not be committed yet)
+            self._run = ranks.next_run(self._run, info.id) if self._stepped else ranks.run_name(info.id, self.store)
         return restored
 
     # -- saving ----------------------------------------------------------------------------------------------
@@ -785,6 +787,7 @@ class Checkpointer:
         self._check_open()  # (at every step, not only at those that save)
         step = check_step(step)
         metadata = _plain_metadata(metadata)
+        self._stepped = True
         if self.rank:
             due = step % self.every_n_steps == 0 or self._signal is not None
             self._keep_rank_rng(step, durable=due)
@@ -823,6 +826,7 @@ class Checkpointer:
         step = check_step(step)
         # (checked at the call: an async save would raise a bad keyframe at the next step(), its step unsaved)
         keyframe, wait = config.boolean("keyframe", keyframe), config.boolean("wait", wait)
+        self._stepped = True
         if self.rank:
             _plain_metadata(metadata)
             self._keep_rank_rng(step, durable=True)

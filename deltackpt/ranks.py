@@ -91,6 +91,16 @@ def run_name(restored: str | None, store: Store) -> str:
     return f"{restored or 'new'}-{seq}"
 
 
+def next_run(previous: str, restored: str) -> str:
+    """The name of the run that a rollback mid-run starts: from run ``previous``, restoring checkpoint ``restored``.
+    Not the newest commit, as :func:`run_name`: rank 0's save of the step the ranks roll back at may commit before
+    another rank's restore reads the store or after it. A digest of the run rolled back from and the checkpoint
+    restored, as ``ID-N`` (N: 19 decimal digits at most), which every rank computes alike from the run they were
+    in; two rollbacks to one checkpoint start runs of other names, as each comes from another run."""
+    n = xxhash.xxh3_64_intdigest(f"{previous}\0{restored}".encode()) % 10**19
+    return f"{restored}-{n}"
+
+
 def file_name(step: int, run: str) -> str:
     return f"{step}-{run}.rng"
 
@@ -238,5 +248,5 @@ def prune(store_path: Path, rank: int, keep: Callable[[int], bool]) -> int:
     return removed
 
 
-__all__ = ["RUN_KEY", "RankStateError", "decode", "encode", "prune", "ranks_kept", "read", "run_name", "usage",
-           "write"]
+__all__ = ["RUN_KEY", "RankStateError", "decode", "encode", "next_run", "prune", "ranks_kept", "read", "run_name",
+           "usage", "write"]

@@ -291,3 +291,28 @@ def test_du_counts_the_states_ranks_keep(tmp_path: Path, capsys: pytest.CaptureF
     assert re.search(line, capsys.readouterr().out, re.M)
     c0.close()
     c1.close()
+
+
+def test_a_rollback_names_the_run_alike_whenever_rank_0_commits_the_step_before_it(tmp_path: Path) -> None:
+    """Ranks roll back mid-run at the same step, but rank 0's save of that step (synchronous or async) may commit
+    before or after another rank's restore reads the store: the run they go on in must be named alike either way,
+    or the states rank 1 keeps from there are under a run no checkpoint names."""
+    c0, c1 = _pair(tmp_path / "s")
+    for s in (1, 2, 3):
+        c0.step(s)
+        c1.step(s)
+    c1.step(4)
+    assert c1.restore(step=2) == 2  # (before rank 0's save of step 4 is committed)
+    c0.step(4)
+    assert c0.restore(step=2) == 2
+    for s in (3, 4):
+        c0.step(s)
+        c1.step(s)
+        seen = draws()
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert c1.restore() == 4
+    assert draws() == seen
+    c0.close()
+    c1.close()
