@@ -22,6 +22,7 @@ import contextlib
 import errno
 import json
 import os
+import random
 import re
 import time
 from collections.abc import Callable
@@ -154,11 +155,26 @@ def decode(data: bytes, *, rank: int, step: int, run: str, tensors: bool = True)
         }
         if body["cuda"]:
             state["cuda"] = [_torch_state(s, tensors) for s in body["cuda"]]
+        _try_states(state, tensors)
     except RankStateError:
         raise
     except (ValueError, KeyError, TypeError) as exc:  # (JSON, base64, a missing or mistyped field)
         raise RankStateError(f"it is not a well-formed rank RNG state file ({type(exc).__name__}: {exc})") from None
     return state
+
+
+def _try_states(state: dict[str, Any], tensors: bool) -> None:
+    """Raise :class:`RankStateError` when a generator refuses its state in ``state``: tried on generators of their
+    own (Python's, NumPy's; torch's CPU one with ``tensors``), so a restore puts back none of a file's states, with
+    a warning, rather than failing (a well-formed file another writer made, or a crafted one)."""
+    py, npy = state["python"], state["numpy"]
+    try:
+        random.Random().setstate((py[0], tuple(py[1].tolist()), py[2]))
+        np.random.RandomState().set_state(npy)
+        if tensors:
+            torch.Generator().set_state(state["torch"])
+    except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
+        raise RankStateError(f"the generators refuse its states ({type(exc).__name__}: {exc})") from None
 
 
 def _torch_state(text: str, tensor: bool) -> torch.Tensor | bytes:

@@ -316,3 +316,33 @@ def test_a_rollback_names_the_run_alike_whenever_rank_0_commits_the_step_before_
     assert draws() == seen
     c0.close()
     c1.close()
+
+
+def test_a_file_whose_states_the_generators_refuse_is_warned_of_not_a_failed_restore(tmp_path: Path) -> None:
+    """A file with a good checksum whose states Python's, NumPy's or torch's generator refuses (another writer's,
+    a crafted one) is refused as a damaged one is: the restore warns and goes on, no generator set."""
+    c0, c1 = _pair(tmp_path / "s")
+    for s in (1, 2):
+        c0.step(s)
+        c1.step(s)
+    path = next((tmp_path / "s" / "rng" / "rank-00001").glob("2-*.rng"))
+    body = json.loads(path.read_bytes()[:-16])
+    for bad in ({**body, "numpy": {**body["numpy"], "kind": "PCG64"}},
+                {**body, "python": {**body["python"], "version": 9}},
+                {**body, "numpy": {**body["numpy"], "pos": 10**30}},
+                {**body, "torch": "AAAA"}):
+        path.write_bytes(_crafted(bad))
+        with pytest.raises(ranks.RankStateError, match="refuse"):
+            ranks.read(tmp_path / "s", 1, 2, body["run"])
+        torch.manual_seed(5)
+        random.seed(5)
+        np.random.seed(5)
+        want = draws()
+        torch.manual_seed(5)
+        random.seed(5)
+        np.random.seed(5)
+        with pytest.warns(RuntimeWarning, match="rank 1 has no RNG states of step 2 to restore: .*refuse"):
+            assert c1.restore(step=2) == 2
+        assert draws() == want
+    c0.close()
+    c1.close()
