@@ -236,7 +236,7 @@ _STALE_TMP = 3600.0
 def prune(store_path: Path, rank: int, keep: Callable[[int], bool]) -> int:
     """Remove ``rank``'s files of the steps ``keep`` says no (steps the store holds no checkpoint of and whose
     save is not under way), and temporary files killed writers left. Returns how many it removed; a file another
-    process removed meanwhile is no error."""
+    process removed meanwhile is no error; a directory, whatever its name, is left alone."""
     d = directory(store_path, rank)
     removed = 0
     try:
@@ -246,6 +246,9 @@ def prune(store_path: Path, rank: int, keep: Callable[[int], bool]) -> int:
     stale = time.time() - _STALE_TMP
     for e in entries:
         m = _NAME.fullmatch(e.name)
+        with contextlib.suppress(OSError):
+            if e.is_dir(follow_symlinks=False):
+                continue  # (named like a file of ours, but not one: left alone, not an IsADirectoryError)
         if m is not None:
             if keep(int(m.group(1))):
                 continue

@@ -346,3 +346,19 @@ def test_a_file_whose_states_the_generators_refuse_is_warned_of_not_a_failed_res
         assert draws() == want
     c0.close()
     c1.close()
+
+
+def test_a_directory_named_like_a_state_file_does_not_stop_pruning_or_training(tmp_path: Path) -> None:
+    """An entry of a rank's directory named as its files are but not a file (a directory someone made there) is
+    not the rank's: pruning leaves it, instead of raising IsADirectoryError from step() every 32 steps."""
+    c0, c1 = _pair(tmp_path / "s", every_n_steps=4)
+    d = tmp_path / "s" / "rng" / "rank-00001"
+    d.mkdir(parents=True)
+    (d / "5-abc-1.rng").mkdir()
+    for s in range(1, 70):
+        c0.step(s)
+        c1.step(s)
+    assert (d / "5-abc-1.rng").is_dir()
+    assert not (d / f"1-{c1._run}.rng").exists()  # (pruned all the same)
+    c0.close()
+    c1.close()
