@@ -455,6 +455,7 @@ class Checkpointer:
         #: RNG state files a rank other than 0 wrote since it last pruned them: its first step() prunes (a job
         #: whose every run ends within 32 steps, preempted say, would never prune otherwise)
         self._rank_files = 32
+        self._rank_saves: set[int] = set()  # steps of its save() calls lately: rank 0's may still be under way
         self._stepped = False  # step() or save() called: a restore from here is a rollback mid-run (ranks.next_run)
         self.last_saved_step: int | None = None
         self.last_info: CheckpointInfo | None = None
@@ -829,7 +830,7 @@ class Checkpointer:
         self._stepped = True
         if self.rank:
             _plain_metadata(metadata)
-            self._keep_rank_rng(step, durable=True)
+            self._keep_rank_rng(step, durable=True, saved=True)
             return
         if self._rank_unsaid:
             self._rank_unsaid = False
@@ -873,27 +874,32 @@ class Checkpointer:
             if wait:
                 self.wait()
 
-    def _keep_rank_rng(self, step: int, *, durable: bool) -> None:
+    def _keep_rank_rng(self, step: int, *, durable: bool, saved: bool = False) -> None:
         """A rank other than 0 at ``step``: write its RNG states (``durable``: fsynced, at the steps rank 0 saves
         and at a signal), and now and then remove those of steps the store has no checkpoint of and whose save
-        cannot be under way: rank 0 saves a step of the schedule at most two intervals late (one save in flight
-        while the next snapshots), and one off the schedule (at a signal) right away."""
+        cannot be under way: rank 0 saves a step of the schedule, or one of an explicit :meth:`save` (``saved``:
+        async on rank 0, it commits by rank 0's next save), at most two intervals late (one save in flight while
+        the next snapshots), and one off the schedule at a signal right away."""
         if not self.rng:
             return
         ranks.write(self.store.path, self.rank, step, self._run, rng_state(), durable=durable)
+        if saved:
+            self._rank_saves.add(step)
         self._rank_files += 1
         if self._rank_files >= 32:
             self._rank_files = 0
             n = self.every_n_steps
+            saves = self._rank_saves
             try:
                 listed = {info.step for info in self.store._listing()  # (a thinned one is never restored)
                           if not (isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY))}
                 ranks.prune(self.store.path, self.rank,
-                            lambda s: s in listed or s >= step - (2 * n if s % n == 0 else 1))
+                            lambda s: s in listed or s >= step - (2 * n if s % n == 0 or s in saves else 1))
             except (DeltackptError, OSError) as exc:  # (the states are kept: only their clean-up waits)
                 warnings.warn(f"deltackpt: rank {self.rank} could not remove its RNG states of steps the store no "
                               f"longer holds, tried again in 32 steps ({type(exc).__name__}: {exc})",
                               RuntimeWarning, stacklevel=caller_level())
+            self._rank_saves = {s for s in saves if s >= step - 2 * n}
         self.last_saved_step = step
 
     def _kept_for_good(self, step: int) -> bool:

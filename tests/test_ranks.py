@@ -363,3 +363,41 @@ def test_a_directory_named_like_a_state_file_does_not_stop_pruning_or_training(t
     assert not (d / f"1-{c1._run}.rng").exists()  # (pruned all the same)
     c0.close()
     c1.close()
+
+
+def test_a_rank_keeps_the_states_of_an_explicit_save_while_rank_0_may_still_be_saving_it(tmp_path: Path) -> None:
+    """save() off the schedule on every rank, async on rank 0: that save may still be under way many steps later
+    (until rank 0's next save waits for it), and rank 1's pruning must not delete its states meanwhile."""
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    c0 = deltackpt.Checkpointer(tmp_path / "s", model=model, async_save=True, handle_signals=False,
+                                every_n_steps=100)
+    c1 = deltackpt.Checkpointer(tmp_path / "s", model=model, rank=1, handle_signals=False, every_n_steps=100)
+    go = threading.Event()
+    store_save = c0.store.save
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        go.wait(60)
+        return store_save(*args, **kwargs)
+
+    c0.store.save = held_save  # type: ignore[method-assign]
+    for s in range(1, 5):
+        c0.step(s)
+        c1.step(s)
+    c0.save(5)
+    c1.save(5)
+    seen = draws()
+    for s in range(6, 40):  # (past rank 1's 32nd file, where it prunes)
+        c1.step(s)
+        c0.step(s)
+    go.set()
+    c0.wait()
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert c1.restore(step=5) == 5
+    assert draws() == seen
+    c0.close()
+    c1.close()
