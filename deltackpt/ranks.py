@@ -8,10 +8,11 @@ reads the file of the restored checkpoint's step and run (:func:`read`). No coll
 see a stop signal at different steps cannot deadlock over it.
 
 A *run* is named by the checkpoint the ranks restored from and the newest commit in the store then
-(:func:`run_name`); every rank computes it from the same store, and rank 0 records it in each checkpoint's ``rng``
-entry. Two runs that went on from the same checkpoint (rolling back to it twice) keep their files apart.
+(:func:`run_name`), or, for a rollback mid-run, by the run left and the checkpoint restored (:func:`next_run`);
+every rank computes it alike, and rank 0 records it in each checkpoint's ``rng`` entry. Two runs that went on
+from the same checkpoint (rolling back to it twice) keep their files apart.
 
-File format (``docs/format.md`` §8): a UTF-8 JSON object followed by the XXH3-128 digest of those bytes (16 bytes,
+File format (``docs/format.md`` §8c): a UTF-8 JSON object followed by the XXH3-128 digest of those bytes (16 bytes,
 big-endian, as a manifest's). No pickle: the states are bytes in base64 and plain numbers.
 """
 
