@@ -790,8 +790,10 @@ class Checkpointer:
         metadata = _plain_metadata(metadata)
         self._stepped = True
         if self.rank:
-            due = step % self.every_n_steps == 0 or self._signal is not None
-            self._keep_rank_rng(step, durable=due)
+            # (rank 0's answer: not at a step it saved or restored already, the restored one stepped again)
+            scheduled = step % self.every_n_steps == 0
+            due = self._signal is not None or (scheduled and step != self.last_saved_step)
+            self._keep_rank_rng(step, durable=scheduled or due)
             return due
         self._raise_background_error()
         if self in _stopped:  # saved at a signal already, at an earlier step

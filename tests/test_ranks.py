@@ -401,3 +401,18 @@ def test_a_rank_keeps_the_states_of_an_explicit_save_while_rank_0_may_still_be_s
     assert draws() == seen
     c0.close()
     c1.close()
+
+
+def test_a_ranks_step_returns_what_rank_0s_returns_at_the_restored_step(tmp_path: Path) -> None:
+    """A loop that steps at the top (``step(step)`` before training it, the restored step first): rank 0 saves
+    nothing at the step it restored, and returns False; so must every other rank, or a loop that runs a collective
+    where step() says True (an evaluation, a barrier) hangs with rank 0 not in it."""
+    c0, c1 = _pair(tmp_path / "s", every_n_steps=2)
+    for s in (1, 2):
+        assert c0.step(s) == c1.step(s)
+    assert c0.restore() == c1.restore() == 2
+    for s in (2, 2, 3, 4, 4):
+        assert c0.step(s) == c1.step(s), s
+    assert (tmp_path / "s" / "rng" / "rank-00001" / f"4-{c1._run}.rng").exists()
+    c0.close()
+    c1.close()
