@@ -35,6 +35,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
@@ -456,6 +457,9 @@ class Checkpointer:
         #: whose every run ends within 32 steps, preempted say, would never prune otherwise)
         self._rank_files = 32
         self._rank_saves: set[int] = set()  # steps of its save() calls lately: rank 0's may still be under way
+        #: the last RNG state file a rank other than 0 wrote without fsync: close() syncs it (rank 0 may have saved
+        #: that step at a stop signal that reached this rank only after its step() of it)
+        self._rank_unsynced: Path | None = None
         self._stepped = False  # step() or save() called: a restore from here is a rollback mid-run (ranks.next_run)
         self.last_saved_step: int | None = None
         self.last_info: CheckpointInfo | None = None
@@ -884,7 +888,8 @@ class Checkpointer:
         the next snapshots), and one off the schedule at a signal right away."""
         if not self.rng:
             return
-        ranks.write(self.store.path, self.rank, step, self._run, rng_state(), durable=durable)
+        path = ranks.write(self.store.path, self.rank, step, self._run, rng_state(), durable=durable)
+        self._rank_unsynced = None if durable else path
         if saved:
             self._rank_saves.add(step)
         self._rank_files += 1
@@ -903,6 +908,19 @@ class Checkpointer:
                               RuntimeWarning, stacklevel=caller_level())
             self._rank_saves = {s for s in saves if s >= step - 2 * n}
         self.last_saved_step = step
+
+    def _sync_rank_rng(self, path: Path) -> None:
+        """At close(), a rank other than 0: make the RNG states it kept last durable. A stop signal can reach rank
+        0 before its step() of a step and this rank after its own: rank 0 saves that step and exits, and this rank,
+        whose next collective fails, steps no more. (Pruned meanwhile: nothing to sync.)"""
+        self._rank_unsynced = None
+        try:
+            ranks.sync(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            warnings.warn(f"deltackpt: rank {self.rank} could not make its RNG states of {path.name} durable "
+                          f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=caller_level())
 
     def _kept_for_good(self, step: int) -> bool:
         """Whether retention keeps ``step`` for good while it deletes saves around it: a multiple of
@@ -1045,6 +1063,8 @@ class Checkpointer:
                 return
             self._closed = True
         pending = self._signal if self._signal is not None else self._stopped_by if self in _stopped else None
+        if self._rank_unsynced is not None:
+            self._sync_rank_rng(self._rank_unsynced)
         beneath = {sig: self._beneath(sig) for sig in {*_delivered, pending}} if pending is not None else None
         failure: BaseException | None = None  # the last save's error: raised, after the signal is passed on
         try:

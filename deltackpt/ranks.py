@@ -216,6 +216,16 @@ def write(store_path: Path, rank: int, step: int, run: str, state: dict[str, Any
     return path
 
 
+def sync(path: Path) -> None:
+    """Make a file :func:`write` wrote without ``durable`` durable: the file, then its directory's entry."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(path.parent)
+
+
 def read(store_path: Path, rank: int, step: int, run: str, *, tensors: bool = True) -> dict[str, Any]:
     """``rank``'s RNG state at ``step`` of ``run`` (:func:`decode`); :class:`RankStateError` naming the file when it
     is missing, unreadable or damaged."""
@@ -269,4 +279,4 @@ def prune(store_path: Path, rank: int, keep: Callable[[int], bool]) -> int:
 
 
 __all__ = ["RUN_KEY", "RankStateError", "decode", "encode", "next_run", "prune", "ranks_kept", "read", "run_name",
-           "usage", "write"]
+           "sync", "usage", "write"]

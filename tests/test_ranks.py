@@ -416,3 +416,33 @@ def test_a_ranks_step_returns_what_rank_0s_returns_at_the_restored_step(tmp_path
     assert (tmp_path / "s" / "rng" / "rank-00001" / f"4-{c1._run}.rng").exists()
     c0.close()
     c1.close()
+
+
+def test_a_rank_closed_at_a_stop_signal_makes_its_last_states_durable(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job-wide SIGTERM that reaches rank 1 after its step() of step 3 and rank 0 before its own: rank 0 saves
+    step 3 and exits, and rank 1 never steps again (its next all-reduce fails), ending in close(). The states it
+    kept at step 3, written without fsync (off the schedule, no signal yet), are the ones a restore of that
+    checkpoint reads: close() makes them durable."""
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    got: list[int] = []
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        torch.manual_seed(0)
+        c1 = deltackpt.Checkpointer(tmp_path / "s", model=torch.nn.Linear(3, 2), rank=1, every_n_steps=10)
+        for s in (1, 2, 3):
+            c1.step(s)
+        monkeypatch.setattr(os, "fsync", recording)
+        os.kill(os.getpid(), signal.SIGTERM)
+        c1.close()
+        assert got == [signal.SIGTERM]
+        path = tmp_path / "s" / "rng" / "rank-00001" / f"3-{c1._run}.rng"
+        assert str(path.resolve()) in synced and str(path.parent.resolve()) in synced, synced
+    finally:
+        signal.signal(signal.SIGTERM, before)
