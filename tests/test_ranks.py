@@ -113,6 +113,7 @@ def test_a_rank_restores_its_own_states_of_the_step_and_run(tmp_path: Path) -> N
         for s in steps:
             torch.rand(5)
             c0.step(s)
+            draws()  # (in one process both see the same generators: rank 1's states differ from rank 0's so)
             c1.step(s)
             seen[(c0.last_info.id, s)] = draws()  # type: ignore[union-attr]
 
