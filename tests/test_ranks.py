@@ -377,13 +377,13 @@ def test_a_rank_keeps_the_states_of_an_explicit_save_while_rank_0_may_still_be_s
                                 every_n_steps=100)
     c1 = deltackpt.Checkpointer(tmp_path / "s", model=model, rank=1, handle_signals=False, every_n_steps=100)
     go = threading.Event()
-    store_save = c0.store.save
+    store_save = c0.store._save  # (what a Checkpointer's save calls)
 
     def held_save(*args: Any, **kwargs: Any) -> Any:
         go.wait(60)
         return store_save(*args, **kwargs)
 
-    c0.store.save = held_save  # type: ignore[method-assign]
+    c0.store._save = held_save  # type: ignore[method-assign]
     for s in range(1, 5):
         c0.step(s)
         c1.step(s)
@@ -393,6 +393,7 @@ def test_a_rank_keeps_the_states_of_an_explicit_save_while_rank_0_may_still_be_s
     for s in range(6, 40):  # (past rank 1's 32nd file, where it prunes)
         c1.step(s)
         c0.step(s)
+    assert [i.step for i in c1.store.list()] == []  # (rank 0's save of step 5 still under way)
     go.set()
     c0.wait()
     torch.manual_seed(7)
