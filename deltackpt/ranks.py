@@ -23,7 +23,6 @@ import contextlib
 import errno
 import json
 import os
-import random
 import re
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ import xxhash
 from deltackpt import _lazy, layout
 from deltackpt.errors import DeltackptError
 from deltackpt.packs import fsync_dir, make_dirs, read_file
+from deltackpt.rng import try_rng_state
 
 if TYPE_CHECKING:
     import torch
@@ -168,12 +168,8 @@ def _try_states(state: dict[str, Any], tensors: bool) -> None:
     """Raise :class:`RankStateError` when a generator refuses its state in ``state``: tried on generators of their
     own (Python's, NumPy's; torch's CPU one with ``tensors``), so a restore puts back none of a file's states, with
     a warning, rather than failing (a well-formed file another writer made, or a crafted one)."""
-    py, npy = state["python"], state["numpy"]
     try:
-        random.Random().setstate((py[0], tuple(py[1].tolist()), py[2]))
-        np.random.RandomState().set_state(npy)
-        if tensors:
-            torch.Generator().set_state(state["torch"])
+        try_rng_state(state, with_torch=tensors)
     except (ValueError, TypeError, OverflowError, RuntimeError) as exc:
         raise RankStateError(f"the generators refuse its states ({type(exc).__name__}: {exc})") from None
 

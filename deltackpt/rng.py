@@ -45,22 +45,35 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
+def _words(words: Any) -> Any:
+    """Python's state words: an array, or a tuple of ints in checkpoints of earlier versions."""
+    return words.tolist() if isinstance(words, np.ndarray) else words
+
+
+def try_rng_state(state: Mapping[str, Any], *, with_torch: bool = True) -> None:
+    """Set the states of :func:`rng_state`'s form on generators of their own (Python's, NumPy's; torch's CPU one
+    with ``with_torch``), leaving the process's alone: raises what a generator that refuses its state raises
+    (ValueError, TypeError, OverflowError; torch's RuntimeError)."""
+    py = state["python"]
+    random.Random().setstate((py[0], tuple(_words(py[1])), py[2]))
+    np.random.RandomState().set_state(tuple(state["numpy"]))
+    if with_torch:
+        torch.Generator().set_state(state["torch"].cpu())
+
+
 def set_rng_state(state: Mapping[str, Any]) -> None:
     """Put back the RNG states :func:`rng_state` captured (or their restored copy: tensors on any device, Python's
     words as an array or, in checkpoints of earlier versions, a tuple of ints). CUDA states are put back on the
     devices this process sees, with a RuntimeWarning when it sees another number of them than the run that saved;
     none where CUDA is not available."""
     py = state["python"]
-    # (an array, or a tuple of ints in checkpoints of earlier versions)
-    words = py[1].tolist() if isinstance(py[1], np.ndarray) else py[1]
+    words = _words(py[1])
     np_state = state["numpy"]
     # (torch takes a CPU ByteTensor: a restore with map_location="cuda" loaded the states onto the GPU)
     torch_state = state["torch"].cpu()
     # each tried on a generator of its own first: a state the generators refuse (ValueError, OverflowError,
     # TypeError) leaves all of the process's as they were, not some set and the rest not
-    random.Random().setstate((py[0], tuple(words), py[2]))
-    np.random.RandomState().set_state(tuple(np_state))
-    torch.Generator().set_state(torch_state)
+    try_rng_state(state)
     random.setstate((py[0], tuple(words), py[2]))
     np.random.set_state(tuple(np_state))
     torch.set_rng_state(torch_state)
