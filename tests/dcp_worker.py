@@ -109,10 +109,12 @@ def main() -> int:
             writer = DeltaStorageWriter(root, step=step)
             dcp.save({**sharded(step), **mine}, storage_writer=writer)
             writer.close()
-            state = {**sharded(0), f"np_rng_{rank}": None, f"pair_{rank}": None, f"all_rng_{rank}": rng_state()}
-            dcp.load(state, storage_reader=DeltaStorageReader(root))  # (no allow_pickle)
+            # what the saved states draw next, drawn before the template below: a load that left the template's
+            # states in place would then put back states past these draws, and the test would tell
             draws = np.random.random(8)
             others = (torch.rand(4).tolist(), random.gauss(0, 1), random.random())
+            state = {**sharded(0), f"np_rng_{rank}": None, f"pair_{rank}": None, f"all_rng_{rank}": rng_state()}
+            dcp.load(state, storage_reader=DeltaStorageReader(root))  # (no allow_pickle)
             np.random.set_state(state[f"np_rng_{rank}"])
             same_np = np.array_equal(np.random.random(8), draws)
             set_rng_state(state[f"all_rng_{rank}"])
