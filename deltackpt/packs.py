@@ -148,7 +148,16 @@ def flock_within(fd: int, mode: int, timeout: float | None, busy: str) -> None:
 
 def fsync_dir(path: Path) -> None:
     """Make a directory entry (a created, renamed or removed file in ``path``) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    _fsync_path(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def fsync_file(path: Path) -> None:
+    """Make the bytes of the file ``path`` durable (not its directory entry: :func:`fsync_dir`)."""
+    _fsync_path(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def _fsync_path(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
     try:
         os.fsync(fd)
     finally:

@@ -34,7 +34,7 @@ import xxhash
 
 from deltackpt import _lazy, layout
 from deltackpt.errors import DeltackptError
-from deltackpt.packs import fsync_dir, make_dirs, read_file
+from deltackpt.packs import fsync_dir, fsync_file, make_dirs, read_file
 from deltackpt.rng import try_rng_state
 
 if TYPE_CHECKING:
@@ -214,11 +214,7 @@ def write(store_path: Path, rank: int, step: int, run: str, state: dict[str, Any
 
 def sync(path: Path) -> None:
     """Make a file :func:`write` wrote without ``durable`` durable: the file, then its directory's entry."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path)
     fsync_dir(path.parent)
 
 
