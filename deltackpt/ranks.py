@@ -65,7 +65,7 @@ def ranks_kept(store_path: Path) -> list[int]:
     """The ranks that keep RNG states beside the store (their directories under ``rng/``), in order."""
     try:
         names = [e.name for e in os.scandir(store_path / "rng") if e.is_dir(follow_symlinks=False)]
-    except (FileNotFoundError, NotADirectoryError):
+    except OSError:  # (none, or none this process may list: no rank's states it could read either)
         return []
     return sorted(r for n in names if (r := layout.rank_of_dir(n)) is not None)
 
