@@ -304,15 +304,17 @@ def step_mismatch(state: Mapping[str, Any], manifest_step: int) -> str | None:
 
 
 def _ddp_rank(model: Any) -> int:
-    """The process's rank when a member of ``model`` is a DistributedDataParallel and the default process group
-    is up (0 otherwise)."""
+    """The process's rank in the data-parallel group of a member of ``model`` that is a DistributedDataParallel,
+    with the default process group up (0 otherwise). In its own group, not the job's: DDP over a subgroup (each
+    pipeline stage's replicas, say) saves from that group's rank 0."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     ddp = torch.nn.parallel.DistributedDataParallel
-    if not any(isinstance(m, ddp) for _, m in group_members(model, "model")):
-        return 0
-    return int(dist.get_rank())
+    for _, m in group_members(model, "model"):
+        if isinstance(m, ddp):
+            return int(dist.get_rank(group=getattr(m, "process_group", None)))
+    return 0
 
 
 def newest_restorable(
@@ -381,8 +383,8 @@ class Checkpointer:
         (``STORE/rng/``, :mod:`deltackpt.ranks`; fsynced at the steps rank 0 saves), and its :meth:`restore`
         puts back the ones of the restored step, so every rank draws after a resume what it drew before. It
         leaves retention and gc to rank 0. 0, or None (the default), makes a checkpointer that saves; None
-        warns at the first save when the model is a DistributedDataParallel of a rank other than 0 (pass 0
-        where each rank saves into a store of its own).
+        warns at the first save when the model is a DistributedDataParallel and the process is not rank 0 of
+        its process group (pass 0 where each rank saves into a store of its own).
     """
 
     def __init__(
@@ -844,8 +846,9 @@ class Checkpointer:
                 # (every rank saving into the job's one store: each step saved once per rank, lines interleaved)
                 warnings.warn(f"deltackpt: rank {ddp} of a DistributedDataParallel job saves a checkpoint: where the "
                               "job's ranks share this store, make each rank's Checkpointer with rank=torch."
-                              "distributed.get_rank() (rank 0 saves, the others keep their RNG states); where each "
-                              "rank has a store of its own, with rank=0", RuntimeWarning, stacklevel=caller_level())
+                              "distributed.get_rank() (of the model's process group; rank 0 saves, the others keep "
+                              "their RNG states); where each rank has a store of its own, with rank=0",
+                              RuntimeWarning, stacklevel=caller_level())
         whole = self._kept_for_good(step)
         keyframe = keyframe or whole
         self._raise_background_error()

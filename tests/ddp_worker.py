@@ -6,7 +6,8 @@ script, not a test module; used by tests/test_checkpointer.py)::
 Every rank makes a Checkpointer on STORE, saving every 2 steps, and restores from it. The data comes through a
 ``ResumableSampler`` sharded over the ranks. MODE ``ranks`` (the default) is the README's pattern: every rank
 passes ``rank=`` and calls ``step()``; each seeded its generators differently at start, and draws its dropout and
-a NumPy noise term from them; MODE ``unranked`` does the same without ``rank=`` (a mistake: every rank saves).
+a NumPy noise term from them; MODE ``unranked`` does the same without ``rank=`` (a mistake: every rank saves), and
+MODE ``subgroups`` too, each rank's DDP over a process group of its own, saving into ``STORE-RANK``.
 MODE ``seeded`` is the older one: ``rng`` on rank 0 only, rank 0 alone calls
 ``step()``, and each rank seeds its generator from (step, rank) at every step. With STOP_AT, every rank sends
 itself SIGTERM after that step (a job-wide stop). After STEPS steps the model's state goes to ``OUT.RANK`` with
@@ -35,8 +36,13 @@ stop_at = int(sys.argv[8]) if len(sys.argv) > 8 else None
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
 torch.manual_seed(0)
+# MODE subgroups: each rank its own data-parallel group of one (a pipeline stage's replicas) and store
+groups = [dist.new_group([r]) for r in range(world)] if mode == "subgroups" else None
+if groups is not None:
+    store = f"{store}-{rank}"
 model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1),
-                                                    torch.nn.Linear(16, 1)))
+                                                    torch.nn.Linear(16, 1)),
+                                process_group=groups[rank] if groups else None)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
 g = torch.Generator().manual_seed(1)
 data = torch.utils.data.TensorDataset(torch.randn(96, 8, generator=g), torch.randn(96, 1, generator=g))
@@ -44,7 +50,7 @@ loader = ResumableLoader(torch.utils.data.DataLoader(
     data, batch_size=4, sampler=ResumableSampler(data, shuffle=True, seed=0, num_replicas=world, rank=rank)))
 torch.manual_seed(100 + rank)  # (each rank its own streams; a restore puts back the saved ones)
 np.random.seed(100 + rank)
-kw = {"rank": rank} if mode == "ranks" else {} if mode == "unranked" else {"rng": rank == 0}
+kw = {"rank": rank} if mode == "ranks" else {} if mode in ("unranked", "subgroups") else {"rng": rank == 0}
 with deltackpt.Checkpointer(store, model=model, optimizer=opt, data=loader, every_n_steps=2, **kw) as ckpt:
     step = ckpt.restore()
     while step < steps:

@@ -414,6 +414,17 @@ def test_a_data_parallel_rank_other_than_0_that_saves_is_warned(tmp_path: Path) 
     assert "rank=torch.distributed.get_rank()" in errs[1] and "DistributedDataParallel" not in errs[0], errs
 
 
+@pytest.mark.plumbing
+def test_a_data_parallel_group_of_its_own_saves_unwarned(tmp_path: Path) -> None:
+    """DDP over a subgroup (each rank a data-parallel group of one, a store of its own: pipeline stages' replicas
+    say) saves from each group's rank 0, which is rank 1 of the job for the second: no warning."""
+    _, errs = _ddp_job(tmp_path, tmp_path / "s", 2, tmp_path / "out", "subgroups")
+    assert not any("DistributedDataParallel job saves" in e for e in errs), errs
+    for rank in range(2):
+        with Store(tmp_path / f"s-{rank}") as s:
+            assert [c.step for c in s.list()] == [2]
+
+
 def _same_weights(a: Path, b: Path) -> bool:
     want, got = torch.load(a), torch.load(b)
     return want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
