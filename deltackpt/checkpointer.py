@@ -74,7 +74,7 @@ from deltackpt.fitcheck import (
     scheduler_check,
 )
 from deltackpt.maintenance import GcAfterRetention
-from deltackpt.retention import THINNED_KEY, Retention, unranked_metric
+from deltackpt.retention import THINNED_KEY, Retention, is_thinned, unranked_metric
 from deltackpt.rng import has_rng, rng_state, set_rng_state
 from deltackpt.staging import StagingBuffers
 from deltackpt.store import (
@@ -331,7 +331,7 @@ def newest_restorable(
         if not infos:
             return None
         for info in reversed(infos):
-            if first is not None and isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY):
+            if first is not None and is_thinned(info):
                 break  # weights only: resuming from it would silently drop the optimizer's state
             try:
                 return attempt(info)
@@ -679,11 +679,8 @@ class Checkpointer:
         """A rank other than 0: put back the RNG states it kept at ``step`` of the run the checkpoint names (its
         ``rng`` entry holds rank 0's). Where there are none (a checkpoint saved before deltackpt kept them, a
         file lost or damaged), a RuntimeWarning says so and the generators stay as they are."""
-        run = rng.get(ranks.RUN_KEY)
         try:
-            if not isinstance(run, str):
-                raise ranks.RankStateError("the checkpoint names no run (saved by an older deltackpt?)")
-            own = ranks.read(self.store.path, self.rank, step, run)
+            own = ranks.read_for(self.store.path, self.rank, step, rng)
         except ranks.RankStateError as exc:
             warnings.warn(f"deltackpt: rank {self.rank} has no RNG states of step {step} to restore: {exc}; its "
                           "generators stay as they are, and its random draws from here differ from the run's that "
@@ -901,8 +898,8 @@ class Checkpointer:
             n = self.every_n_steps
             saves = self._rank_saves
             try:
-                listed = {info.step for info in self.store._listing()  # (a thinned one is never restored)
-                          if not (isinstance(info.metadata, dict) and info.metadata.get(THINNED_KEY))}
+                # (a thinned one is never restored)
+                listed = {info.step for info in self.store._listing() if not is_thinned(info)}
                 ranks.prune(self.store.path, self.rank,
                             lambda s: s in listed or s >= step - (2 * n if s % n == 0 or s in saves else 1))
             except (DeltackptError, OSError) as exc:  # (the states are kept: only their clean-up waits)

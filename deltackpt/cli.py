@@ -1644,14 +1644,10 @@ def cmd_resume_info(args: argparse.Namespace) -> int:
 def _rank_rng(s: Store, state: dict[str, Any], step: int) -> list[tuple[int, str | None]]:
     """For each data-parallel rank that keeps RNG states beside the store (:mod:`deltackpt.ranks`), why its
     restore of the checkpoint whose skeleton is ``state`` finds none (None: it finds them, checked whole)."""
-    rng = state.get("rng")
-    run = rng.get(ranks.RUN_KEY) if isinstance(rng, dict) else None
     out: list[tuple[int, str | None]] = []
     for r in ranks.ranks_kept(s.path):
         try:
-            if not isinstance(run, str):
-                raise ranks.RankStateError("the checkpoint names no run (saved by an older deltackpt?)")
-            ranks.read(s.path, r, step, run, tensors=False)  # (checked whole; torch is not imported)
+            ranks.read_for(s.path, r, step, state.get("rng"), tensors=False)  # (checked whole; torch not imported)
             out.append((r, None))
         except ranks.RankStateError as exc:
             out.append((r, str(exc)))

@@ -25,7 +25,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -236,6 +236,15 @@ def read(store_path: Path, rank: int, step: int, run: str, *, tensors: bool = Tr
 _STALE_TMP = 3600.0
 
 
+def read_for(store_path: Path, rank: int, step: int, rng: Any, *, tensors: bool = True) -> dict[str, Any]:
+    """:func:`read` of ``rank``'s states at ``step`` of the run that the checkpoint's ``rng`` entry names
+    (:data:`RUN_KEY`); :class:`RankStateError` also when it names none (saved by an older deltackpt)."""
+    run = rng.get(RUN_KEY) if isinstance(rng, Mapping) else None
+    if not isinstance(run, str):
+        raise RankStateError("the checkpoint names no run (saved by an older deltackpt?)")
+    return read(store_path, rank, step, run, tensors=tensors)
+
+
 def prune(store_path: Path, rank: int, keep: Callable[[int], bool]) -> int:
     """Remove ``rank``'s files of the steps ``keep`` says no (steps the store holds no checkpoint of and whose
     save is not under way), and temporary files killed writers left. Returns how many it removed; a file another
@@ -270,5 +279,5 @@ def prune(store_path: Path, rank: int, keep: Callable[[int], bool]) -> int:
     return removed
 
 
-__all__ = ["RUN_KEY", "RankStateError", "decode", "encode", "next_run", "prune", "ranks_kept", "read", "run_name",
-           "sync", "usage", "write"]
+__all__ = ["RUN_KEY", "RankStateError", "decode", "encode", "next_run", "prune", "ranks_kept", "read", "read_for",
+           "run_name", "sync", "usage", "write"]

@@ -133,13 +133,19 @@ class Retention:
             thin = [
                 i.id for i in infos
                 if i.id in keep and i.id not in full
-                and not (isinstance(i.metadata, dict) and i.metadata.get(THINNED_KEY))
+                and not is_thinned(i)
             ]
         return Plan(
             keep=[i for i in ids if i in keep and i not in thin],
             thin=thin,
             delete=[i for i in ids if i not in keep],
         )
+
+
+def is_thinned(info: Any) -> bool:
+    """Whether a checkpoint (its :class:`~deltackpt.CheckpointInfo`) was thinned to model weights only, as its
+    metadata records: it never resumes training."""
+    return isinstance(info.metadata, dict) and bool(info.metadata.get(THINNED_KEY))
 
 
 def unranked_metric(retention: Retention, infos: Sequence[Any]) -> tuple[str, list[str]] | None:
