@@ -81,15 +81,32 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str], right: set[int] 
     return "\n".join(line.rstrip() for line in lines)
 
 
+class _Escaped:
+    """A text stream (stdout, stderr) that writes what is not printable but newlines and tabs as Python escapes
+    (:func:`_escaped`), as ``ls -b`` does: what the CLI prints of a store (keys, values, file names, error
+    messages naming them) cannot move the terminal's cursor, recolour it or retitle its window."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self.stream.write("\n".join(_escaped(line, keep="\t") for line in text.split("\n")))
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, ...
+        return getattr(self.stream, name)
+
+
 @contextmanager
 def progress(desc: str) -> Iterator[Callable[[int, int], None] | None]:
     """A tqdm bar on a terminal, nothing otherwise."""
-    if not sys.stderr.isatty():
+    err = sys.stderr.stream if isinstance(sys.stderr, _Escaped) else sys.stderr  # (its \r redraws the bar)
+    if not err.isatty():
         yield None
         return
     from tqdm import tqdm
 
-    bar = tqdm(desc=desc, unit="", leave=False, file=sys.stderr)
+    bar = tqdm(desc=desc, unit="", leave=False, file=err)
     try:
 
         def update(done: int, total: int) -> None:
@@ -179,10 +196,12 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _escaped(text: str) -> str:
-    """``text`` with its control characters (a newline, a terminal escape), which would break a table or reach
-    the terminal, written as Python escapes."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+def _escaped(text: str, keep: str = "") -> str:
+    """``text`` with its unprintable characters but those in ``keep`` (a newline, a terminal escape, a
+    right-to-left override), which would break a table or reach the terminal, written as Python escapes."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c in keep else repr(c)[1:-1] for c in text)
 
 
 def _jsonable(value: Any) -> Any:
@@ -1803,6 +1822,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # names a store holds need not be printable text (a key with a lone surrogate): escape what is not
         with contextlib.suppress(AttributeError, ValueError):  # (a stream without reconfigure: tests)
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
+    out, err = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = cast(IO[str], _Escaped(out)), cast(IO[str], _Escaped(err))
+    packs.on_wait = _say_waiting
     try:
         with warnings.catch_warnings():
             # torch's note, the first time a process makes a complex32 tensor (get's loaded one, export's probe of
@@ -1820,6 +1842,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (OSError, ValueError, AttributeError):  # (a stdout without a file descriptor: tests)
             pass
         return 141
+    finally:
+        packs.on_wait = None
+        sys.stdout, sys.stderr = out, err
+
+
+def _say_waiting(busy: str) -> None:
+    """What a command waits for, once it has waited a second for a lock another process holds."""
+    print(f"deltackpt: waiting: {busy}", file=sys.stderr, flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:

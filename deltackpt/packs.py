@@ -129,20 +129,33 @@ os.register_at_fork(before=lambda: _fork_guard.acquire(), after_in_parent=lambda
                     after_in_child=_close_locks_in_child)
 
 
+#: Called once with ``busy`` when :func:`flock_within` without a timeout has waited :data:`WAIT_NOTICE_SECONDS`
+#: for a lock. The command line sets it to say on stderr what it waits for (another process's gc, a save); a
+#: library caller passes a timeout or waits silently.
+on_wait: Callable[[str], None] | None = None
+WAIT_NOTICE_SECONDS = 1.0
+
+
 def flock_within(fd: int, mode: int, timeout: float | None, busy: str) -> None:
     """``flock(fd, mode)``, waiting at most ``timeout`` seconds when given (else as long as it takes); raise
-    ``StoreLockedError(busy)`` when the time runs out."""
-    if timeout is None:
+    ``StoreLockedError(busy)`` when the time runs out. ``busy`` says who holds the lock."""
+    notice = on_wait if timeout is None else None
+    if timeout is None and notice is None:
         fcntl.flock(fd, mode)
         return
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
     while True:
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - start
+            if timeout is not None and waited > timeout:
                 raise StoreLockedError(busy) from None
+            if notice is not None and waited >= WAIT_NOTICE_SECONDS:
+                notice(busy)
+                fcntl.flock(fd, mode)
+                return
             time.sleep(0.05)
 
 

@@ -600,7 +600,8 @@ class Store:
             return
         try:
             flock_within(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, timeout,
-                         f"store {self.path} is busy (saves or loads in progress)")
+                         f"store {self.path} is busy ({'saves or loads' if exclusive else 'a gc or repair'} in "
+                         "progress)")
             # what is decided under the lock (a gc's garbage, a save's dedup) must see every surviving commit
             self.index.refresh()
             yield

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import fractions
 import gc
 import io
@@ -16,6 +17,7 @@ import json
 import os
 import pickle
 import re
+import select
 import shutil
 import struct
 import subprocess
@@ -2425,6 +2427,47 @@ def test_show_escapes_control_characters_in_keys(store_path: Path, capsys: pytes
     assert rc == 0
     assert "\x1b" not in out and "\t" not in out
     assert "a\\nb" in out and "red\\x1b[31m" in out and "tied\\t" in out
+
+
+def test_messages_escape_what_a_terminal_would_take_for_commands(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """Whatever a command prints, error messages naming a file or directory included, reaches the terminal with
+    its terminal escapes, bells and right-to-left overrides escaped, as ls and show print keys (the messages
+    printed them as they were): in-process, and through the real streams of ``python -m deltackpt``."""
+    odd = tmp_path / "a\x1b]0;title\x07b\u202ec"
+    rc, _, err = cli(capsys, "ls", odd)
+    assert rc == 1
+    assert_one_line_error(err, "a\\x1b]0;title\\x07b\\u202ec", "not a deltackpt store")
+    assert not any(c in err for c in "\x1b\x07\u202e")
+    r = subprocess.run([sys.executable, "-m", "deltackpt", "ls", str(odd)], cwd=ROOT, capture_output=True,
+                       timeout=120, env={**os.environ, "PYTHONIOENCODING": "utf-8"})
+    assert r.returncode == 1 and r.stdout == b""
+    assert b"a\\x1b]0;title\\x07b\\u202ec" in r.stderr and not any(c in r.stderr for c in (b"\x1b", b"\x07"))
+
+
+def test_a_command_says_what_it_waits_for(store_path: Path) -> None:
+    """A command kept waiting more than a second for a lock another process holds says so on stderr, once, with
+    what holds it (a gc or repair for verify, saves or loads for gc), and goes on when the lock is let go: it
+    used to wait without a word."""
+    with open_store(store_path) as s:
+        s.save({"w": torch.ones(4)}, step=1)
+    for mode, command, holder, done in ((fcntl.LOCK_EX, "verify", "a gc or repair", "OK"),
+                                        (fcntl.LOCK_SH, "gc", "saves or loads", "freed")):
+        fd = os.open(store_path / "gc.lock", os.O_RDWR)  # (an open file description of its own: flock conflicts)
+        try:
+            fcntl.flock(fd, mode)
+            p = subprocess.Popen([sys.executable, "-m", "deltackpt", command, str(store_path)], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            assert p.stderr is not None
+            assert select.select([p.stderr], [], [], 120)[0], f"{command} said nothing while it waited"
+            line = p.stderr.readline().decode()
+            assert line == f"deltackpt: waiting: store {store_path} is busy ({holder} in progress)\n"
+            assert p.poll() is None, f"{command} did not wait for the lock"
+        finally:
+            os.close(fd)  # (lets go of the lock)
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0 and err == b"", err
+        assert done in out.decode()
 
 
 def test_resume_info_counts_a_tied_weight_once(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
