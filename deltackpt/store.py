@@ -1716,6 +1716,14 @@ class Store:
                     "chunk is not in the index", chunk_id=_kid(k), checkpoint=m.id, key=t.key
                 )
         chains = self._base_locations(locs)
+        # where decodes find their frames: a delta base or a prediction input can be one of this checkpoint's own
+        # chunks, which chains leaves out (each was looked up alone as the decode reached it)
+        frames_at = collections.ChainMap(chains, locs)
+        inputs_read: set[bytes] = set()  # predicted frames whose records _input_locations read
+        if any(loc.codec == codec.PREDICTED for loc in chains.values()):
+            # a delta frame over a predicted one: that base's inputs, as those of the predicted chunks below (a
+            # chunk decoded first looked each one up alone)
+            self._input_locations([], locs, chains, inputs_read)
         scratch = Scratch.for_frames(cs, (loc.frame_len for loc in (*locs.values(), *chains.values())))
         # Predicted chunks reference this checkpoint's first moments and chunks of older checkpoints that the load
         # does not return. They are decoded after everything else, in groups that share one first moment (a
@@ -1740,7 +1748,7 @@ class Store:
             loc = locs[k]
             try:
                 if loc.codec in codec.BASED or not self._read_alone(k, loc, item[2], verify, scratch):
-                    self._read_chunk(k, loc, out=item[2], verify=verify, bases=chains, scratch=scratch)
+                    self._read_chunk(k, loc, out=item[2], verify=verify, bases=frames_at, scratch=scratch)
             except CorruptChunkError:
                 self._damaged.add(k)
                 raise
@@ -1754,8 +1762,8 @@ class Store:
         groups: dict[bytes, list[tuple[TensorEntry, bytes, np.ndarray]]] = {}
         for item, r in zip(later, refs):
             groups.setdefault(r[0] if r else item[1], []).append(item)
-        self._input_locations(refs, locs, chains)
-        self._read_each(lambda group: self._read_group(group, locs, chains, decoded, verify, scratch),
+        self._input_locations(refs, locs, chains, inputs_read)
+        self._read_each(lambda group: self._read_group(group, locs, frames_at, decoded, verify, scratch),
                        list(groups.values()), lambda group, exc: named(group[0], exc))
         _copy_out(same, parts)
 
@@ -1872,7 +1880,7 @@ class Store:
         return bases
 
     def _input_locations(self, refs: Iterable[builtins.list[bytes]], locs: Mapping[bytes, ChunkLoc],
-                         chains: dict[bytes, ChunkLoc]) -> None:
+                         chains: dict[bytes, ChunkLoc], read: set[bytes]) -> None:
         """Add to ``chains`` the index entries of the chunks that a load's predictions read beyond its own chunks
         (``locs``) and their bases: the chunks the records of its predicted frames name (``refs``), their bases,
         and, where such an input is itself predicted, the chunks its record names, and so on: one batch lookup per
@@ -1880,8 +1888,9 @@ class Store:
         them in a restore of 9 every-step AdamW checkpoints of an 8-layer MLP, 216 of 400 small layers). Reading
         an input's record costs a read of its first 180 bytes, on the read workers (a cold read waits on the disk
         there, alongside others, as the frame's own read would have). Entries that are missing or damaged are
-        left out: the decode that needs them looks them up and reports it as before."""
-        read = {k for k, loc in locs.items() if loc.codec == codec.PREDICTED}  # (records read by _named_inputs)
+        left out: the decode that needs them looks them up and reports it as before. ``read`` holds the predicted
+        frames in ``chains`` whose records an earlier call read, and gets those this one reads."""
+        read.update(k for k, loc in locs.items() if loc.codec == codec.PREDICTED)  # (read by _named_inputs)
         named = {r for rs in refs for r in rs}
         for _ in range(codec.MAX_CHAIN_FRAMES):
             want = {k for k in named if k not in locs and k not in chains}

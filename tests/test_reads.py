@@ -351,6 +351,36 @@ def test_prediction_inputs_are_looked_up_in_batches(tmp_path: Path, monkeypatch:
         assert len(calls) <= 2 * 4, calls  # the state's chunks, then a few levels of bases and inputs
 
 
+def test_inputs_of_a_predicted_base_are_looked_up_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A delta frame over a predicted one (weights edited after the last optimizer step, then saved): the
+    predicted base's inputs have their index entries looked up in the batches before decoding too. The load
+    decodes such a chunk in its first pass, before the predicted chunks' inputs were looked up, and looked each
+    of the base's inputs up alone; the load's values are the same."""
+    from deltackpt.index import Index
+
+    with deltackpt.Store(tmp_path / "s", chunk_size=CS) as s:
+        state = _adamw_saves(s, layers=6, steps=6)
+        with torch.no_grad():
+            for t in state["model"].values():
+                t.view(-1)[::7] += 1e-3  # (no optimizer step: the previous weights are the better base)
+        s.save(state, step=6)
+        m = s.manifest(6)
+        locs = s.index.lookup_chunks([chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)])
+        bases = s.index.lookup_chunks([loc.base + k[16:] for k, loc in locs.items() if loc.codec == codec_module.DELTA])
+        assert any(b.codec == codec_module.PREDICTED for b in bases.values())  # (the case under test)
+        calls: list[int] = []
+        real = Index.lookup_chunks
+
+        def counted(self: Index, keys: Any, *args: Any) -> Any:
+            keys = list(keys)
+            calls.append(len(keys))
+            return real(self, keys, *args)
+
+        monkeypatch.setattr(Index, "lookup_chunks", counted)
+        assert_same_state(s.load(step=6), state)
+        assert len(calls) <= 2 * 4, calls  # the state's chunks, then a few levels of bases and inputs
+
+
 def test_a_damaged_predicted_frame_decoded_without_a_resolver_is_damage(tmp_path: Path) -> None:
     """``codec.decode_chain`` leaves a predicted frame's checksum to the kernel call (checking it in Python first
     hashed every predicted frame twice). Without ``resolve`` the decode stops before that call: a damaged predicted
