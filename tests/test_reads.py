@@ -328,25 +328,31 @@ def _predicted_chunks(s: deltackpt.Store, *, step: int) -> dict[bytes, Any]:
     return {k: loc for k, loc in s.index.lookup_chunks(keys).items() if loc.codec == codec_module.PREDICTED}
 
 
+def _count_lookups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, the number of keys of each index lookup (``Index.lookup_chunks``) any store makes."""
+    from deltackpt.index import Index
+
+    calls: list[int] = []
+    real = Index.lookup_chunks
+
+    def counted(self: Index, keys: Any, *args: Any) -> Any:
+        keys = list(keys)
+        calls.append(len(keys))
+        return real(self, keys, *args)
+
+    monkeypatch.setattr(Index, "lookup_chunks", counted)
+    return calls
+
+
 def test_prediction_inputs_are_looked_up_in_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The chunks a load's predictions read beyond its own (older checkpoints' parameters and moments, and what
     those are predicted from) have their index entries looked up in one batch per level before decoding, not in a
     read transaction each as the decode reaches them; the load's values are the same."""
-    from deltackpt.index import Index
-
     with deltackpt.Store(tmp_path / "s", chunk_size=CS) as s:
         want = _adamw_saves(s, layers=6, steps=6)
         predicted = _predicted_chunks(s, step=5)
         assert len(predicted) >= 12  # (the 12 weights and biases, and their second moments)
-        calls: list[int] = []
-        real = Index.lookup_chunks
-
-        def counted(self: Index, keys: Any, *args: Any) -> Any:
-            keys = list(keys)
-            calls.append(len(keys))
-            return real(self, keys, *args)
-
-        monkeypatch.setattr(Index, "lookup_chunks", counted)
+        calls = _count_lookups(monkeypatch)
         assert_same_state(s.load(step=5), want)
         assert len(calls) <= 2 * 4, calls  # the state's chunks, then a few levels of bases and inputs
 
@@ -356,8 +362,6 @@ def test_inputs_of_a_predicted_base_are_looked_up_in_batches(tmp_path: Path, mon
     predicted base's inputs have their index entries looked up in the batches before decoding too. The load
     decodes such a chunk in its first pass, before the predicted chunks' inputs were looked up, and looked each
     of the base's inputs up alone; the load's values are the same."""
-    from deltackpt.index import Index
-
     with deltackpt.Store(tmp_path / "s", chunk_size=CS) as s:
         state = _adamw_saves(s, layers=6, steps=6)
         with torch.no_grad():
@@ -368,15 +372,7 @@ def test_inputs_of_a_predicted_base_are_looked_up_in_batches(tmp_path: Path, mon
         locs = s.index.lookup_chunks([chunk_key(d, n) for t in m.tensors for _, d, n in m.chunk_keys(t)])
         bases = s.index.lookup_chunks([loc.base + k[16:] for k, loc in locs.items() if loc.codec == codec_module.DELTA])
         assert any(b.codec == codec_module.PREDICTED for b in bases.values())  # (the case under test)
-        calls: list[int] = []
-        real = Index.lookup_chunks
-
-        def counted(self: Index, keys: Any, *args: Any) -> Any:
-            keys = list(keys)
-            calls.append(len(keys))
-            return real(self, keys, *args)
-
-        monkeypatch.setattr(Index, "lookup_chunks", counted)
+        calls = _count_lookups(monkeypatch)
         assert_same_state(s.load(step=6), state)
         assert len(calls) <= 2 * 4, calls  # the state's chunks, then a few levels of bases and inputs
 
