@@ -175,3 +175,23 @@ def test_close_frees_the_pinned_staging_buffer(tmp_path: Path) -> None:
     assert ref() is None
     with deltackpt.Store(tmp_path / "s") as s2:
         assert s2.load(map_location="cpu")["w"].shape == (1 << 20,)
+
+
+@cuda
+def test_an_async_snapshot_of_odd_cuda_tensors_holds_what_they_held_at_step(tmp_path: Path) -> None:
+    """Non-contiguous, bfloat16, 0-dim and empty CUDA tensors: an async save records what they held when step()
+    returned, though the loop changes them at once (the snapshot's copies to the host completed first)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    odd = {"t": torch.randn(64, 48, device="cuda", generator=g).t(),
+           "bf": torch.randn(1000, device="cuda", generator=g).bfloat16()[::3],
+           "s": torch.tensor(3.5, device="cuda"), "e": torch.empty(0, 4, device="cuda")}
+    want = {k: v.cpu().clone() for k, v in odd.items()}
+    with deltackpt.Checkpointer(tmp_path / "s", extra={"odd": odd}, async_save=True, handle_signals=False) as ck:
+        ck.step(1)
+        for v in odd.values():
+            v.add_(1)
+        ck.wait()
+    with deltackpt.Store(tmp_path / "s") as s:
+        got = s.load(map_location="cpu")["extra"]["odd"]
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
