@@ -377,6 +377,37 @@ def test_inputs_of_a_predicted_base_are_looked_up_in_batches(tmp_path: Path, mon
         assert len(calls) <= 2 * 4, calls  # the state's chunks, then a few levels of bases and inputs
 
 
+def test_an_ema_copys_inputs_in_the_checkpoint_itself_are_not_looked_up_again(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EMA copy of the weights is predicted from this checkpoint's own parameters: decoding it found those
+    inputs' index entries neither among the bases and inputs looked up in batches (they are the checkpoint's
+    own) nor in the checkpoint's, and looked each up alone (10 of the 16 lookups here)."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with deltackpt.Checkpointer(deltackpt.Store(tmp_path / "s", chunk_size=CS), model=model, optimizer=opt,
+                                extra={"ema": ema}, async_save=False, handle_signals=False) as ck:
+        for step in range(1, 8):
+            model(torch.randn(8, 64)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ema.update_parameters(model)
+            ck.step(step)
+    want = ema.state_dict()
+    with deltackpt.Store(tmp_path / "s") as s:
+        roles = {t.key: loc.codec for t in s.manifest(7).tensors
+                 for _, d, n in s.manifest(7).chunk_keys(t)
+                 for loc in s.index.lookup_chunks([chunk_key(d, n)]).values()}
+        assert any(c == codec_module.PREDICTED for k, c in roles.items() if k.startswith("extra.ema.module."))
+        calls = _count_lookups(monkeypatch)
+        got = s.load(step=7)["extra"]["ema"]
+        assert len(calls) <= 2 * 4, calls  # the state's chunks, then a few levels of bases and inputs
+    assert_same_state(got, want)
+
+
 def test_a_damaged_predicted_frame_decoded_without_a_resolver_is_damage(tmp_path: Path) -> None:
     """``codec.decode_chain`` leaves a predicted frame's checksum to the kernel call (checking it in Python first
     hashed every predicted frame twice). Without ``resolve`` the decode stops before that call: a damaged predicted
