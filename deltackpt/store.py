@@ -1760,8 +1760,13 @@ class Store:
         decoded = {k: view for _, k, view in first}
         refs = self._read_each(lambda item: self._named_inputs(item[1], locs[item[1]]), later, named)
         groups: dict[bytes, list[tuple[TensorEntry, bytes, np.ndarray]]] = {}
+        group_of = {item[1]: r[0] if r else item[1] for item, r in zip(later, refs)}
         for item, r in zip(later, refs):
-            groups.setdefault(r[0] if r else item[1], []).append(item)
+            # an input that is itself one of these predicted chunks (an EMA copy's parameter, this checkpoint's):
+            # the chunk joins that input's group, which decodes the input first (it is one level shallower) and
+            # keeps it in the group's memo, rather than decode it a second time in a group of its own
+            first = r[0] if r else item[1]
+            groups.setdefault(group_of.get(first, first), []).append(item)
         self._input_locations(refs, locs, chains, inputs_read)
         self._read_each(lambda group: self._read_group(group, locs, frames_at, decoded, verify, scratch),
                        list(groups.values()), lambda group, exc: named(group[0], exc))

@@ -377,11 +377,13 @@ def test_inputs_of_a_predicted_base_are_looked_up_in_batches(tmp_path: Path, mon
         assert len(calls) <= 2 * 4, calls  # the state's chunks, then a few levels of bases and inputs
 
 
-def test_an_ema_copys_inputs_in_the_checkpoint_itself_are_not_looked_up_again(tmp_path: Path,
-                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """An EMA copy of the weights is predicted from this checkpoint's own parameters: decoding it found those
+def test_an_ema_copys_inputs_in_the_checkpoint_itself_are_decoded_and_looked_up_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EMA copy of the weights is predicted from this checkpoint's own parameters. Decoding it found those
     inputs' index entries neither among the bases and inputs looked up in batches (they are the checkpoint's
-    own) nor in the checkpoint's, and looked each up alone (10 of the 16 lookups here)."""
+    own) nor in the checkpoint's, and looked each up alone (10 of the 16 lookups here); and it decoded each
+    parameter chunk again, in a group of its own. Every chunk of the checkpoint is decoded once now: a copy's
+    chunk joins its parameter's group."""
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
     torch.manual_seed(0)
@@ -402,9 +404,20 @@ def test_an_ema_copys_inputs_in_the_checkpoint_itself_are_not_looked_up_again(tm
                  for _, d, n in s.manifest(7).chunk_keys(t)
                  for loc in s.index.lookup_chunks([chunk_key(d, n)]).values()}
         assert any(c == codec_module.PREDICTED for k, c in roles.items() if k.startswith("extra.ema.module."))
+        own = {d for t in s.manifest(7).tensors for _, d, _ in s.manifest(7).chunk_keys(t)}
         calls = _count_lookups(monkeypatch)
+        decoded: list[bytes] = []
+        real = codec_module._run
+
+        def counted(frames: list[Any], headers: list[codec_module.FrameHeader], *args: Any, **kwargs: Any) -> None:
+            decoded.append(headers[-1].digest)
+            real(frames, headers, *args, **kwargs)
+
+        monkeypatch.setattr(codec_module, "_run", counted)
         got = s.load(step=7)["extra"]["ema"]
         assert len(calls) <= 2 * 4, calls  # the state's chunks, then a few levels of bases and inputs
+        mine = [d for d in decoded if d in own]
+        assert len(mine) == len(set(mine)), [d.hex()[:8] for d in mine if mine.count(d) > 1]
     assert_same_state(got, want)
 
 
