@@ -107,6 +107,7 @@ def progress(desc: str) -> Iterator[Callable[[int, int], None] | None]:
     from tqdm import tqdm
 
     bar = tqdm(desc=desc, unit="", leave=False, file=err)
+    _bars.append(bar)
     try:
 
         def update(done: int, total: int) -> None:
@@ -116,7 +117,12 @@ def progress(desc: str) -> Iterator[Callable[[int, int], None] | None]:
 
         yield update
     finally:
+        _bars.remove(bar)
         bar.close()
+
+
+#: the progress bars on the terminal (:func:`progress`), which a line printed meanwhile clears and redraws
+_bars: list[Any] = []
 
 
 def _which(arg: str, s: Store) -> dict[str, Any]:
@@ -1849,7 +1855,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _say_waiting(busy: str) -> None:
     """What a command waits for, once it has waited a second for a lock another process holds."""
+    bar = _bars[-1] if _bars else None  # (a bar on screen: verify and gc draw theirs before they take the lock)
+    if bar is not None:
+        bar.clear()  # (the line would otherwise run on from the end of the bar's)
     print(f"deltackpt: waiting: {busy}", file=sys.stderr, flush=True)
+    if bar is not None:
+        bar.refresh()
 
 
 def _run(args: argparse.Namespace) -> int:

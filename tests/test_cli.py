@@ -2856,3 +2856,36 @@ def test_export_into_a_pipe_whose_reader_goes_away_says_so(capsys: pytest.Captur
     assert rc == 1 and out == ""
     assert_one_line_error(err, str(fifo), "Broken pipe")
     assert "unexpected pos" not in err
+
+
+def test_the_waiting_line_does_not_run_into_a_progress_bar(store_path: Path) -> None:
+    """On a terminal, a command's progress bar is on screen (verify, gc) before it takes the store's lock: the
+    'waiting' line, printed once it waited a second, clears the bar first rather than run on from the end of
+    the bar's line ('verify: 0it [00:00, ?it/s]deltackpt: waiting: ...')."""
+    import pty
+
+    with open_store(store_path) as s:
+        s.save({"w": torch.ones(4)}, step=1)
+    fd = os.open(store_path / "gc.lock", os.O_RDWR)
+    master, slave = pty.openpty()
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        p = subprocess.Popen([sys.executable, "-m", "deltackpt", "verify", str(store_path)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=slave)
+        os.close(slave)
+        seen = b""
+        while b"deltackpt: waiting" not in seen or not seen.endswith(b"\n") and p.poll() is None:
+            assert select.select([master], [], [], 120)[0], f"verify printed nothing more: {seen!r}"
+            seen += os.read(master, 4096)
+            if b"deltackpt: waiting" in seen and b"\n" in seen.split(b"deltackpt: waiting", 1)[1]:
+                break
+        os.close(fd)  # (lets go of the lock)
+        fd = -1
+        assert p.wait(timeout=120) == 0
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        os.close(master)
+    before = seen.split(b"deltackpt: waiting", 1)[0]
+    assert b"verify" in before, seen  # (a bar was drawn: the case under test)
+    assert before.replace(b" ", b"").endswith((b"\r", b"\n")), seen
