@@ -1830,7 +1830,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     out, err = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = cast(IO[str], _Escaped(out)), cast(IO[str], _Escaped(err))
-    packs.on_wait = _say_waiting
+    on_wait, packs.on_wait = packs.on_wait, _say_waiting
     try:
         with warnings.catch_warnings():
             # torch's note, the first time a process makes a complex32 tensor (get's loaded one, export's probe of
@@ -1849,7 +1849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             pass
         return 141
     finally:
-        packs.on_wait = None
+        packs.on_wait = on_wait  # (a program's own, when it runs main() in-process)
         sys.stdout, sys.stderr = out, err
 
 
