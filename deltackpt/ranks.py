@@ -232,10 +232,6 @@ def read(store_path: Path, rank: int, step: int, run: str, *, tensors: bool = Tr
         raise RankStateError(f"{path}: {exc}") from None
 
 
-#: a temporary file this old is what a process killed while it wrote left
-_STALE_TMP = 3600.0
-
-
 def read_for(store_path: Path, rank: int, step: int, rng: Any, *, tensors: bool = True) -> dict[str, Any]:
     """:func:`read` of ``rank``'s states at ``step`` of the run that the checkpoint's ``rng`` entry names
     (:data:`RUN_KEY`); :class:`RankStateError` also when it names none (saved by an older deltackpt)."""
@@ -243,6 +239,10 @@ def read_for(store_path: Path, rank: int, step: int, rng: Any, *, tensors: bool 
     if not isinstance(run, str):
         raise RankStateError("the checkpoint names no run (saved by an older deltackpt?)")
     return read(store_path, rank, step, run, tensors=tensors)
+
+
+#: a temporary file this old is what a process killed while it wrote left
+_STALE_TMP = 3600.0
 
 
 def prune(store_path: Path, rank: int, keep: Callable[[int], bool]) -> int:

@@ -1719,12 +1719,6 @@ class Store:
         # where decodes find their frames: a delta base or a prediction input can be one of this checkpoint's own
         # chunks, which chains leaves out (each was looked up alone as the decode reached it)
         frames_at = collections.ChainMap(chains, locs)
-        inputs_read: set[bytes] = set()  # predicted frames whose records _input_locations read
-        if any(loc.codec == codec.PREDICTED for loc in chains.values()):
-            # a delta frame over a predicted one: that base's inputs, as those of the predicted chunks below (a
-            # chunk decoded first looked each one up alone)
-            self._input_locations([], locs, chains, inputs_read)
-        scratch = Scratch.for_frames(cs, (loc.frame_len for loc in (*locs.values(), *chains.values())))
         # Predicted chunks reference this checkpoint's first moments and chunks of older checkpoints that the load
         # does not return. They are decoded after everything else, in groups that share one first moment (a
         # parameter and its second moment), each group with its own memo of decoded inputs: every input is
@@ -1743,6 +1737,13 @@ class Store:
                 exc = CorruptChunkError(exc.reason, chunk_id=_kid(item[1]), key=item[0].key)
             return CorruptChunkError(exc.reason, chunk_id=exc.chunk_id, checkpoint=m.id, key=exc.key)
 
+        refs = self._read_each(lambda item: self._named_inputs(item[1], locs[item[1]]), later, named)
+        if later or any(loc.codec == codec.PREDICTED for loc in chains.values()):
+            # the inputs of the predicted chunks, and of predicted frames under delta frames (decoded in the first
+            # pass below), before either pass: a decode that reached one looked it up alone
+            self._input_locations(refs, locs, chains)
+        scratch = Scratch.for_frames(cs, (loc.frame_len for loc in (*locs.values(), *chains.values())))
+
         def decode(item: tuple[TensorEntry, bytes, np.ndarray]) -> None:
             k = item[1]
             loc = locs[k]
@@ -1758,7 +1759,6 @@ class Store:
             _copy_out(same, parts)
             return
         decoded = {k: view for _, k, view in first}
-        refs = self._read_each(lambda item: self._named_inputs(item[1], locs[item[1]]), later, named)
         groups: dict[bytes, list[tuple[TensorEntry, bytes, np.ndarray]]] = {}
         group_of = {item[1]: r[0] if r else item[1] for item, r in zip(later, refs)}
         for item, r in zip(later, refs):
@@ -1767,7 +1767,6 @@ class Store:
             # keeps it in the group's memo, rather than decode it a second time in a group of its own
             ref0 = r[0] if r else item[1]
             groups.setdefault(group_of.get(ref0, ref0), []).append(item)
-        self._input_locations(refs, locs, chains, inputs_read)
         self._read_each(lambda group: self._read_group(group, locs, frames_at, decoded, verify, scratch),
                        list(groups.values()), lambda group, exc: named(group[0], exc))
         _copy_out(same, parts)
@@ -1885,7 +1884,7 @@ class Store:
         return bases
 
     def _input_locations(self, refs: Iterable[builtins.list[bytes]], locs: Mapping[bytes, ChunkLoc],
-                         chains: dict[bytes, ChunkLoc], read: set[bytes]) -> None:
+                         chains: dict[bytes, ChunkLoc]) -> None:
         """Add to ``chains`` the index entries of the chunks that a load's predictions read beyond its own chunks
         (``locs``) and their bases: the chunks the records of its predicted frames name (``refs``), their bases,
         and, where such an input is itself predicted, the chunks its record names, and so on: one batch lookup per
@@ -1893,9 +1892,8 @@ class Store:
         them in a restore of 9 every-step AdamW checkpoints of an 8-layer MLP, 216 of 400 small layers). Reading
         an input's record costs a read of its first 180 bytes, on the read workers (a cold read waits on the disk
         there, alongside others, as the frame's own read would have). Entries that are missing or damaged are
-        left out: the decode that needs them looks them up and reports it as before. ``read`` holds the predicted
-        frames in ``chains`` whose records an earlier call read, and gets those this one reads."""
-        read.update(k for k, loc in locs.items() if loc.codec == codec.PREDICTED)  # (read by _named_inputs)
+        left out: the decode that needs them looks them up and reports it as before."""
+        read = {k for k, loc in locs.items() if loc.codec == codec.PREDICTED}  # (records read by _named_inputs)
         named = {r for rs in refs for r in rs}
         for _ in range(codec.MAX_CHAIN_FRAMES):
             want = {k for k in named if k not in locs and k not in chains}
