@@ -1456,7 +1456,7 @@ slow_keys, unpack, inside = set(keys[::4096]), index.ChunkLoc.unpack, threading.
 def slow(cls, raw, key=None):  # a lookup of a big store's every chunk (verify's), taking its time
     if key in slow_keys:
         inside.set()
-        time.sleep(0.3)
+        time.sleep(0.5)
     return unpack(raw, key)
 index.ChunkLoc.unpack = classmethod(slow)
 found = []
@@ -1473,7 +1473,7 @@ if pid == 0:
 waited = time.monotonic() - start
 os.waitpid(pid, 0)
 worker.join()
-print(waited < 1.5 or f"the fork waited {waited:.1f} s", found)
+print(waited < 2.5 or f"the fork waited {waited:.1f} s", found)  # (one batch: 0.5 s; all ten: 5 s)
 """
 
 
