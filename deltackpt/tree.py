@@ -448,10 +448,27 @@ class _Flattener:
             f"cannot store {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__} "
             + ("(a numpy.ndarray subclass: store np.asarray(...) of it, and what else it holds (a masked array's "
                "mask), or register it with deltackpt.register_type)"
-               if isinstance(obj, np.ndarray) else
+               if isinstance(obj, np.ndarray) else _instead(obj) or
                "(register it with deltackpt.register_type; Store.save and Store.load also take allow_pickle=True, "
                "a Checkpointer does not)")
         )
+
+
+def _instead(obj: Any) -> str | None:
+    """What to store in place of a live training object put into a state by mistake (``{"model": model}``
+    where ``model.state_dict()`` belongs): the advice to register its type would store the object itself."""
+    if isinstance(obj, torch.Generator):
+        return "(a generator, not a state: store its get_state())"
+    if isinstance(obj, np.random.Generator):
+        return "(a generator, not a state: store its bit_generator.state)"
+    try:
+        stateful = callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+    except Exception:  # (an attribute that raises: no advice, the type's name still says what it is)
+        stateful = False
+    if stateful:
+        return ("(an object with state_dict(), not a state: store its state_dict(), or give it to a Checkpointer, "
+                "which does)")
+    return None
 
 
 def alias_key(obj: torch.Tensor | np.ndarray) -> Hashable:

@@ -126,6 +126,23 @@ def test_an_unsupported_array_says_what_to_store_instead(store: deltackpt.Store,
     assert instead in str(ei.value)
 
 
+@pytest.mark.parametrize(("make", "instead"), [
+    (lambda: torch.nn.Linear(2, 2), "store its state_dict()"),
+    (lambda: torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), "store its state_dict()"),
+    (lambda: torch.amp.GradScaler("cpu"), "store its state_dict()"),
+    (lambda: torch.Generator(), "store its get_state()"),
+    (lambda: np.random.default_rng(0), "store its bit_generator.state"),
+])
+def test_a_live_training_object_says_to_store_its_state(store: deltackpt.Store, make: Any, instead: str) -> None:
+    """A module, optimizer, scaler or generator put into a state by mistake (``{"model": model}``, as torch.save
+    pickles it) is refused naming the key path and its state to store instead: the advice given to any other type
+    (register it with register_type) would store the live object, not its state."""
+    with pytest.raises(UnsupportedTypeError, match=r"cannot store train\.model: ") as ei:
+        store.save({"train": {"model": make()}}, step=1)
+    assert instead in str(ei.value) and "register_type" not in str(ei.value)
+    assert store.list() == []
+
+
 @pytest.mark.parametrize(
     ("state", "path"),
     [
