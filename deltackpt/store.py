@@ -883,7 +883,11 @@ class Store:
                     f"STORE file says {self.chunk_size}: STORE is damaged ('deltackpt repair STORE' writes it "
                     f"again from the manifests); nothing was saved")
             whole = _replace is not None or (keyframe and _self_contained)
-            generation = int(pm.extra.get("generation", 0)) + 1 if pm is not None else 0
+            # a parent that wrote nothing (a save between optimizer steps: gradient accumulation) takes no keyframe
+            # turn, so the next save takes it: else with every other save unchanged, half the chunk positions' turns
+            # fell on saves that wrote nothing, and those chunks reached the chain bound together (21% more bytes
+            # per changed save, 31% with 4 micro-batches)
+            generation = int(pm.extra.get("generation", 0)) + (pm.written_bytes > 0) if pm is not None else 0
             # a rewrite takes the place of a checkpoint under a new id: it names the ids it replaces, so that a
             # later checkpoint's parent (and load(id=...) of the old id) still finds it
             replaces = {"replaces": [_replace.id, *_replace.extra.get("replaces", [])]} if _replace else {}
