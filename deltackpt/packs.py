@@ -243,9 +243,11 @@ class PackWriter:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             header = PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0)
             _write_all(fd, header, 0)
-        except BaseException:
+        except BaseException as exc:
             close_lock(fd, os.getpid(), unlock=False)
             path.unlink(missing_ok=True)
+            if isinstance(exc, OSError):  # (the header's write on a full disk: name the pack, as appends do)
+                raise named(exc, path) from None
             raise
         self._fd, self.pack_id, self._offset, self._end = fd, pack_id, len(header), len(header)
         self._opened.append(pack_id)

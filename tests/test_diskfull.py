@@ -623,3 +623,28 @@ def test_reads_begun_before_a_failed_commit_reopens_the_index_go_on_in_the_new_e
                                          "saved": 3}, out
     with deltackpt.Store(tmp_path / "s") as s:
         assert [c.step for c in s.list()] == [1, 3] and s.verify().ok
+
+
+def test_a_new_packs_header_that_fails_to_write_names_the_pack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that rolls over to a new pack on a full disk fails at the new pack's header: that error names the pack
+    as every other pack write's does (it was a bare ``[Errno 28] No space left on device``), and nothing is left."""
+    from deltackpt import packs
+
+    real = os.pwrite
+
+    def pwrite(fd: int, data: bytes | memoryview, offset: int) -> int:
+        if offset == 0 and len(data) == packs.PACK_HEADER.size:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+
+    a, _, _ = states(0)
+    with deltackpt.Store(tmp_path / "s", chunk_size=CS, threads=2) as s:
+        monkeypatch.setattr(os, "pwrite", pwrite)
+        with pytest.raises(OSError) as info:
+            s.save(a, step=1)
+        assert info.value.errno == errno.ENOSPC
+        assert info.value.filename is not None and str(info.value.filename).endswith(".pack"), repr(info.value)
+        assert list((tmp_path / "s" / "packs").iterdir()) == []
+        monkeypatch.setattr(os, "pwrite", real)
+        s.save(a, step=1)
+        assert_same_state(a, s.load(step=1))
