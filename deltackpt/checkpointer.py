@@ -541,11 +541,17 @@ class Checkpointer:
                 f"checkpoint at step {state['step']} was thinned to model weights only and cannot resume training; "
                 "load its weights with Store.load"
             )
+        group_check(self.model, state.get("model"), "model")
+        if strict and (absent := self._absent(state)):
+            # all of them at once, not one per try: each is a component given to this run since the save
+            raise DeltackptError(
+                f"the checkpoint holds no {', '.join(absent)} (restore(strict=False) restores the rest and leaves "
+                + ("it as it is)" if len(absent) == 1 else "them as they are)"))
         lacking: list[str] = []
-        groups: dict[str, Any] = {}
-        for what in ("model", "optimizer", "scheduler", "scaler"):
+        groups: dict[str, Any] = {"model": self.model}
+        for what in ("optimizer", "scheduler", "scaler"):
             groups[what] = getattr(self, what)
-            if not strict and what != "model":
+            if not strict:
                 groups[what], absent = present_members(groups[what], state.get(what), what)
                 lacking += absent
             group_check(groups[what], state.get(what), what)
@@ -553,9 +559,7 @@ class Checkpointer:
         fit_check(groups["optimizer"], state.get("optimizer"), "optimizer")
         scaler_check(groups["scaler"], state.get("scaler"))
         scheduler_check(groups["scheduler"], state.get("scheduler"))
-        if self.data is not None and state.get("data") is None:
-            if strict:
-                raise DeltackptError("the checkpoint holds no data position")
+        if self.data is not None and state.get("data") is None:  # (strict: refused above, as what follows)
             lacking.append("data")
         elif self.data is not None and (misfit := self._misfit(state["data"])) is not None:
             # (a ResumableLoader: another dataset, seed, sharding is refused before anything is put back)
@@ -566,8 +570,6 @@ class Checkpointer:
         saved_extra = state.get("extra") or {}
         for k, v in self.extra.items():
             if k not in saved_extra:
-                if strict:
-                    raise DeltackptError(f"the checkpoint holds no extra[{k!r}]")
                 lacking.append(f"extra[{k!r}]")
             elif isinstance(v, (torch.nn.Module, torch.optim.Optimizer)):  # (an EMA model: checked as the model is)
                 fit_check(v, saved_extra[k], f"extra[{k!r}]")
@@ -578,10 +580,28 @@ class Checkpointer:
                 if isinstance(v, torch.amp.GradScaler):
                     one_scaler_check(v, saved_extra[k], f"extra[{k!r}]")
         if self.rng and not has_rng(state):
-            if strict:
-                raise DeltackptError("the checkpoint holds no RNG states ('rng' with 'python', 'numpy' and 'torch')")
             lacking.append("rng")
         return lacking
+
+    def _absent(self, state: Mapping[str, Any]) -> list[str]:
+        """What this run has and the checkpoint holds no state for, as a strict restore's refusal names it: an
+        optimizer, scheduler or scaler (or members of a dict of them), the data position, ``extra`` entries, the
+        RNG states."""
+        absent = []
+        for what in ("optimizer", "scheduler", "scaler"):
+            mine, saved = getattr(self, what), state.get(what)
+            if mine is not None and saved is None:
+                absent.append(f"{what} state")
+            elif isinstance(mine, dict) and isinstance(saved, Mapping) and (
+                    missing := [k for k in mine if k not in saved]):
+                absent.append(f"{what} state for {', '.join(map(repr, missing))}")
+        if self.data is not None and state.get("data") is None:
+            absent.append("data position")
+        saved_extra = state.get("extra") or {}
+        absent += [f"extra[{k!r}]" for k in self.extra if k not in saved_extra]
+        if self.rng and not has_rng(state):
+            absent.append("RNG states ('rng' with 'python', 'numpy' and 'torch')")
+        return absent
 
     def _unused(self, state: Mapping[str, Any]) -> list[str]:
         """What the checkpoint holds that this run gave no object for, so a restore leaves it where it is: an

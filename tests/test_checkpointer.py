@@ -1618,6 +1618,35 @@ def test_a_refused_restore_leaves_the_live_objects_untouched(fast_dir: Path) -> 
         assert repr(fresh_opt.state_dict()) == before[1]
 
 
+def test_a_strict_restore_names_everything_the_checkpoint_lacks_at_once(fast_dir: Path) -> None:
+    """Components given to a run since its checkpoint was saved are refused in one error naming all of them, and
+    the way out (restore(strict=False)): it named the first only, so a user fixed one and met the next."""
+    model, opt = _small()
+    with Checkpointer(fast_dir / "store", model=model, optimizer={"main": opt}, async_save=False, rng=False,
+                      handle_signals=False) as ckpt:
+        ckpt.save(1)
+    fresh, fresh_opt = _small()
+    aux = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(fresh_opt, step_size=3)
+    ema = torch.optim.swa_utils.AveragedModel(fresh)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with Checkpointer(fast_dir / "store", model=fresh, optimizer={"main": fresh_opt, "aux": aux}, scheduler=sched,
+                      extra={"ema": ema, "cfg": {"lr": 1.0}}, handle_signals=False) as ckpt:
+        with pytest.raises(deltackpt.DeltackptError) as ei:
+            ckpt.restore()
+        said = str(ei.value)
+        for what in ("optimizer state for 'aux'", "scheduler state", "extra['ema']", "extra['cfg']", "RNG states",
+                     "restore(strict=False) restores the rest and leaves them as they are"):
+            assert what in said, said
+        assert_bitwise(before, fresh.state_dict())
+        assert not fresh_opt.state and sched.last_epoch == 0
+    with Checkpointer(fast_dir / "store", model=fresh, optimizer={"main": fresh_opt}, rng=False,
+                      extra={"cfg": {}}, handle_signals=False) as ckpt:
+        with pytest.raises(deltackpt.DeltackptError, match=r"holds no extra\['cfg'\] \(restore\(strict=False\) "
+                                                           r"restores the rest and leaves it as it is\)$"):
+            ckpt.restore()
+
+
 def test_handlers_restored_on_close(fast_dir: Path) -> None:
     def mine(signum: int, frame: Any) -> None:
         pass
