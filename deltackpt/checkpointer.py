@@ -559,7 +559,8 @@ class Checkpointer:
         fit_check(groups["optimizer"], state.get("optimizer"), "optimizer")
         scaler_check(groups["scaler"], state.get("scaler"))
         scheduler_check(groups["scheduler"], state.get("scheduler"))
-        if self.data is not None and state.get("data") is None:  # (strict: refused above, as what follows)
+        # (from here on what the checkpoint lacks is only collected: a strict restore refused it above)
+        if self.data is not None and state.get("data") is None:
             lacking.append("data")
         elif self.data is not None and (misfit := self._misfit(state["data"])) is not None:
             # (a ResumableLoader: another dataset, seed, sharding is refused before anything is put back)

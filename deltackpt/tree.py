@@ -448,9 +448,9 @@ class _Flattener:
             f"cannot store {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__} "
             + ("(a numpy.ndarray subclass: store np.asarray(...) of it, and what else it holds (a masked array's "
                "mask), or register it with deltackpt.register_type)"
-               if isinstance(obj, np.ndarray) else _instead(obj) or
-               "(register it with deltackpt.register_type; Store.save and Store.load also take allow_pickle=True, "
-               "a Checkpointer does not)")
+               if isinstance(obj, np.ndarray) else
+               _instead(obj) or ("(register it with deltackpt.register_type; Store.save and Store.load also take "
+                                 "allow_pickle=True, a Checkpointer does not)"))
         )
 
 
