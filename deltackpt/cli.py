@@ -100,14 +100,13 @@ class _Escaped:
 @contextmanager
 def progress(desc: str) -> Iterator[Callable[[int, int], None] | None]:
     """A tqdm bar on a terminal, nothing otherwise."""
-    err = sys.stderr.stream if isinstance(sys.stderr, _Escaped) else sys.stderr  # (its \r redraws the bar)
+    err = _raw_stderr()  # (its \r redraws the bar)
     if not err.isatty():
         yield None
         return
     from tqdm import tqdm
 
     bar = tqdm(desc=desc, unit="", leave=False, file=err)
-    _bars.append(bar)
     try:
 
         def update(done: int, total: int) -> None:
@@ -117,12 +116,12 @@ def progress(desc: str) -> Iterator[Callable[[int, int], None] | None]:
 
         yield update
     finally:
-        _bars.remove(bar)
         bar.close()
 
 
-#: the progress bars on the terminal (:func:`progress`), which a line printed meanwhile clears and redraws
-_bars: list[Any] = []
+def _raw_stderr() -> Any:
+    """stderr beneath :func:`main`'s escaping wrapper: where progress bars draw."""
+    return sys.stderr.stream if isinstance(sys.stderr, _Escaped) else sys.stderr
 
 
 def _which(arg: str, s: Store) -> dict[str, Any]:
@@ -1855,12 +1854,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _say_waiting(busy: str) -> None:
     """What a command waits for, once it has waited a second for a lock another process holds."""
-    bar = _bars[-1] if _bars else None  # (a bar on screen: verify and gc draw theirs before they take the lock)
-    if bar is not None:
-        bar.clear()  # (the line would otherwise run on from the end of the bar's)
-    print(f"deltackpt: waiting: {busy}", file=sys.stderr, flush=True)
-    if bar is not None:
-        bar.refresh()
+    from tqdm import tqdm
+
+    # a progress bar on screen (verify and gc draw theirs before they take the lock) is cleared first, else the
+    # line would run on from the end of the bar's, and drawn again after
+    with tqdm.external_write_mode(file=_raw_stderr()):
+        print(f"deltackpt: waiting: {busy}", file=sys.stderr, flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:

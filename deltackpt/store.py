@@ -1765,11 +1765,11 @@ class Store:
         decoded = {k: view for _, k, view in first}
         groups: dict[bytes, list[tuple[TensorEntry, bytes, np.ndarray]]] = {}
         group_of = {item[1]: r[0] if r else item[1] for item, r in zip(later, refs)}
-        for item, r in zip(later, refs):
+        for item in later:
             # an input that is itself one of these predicted chunks (an EMA copy's parameter, this checkpoint's):
             # the chunk joins that input's group, which decodes the input first (it is one level shallower) and
             # keeps it in the group's memo, rather than decode it a second time in a group of its own
-            ref0 = r[0] if r else item[1]
+            ref0 = group_of[item[1]]
             groups.setdefault(group_of.get(ref0, ref0), []).append(item)
         self._read_each(lambda group: self._read_group(group, locs, frames_at, decoded, verify, scratch),
                        list(groups.values()), lambda group, exc: named(group[0], exc))
