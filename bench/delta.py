@@ -1,7 +1,8 @@
 """Where the bytes of dense AdamW (or SGD) training go: dedup, byte planes and deltas, saved every step and every 10.
 
-``python -m bench.delta [--saves 20] [--small] [--every 1,10] [--max-chain K] [--cores 1,2,4] [--optimizer sgd]``
-trains the suite's GPT (52.6M fp32 parameters; ``--small``: 1.3M) with AdamW (lr 1e-4, weight decay 0.1; or
+``python -m bench.delta [--saves 20] [--small] [--every 1,10] [--max-chain K] [--cores 1,2,4] [--optimizer sgd]
+[--dtype bfloat16]`` trains the suite's GPT (52.6M fp32 parameters; ``--small``: 1.3M; ``--dtype bfloat16``: the
+model, and so its optimizer state, in bfloat16) with AdamW (lr 1e-4, weight decay 0.1; or
 ``--optimizer sgd``: SGD with momentum 0.9, lr 1e-2, weight decay 1e-4) on random token ids and saves the full
 training state into three stores after every step (``Store(max_chain=0)``: dedup + byte planes + zstd;
 ``Store(max_chain=K, predict=False)``: XOR deltas too; ``Store(max_chain=K)``, by default the store's default:
@@ -67,9 +68,9 @@ def _optimizer(name: str, model: GPT) -> torch.optim.Optimizer:
 
 
 def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | None,
-         cores: list[int], optimizer: str = "adamw") -> dict:
+         cores: list[int], optimizer: str = "adamw", dtype: torch.dtype = torch.float32) -> dict:
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(dtype)
     opt = _optimizer(optimizer, model)
     planes = deltackpt.Store(root / "planes", max_chain=0)
     xor = deltackpt.Store(root / "xor", max_chain=max_chain, predict=False)
@@ -199,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--every", default="1,10", help="save intervals to run, comma-separated (default 1,10)")
     ap.add_argument("--max-chain", type=int, default=None, help="the delta store's max_chain (default: the store's)")
     ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the model's dtype, and so its optimizer state's (default float32)")
     ap.add_argument("--cores", default="", help="also time warm restores pinned to this many CPUs, comma-separated "
                     "(e.g. 1,2,4; at most the CPUs this process may use)")
     args = ap.parse_args(argv)
@@ -209,13 +212,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GPTConfig(d_model=128, n_layers=4, vocab=2048) if args.small else GPTConfig()
     chain = config.DEFAULT_MAX_CHAIN if args.max_chain is None else args.max_chain
     how = "SGD momentum 0.9 lr 1e-2" if args.optimizer == "sgd" else "AdamW lr 1e-4"
-    print(f"GPT {cfg.n_params() / 1e6:.1f}M parameters, {how}; deltackpt backend "
+    print(f"GPT {cfg.n_params() / 1e6:.1f}M {args.dtype} parameters, {how}; deltackpt backend "
           f"{deltackpt.backend}; delta store max_chain={chain}")
     for every in (int(e) for e in args.every.split(",")):
         root = Path(tempfile.mkdtemp(prefix="deltackpt-delta-"))
         try:
             print(f"\nsaving every {every} step(s), {args.saves} saves")
-            res = _run(cfg, args.saves, every, root, chain, cores, args.optimizer)
+            res = _run(cfg, args.saves, every, root, chain, cores, args.optimizer, getattr(torch, args.dtype))
         finally:
             shutil.rmtree(root, ignore_errors=True)
         steady = res["rows"][1:]  # the first save has no parent

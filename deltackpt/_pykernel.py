@@ -202,15 +202,34 @@ def adam_w(c: tuple[float, ...] | list[float], m: np.ndarray, m1: np.ndarray, v1
     return w
 
 
+#: a bfloat16 predictor's id is this plus its float32 predictor's (native/kernel.h, DCK_PREDICT_BF16)
+_BF16 = 3
+
+
+def _bf16_widened(buf: object) -> np.ndarray:
+    """The little-endian bfloat16 elements of ``buf`` as little-endian float32 bytes (16 zero bits appended)."""
+    return (np.frombuffer(_as_u8(buf), dtype="<u2").astype("<u4") << 16).view(np.uint8)
+
+
 def predict(predictor: int, coefs: object, base: object, refs: list[object], out: object) -> None:
     """Reference of the native ``dck_predict`` (see native/kernel.h): one numpy ufunc per double operation, in
     the same order, so both are correctly rounded IEEE operations with identical results."""
     o = _as_u8(out, writable=True)
     n = len(o)
     c = [float(x) for x in coefs]  # type: ignore[attr-defined]
-    ok = (predictor, len(c), len(refs)) in ((1, 4, 2), (2, 7, 3), (3, 3, 2))
-    if n % 4 or not ok or len(_as_u8(base)) != n or any(len(_as_u8(r)) != n for r in refs):
+    f32 = predictor - _BF16 if predictor > _BF16 else predictor
+    ok = (f32, len(c), len(refs)) in ((1, 4, 2), (2, 7, 3), (3, 3, 2)) and predictor <= _BF16 + 2
+    size = 2 if predictor > _BF16 else 4
+    if n % size or not ok or len(_as_u8(base)) != n or any(len(_as_u8(r)) != n for r in refs):
         raise ValueError("deltackpt kernel: invalid argument")
+    if predictor > _BF16:  # bfloat16: the float32 predictor over the inputs widened, its result rounded to bfloat16
+        wide = np.empty(2 * n, dtype=np.uint8)
+        predict(f32, c, _bf16_widened(base), [_bf16_widened(r) for r in refs], wide)
+        bits = wide.view("<u4")
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        rounded = ((bits.astype(np.uint64) + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
+        o[:] = np.where(nan, np.uint16(0x7FC0), rounded).astype("<u2").view(np.uint8)
+        return
     with np.errstate(all="ignore"):
         m = _f32_in(refs[0])
         if predictor == 3:  # q = c0*p1 - c1*b + c2*b1

@@ -48,7 +48,10 @@ FRAME_VERSION = 1
 PREDICTED_VERSION = 2
 #: the version byte of predicted frames whose predictor version-2 readers do not know (momentum-param, §8a)
 PREDICTED_V3 = 3
-_VERSIONS = (FRAME_VERSION, PREDICTED_VERSION, PREDICTED_V3)
+#: the version byte of predicted frames of bfloat16 elements (predictors 4 and 5, §8a), which version-3 readers do
+#: not know
+PREDICTED_V4 = 4
+_VERSIONS = (FRAME_VERSION, PREDICTED_VERSION, PREDICTED_V3, PREDICTED_V4)
 HEADER = struct.Struct("<4sBBBBQQ16s16sQ")
 HEADER_SIZE = HEADER.size  # 64
 CHECKED = 56  # header bytes covered by the checksum (everything before it)
@@ -115,6 +118,8 @@ def _root(reason: str) -> str:
 
 def predicted_version(predictor: int) -> int:
     """The version byte of a predicted frame whose record names ``predictor`` (docs/format.md §3)."""
+    if predictor >= predict.FIRST_V4_PREDICTOR:
+        return PREDICTED_V4
     return PREDICTED_V3 if predictor >= predict.FIRST_V3_PREDICTOR else PREDICTED_VERSION
 
 
@@ -279,11 +284,13 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
     if magic != MAGIC:
         raise CorruptChunkError(f"bad frame magic {bytes(magic)!r}{_at(where)}")
     if version not in _VERSIONS:
-        raise FormatVersionError(f"{_NEWER_FRAME} {version} is not supported (this reader: 1-3){_at(where)}")
+        raise FormatVersionError(f"{_NEWER_FRAME} {version} is not supported (this reader: 1-4){_at(where)}")
     if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0 or (version >= 2) != (codec == PREDICTED):
         raise CorruptChunkError(f"bad frame header (codec {codec}, width {width}, flags {flags}){_at(where)}")
-    if codec == PREDICTED and width != 4:  # (predictions are of float32 state; the residual's planes are too)
-        raise CorruptChunkError(f"predicted frame of width {width} (they have width 4){_at(where)}")
+    if codec == PREDICTED and width != (2 if version == PREDICTED_V4 else 4):  # (the predictions' elements:
+        # float32, bfloat16 in version 4; the residual's planes are of them too)
+        raise CorruptChunkError(f"predicted frame of version {version} and width {width} (they have width "
+                                f"{2 if version == PREDICTED_V4 else 4}){_at(where)}")
     if raw_len > MAX_RAW or stored_len > MAX_RAW + 1024:
         raise CorruptChunkError(f"frame declares {raw_len} raw / {stored_len} stored bytes{_at(where)}")
     if codec == RAW and stored_len != raw_len:
@@ -528,9 +535,9 @@ def _prediction(frame: bytes | memoryview, h: FrameHeader, where: str | None,
 
     try:
         rec = prediction_record(memoryview(frame)[HEADER_SIZE : h.frame_len], where, h.version)
-        if h.raw_len % 4:  # predictions are of float32 values
-            raise CorruptChunkError(f"predicted frame of {h.raw_len} bytes, not a whole number of float32 values"
-                                    f"{_at(where)}")
+        if h.raw_len % h.width:  # predictions are of float32 (bfloat16) values, the frame's width
+            raise CorruptChunkError(f"predicted frame of {h.raw_len} bytes, not a whole number of "
+                                    f"{'bfloat16' if h.width == 2 else 'float32'} values{_at(where)}")
     except CorruptChunkError as exc:
         raise (checksum_damage() or reported(exc)) from None
     if resolve is None:  # (a damaged frame is damage, whatever the caller passed)

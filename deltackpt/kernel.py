@@ -44,9 +44,10 @@ Contract (both backends)
   Codecs and widths come from the caller's parsed headers. The native version runs one C call without the
   GIL (its own zstd context per thread): the load path's whole per-chunk work.
 - :func:`predict` ``(predictor, coefs, base, refs, out)`` computes a predicted frame's prediction: float32
-  elements of ``base`` and ``refs`` in, float32 out, with the exact operation sequence of ``docs/format.md``
-  §8a (subnormal inputs read as zero, canonical NaN, results below 2^-126 flushed to zero), so both backends
-  and every machine produce the same bytes. Arguments are checked by :mod:`deltackpt.predict`.
+  elements of ``base`` and ``refs`` in, float32 out (bfloat16 for predictors 4 and 5: widened to float32 in,
+  rounded to nearest even out), with the exact operation sequence of ``docs/format.md`` §8a (subnormal inputs
+  read as zero, canonical NaN, results below 2^-126 flushed to zero), so both backends and every machine
+  produce the same bytes. Arguments are checked by :mod:`deltackpt.predict`.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 Where it sits: between the store and the codec. ``save`` asks :func:`plan` which float32 tensors of a state are
 AdamW second moments (``exp_avg_sq``) and parameters, and which first moment (``exp_avg``) and second moment
-each one pairs with. For a changed chunk of such a tensor the store computes a prediction (:func:`predict`) from
-the parent's chunk at the same position and the paired chunks, and the codec stores ``raw XOR prediction`` as a
-*predicted frame* (codec 4) that names those chunks and carries the coefficients. ``load`` decodes the named
-chunks first, recomputes the same prediction and applies the frame. See ``docs/format.md``, "Predicted frames".
+each one pairs with (bfloat16 ones too: a tensor pairs only with tensors of its element type and shape). For a
+changed chunk of such a tensor the store computes a prediction (:func:`predict`) from the parent's chunk at the
+same position and the paired chunks, and the codec stores ``raw XOR prediction`` as a *predicted frame* (codec
+4) that names those chunks and carries the coefficients. ``load`` decodes the named chunks first, recomputes the
+same prediction and applies the frame. See ``docs/format.md``, "Predicted frames".
 
 Why it works: with ``m``, ``v``, ``p`` the new first moment, second moment and parameter and primes for the
 parent's, the gradient follows from the two first moments, ``g = (m - β1·m') / (1 - β1)``; then
@@ -23,9 +24,10 @@ Exactness is what makes this lossless: the prediction is a pure function of the 
 referenced chunks' bytes, computed by :func:`deltackpt.kernel.predict` (the native kernel's loops, or numpy in
 the reference backend) with IEEE-754 float64 operations that are correctly rounded everywhere (one operation
 each: ``+ - * / sqrt``; subnormal inputs read as zero), then rounded once to float32 (results below 2^-126
-flushed to zero, NaN canonical). Encoder and decoder therefore agree
-bit for bit on every machine, and which coefficients the encoder chose only changes the residual's size. A
-wrong pairing or another optimizer costs one trial compression, never correctness.
+flushed to zero, NaN canonical); bfloat16 elements are widened to float32 first and the float32 result is
+rounded to bfloat16 (to nearest, ties to even). Encoder and decoder therefore agree bit for bit on every machine,
+and which coefficients the encoder chose only changes the residual's size. A wrong pairing or another optimizer
+costs one trial compression, never correctness.
 """
 
 from __future__ import annotations
@@ -48,10 +50,17 @@ from deltackpt.tree import child_path
 SECOND_MOMENT = 1  # refs: m, m' (base v'); coefs c0..c3: g = (m - c0*m') * c1 ; v = c2*v' + c3*(g*g)
 PARAM = 2  # refs: m, m', v'; base p'; coefs c0..c6: g and w as v above, p = c4*p' - c5*(m / (sqrt(w) + c6))
 MOMENTUM_PARAM = 3  # refs: b, b' (momentum buffers); base p'; coefs c0..c2: p = c0*p' - c1*b + c2*b'
+#: AdamW's two over bfloat16 elements have this plus their id (adam-v-bf16 4, adam-param-bf16 5): the float32
+#: predictor over the inputs widened, its result rounded to bfloat16. (Momentum-param has none: a bfloat16 SGD
+#: weight's XOR delta is already as small as its prediction's residual.)
+BF16 = 3
 _SHAPE = {SECOND_MOMENT: (2, 4), PARAM: (3, 7), MOMENTUM_PARAM: (2, 3)}  # (references, coefficients)
+_SHAPE.update({BF16 + SECOND_MOMENT: _SHAPE[SECOND_MOMENT], BF16 + PARAM: _SHAPE[PARAM]})
 #: the first predictor that frames of version 2 (codec.PREDICTED_VERSION) cannot name: frames of it and later
 #: ones are version 3, which readers that do not know them refuse as a newer format
 FIRST_V3_PREDICTOR = MOMENTUM_PARAM
+#: likewise the first predictor of version 4 frames (the bfloat16 predictors)
+FIRST_V4_PREDICTOR = BF16 + SECOND_MOMENT
 _PREFIX_HEAD = struct.Struct("<BBHI")  # predictor, refs, coefficients, reserved (0)
 #: elements the encoder fits the parameter coefficients on (an evenly spaced sample of the chunk)
 FIT_SAMPLE = 1 << 15
@@ -95,19 +104,35 @@ class Prediction:
 COEF_MIN, COEF_MAX = 2.0**-60, 2.0**60
 
 
+def element_predictor(predictor: int, width: int) -> int:
+    """The id a frame records for a role's ``predictor`` (1-3) over elements of ``width`` bytes: itself for
+    float32, its bfloat16 form for 2 (the only 2-byte elements :func:`plan` gives roles, adam-v and adam-param
+    ones)."""
+    return predictor + BF16 if width == 2 else predictor
+
+
+def element_width(predictor: int) -> int:
+    """The bytes per element of the values a recorded predictor computes: 4 (float32) or 2 (bfloat16)."""
+    return 2 if predictor > BF16 else 4
+
+
 def valid_coefs(coefs: Iterable[float]) -> bool:
     return all(c == 0.0 or COEF_MIN <= abs(c) <= COEF_MAX for c in coefs)
 
 
-def _f64(buf: Any, step: int = 1) -> np.ndarray:
-    """Every ``step``-th float32 element of ``buf``, widened to float64 (a signalling NaN quietly: numpy's cast
-    warns of it, and a state may hold one)."""
+def _f64(buf: Any, step: int = 1, width: int = 4) -> np.ndarray:
+    """Every ``step``-th float32 (``width`` 4) or bfloat16 (2) element of ``buf``, widened to float64 (a
+    signalling NaN quietly: numpy's cast warns of it, and a state may hold one)."""
+    raw = memoryview(buf).cast("B")
     with np.errstate(invalid="ignore"):
-        return np.frombuffer(memoryview(buf).cast("B"), dtype="<f4")[::step].astype(np.float64)
+        if width == 2:
+            return (np.frombuffer(raw, dtype="<u2")[::step].astype("<u4") << 16).view("<f4").astype(np.float64)
+        return np.frombuffer(raw, dtype="<f4")[::step].astype(np.float64)
 
 
 def predict(p: Prediction, base: Any, refs: list[Any], out: np.ndarray) -> None:
-    """Write the prediction's float32 bytes into ``out`` (uint8, the chunk's raw length).
+    """Write the prediction's bytes (float32, or bfloat16 for predictors 4 and 5) into ``out`` (uint8, the chunk's
+    raw length).
 
     ``base`` is the raw bytes of the frame's base chunk (the parent's chunk at the same position), ``refs``
     those of ``p.refs`` in order. The kernel (:func:`deltackpt.kernel.predict`, native or the numpy reference)
@@ -117,12 +142,12 @@ def predict(p: Prediction, base: Any, refs: list[Any], out: np.ndarray) -> None:
     kernel.predict(p.predictor, p.coefs, base, refs, out)
 
 
-def _sample(*bufs: Any) -> list[np.ndarray]:
-    """The same evenly spaced sample (at most about :data:`FIT_SAMPLE` elements) of each float32 chunk, in
-    float64."""
-    n = len(memoryview(bufs[0]).cast("B")) // 4
+def _sample(*bufs: Any, width: int = 4) -> list[np.ndarray]:
+    """The same evenly spaced sample (at most about :data:`FIT_SAMPLE` elements) of each chunk of float32
+    (``width`` 4) or bfloat16 (2) elements, in float64."""
+    n = len(memoryview(bufs[0]).cast("B")) // width
     step = max(1, n // FIT_SAMPLE)
-    return [_f64(b, step) for b in bufs]
+    return [_f64(b, step, width) for b in bufs]
 
 
 def _fit_param(
@@ -178,22 +203,22 @@ def _miss(guess: np.ndarray, actual: np.ndarray) -> float:
     return float(np.median(rel)) if len(rel) else np.inf
 
 
-def choose_coefs(role: Role, base: Any, new: Any, inputs: list[Any]) -> tuple[float, ...] | None:
+def choose_coefs(role: Role, base: Any, new: Any, inputs: list[Any], width: int = 4) -> tuple[float, ...] | None:
     """The coefficients of one chunk's predicted frame: from the betas of the role's optimizer state and, when
     the checkpoint before held others (:attr:`Role.before`), those too, keeping whichever predicts a sample of
     the chunk better. A schedule that changes the betas (OneCycleLR cycles β1) has, by the time of the save,
     already set the next step's: the update the checkpoint holds used the ones saved before it.
-    ``base`` is the parent's chunk, ``new`` this one, ``inputs`` the referenced chunks (m, m'[, v']).
-    None when nothing predicts it."""
+    ``base`` is the parent's chunk, ``new`` this one, ``inputs`` the referenced chunks (m, m'[, v']), all of
+    elements of ``width`` bytes (4: float32; 2: bfloat16). None when nothing predicts it."""
     if role.predictor == MOMENTUM_PARAM:
-        return fit_momentum(*_sample(base, new, *inputs), free_c2=not role.average)
+        return fit_momentum(*_sample(base, new, *inputs, width=width), free_c2=not role.average)
     options = [(role.beta1, role.beta2, role.eps)]
     if role.before is not None and role.before != options[0]:
         options.append(role.before)
     if role.predictor == SECOND_MOMENT and len(options) == 1:
         return second_moment_coefs(role.beta1, role.beta2)
     # one sample of each chunk for every option: p' (or v'), p (or v), m, m'[, v']
-    sample = _sample(base, new, *inputs)
+    sample = _sample(base, new, *inputs, width=width)
     best: tuple[tuple[float, ...] | None, float] = (None, np.inf)
     for beta1, beta2, eps in options:
         moments = second_moment_coefs(beta1, beta2)
@@ -281,13 +306,13 @@ def _averages(outside: list[Any], pairs: Mapping[str, str], roles: Mapping[str, 
     found: list[tuple[str, str]] = []
     for p in sorted(params):
         leaf = by_path.get(p)
-        if leaf is None:
+        if leaf is None or (_form(leaf) or ("",))[0] != "float32":  # (momentum-param: float32 only, see BF16)
             continue
         parts = _unwrapped(p).split(".")[1:]  # (the name within the model: the first component is the model's)
         # the longest name that some tensor's path ends in, down to two components (one for a one-part name):
         # ``net.blocks.0.weight`` of a ModuleDict whose copy is ``model.ema.module.blocks.0.weight``
         for j in range(max(1, len(parts) - 1)):
-            cands = [c for c in by_name.get(".".join(parts[j:]), ()) if c.shape == leaf.shape]
+            cands = [c for c in by_name.get(".".join(parts[j:]), ()) if _form(c) == _form(leaf)]
             if cands:
                 if len(cands) == 1:
                     found.append((cands[0].path, p))
@@ -302,11 +327,11 @@ def _plan(state: Any, leaves: list[Any], pairs: Mapping[str, str] | None) -> tup
     roles: dict[str, Role] = {}
     optimizers = list(_optimizer_dicts(state, ""))
     optimizer_prefixes = {path for path, _ in optimizers}
-    outside = [leaf for leaf in leaves if _is_f32(leaf) and not _inside_any(leaf.path, optimizer_prefixes)]
+    outside = [leaf for leaf in leaves if _form(leaf) and not _inside_any(leaf.path, optimizer_prefixes)]
     by_name: dict[str, list[Any]] | None = None  # float32 leaves outside optimizer states, by each name they end in
-    states: list[tuple[tuple[int, ...], Role]] = []  # (shape, role its parameter would take) still unpaired
+    states: list[tuple[Form, Role]] = []  # (form, role its parameter would take) still unpaired
     # state entries with a name: (optimizer number, shape, role, (prefix, leaf) of each leaf the name matches)
-    named_states: list[tuple[int, tuple[int, ...], Role, list[tuple[str, Any]]]] = []
+    named_states: list[tuple[int, Form, Role, list[tuple[str, Any]]]] = []
     for o, (path, opt) in enumerate(optimizers):
         spath = child_path(path, "state")
         for group in opt["param_groups"]:
@@ -331,7 +356,7 @@ def _plan(state: Any, leaves: list[Any], pairs: Mapping[str, str] | None) -> tup
                 shape, prole, others = found
                 roles.update(others)
                 given = by_path.get((pairs or {}).get(base, ""))
-                if given is not None and _is_f32(given) and given.shape == shape and given.path not in roles:
+                if given is not None and _form(given) == shape and given.path not in roles:
                     roles[given.path] = prole
                     continue
                 if name is None or by_name is None:
@@ -339,16 +364,16 @@ def _plan(state: Any, leaves: list[Any], pairs: Mapping[str, str] | None) -> tup
                     continue
                 plain = _unwrapped(name)
                 matches = [(_unwrapped(leaf.path)[: -len(plain)], leaf) for leaf in by_name.get(plain, ())
-                           if leaf.shape == shape]
+                           if _form(leaf) == shape]
                 named_states.append((o, shape, prole, matches))
     states += _pair_by_name(named_states, roles)
     if not states:
         return roles, outside
-    params: dict[tuple[int, ...], list[str]] = {}
+    params: dict[Form, list[str]] = {}
     for leaf in outside:
-        if leaf.path not in roles:
-            params.setdefault(tuple(leaf.shape), []).append(leaf.path)
-    per_shape: dict[tuple[int, ...], list[Role]] = {}
+        if leaf.path not in roles and (form := _form(leaf)):
+            params.setdefault(form, []).append(leaf.path)
+    per_shape: dict[Form, list[Role]] = {}
     for shape, prole in states:
         per_shape.setdefault(shape, []).append(prole)
     for shape, proles in per_shape.items():
@@ -372,7 +397,7 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
     lead = under + "."
     shards: dict[str, Any] = {}  # "fqn@offsets" -> leaf
     for leaf in leaves:
-        if leaf.path.startswith(lead) and _is_f32(leaf):
+        if leaf.path.startswith(lead) and _form(leaf):
             shards[leaf.path[len(lead):]] = leaf
     # (optimizer prefix, "" for one saved at the top, and param id) -> (the parameter's name or None, its group)
     groups: dict[tuple[str, str], tuple[str | None, Mapping[str, Any]]] = {}
@@ -393,8 +418,8 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
                 groups[(prefix[1:], str(i))] = (name if isinstance(name, str) and name else None, group)
     by_name: dict[tuple[str, str], list[str]] | None = None  # (unwrapped name suffix, offsets) -> param shards
 
-    def params(name: str, off: str, shape: Any, own: str) -> list[Any]:
-        """The float32 shards outside optimizer prefix ``own`` of parameter ``name`` at offsets ``off``."""
+    def params(name: str, off: str, form: Form | None, own: str) -> list[Any]:
+        """The shards of ``form`` outside optimizer prefix ``own`` of parameter ``name`` at offsets ``off``."""
         nonlocal by_name
         if by_name is None:
             by_name = {}
@@ -404,7 +429,7 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
                 for j in range(len(parts)):
                     by_name.setdefault((".".join(parts[j:]), o), []).append(k)
         return [shards[k] for k in by_name.get((_unwrapped(name), off), ())
-                if shards[k].shape == shape and not k.startswith(own) and shards[k].path not in roles]
+                if _form(shards[k]) == form and not k.startswith(own) and shards[k].path not in roles]
 
     def entry(base: str) -> tuple[str, str | None, Mapping[str, Any]] | None:
         """(the optimizer's state prefix, parameter name or None, group) of the optimizer state entry at
@@ -421,15 +446,15 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
         fqn, _, off = key.rpartition("@")
         if fqn.endswith(".momentum_buffer"):  # SGD (or RMSprop) with momentum: the parameter's step is -lr·b
             found = entry(fqn[: -len(".momentum_buffer")])
-            if found is not None and found[1] is not None:
-                for leaf in params(found[1], off, vl.shape, found[0]):
+            if found is not None and found[1] is not None and vl.dtype != "bfloat16":  # (see BF16)
+                for leaf in params(found[1], off, _form(vl), found[0]):
                     roles[leaf.path] = Role(MOMENTUM_PARAM, vl.path, None, 0.0, 0.0, 0.0, 0.0)
             continue
         if not fqn.endswith(".exp_avg_sq"):
             continue
         base = fqn[: -len(".exp_avg_sq")]
         ml = shards.get(f"{base}.exp_avg@{off}")
-        if ml is None or ml.shape != vl.shape:
+        if ml is None or _form(ml) != _form(vl):
             continue
         found = entry(base)
         if found is None:
@@ -445,15 +470,15 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
         mp, vp = ml.path, vl.path
         roles[vp] = Role(SECOND_MOMENT, mp, None, *betas, step)
         if name is not None:
-            for leaf in params(name, off, vl.shape, own):
+            for leaf in params(name, off, _form(vl), own):
                 roles[leaf.path] = Role(PARAM, mp, vp, *betas, step)
     return roles
 
 
 def _param_role(st: Any, group: Mapping[str, Any], base: str, by_path: Mapping[str, Any]
-                ) -> tuple[tuple[int, ...], Role, dict[str, Role]] | None:
-    """For one optimizer state entry ``st`` (at key path ``base``, in parameter group ``group``): the shape
-    its parameter has, the role that parameter takes, and the roles of the entry's own tensors (an AdamW
+                ) -> tuple[Form, Role, dict[str, Role]] | None:
+    """For one optimizer state entry ``st`` (at key path ``base``, in parameter group ``group``): the form
+    (:func:`_form`) its parameter has, the role that parameter takes, and the roles of the entry's own tensors (an AdamW
     second moment); None when the entry predicts nothing.
 
     AdamW-style entries (``exp_avg`` and ``exp_avg_sq``) give the parameter an adam-param role and the second
@@ -465,25 +490,26 @@ def _param_role(st: Any, group: Mapping[str, Any], base: str, by_path: Mapping[s
         betas = _group_betas(group)
         mp, vp = child_path(base, "exp_avg"), child_path(base, "exp_avg_sq")
         ml, vl = by_path.get(mp), by_path.get(vp)
-        if betas is None or ml is None or vl is None or not (_is_f32(ml) and _is_f32(vl)) or ml.shape != vl.shape:
+        form = None if ml is None or vl is None else _form(vl)
+        if betas is None or form is None or _form(ml) != form:
             return None
         try:
             step = float(st.get("step", 0))
         except (TypeError, ValueError, RuntimeError, OverflowError):
             step = 0.0
         v = Role(SECOND_MOMENT, mp, None, *betas, step)
-        return tuple(vl.shape), Role(PARAM, mp, vp, *betas, step), {vp: v}
+        return form, Role(PARAM, mp, vp, *betas, step), {vp: v}
     if "momentum_buffer" in st:
         bp = child_path(base, "momentum_buffer")
-        bl = by_path.get(bp)
-        if bl is None or not _is_f32(bl):
+        form = None if (bl := by_path.get(bp)) is None else _form(bl)
+        if form is None or form[0] != "float32":  # (float32 only: see BF16)
             return None
-        return tuple(bl.shape), Role(MOMENTUM_PARAM, bp, None, 0.0, 0.0, 0.0, 0.0), {}
+        return form, Role(MOMENTUM_PARAM, bp, None, 0.0, 0.0, 0.0, 0.0), {}
     return None
 
 
-def _pair_by_name(named_states: list[tuple[int, tuple[int, ...], Role, list[tuple[str, Any]]]],
-                  roles: dict[str, Role]) -> list[tuple[tuple[int, ...], Role]]:
+def _pair_by_name(named_states: list[tuple[int, Form, Role, list[tuple[str, Any]]]],
+                  roles: dict[str, Role]) -> list[tuple[Form, Role]]:
     """Pair the state entries whose parameters an optimizer names (``(optimizer number, shape, role,
     [(prefix, leaf)])``: every float32 leaf of the shape whose unwrapped key path is ``prefix`` + the name) and
     return those left for the shape guess.
@@ -648,5 +674,14 @@ def _inside_any(path: str, prefixes: Set[str]) -> bool:
     return any(c in ".[" and path[:i] in prefixes for i, c in enumerate(path))
 
 
-def _is_f32(leaf: Any) -> bool:
-    return leaf.dtype in ("float32", "<f4") and leaf.width == 4
+#: what a tensor must share with the tensors it is paired with: its element type and its shape (:func:`_form`)
+Form = tuple[str, tuple[int, ...]]
+
+
+def _form(leaf: Any) -> Form | None:
+    """``(element type, shape)`` of a leaf whose elements predictors compute (float32 or bfloat16), else None."""
+    if leaf.dtype in ("float32", "<f4") and leaf.width == 4:
+        return "float32", tuple(leaf.shape)
+    if leaf.dtype == "bfloat16" and leaf.width == 2:
+        return "bfloat16", tuple(leaf.shape)
+    return None

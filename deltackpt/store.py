@@ -1463,10 +1463,11 @@ class Store:
             inputs += [inputs[0] if r == refs[0] else self._raw_of(r) for r in refs[1:]]
         except CorruptChunkError:
             return self._encode(view, key, width, None, checked=raw)  # a damaged input must not spread: a keyframe
-        coefs = predict.choose_coefs(role, base, raw, inputs)
+        coefs = predict.choose_coefs(role, base, raw, inputs, width)
         if coefs is None:
             return self._encode(view, key, width, base_key, checked=raw)
-        record = predict.Prediction(role.predictor, tuple(r[:16] for r in refs), coefs)
+        record = predict.Prediction(predict.element_predictor(role.predictor, width), tuple(r[:16] for r in refs),
+                                    coefs)
         guess = np.empty(n, dtype=np.uint8)
         predict.predict(record, base, inputs, guess)
         frame = self._encoder().encode_predicted(raw, key[:16], width, guess, base_key[:16], record.pack())

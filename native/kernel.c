@@ -971,6 +971,21 @@ static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_le
     return 0;
 }
 
+/* Contract: for a predictor id (DCK_PREDICT_*) sets *nc and *nrefs to its numbers of coefficients and references
+ * and *size to its element size in bytes (4: float32; 2: the bfloat16 predictors) and returns 1; returns 0 (and
+ * sets nothing) for an unknown id. */
+static int dck_predictor_shape(int predictor, int *nc, int *nrefs, size_t *size)
+{
+    int f32 = predictor > DCK_PREDICT_BF16 ? predictor - DCK_PREDICT_BF16 : predictor;
+
+    if (f32 < DCK_PREDICT_ADAM_V || f32 > DCK_PREDICT_MOMENTUM_PARAM || predictor > DCK_PREDICT_ADAM_PARAM_BF16)
+        return 0;
+    *nc = f32 == DCK_PREDICT_ADAM_V ? 4 : f32 == DCK_PREDICT_ADAM_PARAM ? 7 : 3;
+    *nrefs = f32 == DCK_PREDICT_ADAM_PARAM ? 3 : 2;
+    *size = predictor > DCK_PREDICT_BF16 ? 2 : 4;
+    return 1;
+}
+
 /* Contract: dck_decode_frames, or dck_decode_predicted when pred is not NULL (see kernel.h). */
 static int dck_decode(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs, const int *widths,
                       int n, const struct dck_prediction *pred, uint8_t *dst, size_t raw_len, const uint8_t *digest,
@@ -994,10 +1009,11 @@ static int dck_decode(const uint8_t *const *frames, const size_t *frame_lens, co
     }
     if (pred != NULL) {
         int j, nr = pred->nrefs;
-        if (codecs[0] != DCK_CODEC_PREDICTED || raw_len % 4 != 0 || pred->c == NULL || pred->refs == NULL ||
-            !((pred->predictor == DCK_PREDICT_ADAM_V && pred->nc == 4 && nr == 2) ||
-              (pred->predictor == DCK_PREDICT_ADAM_PARAM && pred->nc == 7 && nr == 3) ||
-              (pred->predictor == DCK_PREDICT_MOMENTUM_PARAM && pred->nc == 3 && nr == 2)))
+        int nc, nrefs;
+        size_t size;
+        if (codecs[0] != DCK_CODEC_PREDICTED || pred->c == NULL || pred->refs == NULL ||
+            !dck_predictor_shape(pred->predictor, &nc, &nrefs, &size) || pred->nc != nc || nr != nrefs ||
+            raw_len % size != 0)
             return DCK_EINVAL;
         for (j = 0; j < nr && raw_len > 0; j++)
             if (pred->refs[j] == NULL)
@@ -1275,20 +1291,12 @@ DCK_TARGET_AVX512 static void dck_predict_avx512(int predictor, const double *c,
 }
 #endif
 
-int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs, int nrefs,
-                uint8_t *out, size_t len)
+/* Contract: dck_predict of a float32 predictor (1-3) over n elements, inputs and arguments already checked. */
+static void dck_predict_f32(int predictor, const double *c, const uint8_t *base, const uint8_t *const *refs,
+                            uint8_t *out, size_t n)
 {
-    size_t done = 0, n = len / 4;
+    size_t done = 0;
 
-    if (len % 4 != 0 || c == NULL || refs == NULL)
-        return DCK_EINVAL;
-    if (!((predictor == DCK_PREDICT_ADAM_V && nc == 4 && nrefs == 2) ||
-          (predictor == DCK_PREDICT_ADAM_PARAM && nc == 7 && nrefs == 3) ||
-          (predictor == DCK_PREDICT_MOMENTUM_PARAM && nc == 3 && nrefs == 2)))
-        return DCK_EINVAL;
-    if (len > 0 && (base == NULL || out == NULL || refs[0] == NULL || refs[1] == NULL ||
-                    (nrefs == 3 && refs[2] == NULL)))
-        return DCK_EINVAL;
 #if DCK_AVX2
     if (dck_have_avx512()) {
         done = n - n % 8;
@@ -1299,5 +1307,94 @@ int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, con
     }
 #endif
     dck_predict_portable(predictor, c, base, refs, out, done, n - done);
+}
+
+/* Elements per block of a bfloat16 prediction: its inputs are widened into float32 blocks on the stack, predicted
+ * as float32 and narrowed back (5 blocks of 2 KiB). */
+#define DCK_BF16_BLOCK 512
+
+/* Contract: dst[0..4n) = the n little-endian bfloat16 values at src widened exactly to little-endian float32 (16
+ * zero bits appended); n <= DCK_BF16_BLOCK. Staged through aligned arrays so the loop vectorizes. */
+static void dck_bf16_widen(uint8_t *dst, const uint8_t *src, size_t n)
+{
+    uint16_t h[DCK_BF16_BLOCK];
+    uint32_t w[DCK_BF16_BLOCK];
+    size_t i;
+
+    memcpy(h, src, 2 * n);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (i = 0; i < n; i++)
+        h[i] = __builtin_bswap16(h[i]);
+#endif
+    for (i = 0; i < n; i++)
+        w[i] = (uint32_t)h[i] << 16;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (i = 0; i < n; i++)
+        w[i] = __builtin_bswap32(w[i]);
+#endif
+    memcpy(dst, w, 4 * n);
+}
+
+/* Contract: dst[0..2n) = the n little-endian float32 values at src rounded to bfloat16: to nearest, ties to even,
+ * on the 16 bits dropped (the largest finite floats round to infinity); a NaN becomes 0x7FC0; n <=
+ * DCK_BF16_BLOCK. */
+static void dck_bf16_narrow(uint8_t *dst, const uint8_t *src, size_t n)
+{
+    uint32_t w[DCK_BF16_BLOCK];
+    uint16_t h[DCK_BF16_BLOCK];
+    size_t i;
+
+    memcpy(w, src, 4 * n);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (i = 0; i < n; i++)
+        w[i] = __builtin_bswap32(w[i]);
+#endif
+    for (i = 0; i < n; i++) {
+        uint32_t b = w[i];
+        h[i] = (uint16_t)(((b & 0x7fffffffu) > 0x7f800000u ? 0x7fc00000u : b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    }
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    for (i = 0; i < n; i++)
+        h[i] = __builtin_bswap16(h[i]);
+#endif
+    memcpy(dst, h, 2 * n);
+}
+
+/* Contract: dck_predict of a bfloat16 predictor (4, 5) over n elements, inputs and arguments already checked:
+ * float32 predictor - DCK_PREDICT_BF16 over the widened inputs, each result narrowed (dck_bf16_narrow). */
+static void dck_predict_bf16(int predictor, const double *c, const uint8_t *base, const uint8_t *const *refs,
+                             int nrefs, uint8_t *out, size_t n)
+{
+    uint8_t wb[4 * DCK_BF16_BLOCK], wr[3][4 * DCK_BF16_BLOCK], wo[4 * DCK_BF16_BLOCK];
+    const uint8_t *pr[3] = {wr[0], wr[1], wr[2]};
+    size_t at;
+    int k;
+
+    for (at = 0; at < n; at += DCK_BF16_BLOCK) {
+        size_t m = n - at < DCK_BF16_BLOCK ? n - at : DCK_BF16_BLOCK;
+        dck_bf16_widen(wb, base + 2 * at, m);
+        for (k = 0; k < nrefs; k++)
+            dck_bf16_widen(wr[k], refs[k] + 2 * at, m);
+        dck_predict_f32(predictor - DCK_PREDICT_BF16, c, wb, pr, wo, m);
+        dck_bf16_narrow(out + 2 * at, wo, m);
+    }
+}
+
+int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs, int nrefs,
+                uint8_t *out, size_t len)
+{
+    int want_nc, want_nrefs;
+    size_t size;
+
+    if (c == NULL || refs == NULL || !dck_predictor_shape(predictor, &want_nc, &want_nrefs, &size) ||
+        nc != want_nc || nrefs != want_nrefs || len % size != 0)
+        return DCK_EINVAL;
+    if (len > 0 && (base == NULL || out == NULL || refs[0] == NULL || refs[1] == NULL ||
+                    (nrefs == 3 && refs[2] == NULL)))
+        return DCK_EINVAL;
+    if (size == 2)
+        dck_predict_bf16(predictor, c, base, refs, nrefs, out, len / 2);
+    else
+        dck_predict_f32(predictor, c, base, refs, out, len / 4);
     return 0;
 }

@@ -163,9 +163,9 @@ struct dck_prediction {
  * dck_predict(pred->predictor, pred->c, pred->nc, pred->base, pred->refs, pred->nrefs, dst, raw_len) followed by
  * dck_decode_frames(frames, ..., dst, raw_len, digest, bad), whatever dst held on entry. The prediction is
  * written a few KiB at a time just before the residual is XORed onto them (one pass over dst instead of two),
- * after frame 0's checksum and payload checked out. Requires codecs[0] == DCK_CODEC_PREDICTED, raw_len % 4 == 0,
- * pred's fields as dck_predict requires them (the caller checked the coefficients), and dst not overlapping base
- * or a ref; DCK_EINVAL otherwise (nothing written; pred NULL included).
+ * after frame 0's checksum and payload checked out. Requires codecs[0] == DCK_CODEC_PREDICTED, raw_len a whole
+ * number of the predictor's elements, pred's fields as dck_predict requires them (the caller checked the
+ * coefficients), and dst not overlapping base or a ref; DCK_EINVAL otherwise (nothing written; pred NULL included).
  */
 int dck_decode_predicted(const uint8_t *const *frames, const size_t *frame_lens, const int *codecs,
                          const int *widths, int n, const struct dck_prediction *pred, uint8_t *dst, size_t raw_len,
@@ -178,12 +178,17 @@ int dck_decode_predicted(const uint8_t *const *frames, const size_t *frame_lens,
 #define DCK_PREDICT_ADAM_V 1     /* refs m, m1; base v1; coefficients c0..c3 */
 #define DCK_PREDICT_ADAM_PARAM 2 /* refs m, m1, v1; base p1; coefficients c0..c6 */
 #define DCK_PREDICT_MOMENTUM_PARAM 3 /* refs b, b1; base p1; coefficients c0..c2 */
+/* The first two over bfloat16 elements: DCK_PREDICT_BF16 + the float32 predictor's id. */
+#define DCK_PREDICT_BF16 3
+#define DCK_PREDICT_ADAM_V_BF16 4
+#define DCK_PREDICT_ADAM_PARAM_BF16 5
 
 /*
- * Compute a prediction of len bytes (len % 4 == 0, len / 4 little-endian float32 values) into out.
+ * Compute a prediction of len bytes (len % 4 == 0, len / 4 little-endian float32 values; for the bfloat16
+ * predictors len % 2 == 0, len / 2 little-endian bfloat16 values) into out.
  *
  * Inputs:  predictor (DCK_PREDICT_*), its nc coefficients c (4, 7 or 3; each 0 or of magnitude in [2^-60, 2^60],
- *          which the caller checked), base and refs[0..nrefs) (2, 3 or 2), each len bytes of float32.
+ *          which the caller checked), base and refs[0..nrefs) (2, 3 or 2), each len bytes of the elements.
  * Effect:  for every element i, with every input x read as float32 and widened exactly to double after a
  *          subnormal x is replaced by a zero of the same sign:
  *            adam-v:     g = m - c0*m1; g = g*c1; g = g*g; g = g*c3; w = c2*v1; w = w + g; q = w
@@ -195,8 +200,11 @@ int dck_decode_predicted(const uint8_t *const *frames, const size_t *frame_lens,
  *          |q| < 2^-126; else (float)q, rounded to nearest. Within the coefficient bounds no double
  *          intermediate is subnormal, so the result does not depend on flush-to-zero or denormals-are-zero
  *          modes; rounding must be to nearest (the default).
- * Returns: 0; DCK_EINVAL for an unknown predictor, a wrong nc or nrefs, len % 4 != 0, or a NULL pointer with
- *          len > 0. Single-threaded (callers decode many chunks in parallel); no allocation.
+ *          A bfloat16 predictor (DCK_PREDICT_BF16 + p) widens each input exactly to float32 (16 zero bits
+ *          appended), computes float32 predictor p's out[i] from those as above, and rounds it to bfloat16: to
+ *          nearest, ties to even, on the 16 bits dropped (0x7FC00000 becomes 0x7FC0).
+ * Returns: 0; DCK_EINVAL for an unknown predictor, a wrong nc or nrefs, len not a whole number of elements, or
+ *          a NULL pointer with len > 0. Single-threaded (callers decode many chunks in parallel); no allocation.
  */
 int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs, int nrefs,
                 uint8_t *out, size_t len);

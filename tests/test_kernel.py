@@ -837,24 +837,26 @@ _SPECIAL_F32 = [0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFF
 @needs_native
 @SIMD_LEVELS
 @FAST
-@given(predictor=st.sampled_from([1, 2, 3]), n=st.integers(0, 700), coefs=st.lists(_coef, min_size=7, max_size=7),
-       seed=st.integers(0, 2**32 - 1), specials=st.lists(st.sampled_from(_SPECIAL_F32), max_size=8))
+@given(predictor=st.sampled_from([1, 2, 3, 4, 5]), n=st.integers(0, 700),
+       coefs=st.lists(_coef, min_size=7, max_size=7), seed=st.integers(0, 2**32 - 1),
+       specials=st.lists(st.sampled_from(_SPECIAL_F32), max_size=8))
 def test_predict_backends_agree_bit_for_bit(simd: int, predictor: int, n: int, coefs: list[float], seed: int,
                                             specials: list[int]) -> None:
     """Arbitrary float32 bit patterns (subnormals, infinities, NaN payloads), any length (blocks of 512, groups
     of four and a tail), any coefficients in range: the native kernel, with each level of its run-time-chosen
-    vector loops (AVX-512, AVX2, portable on x86-64) and the numpy reference produce the same bytes."""
+    vector loops (AVX-512, AVX2, portable on x86-64) and the numpy reference produce the same bytes. The
+    bfloat16 predictors (4, 5) get the high halves of such patterns."""
     rng = np.random.default_rng(seed)
     arrays = []
     for _ in range(4):
         a = (rng.standard_normal(n) * 10.0 ** rng.integers(-40, 38, n)).astype(np.float32).view(np.uint32)
         a[: len(specials)] = specials[: len(a)]
         rng.shuffle(a)
-        arrays.append(a.view(np.uint8))
-    nrefs, nc = {1: (2, 4), 2: (3, 7), 3: (2, 3)}[predictor]
+        arrays.append((a >> 16).astype("<u2").view(np.uint8) if predictor > 3 else a.view(np.uint8))
+    nrefs, nc = {1: (2, 4), 2: (3, 7), 3: (2, 3)}[(predictor - 1) % 3 + 1]
     outs = []
     for mod in (ref, native):
-        out = np.empty(4 * n, np.uint8)
+        out = np.empty(len(arrays[0]), np.uint8)
         with np.errstate(all="ignore"), simd_loops(simd):
             mod.predict(predictor, coefs[:nc], arrays[0], arrays[1 : 1 + nrefs], out)
         outs.append(out)
@@ -866,13 +868,17 @@ def test_predict_rejects_bad_arguments(mod: types.ModuleType) -> None:
     a = np.zeros(64, np.uint8)
     out = np.empty(64, np.uint8)
     bad = [
-        (4, [0.0] * 4, a, [a, a]),  # unknown predictor
+        (6, [0.0] * 3, a, [a, a]),  # unknown predictor (momentum-param has no bfloat16 form)
+        (0, [0.0] * 4, a, [a, a]),  # unknown predictor
+        (4, [0.0] * 7, a, [a, a]),  # coefficients of another predictor
+        (5, [0.0] * 7, a, [a, a]),  # too few references
         (1, [0.0] * 7, a, [a, a]),  # coefficients of another predictor
         (3, [0.0] * 4, a, [a, a]),  # coefficients of another predictor
         (3, [0.0] * 3, a, [a, a, a]),  # too many references
         (2, [0.0] * 7, a, [a, a]),  # too few references
         (1, [0.0] * 4, a[:60], [a, a]),  # lengths differ
         (1, [0.0] * 4, a[:62], [a[:62], a[:62]]),  # not whole float32 elements
+        (4, [0.0] * 4, a[:63], [a[:63], a[:63]]),  # not whole bfloat16 elements
     ]
     for predictor, coefs, base, refs in bad:
         with pytest.raises(ValueError):
@@ -881,29 +887,35 @@ def test_predict_rejects_bad_arguments(mod: types.ModuleType) -> None:
 
 @pytest.mark.parametrize("mod", BACKENDS)
 @FAST
-@given(predictor=st.sampled_from([1, 2, 3]), n=st.sampled_from([0, 1, 3, 700, 4096, 4097 * 2 + 1, 3 * 4096 + 5]),
+@given(predictor=st.sampled_from([1, 2, 3, 4, 5]),
+       n=st.sampled_from([0, 1, 3, 700, 4096, 4097 * 2 + 1, 3 * 4096 + 5]),
        width=widths, seed=st.integers(0, 2**32 - 1), deltas=st.integers(0, 2), damage=st.sampled_from(
            [None, "frame", "digest"]))
 def test_decode_frames_computes_the_prediction(mod: types.ModuleType, predictor: int, n: int, width: int, seed: int,
                                                deltas: int, damage: str | None) -> None:
     """decode_frames(..., prediction=...) is predict() into out, then decode_frames: same bytes, same status, for
     lengths that cross the native kernel's 16 KiB steps or end in a tail shorter than the width, with delta frames
-    above the predicted one, a damaged frame or a wrong digest."""
+    above the predicted one, a damaged frame or a wrong digest; float32 and bfloat16 (4, 5) predictors."""
     from deltackpt import codec
     from deltackpt import predict as pred_mod
 
     rng = np.random.default_rng(seed)
     arrays = [(rng.standard_normal(n) * 1e-3).astype(np.float32) for _ in range(4)]
     arrays[2] = np.abs(arrays[2])
+    size = 2 if predictor > 3 else 4
+    if size == 2:  # (bfloat16: the high halves)
+        arrays = [(a.view(np.uint32) >> 16).astype("<u2") for a in arrays]
     nrefs, coefs = {1: (2, (0.9, 10.0, 0.999, 1e-3)), 2: (3, (0.9, 10.0, 0.999, 1e-3, 0.99999, 1e-4, 1e-8)),
-                    3: (2, (0.99999, 1.9e-3, 0.9e-3))}[predictor]
-    if predictor == 1:
+                    3: (2, (0.99999, 1.9e-3, 0.9e-3))}[(predictor - 1) % 3 + 1]
+    if predictor % 3 == 1:
         base, refs = arrays[2], [arrays[1], arrays[3]]
     else:
         base, refs = arrays[0], [arrays[1], arrays[3], arrays[2]][:nrefs]
-    guess = np.empty(4 * n, np.uint8)
+    guess = np.empty(size * n, np.uint8)
     ref.predict(predictor, coefs, base, refs, guess)
-    raw = (guess.view(np.float32) + rng.standard_normal(n).astype(np.float32) * 1e-6).view(np.uint8)
+    raw = guess.copy()
+    if len(raw):  # (off by a few low bits here and there)
+        raw[rng.integers(0, len(raw), max(1, len(raw) // 50)) // size * size] ^= 3
     rec = pred_mod.Prediction(predictor, (bytes(16),) * nrefs, coefs).pack()
     enc = codec.Encoder(1)
     frames = [enc.encode_predicted(raw, kernel.digest(raw), width, guess, bytes(16), rec)]
@@ -925,10 +937,10 @@ def test_decode_frames_computes_the_prediction(mod: types.ModuleType, predictor:
     elif damage == "digest":
         digest = kernel.digest(versions[-1][:-1])
     prediction = (predictor, coefs, base, refs)
-    want = np.full(4 * n, 0xCD, np.uint8)
+    want = np.full(size * n, 0xCD, np.uint8)
     ref.predict(*prediction, want)
     status = ref.decode_frames(frames, codecs, ws, want, digest)
-    out = np.full(4 * n, 0xAB, np.uint8)
+    out = np.full(size * n, 0xAB, np.uint8)
     assert mod.decode_frames(frames, codecs, ws, out, digest, prediction) == status
     if status == (0, 0):
         np.testing.assert_array_equal(out, versions[-1])

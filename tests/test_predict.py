@@ -34,11 +34,13 @@ CHUNK = 1 << 14
 
 
 def _train(steps: int, *, seed: int = 0, lr: float = 1e-3, wd: float = 0.1, optimizer: str = "adamw",
-           store: deltackpt.Store | None = None, every: int = 1, one_cycle: bool = False) -> dict[int, Any]:
+           store: deltackpt.Store | None = None, every: int = 1, one_cycle: bool = False,
+           dtype: torch.dtype = torch.float32) -> dict[int, Any]:
     """Train a small MLP on random data; save (and return a deep copy of) the state every ``every`` steps.
-    ``one_cycle``: OneCycleLR, which also cycles AdamW's β1 at every step, instead of a decaying LambdaLR."""
+    ``one_cycle``: OneCycleLR, which also cycles AdamW's β1 at every step, instead of a decaying LambdaLR.
+    ``dtype``: the model's (and so the optimizer state's) element type."""
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(dtype)
     if optimizer == "adamw":
         opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
     elif optimizer == "adam":
@@ -54,7 +56,7 @@ def _train(steps: int, *, seed: int = 0, lr: float = 1e-3, wd: float = 0.1, opti
         else torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s)))
     history: dict[int, Any] = {}
     for step in range(1, steps + 1):
-        x = torch.randn(32, 64)
+        x = torch.randn(32, 64).to(dtype)
         loss = (model(x) - x.flip(1)).pow(2).mean()
         opt.zero_grad()
         loss.backward()
@@ -88,26 +90,40 @@ GOLDEN = {
     predict.SECOND_MOMENT: "6c1e68b9e6e74897554f81c8641258ee",
     predict.PARAM: "91cb7735bd0e3c2826b20cad7ad9475f",
     predict.MOMENTUM_PARAM: "99ce493c2b738ae975ced3f413d0b4a8",
+    predict.BF16 + predict.SECOND_MOMENT: "04e892778616a170ec624e6f81b8a8d3",
+    predict.BF16 + predict.PARAM: "38be029e8ab0bbcd268e17e295e9b06b",
 }
 
 
-@pytest.mark.parametrize("predictor", [predict.SECOND_MOMENT, predict.PARAM, predict.MOMENTUM_PARAM])
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """The high halves of float32 values: bfloat16 elements (rounded toward zero), as uint16."""
+    return (a.view(np.uint32) >> 16).astype("<u2")
+
+
+@pytest.mark.parametrize("predictor", sorted(GOLDEN))
 def test_prediction_golden_digest(predictor: int) -> None:
     p, m, m1, v = _inputs(4099, 7)
     v = np.abs(v) * 1e-6
+    if predictor > predict.BF16:  # the same inputs' bfloat16 high halves, predictors 4 and 5
+        p, m, m1, v = (_bf16(a) for a in (p, m, m1, v))
+        predictor -= predict.BF16
+        bf16 = True
+    else:
+        bf16 = False
+    pid = predict.element_predictor(predictor, 2 if bf16 else 4)
     if predictor == predict.SECOND_MOMENT:
-        rec = predict.Prediction(predictor, (bytes(16), bytes(16)), predict.second_moment_coefs(0.9, 0.999))
+        rec = predict.Prediction(pid, (bytes(16), bytes(16)), predict.second_moment_coefs(0.9, 0.999))
         base, refs = v, [m, m1]
     elif predictor == predict.PARAM:
         coefs = (*predict.second_moment_coefs(0.9, 0.999), 0.99999, 1.5e-5, 7.7e-10)
-        rec = predict.Prediction(predictor, (bytes(16),) * 3, coefs)
+        rec = predict.Prediction(pid, (bytes(16),) * 3, coefs)
         base, refs = p, [m, m1, v]
     else:
-        rec = predict.Prediction(predictor, (bytes(16),) * 2, (0.99999, 1.9e-3, 0.9e-3))
+        rec = predict.Prediction(pid, (bytes(16),) * 2, (0.99999, 1.9e-3, 0.9e-3))
         base, refs = p, [m, m1]
     out = np.empty(base.nbytes, dtype=np.uint8)
     predict.predict(rec, base, refs, out)
-    assert kernel.digest(out).hex() == GOLDEN[predictor]
+    assert kernel.digest(out).hex() == GOLDEN[pid]
 
 
 def test_prediction_follows_its_definition_element_by_element() -> None:
@@ -136,6 +152,32 @@ def test_prediction_follows_its_definition_element_by_element() -> None:
     for i in range(64):
         want = np.float32((k[0] * float(p[i]) - k[1] * float(m[i])) + k[2] * float(m1[i]))
         assert out.view(np.float32)[i].tobytes() == want.tobytes()
+
+
+def test_bf16_prediction_is_the_float32_one_rounded_to_nearest_even() -> None:
+    """A bfloat16 predictor widens its inputs to float32 and rounds the float32 predictor's result to bfloat16:
+    to nearest, ties to even (checked element by element with Python integers), NaN canonical."""
+    p, m, m1, v = (_bf16(a) for a in _inputs(4099, 5))
+    v = _bf16(np.abs(v.astype("<u4") << 16).view(np.float32) * 1e-6)
+    m[:3] = [0x7FC1, 0xFF80, 0x0001]  # a NaN with a payload, -inf, a subnormal
+    wide = [(a.astype("<u4") << 16).view(np.float32) for a in (p, m, m1, v)]
+    k = (*predict.second_moment_coefs(0.9, 0.999), 0.99999, 1.5e-5, 7.7e-10)
+    for predictor, coefs, base, refs in ((predict.SECOND_MOMENT, k[:4], 3, [1, 2]), (predict.PARAM, k, 0, [1, 2, 3])):
+        f32 = np.empty(4 * len(p), np.uint8)
+        predict.predict(predict.Prediction(predictor, (bytes(16),) * len(refs), coefs), wide[base],
+                        [wide[r] for r in refs], f32)
+        out = np.empty(2 * len(p), np.uint8)
+        rec = predict.Prediction(predict.BF16 + predictor, (bytes(16),) * len(refs), coefs)
+        predict.predict(rec, [p, m, m1, v][base], [[p, m, m1, v][r] for r in refs], out)
+        got = out.view("<u2")
+        for i, b in enumerate(f32.view("<u4").tolist()):
+            if (b & 0x7FFFFFFF) > 0x7F800000:
+                assert got[i] == 0x7FC0
+                continue
+            high, low = b >> 16, b & 0xFFFF
+            want = high + (low > 0x8000 or (low == 0x8000 and high & 1))
+            assert got[i] == want, (predictor, i, hex(b))
+        assert (got == 0x7FC0).any()  # (the NaN input gave NaN)
 
 
 def test_prediction_record_round_trip_and_damage() -> None:
@@ -187,20 +229,29 @@ def test_kernel_applies_predicted_frame_on_both_backends(impl: str) -> None:
 def test_frame_version_and_codec_must_agree() -> None:
     frame, _, _ = _predicted_frame()
     for version, codec_id in ((codec.FRAME_VERSION, codec.PREDICTED), (codec.PREDICTED_VERSION, codec.DELTA),
-                              (codec.PREDICTED_V3, codec.DELTA)):
+                              (codec.PREDICTED_V3, codec.DELTA), (codec.PREDICTED_V4, codec.DELTA)):
         b = bytearray(frame)
         b[4], b[5] = version, codec_id
         with pytest.raises(CorruptChunkError):
             codec.parse_header(bytes(b))
     b = bytearray(frame)
-    b[4] = 4
+    b[4] = 5
     with pytest.raises(FormatVersionError):
         codec.parse_header(bytes(b))
-    # the version is the one the record's predictor takes: 2 for adam-v and adam-param, 3 for momentum-param
+    # predicted frames of version 4 are of bfloat16 elements (width 2), the others of float32 (width 4)
+    b[4] = codec.PREDICTED_V4
+    with pytest.raises(CorruptChunkError, match="version 4 and width 4"):
+        codec.parse_header(bytes(b))
+    b[4], b[6] = codec.PREDICTED_V3, 2
+    with pytest.raises(CorruptChunkError, match="version 3 and width 2"):
+        codec.parse_header(bytes(b))
+    # the version is the one the record's predictor takes: 2 for adam-v and adam-param, 3 for momentum-param, 4
+    # for the bfloat16 predictors
     h, payload = codec.check_frame(frame)
     assert h.version == codec.PREDICTED_VERSION and codec.prediction_record(payload, None, h.version)
-    with pytest.raises(CorruptChunkError, match="predictor 1 in a frame of version 3"):
-        codec.prediction_record(payload, None, codec.PREDICTED_V3)
+    for version in (codec.PREDICTED_V3, codec.PREDICTED_V4):
+        with pytest.raises(CorruptChunkError, match=f"predictor 1 in a frame of version {version}"):
+            codec.prediction_record(payload, None, version)
 
 
 # -- pairing ----------------------------------------------------------------------------------------------
@@ -244,6 +295,21 @@ def test_plan_pairs_momentum_buffers_and_ignores_other_optimizers_and_dtypes() -
     _, leaves = deltackpt.tree.flatten(adam)
     roles = predict.plan(adam, leaves)
     assert roles and all(r.predictor == predict.SECOND_MOMENT for r in roles.values())
+    # a tensor pairs only with tensors of its element type: a bfloat16 copy of the model beside float32 state
+    # takes no role, and does not make the float32 parameters ambiguous
+    adam = _train(1)[1]
+    adam["half"] = {k: v.bfloat16() for k, v in adam["model"].items()}
+    _, leaves = deltackpt.tree.flatten(adam)
+    roles = predict.plan(adam, leaves)
+    assert {k for k, r in roles.items() if r.predictor == predict.PARAM} == {f"model.{k}" for k in adam["model"]}
+    bf16 = _train(1, dtype=torch.bfloat16)[1]
+    _, leaves = deltackpt.tree.flatten(bf16)
+    assert {k for k, r in predict.plan(bf16, leaves).items() if r.predictor == predict.PARAM} == {
+        f"model.{k}" for k in bf16["model"]}
+    # momentum buffers predict float32 parameters only (a bfloat16 one's XOR delta is as small)
+    bf16 = _train(1, optimizer="sgd", dtype=torch.bfloat16)[1]
+    _, leaves = deltackpt.tree.flatten(bf16)
+    assert predict.plan(bf16, leaves) == {}
 
 
 # -- the store --------------------------------------------------------------------------------------------
@@ -657,6 +723,29 @@ def test_momentum_buffers_predict_their_parameters(tmp_path: Path, optimizer: st
             frames = [s._read_frame(loc, None)[0] for _, loc in s.index.iter_chunks() if loc.codec == codec.PREDICTED]
             # frames of this predictor are version 3, which readers that do not know it refuse as a newer format
             assert bool(frames) == on and all(f[4] == codec.PREDICTED_V3 for f in frames)
+    assert written[True] < 0.85 * written[False], written
+
+
+def test_bfloat16_training_is_predicted_and_restores_exactly(tmp_path: Path) -> None:
+    """A model trained in bfloat16 with AdamW (its optimizer state bfloat16 too): its second moments and
+    parameters are predicted by the bfloat16 predictors (frames of version 4 and width 2), every step restores
+    exactly, and the run writes fewer bytes than without predictions."""
+    written = {}
+    for on in (True, False):
+        with deltackpt.Store(tmp_path / str(on), chunk_size=CHUNK, predict=on) as s:
+            history = _train(10, store=s, dtype=torch.bfloat16)
+            written[on] = sum(i.written_bytes for i in s.list()[1:])
+            # (the weights: a bias of 64 bfloat16 values is smaller than a prediction's record)
+            predicted, tried = _predicted_share(s, ("model.0.weight", "model.2.weight"))
+            assert (predicted >= 0.5 * tried) if on else predicted == 0, (predicted, tried)
+            frames = [s._read_frame(loc, None)[0] for _, loc in s.index.iter_chunks() if loc.codec == codec.PREDICTED]
+            assert bool(frames) == on and all((f[4], f[6]) == (codec.PREDICTED_V4, 2) for f in frames)
+            for step, state in history.items():
+                assert_same_state(state, s.load(step))
+            assert s.verify().ok
+    with deltackpt.Store(tmp_path / "True") as s:  # a fresh handle: every input decoded from the packs
+        for step in (1, 6, 10):
+            assert_same_state(history[step], s.load(step))
     assert written[True] < 0.85 * written[False], written
 
 
