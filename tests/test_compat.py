@@ -8,6 +8,9 @@
   manifests of version 3 (a module's state dict), a branch. Its states come from real AdamW and SGD steps, so
   its golden digests (``store-predicted.json``: every tensor's dtype, shape and SHA-256 and every plain value, by
   checkpoint, taken from the states as they were saved) are what a load is checked against.
+- ``tests/fixtures/store-predicted-bf16``, written by ``python tests/test_compat.py write-predicted-bf16``
+  (2026-12-07): predicted frames of the bfloat16 predictors (frame version 4), from real AdamW steps of a model
+  trained in bfloat16; golden digests in ``store-predicted-bf16.json`` likewise.
 - ``tests/fixtures/dcp-meta3-skeleton``, a sharded (DCP) root written by ``write_dcp_meta3_skeleton`` below with
   deltackpt at commit 77cf6fa (2026-12-04), the first writer of DCP meta format 3: until 6fa874e it wrote the
   metadata document as a plain-value skeleton rather than compact JSON. Its stores' ``index`` directories (LMDB
@@ -39,6 +42,8 @@ from deltackpt import codec, maintenance, manifest, predict
 FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"
 PREDICTED = Path(__file__).parent / "fixtures" / "store-predicted"
 GOLDEN = PREDICTED.with_suffix(".json")
+PREDICTED_BF16 = Path(__file__).parent / "fixtures" / "store-predicted-bf16"
+GOLDEN_BF16 = PREDICTED_BF16.with_suffix(".json")
 DCP_META3_SKELETON = Path(__file__).parent / "fixtures" / "dcp-meta3-skeleton"
 DCP_META3_PICKLED = Path(__file__).parent / "fixtures" / "dcp-meta3-pickled"
 
@@ -156,6 +161,33 @@ def test_predicted_store_loads_as_its_golden_digests(predicted_store: Path) -> N
         assert s.verify().ok
 
 
+def test_bf16_predicted_store_loads_as_its_golden_digests(tmp_path: Path) -> None:
+    """The bfloat16 fixture: predicted frames of both bfloat16 predictors (version 4, width 2) decode to the
+    states as they were saved, also after a new save, a delete and gc."""
+    dest = tmp_path / "s"
+    shutil.copytree(PREDICTED_BF16, dest)
+    golden = json.loads(GOLDEN_BF16.read_text())
+    predictors = set()
+    with deltackpt.Store(dest) as s:
+        for _, loc in s.index.iter_chunks():
+            if loc.codec == codec.PREDICTED:
+                frame = bytes(s.reader.read(loc.pack_id, loc.offset, loc.frame_len))
+                h = codec.parse_header(frame)
+                rec = codec.prediction_record(frame[codec.HEADER_SIZE:], version=h.version)
+                predictors.add((rec.predictor, h.version, h.width))
+        assert predictors == {(predict.BF16 + predict.SECOND_MOMENT, 4, 2), (predict.BF16 + predict.PARAM, 4, 2)}
+        infos = s.list()
+        assert [[i.id, i.step, i.parent] for i in infos] == golden["lineage"]
+        for i in infos:
+            assert digests(s.load(id=i.id)) == golden["states"][i.id], i.step
+        assert s.verify().ok
+        s.save(s.load(), step=99)
+        s.delete(infos[0].step)
+        s.gc()
+        for i in infos[1:]:
+            assert digests(s.load(id=i.id)) == golden["states"][i.id], i.step
+
+
 def test_predicted_store_holds_every_kind_of_frame(predicted_store: Path) -> None:
     """What the fixture is for: predicted frames of each predictor (and so both of their frame versions), delta
     and standalone frames, and manifests of version 3."""
@@ -264,6 +296,31 @@ def write_predicted(dest: Path) -> None:  # pragma: no cover - run by hand once
     GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
 
 
+def write_predicted_bf16(dest: Path) -> None:  # pragma: no cover - run by hand once
+    """Six every-step saves of a small model trained in bfloat16 with AdamW (its optimizer state bfloat16 too);
+    the golden digests beside it."""
+    golden_path = dest.with_suffix(".json")
+    if dest.exists() or golden_path.exists():
+        raise SystemExit(f"{dest} or {golden_path} exists: fixtures are never rewritten")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32)).bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    saved: dict[str, dict[str, str]] = {}
+    with deltackpt.Store(dest, chunk_size=4096) as s:
+        for step in range(6):
+            model(torch.randn(16, 32, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            st = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            saved[s.save(st, step=step, metadata={"fixture": "predicted-bf16"}).id] = digests(st)
+        assert all(digests(s.load(id=i)) == d for i, d in saved.items())
+        golden = {"lineage": [[i.id, i.step, i.parent] for i in s.list()], "states": saved}
+    (dest / "index" / "lock.mdb").unlink(missing_ok=True)
+    golden_path.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["write-predicted-bf16"]:
+    write_predicted_bf16(PREDICTED_BF16)
 if __name__ == "__main__" and sys.argv[1:] == ["write"]:
     write(FIXTURE)
 if __name__ == "__main__" and sys.argv[1:] == ["write-predicted"]:

@@ -929,14 +929,16 @@ _specials = st.sampled_from([0.0, -0.0, 1e-45, -3e38, float("inf"), float("-inf"
     specials=st.lists(st.tuples(st.integers(0, 2999), _specials), max_size=4),
     shuffle=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
+    bf16=st.booleans(),
 )
 def test_any_optimizer_like_history_restores_exactly(
     tmp_path_factory: pytest.TempPathFactory, kind: str, beta1: float, beta2: float, lr: float, steps: int, n: int,
-    specials: list[tuple[int, float]], shuffle: bool, seed: int,
+    specials: list[tuple[int, float]], shuffle: bool, seed: int, bf16: bool,
 ) -> None:
     """Whatever the hyperparameters, special values or pairing, predicted or not, every step of an AdamW-shaped
     or momentum-shaped (SGD, Nesterov; ``beta1`` is the momentum) evolution loads bit-exactly: the prediction
-    only changes the residual's size."""
+    only changes the residual's size. ``bf16``: the state saved as bfloat16 (the bfloat16 predictors)."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
     rng = np.random.default_rng(seed)
     p = rng.standard_normal(n).astype(np.float32)
     m = np.zeros(n, np.float32)
@@ -959,13 +961,14 @@ def test_any_optimizer_like_history_restores_exactly(
                     p = (p - lr * ((g + beta1 * m) if kind == "nesterov" else m)).astype(np.float32)
             pp = rng.permutation(p) if shuffle else p  # a wrong pairing
             if kind == "adamw":
-                entry = {"step": torch.tensor(float(t)), "exp_avg": torch.from_numpy(m.copy()),
-                         "exp_avg_sq": torch.from_numpy(v.copy())}
+                entry = {"step": torch.tensor(float(t)), "exp_avg": torch.from_numpy(m.copy()).to(dtype),
+                         "exp_avg_sq": torch.from_numpy(v.copy()).to(dtype)}
                 group = {"params": [0], "betas": (beta1, beta2), "eps": 1e-8, "lr": lr}
             else:
-                entry = {"momentum_buffer": torch.from_numpy(m.copy())}
+                entry = {"momentum_buffer": torch.from_numpy(m.copy()).to(dtype)}
                 group = {"params": [0], "momentum": beta1, "lr": lr, "nesterov": kind == "nesterov"}
-            state = {"model": {"w": torch.from_numpy(pp.copy())}, "opt": {"state": {0: entry}, "param_groups": [group]}}
+            state = {"model": {"w": torch.from_numpy(pp.copy()).to(dtype)},
+                     "opt": {"state": {0: entry}, "param_groups": [group]}}
             history[t] = copy.deepcopy(state)
             s.save(state, step=t)
         assert all(loc.depth <= 2 for _, loc in s.index.iter_chunks())
