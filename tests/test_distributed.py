@@ -1121,7 +1121,7 @@ def test_model_and_optimizer_through_dcp_state_dict_helpers(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("form", ["get_state_dict", "named_parameters", "numbered", "optimizer_only",
-                                  "sgd_get_state_dict", "sgd_named_parameters"])
+                                  "sgd_get_state_dict", "sgd_named_parameters", "bf16_get_state_dict"])
 def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_path: Path, form: str) -> None:
     """A rank's shards are flat (``fqn@offsets``), but DCP's flat state names the optimizer's moments, betas and
     parameters: weights and second moments are stored as predicted frames, as in an ordinary save (before, DCP
@@ -1129,20 +1129,24 @@ def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_
     optimizer state is keyed by parameter name (``get_state_dict``) or by number, with the names in the groups'
     ``param_names`` (an optimizer built from ``named_parameters()``). Without names (``numbered``), or with the
     optimizer saved alone at the top of the state, only second moments are predicted. SGD with momentum
-    (``sgd_*``): the weights are predicted from the momentum buffers."""
+    (``sgd_*``): the weights are predicted from the momentum buffers. ``bf16_*``: a model trained in bfloat16,
+    its AdamW state bfloat16 too (the bfloat16 predictors)."""
     sgd = form.startswith("sgd_")
-    form = form.removeprefix("sgd_")
+    dtype = torch.bfloat16 if form.startswith("bf16_") else torch.float32
+    form = form.removeprefix("sgd_").removeprefix("bf16_")
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from deltackpt import codec
     from deltackpt.index import chunk_keys
 
     def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+        model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64)).to(dtype)
         params = model.parameters() if form == "numbered" else model.named_parameters()
         if sgd:
             return model, torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-        return model, torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1, betas=(0.85, 0.995))
+        # (bfloat16 at lr 1e-4: most weights move by less than half an ULP, and their XOR deltas win)
+        lr = 1e-3 if dtype == torch.bfloat16 else 1e-4
+        return model, torch.optim.AdamW(params, lr=lr, weight_decay=0.1, betas=(0.85, 0.995))
 
     def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
         if form == "get_state_dict":
@@ -1161,7 +1165,7 @@ def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_
         writers = {p: DeltaStorageWriter(tmp_path / f"predict-{p}", step=0, chunk_size=4096, predict=p)
                    for p in (True, False)}
         for step in range(5):
-            model(torch.randn(16, 64)).pow(2).mean().backward()
+            model(torch.randn(16, 64, dtype=dtype)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
             state = state_of(model, opt)
@@ -1187,7 +1191,7 @@ def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_
         assert written[True] < (0.9 if sgd else 0.8 if named else 1.0) * written[False], written
         for step, want in saved.items():
             model2, opt2 = make()
-            model2(torch.randn(16, 64)).pow(2).mean().backward()
+            model2(torch.randn(16, 64, dtype=dtype)).pow(2).mean().backward()
             opt2.step()
             state2 = state_of(model2, opt2)
             dcp.load(state2, storage_reader=DeltaStorageReader(tmp_path / "predict-True", step=step))
