@@ -852,7 +852,7 @@ static int dck_unzstd(ZSTD_DCtx *dctx, const uint8_t *src, size_t len, uint8_t *
 #define DCK_FUSE_BYTES ((size_t)16 * 1024)
 
 /* Contract: dck_planes(src, base, dst, raw_len, width, merge=1, threads=1) in steps of DCK_FUSE_BYTES of output,
- * width in {1, 2, 4, 8}. With pred (then base == dst and raw_len % 4 == 0), each step first writes the prediction
+ * width in {1, 2, 4, 8}. With pred (then base == dst and raw_len a whole number of its elements), each step first writes the prediction
  * of its bytes into dst (dck_predict over that range: the same bytes as one call over the chunk, the prediction
  * being elementwise), so the residual is XORed onto it while it is in L1. With st, each step's result is then fed
  * in order to the streaming hash st (through update) while it is in cache: the same state as one update over

@@ -2,7 +2,7 @@
 
 The reader below (everything above ``# ---- the test``) is written from the format specification alone: it uses
 the standard library, numpy, zstandard, xxhash and lmdb, never ``deltackpt``. The test writes a store with
-deltackpt (standalone, XOR delta and predicted frames of all three predictors, a keyframe save, a rewrite),
+deltackpt (standalone, XOR delta and predicted frames of all five predictors, a keyframe save, a rewrite),
 reads every checkpoint with the independent reader and compares each tensor's bytes, and the plain values of
 the skeleton and metadata, with what ``Store.load`` returns.
 """
@@ -280,8 +280,8 @@ class SpecStore:
         _need(magic == b"DCKF", "frame magic")
         _need(flen == 64 + s, "frame length differs from the index entry's")
         _need(xxhash.xxh3_64_intdigest(frame[:56] + frame[64:]) == checksum, "frame checksum")
-        if codec in (0, 1, 2, 3) and version != 1 or codec == 4 and version not in (2, 3):
-            if version > 3:
+        if codec in (0, 1, 2, 3) and version != 1 or codec == 4 and version not in (2, 3, 4):
+            if version > 4:
                 raise SpecNewer(f"frame version {version}")
             raise SpecDamage("frame version/codec")
         _need(codec <= 4 and width in (1, 2, 4, 8) and flags == 0, "frame codec/width/flags")
@@ -329,18 +329,19 @@ class SpecStore:
             base, depth = self._decode(base_dig, raw_len, nesting, links + 1)
             return xor(unplanes(zstd_exact(payload, raw_len), width), base), depth + 1
         # codec 4: predicted
-        _need(width == 4 and raw_len % 4 == 0, "predicted frame width / length")
+        size = 2 if version == 4 else 4  # (bfloat16 or float32 elements)
+        _need(width == size and raw_len % size == 0, "predicted frame width / length")
         _need(len(payload) >= 4, "predicted payload")
         (rec_len,) = struct.unpack_from("<I", payload)
         _need(len(payload) >= 4 + rec_len, "predicted payload shorter than its record")
         predictor, refs, coefs = parse_record(payload[4:4 + rec_len])
-        _need(version == (3 if predictor == 3 else 2), "predictor does not match the frame version")
+        _need(version == {1: 2, 2: 2, 3: 3, 4: 4, 5: 4}[predictor], "predictor does not match the frame version")
         self.predictors[predictor] += 1
         base, depth = self._decode(base_dig, raw_len, nesting + 1, 0)
         inputs = [self.chunk(r, raw_len, nesting + 1) for r in refs]
         depth = max([depth] + [self.depths[r, raw_len][0] for r in refs])
         pred = predict(predictor, coefs, base, inputs)
-        return xor(unplanes(zstd_exact(payload[4 + rec_len:], raw_len), 4), pred), depth + 1
+        return xor(unplanes(zstd_exact(payload[4 + rec_len:], raw_len), size), pred), depth + 1
 
 
 def zstd_exact(data: bytes, raw_len: int) -> bytes:
@@ -374,7 +375,7 @@ def xor(a: bytes, b: bytes) -> bytes:
     return (np.frombuffer(a, np.uint8) ^ np.frombuffer(b, np.uint8)).tobytes()
 
 
-PREDICTORS = {1: (2, 4), 2: (3, 7), 3: (2, 3)}  # predictor: (references, coefficients)
+PREDICTORS = {1: (2, 4), 2: (3, 7), 3: (2, 3), 4: (2, 4), 5: (3, 7)}  # predictor: (references, coefficients)
 
 
 def parse_record(rec: bytes) -> tuple[int, list[bytes], list[float]]:
@@ -406,8 +407,28 @@ def _f32_out(q: np.ndarray) -> bytes:
     return bits.tobytes()
 
 
+def _bf16_to_f32(b: bytes) -> bytes:
+    """§8a: a bfloat16 element widened to float32 by appending 16 zero bits."""
+    return (np.frombuffer(b, "<u2").astype("<u4") << 16).astype("<u4").tobytes()
+
+
+def _f32_to_bf16(b: bytes) -> bytes:
+    """§8a: a float32 result rounded to bfloat16, to nearest even on the 16 bits dropped; NaN to 0x7FC0."""
+    out = []
+    for (bits,) in struct.iter_unpack("<I", b):
+        if bits & 0x7FFFFFFF > 0x7F800000:
+            out.append(0x7FC0)
+        else:
+            out.append(((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF)
+    return struct.pack(f"<{len(out)}H", *out)
+
+
 def predict(predictor: int, c: list[float], base: bytes, refs: list[bytes]) -> bytes:
-    """§8a: each step one binary64 operation, in the order written; inputs flushed, output rounded to float32."""
+    """§8a: each step one binary64 operation, in the order written; inputs flushed, output rounded to float32
+    (predictors 4 and 5: 1 and 2 over the inputs widened from bfloat16, the result rounded to bfloat16)."""
+    if predictor in (4, 5):
+        wide = predict(predictor - 3, c, _bf16_to_f32(base), [_bf16_to_f32(r) for r in refs])
+        return _f32_to_bf16(wide)
     x = [np.float64(v) for v in c]
     b = _f32_in(base)
     r = [_f32_in(v) for v in refs]
@@ -631,6 +652,8 @@ def _write_store(path: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     sgd_model = torch.nn.Linear(64, 64)
     sgd = torch.optim.SGD(sgd_model.parameters(), lr=1e-2, momentum=0.9, nesterov=True)
+    bf16_model = torch.nn.Linear(64, 64).bfloat16()  # (its AdamW state is bfloat16: predictors 4 and 5)
+    bf16_opt = torch.optim.AdamW(bf16_model.parameters(), lr=1e-3)
     store = deltackpt.Store(path, chunk_size=4096, max_chain=3)
     x = torch.randn(256, 64)
     drift = torch.arange(3000, dtype=torch.int32)
@@ -643,14 +666,15 @@ def _write_store(path: Path) -> None:
     }
     first_id = None
     for step in range(1, 11):
-        for mm, oo in ((model, opt), (sgd_model, sgd)):
+        for mm, oo in ((model, opt), (sgd_model, sgd), (bf16_model, bf16_opt)):
             oo.zero_grad()
-            mm(x).pow(2).mean().backward()
+            mm(x.to(next(mm.parameters()).dtype)).float().pow(2).mean().backward()
             oo.step()
         drift[step * 50:step * 50 + 40] += 1  # a slowly changing tensor: XOR deltas
         state = {
             "model": model.state_dict(), "optim": opt.state_dict(), "sgd_model": sgd_model.state_dict(),
-            "sgd": sgd.state_dict(), "zeros": torch.zeros(3000), "i64": torch.arange(1000),
+            "sgd": sgd.state_dict(), "bf16_model": bf16_model.state_dict(), "bf16_optim": bf16_opt.state_dict(),
+            "zeros": torch.zeros(3000), "i64": torch.arange(1000),
             "drift": drift.clone(), "bf": torch.randn(700).bfloat16(), "half": torch.randn(33).half(),
             "np": np.arange(500, dtype=">f8"), "np_c": np.arange(10, dtype="<c8"), "empty": torch.zeros(0),
             "tied": [model[0].weight.detach()] * 2, "plain": plain, "step": step,
@@ -786,8 +810,8 @@ def test_independent_reader_matches_load(spec_store: Path) -> None:
         kinds = reader.frame_kinds
         assert kinds[0, 1] > 0 and kinds[1, 1] > 0 and kinds[2, 1] > 0, kinds  # standalone: raw, zstd, planes
         assert kinds[3, 1] > 0, kinds  # XOR delta
-        assert kinds[4, 2] > 0 and kinds[4, 3] > 0, kinds  # predicted, frame versions 2 and 3
-        assert set(reader.predictors) == {1, 2, 3}, reader.predictors
+        assert kinds[4, 2] > 0 and kinds[4, 3] > 0 and kinds[4, 4] > 0, kinds  # predicted, frame versions 2-4
+        assert set(reader.predictors) == {1, 2, 3, 4, 5}, reader.predictors
     finally:
         reader.close()
 
