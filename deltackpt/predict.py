@@ -111,11 +111,6 @@ def element_predictor(predictor: int, width: int) -> int:
     return predictor + BF16 if width == 2 else predictor
 
 
-def element_width(predictor: int) -> int:
-    """The bytes per element of the values a recorded predictor computes: 4 (float32) or 2 (bfloat16)."""
-    return 2 if predictor > BF16 else 4
-
-
 def valid_coefs(coefs: Iterable[float]) -> bool:
     return all(c == 0.0 or COEF_MIN <= abs(c) <= COEF_MAX for c in coefs)
 
@@ -267,7 +262,9 @@ class Role:
 def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = None) -> dict[str, Role]:
     """Find optimizer states that predict (``torch.optim`` state dicts whose entries hold ``exp_avg`` and
     ``exp_avg_sq``, or a ``momentum_buffer``) in ``state`` and return, by key path, the role of each predictable
-    float32 tensor: every ``exp_avg_sq``, and each model parameter an optimizer state can be paired with.
+    float32 tensor: every ``exp_avg_sq``, and each model parameter an optimizer state can be paired with. The same
+    holds for bfloat16 tensors, with AdamW state only (:data:`BF16`); wherever "float32" and "shape" appear below,
+    a tensor is compared with its form (:func:`_form`): it pairs only with tensors of its element type and shape.
 
     ``pairs`` maps the key path of an optimizer state entry (``optimizer.state[3]``) to its parameter's (what a
     :class:`~deltackpt.Checkpointer` knows from the objects); those are paired as given when the parameter is a
@@ -306,7 +303,7 @@ def _averages(outside: list[Any], pairs: Mapping[str, str], roles: Mapping[str, 
     found: list[tuple[str, str]] = []
     for p in sorted(params):
         leaf = by_path.get(p)
-        if leaf is None or (_form(leaf) or ("",))[0] != "float32":  # (momentum-param: float32 only, see BF16)
+        if leaf is None or not _is_f32(leaf):  # (momentum-param: float32 only, see BF16)
             continue
         parts = _unwrapped(p).split(".")[1:]  # (the name within the model: the first component is the model's)
         # the longest name that some tensor's path ends in, down to two components (one for a one-part name):
@@ -328,7 +325,7 @@ def _plan(state: Any, leaves: list[Any], pairs: Mapping[str, str] | None) -> tup
     optimizers = list(_optimizer_dicts(state, ""))
     optimizer_prefixes = {path for path, _ in optimizers}
     outside = [leaf for leaf in leaves if _form(leaf) and not _inside_any(leaf.path, optimizer_prefixes)]
-    by_name: dict[str, list[Any]] | None = None  # float32 leaves outside optimizer states, by each name they end in
+    by_name: dict[str, list[Any]] | None = None  # leaves outside optimizer states, by each name they end in
     states: list[tuple[Form, Role]] = []  # (form, role its parameter would take) still unpaired
     # state entries with a name: (optimizer number, shape, role, (prefix, leaf) of each leaf the name matches)
     named_states: list[tuple[int, Form, Role, list[tuple[str, Any]]]] = []
@@ -353,31 +350,31 @@ def _plan(state: Any, leaves: list[Any], pairs: Mapping[str, str] | None) -> tup
                 found = _param_role(opt["state"].get(idx), group, base, by_path)
                 if found is None:
                     continue
-                shape, prole, others = found
+                form, prole, others = found
                 roles.update(others)
                 given = by_path.get((pairs or {}).get(base, ""))
-                if given is not None and _form(given) == shape and given.path not in roles:
+                if given is not None and _form(given) == form and given.path not in roles:
                     roles[given.path] = prole
                     continue
                 if name is None or by_name is None:
-                    states.append((shape, prole))
+                    states.append((form, prole))
                     continue
                 plain = _unwrapped(name)
                 matches = [(_unwrapped(leaf.path)[: -len(plain)], leaf) for leaf in by_name.get(plain, ())
-                           if _form(leaf) == shape]
-                named_states.append((o, shape, prole, matches))
+                           if _form(leaf) == form]
+                named_states.append((o, form, prole, matches))
     states += _pair_by_name(named_states, roles)
     if not states:
         return roles, outside
     params: dict[Form, list[str]] = {}
     for leaf in outside:
-        if leaf.path not in roles and (form := _form(leaf)):
-            params.setdefault(form, []).append(leaf.path)
-    per_shape: dict[Form, list[Role]] = {}
-    for shape, prole in states:
-        per_shape.setdefault(shape, []).append(prole)
-    for shape, proles in per_shape.items():
-        cands = params.get(shape, [])
+        if leaf.path not in roles and (leaf_form := _form(leaf)):
+            params.setdefault(leaf_form, []).append(leaf.path)
+    per_form: dict[Form, list[Role]] = {}
+    for form, prole in states:
+        per_form.setdefault(form, []).append(prole)
+    for form, proles in per_form.items():
+        cands = params.get(form, [])
         if len(cands) == len(proles):
             roles.update(zip(cands, proles))
     return roles, outside
@@ -446,7 +443,7 @@ def plan_flat(leaves: Iterable[Any], flat: Mapping[str, Any], under: str) -> dic
         fqn, _, off = key.rpartition("@")
         if fqn.endswith(".momentum_buffer"):  # SGD (or RMSprop) with momentum: the parameter's step is -lr·b
             found = entry(fqn[: -len(".momentum_buffer")])
-            if found is not None and found[1] is not None and vl.dtype != "bfloat16":  # (see BF16)
+            if found is not None and found[1] is not None and _is_f32(vl):  # (float32 only: see BF16)
                 for leaf in params(found[1], off, _form(vl), found[0]):
                     roles[leaf.path] = Role(MOMENTUM_PARAM, vl.path, None, 0.0, 0.0, 0.0, 0.0)
             continue
@@ -501,8 +498,8 @@ def _param_role(st: Any, group: Mapping[str, Any], base: str, by_path: Mapping[s
         return form, Role(PARAM, mp, vp, *betas, step), {vp: v}
     if "momentum_buffer" in st:
         bp = child_path(base, "momentum_buffer")
-        form = None if (bl := by_path.get(bp)) is None else _form(bl)
-        if form is None or form[0] != "float32":  # (float32 only: see BF16)
+        form = None if (bl := by_path.get(bp)) is None or not _is_f32(bl) else _form(bl)  # (float32 only: BF16)
+        if form is None:
             return None
         return form, Role(MOMENTUM_PARAM, bp, None, 0.0, 0.0, 0.0, 0.0), {}
     return None
@@ -527,12 +524,12 @@ def _pair_by_name(named_states: list[tuple[int, Form, Role, list[tuple[str, Any]
     chosen = [[leaf for prefix, leaf in matches if prefix in best.get(o, ())] for o, _, _, matches in named_states]
     claims: Counter[str] = Counter(leaf.path for leaves in chosen for leaf in leaves)
     left = []
-    for (_, shape, prole, _), leaves in zip(named_states, chosen):
+    for (_, form, prole, _), leaves in zip(named_states, chosen):
         mine = [leaf for leaf in leaves if claims[leaf.path] == 1 and leaf.path not in roles]
         for leaf in mine:
             roles[leaf.path] = prole
         if not mine:
-            left.append((shape, prole))
+            left.append((form, prole))
     return left
 
 
@@ -685,3 +682,8 @@ def _form(leaf: Any) -> Form | None:
     if leaf.dtype == "bfloat16" and leaf.width == 2:
         return "bfloat16", tuple(leaf.shape)
     return None
+
+
+def _is_f32(leaf: Any) -> bool:
+    """Whether a leaf's elements are float32 (the only ones momentum-param predicts: see :data:`BF16`)."""
+    return (_form(leaf) or ("",))[0] == "float32"
