@@ -1183,10 +1183,42 @@ DCK_TARGET_AVX2 static inline void dck_store4(uint8_t *p, __m256d q)
     _mm_storeu_si128((__m128i *)p, b);
 }
 
+/* Contract: the four bfloat16 at p (unaligned) as dck_load4 reads their float32 widenings (16 zero bits
+ * appended). */
+DCK_TARGET_AVX2 static inline __m256d dck_load4_bf16(const uint8_t *p)
+{
+    __m128i b = _mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)p)), 16);
+    __m128i sub = _mm_cmpeq_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7f800000)), _mm_setzero_si128());
+    b = _mm_blendv_epi8(b, _mm_and_si128(b, _mm_set1_epi32((int)0x80000000u)), sub);
+    return _mm256_cvtps_pd(_mm_castsi128_ps(b));
+}
+
+/* Contract: stores q at p (unaligned) as dck_store4 computes each float32, then rounded to bfloat16 as
+ * dck_bf16_narrow does (the canonical NaN 0x7FC00000 rounds to 0x7FC0 by the same sum). */
+DCK_TARGET_AVX2 static inline void dck_store4_bf16(uint8_t *p, __m256d q)
+{
+    uint8_t f[16];
+    __m128i b;
+
+    dck_store4(f, q);
+    b = _mm_loadu_si128((const __m128i *)f);
+    b = _mm_add_epi32(_mm_add_epi32(b, _mm_set1_epi32(0x7fff)), _mm_and_si128(_mm_srli_epi32(b, 16), _mm_set1_epi32(1)));
+    b = _mm_srli_epi32(b, 16);
+    _mm_storel_epi64((__m128i *)p, _mm_packus_epi32(b, b));
+}
+
+/* Element loads and stores of the vector loops: float32, or bfloat16 when bf16 (loop-invariant, so the
+ * compiler takes the test out of the loops). */
+#define DCK_LOAD4(p, i) (bf16 ? dck_load4_bf16((p) + 2 * (i)) : dck_load4((p) + 4 * (i)))
+#define DCK_STORE4(p, i, q) (bf16 ? dck_store4_bf16((p) + 2 * (i), (q)) : dck_store4((p) + 4 * (i), (q)))
+#define DCK_LOAD8(p, i) (bf16 ? dck_load8_bf16((p) + 2 * (i)) : dck_load8((p) + 4 * (i)))
+#define DCK_STORE8(p, i, q) (bf16 ? dck_store8_bf16((p) + 2 * (i), (q)) : dck_store8((p) + 4 * (i), (q)))
+
 /* Contract: as dck_predict_portable over elements [0, n), n % 4 == 0, four at a time in AVX registers: the same
- * correctly rounded operations in the same order, so the same bits. Only called when the CPU has AVX2. */
+ * correctly rounded operations in the same order, so the same bits; with bf16, over bfloat16 elements as
+ * dck_predict_bf16 computes them. Only called when the CPU has AVX2. */
 DCK_TARGET_AVX2 static void dck_predict_avx2(int predictor, const double *c, const uint8_t *base,
-                                             const uint8_t *const *refs, uint8_t *out, size_t n)
+                                             const uint8_t *const *refs, uint8_t *out, size_t n, int bf16)
 {
     const __m256d c0 = _mm256_set1_pd(c[0]), c1 = _mm256_set1_pd(c[1]), c2 = _mm256_set1_pd(c[2]),
                   c3 = _mm256_set1_pd(predictor == DCK_PREDICT_MOMENTUM_PARAM ? 0.0 : c[3]);
@@ -1194,32 +1226,32 @@ DCK_TARGET_AVX2 static void dck_predict_avx2(int predictor, const double *c, con
 
     if (predictor == DCK_PREDICT_MOMENTUM_PARAM) {
         for (i = 0; i < n; i += 4) {
-            __m256d q = _mm256_sub_pd(_mm256_mul_pd(c0, dck_load4(base + 4 * i)),
-                                      _mm256_mul_pd(c1, dck_load4(refs[0] + 4 * i)));
-            dck_store4(out + 4 * i, _mm256_add_pd(q, _mm256_mul_pd(c2, dck_load4(refs[1] + 4 * i))));
+            __m256d q = _mm256_sub_pd(_mm256_mul_pd(c0, DCK_LOAD4(base, i)),
+                                      _mm256_mul_pd(c1, DCK_LOAD4(refs[0], i)));
+            DCK_STORE4(out, i, _mm256_add_pd(q, _mm256_mul_pd(c2, DCK_LOAD4(refs[1], i))));
         }
     } else if (predictor == DCK_PREDICT_ADAM_V) {
         for (i = 0; i < n; i += 4) {
-            __m256d g = _mm256_sub_pd(dck_load4(refs[0] + 4 * i), _mm256_mul_pd(c0, dck_load4(refs[1] + 4 * i)));
+            __m256d g = _mm256_sub_pd(DCK_LOAD4(refs[0], i), _mm256_mul_pd(c0, DCK_LOAD4(refs[1], i)));
             g = _mm256_mul_pd(g, c1);
             g = _mm256_mul_pd(g, g);
             g = _mm256_mul_pd(g, c3);
-            dck_store4(out + 4 * i, _mm256_add_pd(_mm256_mul_pd(c2, dck_load4(base + 4 * i)), g));
+            DCK_STORE4(out, i, _mm256_add_pd(_mm256_mul_pd(c2, DCK_LOAD4(base, i)), g));
         }
     } else {
         const __m256d c4 = _mm256_set1_pd(c[4]), c5 = _mm256_set1_pd(c[5]), c6 = _mm256_set1_pd(c[6]);
         for (i = 0; i < n; i += 4) {
-            __m256d m = dck_load4(refs[0] + 4 * i);
-            __m256d g = _mm256_sub_pd(m, _mm256_mul_pd(c0, dck_load4(refs[1] + 4 * i)));
+            __m256d m = DCK_LOAD4(refs[0], i);
+            __m256d g = _mm256_sub_pd(m, _mm256_mul_pd(c0, DCK_LOAD4(refs[1], i)));
             __m256d d, u;
             g = _mm256_mul_pd(g, c1);
             g = _mm256_mul_pd(g, g);
             g = _mm256_mul_pd(g, c3);
-            d = _mm256_sqrt_pd(_mm256_add_pd(_mm256_mul_pd(c2, dck_load4(refs[2] + 4 * i)), g));
+            d = _mm256_sqrt_pd(_mm256_add_pd(_mm256_mul_pd(c2, DCK_LOAD4(refs[2], i)), g));
             d = _mm256_add_pd(d, c6);
             u = _mm256_div_pd(m, d);
             u = _mm256_mul_pd(u, c5);
-            dck_store4(out + 4 * i, _mm256_sub_pd(_mm256_mul_pd(c4, dck_load4(base + 4 * i)), u));
+            DCK_STORE4(out, i, _mm256_sub_pd(_mm256_mul_pd(c4, DCK_LOAD4(base, i)), u));
         }
     }
 }
@@ -1248,11 +1280,34 @@ DCK_TARGET_AVX512 static inline void dck_store8(uint8_t *p, __m512d q)
     _mm256_storeu_si256((__m256i *)p, b);
 }
 
+/* Contract: the eight bfloat16 at p (unaligned) as dck_load8 reads their float32 widenings. */
+DCK_TARGET_AVX512 static inline __m512d dck_load8_bf16(const uint8_t *p)
+{
+    __m256i b = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    __mmask8 sub = _mm256_testn_epi32_mask(b, _mm256_set1_epi32(0x7f800000));
+    b = _mm256_mask_and_epi32(b, sub, b, _mm256_set1_epi32((int)0x80000000u));
+    return _mm512_cvtps_pd(_mm256_castsi256_ps(b));
+}
+
+/* Contract: stores q at p (unaligned) as dck_store8 computes each float32, then rounded to bfloat16 as
+ * dck_bf16_narrow does. */
+DCK_TARGET_AVX512 static inline void dck_store8_bf16(uint8_t *p, __m512d q)
+{
+    uint8_t f[32];
+    __m256i b;
+
+    dck_store8(f, q);
+    b = _mm256_loadu_si256((const __m256i *)f);
+    b = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)),
+                         _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)));
+    _mm_storeu_si128((__m128i *)p, _mm256_cvtepi32_epi16(_mm256_srli_epi32(b, 16)));
+}
+
 /* Contract: as dck_predict_avx2 with n % 8 == 0, eight elements at a time: the same operations in the same order
  * (rounding to nearest, as every 512-bit operation here does without embedded rounding), so the same bits.
  * Only called when dck_have_avx512(). */
 DCK_TARGET_AVX512 static void dck_predict_avx512(int predictor, const double *c, const uint8_t *base,
-                                                 const uint8_t *const *refs, uint8_t *out, size_t n)
+                                                 const uint8_t *const *refs, uint8_t *out, size_t n, int bf16)
 {
     const __m512d c0 = _mm512_set1_pd(c[0]), c1 = _mm512_set1_pd(c[1]), c2 = _mm512_set1_pd(c[2]),
                   c3 = _mm512_set1_pd(predictor == DCK_PREDICT_MOMENTUM_PARAM ? 0.0 : c[3]);
@@ -1260,52 +1315,65 @@ DCK_TARGET_AVX512 static void dck_predict_avx512(int predictor, const double *c,
 
     if (predictor == DCK_PREDICT_MOMENTUM_PARAM) {
         for (i = 0; i < n; i += 8) {
-            __m512d q = _mm512_sub_pd(_mm512_mul_pd(c0, dck_load8(base + 4 * i)),
-                                      _mm512_mul_pd(c1, dck_load8(refs[0] + 4 * i)));
-            dck_store8(out + 4 * i, _mm512_add_pd(q, _mm512_mul_pd(c2, dck_load8(refs[1] + 4 * i))));
+            __m512d q = _mm512_sub_pd(_mm512_mul_pd(c0, DCK_LOAD8(base, i)),
+                                      _mm512_mul_pd(c1, DCK_LOAD8(refs[0], i)));
+            DCK_STORE8(out, i, _mm512_add_pd(q, _mm512_mul_pd(c2, DCK_LOAD8(refs[1], i))));
         }
     } else if (predictor == DCK_PREDICT_ADAM_V) {
         for (i = 0; i < n; i += 8) {
-            __m512d g = _mm512_sub_pd(dck_load8(refs[0] + 4 * i), _mm512_mul_pd(c0, dck_load8(refs[1] + 4 * i)));
+            __m512d g = _mm512_sub_pd(DCK_LOAD8(refs[0], i), _mm512_mul_pd(c0, DCK_LOAD8(refs[1], i)));
             g = _mm512_mul_pd(g, c1);
             g = _mm512_mul_pd(g, g);
             g = _mm512_mul_pd(g, c3);
-            dck_store8(out + 4 * i, _mm512_add_pd(_mm512_mul_pd(c2, dck_load8(base + 4 * i)), g));
+            DCK_STORE8(out, i, _mm512_add_pd(_mm512_mul_pd(c2, DCK_LOAD8(base, i)), g));
         }
     } else {
         const __m512d c4 = _mm512_set1_pd(c[4]), c5 = _mm512_set1_pd(c[5]), c6 = _mm512_set1_pd(c[6]);
         for (i = 0; i < n; i += 8) {
-            __m512d m = dck_load8(refs[0] + 4 * i);
-            __m512d g = _mm512_sub_pd(m, _mm512_mul_pd(c0, dck_load8(refs[1] + 4 * i)));
+            __m512d m = DCK_LOAD8(refs[0], i);
+            __m512d g = _mm512_sub_pd(m, _mm512_mul_pd(c0, DCK_LOAD8(refs[1], i)));
             __m512d d, u;
             g = _mm512_mul_pd(g, c1);
             g = _mm512_mul_pd(g, g);
             g = _mm512_mul_pd(g, c3);
-            d = _mm512_sqrt_pd(_mm512_add_pd(_mm512_mul_pd(c2, dck_load8(refs[2] + 4 * i)), g));
+            d = _mm512_sqrt_pd(_mm512_add_pd(_mm512_mul_pd(c2, DCK_LOAD8(refs[2], i)), g));
             d = _mm512_add_pd(d, c6);
             u = _mm512_div_pd(m, d);
             u = _mm512_mul_pd(u, c5);
-            dck_store8(out + 4 * i, _mm512_sub_pd(_mm512_mul_pd(c4, dck_load8(base + 4 * i)), u));
+            DCK_STORE8(out, i, _mm512_sub_pd(_mm512_mul_pd(c4, DCK_LOAD8(base, i)), u));
         }
     }
 }
 #endif
 
-/* Contract: dck_predict of a float32 predictor (1-3) over n elements, inputs and arguments already checked. */
-static void dck_predict_f32(int predictor, const double *c, const uint8_t *base, const uint8_t *const *refs,
-                            uint8_t *out, size_t n)
+/* Contract: computes elements [0, done) of the prediction with the widest vector loops the CPU has (and
+ * dck_use_simd allows) and returns done: n rounded down to their width, 0 without them. predictor is a float32
+ * one (1-3); bf16: the elements are bfloat16 (dck_predict_bf16's result). */
+static size_t dck_predict_vector(int predictor, const double *c, const uint8_t *base, const uint8_t *const *refs,
+                                 uint8_t *out, size_t n, int bf16)
 {
     size_t done = 0;
 
 #if DCK_AVX2
     if (dck_have_avx512()) {
         done = n - n % 8;
-        dck_predict_avx512(predictor, c, base, refs, out, done);
+        dck_predict_avx512(predictor, c, base, refs, out, done, bf16);
     } else if (dck_have_avx2()) {
         done = n - n % 4;
-        dck_predict_avx2(predictor, c, base, refs, out, done);
+        dck_predict_avx2(predictor, c, base, refs, out, done, bf16);
     }
+#else
+    (void)predictor, (void)c, (void)base, (void)refs, (void)out, (void)n, (void)bf16;
 #endif
+    return done;
+}
+
+/* Contract: dck_predict of a float32 predictor (1-3) over n elements, inputs and arguments already checked. */
+static void dck_predict_f32(int predictor, const double *c, const uint8_t *base, const uint8_t *const *refs,
+                            uint8_t *out, size_t n)
+{
+    size_t done = dck_predict_vector(predictor, c, base, refs, out, n, 0);
+
     dck_predict_portable(predictor, c, base, refs, out, done, n - done);
 }
 
@@ -1361,16 +1429,18 @@ static void dck_bf16_narrow(uint8_t *dst, const uint8_t *src, size_t n)
 }
 
 /* Contract: dck_predict of a bfloat16 predictor (4, 5) over n elements, inputs and arguments already checked:
- * float32 predictor - DCK_PREDICT_BF16 over the widened inputs, each result narrowed (dck_bf16_narrow). */
+ * float32 predictor - DCK_PREDICT_BF16 over the widened inputs, each result narrowed (dck_bf16_narrow). The
+ * vector loops load and store bfloat16 themselves; the rest (all of it without them) is widened into float32
+ * blocks on the stack. */
 static void dck_predict_bf16(int predictor, const double *c, const uint8_t *base, const uint8_t *const *refs,
                              int nrefs, uint8_t *out, size_t n)
 {
     uint8_t wb[4 * DCK_BF16_BLOCK], wr[3][4 * DCK_BF16_BLOCK], wo[4 * DCK_BF16_BLOCK];
     const uint8_t *pr[3] = {wr[0], wr[1], wr[2]};
-    size_t at;
+    size_t at = dck_predict_vector(predictor - DCK_PREDICT_BF16, c, base, refs, out, n, 1);
     int k;
 
-    for (at = 0; at < n; at += DCK_BF16_BLOCK) {
+    for (; at < n; at += DCK_BF16_BLOCK) {
         size_t m = n - at < DCK_BF16_BLOCK ? n - at : DCK_BF16_BLOCK;
         dck_bf16_widen(wb, base + 2 * at, m);
         for (k = 0; k < nrefs; k++)

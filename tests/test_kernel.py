@@ -863,6 +863,41 @@ def test_predict_backends_agree_bit_for_bit(simd: int, predictor: int, n: int, c
     np.testing.assert_array_equal(outs[0], outs[1])
 
 
+@needs_native
+@SIMD_LEVELS
+def test_bf16_predictions_round_ties_to_even_at_every_level(simd: int) -> None:
+    """bfloat16 predictions whose float32 result lies exactly halfway between two bfloat16 values (p1·(1 + 2^-8)
+    with c5 = 0: the dropped 16 bits are p1's significand, exactly 0x8000 for a power of two) round to the even
+    one, in the native kernel's
+    vector loops and tails as in the numpy reference, and NaN inputs give 0x7FC0."""
+    rng = np.random.default_rng(3)
+    n = 4099  # (blocks of 8 and 4 and a tail)
+    scale = 2.0 ** rng.integers(-3, 4, n) * np.where(rng.random(n) < 0.5, -1.0, 1.0)
+    p1 = ((scale * np.where(rng.random(n) < 0.3, 1.0, rng.uniform(1.0, 2.0, n))).astype(np.float32)
+          .view(np.uint32) >> 16).astype("<u2")  # (three in ten a power of two)
+    p1[:3] = [0x7FC1, 0xFF80, 0x0001]  # a NaN with a payload, -inf, a subnormal
+    m = (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16).astype("<u2")
+    v = (np.abs(rng.standard_normal(n)).astype(np.float32).view(np.uint32) >> 16).astype("<u2")
+    coefs = (0.9, 10.0, 0.999, 1e-3, 1.0 + 2.0**-8, 0.0, 1e-8)
+    wide = np.empty(4 * n, np.uint8)
+    ref.predict(2, coefs, (p1.astype("<u4") << 16), [(a.astype("<u4") << 16) for a in (m, m, v)], wide)
+    ties = 0
+    want = []
+    for b in wide.view("<u4").tolist():
+        high, low = b >> 16, b & 0xFFFF
+        if (b & 0x7FFFFFFF) > 0x7F800000:
+            want.append(0x7FC0)
+            continue
+        ties += low == 0x8000
+        want.append(high + (low > 0x8000 or (low == 0x8000 and high & 1)))
+    assert ties > 500, ties
+    for mod in (ref, native):
+        out = np.empty(2 * n, np.uint8)
+        with np.errstate(all="ignore"), simd_loops(simd):
+            mod.predict(5, coefs, p1, [m, m, v], out)
+        assert out.view("<u2").tolist() == want
+
+
 @pytest.mark.parametrize("mod", BACKENDS)
 def test_predict_rejects_bad_arguments(mod: types.ModuleType) -> None:
     a = np.zeros(64, np.uint8)
