@@ -852,9 +852,9 @@ static int dck_unzstd(ZSTD_DCtx *dctx, const uint8_t *src, size_t len, uint8_t *
 #define DCK_FUSE_BYTES ((size_t)16 * 1024)
 
 /* Contract: dck_planes(src, base, dst, raw_len, width, merge=1, threads=1) in steps of DCK_FUSE_BYTES of output,
- * width in {1, 2, 4, 8}. With pred (then base == dst and raw_len a whole number of its elements), each step first writes the prediction
- * of its bytes into dst (dck_predict over that range: the same bytes as one call over the chunk, the prediction
- * being elementwise), so the residual is XORed onto it while it is in L1. With st, each step's result is then fed
+ * width in {1, 2, 4, 8}. With pred (then base == dst and raw_len a whole number of its elements), each step first
+ * writes the prediction of its bytes into dst (dck_predict over that range: the same bytes as one call over the
+ * chunk, the prediction being elementwise), so the residual is XORed onto it while it is in L1. With st, each step's result is then fed
  * in order to the streaming hash st (through update) while it is in cache: the same state as one update over
  * dst[0..raw_len) afterwards. Returns 0, or DCK_EINVAL from dck_predict (arguments the caller validated). */
 static int dck_merge_steps(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t raw_len, int width,
@@ -1160,13 +1160,18 @@ static void dck_predict_portable(int predictor, const double *c, const uint8_t *
 }
 
 #if DCK_AVX2
-/* Contract: the four float32 at p (unaligned), subnormals replaced by zeros of their sign, widened to double. */
-DCK_TARGET_AVX2 static inline __m256d dck_load4(const uint8_t *p)
+/* Contract: the four float32 bit patterns in b, subnormals replaced by zeros of their sign, widened to double. */
+DCK_TARGET_AVX2 static inline __m256d dck_widen4(__m128i b)
 {
-    __m128i b = _mm_loadu_si128((const __m128i *)p);
     __m128i sub = _mm_cmpeq_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7f800000)), _mm_setzero_si128());
     b = _mm_blendv_epi8(b, _mm_and_si128(b, _mm_set1_epi32((int)0x80000000u)), sub);
     return _mm256_cvtps_pd(_mm_castsi128_ps(b));
+}
+
+/* Contract: the four float32 at p (unaligned), as dck_widen4 widens them. */
+DCK_TARGET_AVX2 static inline __m256d dck_load4(const uint8_t *p)
+{
+    return dck_widen4(_mm_loadu_si128((const __m128i *)p));
 }
 
 /* Contract: stores q at p (unaligned) as dck_f32_store does for each of its four values. */
@@ -1187,10 +1192,7 @@ DCK_TARGET_AVX2 static inline void dck_store4(uint8_t *p, __m256d q)
  * appended). */
 DCK_TARGET_AVX2 static inline __m256d dck_load4_bf16(const uint8_t *p)
 {
-    __m128i b = _mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)p)), 16);
-    __m128i sub = _mm_cmpeq_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7f800000)), _mm_setzero_si128());
-    b = _mm_blendv_epi8(b, _mm_and_si128(b, _mm_set1_epi32((int)0x80000000u)), sub);
-    return _mm256_cvtps_pd(_mm_castsi128_ps(b));
+    return dck_widen4(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)p)), 16));
 }
 
 /* Contract: stores q at p (unaligned) as dck_store4 computes each float32, then rounded to bfloat16 as
@@ -1202,7 +1204,8 @@ DCK_TARGET_AVX2 static inline void dck_store4_bf16(uint8_t *p, __m256d q)
 
     dck_store4(f, q);
     b = _mm_loadu_si128((const __m128i *)f);
-    b = _mm_add_epi32(_mm_add_epi32(b, _mm_set1_epi32(0x7fff)), _mm_and_si128(_mm_srli_epi32(b, 16), _mm_set1_epi32(1)));
+    b = _mm_add_epi32(_mm_add_epi32(b, _mm_set1_epi32(0x7fff)),
+                      _mm_and_si128(_mm_srli_epi32(b, 16), _mm_set1_epi32(1)));
     b = _mm_srli_epi32(b, 16);
     _mm_storel_epi64((__m128i *)p, _mm_packus_epi32(b, b));
 }
@@ -1256,13 +1259,18 @@ DCK_TARGET_AVX2 static void dck_predict_avx2(int predictor, const double *c, con
     }
 }
 
-/* Contract: the eight float32 at p (unaligned), subnormals replaced by zeros of their sign, widened to double. */
-DCK_TARGET_AVX512 static inline __m512d dck_load8(const uint8_t *p)
+/* Contract: the eight float32 bit patterns in b, subnormals replaced by zeros of their sign, widened to double. */
+DCK_TARGET_AVX512 static inline __m512d dck_widen8(__m256i b)
 {
-    __m256i b = _mm256_loadu_si256((const __m256i *)p);
     __mmask8 sub = _mm256_testn_epi32_mask(b, _mm256_set1_epi32(0x7f800000));
     b = _mm256_mask_and_epi32(b, sub, b, _mm256_set1_epi32((int)0x80000000u));
     return _mm512_cvtps_pd(_mm256_castsi256_ps(b));
+}
+
+/* Contract: the eight float32 at p (unaligned), as dck_widen8 widens them. */
+DCK_TARGET_AVX512 static inline __m512d dck_load8(const uint8_t *p)
+{
+    return dck_widen8(_mm256_loadu_si256((const __m256i *)p));
 }
 
 /* Contract: stores q at p (unaligned) as dck_f32_store does for each of its eight values. */
@@ -1283,10 +1291,7 @@ DCK_TARGET_AVX512 static inline void dck_store8(uint8_t *p, __m512d q)
 /* Contract: the eight bfloat16 at p (unaligned) as dck_load8 reads their float32 widenings. */
 DCK_TARGET_AVX512 static inline __m512d dck_load8_bf16(const uint8_t *p)
 {
-    __m256i b = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-    __mmask8 sub = _mm256_testn_epi32_mask(b, _mm256_set1_epi32(0x7f800000));
-    b = _mm256_mask_and_epi32(b, sub, b, _mm256_set1_epi32((int)0x80000000u));
-    return _mm512_cvtps_pd(_mm256_castsi256_ps(b));
+    return dck_widen8(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
 /* Contract: stores q at p (unaligned) as dck_store8 computes each float32, then rounded to bfloat16 as
