@@ -227,8 +227,8 @@ def predict(predictor: int, coefs: object, base: object, refs: list[object], out
         predict(f32, c, _bf16_widened(base), [_bf16_widened(r) for r in refs], wide)
         bits = wide.view("<u4")
         nan = (bits & 0x7FFFFFFF) > 0x7F800000
-        rounded = ((bits.astype(np.uint64) + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype("<u2")
-        o[:] = np.where(nan, np.uint16(0x7FC0), rounded).astype("<u2").view(np.uint8)
+        rounded = (bits.astype(np.uint64) + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        o[:] = np.where(nan, 0x7FC0, rounded).astype("<u2").view(np.uint8)
         return
     with np.errstate(all="ignore"):
         m = _f32_in(refs[0])

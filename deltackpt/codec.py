@@ -287,10 +287,10 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
         raise FormatVersionError(f"{_NEWER_FRAME} {version} is not supported (this reader: 1-4){_at(where)}")
     if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0 or (version >= 2) != (codec == PREDICTED):
         raise CorruptChunkError(f"bad frame header (codec {codec}, width {width}, flags {flags}){_at(where)}")
-    if codec == PREDICTED and width != (2 if version == PREDICTED_V4 else 4):  # (the predictions' elements:
-        # float32, bfloat16 in version 4; the residual's planes are of them too)
+    # (a prediction's elements, and so its residual's planes: float32, bfloat16 in version 4)
+    if codec == PREDICTED and width != (want := 2 if version == PREDICTED_V4 else 4):
         raise CorruptChunkError(f"predicted frame of version {version} and width {width} (they have width "
-                                f"{2 if version == PREDICTED_V4 else 4}){_at(where)}")
+                                f"{want}){_at(where)}")
     if raw_len > MAX_RAW or stored_len > MAX_RAW + 1024:
         raise CorruptChunkError(f"frame declares {raw_len} raw / {stored_len} stored bytes{_at(where)}")
     if codec == RAW and stored_len != raw_len:

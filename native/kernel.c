@@ -854,9 +854,9 @@ static int dck_unzstd(ZSTD_DCtx *dctx, const uint8_t *src, size_t len, uint8_t *
 /* Contract: dck_planes(src, base, dst, raw_len, width, merge=1, threads=1) in steps of DCK_FUSE_BYTES of output,
  * width in {1, 2, 4, 8}. With pred (then base == dst and raw_len a whole number of its elements), each step first
  * writes the prediction of its bytes into dst (dck_predict over that range: the same bytes as one call over the
- * chunk, the prediction being elementwise), so the residual is XORed onto it while it is in L1. With st, each step's result is then fed
- * in order to the streaming hash st (through update) while it is in cache: the same state as one update over
- * dst[0..raw_len) afterwards. Returns 0, or DCK_EINVAL from dck_predict (arguments the caller validated). */
+ * chunk, the prediction being elementwise), so the residual is XORed onto it while it is in L1. With st, each
+ * step's result is then fed in order to the streaming hash st (through update) while it is in cache: the same
+ * state as one update over dst[0..raw_len) afterwards. Returns 0, or DCK_EINVAL from dck_predict (arguments the caller validated). */
 static int dck_merge_steps(const uint8_t *src, const uint8_t *base, uint8_t *dst, size_t raw_len, int width,
                            const struct dck_prediction *pred, XXH3_state_t *st, dck_xxh3_64_update_f update)
 {
@@ -1174,8 +1174,8 @@ DCK_TARGET_AVX2 static inline __m256d dck_load4(const uint8_t *p)
     return dck_widen4(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* Contract: stores q at p (unaligned) as dck_f32_store does for each of its four values. */
-DCK_TARGET_AVX2 static inline void dck_store4(uint8_t *p, __m256d q)
+/* Contract: the float32 bit patterns dck_f32_store gives q's four values. */
+DCK_TARGET_AVX2 static inline __m128i dck_narrow4(__m256d q)
 {
     const __m256d sign = _mm256_set1_pd(-0.0);
     __m256d tiny = _mm256_cmp_pd(_mm256_andnot_pd(sign, q), _mm256_set1_pd(0x1p-126), _CMP_LT_OQ); /* NaN: no */
@@ -1183,9 +1183,14 @@ DCK_TARGET_AVX2 static inline void dck_store4(uint8_t *p, __m256d q)
 
     q = _mm256_blendv_pd(q, _mm256_and_pd(q, sign), tiny);
     b = _mm_castps_si128(_mm256_cvtpd_ps(q));
-    b = _mm_blendv_epi8(b, _mm_set1_epi32(0x7fc00000),
-                        _mm_cmpgt_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000)));
-    _mm_storeu_si128((__m128i *)p, b);
+    return _mm_blendv_epi8(b, _mm_set1_epi32(0x7fc00000), _mm_cmpgt_epi32(_mm_and_si128(b, _mm_set1_epi32(0x7fffffff)),
+                                                                         _mm_set1_epi32(0x7f800000)));
+}
+
+/* Contract: stores q at p (unaligned) as dck_f32_store does for each of its four values. */
+DCK_TARGET_AVX2 static inline void dck_store4(uint8_t *p, __m256d q)
+{
+    _mm_storeu_si128((__m128i *)p, dck_narrow4(q));
 }
 
 /* Contract: the four bfloat16 at p (unaligned) as dck_load4 reads their float32 widenings (16 zero bits
@@ -1199,11 +1204,8 @@ DCK_TARGET_AVX2 static inline __m256d dck_load4_bf16(const uint8_t *p)
  * dck_bf16_narrow does (the canonical NaN 0x7FC00000 rounds to 0x7FC0 by the same sum). */
 DCK_TARGET_AVX2 static inline void dck_store4_bf16(uint8_t *p, __m256d q)
 {
-    uint8_t f[16];
-    __m128i b;
+    __m128i b = dck_narrow4(q);
 
-    dck_store4(f, q);
-    b = _mm_loadu_si128((const __m128i *)f);
     b = _mm_add_epi32(_mm_add_epi32(b, _mm_set1_epi32(0x7fff)),
                       _mm_and_si128(_mm_srli_epi32(b, 16), _mm_set1_epi32(1)));
     b = _mm_srli_epi32(b, 16);
@@ -1273,8 +1275,8 @@ DCK_TARGET_AVX512 static inline __m512d dck_load8(const uint8_t *p)
     return dck_widen8(_mm256_loadu_si256((const __m256i *)p));
 }
 
-/* Contract: stores q at p (unaligned) as dck_f32_store does for each of its eight values. */
-DCK_TARGET_AVX512 static inline void dck_store8(uint8_t *p, __m512d q)
+/* Contract: the float32 bit patterns dck_f32_store gives q's eight values. */
+DCK_TARGET_AVX512 static inline __m256i dck_narrow8(__m512d q)
 {
     const __m512d sign = _mm512_set1_pd(-0.0);
     __mmask8 tiny = _mm512_cmp_pd_mask(_mm512_andnot_pd(sign, q), _mm512_set1_pd(0x1p-126), _CMP_LT_OQ);
@@ -1282,10 +1284,15 @@ DCK_TARGET_AVX512 static inline void dck_store8(uint8_t *p, __m512d q)
 
     q = _mm512_mask_and_pd(q, tiny, q, sign);
     b = _mm256_castps_si256(_mm512_cvtpd_ps(q));
-    b = _mm256_mask_mov_epi32(b, _mm256_cmpgt_epi32_mask(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)),
-                                                          _mm256_set1_epi32(0x7f800000)),
-                              _mm256_set1_epi32(0x7fc00000));
-    _mm256_storeu_si256((__m256i *)p, b);
+    return _mm256_mask_mov_epi32(b, _mm256_cmpgt_epi32_mask(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)),
+                                                             _mm256_set1_epi32(0x7f800000)),
+                                 _mm256_set1_epi32(0x7fc00000));
+}
+
+/* Contract: stores q at p (unaligned) as dck_f32_store does for each of its eight values. */
+DCK_TARGET_AVX512 static inline void dck_store8(uint8_t *p, __m512d q)
+{
+    _mm256_storeu_si256((__m256i *)p, dck_narrow8(q));
 }
 
 /* Contract: the eight bfloat16 at p (unaligned) as dck_load8 reads their float32 widenings. */
@@ -1298,11 +1305,8 @@ DCK_TARGET_AVX512 static inline __m512d dck_load8_bf16(const uint8_t *p)
  * dck_bf16_narrow does. */
 DCK_TARGET_AVX512 static inline void dck_store8_bf16(uint8_t *p, __m512d q)
 {
-    uint8_t f[32];
-    __m256i b;
+    __m256i b = dck_narrow8(q);
 
-    dck_store8(f, q);
-    b = _mm256_loadu_si256((const __m256i *)f);
     b = _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7fff)),
                          _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)));
     _mm_storeu_si128((__m128i *)p, _mm256_cvtepi32_epi16(_mm256_srli_epi32(b, 16)));
