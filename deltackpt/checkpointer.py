@@ -182,6 +182,9 @@ def _pass_to(handler: Any, signum: int, frame: Any, *, kill: bool = False) -> No
         raise SystemExit(128 + signum)
 
 
+#: what ``Checkpointer(when_busy=)`` takes: wait for the save in flight at a step of the schedule, or skip the step
+WHEN_BUSY = ("wait", "skip")
+
 #: seconds a loop's thread that handed a process-ending signal to the main thread waits for the end
 _ENDING_WAIT = 30.0
 
@@ -361,6 +364,11 @@ class Checkpointer:
         this dict.
     every_n_steps: save when the step passed to :meth:`step` is a multiple of this.
     async_save: snapshot in :meth:`step` and save in a background thread (at most one save in flight).
+    when_busy: what :meth:`step` does at a step of the schedule while the async save before it still runs:
+        ``"wait"`` (the default) waits for it, so that every step of the schedule is saved; ``"skip"`` saves
+        nothing at that step and returns False at once (counted in :attr:`skipped`), so that the loop never
+        waits for a save and saves as often as the store keeps up. Needs ``async_save``. A stop signal's save
+        waits whatever this says, and so does an explicit :meth:`save`.
     retention: a :class:`Retention` policy applied after each committed save.
     gc: with a retention policy, reclaim the space of what it deleted or thinned: after a save whose retention
         brings the bytes that the checkpoints deleted or thinned since the store's last gc wrote (the store
@@ -399,6 +407,7 @@ class Checkpointer:
         extra: dict[str, Any] | None = None,
         every_n_steps: int = 1,
         async_save: bool = True,
+        when_busy: str = "wait",
         retention: Retention | None = None,
         gc: bool = True,
         handle_signals: bool = True,
@@ -420,6 +429,10 @@ class Checkpointer:
         for name, value in (("async_save", async_save), ("gc", gc), ("handle_signals", handle_signals),
                             ("rng", rng)):
             config.boolean(name, value)
+        if not isinstance(when_busy, str) or when_busy not in WHEN_BUSY:
+            raise ValueError(f"when_busy must be one of {', '.join(map(repr, WHEN_BUSY))}, got {when_busy!r:.40}")
+        if when_busy == "skip" and not async_save:
+            raise ValueError("when_busy='skip' needs async_save=True: a synchronous save has ended by the next step()")
         if extra is not None and not isinstance(extra, Mapping):
             raise TypeError(f"extra must be a dict of names to values or stateful objects, got "
                             f"{type(extra).__name__}")
@@ -444,6 +457,9 @@ class Checkpointer:
         self.extra = extra if extra is not None else {}
         self.every_n_steps = every_n_steps
         self.async_save = async_save
+        self.when_busy = when_busy
+        #: steps of the schedule that ``when_busy="skip"`` did not save, as the save before them still ran
+        self.skipped = 0
         self.retention = retention
         self._warned_metric = False  # (a keep_best metric no checkpoint records: said once)
         self.gc = gc
@@ -455,6 +471,8 @@ class Checkpointer:
         #: the run's name (:func:`deltackpt.ranks.run_name`): recorded in its checkpoints' ``rng`` entry, and the
         #: name under which ranks other than 0 keep their RNG states; set again by a restore
         self._run = ranks.run_name(None, self.store) if rng else ""
+        #: a rank other than 0: the newest commit when its run began; rank 0's saves of the run commit after it
+        self._run_seq = ranks.newest_seq(self.store) if rng and self.rank and when_busy == "skip" else 0
         #: RNG state files a rank other than 0 wrote since it last pruned them: its first step() prunes (a job
         #: whose every run ends within 32 steps, preempted say, would never prune otherwise)
         self._rank_files = 32
@@ -796,12 +814,16 @@ class Checkpointer:
         if self.rng:  # (every rank names the run alike: they all restored this, before any saved, or mid-run
             # at the same step from the same run, where rank 0's save of that step may or may not be committed yet)
             self._run = ranks.next_run(self._run, info.id) if self._stepped else ranks.run_name(info.id, self.store)
+            if self.rank and self.when_busy == "skip":
+                self._run_seq = ranks.newest_seq(self.store)
         return restored
 
     # -- saving ----------------------------------------------------------------------------------------------
     def step(self, step: int, *, metadata: Mapping[str, Any] | None = None) -> bool:
         """Tell the checkpointer that ``step`` steps are complete; save if due. Returns True if this step is
-        saved: a save started, or (at a signal) the one of this step under way was waited for.
+        saved: a save started, or (at a signal) the one of this step under way was waited for. False where no save
+        is due, or where ``when_busy="skip"`` skipped this step (the save before it still runs). A rank other than
+        0 cannot see that: its step() returns True at every step of the schedule.
 
         ``metadata`` goes with this step's save, when there is one (a metric for ``Retention(keep_best=)``,
         a tag), and is dropped otherwise. Raises the error of a failed background save. After a SIGTERM/SIGINT
@@ -833,6 +855,9 @@ class Checkpointer:
             self._saved_at_signal(step)
             return True
         if step % self.every_n_steps == 0 and step != self.last_saved_step:
+            if self.when_busy == "skip" and self._inflight is not None and not self._inflight.done():
+                self.skipped += 1  # (its error, once it has one, is raised at the next step: above)
+                return False
             self.save(step, metadata=metadata)
             if self._signal is not None:
                 # the signal came during this save (or the wait for the one before it): this step is the boundary.
@@ -919,10 +944,18 @@ class Checkpointer:
             n = self.every_n_steps
             saves = self._rank_saves
             try:
-                # (a thinned one is never restored)
-                listed = {info.step for info in self.store._listing() if not is_thinned(info)}
+                infos = self.store._listing()
+                listed = {info.step for info in infos if not is_thinned(info)}  # (a thinned one is never restored)
+                # Rank 0 saves the steps of the schedule in order, one at a time. With when_busy="skip" it does not
+                # wait for a save at the next one, so a save may run for any number of intervals: every step of the
+                # schedule after the newest this run committed may still be under way. (Not after a step ahead of
+                # this one: the save of the run rolled back from, which may commit after this rank's restore.)
+                skip = self.when_busy == "skip"
+                after = max((info.step for info in infos if info.seq > self._run_seq and info.step <= step),
+                            default=-1) if skip else 0
                 ranks.prune(self.store.path, self.rank,
-                            lambda s: s in listed or s >= step - (2 * n if s % n == 0 or s in saves else 1))
+                            lambda s: s in listed or s >= step - (2 * n if s % n == 0 or s in saves else 1)
+                            or (skip and s % n == 0 and s > after))
             except (DeltackptError, OSError) as exc:  # (the states are kept: only their clean-up waits)
                 warnings.warn(f"deltackpt: rank {self.rank} could not remove its RNG states of steps the store no "
                               f"longer holds, tried again in 32 steps ({type(exc).__name__}: {exc})",

@@ -86,11 +86,16 @@ def run_name(restored: str | None, store: Store) -> str:
     """The name of a run: the id of the checkpoint it restored from (``new`` when none) and the commit number of
     the newest checkpoint in ``store`` when it did, as ``ID-SEQ``. (0 for an empty store, and for one whose index
     cannot be listed: every rank reads the same index, and names the run alike.)"""
+    return f"{restored or 'new'}-{newest_seq(store)}"
+
+
+def newest_seq(store: Store) -> int:
+    """The commit number of the newest checkpoint in ``store`` (0 for an empty store, and for one whose index
+    cannot be listed)."""
     try:
-        seq = max((i.seq for i in store._listing()), default=0)
+        return max((i.seq for i in store._listing()), default=0)
     except DeltackptError:
-        seq = 0
-    return f"{restored or 'new'}-{seq}"
+        return 0
 
 
 def next_run(previous: str, restored: str) -> str:
@@ -279,5 +284,5 @@ def prune(store_path: Path, rank: int, keep: Callable[[int], bool]) -> int:
     return removed
 
 
-__all__ = ["RUN_KEY", "RankStateError", "decode", "encode", "next_run", "prune", "ranks_kept", "read", "read_for",
-           "run_name", "sync", "usage", "write"]
+__all__ = ["RUN_KEY", "RankStateError", "decode", "encode", "newest_seq", "next_run", "prune", "ranks_kept", "read",
+           "read_for", "run_name", "sync", "usage", "write"]

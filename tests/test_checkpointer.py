@@ -286,17 +286,20 @@ def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Zygote]:
 # -- 1. exact resume after SIGKILL ------------------------------------------------------------------------
 
 @linux_only
-@pytest.mark.parametrize("every,kills", [(1, 2), (3, 1)])
+@pytest.mark.parametrize("every,kills,when_busy", [(1, 2, "wait"), (3, 1, "wait"), (1, 2, "skip")])
 def test_exact_resume_after_sigkill(reference: Reference, zygote: Zygote, fast_dir: Path, rng: random.Random,
-                                    every: int, kills: int) -> None:
+                                    every: int, kills: int, when_busy: str) -> None:
     """SIGKILL a run at random steps, rerun the same command until it finishes: the final model, optimizer,
     scheduler, RNG and data position are bit-identical to an uninterrupted run's, and so is every loss any
-    run logged (a resumed run repeats the steps after its last committed checkpoint)."""
+    run logged (a resumed run repeats the steps after its last committed checkpoint). With when_busy="skip" the
+    runs save the steps they reach while no save runs, and resume from the last of those that committed."""
     store, out = fast_dir / "store", fast_dir / "final.pt"
     runs: list[tuple[int, list[tuple[int, str]]]] = []
     for run in range(kills + 1):
         log, output = fast_dir / f"log{run}", fast_dir / f"out{run}"
-        pid = zygote.run(worker_argv(store, log, out=out, every=every), output)
+        # (skipping: steps without a sleep, so that saves outlast steps and steps are skipped)
+        sleep = STEP_SLEEP if when_busy == "wait" else 0.0
+        pid = zygote.run(worker_argv(store, log, out=out, every=every, sleep=sleep, when_busy=when_busy), output)
         if run == kills:
             code = zygote.wait(pid)
             text = output.read_text()
@@ -311,7 +314,8 @@ def test_exact_resume_after_sigkill(reference: Reference, zygote: Zygote, fast_d
                 time.sleep(0.003)
             start = read_log(log)[0]
             assert start is not None
-            low = (3 if every == 1 else 7) if run == 0 else 2
+            # (skipping, the first save commits while later steps train: give it some of them)
+            low = (3 if every == 1 and when_busy == "wait" else 7) if run == 0 else 2
             k = rng.randint(low, max(low, min(25, TOTAL_STEPS - start - 8)))
             wait_for_lines(log, k, alive)
             time.sleep(rng.uniform(0, STEP_SLEEP))  # land anywhere in a step: training, logging, saving
@@ -337,7 +341,8 @@ def test_exact_resume_after_sigkill(reference: Reference, zygote: Zygote, fast_d
             last = prev[-1][0] if prev else prev_start
             # ckpt.step(last - 1) returned before step `last` was logged; it saved the newest multiple m of
             # `every` <= last - 1 after waiting for the save of m - every, so that one was committed
-            m = (last - 1) // every * every
+            # (skipping, any step since the run before started may be the last whose save committed)
+            m = (last - 1) // every * every if when_busy == "wait" else prev_start + every
             assert start % every == 0, f"run {i} resumed at step {start}, not a multiple of {every}"
             assert max(prev_start, m - every) <= start <= last, (
                 f"run {i} resumed at {start}; run {i - 1} started at {prev_start} and logged up to {last}"
@@ -662,6 +667,143 @@ def test_background_error_raised_at_close(fast_dir: Path) -> None:
         ckpt.close()
     ckpt.close()  # idempotent: the error was reported once
     assert _steps_and_manifests(fast_dir / "store") == ([1], 1)
+
+
+# -- when_busy: a step of the schedule while the save before it still runs --------------------------------
+
+def _held(ckpt: Checkpointer) -> threading.Event:
+    """Hold ``ckpt``'s saves in its store until the event returned is set (the store's own save, late)."""
+    go = threading.Event()
+    store_save = ckpt.store._save  # (what a Checkpointer's save calls)
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        assert go.wait(60)
+        return store_save(*args, **kwargs)
+
+    ckpt.store._save = held_save  # type: ignore[method-assign]
+    return go
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """One AdamW step on random data; the model's weights after it (copies)."""
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_when_busy_skip_saves_no_step_while_the_save_before_it_runs(fast_dir: Path) -> None:
+    model, opt = _small()
+    ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, when_busy="skip", handle_signals=False)
+    try:
+        go = _held(ckpt)
+        weights = {1: _train(model, opt)}
+        assert ckpt.step(1)  # (its save is held: in flight until go)
+        for s in (2, 3):
+            _train(model, opt)
+            assert not ckpt.step(s), f"step {s} was saved while the save of step 1 ran"
+        assert ckpt.skipped == 2 and ckpt.last_saved_step == 1
+        go.set()
+        ckpt.wait()
+        weights[4] = _train(model, opt)
+        assert ckpt.step(4) and ckpt.skipped == 2
+        ckpt.wait()
+        infos = ckpt.store.list()
+        assert [i.step for i in infos] == [1, 4]
+        assert infos[1].parent == infos[0].id  # (the save after the skipped steps descends from the last saved)
+        for s, expected in weights.items():
+            assert_bitwise(expected, ckpt.store.load(step=s)["model"], f"step {s}")
+    finally:
+        ckpt.close()
+
+
+def test_when_busy_wait_saves_every_step_of_the_schedule(fast_dir: Path) -> None:
+    """The default: a step of the schedule waits for the save before it, however long it takes."""
+    model, opt = _small()
+    ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, handle_signals=False)
+    try:
+        go = _held(ckpt)
+        _train(model, opt)
+        assert ckpt.step(1)
+        _train(model, opt)
+        saved: list[bool] = []
+        t = threading.Thread(target=lambda: saved.append(ckpt.step(2)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive(), "step(2) returned while the save of step 1 was held"
+        go.set()
+        t.join(60)
+        assert saved == [True] and ckpt.skipped == 0
+        ckpt.wait()
+        assert [i.step for i in ckpt.store.list()] == [1, 2]
+    finally:
+        ckpt.close()
+
+
+@linux_only
+def test_when_busy_skip_still_saves_at_a_stop_signal(fast_dir: Path) -> None:
+    """A stop signal's save waits for the save in flight, whatever when_busy says, then passes the signal on."""
+    model, opt = _small()
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, when_busy="skip")
+        try:
+            go = _held(ckpt)
+            _train(model, opt)
+            assert ckpt.step(1)
+            expected = _train(model, opt)
+            signal.raise_signal(signal.SIGTERM)
+            assert got == []  # (held until the step boundary)
+            threading.Timer(0.3, go.set).start()
+            assert ckpt.step(2)
+            assert got == [signal.SIGTERM] and ckpt.skipped == 0
+            assert [i.step for i in ckpt.store.list()] == [1, 2]
+            assert_bitwise(expected, ckpt.store.load(step=2)["model"])
+        finally:
+            go.set()
+            ckpt.close()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_when_busy_skip_every_saved_step_is_the_state_at_that_step(fast_dir: Path) -> None:
+    """Real saves, not held: however the saves and steps interleave, step() says which steps it saved, the store
+    holds exactly those, each is the state of its step, and each descends from the one saved before it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.Linear(2048, 512))  # 8 MB of weights
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, when_busy="skip", handle_signals=False)
+    expected: dict[int, dict[str, torch.Tensor]] = {}
+    try:
+        for s in range(1, 16):
+            with torch.no_grad():  # (a cheap step: the saves are the slow part)
+                for p in model.parameters():
+                    p.add_(torch.full_like(p, 1e-3 * s))
+            if ckpt.step(s):
+                expected[s] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        ckpt.wait()
+        infos = ckpt.store.list()
+        assert [i.step for i in infos] == sorted(expected)
+        assert len(expected) + ckpt.skipped == 15
+        assert [i.parent for i in infos[1:]] == [i.id for i in infos[:-1]]
+        for s, weights in expected.items():
+            assert_bitwise(weights, ckpt.store.load(step=s)["model"], f"step {s}")
+    finally:
+        ckpt.close()
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"when_busy": "Skip"}, "when_busy must be one of 'wait', 'skip'"),
+    ({"when_busy": None}, "when_busy must be one of"),
+    ({"when_busy": True}, "when_busy must be one of"),
+    ({"when_busy": "skip", "async_save": False}, "needs async_save=True"),
+])
+def test_a_bad_when_busy_is_refused_and_creates_no_store(tmp_path: Path, kw: dict[str, Any], match: str) -> None:
+    model, opt = _small()
+    with pytest.raises(ValueError, match=match):
+        Checkpointer(tmp_path / "store", model=model, optimizer=opt, handle_signals=False, **kw)
+    assert not (tmp_path / "store").exists()
 
 
 @pytest.mark.parametrize("bad", ["3", 2.0, True, None, -1, 2**63])

@@ -405,6 +405,52 @@ def test_a_rank_keeps_the_states_of_an_explicit_save_while_rank_0_may_still_be_s
     c1.close()
 
 
+def test_a_rank_keeps_the_states_of_every_step_rank_0_may_still_be_saving_when_it_skips(tmp_path: Path) -> None:
+    """when_busy="skip": rank 0 does not wait for a save at the next step of the schedule, so one save may run for
+    many intervals. Rank 1 keeps the states of every step of the schedule after the newest rank 0 committed in this
+    run, and prunes those of the steps rank 0 skipped once a later save of the run committed."""
+    import threading
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    common: dict[str, Any] = {"model": model, "handle_signals": False, "when_busy": "skip"}
+    c0 = deltackpt.Checkpointer(tmp_path / "s", **common)
+    c1 = deltackpt.Checkpointer(tmp_path / "s", rank=1, **common)
+    d = tmp_path / "s" / "rng" / "rank-00001"
+    go = threading.Event()
+    store_save = c0.store._save
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        assert go.wait(60)
+        return store_save(*args, **kwargs)
+
+    c0.store._save = held_save  # type: ignore[method-assign]
+    c1.step(1)
+    seen = draws()
+    assert c0.step(1)  # (held: in flight until go)
+    for s in range(2, 40):  # (past rank 1's 32nd file, where it prunes)
+        c1.step(s)
+        assert not c0.step(s)
+    assert (d / f"1-{c1._run}.rng").exists()
+    go.set()
+    c0.wait()
+    for s in range(40, 80):  # rank 0 saves again; rank 1 prunes the skipped steps' states
+        c1.step(s)
+        c0.step(s)
+    c0.wait()
+    saved = {i.step for i in c0.store.list()}
+    kept = {int(p.name.split("-")[0]) for p in d.glob("*.rng")}
+    assert {1, 40} <= saved and not {2, 39} & saved
+    assert 1 in kept and not set(range(2, 40)) & kept, sorted(kept)
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert c1.restore(step=1) == 1
+    assert draws() == seen
+    c0.close()
+    c1.close()
+
+
 def test_a_ranks_step_returns_what_rank_0s_returns_at_the_restored_step(tmp_path: Path) -> None:
     """A loop that steps at the top (``step(step)`` before training it, the restored step first): rank 0 saves
     nothing at the step it restored, and returns False; so must every other rank, or a loop that runs a collective

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chain-marker")
     ap.add_argument("--finally-out")
     ap.add_argument("--eval-workers", type=int, default=0)
+    ap.add_argument("--when-busy", default="wait")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -127,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ckpt = deltackpt.Checkpointer(
         args.store, model=parts["model"], optimizer=parts["optimizer"], scheduler=parts["scheduler"],
-        data=parts["data"], every_n_steps=args.every, async_save=True,
+        data=parts["data"], every_n_steps=args.every, async_save=True, when_busy=args.when_busy,
     )
     evals = None
     if args.eval_workers:  # an evaluation loader the checkpointer was not given: one batch drawn per step
