@@ -368,7 +368,8 @@ class Checkpointer:
         ``"wait"`` (the default) waits for it, so that every step of the schedule is saved; ``"skip"`` saves
         nothing at that step and returns False at once (counted in :attr:`skipped`), so that the loop never
         waits for a save and saves as often as the store keeps up. Needs ``async_save``. A stop signal's save
-        waits whatever this says, and so does an explicit :meth:`save`.
+        waits whatever this says, and so do an explicit :meth:`save` and the steps ``retention`` keeps for good
+        (``keep_every``).
     retention: a :class:`Retention` policy applied after each committed save.
     gc: with a retention policy, reclaim the space of what it deleted or thinned: after a save whose retention
         brings the bytes that the checkpoints deleted or thinned since the store's last gc wrote (the store
@@ -855,7 +856,8 @@ class Checkpointer:
             self._saved_at_signal(step)
             return True
         if step % self.every_n_steps == 0 and step != self.last_saved_step:
-            if self.when_busy == "skip" and self._inflight is not None and not self._inflight.done():
+            if (self.when_busy == "skip" and self._inflight is not None and not self._inflight.done()
+                    and not self._milestone(step)):
                 self.skipped += 1  # (its error, once it has one, is raised at the next step: above)
                 return False
             self.save(step, metadata=metadata)
@@ -986,6 +988,12 @@ class Checkpointer:
         r = self.retention
         return (r is not None and r.keep_every is not None and r.keep_every > self.every_n_steps
                 and step % r.keep_every == 0)
+
+    def _milestone(self, step: int) -> bool:
+        """Whether retention keeps a checkpoint of ``step`` for good (``keep_every``): ``when_busy="skip"`` waits
+        for the save before it rather than leave that stretch of the history without one."""
+        r = self.retention
+        return r is not None and r.keep_every is not None and step % r.keep_every == 0
 
     def _run_save(self, state: Any, step: int, meta: dict[str, Any] | None, keyframe: bool = False,
                   pairs: dict[str, str] | None = None, stopping: bool = False, whole: bool = False,

@@ -671,13 +671,14 @@ def test_background_error_raised_at_close(fast_dir: Path) -> None:
 
 # -- when_busy: a step of the schedule while the save before it still runs --------------------------------
 
-def _held(ckpt: Checkpointer) -> threading.Event:
-    """Hold ``ckpt``'s saves in its store until the event returned is set (the store's own save, late)."""
-    go = threading.Event()
+def _held(ckpt: Checkpointer) -> threading.Semaphore:
+    """Hold each of ``ckpt``'s saves in its store until the semaphore returned is released once for it (the store's
+    own save, late)."""
+    go = threading.Semaphore(0)
     store_save = ckpt.store._save  # (what a Checkpointer's save calls)
 
     def held_save(*args: Any, **kwargs: Any) -> Any:
-        assert go.wait(60)
+        assert go.acquire(timeout=60)
         return store_save(*args, **kwargs)
 
     ckpt.store._save = held_save  # type: ignore[method-assign]
@@ -695,18 +696,19 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torc
 def test_when_busy_skip_saves_no_step_while_the_save_before_it_runs(fast_dir: Path) -> None:
     model, opt = _small()
     ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, when_busy="skip", handle_signals=False)
+    go = _held(ckpt)
     try:
-        go = _held(ckpt)
         weights = {1: _train(model, opt)}
         assert ckpt.step(1)  # (its save is held: in flight until go)
         for s in (2, 3):
             _train(model, opt)
             assert not ckpt.step(s), f"step {s} was saved while the save of step 1 ran"
         assert ckpt.skipped == 2 and ckpt.last_saved_step == 1
-        go.set()
+        go.release()
         ckpt.wait()
         weights[4] = _train(model, opt)
         assert ckpt.step(4) and ckpt.skipped == 2
+        go.release()
         ckpt.wait()
         infos = ckpt.store.list()
         assert [i.step for i in infos] == [1, 4]
@@ -714,6 +716,7 @@ def test_when_busy_skip_saves_no_step_while_the_save_before_it_runs(fast_dir: Pa
         for s, expected in weights.items():
             assert_bitwise(expected, ckpt.store.load(step=s)["model"], f"step {s}")
     finally:
+        go.release(10)
         ckpt.close()
 
 
@@ -721,8 +724,8 @@ def test_when_busy_wait_saves_every_step_of_the_schedule(fast_dir: Path) -> None
     """The default: a step of the schedule waits for the save before it, however long it takes."""
     model, opt = _small()
     ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, handle_signals=False)
+    go = _held(ckpt)
     try:
-        go = _held(ckpt)
         _train(model, opt)
         assert ckpt.step(1)
         _train(model, opt)
@@ -731,12 +734,46 @@ def test_when_busy_wait_saves_every_step_of_the_schedule(fast_dir: Path) -> None
         t.start()
         t.join(0.3)
         assert t.is_alive(), "step(2) returned while the save of step 1 was held"
-        go.set()
+        go.release(2)
         t.join(60)
         assert saved == [True] and ckpt.skipped == 0
         ckpt.wait()
         assert [i.step for i in ckpt.store.list()] == [1, 2]
     finally:
+        go.release(10)
+        ckpt.close()
+
+
+def test_when_busy_skip_waits_at_a_step_retention_keeps_for_good(fast_dir: Path) -> None:
+    """keep_every=3: step 3 is waited for, however long the save before it runs, so that the history keeps one
+    checkpoint every 3 steps; steps 2, 4 and 5 are skipped."""
+    model, opt = _small()
+    ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, when_busy="skip", handle_signals=False,
+                        retention=Retention(keep_last=1, keep_every=3))
+    go = _held(ckpt)
+    try:
+        _train(model, opt)
+        assert ckpt.step(1)
+        _train(model, opt)
+        assert not ckpt.step(2)
+        _train(model, opt)
+        saved: list[bool] = []
+        t = threading.Thread(target=lambda: saved.append(ckpt.step(3)))
+        t.start()
+        t.join(0.3)
+        assert t.is_alive(), "step(3), which retention keeps for good, was not waited for"
+        go.release()
+        t.join(60)
+        assert saved == [True]
+        for s in (4, 5):  # (step 3's save is held)
+            _train(model, opt)
+            assert not ckpt.step(s)
+        assert ckpt.skipped == 3
+        go.release()
+        ckpt.wait()
+        assert [i.step for i in ckpt.store.list()] == [3]
+    finally:
+        go.release(10)
         ckpt.close()
 
 
@@ -748,20 +785,20 @@ def test_when_busy_skip_still_saves_at_a_stop_signal(fast_dir: Path) -> None:
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     try:
         ckpt = Checkpointer(fast_dir / "store", model=model, optimizer=opt, when_busy="skip")
+        go = _held(ckpt)
         try:
-            go = _held(ckpt)
             _train(model, opt)
             assert ckpt.step(1)
             expected = _train(model, opt)
             signal.raise_signal(signal.SIGTERM)
             assert got == []  # (held until the step boundary)
-            threading.Timer(0.3, go.set).start()
+            threading.Timer(0.3, lambda: go.release(2)).start()
             assert ckpt.step(2)
             assert got == [signal.SIGTERM] and ckpt.skipped == 0
             assert [i.step for i in ckpt.store.list()] == [1, 2]
             assert_bitwise(expected, ckpt.store.load(step=2)["model"])
         finally:
-            go.set()
+            go.release(10)
             ckpt.close()
     finally:
         signal.signal(signal.SIGTERM, previous)
