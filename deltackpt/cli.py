@@ -1495,7 +1495,9 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = _ANSI.sub("", str(exc)).strip()
+    # (no colour codes are cut out here: a message names the user's paths and keys, whose escapes the output
+    # shows escaped; torch's own colour codes are cut from its weights-only refusal, the one message that has them)
+    text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
 
 

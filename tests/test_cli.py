@@ -2445,6 +2445,19 @@ def test_messages_escape_what_a_terminal_would_take_for_commands(tmp_path: Path,
     assert b"a\\x1b]0;title\\x07b\\u202ec" in r.stderr and not any(c in r.stderr for c in (b"\x1b", b"\x07"))
 
 
+def test_messages_keep_colour_codes_of_the_paths_they_name(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A colour code (``ESC [ 31 m``) in a path given to a command is shown escaped in its error message, not cut
+    out of it: the message named another path than the one given (``STORE`` of ``STORE`` + ``ESC [ 0 m``, a
+    store)."""
+    with deltackpt.Store(tmp_path / "s") as s:
+        s.save({"x": 1}, step=1)
+    rc, _, err = cli(capsys, "ls", f"{tmp_path / 's'}\x1b[0m")
+    assert rc == 1
+    assert_one_line_error(err, f"{tmp_path / 's'}\\x1b[0m is not a deltackpt store")
+    assert "\x1b" not in err
+
+
 def test_a_command_says_what_it_waits_for(store_path: Path) -> None:
     """A command kept waiting more than a second for a lock another process holds says so on stderr, once, with
     what holds it (a gc or repair for verify, saves or loads for gc), and goes on when the lock is let go: it
