@@ -1548,6 +1548,10 @@ def _resume_point(s: Store, passed: list[dict[str, Any]] | None = None) -> Check
     None for an empty store. Raises :class:`DeltackptError` when no checkpoint would restore."""
 
     def verified(info: CheckpointInfo) -> CheckpointInfo:
+        if _refused_before_a_chunk(s, info):
+            # restore() checks the skeleton before it reads a chunk, and refuses such a checkpoint (an error, not
+            # damage: it falls back to no older one), whatever its chunks hold; resume-info then says why
+            return info
         report = s.verify(id=info.id)  # (a damaged manifest raises CorruptionError itself)
         if not report.ok:
             raise CorruptionError(str(report.problems[0]))
@@ -1568,6 +1572,22 @@ def _resume_point(s: Store, passed: list[dict[str, Any]] | None = None) -> Check
         raise DeltackptError(f"no checkpoint of {s.path} would restore: the {len(passed_over)} newest are damaged "
                              "and no full checkpoint before them is intact ('deltackpt verify' lists the damage)"
                              ) from exc
+
+
+def _refused_before_a_chunk(s: Store, info: CheckpointInfo) -> bool:
+    """Whether ``Checkpointer.restore()`` refuses the checkpoint by its manifest alone, as resume-info names it
+    (pickled values, not a Checkpointer's layout, a 'step' entry that is not its step, a dtype this torch does not
+    know, thinned). A damaged manifest raises CorruptionError, as it does for restore()."""
+    m = s.manifest(id=info.id)
+    if tree.pickled_paths(m.tree):
+        return True
+    try:
+        state = m.skeleton()
+    except Exception:  # (a registered type's decoder that cannot take tensor entries: the decode says)
+        return False
+    if not isinstance(state, dict) or not _checkpointer_layout(state):
+        return True
+    return _refusal(state, m, info.step) is not None or bool(state.get("thinned"))
 
 
 def cmd_resume_info(args: argparse.Namespace) -> int:

@@ -2201,6 +2201,39 @@ def test_resume_info_verify_passes_over_damage_as_restore_does(capsys: pytest.Ca
     assert_one_line_error(err, "no checkpoint of", "would restore")
 
 
+def test_resume_info_verify_does_not_pass_over_a_damaged_checkpoint_restore_refuses(
+        capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
+    """`resume-info --verify` with the newest checkpoint both damaged and one `restore()` refuses by its skeleton
+    (here a `Store.save` of an older step's state, as after a rollback): restore() raises for it, before a chunk is
+    read, rather than fall back, so no run would resume. It said the run would resume from the step before it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    with deltackpt.Checkpointer(store_path, model=model, async_save=False, handle_signals=False) as ck:
+        ck.save(3)
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ck.save(4)
+    with deltackpt.Store(store_path) as s:
+        state = s.load(step=3)
+        state["model"]["weight"] = state["model"]["weight"] + 2.0  # a new chunk, the last frame written
+        newest = s.save(state, step=5)
+    pack = max(pack_files(store_path), key=lambda p: p.stat().st_mtime_ns)
+    data = bytearray(pack.read_bytes())
+    data[-8] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    with deltackpt.Checkpointer(store_path, model=torch.nn.Linear(4, 3), handle_signals=False) as ck2:
+        with pytest.raises(deltackpt.DeltackptError, match="'step' entry is 3 but its manifest's step is 5"):
+            ck2.restore()
+    rc, out, err = cli(capsys, "resume-info", store_path, "--verify")
+    assert (rc, err) == (1, "")
+    assert out.startswith(f"the newest checkpoint, step 5 (checkpoint {newest.id}") and "refuses it" in out
+    assert "passes over" not in out and "would resume" not in out
+    rc, out, err = cli(capsys, "resume-info", store_path, "--verify", "--json")
+    doc = _strict_json(out)
+    assert (rc, doc["start_step"], doc["checkpoint"]["id"], doc["passed_over"]) == (1, None, newest.id, [])
+    assert "manifest's step is 5" in doc["refused"]
+
+
 def test_resume_info_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) -> None:
     open_store(store_path).close()
     rc, out, err = cli(capsys, "resume-info", store_path)
