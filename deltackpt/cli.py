@@ -1088,7 +1088,7 @@ def cmd_dcp(args: argparse.Namespace) -> int:
         if missing:  # refused before any step is deleted
             raise DeltackptError(f"{root} has no DCP checkpoint of step {', '.join(map(str, missing))}")
     doc: dict[str, Any] = {"deleted_steps": [], "pruned": None, "gc": None, "verify": None, "steps": None,
-                           "unreadable": None, "missing_ranks": None, "error": None}  # (--json)
+                           "unreadable": None, "missing_ranks": None, "unheld": None, "error": None}  # (--json)
     # (with --json, what the options did is printed even when one fails: steps deleted, then a failed gc)
     with _json_even_on_error(doc) if args.json else contextlib.nullcontext():
         return _dcp(args, root, doc)
@@ -1130,7 +1130,8 @@ def _dcp(args: argparse.Namespace, root: Path, doc: dict[str, Any]) -> int:
                 print(line)
             print(f"verify steps: {'OK' if not names else f'{len(names)} problem(s)'}")
         rc = rc if not names else 1
-    steps, unreadable = distributed._summary(root)  # (a step whose meta checkpoint is damaged is listed apart)
+    # (a step whose meta checkpoint is damaged is listed apart, and one that names a rank checkpoint no store holds)
+    steps, unreadable, unheld = distributed._summary(root)
     if args.json:  # (printed by cmd_dcp)
         doc["steps"] = [
             {"step": i.step, "id": i.id, "committed": i.created, "ranks": i.ranks, "logical_bytes": i.logical_bytes,
@@ -1138,6 +1139,7 @@ def _dcp(args: argparse.Namespace, root: Path, doc: dict[str, Any]) -> int:
         doc["unreadable"] = [{"step": info.step, "id": info.id, "message": distributed._unreadable(info, exc)}
                              for info, exc in unreadable]
         doc["missing_ranks"] = distributed.missing_stores(root)
+        doc["unheld"] = unheld
         return rc if not unreadable else 1
     rows: list[tuple[Any, ...]] = [(i.step, i.id, when(i.created), i.ranks, human(i.logical_bytes),
                                     human(i.written_bytes)) for i in steps]
@@ -1148,6 +1150,9 @@ def _dcp(args: argparse.Namespace, root: Path, doc: dict[str, Any]) -> int:
     print(table(rows, head, right={0, 3, 4, 5}))
     for info, exc in unreadable:  # (--verify named them too: verify_names)
         print(distributed._unreadable(info, exc))
+    if not args.verify:  # (--verify named them: verify_names)
+        for line in unheld:
+            print(line)
     which = "listed above" if args.verify else "--verify lists them"
     for rank in distributed.missing_stores(root):
         print(f"rank {rank}'s store is gone: the steps that name its checkpoints cannot load ({which})")

@@ -1093,29 +1093,33 @@ def summary(root: str | os.PathLike[str]) -> list[StepInfo]:
     hold: a rank whose store is gone counts nothing (:func:`verify_names` names the steps that cannot load). A
     step whose meta checkpoint cannot be read (a damaged manifest, a newer format) raises its error
     (:func:`verify_names` names every such step instead)."""
-    infos, unreadable = _summary(Path(root))
+    infos, unreadable, _ = _summary(Path(root))
     if unreadable:
         raise unreadable[0][1]
     return infos
 
 
-def _summary(root: Path) -> tuple[list[StepInfo], list[tuple[Any, DeltackptError]]]:
-    """:func:`summary` of the steps whose meta checkpoint can be read, and each other step's meta checkpoint
-    info with its error (what ``deltackpt dcp ROOT`` lists apart)."""
+def _summary(root: Path) -> tuple[list[StepInfo], list[tuple[Any, DeltackptError]], list[str]]:
+    """:func:`summary` of the steps whose meta checkpoint can be read; each other step's meta checkpoint info with
+    its error; and what :func:`verify_names` says of the steps that name a rank checkpoint a store that exists
+    does not hold (``deltackpt dcp ROOT`` lists the last two apart)."""
     steps, unreadable = _named_steps(root)
     sizes: dict[tuple[int, str], tuple[int, int]] = {}
+    unheld: list[str] = []
     for rank, pairs in sorted(_by_rank(steps).items()):
         if not (_rank_path(root, rank) / "STORE").exists():
             continue  # its store is gone: its shards count nothing (verify_names reports the steps that name them)
         with _existing(_rank_path(root, rank), f"rank {rank}'s shards", readonly=True) as store:
             for ckpt in {c for _, c in pairs}:
-                c = _resolved(store, ckpt)  # (missing: verify_names reports it)
+                c = _resolved(store, ckpt)
                 if c is not None:
                     sizes[rank, ckpt] = (c.logical_bytes, c.written_bytes)
+        unheld += [_unheld(i, rank, ckpt, "its store does not hold it")
+                   for i, ckpt in pairs if (rank, ckpt) not in sizes]
     return ([StepInfo(i.step, i.created, len({r for r, _ in named}), sum(sizes.get(n, (0, 0))[0] for n in named),
                       sum(sizes.get(n, (0, 0))[1] for n in named), _user_metadata(i.metadata), i.id)
              for i, named in steps],
-            unreadable)
+            unreadable, unheld)
 
 
 def missing_stores(root: str | os.PathLike[str]) -> list[int]:
@@ -1151,10 +1155,15 @@ def verify_names(root: str | os.PathLike[str]) -> list[str]:
                 held = {ckpt for ckpt in {c for _, c in pairs} if _resolved(store, ckpt)}
         for i, ckpt in pairs:
             if held is None or ckpt not in held:
-                where = "its store is gone" if held is None else "its store does not hold it"
-                problems.append(f"step {i.step} (DCP checkpoint {i.id}) names rank {rank}'s checkpoint {ckpt}, "
-                                f"but {where}: the step cannot load")
+                problems.append(_unheld(i, rank, ckpt, "its store is gone" if held is None else
+                                        "its store does not hold it"))
     return problems
+
+
+def _unheld(info: Any, rank: int, ckpt: str, where: str) -> str:
+    """What is wrong with the step of meta checkpoint ``info``, which names ``rank``'s checkpoint ``ckpt``."""
+    return (f"step {info.step} (DCP checkpoint {info.id}) names rank {rank}'s checkpoint {ckpt}, but {where}: the "
+            "step cannot load")
 
 
 def _by_rank(steps: list[tuple[Any, set[tuple[int, str]]]]) -> dict[int, list[tuple[Any, str]]]:

@@ -1350,6 +1350,32 @@ def _save_steps(root: Path, steps: Any) -> None:
         w.close()
 
 
+def test_the_dcp_listing_names_a_step_whose_rank_checkpoint_was_removed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank checkpoint removed by hand (deltackpt rm --force on the rank store): the listing showed its step as
+    any other, with 0 B, and only --verify said it cannot load. It now names it below the table and in --json
+    ("unheld"), as --verify does."""
+    import json
+
+    from deltackpt.cli import main
+
+    root = tmp_path / "ckpt"
+    _save_steps(root, (1, 2))
+    with deltackpt.Store(root / "rank-00000") as s:
+        gone = next(i for i in s.list() if i.step == 2)
+        s.delete(id=gone.id)
+    capsys.readouterr()
+    assert main(["dcp", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == (f"step 2 (DCP checkpoint {distributed.summary(root)[1].id}) names rank 0's checkpoint "
+                         f"{gone.id}, but its store does not hold it: the step cannot load")
+    assert main(["dcp", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["unheld"] == [lines[-1]]
+    assert main(["dcp", str(root), "--verify"]) == 1
+    assert capsys.readouterr().out.count("but its store does not hold it") == 1  # (once: --verify's line)
+
+
 def test_prune_keeps_a_rank_checkpoint_a_rewrite_replaced(tmp_path: Path) -> None:
     """A rewritten rank checkpoint has a new id; the step still names the old one, which finds it. Prune counted
     only current ids as named and deleted it, so the step could no longer load."""
