@@ -945,6 +945,8 @@ class Checkpointer:
             self._rank_files = 0
             n = self.every_n_steps
             saves = self._rank_saves
+            skip = self.when_busy == "skip"
+            after = 0
             try:
                 infos = self.store._listing()
                 listed = {info.step for info in infos if not is_thinned(info)}  # (a thinned one is never restored)
@@ -952,17 +954,19 @@ class Checkpointer:
                 # wait for a save at the next one, so a save may run for any number of intervals: every step of the
                 # schedule after the newest this run committed may still be under way. (Not after a step ahead of
                 # this one: the save of the run rolled back from, which may commit after this rank's restore.)
-                skip = self.when_busy == "skip"
-                after = max((info.step for info in infos if info.seq > self._run_seq and info.step <= step),
-                            default=-1) if skip else 0
+                # The same for the steps of its explicit save() calls: rank 0's next steps of the schedule skip
+                # rather than wait for one.
+                if skip:
+                    after = max((info.step for info in infos if info.seq > self._run_seq and info.step <= step),
+                                default=-1)
                 ranks.prune(self.store.path, self.rank,
                             lambda s: s in listed or s >= step - (2 * n if s % n == 0 or s in saves else 1)
-                            or (skip and s % n == 0 and s > after))
+                            or (skip and (s % n == 0 or s in saves) and s > after))
             except (DeltackptError, OSError) as exc:  # (the states are kept: only their clean-up waits)
                 warnings.warn(f"deltackpt: rank {self.rank} could not remove its RNG states of steps the store no "
                               f"longer holds, tried again in 32 steps ({type(exc).__name__}: {exc})",
                               RuntimeWarning, stacklevel=caller_level())
-            self._rank_saves = {s for s in saves if s >= step - 2 * n}
+            self._rank_saves = {s for s in saves if s >= step - 2 * n or (skip and s > after)}
         self.last_saved_step = step
 
     def _sync_rank_rng(self, path: Path) -> None:

@@ -451,6 +451,50 @@ def test_a_rank_keeps_the_states_of_every_step_rank_0_may_still_be_saving_when_i
     c1.close()
 
 
+def test_a_rank_keeps_the_states_of_an_explicit_save_rank_0_may_still_be_running_when_it_skips(
+        tmp_path: Path) -> None:
+    """when_busy="skip", every_n_steps=4: rank 0's async save() of a step off the schedule may run for many
+    intervals, as the steps of the schedule after it skip instead of waiting for it. Rank 1 keeps that step's states
+    until a later save of the run commits, not for two intervals only."""
+    import threading
+
+    torch.manual_seed(0)
+    common: dict[str, Any] = {"model": torch.nn.Linear(3, 2), "handle_signals": False, "when_busy": "skip",
+                              "every_n_steps": 4}
+    c0 = deltackpt.Checkpointer(tmp_path / "s", **common)
+    c1 = deltackpt.Checkpointer(tmp_path / "s", rank=1, **common)
+    go = threading.Event()
+    store_save = c0.store._save
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("step") == 5:
+            assert go.wait(60)
+        return store_save(*args, **kwargs)
+
+    c0.store._save = held_save  # type: ignore[method-assign]
+    for s in range(1, 5):
+        c1.step(s)
+        c0.step(s)
+    c0.wait()
+    c1.save(5)  # (an explicit save is called on every rank)
+    seen = draws()
+    c0.save(5)  # (held: in flight until go)
+    for s in range(6, 60):  # (past rank 1's 32nd file, where it prunes)
+        c1.step(s)
+        c0.step(s)
+    assert c0.skipped
+    go.set()
+    c0.wait()
+    assert 5 in {i.step for i in c0.store.list()}
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert c1.restore(step=5) == 5
+    assert draws() == seen
+    c0.close()
+    c1.close()
+
+
 def test_a_ranks_step_returns_what_rank_0s_returns_at_the_restored_step(tmp_path: Path) -> None:
     """A loop that steps at the top (``step(step)`` before training it, the restored step first): rank 0 saves
     nothing at the step it restored, and returns False; so must every other rank, or a loop that runs a collective
