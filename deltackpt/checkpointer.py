@@ -474,6 +474,7 @@ class Checkpointer:
         self._run = ranks.run_name(None, self.store) if rng else ""
         #: a rank other than 0: the newest commit when its run began; rank 0's saves of the run commit after it
         self._run_seq = ranks.newest_seq(self.store) if rng and self.rank and when_busy == "skip" else 0
+        self._run_ids: dict[str, bool] = {}  # (checkpoints committed since, and whether this run's: _run_newest)
         #: RNG state files a rank other than 0 wrote since it last pruned them: its first step() prunes (a job
         #: whose every run ends within 32 steps, preempted say, would never prune otherwise)
         self._rank_files = 32
@@ -816,7 +817,7 @@ class Checkpointer:
             # at the same step from the same run, where rank 0's save of that step may or may not be committed yet)
             self._run = ranks.next_run(self._run, info.id) if self._stepped else ranks.run_name(info.id, self.store)
             if self.rank and self.when_busy == "skip":
-                self._run_seq = ranks.newest_seq(self.store)
+                self._run_seq, self._run_ids = ranks.newest_seq(self.store), {}
         return restored
 
     # -- saving ----------------------------------------------------------------------------------------------
@@ -952,13 +953,10 @@ class Checkpointer:
                 listed = {info.step for info in infos if not is_thinned(info)}  # (a thinned one is never restored)
                 # Rank 0 saves the steps of the schedule in order, one at a time. With when_busy="skip" it does not
                 # wait for a save at the next one, so a save may run for any number of intervals: every step of the
-                # schedule after the newest this run committed may still be under way. (Not after a step ahead of
-                # this one: the save of the run rolled back from, which may commit after this rank's restore.)
-                # The same for the steps of its explicit save() calls: rank 0's next steps of the schedule skip
-                # rather than wait for one.
+                # schedule after the newest this run committed may still be under way. The same for the steps of
+                # its explicit save() calls: rank 0's next steps of the schedule skip rather than wait for one.
                 if skip:
-                    after = max((info.step for info in infos if info.seq > self._run_seq and info.step <= step),
-                                default=-1)
+                    after = self._run_newest(infos, step)
                 ranks.prune(self.store.path, self.rank,
                             lambda s: s in listed or s >= step - (2 * n if s % n == 0 or s in saves else 1)
                             or (skip and (s % n == 0 or s in saves) and s > after))
@@ -968,6 +966,27 @@ class Checkpointer:
                               RuntimeWarning, stacklevel=caller_level())
             self._rank_saves = {s for s in saves if s >= step - 2 * n or (skip and s > after)}
         self.last_saved_step = step
+
+    def _run_newest(self, infos: list[CheckpointInfo], step: int) -> int:
+        """A rank other than 0 with ``when_busy="skip"``: the step of the newest checkpoint that rank 0 committed in
+        this run, up to ``step`` (-1 when none). Of those committed since the run began, the newest whose ``rng``
+        entry names this run: after a rollback mid-run, rank 0's save of the run rolled back from may commit after
+        this rank's restore read the store (rank 0's restore waits for it), and is not one of this run's; counted,
+        it would let this rank remove the states of the steps below it that rank 0 is still saving."""
+        seen = self._run_ids
+        self._run_ids = {}
+        for info in sorted((i for i in infos if i.seq > self._run_seq and i.step <= step), key=lambda i: -i.seq):
+            ours = seen.get(info.id)
+            if ours is None:
+                try:
+                    rng = self.store.manifest(id=info.id).skeleton().get("rng")
+                    ours = isinstance(rng, Mapping) and rng.get(ranks.RUN_KEY) == self._run
+                except Exception:  # (deleted meanwhile, thinned, damaged: not counted, so its states are kept)
+                    ours = False
+            self._run_ids[info.id] = ours
+            if ours:
+                return info.step  # (rank 0 saves a run's steps in order: its newest commit is its latest step)
+        return -1
 
     def _sync_rank_rng(self, path: Path) -> None:
         """At close(), a rank other than 0: make the RNG states it kept last durable. A stop signal can reach rank

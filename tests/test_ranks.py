@@ -495,6 +495,58 @@ def test_a_rank_keeps_the_states_of_an_explicit_save_rank_0_may_still_be_running
     c1.close()
 
 
+def test_a_rank_rolled_back_before_rank_0s_last_save_committed_keeps_the_states_of_the_new_run(
+        tmp_path: Path) -> None:
+    """when_busy="skip", a rollback mid-run: rank 1 restores before rank 0's save in flight, of the run rolled back
+    from, commits (rank 0's restore waits for it). That checkpoint is not one of the new run's: once rank 1 has
+    stepped past its step, it must not take it for the newest commit of its run and remove the states of the new
+    run's steps below it, which rank 0 may still be saving."""
+    import threading
+
+    torch.manual_seed(0)
+    common: dict[str, Any] = {"model": torch.nn.Linear(3, 2), "handle_signals": False, "when_busy": "skip"}
+    c0 = deltackpt.Checkpointer(tmp_path / "s", **common)
+    c1 = deltackpt.Checkpointer(tmp_path / "s", rank=1, **common)
+    gates = {60: threading.Event(), 50: threading.Event()}
+    store_save = c0.store._save
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("step") in gates:
+            assert gates[kwargs["step"]].wait(60)
+        return store_save(*args, **kwargs)
+
+    c0.store._save = held_save  # type: ignore[method-assign]
+    c1.step(1)
+    assert c0.step(1)
+    c0.wait()
+    for s in range(2, 61):
+        c1.step(s)
+    assert c0.step(60)  # (held; rank 0's steps between skipped, as they would be while its save of 1 ran)
+    c1.restore(step=1)  # before rank 0's save of 60 commits
+    gates[60].set()
+    c0.restore(step=1)  # (waits for it)
+    for s in range(2, 50):
+        c1.step(s)
+        assert c0.step(s)
+        c0.wait()
+    c1.step(50)
+    seen = draws()
+    assert c0.step(50)  # (held)
+    for s in range(51, 100):  # (past the step of 60, and past rank 1's 32nd file since, where it prunes)
+        c1.step(s)
+        assert not c0.step(s)
+    gates[50].set()
+    c0.wait()
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert c0.restore(step=50) == 50
+        assert c1.restore(step=50) == 50
+    assert draws() == seen
+    c0.close()
+    c1.close()
+
+
 def test_a_ranks_step_returns_what_rank_0s_returns_at_the_restored_step(tmp_path: Path) -> None:
     """A loop that steps at the top (``step(step)`` before training it, the restored step first): rank 0 saves
     nothing at the step it restored, and returns False; so must every other rank, or a loop that runs a collective
