@@ -11,8 +11,9 @@ into a fresh store in a temporary directory on disk:
 - async skip: ``Checkpointer(async_save=True, when_busy="skip")``.
 
 A GPU training step leaves the CPU cores mostly free for a background save; on a CPU-only machine training and
-saves share the cores. ``--idle S`` makes each step also wait S seconds with the CPU free (a sleep, as a loop
-waiting on its accelerator does), ``--threads N`` gives training N torch threads.
+saves share the cores. ``--idle S`` makes each step also wait S seconds with the CPU free after ``ckpt.step``
+(a sleep, standing for the accelerator's share of the next step, beside which a background save runs),
+``--threads N`` gives training N torch threads.
 
 Per way: the loop's wall-clock time for the steps after the first (whose save writes the whole state) until the
 last save has committed, and its ratio to none's; the median time of one step (training and ``ckpt.step``); the
@@ -54,12 +55,12 @@ def _run(way: str, root: Path, cfg: GPTConfig, steps: int, batch: int, idle: flo
     for step in range(1, steps + 1):
         t = time.perf_counter()
         train_step(model, opt, gen, batch)
-        if idle:
-            time.sleep(idle)
         if ckpt is not None:
             ckpt.step(step)
             if step == 1:
                 ckpt.wait()  # (the first save writes the whole state: not what this measures)
+        if idle:  # (after step(): on a GPU the next step's compute is where a background save runs)
+            time.sleep(idle)
         now = time.perf_counter()
         if step == 1:
             start = now
