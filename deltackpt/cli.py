@@ -791,7 +791,7 @@ def cmd_du(args: argparse.Namespace) -> int:
             ("packs + manifests on disk", f"{human(packs_bytes)} + {human(man_bytes)}"),
             ("dedup ratio (logical / unique)", f"{logical / unique_raw:.2f}x" if unique_raw else "-"),
             ("compression ratio (unique / stored)", f"{unique_raw / frames:.2f}x" if frames else "-"),
-            ("overall (logical / on disk)", f"{logical / on_disk:.2f}x" if on_disk else "-"),
+            ("overall (logical / on disk)", f"{logical / on_disk:.2f}x" if on_disk and logical else "-"),
             ("delta frames (of all chunks)", f"{deltas[0]} of {n_chunks}, {human(deltas[2])} for {human(deltas[1])} raw"
              + (f" ({deltas[1] / deltas[2]:.2f}x)" if deltas[2] else "")),
             ("predicted frames (of all chunks)",

@@ -678,6 +678,7 @@ def test_du_empty_store(capsys: pytest.CaptureFixture[str], store_path: Path) ->
     assert du["checkpoints"] == "0"
     assert du["dedup ratio (logical / unique)"] == "-"
     assert du["compression ratio (unique / stored)"] == "-"
+    assert du["overall (logical / on disk)"] == "-"  # (not 0.00x: there is nothing to compare)
     assert du["deepest chain (frames a decode reads, <= max_chain + 1)"] == "-"
 
 
