@@ -7,7 +7,8 @@ Every rank makes a Checkpointer on STORE, saving every 2 steps, and restores fro
 ``ResumableSampler`` sharded over the ranks. MODE ``ranks`` (the default) is the README's pattern: every rank
 passes ``rank=`` and calls ``step()``; each seeded its generators differently at start, and draws its dropout and
 a NumPy noise term from them; MODE ``unranked`` does the same without ``rank=`` (a mistake: every rank saves), and
-MODE ``subgroups`` too, each rank's DDP over a process group of its own, saving into ``STORE-RANK``.
+MODE ``subgroups`` too, each rank's DDP over a process group of its own, saving into ``STORE-RANK``; MODE ``skip``
+is ``ranks`` with ``when_busy="skip"``.
 MODE ``seeded`` is the older one: ``rng`` on rank 0 only, rank 0 alone calls
 ``step()``, and each rank seeds its generator from (step, rank) at every step. With STOP_AT, every rank sends
 itself SIGTERM after that step (a job-wide stop). After STEPS steps the model's state goes to ``OUT.RANK`` with
@@ -50,7 +51,8 @@ loader = ResumableLoader(torch.utils.data.DataLoader(
     data, batch_size=4, sampler=ResumableSampler(data, shuffle=True, seed=0, num_replicas=world, rank=rank)))
 torch.manual_seed(100 + rank)  # (each rank its own streams; a restore puts back the saved ones)
 np.random.seed(100 + rank)
-kw = {"rank": rank} if mode == "ranks" else {} if mode in ("unranked", "subgroups") else {"rng": rank == 0}
+kw = ({"rank": rank} if mode == "ranks" else {"rank": rank, "when_busy": "skip"} if mode == "skip"
+      else {} if mode in ("unranked", "subgroups") else {"rng": rank == 0})
 with deltackpt.Checkpointer(store, model=model, optimizer=opt, data=loader, every_n_steps=2, **kw) as ckpt:
     step = ckpt.restore()
     while step < steps:

@@ -489,6 +489,26 @@ def test_data_parallel_ranks_keep_their_own_rng_states(tmp_path: Path) -> None:
     assert not _same_weights(tmp_path / "full.0", tmp_path / "lost.0")
 
 
+@pytest.mark.plumbing
+def test_data_parallel_ranks_that_skip_busy_steps_resume_exactly(tmp_path: Path) -> None:
+    """when_busy="skip" on every rank (tests/ddp_worker.py MODE skip): whichever steps rank 0 saved, a new job
+    after 5 steps, or after a job-wide SIGTERM at step 5 (rank 0 saves step 6 and exits), ends where 10
+    uninterrupted steps end, on both ranks, bit for bit, and no rank misses its RNG states."""
+    _ddp_job(tmp_path, tmp_path / "a", 10, tmp_path / "full", "skip")
+    _ddp_job(tmp_path, tmp_path / "b", 5, tmp_path / "half", "skip")
+    _, errs = _ddp_job(tmp_path, tmp_path / "b", 10, tmp_path / "resumed", "skip")
+    assert not any("RNG states" in e for e in errs), errs
+    codes, _ = _ddp_job(tmp_path, tmp_path / "d", 10, tmp_path / "stopped", "skip", stop_at=5)
+    assert codes == [128 + signal.SIGTERM] * 2, codes
+    with Store(tmp_path / "d") as s:
+        assert s.latest().step == 6  # type: ignore[union-attr]
+    _, errs = _ddp_job(tmp_path, tmp_path / "d", 10, tmp_path / "stop-resumed", "skip")
+    assert not any("RNG states" in e for e in errs), errs
+    for rank in range(2):
+        for run in ("resumed", "stop-resumed"):
+            assert _same_weights(tmp_path / f"full.{rank}", tmp_path / f"{run}.{rank}"), f"rank {rank}, {run}"
+
+
 def test_restore_decodes_into_the_model(fast_dir: Path) -> None:
     """restore() hands load_state_dict the model's own tensors, already holding the checkpoint's values: no
     second copy of the model is allocated. The optimizer's state is loaded as usual."""
