@@ -705,6 +705,19 @@ def _held(ckpt: Checkpointer) -> threading.Semaphore:
     return go
 
 
+def _waits_for_the_held_save(ckpt: Checkpointer, step: int, go: threading.Semaphore, permits: int = 1) -> bool:
+    """``ckpt.step(step)`` on a thread while the save before it is held (:func:`_held`): it must not return until
+    ``permits`` saves are let through; then what it returned."""
+    saved: list[bool] = []
+    t = threading.Thread(target=lambda: saved.append(ckpt.step(step)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive(), f"step({step}) returned while the save before it was held"
+    go.release(permits)
+    t.join(60)
+    return saved == [True]
+
+
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """One AdamW step on random data; the model's weights after it (copies)."""
     model(torch.randn(4, 8)).pow(2).mean().backward()
@@ -749,14 +762,7 @@ def test_when_busy_wait_saves_every_step_of_the_schedule(fast_dir: Path) -> None
         _train(model, opt)
         assert ckpt.step(1)
         _train(model, opt)
-        saved: list[bool] = []
-        t = threading.Thread(target=lambda: saved.append(ckpt.step(2)))
-        t.start()
-        t.join(0.3)
-        assert t.is_alive(), "step(2) returned while the save of step 1 was held"
-        go.release(2)
-        t.join(60)
-        assert saved == [True] and ckpt.skipped == 0
+        assert _waits_for_the_held_save(ckpt, 2, go, permits=2) and ckpt.skipped == 0
         ckpt.wait()
         assert [i.step for i in ckpt.store.list()] == [1, 2]
     finally:
@@ -777,14 +783,7 @@ def test_when_busy_skip_waits_at_a_step_retention_keeps_for_good(fast_dir: Path)
         _train(model, opt)
         assert not ckpt.step(2)
         _train(model, opt)
-        saved: list[bool] = []
-        t = threading.Thread(target=lambda: saved.append(ckpt.step(3)))
-        t.start()
-        t.join(0.3)
-        assert t.is_alive(), "step(3), which retention keeps for good, was not waited for"
-        go.release()
-        t.join(60)
-        assert saved == [True]
+        assert _waits_for_the_held_save(ckpt, 3, go)  # (retention keeps it for good)
         for s in (4, 5):  # (step 3's save is held)
             _train(model, opt)
             assert not ckpt.step(s)

@@ -9,6 +9,7 @@ import os
 import random
 import re
 import signal
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,30 @@ def draws() -> tuple[Any, ...]:
     """The next draws of each generator a state holds (Python's Gaussian too, which caches its second value)."""
     return (random.random(), random.gauss(0, 1), np.random.rand(2).tolist(), np.random.randn(),
             torch.rand(3).tolist())
+
+
+def hold_saves(ckpt: deltackpt.Checkpointer, gates: threading.Event | dict[int, threading.Event]) -> None:
+    """Hold ``ckpt``'s saves in its store (the store's own save, late): every save until the event ``gates`` is set,
+    or the save of each step in the dict ``gates`` until that step's event is set."""
+    store_save = ckpt.store._save  # (what a Checkpointer's save calls)
+
+    def held_save(*args: Any, **kwargs: Any) -> Any:
+        gate = gates if isinstance(gates, threading.Event) else gates.get(kwargs.get("step", -1))
+        if gate is not None:
+            assert gate.wait(60)
+        return store_save(*args, **kwargs)
+
+    ckpt.store._save = held_save  # type: ignore[method-assign]
+
+
+def restores_its_draws(ckpt: deltackpt.Checkpointer, step: int, seen: tuple[Any, ...]) -> None:
+    """``ckpt`` restores ``step`` without a warning (its RNG states of the step are there), and the generators draw
+    ``seen`` next, as they did after that step."""
+    torch.manual_seed(7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ckpt.restore(step=step) == step
+    assert draws() == seen
 
 
 @settings(max_examples=30, deadline=None)
@@ -369,21 +394,13 @@ def test_a_directory_named_like_a_state_file_does_not_stop_pruning_or_training(t
 def test_a_rank_keeps_the_states_of_an_explicit_save_while_rank_0_may_still_be_saving_it(tmp_path: Path) -> None:
     """save() off the schedule on every rank, async on rank 0: that save may still be under way many steps later
     (until rank 0's next save waits for it), and rank 1's pruning must not delete its states meanwhile."""
-    import threading
-
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     c0 = deltackpt.Checkpointer(tmp_path / "s", model=model, async_save=True, handle_signals=False,
                                 every_n_steps=100)
     c1 = deltackpt.Checkpointer(tmp_path / "s", model=model, rank=1, handle_signals=False, every_n_steps=100)
     go = threading.Event()
-    store_save = c0.store._save  # (what a Checkpointer's save calls)
-
-    def held_save(*args: Any, **kwargs: Any) -> Any:
-        go.wait(60)
-        return store_save(*args, **kwargs)
-
-    c0.store._save = held_save  # type: ignore[method-assign]
+    hold_saves(c0, go)
     for s in range(1, 5):
         c0.step(s)
         c1.step(s)
@@ -396,11 +413,7 @@ def test_a_rank_keeps_the_states_of_an_explicit_save_while_rank_0_may_still_be_s
     assert [i.step for i in c1.store.list()] == []  # (rank 0's save of step 5 still under way)
     go.set()
     c0.wait()
-    torch.manual_seed(7)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert c1.restore(step=5) == 5
-    assert draws() == seen
+    restores_its_draws(c1, 5, seen)
     c0.close()
     c1.close()
 
@@ -409,8 +422,6 @@ def test_a_rank_keeps_the_states_of_every_step_rank_0_may_still_be_saving_when_i
     """when_busy="skip": rank 0 does not wait for a save at the next step of the schedule, so one save may run for
     many intervals. Rank 1 keeps the states of every step of the schedule after the newest rank 0 committed in this
     run, and prunes those of the steps rank 0 skipped once a later save of the run committed."""
-    import threading
-
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
     common: dict[str, Any] = {"model": model, "handle_signals": False, "when_busy": "skip"}
@@ -418,13 +429,7 @@ def test_a_rank_keeps_the_states_of_every_step_rank_0_may_still_be_saving_when_i
     c1 = deltackpt.Checkpointer(tmp_path / "s", rank=1, **common)
     d = tmp_path / "s" / "rng" / "rank-00001"
     go = threading.Event()
-    store_save = c0.store._save
-
-    def held_save(*args: Any, **kwargs: Any) -> Any:
-        assert go.wait(60)
-        return store_save(*args, **kwargs)
-
-    c0.store._save = held_save  # type: ignore[method-assign]
+    hold_saves(c0, go)
     c1.step(1)
     seen = draws()
     assert c0.step(1)  # (held: in flight until go)
@@ -442,11 +447,7 @@ def test_a_rank_keeps_the_states_of_every_step_rank_0_may_still_be_saving_when_i
     kept = {int(p.name.split("-")[0]) for p in d.glob("*.rng")}
     assert {1, 40} <= saved and not {2, 39} & saved
     assert 1 in kept and not set(range(2, 40)) & kept, sorted(kept)
-    torch.manual_seed(7)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert c1.restore(step=1) == 1
-    assert draws() == seen
+    restores_its_draws(c1, 1, seen)
     c0.close()
     c1.close()
 
@@ -456,22 +457,13 @@ def test_a_rank_keeps_the_states_of_an_explicit_save_rank_0_may_still_be_running
     """when_busy="skip", every_n_steps=4: rank 0's async save() of a step off the schedule may run for many
     intervals, as the steps of the schedule after it skip instead of waiting for it. Rank 1 keeps that step's states
     until a later save of the run commits, not for two intervals only."""
-    import threading
-
     torch.manual_seed(0)
     common: dict[str, Any] = {"model": torch.nn.Linear(3, 2), "handle_signals": False, "when_busy": "skip",
                               "every_n_steps": 4}
     c0 = deltackpt.Checkpointer(tmp_path / "s", **common)
     c1 = deltackpt.Checkpointer(tmp_path / "s", rank=1, **common)
     go = threading.Event()
-    store_save = c0.store._save
-
-    def held_save(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("step") == 5:
-            assert go.wait(60)
-        return store_save(*args, **kwargs)
-
-    c0.store._save = held_save  # type: ignore[method-assign]
+    hold_saves(c0, {5: go})
     for s in range(1, 5):
         c1.step(s)
         c0.step(s)
@@ -486,11 +478,7 @@ def test_a_rank_keeps_the_states_of_an_explicit_save_rank_0_may_still_be_running
     go.set()
     c0.wait()
     assert 5 in {i.step for i in c0.store.list()}
-    torch.manual_seed(7)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert c1.restore(step=5) == 5
-    assert draws() == seen
+    restores_its_draws(c1, 5, seen)
     c0.close()
     c1.close()
 
@@ -501,21 +489,12 @@ def test_a_rank_rolled_back_before_rank_0s_last_save_committed_keeps_the_states_
     from, commits (rank 0's restore waits for it). That checkpoint is not one of the new run's: once rank 1 has
     stepped past its step, it must not take it for the newest commit of its run and remove the states of the new
     run's steps below it, which rank 0 may still be saving."""
-    import threading
-
     torch.manual_seed(0)
     common: dict[str, Any] = {"model": torch.nn.Linear(3, 2), "handle_signals": False, "when_busy": "skip"}
     c0 = deltackpt.Checkpointer(tmp_path / "s", **common)
     c1 = deltackpt.Checkpointer(tmp_path / "s", rank=1, **common)
     gates = {60: threading.Event(), 50: threading.Event()}
-    store_save = c0.store._save
-
-    def held_save(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("step") in gates:
-            assert gates[kwargs["step"]].wait(60)
-        return store_save(*args, **kwargs)
-
-    c0.store._save = held_save  # type: ignore[method-assign]
+    hold_saves(c0, gates)
     c1.step(1)
     assert c0.step(1)
     c0.wait()
