@@ -1477,7 +1477,8 @@ def cmd_import(args: argparse.Namespace) -> int:
                                      "pickle)") from None
             raise DeltackptError(
                 f"{src} cannot be read with torch.load(weights_only=True): {_weights_only_reason(exc)} "
-                "(deltackpt never unpickles arbitrary objects)"
+                "(deltackpt never unpickles arbitrary objects; if you trust the file, torch.load it in Python with "
+                "weights_only=False and Store.save what it holds)"
             ) from None
     if not args.store:
         raise DeltackptError("the store path is empty")
@@ -1524,6 +1525,8 @@ def _weights_only_reason(exc: BaseException) -> str:
     if why is None:
         why = next((line.split("Unpickler error:", 1)[1].strip() or None for line in lines[1:]
                     if "Unpickler error:" in line), None)
+    if why is not None:  # (torch's advice to allowlist the global is for code that loads, not for this command)
+        why = why.split(" Please use ", 1)[0].rstrip(".")
     first = lines[0] if lines else type(exc).__name__
     if first.startswith("Weights only load failed"):  # (torch's advice to rerun with weights_only=False: not ours)
         first = "the weights-only unpickler refused it"
