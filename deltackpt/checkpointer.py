@@ -431,7 +431,8 @@ class Checkpointer:
                             ("rng", rng)):
             config.boolean(name, value)
         if not isinstance(when_busy, str) or when_busy not in WHEN_BUSY:
-            raise ValueError(f"when_busy must be one of {', '.join(map(repr, WHEN_BUSY))}, got {when_busy!r:.40}")
+            raise (ValueError if isinstance(when_busy, str) else TypeError)(
+                f"when_busy must be one of {', '.join(map(repr, WHEN_BUSY))}, got {when_busy!r:.40}")
         if when_busy == "skip" and not async_save:
             raise ValueError("when_busy='skip' needs async_save=True: a synchronous save has ended by the next step()")
         if extra is not None and not isinstance(extra, Mapping):

@@ -849,15 +849,16 @@ def test_when_busy_skip_every_saved_step_is_the_state_at_that_step(fast_dir: Pat
         ckpt.close()
 
 
-@pytest.mark.parametrize(("kw", "match"), [
-    ({"when_busy": "Skip"}, "when_busy must be one of 'wait', 'skip'"),
-    ({"when_busy": None}, "when_busy must be one of"),
-    ({"when_busy": True}, "when_busy must be one of"),
-    ({"when_busy": "skip", "async_save": False}, "needs async_save=True"),
+@pytest.mark.parametrize(("kw", "error", "match"), [
+    ({"when_busy": "Skip"}, ValueError, "when_busy must be one of 'wait', 'skip', got 'Skip'"),
+    ({"when_busy": None}, TypeError, "when_busy must be one of"),
+    ({"when_busy": True}, TypeError, "when_busy must be one of"),
+    ({"when_busy": "skip", "async_save": False}, ValueError, "needs async_save=True"),
 ])
-def test_a_bad_when_busy_is_refused_and_creates_no_store(tmp_path: Path, kw: dict[str, Any], match: str) -> None:
+def test_a_bad_when_busy_is_refused_and_creates_no_store(tmp_path: Path, kw: dict[str, Any], error: type[Exception],
+                                                         match: str) -> None:
     model, opt = _small()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(error, match=match):
         Checkpointer(tmp_path / "store", model=model, optimizer=opt, handle_signals=False, **kw)
     assert not (tmp_path / "store").exists()
 
