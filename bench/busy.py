@@ -17,6 +17,7 @@ saves share the cores. ``--idle S`` makes each step also wait S seconds with the
 
 Per way: the loop's wall-clock time for the steps after the first (whose save writes the whole state) until the
 last save has committed, and its ratio to none's; the median time of one step (training and ``ckpt.step``); the
+mean time the loop spent in ``ckpt.step`` (its stall: a snapshot, a save, or a wait for the save before); the
 saves made and skipped; the mean steps between saves; and the bytes each save after the first wrote
 (``written_bytes``) relative to ``torch.save`` of the same state. Times vary from run to run on a shared machine:
 compare the ratios within one run.
@@ -51,14 +52,18 @@ def _run(way: str, root: Path, cfg: GPTConfig, steps: int, batch: int, idle: flo
                                       async_save=way != "sync", when_busy="skip" if way == "async skip" else "wait",
                                       handle_signals=False)
     step_times: list[float] = []
+    in_step: list[float] = []  # (seconds the loop spent in ckpt.step: the stall)
     start = 0.0
     for step in range(1, steps + 1):
         t = time.perf_counter()
         train_step(model, opt, gen, batch)
         if ckpt is not None:
+            c = time.perf_counter()
             ckpt.step(step)
             if step == 1:
                 ckpt.wait()  # (the first save writes the whole state: not what this measures)
+            else:
+                in_step.append(time.perf_counter() - c)
         if idle:  # (after step(): on a GPU the next step's compute is where a background save runs)
             time.sleep(idle)
         now = time.perf_counter()
@@ -68,7 +73,8 @@ def _run(way: str, root: Path, cfg: GPTConfig, steps: int, batch: int, idle: flo
             step_times.append(now - t)
     if ckpt is not None:
         ckpt.wait()
-    out: dict[str, Any] = {"way": way, "step": statistics.median(step_times), "loop": time.perf_counter() - start}
+    out: dict[str, Any] = {"way": way, "step": statistics.median(step_times), "loop": time.perf_counter() - start,
+                           "in_step": statistics.mean(in_step) if in_step else None}
     if ckpt is not None:
         infos = ckpt.store.list()
         buf = io.BytesIO()
@@ -101,13 +107,14 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="deltackpt-busy-", dir=".") as tmp:
         rows = [_run(way, Path(tmp), cfg, args.steps, args.batch, args.idle) for way in WAYS]
     base = rows[0]["loop"]
-    print("| checkpointing | loop (steps 2-N) | × none | step, median | saves | skipped | steps between saves "
-          "| written per save / torch.save |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| checkpointing | loop (steps 2-N) | × none | step, median | in ckpt.step, mean | saves | skipped "
+          "| steps between saves | written per save / torch.save |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         def cell(key: str, fmt: str, r: dict[str, Any] = r) -> str:
             return "" if r.get(key) is None else format(r[key], fmt)
-        print(f"| {r['way']} | {r['loop']:.2f} s | {r['loop'] / base:.2f}× | {r['step'] * 1e3:.0f} ms "
+        in_step = "" if r["in_step"] is None else f"{r['in_step'] * 1e3:.1f} ms"
+        print(f"| {r['way']} | {r['loop']:.2f} s | {r['loop'] / base:.2f}× | {r['step'] * 1e3:.0f} ms | {in_step} "
               f"| {cell('saves', 'd')} | {cell('skipped', 'd')} | {cell('gap', '.2f')} | {cell('written', '.3f')} |")
 
 
