@@ -294,9 +294,10 @@ def child_path(path: str, key: Any) -> str:
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool, opaque: bool = False) -> None:
+    def __init__(self, allow_pickle: bool, opaque: bool = False, metadata: bool = False) -> None:
         self.allow_pickle = allow_pickle
         self.opaque = opaque
+        self.metadata = metadata  # (checkpoint metadata, which neither a registered type nor a pickle may hold)
         self.leaves: list[Leaf] = []
         self._seen: dict[Hashable, int] = {}
         self._open: set[int] = set()  # ids of the containers around the node being flattened
@@ -444,6 +445,10 @@ class _Flattener:
             except Exception as exc:
                 raise UnsupportedTypeError(f"cannot pickle {path or '<root>'} ({t.__name__}): {exc}") from exc
             return ["p", base64.b64encode(data).decode()]
+        if self.metadata:
+            raise UnsupportedTypeError(
+                f"cannot store metadata at {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__}; "
+                f"{PLAIN_KINDS}")
         raise UnsupportedTypeError(
             f"cannot store {path or '<root>'}: unsupported type {t.__module__}.{t.__qualname__} "
             + ("(a numpy.ndarray subclass: store np.asarray(...) of it, and what else it holds (a masked array's "
@@ -824,10 +829,16 @@ def format_version(skeleton: Any, *, keys: bool = True) -> int:
     return version
 
 
+PLAIN_KINDS = ("metadata may hold None, bool, int, float, str, bytes, lists, tuples, and dicts with str or int keys "
+               "(and torch dtypes other than quantized ones, devices and sizes, numpy scalars)")
+
+
 def encode_plain(value: Any) -> list[Any]:
     """Skeleton of a value that holds no arrays (e.g. checkpoint metadata), of version-1 kinds only: it is kept
-    in the index too, which every version of the format reads."""
-    skeleton, leaves = flatten(value)
+    in the index too, which every version of the format reads. A value of a type no state may hold is refused
+    as metadata's (neither registering its type nor a pickle would let metadata hold it)."""
+    f = _Flattener(False, metadata=True)
+    skeleton, leaves = f.node(value, ""), f.leaves
     if leaves:
         obj = leaves[0].obj
         one = (obj.numel() if isinstance(obj, torch.Tensor) else obj.size) == 1
@@ -840,9 +851,7 @@ def encode_plain(value: Any) -> list[Any]:
             f"{registered[0] or '<root>'}): every process that lists the store would need its decoder")
     if format_version(skeleton) > 1:
         raise UnsupportedTypeError(
-            f"cannot store metadata at {_first_newer(skeleton) or '<root>'}: "
-            "metadata may hold None, bool, int, float, str, bytes, lists, tuples, and dicts with str or int keys "
-            "(and torch dtypes other than quantized ones, devices and sizes, numpy scalars); convert sets, Counters, "
+            f"cannot store metadata at {_first_newer(skeleton) or '<root>'}: {PLAIN_KINDS}; convert sets, Counters, "
             "deques, defaultdicts, complex numbers, quantized dtypes (to their names) and module state_dict()s "
             "(whose _metadata attribute is not kept there)"
         )

@@ -451,6 +451,20 @@ def test_metadata_of_a_newer_kind_is_refused_naming_its_key_path(store: deltackp
     assert store.list() == []
 
 
+def test_metadata_holding_an_object_no_state_may_hold_is_refused_as_metadata(store: deltackpt.Store) -> None:
+    """A lambda or a file handle in metadata is named as metadata's, with what metadata may hold. Before, the
+    message read as a state's ("cannot store a") and said to register the type or pass allow_pickle=True, neither
+    of which metadata takes."""
+    with open(__file__) as fh:
+        for meta, where in (({"a": lambda: 1}, "a"), ({"x": {"f": fh}}, r"x\.f"), ({"o": [object()]}, r"o\[0\]")):
+            for allow_pickle in (False, True):
+                refused = f"cannot store metadata at {where}: unsupported type"
+                with pytest.raises(UnsupportedTypeError, match=refused) as e:
+                    store.save({"w": torch.randn(5000)}, step=1, metadata=meta, allow_pickle=allow_pickle)
+                assert "register_type" not in str(e.value) and "allow_pickle" not in str(e.value)
+    assert store.list() == []
+
+
 def test_bad_settings_from_the_environment_name_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DELTACKPT_ZSTD_LEVEL", "30")
     with pytest.raises(ValueError, match="DELTACKPT_ZSTD_LEVEL"):
