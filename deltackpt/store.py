@@ -1505,13 +1505,16 @@ class Store:
         Other stored tensors, and offered tensors that do not match, are handled as without ``into``. Then
         ``model.load_state_dict(state["model"])`` finds its own memory already holding the values (torch's
         ``copy_`` skips a copy onto itself): no second copy of the model is allocated. If the load raises,
-        the offered tensors may hold part of the checkpoint.
+        the offered tensors may hold part of the checkpoint. A module or optimizer offered where its
+        ``state_dict()`` belongs is refused (:class:`UnsupportedTypeError`) before anything is read.
 
         ``_head=False`` (a Checkpointer's retention, loading a checkpoint to thin it) leaves what the next save
         descends from alone: restoring it afterwards would undo a save another thread made meanwhile.
         """
         verify, allow_pickle = config.boolean("verify", verify), config.boolean("allow_pickle", allow_pickle)
         staging.check_map_location(map_location)
+        if into is not None:
+            tree.check_offer(into)
         with self._gc_lock():  # (resolved under the lock: no gc removes it meanwhile)
             rec = self._record(step, id)
             m = self._manifest(rec)

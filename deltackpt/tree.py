@@ -507,6 +507,27 @@ def leaf_refs(skeleton: Any) -> list[tuple[Place, str, int]]:
     return list(_leaf_refs(skeleton, "", ()))
 
 
+def check_offer(into: Any) -> None:
+    """Refuse a module or optimizer offered to load into (``Store.load(into=)``), where its ``state_dict()``
+    belongs: no place of a state matches it, and the load would leave it untouched without a word. Raises
+    :class:`UnsupportedTypeError` naming its place; looks into dicts, lists and tuples only."""
+    stack: list[tuple[Any, str]] = [(into, "")]
+    seen: set[int] = set()
+    while stack:
+        obj, path = stack.pop()
+        if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
+            raise UnsupportedTypeError(f"cannot load into {path or '<root>'}: it is a {type(obj).__qualname__} "
+                                       "itself, not a state; offer its state_dict()")
+        if id(obj) in seen:
+            continue
+        if isinstance(obj, Mapping):
+            seen.add(id(obj))
+            stack.extend((v, child_path(path, k)) for k, v in obj.items())
+        elif isinstance(obj, (list, tuple, deque)):
+            seen.add(id(obj))
+            stack.extend((v, child_path(path, i)) for i, v in enumerate(obj))
+
+
 def pair_leaves(skeleton: Any, target: Any) -> Iterator[tuple[int, Any]]:
     """``(leaf index, object)`` for every array leaf of ``skeleton`` at whose place ``target`` (a tree of dicts,
     lists and tuples) holds an object, in document order: dict entries matched by key, sequence items by

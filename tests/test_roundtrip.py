@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import math
 import os
+import re
 import struct
 import tempfile
 import threading
@@ -945,6 +946,24 @@ def test_load_into_a_model_needs_no_second_copy(store: deltackpt.Store) -> None:
     exp_avg = state["optimizer"]["state"][0]["exp_avg"]
     assert all(exp_avg.data_ptr() != p.data_ptr() for p in dst.parameters())
     assert tensor_bytes(exp_avg) == tensor_bytes(opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_module_or_optimizer_offered_for_its_state_dict_is_refused(store: deltackpt.Store) -> None:
+    """A module offered where its state_dict() belongs matched no place: load(into=) returned the checkpoint and
+    left the model as it was, without a word (load_into refused it). It is refused, naming its place, before
+    anything is read; so is an optimizer, at any depth."""
+    src = _model(0)
+    opt = torch.optim.AdamW(src.parameters())
+    store.save({"model": src.state_dict(), "optimizer": opt.state_dict()}, step=1)
+    dst = _model(1)
+    before = tensor_bytes(dst[0].weight)
+    for into, where in (({"model": dst}, "model"), ([{"model": dst.state_dict(), "opt": opt}], "[0].opt")):
+        with pytest.raises(deltackpt.UnsupportedTypeError, match=re.escape(f"cannot load into {where}: it is a ")):
+            store.load(step=1, into=into)
+    assert tensor_bytes(dst[0].weight) == before
+    cyclic: dict[str, Any] = {"model": dst.state_dict()}
+    cyclic["self"] = cyclic  # (a container that holds itself is walked once)
+    assert tensor_bytes(store.load(step=1, into=cyclic)["model"]["0.weight"]) == tensor_bytes(src[0].weight)
 
 
 def test_load_into_parameters_and_lazy_views(store: deltackpt.Store) -> None:
