@@ -439,6 +439,9 @@ class Checkpointer:
             raise TypeError(f"extra must be a dict of names to values or stateful objects, got "
                             f"{type(extra).__name__}")
         staging.check_map_location(map_location)  # (when it is made, not at a restart's first restore)
+        if isinstance(path_or_store, Store) and path_or_store._closed:  # (not at its first restore or step)
+            raise DeltackptError(f"store {path_or_store.path} is closed: give the Checkpointer an open Store, or "
+                                 "its path")
         if retention is not None and not isinstance(retention, Retention):
             raise TypeError(f"retention must be a deltackpt.Retention or None, got {type(retention).__name__} "
                             f"{retention!r} (Retention(keep_last=3), say)")

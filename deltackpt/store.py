@@ -1606,10 +1606,10 @@ class Store:
             missing = sorted(path for place, path, _ in wanted if place not in stored)
             unexpected = sorted(path for place, path in stored_paths.items() if place not in wanted_places)
             if strict and (missing or unexpected):
+                differ = [f"{what} {_some(paths)}" for what, paths in (("missing in checkpoint", missing),
+                                                                        ("not in target", unexpected)) if paths]
                 raise ShapeMismatchError(
-                    f"checkpoint {rec.id} (step {rec.step}) and the target differ: missing in checkpoint "
-                    f"{_some(missing)}, not in target {_some(unexpected)}"
-                )
+                    f"checkpoint {rec.id} (step {rec.step}) and the target differ: {', '.join(differ)}")
             jobs: list[tuple[TensorEntry, np.ndarray]] = []
             job_spans: list[tuple[int, int] | None] = []
             copies: list[tuple[Any, np.ndarray]] = []

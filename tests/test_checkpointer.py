@@ -849,6 +849,15 @@ def test_when_busy_skip_every_saved_step_is_the_state_at_that_step(fast_dir: Pat
         ckpt.close()
 
 
+def test_a_closed_store_is_refused_when_the_checkpointer_is_made(tmp_path: Path) -> None:
+    """Before, a Checkpointer took a closed Store and raised "closed" only at its first restore() or step()."""
+    model, opt = _small()
+    store = Store(tmp_path / "store")
+    store.close()
+    with pytest.raises(deltackpt.DeltackptError, match="is closed: give the Checkpointer an open Store"):
+        Checkpointer(store, model=model, optimizer=opt, handle_signals=False)
+
+
 @pytest.mark.parametrize(("kw", "error", "match"), [
     ({"when_busy": "Skip"}, ValueError, "when_busy must be one of 'wait', 'skip', got 'Skip'"),
     ({"when_busy": None}, TypeError, "when_busy must be one of"),

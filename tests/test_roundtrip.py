@@ -706,8 +706,12 @@ def test_load_into_strict_mismatch_changes_nothing(store: deltackpt.Store, chang
     if change == "unexpected":
         del target["2.bias"]
     before = {k: v.clone() for k, v in target.items()}
-    with pytest.raises(ShapeMismatchError):
+    with pytest.raises(ShapeMismatchError) as info:
         store.load_into(target, step=1)
+    if change == "missing":  # (the side with nothing to name is not named: no "not in target []")
+        assert str(info.value).endswith("differ: missing in checkpoint ['extra']"), info.value
+    if change == "unexpected":
+        assert str(info.value).endswith("differ: not in target ['2.bias']"), info.value
     for k, v in target.items():
         assert tensor_bytes(v) == tensor_bytes(before[k]), f"{k} changed by a failed load_into"
 
