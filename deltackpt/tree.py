@@ -511,21 +511,24 @@ def check_offer(into: Any) -> None:
     """Refuse a module or optimizer offered to load into (``Store.load(into=)``), where its ``state_dict()``
     belongs: no place of a state matches it, and the load would leave it untouched without a word. Raises
     :class:`UnsupportedTypeError` naming its place; looks into dicts, lists and tuples only."""
-    stack: list[tuple[Any, str]] = [(into, "")]
+    kinds = (torch.nn.Module, torch.optim.Optimizer)
+    if isinstance(into, kinds):
+        raise UnsupportedTypeError(f"cannot load into <root>: it is a {type(into).__qualname__} itself, not a state; "
+                                   "offer its state_dict()")
+    stack: list[tuple[Any, str]] = [(into, "")] if isinstance(into, (Mapping, list, tuple, deque)) else []
     seen: set[int] = set()
     while stack:
         obj, path = stack.pop()
-        if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
-            raise UnsupportedTypeError(f"cannot load into {path or '<root>'}: it is a {type(obj).__qualname__} "
-                                       "itself, not a state; offer its state_dict()")
         if id(obj) in seen:
             continue
-        if isinstance(obj, Mapping):
-            seen.add(id(obj))
-            stack.extend((v, child_path(path, k)) for k, v in obj.items())
-        elif isinstance(obj, (list, tuple, deque)):
-            seen.add(id(obj))
-            stack.extend((v, child_path(path, i)) for i, v in enumerate(obj))
+        seen.add(id(obj))
+        items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
+        for key, v in items:  # (a path is made for containers and the refused only: not for every tensor)
+            if isinstance(v, kinds):
+                raise UnsupportedTypeError(f"cannot load into {child_path(path, key)}: it is a "
+                                           f"{type(v).__qualname__} itself, not a state; offer its state_dict()")
+            if isinstance(v, (Mapping, list, tuple, deque)):
+                stack.append((v, child_path(path, key)))
 
 
 def pair_leaves(skeleton: Any, target: Any) -> Iterator[tuple[int, Any]]:

@@ -965,9 +965,14 @@ def test_a_module_or_optimizer_offered_for_its_state_dict_is_refused(store: delt
         with pytest.raises(deltackpt.UnsupportedTypeError, match=re.escape(f"cannot load into {where}: it is a ")):
             store.load(step=1, into=into)
     assert tensor_bytes(dst[0].weight) == before
+    with pytest.raises(deltackpt.UnsupportedTypeError, match="cannot load into <root>: it is a Sequential"):
+        store.load(step=1, into=dst)
     cyclic: dict[str, Any] = {"model": dst.state_dict()}
     cyclic["self"] = cyclic  # (a container that holds itself is walked once)
     assert tensor_bytes(store.load(step=1, into=cyclic)["model"]["0.weight"]) == tensor_bytes(src[0].weight)
+    store.save(src[0].weight.detach(), step=2)  # (a state that is one tensor: offered as one, not walked into)
+    one = torch.zeros_like(src[0].weight)
+    assert store.load(step=2, into=one) is one and tensor_bytes(one) == tensor_bytes(src[0].weight)
 
 
 def test_load_into_parameters_and_lazy_views(store: deltackpt.Store) -> None:
