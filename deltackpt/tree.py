@@ -524,6 +524,8 @@ def check_offer(into: Any) -> None:
         seen.add(id(obj))
         items = obj.items() if isinstance(obj, Mapping) else enumerate(obj)
         for key, v in items:  # (a path is made for containers and the refused only: not for every tensor)
+            if isinstance(v, torch.Tensor):  # (most of what is offered: checked first, as that check is quick)
+                continue
             if isinstance(v, kinds):
                 raise UnsupportedTypeError(f"cannot load into {child_path(path, key)}: it is a "
                                            f"{type(v).__qualname__} itself, not a state; offer its state_dict()")
