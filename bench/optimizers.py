@@ -57,10 +57,22 @@ class _Net(nn.Module):
         return self.head(self.lnf(h))
 
 
+_O = torch.optim
+
+
 def _no_decay_groups(model: nn.Module) -> list[dict[str, Any]]:
     """Weight decay on matrices only, as most LLM recipes do."""
     return [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": 0.1},
             {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def _muon_and_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """Muon for the blocks' matrices (it takes 2-D parameters only), AdamW for the embedding, the head, the norms
+    and the biases: the split Muon's authors recommend. ``match_rms_adamw`` scales Muon's step to AdamW's."""
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+    rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
+    return [_O.Muon(hidden, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+            _O.AdamW(rest, lr=1e-3, weight_decay=0.1)]
 
 
 def _warmup_cosine(opt: torch.optim.Optimizer) -> Any:
@@ -68,9 +80,8 @@ def _warmup_cosine(opt: torch.optim.Optimizer) -> Any:
         opt, lambda s: min(1.0, (s + 1) / 4) * 0.5 * (1 + math.cos(math.pi * s / 20)))
 
 
-_O = torch.optim
-#: setup name -> (optimizer, scheduler or None) for a model
-SETUPS: dict[str, Callable[[nn.Module], tuple[torch.optim.Optimizer, Any]]] = {
+#: setup name -> (optimizer or a list of them, scheduler or None) for a model
+SETUPS: dict[str, Callable[[nn.Module], tuple[Any, Any]]] = {
     "adamw": lambda m: (_O.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1), None),
     "adamw-fused": lambda m: (_O.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, fused=True), None),
     "adamw-groups-cosine": lambda m: (lambda o: (o, _warmup_cosine(o)))(_O.AdamW(_no_decay_groups(m), lr=1e-3)),
@@ -86,33 +97,49 @@ SETUPS: dict[str, Callable[[nn.Module], tuple[torch.optim.Optimizer, Any]]] = {
     "sgd-momentum": lambda m: (_O.SGD(m.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4), None),
     "sgd-nesterov": lambda m: (_O.SGD(m.parameters(), lr=1e-2, momentum=0.9, nesterov=True), None),
     "sgd": lambda m: (_O.SGD(m.parameters(), lr=1e-2), None),
+    "muon-adamw": lambda m: (_muon_and_adamw(m), None),
 }
 
 
-def _build(name: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+def _build(name: str, seed: int) -> tuple[nn.Module, Any, Any]:
     torch.manual_seed(seed)
     model = _Net()
     opt, sched = SETUPS[name](model)
     return model, opt, sched
 
 
-def _train_step(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> None:
+def _optimizers(opt: Any) -> list[torch.optim.Optimizer]:
+    return opt if isinstance(opt, list) else [opt]
+
+
+def _train_step(model: nn.Module, opt: Any, sched: Any, step: int) -> None:
     x = torch.randint(0, _V, (8, 32), generator=torch.Generator().manual_seed(1000 + step))
     loss = nn.functional.cross_entropy(model(x).reshape(-1, _V), x.reshape(-1))
-    opt.zero_grad()
+    model.zero_grad()
     loss.backward()
-    opt.step()
+    for o in _optimizers(opt):
+        o.step()
     if sched is not None:
         sched.step()
 
 
-def _part(key: str) -> str:
-    """``weights``, the optimizer state's name (``exp_avg``, ``momentum_buffer``), or ``other``."""
+def _part(key: str, owners: dict[str, str]) -> str:
+    """``weights`` (with more than one optimizer, ``weights (Muon)``: the optimizer's that steps them), the
+    optimizer state's name (``exp_avg``, ``momentum_buffer``), or ``other``."""
     if key.startswith("model."):
-        return "weights"
-    if key.startswith("optimizer.state"):
+        return f"weights ({owners[key]})" if key in owners else "weights"
+    if key.startswith("optimizer") and ".state" in key:
         return key.rsplit(".", 1)[-1]
     return "other"
+
+
+def _owners(model: nn.Module, opt: Any) -> dict[str, str]:
+    """With several optimizers: each weight's key path (``model.`` + its name) -> its optimizer's class name."""
+    opts = _optimizers(opt)
+    if len(opts) < 2:
+        return {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {f"model.{names[id(p)]}": type(o).__name__ for o in opts for g in o.param_groups for p in g["params"]}
 
 
 def _equal(a: Any, b: Any) -> bool:
@@ -127,13 +154,14 @@ def _equal(a: Any, b: Any) -> bool:
     return callable(a) or a == b
 
 
-def _state(model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> dict[str, Any]:
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
+def _state(model: nn.Module, opt: Any, sched: Any) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optimizer": [o.state_dict() for o in _optimizers(opt)],
             "scheduler": sched.state_dict() if sched is not None else None}
 
 
 def run(name: str, root: Path, steps: int) -> dict[str, Any]:
     model, opt, sched = _build(name, 0)
+    owners = _owners(model, opt)
     pt_bytes: dict[int, int] = {}
     with deltackpt.Checkpointer(root / name, model=model, optimizer=opt, scheduler=sched, async_save=False,
                                 handle_signals=False) as ck:
@@ -149,7 +177,7 @@ def run(name: str, root: Path, steps: int) -> dict[str, Any]:
                 continue
             written, pt = written + info.written_bytes, pt + pt_bytes[info.step]
             for t in ck.store.manifest(id=info.id).tensors:
-                part = parts.setdefault(_part(t.key), [0, 0])
+                part = parts.setdefault(_part(t.key, owners), [0, 0])
                 part[0], part[1] = part[0] + t.nbytes, part[1] + t.written
     model2, opt2, sched2 = _build(name, 123)
     with deltackpt.Checkpointer(root / name, model=model2, optimizer=opt2, scheduler=sched2, async_save=False,

@@ -33,6 +33,7 @@ costs one trial compression, never correctness.
 from __future__ import annotations
 
 import dataclasses
+import math
 import struct
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence, Set
@@ -257,6 +258,14 @@ class Role:
     #: ``a = d·a' + (1-d)·p``): both references are this checkpoint's chunk of ``m`` (c2 = 0), which may itself be
     #: predicted, so these chunks are encoded after the parameter's (:func:`plan`)
     average: bool = False
+    #: a momentum-param role of a Muon parameter (``torch.optim.Muon``): (lr, weight decay, the learning rate's
+    #: factor for the matrix's shape) of its group. Muon steps ``p = (1 - lr·wd)·p' - lr·k·u``, with ``u`` its
+    #: orthogonalized momentum in bfloat16, which nothing here can recompute: the save stores ``u`` as a chunk of
+    #: its own (an *update chunk*) and predicts ``p`` from it (:func:`fit_update`).
+    update: tuple[float, float, float] | None = None
+    #: the learning rate of this tensor's Muon group in the checkpoint before (the one the update used, as a
+    #: scheduler has set the next step's by the time of the save), where it differs (:func:`with_lr_before`)
+    lr_before: float | None = None
 
 
 def plan(state: Any, leaves: Iterable[Any], pairs: Mapping[str, str] | None = None) -> dict[str, Role]:
@@ -501,8 +510,82 @@ def _param_role(st: Any, group: Mapping[str, Any], base: str, by_path: Mapping[s
         form = None if (bl := by_path.get(bp)) is None or not _is_f32(bl) else _form(bl)  # (float32 only: BF16)
         if form is None:
             return None
+        if _is_muon(group):
+            update = _muon_update(group, form[1])
+            if update is None:
+                return None
+            return form, Role(MOMENTUM_PARAM, bp, None, 0.0, 0.0, 0.0, 0.0, update=update), {}
         return form, Role(MOMENTUM_PARAM, bp, None, 0.0, 0.0, 0.0, 0.0), {}
     return None
+
+
+def _is_muon(group: Mapping[str, Any]) -> bool:
+    """Whether a parameter group is ``torch.optim.Muon``'s (it alone has Newton-Schulz coefficients)."""
+    return "ns_coefficients" in group and "adjust_lr_fn" in group
+
+
+def _muon_update(group: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[float, float, float] | None:
+    """:attr:`Role.update` of a matrix of ``shape`` in Muon group ``group``: its lr, weight decay and the factor
+    Muon multiplies lr by for the shape (``torch.optim._muon._adjust_lr``); None when they are not numbers."""
+    if len(shape) != 2:
+        return None
+    try:
+        lr, wd = float(group["lr"]), float(group.get("weight_decay", 0.0))
+    except (TypeError, ValueError, KeyError, RuntimeError, OverflowError):
+        return None
+    a, b = shape
+    fn = group.get("adjust_lr_fn")
+    if fn is None or fn == "original":
+        ratio = math.sqrt(max(1, a / b)) if b else 1.0
+    elif fn == "match_rms_adamw":
+        ratio = 0.2 * math.sqrt(max(a, b))
+    else:
+        ratio = 1.0
+    return (lr, wd, ratio) if math.isfinite(lr) and math.isfinite(wd) else None
+
+
+def fit_update(role: Role, base: Any, new: Any) -> tuple[tuple[float, float, float], np.ndarray] | None:
+    """The momentum-param coefficients and the update chunk of a Muon parameter's chunk (:attr:`Role.update`):
+    ``new`` is the chunk, ``base`` the parent's (float32 bytes). Muon computed ``p = f32(f32(c0·p') - c1·u)``
+    (``mul_`` by c0 = f32(1 - lr·wd), then ``add_`` of its bfloat16 result ``u`` times -c1 = -f32(lr·k)), so
+    ``u`` is the bfloat16 number nearest to ``(f32(c0·p') - p) / c1``. The predictor ``p = c0·p' - c1·u + 0·u``
+    then gives back about 70% of the elements exactly and the rest within a unit in the last place (it does
+    not round ``c0·p'`` to float32 first). Of the learning rates of :attr:`Role.lr_before` and the group's, the
+    one whose coefficients predict an evenly spaced sample best is taken. Returns ((c0, c1, 0), u as float32:
+    0 where not finite), or None when neither predicts half of the sample exactly (another optimizer step than
+    Muon's, saves further apart)."""
+    assert role.update is not None
+    lr, wd, ratio = role.update
+    old = np.frombuffer(memoryview(base).cast("B"), dtype="<f4")
+    cur = np.frombuffer(memoryview(new).cast("B"), dtype="<f4")
+    step = max(1, len(cur) // FIT_SAMPLE)
+    so, sn = old[::step], cur[::step]
+    best: tuple[float, np.float32, np.float32] | None = None
+    for rate in dict.fromkeys(r for r in (role.lr_before, lr) if r is not None):
+        c0, c1 = np.float32(1.0 - rate * wd), np.float32(rate * ratio)
+        if c1 == 0 or not valid_coefs((float(c0), float(c1))):
+            continue
+        with np.errstate(all="ignore"):
+            guess = (np.float64(c0) * so - np.float64(c1) * _update_of(so, sn, c0, c1)).astype(np.float32)
+        hits = float(np.mean(guess.view("<u4") == sn.view("<u4"))) if len(sn) else 0.0
+        if best is None or hits > best[0]:
+            best = (hits, c0, c1)
+    if best is None or best[0] < 0.5:
+        return None
+    _, c0, c1 = best
+    return (float(c0), float(c1), 0.0), _update_of(old, cur, c0, c1)
+
+
+def _update_of(old: np.ndarray, new: np.ndarray, c0: np.float32, c1: np.float32) -> np.ndarray:
+    """``u = bf16((f32(c0·p') - p) / c1)`` elementwise, as float32 (round to nearest, ties to even); 0 where
+    that is not finite."""
+    with np.errstate(all="ignore"):
+        q = ((old * c0).astype(np.float64) - new) / np.float64(c1)
+        q32 = q.astype(np.float32)
+    bits = q32.view("<u4")
+    u = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)).view("<f4")
+    u[~np.isfinite(q32) | ~np.isfinite(u)] = 0.0
+    return u
 
 
 def _pair_by_name(named_states: list[tuple[int, Form, Role, list[tuple[str, Any]]]],
@@ -638,6 +721,42 @@ def with_betas_before(roles: Mapping[str, Role], before: Mapping[str, Betas]) ->
         beta1, beta2, eps = (x if x is not None else y for x, y in zip(got, now))
         if (beta1, beta2, eps) != now and 0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0:
             out[path] = dataclasses.replace(r, before=(beta1, beta2, eps))
+    return out
+
+
+def lrs_in_skeleton(skeleton: Any) -> dict[str, float]:
+    """The learning rate of each Muon parameter group (:func:`_is_muon`) in a checkpoint's skeleton, by the key
+    path of its states' ``momentum_buffer``: what :func:`with_lr_before` reads for a save's parent. A group whose
+    lr is not a plain number there (a tensor) is skipped."""
+    out: dict[str, float] = {}
+    for path, groups_node in _skeleton_optimizers(skeleton, ""):
+        spath = child_path(path, "state")
+        for _, group_node in tree.node_children(groups_node):
+            nodes = dict(tree.node_children(group_node))
+            if not _is_muon(nodes) or "lr" not in nodes or (lr := _plain_float(nodes["lr"])) is None:
+                continue
+            try:
+                idxs = tree.decode_plain(nodes["params"])
+            except Exception:  # missing, or not plain
+                continue
+            if isinstance(idxs, (list, tuple)):
+                for idx in idxs:
+                    if isinstance(idx, (int, str)) and not isinstance(idx, bool):
+                        out[child_path(child_path(spath, idx), "momentum_buffer")] = lr
+    return out
+
+
+def with_lr_before(roles: Mapping[str, Role], skeleton: Any) -> dict[str, Role]:
+    """``roles`` with :attr:`Role.lr_before` set from the parent checkpoint's skeleton where a Muon group's
+    learning rate differs there (a scheduler's); the skeleton is read only when some role is a Muon one."""
+    out = dict(roles)
+    if not any(r.update is not None for r in roles.values()):
+        return out
+    before = lrs_in_skeleton(skeleton)
+    for path, r in roles.items():
+        lr = before.get(r.m)
+        if r.update is not None and lr is not None and lr != r.update[0]:
+            out[path] = dataclasses.replace(r, lr_before=lr)
     return out
 
 

@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
@@ -899,6 +899,7 @@ class Store:
                     roles = predict.with_betas_before(roles, {r.m: (r.beta1, r.beta2, r.eps) for r in before.values()})
             if roles and pm is not None:  # the betas the parent's update used: see predict.choose_coefs
                 roles = predict.with_betas_before(roles, predict.betas_in_skeleton(pm.tree))
+                roles = predict.with_lr_before(roles, pm.tree)
             mark = self._writer.mark()
             try:
                 entries, digests, flags, new_locs, written, state_keys = self._write_leaves(
@@ -1040,7 +1041,7 @@ class Store:
         # (future, key, entry, depth if the frame is a delta, depth if it is a predicted frame, the parent's chunks
         # it reads from the base cache)
         inflight: collections.deque[
-            tuple[Future[bytes] | _Done, bytes, TensorEntry, int, int, tuple[bytes, ...]]
+            tuple[Future[bytes | _WithUpdate] | _Done, bytes, TensorEntry, int, int, tuple[bytes, ...]]
         ] = collections.deque()
         # The parent's chunks that encodes submitted or still to come read from the base cache (delta bases,
         # prediction inputs), with how many read each. Once the last has read one it leaves the cache (unless
@@ -1059,9 +1060,19 @@ class Store:
             while len(inflight) > keep:
                 fut, key, entry, delta_depth, pred_depth, read = inflight.popleft()
                 try:
-                    frame = fut.result()
+                    got = fut.result()
                 except StateChangedError as exc:
                     raise StateChangedError(f"{entry.key!r}: {exc}") from None
+                if isinstance(got, _WithUpdate):  # the update chunk the frame references goes first
+                    frame, (uk, uframe) = got.frame, got.update
+                    if uk not in new_locs:  # (the same update twice in this save: once)
+                        pack_id, offset = self._writer.append(uframe)
+                        ukind, ubase = codec.built_header(uframe)
+                        new_locs[uk] = ChunkLoc(pack_id, offset, len(uframe), ukind, 0, ubase)
+                        entry.written += len(uframe)
+                        written += len(uframe)
+                else:
+                    frame = got
                 for b in read:
                     left = reads[b] - 1
                     reads[b] = left
@@ -1098,8 +1109,11 @@ class Store:
             if prediction is not None:
                 assert base is not None
                 role, refs, pred_depth = prediction
-                m = hosted[role.m][0][i * cs : i * cs + len(view)]
-                fut = run(self._encode_predicted, view, k, leaf.width, base[0], role, refs, m)
+                if role.update is not None:
+                    fut = run(self._encode_update, view, k, leaf.width, base[0], role)
+                else:
+                    m = hosted[role.m][0][i * cs : i * cs + len(view)]
+                    fut = run(self._encode_predicted, view, k, leaf.width, base[0], role, refs, m)
                 inflight.append((fut, k, entry, base[1] + 1, pred_depth, read))
             else:
                 # every 16th chunk of the checkpoint (counted across tensors, shifted by one each generation)
@@ -1256,7 +1270,12 @@ class Store:
         """The keys of the chunks a prediction of chunk ``i`` (key ``k``) would reference, in the record's order
         (this checkpoint's first moment, the parent's first moment, for a parameter the parent's second
         moment), and the chain depth it would have; None when it cannot be predicted within the chain bound or
-        a referenced chunk is all zero, on a device, or missing from the parent."""
+        a referenced chunk is all zero, on a device, or missing from the parent. A Muon parameter's prediction
+        (:attr:`~deltackpt.predict.Role.update`) references an update chunk that its encoding makes (standalone:
+        depth 0), so only its base counts, and its references are known only then."""
+        if role.update is not None:
+            depth = base[1] + 1
+            return (role, [], depth) if pm is not None and depth <= self.max_chain else None
         got = hosted.get(role.m)
         if got is None or i >= len(got[2]) or got[2][i] or pm is None:
             return None
@@ -1477,6 +1496,43 @@ class Store:
             if len(frame) > len(other) * codec.DELTA_MIN_GAIN:
                 return other
         return frame
+
+    def _encode_update(
+        self, view: memoryview, key: bytes, width: int, base_key: bytes, role: predict.Role,
+    ) -> bytes | _WithUpdate:
+        """Encode a chunk of a Muon parameter (:attr:`~deltackpt.predict.Role.update`): its step's update ``u``
+        becomes a standalone chunk of its own (an *update chunk*, float32 elements that are bfloat16 numbers: its
+        low byte planes are zeros), and the chunk a predicted frame that references it twice (momentum-param,
+        ``p = c0·p' - c1·u + 0·u``), whose residual is a few low bits. Both are kept when together they are at
+        most :data:`~deltackpt.codec.DELTA_GOOD_ENOUGH` of the raw size or :data:`~deltackpt.codec.DELTA_MIN_GAIN`
+        of the frame :meth:`_encode` makes, else that frame. The update chunk is listed in no manifest: the
+        frame's reference keeps it alive (``docs/format.md`` §8a)."""
+        n = len(view)
+        raw = self._checked(view, key)
+        try:
+            base = self._raw_of(base_key)
+        except CorruptChunkError:
+            return self._encode(view, key, width, None, checked=raw)  # a damaged base must not spread: a keyframe
+        fitted = predict.fit_update(role, base, raw)
+        if fitted is None:
+            return self._encode(view, key, width, base_key, checked=raw)
+        coefs, u = fitted
+        ub = u.view(np.uint8)
+        if not ub.any():  # (an all-zero chunk has no frame to reference)
+            return self._encode(view, key, width, base_key, checked=raw)
+        digest = kernel.digest(ub)
+        record = predict.Prediction(predict.MOMENTUM_PARAM, (digest, digest), coefs)
+        guess = np.empty(n, dtype=np.uint8)
+        predict.predict(record, base, [ub, ub], guess)
+        encoder = self._encoder()
+        frame = encoder.encode_predicted(raw, key[:16], width, guess, base_key[:16], record.pack())
+        uframe = encoder.encode(ub, digest, 4)
+        size = len(frame) + len(uframe)
+        if size > n * codec.DELTA_GOOD_ENOUGH:
+            other = self._encode(view, key, width, base_key, checked=raw)
+            if size > len(other) * codec.DELTA_MIN_GAIN:
+                return other
+        return _WithUpdate(frame, (chunk_key(digest, n), uframe))
 
     # -- load ---------------------------------------------------------------------------------------------
     @collector.paused_during
@@ -2185,13 +2241,21 @@ class Store:
             raise
 
 
+class _WithUpdate(NamedTuple):
+    """What :meth:`Store._encode_update` returns when its predicted frame won: the frame, and (key, frame) of the
+    update chunk the frame references, which the pack gets first."""
+
+    frame: bytes
+    update: tuple[bytes, bytes]
+
+
 def _parent_refs(role: predict.Role, i: int, k: bytes, parents: Mapping[str, TensorEntry],
                  pm: Manifest | None, nbytes: int | None = None) -> tuple[bytes, ...]:
     """The keys of the parent's chunks a prediction of chunk ``i`` (key ``k``) of a tensor with ``role`` would
     reference: the parent's first moment and, for a parameter, its second moment, at position ``i``. Fewer (a
     prefix) where the parent has no such chunk of the same length, or an all-zero one, or (given ``nbytes``,
     this save's first moment's size) a tensor of another size: no prediction then."""
-    if pm is None or role.average:
+    if pm is None or role.average or role.update is not None:
         return ()
     n = int.from_bytes(k[16:], "big")
     out: list[bytes] = []

@@ -11,6 +11,9 @@
 - ``tests/fixtures/store-predicted-bf16``, written by ``python tests/test_compat.py write-predicted-bf16``
   (2026-12-07): predicted frames of the bfloat16 predictors (frame version 4), from real AdamW steps of a model
   trained in bfloat16; golden digests in ``store-predicted-bf16.json`` likewise.
+- ``tests/fixtures/store-update-chunks``, written by ``python tests/test_compat.py write-update-chunks``
+  (2026-12-07): momentum-param frames of Muon's matrices that reference update chunks no manifest lists, from
+  real Muon steps under a decaying learning rate; golden digests in ``store-update-chunks.json`` likewise.
 - ``tests/fixtures/dcp-meta3-skeleton``, a sharded (DCP) root written by ``write_dcp_meta3_skeleton`` below with
   deltackpt at commit 77cf6fa (2026-12-04), the first writer of DCP meta format 3: until 6fa874e it wrote the
   metadata document as a plain-value skeleton rather than compact JSON. Its stores' ``index`` directories (LMDB
@@ -38,12 +41,14 @@ import torch
 
 import deltackpt
 from deltackpt import codec, maintenance, manifest, predict
+from deltackpt.index import chunk_keys
 
 FIXTURE = Path(__file__).parent / "fixtures" / "store-v1"
 PREDICTED = Path(__file__).parent / "fixtures" / "store-predicted"
 GOLDEN = PREDICTED.with_suffix(".json")
 PREDICTED_BF16 = Path(__file__).parent / "fixtures" / "store-predicted-bf16"
 GOLDEN_BF16 = PREDICTED_BF16.with_suffix(".json")
+UPDATE_CHUNKS = Path(__file__).parent / "fixtures" / "store-update-chunks"
 DCP_META3_SKELETON = Path(__file__).parent / "fixtures" / "dcp-meta3-skeleton"
 DCP_META3_PICKLED = Path(__file__).parent / "fixtures" / "dcp-meta3-pickled"
 
@@ -176,16 +181,22 @@ def test_bf16_predicted_store_loads_as_its_golden_digests(tmp_path: Path) -> Non
                 rec = codec.prediction_record(frame[codec.HEADER_SIZE:], version=h.version)
                 predictors.add((rec.predictor, h.version, h.width))
         assert predictors == {(predict.BF16 + predict.SECOND_MOMENT, 4, 2), (predict.BF16 + predict.PARAM, 4, 2)}
-        infos = s.list()
-        assert [[i.id, i.step, i.parent] for i in infos] == golden["lineage"]
-        for i in infos:
-            assert digests(s.load(id=i.id)) == golden["states"][i.id], i.step
-        assert s.verify().ok
-        s.save(s.load(), step=99)
-        s.delete(infos[0].step)
-        s.gc()
-        for i in infos[1:]:
-            assert digests(s.load(id=i.id)) == golden["states"][i.id], i.step
+        _loads_as_golden_and_takes_changes(s, golden)
+
+
+def _loads_as_golden_and_takes_changes(s: deltackpt.Store, golden: dict[str, Any]) -> None:
+    """A fixture's checkpoints have the lineage and load as the states of its golden digests, verify clean, and
+    still load so after a new save, a delete of the first and gc."""
+    infos = s.list()
+    assert [[i.id, i.step, i.parent] for i in infos] == golden["lineage"]
+    for i in infos:
+        assert digests(s.load(id=i.id)) == golden["states"][i.id], i.step
+    assert s.verify().ok
+    s.save(s.load(), step=99)
+    s.delete(infos[0].step)
+    s.gc()
+    for i in infos[1:]:
+        assert digests(s.load(id=i.id)) == golden["states"][i.id], i.step
 
 
 def test_predicted_store_holds_every_kind_of_frame(predicted_store: Path) -> None:
@@ -319,6 +330,54 @@ def write_predicted_bf16(dest: Path) -> None:  # pragma: no cover - run by hand 
     golden_path.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
 
 
+def write_update_chunks(dest: Path) -> None:  # pragma: no cover - run by hand once
+    """Six every-step saves of a small model whose matrices torch.optim.Muon trains and whose biases AdamW does,
+    under a learning rate that decays at every step; the golden digests beside it."""
+    golden_path = dest.with_suffix(".json")
+    if dest.exists() or golden_path.exists():
+        raise SystemExit(f"{dest} or {golden_path} exists: fixtures are never rewritten")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+    opts = [torch.optim.Muon([p for p in model.parameters() if p.ndim == 2], lr=0.02, weight_decay=0.1),
+            torch.optim.AdamW([p for p in model.parameters() if p.ndim < 2], lr=1e-3)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 0.9**s) for o in opts]
+    saved: dict[str, dict[str, str]] = {}
+    with deltackpt.Store(dest, chunk_size=4096) as s:
+        for step in range(6):
+            model(torch.randn(16, 32)).pow(2).mean().backward()
+            for o, sc in zip(opts, scheds):
+                o.step()
+                sc.step()
+            model.zero_grad()
+            st = {"model": model.state_dict(), "optimizer": [o.state_dict() for o in opts]}
+            saved[s.save(st, step=step, metadata={"fixture": "update-chunks"}).id] = digests(st)
+        assert all(digests(s.load(id=i)) == d for i, d in saved.items())
+        golden = {"lineage": [[i.id, i.step, i.parent] for i in s.list()], "states": saved}
+    (dest / "index" / "lock.mdb").unlink(missing_ok=True)
+    golden_path.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
+
+
+def test_update_chunks_store_loads_as_its_golden_digests(tmp_path: Path) -> None:
+    """The Muon fixture: momentum-param frames whose references are update chunks that no manifest lists decode
+    to the states as they were saved; a repair from the packs finds those chunks again, and a new save, a
+    delete and gc keep the rest loading."""
+    dest = tmp_path / "s"
+    shutil.copytree(UPDATE_CHUNKS, dest)
+    golden = json.loads(UPDATE_CHUNKS.with_suffix(".json").read_text())
+    with deltackpt.Store(dest) as s:
+        listed = set().union(*(chunk_keys(*s.manifest(id=i.id).stored_chunks()) for i in s.list()))
+        updates = {r for k, loc in s.index.iter_chunks() if loc.codec == codec.PREDICTED
+                   for r in s._references(k, loc)[1:] if r not in listed}
+        assert len(updates) >= 4
+    shutil.rmtree(dest / "index")
+    with maintenance.open_for_repair(dest) as s:
+        assert s.repair().checkpoints == 6
+    with deltackpt.Store(dest) as s:
+        _loads_as_golden_and_takes_changes(s, golden)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["write-update-chunks"]:
+    write_update_chunks(UPDATE_CHUNKS)
 if __name__ == "__main__" and sys.argv[1:] == ["write-predicted-bf16"]:
     write_predicted_bf16(PREDICTED_BF16)
 if __name__ == "__main__" and sys.argv[1:] == ["write"]:

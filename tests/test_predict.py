@@ -822,6 +822,107 @@ def test_damaged_prediction_input_is_reported_for_dependents(tmp_path: Path) -> 
                 assert (info.id, exc.value.key, exc.value.chunk_id) in broken  # the chunk verify names
 
 
+def _muon_run(steps: int, store: deltackpt.Store, *, checkpointer: bool) -> dict[int, Any]:
+    """Train a small MLP with torch.optim.Muon on its two matrices and AdamW on its biases, both under a
+    LambdaLR that changes the learning rate at every step; save every step (through a Checkpointer, which
+    pairs parameters with their state from the objects, or with ``Store.save``, which guesses the pairs) and
+    return a deep copy of each state saved."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    mats = [p for p in model.parameters() if p.ndim == 2]
+    opts = [torch.optim.Muon(mats, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW([p for p in model.parameters() if p.ndim < 2], lr=1e-3)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1.0 + 0.05 * s)) for o in opts]
+    ck = (deltackpt.Checkpointer(store, model=model, optimizer=opts, scheduler=scheds, async_save=False,
+                                 handle_signals=False, rng=False) if checkpointer else None)
+    history: dict[int, Any] = {}
+    for step in range(1, steps + 1):
+        x = torch.randn(32, 64)
+        loss = (model(x) - x.flip(1)).pow(2).mean()
+        model.zero_grad()
+        loss.backward()
+        for o, sc in zip(opts, scheds):
+            o.step()
+            sc.step()
+        state = {"model": model.state_dict(), "optimizer": [o.state_dict() for o in opts],
+                 "scheduler": [sc.state_dict() for sc in scheds]}
+        if ck is not None:
+            ck.step(step)
+            state = ck.capture(step)
+        else:
+            store.save(state, step=step)
+        history[step] = copy.deepcopy(state)
+    if ck is not None:
+        ck.close()
+    return history
+
+
+def _update_chunks(s: deltackpt.Store) -> dict[bytes, bytes]:
+    """Each chunk the index holds that no checkpoint lists (an update chunk) -> a predicted chunk referencing it."""
+    listed = set()
+    for info in s.list():
+        m = s.manifest(id=info.id)
+        listed |= set(chunk_keys(*m.stored_chunks()))
+    out = {}
+    for k, loc in s.index.iter_chunks():
+        if loc.codec == codec.PREDICTED:
+            for r in s._references(k, loc)[1:]:
+                if r not in listed:
+                    out[r] = k
+    return out
+
+
+@pytest.mark.parametrize("checkpointer", [True, False])
+def test_muon_weights_are_predicted_from_update_chunks(tmp_path: Path, checkpointer: bool) -> None:
+    """Muon steps ``p = (1 - lr·wd)·p' - lr·k·u`` with ``u`` its bfloat16 orthogonalized momentum: a save
+    stores ``u`` as a chunk of its own and the weights as a momentum-param frame over it. Every step loads bit
+    for bit, the weights write far less than standalone (also with the learning rate scheduled: the update used
+    the parent's), and deleting checkpoints then gc frees their update chunks and keeps the others'."""
+    written = {}
+    for on in (True, False):
+        with deltackpt.Store(tmp_path / f"{checkpointer}{on}", chunk_size=CHUNK, predict=on) as s:
+            history = _muon_run(10, s, checkpointer=checkpointer)
+            parts = [t for info in s.list()[1:] for t in s.manifest(id=info.id).tensors
+                     if t.key.startswith("model.") and t.key.endswith("weight")]
+            written[on] = sum(t.written for t in parts) / sum(t.nbytes for t in parts)
+            if not on:
+                continue
+            updates = _update_chunks(s)
+            assert len(updates) >= 10, len(updates)
+            for step, state in history.items():
+                assert_same_state(state, s.load(step))
+            assert s.verify().ok
+            for step in range(1, 7):
+                s.delete(step)
+            s.gc(repack_below=0.9)
+            for step in range(7, 11):
+                assert_same_state(history[step], s.load(step))
+            assert s.verify().ok
+            left = _update_chunks(s)
+            live = maintenance._live_keys(s, s.index.records())[0]  # (through bases and references)
+            assert {k for k, _ in s.index.iter_chunks()} == live, "gc left chunks no checkpoint reaches"
+            assert 0 < len(left) < len(updates)
+    assert written[True] < 0.6 < 0.75 < written[False], written
+
+
+def test_a_damaged_update_chunk_is_reported_for_its_weights(tmp_path: Path) -> None:
+    """An update chunk is no checkpoint's own: damage to it is reported, by verify and load, for the weight chunk
+    predicted from it, named by the weight's key path."""
+    store_path = tmp_path / "s"
+    with deltackpt.Store(store_path, chunk_size=CHUNK) as s:
+        _muon_run(4, s, checkpointer=False)
+        u, dependent = next(iter(_update_chunks(s).items()))
+        _damage(s, store_path, u)
+        report = s.verify()
+        assert not report.ok
+        hit = [p for p in report.problems
+               if p.chunk_id == codec.chunk_hex(dependent[:16], int.from_bytes(dependent[16:], "big"))]
+        assert hit and all(p.key is not None and p.key.startswith("model.") for p in hit), report.problems
+        with pytest.raises(CorruptionError) as exc:
+            s.load(id=hit[0].checkpoint)
+        assert exc.value.key == hit[0].key
+
+
 def test_predicted_frame_damaged_into_an_unknown_version(tmp_path: Path) -> None:
     """Garbage over a predicted frame's header (magic intact, an out-of-range length, so the checksum cannot be
     checked first) reads as a newer frame version. verify reports it as a problem of that chunk and does not

@@ -1,8 +1,9 @@
 """A Hypothesis state machine over a real store: evolving states, saves, rollbacks (branches), deletes, thinning
 (rewrites), gc (with and without repacking), reopen, and damage to a base frame (in a copy of the store).
 
-The state holds free-form tensors and an AdamW-trained parameter with its optimizer state (so predicted frames
-are written and referenced across branches, deletes and gc). The rules that change the state may save right
+The state holds free-form tensors, an AdamW-trained parameter with its optimizer state, and a matrix stepped as
+torch.optim.Muon steps it (so predicted frames, and the update chunks Muon's reference, are written and
+referenced across branches, deletes and gc). The rules that change the state may save right
 after (a save is then about three steps in ten, so chains, branches and predictions form within a run).
 After every operation each retained checkpoint loads bit-exactly, every chunk entry respects the chain bound,
 every delta base and prediction input of an entry is still indexed, at a lower depth (deletes, rewrites and gc
@@ -43,6 +44,11 @@ ADAM_N = 3000  # elements of the AdamW-trained parameter (three 4 KiB chunks)
 BETAS, LR, WD, EPS = (0.9, 0.999), 1e-3, 0.1, 1e-8
 
 
+MUON_SHAPE = (64, 48)  # the Muon-trained matrix (three 4 KiB chunks)
+MUON_GROUP = {"params": [0], "lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+              "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None}
+
+
 def _random_tensor(rng: np.random.Generator, numel: int, dtype: torch.dtype) -> torch.Tensor:
     if dtype.is_floating_point:
         return torch.from_numpy(rng.standard_normal(numel).astype(np.float32)).to(dtype) * 0.02
@@ -58,6 +64,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.state = {f"t{i}": _random_tensor(rng, 1500 * (i + 1), torch.float32) for i in range(3)}
         self.adam = {"w": _random_tensor(rng, ADAM_N, torch.float32), "m": torch.zeros(ADAM_N),
                      "v": torch.zeros(ADAM_N), "t": 0}
+        self.muon = {"w": _random_tensor(rng, MUON_SHAPE[0] * MUON_SHAPE[1], torch.float32).reshape(MUON_SHAPE),
+                     "b": torch.zeros(MUON_SHAPE)}
         self.expected: dict[str, dict] = {}  # checkpoint id -> state it must load as
         self.parents: dict[str, str | None] = {}
         self.step = 0
@@ -97,10 +105,25 @@ class StoreMachine(RuleBasedStateMachine):
             a["w"].addcdiv_(a["m"], denom, value=-LR / bc1)
         self._then_save(then_save)
 
+    @rule(seed=st.integers(0, 2**32 - 1), then_save=st.booleans())
+    def muon_step(self, seed: int, then_save: bool) -> None:
+        """A step of the Muon-trained matrix as torch.optim.Muon takes it, with a scaled bfloat16 copy of the
+        momentum standing in for the Newton-Schulz orthogonalization (any bfloat16 update is stepped the same
+        way): ``w.mul_(1 - lr·wd)``, ``w.add_(u, alpha=-lr·k)``."""
+        g = torch.from_numpy(np.random.default_rng(seed).standard_normal(MUON_SHAPE).astype(np.float32))
+        b, w = self.muon["b"], self.muon["w"]
+        b.lerp_(g, 1 - MUON_GROUP["momentum"])
+        u = (b / b.norm().clamp(min=1e-7) * 8).bfloat16()
+        lr, wd = MUON_GROUP["lr"], MUON_GROUP["weight_decay"]
+        w.mul_(1 - lr * wd)
+        w.add_(u, alpha=-lr * max(1, MUON_SHAPE[0] / MUON_SHAPE[1]) ** 0.5)
+        self._then_save(then_save)
+
     def _tree(self) -> dict:
         a = self.adam
         return {
-            "model": {**self.state, "adam_w": a["w"]},
+            "model": {**self.state, "adam_w": a["w"], "muon_w": self.muon["w"]},
+            "muon": {"state": {0: {"momentum_buffer": self.muon["b"]}}, "param_groups": [dict(MUON_GROUP)]},
             "optim": {
                 "state": {0: {"step": torch.tensor(float(a["t"])), "exp_avg": a["m"], "exp_avg_sq": a["v"]}},
                 "param_groups": [{"params": [0], "lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}],
@@ -155,8 +178,10 @@ class StoreMachine(RuleBasedStateMachine):
         if "optim" in loaded:
             opt = loaded["optim"]["state"][0]
             self.adam = {"w": model.pop("adam_w"), "m": opt["exp_avg"], "v": opt["exp_avg_sq"], "t": int(opt["step"])}
-        else:  # a thinned checkpoint: weights only, the optimizer starts afresh
+            self.muon = {"w": model.pop("muon_w"), "b": loaded["muon"]["state"][0]["momentum_buffer"]}
+        else:  # a thinned checkpoint: weights only, the optimizers start afresh
             self.adam = {"w": model.pop("adam_w"), "m": torch.zeros(ADAM_N), "v": torch.zeros(ADAM_N), "t": 0}
+            self.muon = {"w": model.pop("muon_w"), "b": torch.zeros(MUON_SHAPE)}
         self.state = _clone(model)
         self.head = cid  # the next save is a branch from here
         if then_train:
