@@ -642,6 +642,9 @@ class Checkpointer:
     def apply(self, state: Mapping[str, Any]) -> int:
         """Put a captured state back into the model, optimizers, ... and RNGs; return its step. A state that
         lacks a part this run has is refused before anything is put back."""
+        if not isinstance(state, Mapping):
+            raise TypeError("apply() takes a captured state (the dict capture() or Store.load of a Checkpointer's "
+                            f"checkpoint returns), got {type(state).__name__}")
         self._check(state)
         return self._apply(state)
 

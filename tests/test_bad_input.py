@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -1074,6 +1075,24 @@ def test_a_checkpointer_refuses_the_metadata_key_it_marks_thinned_checkpoints_wi
         assert ck.store.list() == []
         ck.save(1, metadata={"thinned_at": 3})
         assert ck.store.info(1).metadata == {"thinned_at": 3}
+    finally:
+        ck.close()
+
+
+@pytest.mark.parametrize("bad", [[1], None, 5, "state", (("step", 1),)])
+def test_a_checkpointer_applies_only_a_captured_state(tmp_path: Path, bad: Any) -> None:
+    """``apply`` of something that is not a mapping is a TypeError naming its type (it read as a checkpoint that
+    a Checkpointer had not written); the model is left as it was."""
+    model = torch.nn.Linear(3, 2)
+    before = copy.deepcopy(model.state_dict())
+    ck = deltackpt.Checkpointer(tmp_path / "s", model=model, async_save=False, handle_signals=False)
+    try:
+        with pytest.raises(TypeError, match=f"apply\\(\\) takes a captured state .*got {type(bad).__name__}$"):
+            ck.apply(bad)
+        assert_same_state(before, model.state_dict())
+        with pytest.raises(deltackpt.DeltackptError, match="not written by a Checkpointer"):
+            ck.apply({"weights": 1})
+        assert ck.apply(ck.capture(7)) == 7
     finally:
         ck.close()
 
