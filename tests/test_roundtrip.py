@@ -1333,8 +1333,17 @@ def test_registered_types_fail_with_typed_errors(store: deltackpt.Store) -> None
         with pytest.raises(UnsupportedTypeError, match="decoder registered for type 'tests.Node' failed") as exc:
             store.load(1)
         assert not isinstance(exc.value, deltackpt.CorruptionError)
+        # the key path of the value, also inside a registered value and in a list
+        store.save({"a": {"b": [0, _Node(_Node("bad"))]}}, step=2)
+        with pytest.raises(UnsupportedTypeError, match=r"^the decoder registered for type 'tests.Node' failed at "
+                           r"'a.b\[1\]': ValueError\('my decoder refuses this'\)$") as exc:
+            store.load(2)
+        assert isinstance(exc.value.__cause__, ValueError)
     finally:
         deltackpt.unregister_type(_Node)
+    with pytest.raises(UnsupportedTypeError, match=r"^the checkpoint holds a value of registered type 'tests.Node' "
+                       r"at 'a.b\[1\]'; register its decoder with deltackpt.register_type before loading$"):
+        store.load(2)
     deltackpt.register_type(_Node, "tests.Node", lambda n: 1 / 0, decode)
     try:
         with pytest.raises(UnsupportedTypeError, match=r"cannot store a\[0\]: the encoder registered for _Node"):
