@@ -3,7 +3,9 @@
 ``python -m bench.delta [--saves 20] [--small] [--every 1,10] [--max-chain K] [--cores 1,2,4] [--optimizer sgd]
 [--dtype bfloat16]`` trains the suite's GPT (52.6M fp32 parameters; ``--small``: 1.3M; ``--dtype bfloat16``: the
 model, and so its optimizer state, in bfloat16) with AdamW (lr 1e-4, weight decay 0.1; or
-``--optimizer sgd``: SGD with momentum 0.9, lr 1e-2, weight decay 1e-4) on random token ids and saves the full
+``--optimizer sgd``: SGD with momentum 0.9, lr 1e-2, weight decay 1e-4; or ``--optimizer muon``: torch.optim.Muon,
+lr 0.02, weight decay 0.1, ``match_rms_adamw``, on the blocks' matrices and AdamW on the rest) on random token
+ids and saves the full
 training state into three stores after every step (``Store(max_chain=0)``: dedup + byte planes + zstd;
 ``Store(max_chain=K, predict=False)``: XOR deltas too; ``Store(max_chain=K)``, by default the store's default:
 predicted frames too), then does the same saving every 10 steps. For each save it reports bytes relative to
@@ -46,32 +48,42 @@ from bench.util import evict
 from deltackpt import config
 
 
-def _category(key: str) -> str:
-    if key.startswith("optimizer.state"):
-        return key.rsplit(".", 1)[-1]  # exp_avg, exp_avg_sq, step
+def _category(key: str, muon: set[str] | frozenset[str] = frozenset()) -> str:
+    if key.startswith("optimizer") and ".state" in key:
+        return key.rsplit(".", 1)[-1]  # exp_avg, exp_avg_sq, step, momentum_buffer
+    if key in muon:
+        return "weights (Muon)"
     return "weights" if key.startswith("model") else "other"
 
 
-def train_step(model: GPT, opt: torch.optim.Optimizer, cfg: GPTConfig) -> None:
+def train_step(model: GPT, opt: torch.optim.Optimizer | list[torch.optim.Optimizer], cfg: GPTConfig) -> None:
     """One real optimizer step of this benchmark's training: a batch of 2 random token sequences, reproduced."""
     x = torch.randint(0, cfg.vocab, (2, cfg.ctx))
     loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, cfg.vocab), x.reshape(-1))
-    opt.zero_grad()
+    model.zero_grad()
     loss.backward()
-    opt.step()
+    for o in opt if isinstance(opt, list) else [opt]:
+        o.step()
 
 
-def _optimizer(name: str, model: GPT) -> torch.optim.Optimizer:
+def _optimizer(name: str, model: GPT) -> list[torch.optim.Optimizer]:
     if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4)
-    return torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        return [torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, weight_decay=1e-4)]
+    if name == "muon":  # the blocks' matrices; the embeddings, head, norms and biases by AdamW
+        mats = [p for n, p in model.named_parameters() if p.ndim == 2 and n.startswith("blocks.")]
+        rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and n.startswith("blocks."))]
+        return [torch.optim.Muon(mats, lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+                torch.optim.AdamW(rest, lr=1e-4, weight_decay=0.1)]
+    return [torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)]
 
 
 def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | None,
          cores: list[int], optimizer: str = "adamw", dtype: torch.dtype = torch.float32) -> dict:
     torch.manual_seed(0)
     model = GPT(cfg).to(dtype)
-    opt = _optimizer(optimizer, model)
+    opts = _optimizer(optimizer, model)
+    names = {id(p): f"model.{n}" for n, p in model.named_parameters()}
+    muon = {names[id(p)] for o in opts if isinstance(o, torch.optim.Muon) for g in o.param_groups for p in g["params"]}
     planes = deltackpt.Store(root / "planes", max_chain=0)
     xor = deltackpt.Store(root / "xor", max_chain=max_chain, predict=False)
     delta = deltackpt.Store(root / "delta", max_chain=max_chain, predict=True)
@@ -80,8 +92,9 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
     torch_sizes = []
     for n in range(saves):
         for _ in range(every):
-            train_step(model, opt, cfg)
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+            train_step(model, opts, cfg)
+        state = {"model": model.state_dict(),
+                 "optimizer": opts[0].state_dict() if len(opts) == 1 else [o.state_dict() for o in opts]}
         pt = root / "state.pt"
         torch.save(state, pt)
         torch_bytes = pt.stat().st_size
@@ -94,7 +107,7 @@ def _run(cfg: GPTConfig, saves: int, every: int, root: Path, max_chain: int | No
         mp, mx, md = planes.manifest(id=ip.id), xor.manifest(id=ix.id), delta.manifest(id=idl.id)
         by = {}
         for tp, tx, td in zip(mp.tensors, mx.tensors, md.tensors):
-            cat = _category(tp.key)
+            cat = _category(tp.key, muon)
             b = by.setdefault(cat, [0, 0, 0, 0, 0])
             b[0] += tp.nbytes
             for _, dg, ln in mp.chunk_keys(tp):
@@ -199,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--every", default="1,10", help="save intervals to run, comma-separated (default 1,10)")
     ap.add_argument("--max-chain", type=int, default=None, help="the delta store's max_chain (default: the store's)")
-    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    ap.add_argument("--optimizer", choices=("adamw", "sgd", "muon"), default="adamw")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the model's dtype, and so its optimizer state's (default float32)")
     ap.add_argument("--cores", default="", help="also time warm restores pinned to this many CPUs, comma-separated "
@@ -211,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--cores: each count must be between 1 and {available} (the CPUs this process may use)")
     cfg = GPTConfig(d_model=128, n_layers=4, vocab=2048) if args.small else GPTConfig()
     chain = config.DEFAULT_MAX_CHAIN if args.max_chain is None else args.max_chain
-    how = "SGD momentum 0.9 lr 1e-2" if args.optimizer == "sgd" else "AdamW lr 1e-4"
+    how = {"sgd": "SGD momentum 0.9 lr 1e-2", "adamw": "AdamW lr 1e-4",
+           "muon": "Muon lr 0.02 on the blocks' matrices, AdamW lr 1e-4 on the rest"}[args.optimizer]
     print(f"GPT {cfg.n_params() / 1e6:.1f}M {args.dtype} parameters, {how}; deltackpt backend "
           f"{deltackpt.backend}; delta store max_chain={chain}")
     for every in (int(e) for e in args.every.split(",")):
@@ -226,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n| every {every} | dedup | byte planes | xor delta | predicted |\n|---|---:|---:|---:|---:|")
         print(f"| all state, saves 2-{args.saves} | " + " | ".join(
             f"{sum(r[k] for r in steady) / tb:.3f}" for k in ("dedup", "planes", "xor", "predicted")) + " |")
-        for cat in ("weights", "exp_avg", "exp_avg_sq", "momentum_buffer"):  # of the part's own raw bytes
+        for cat in ("weights", "weights (Muon)", "exp_avg", "exp_avg_sq", "momentum_buffer"):  # of its raw bytes
             logical = sum(r["by"][cat][0] for r in steady if cat in r["by"])
             if logical:
                 print(f"| {cat} (of its raw bytes) | " + " | ".join(
