@@ -1030,8 +1030,9 @@ class Store:
             shared |= _shared_paths(t.key for t in pm.tensors)
             parents = {t.key: t for t in pm.tensors if t.key not in shared}
         roles = {p: r for p, r in (roles or {}).items() if not {p, r.m, r.v} & shared}
-        first_moments = {r.m for r in roles.values() if not r.average}
-        sources = {r.m for r in roles.values()}  # what predictions read of this save (parameters, for averages)
+        # (a Muon parameter's prediction reads an update chunk, not its momentum buffer: the buffer is neither)
+        first_moments = {r.m for r in roles.values() if not r.average and r.update is None}
+        sources = {r.m for r in roles.values() if r.update is None}  # what predictions read of this save
         entries: list[TensorEntry] = []
         all_digests: list[np.ndarray] = []
         all_flags: list[np.ndarray] = []
@@ -1065,7 +1066,9 @@ class Store:
                     raise StateChangedError(f"{entry.key!r}: {exc}") from None
                 if isinstance(got, _WithUpdate):  # the update chunk the frame references goes first
                     frame, (uk, uframe) = got.frame, got.update
-                    if uk not in new_locs:  # (the same update twice in this save: once)
+                    # once per save, at depth 0 as the frame's depth assumed: also where the state holds the same
+                    # bytes in a chunk written as a delta (which then reads this frame too, a shorter chain)
+                    if uk not in new_locs or new_locs[uk].depth > 0:
                         pack_id, offset = self._writer.append(uframe)
                         ukind, ubase = codec.built_header(uframe)
                         new_locs[uk] = ChunkLoc(pack_id, offset, len(uframe), ukind, 0, ubase)
@@ -1087,7 +1090,9 @@ class Store:
                     self._count_delta(entry.key, kind == codec.PREDICTED, self._predict_stats)
                 elif delta_depth > 0 and kind != codec.RAW:  # did the offered delta win?
                     self._count_delta(entry.key, kind == codec.DELTA)
-                new_locs[key] = ChunkLoc(pack_id, offset, len(frame), kind, depth, base)
+                prior = new_locs.get(key)  # (an update chunk of the same bytes, written first: the shallower)
+                if prior is None or prior.depth > depth:
+                    new_locs[key] = ChunkLoc(pack_id, offset, len(frame), kind, depth, base)
                 entry.written += len(frame)
                 written += len(frame)
 

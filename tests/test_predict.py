@@ -905,6 +905,38 @@ def test_muon_weights_are_predicted_from_update_chunks(tmp_path: Path, checkpoin
     assert written[True] < 0.6 < 0.75 < written[False], written
 
 
+def test_an_update_chunk_the_state_also_holds_as_a_delta_keeps_chains_within_their_depths(tmp_path: Path) -> None:
+    """A state may hold the very bytes of a Muon step's update (here a copy of ``u`` kept beside the model): the
+    save wrote that chunk as a delta first and then took it for the update chunk the weights' frame references,
+    assumed at depth 0, so the frame's recorded depth understated the chain a decode follows. The update chunk is
+    now written at depth 0 all the same (the copy reads it too), and every recorded depth bounds its inputs'."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 48) * 0.02
+    b = torch.zeros(64, 48)
+    group = {"params": [0], "lr": 0.02, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True,
+             "ns_coefficients": (3.4445, -4.775, 2.0315), "eps": 1e-7, "ns_steps": 5, "adjust_lr_fn": None}
+    u = torch.zeros(64, 48)
+    with deltackpt.Store(tmp_path / "s", chunk_size=CHUNK) as s:
+        for step in range(1, 5):
+            b.lerp_(torch.randn(64, 48), 0.05 if step == 1 else 1e-3)  # (u then changes little: its copy, a delta)
+            u_bf16 = (b / b.norm().clamp(min=1e-7) * 8).bfloat16()
+            w.mul_(1 - 0.02 * 0.1)
+            w.add_(u_bf16, alpha=-0.02 * (64 / 48) ** 0.5)
+            u = u_bf16.float()
+            state = {"model": {"w": w}, "muon": {"state": {0: {"momentum_buffer": b}}, "param_groups": [group]},
+                     "u": u.reshape(-1)}  # (another shape: the pairing by shape stays unambiguous)
+            s.save(state, step=step)
+            assert_same_state(state, s.load(step))
+        entries = dict(s.index.iter_chunks())
+        u_key = next(k for k in chunk_keys(*s.manifest(4).stored_chunks())
+                     if k[:16] == kernel.digest(u.numpy().view(np.uint8)))
+        assert any(u_key in s._references(k, loc) for k, loc in entries.items() if loc.codec == codec.PREDICTED)
+        for k, loc in entries.items():
+            for r in s._references(k, loc):
+                assert entries[r].depth <= loc.depth - 1, (k.hex(), loc.depth, entries[r].depth)
+        assert s.verify().ok
+
+
 def test_a_damaged_update_chunk_is_reported_for_its_weights(tmp_path: Path) -> None:
     """An update chunk is no checkpoint's own: damage to it is reported, by verify and load, for the weight chunk
     predicted from it, named by the weight's key path."""
