@@ -107,12 +107,24 @@ def chunk_hex(digest: bytes, length: int) -> str:
     return f"{digest.hex()}-{length}"
 
 
+_INPUTS = ("its delta base ", "its prediction input ")
+_THROUGH = "through chunk "
+
+
 def _root(reason: str) -> str:
     """The damage itself, without the chain of inputs it was reached through (``its delta base <id> is
     damaged: its prediction input <id> is damaged: ...``): a message names the input the chunk needs and what is
-    wrong, however deep the damage lies (or however often a cycle went round)."""
-    while reason.startswith(("its delta base ", "its prediction input ")) and " is damaged: " in reason:
-        reason = reason.split(" is damaged: ", 1)[1]
+    wrong, however deep the damage lies (or however often a cycle went round). Where the damaged chunk is not
+    that input but one it decodes from, the damage is named ``through chunk <id>: ...`` (a pack offset in it is
+    that chunk's frame's, not the input's)."""
+    while reason.startswith(_INPUTS) and " is damaged: " in reason:
+        head, rest = reason.split(" is damaged: ", 1)
+        if rest.startswith(_INPUTS) and " is damaged: " in rest:
+            reason = rest
+        elif rest.startswith(_THROUGH):
+            return rest
+        else:
+            return f"{_THROUGH}{head.rsplit(' ', 1)[1]}: {rest}"
     return reason
 
 

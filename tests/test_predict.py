@@ -939,20 +939,32 @@ def test_an_update_chunk_the_state_also_holds_as_a_delta_keeps_chains_within_the
 
 def test_a_damaged_update_chunk_is_reported_for_its_weights(tmp_path: Path) -> None:
     """An update chunk is no checkpoint's own: damage to it is reported, by verify and load, for the weight chunk
-    predicted from it, named by the weight's key path."""
+    predicted from it, named by the weight's key path. The next step's chunk, whose base that weight chunk is,
+    names its base and then the chunk the damage lies in (``through chunk <id>``: the pack offset quoted is that
+    chunk's frame's; before, it read as the base's)."""
     store_path = tmp_path / "s"
     with deltackpt.Store(store_path, chunk_size=CHUNK) as s:
-        _muon_run(4, s, checkpointer=False)
-        u, dependent = next(iter(_update_chunks(s).items()))
+        _muon_run(5, s, checkpointer=False)
+        updates = _update_chunks(s)
+        entries = dict(s.index.iter_chunks())
+        # (an update chunk u, the weight chunk d predicted from it, a chunk e whose base is d)
+        u, d, e = next((u, d, e) for u, d in updates.items() for e, loc in entries.items()
+                       if loc.codec in codec.BASED and s._references(e, loc)[0] == d)
         _damage(s, store_path, u)
+        hexid = {k: codec.chunk_hex(k[:16], int.from_bytes(k[16:], "big")) for k in (u, d, e)}
         report = s.verify()
         assert not report.ok
-        hit = [p for p in report.problems
-               if p.chunk_id == codec.chunk_hex(dependent[:16], int.from_bytes(dependent[16:], "big"))]
+        hit = [p for p in report.problems if p.chunk_id == hexid[d]]
         assert hit and all(p.key is not None and p.key.startswith("model.") for p in hit), report.problems
         with pytest.raises(CorruptionError) as exc:
             s.load(id=hit[0].checkpoint)
         assert exc.value.key == hit[0].key
+        where = f"pack {entries[u].pack_id} offset {entries[u].offset}"
+        assert f"its prediction input {hexid[u]} is damaged: frame checksum mismatch at {where}" in exc.value.reason
+        through = [p for p in report.problems if p.chunk_id == hexid[e]]
+        assert through, report.problems
+        assert all(f"is damaged: through chunk {hexid[u]}: frame checksum mismatch at {where}" in p.message
+                   for p in through), [p.message for p in through]
 
 
 def test_predicted_frame_damaged_into_an_unknown_version(tmp_path: Path) -> None:
