@@ -18,7 +18,9 @@ Optimizers that keep a momentum buffer ``b`` (SGD, Nesterov SGD, RMSprop with mo
 ``p = p' - lr·b`` (Nesterov: ``p' - lr·(1+μ)·b + lr·μ·b'``), so their parameters are predicted from ``b`` and
 ``b'`` the same way (the momentum-param predictor). An EMA copy of the weights, ``a = d·a' + (1-d)·p``, is that
 predictor too, with this checkpoint's parameter as both references (an *average* role, found through the
-parameters a :class:`~deltackpt.Checkpointer` names).
+parameters a :class:`~deltackpt.Checkpointer` names). Muon (``torch.optim.Muon``) steps a matrix by a bfloat16
+update that nothing here can recompute, ``p = (1 - lr·wd)·p' - lr·k·u``: its parameters are momentum-param too,
+with both references an *update chunk* that the save makes of ``u`` (:func:`fit_update`), listed in no manifest.
 
 Exactness is what makes this lossless: the prediction is a pure function of the stored coefficients and the
 referenced chunks' bytes, computed by :func:`deltackpt.kernel.predict` (the native kernel's loops, or numpy in
@@ -666,24 +668,30 @@ def betas_in_skeleton(skeleton: Any) -> dict[str, Betas]:
     read, element by element: a tensor ``lr`` beside them does not matter, and a tensor β2 or eps reads as None
     (β1 is what schedulers change). A group whose values cannot be read is skipped."""
     out: dict[str, Betas] = {}
+    for entries, nodes in _skeleton_groups(skeleton):
+        values = [_plain_float(n) for _, n in tree.node_children(nodes.get("betas"))][:2]
+        if len(values) != 2 or values[0] is None:
+            continue
+        betas: Betas = (values[0], values[1], _plain_float(nodes["eps"]) if "eps" in nodes else 1e-8)
+        for entry in entries:
+            out[child_path(entry, "exp_avg")] = betas
+    return out
+
+
+def _skeleton_groups(skeleton: Any) -> Iterable[tuple[list[str], dict[Any, Any]]]:
+    """(key paths of its state entries, its nodes by key) of each parameter group of each optimizer state dict
+    in a checkpoint's skeleton; groups whose ``params`` node is missing or not a plain list are left out."""
     for path, groups_node in _skeleton_optimizers(skeleton, ""):
         spath = child_path(path, "state")
         for _, group_node in tree.node_children(groups_node):
             nodes = dict(tree.node_children(group_node))
-            values = [_plain_float(n) for _, n in tree.node_children(nodes.get("betas"))][:2]
-            if len(values) != 2 or values[0] is None:
-                continue
-            betas: Betas = (values[0], values[1], _plain_float(nodes["eps"]) if "eps" in nodes else 1e-8)
             try:
                 idxs = tree.decode_plain(nodes["params"])
             except Exception:  # missing, or not plain
                 continue
-            if not isinstance(idxs, (list, tuple)):
-                continue
-            for idx in idxs:
-                if isinstance(idx, (int, str)) and not isinstance(idx, bool):
-                    out[child_path(child_path(spath, idx), "exp_avg")] = betas
-    return out
+            if isinstance(idxs, (list, tuple)):
+                ids = [i for i in idxs if isinstance(i, (int, str)) and not isinstance(i, bool)]
+                yield [child_path(spath, i) for i in ids], nodes
 
 
 def _plain_float(node: Any) -> float | None:
@@ -729,20 +737,9 @@ def lrs_in_skeleton(skeleton: Any) -> dict[str, float]:
     path of its states' ``momentum_buffer``: what :func:`with_lr_before` reads for a save's parent. A group whose
     lr is not a plain number there (a tensor) is skipped."""
     out: dict[str, float] = {}
-    for path, groups_node in _skeleton_optimizers(skeleton, ""):
-        spath = child_path(path, "state")
-        for _, group_node in tree.node_children(groups_node):
-            nodes = dict(tree.node_children(group_node))
-            if not _is_muon(nodes) or "lr" not in nodes or (lr := _plain_float(nodes["lr"])) is None:
-                continue
-            try:
-                idxs = tree.decode_plain(nodes["params"])
-            except Exception:  # missing, or not plain
-                continue
-            if isinstance(idxs, (list, tuple)):
-                for idx in idxs:
-                    if isinstance(idx, (int, str)) and not isinstance(idx, bool):
-                        out[child_path(child_path(spath, idx), "momentum_buffer")] = lr
+    for entries, nodes in _skeleton_groups(skeleton):
+        if _is_muon(nodes) and "lr" in nodes and (lr := _plain_float(nodes["lr"])) is not None:
+            out.update((child_path(entry, "momentum_buffer"), lr) for entry in entries)
     return out
 
 
