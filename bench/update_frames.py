@@ -32,12 +32,11 @@ def _update_frame(old: np.ndarray, new: np.ndarray, c0: np.float32, alpha: np.fl
                   enc: codec.Encoder) -> tuple[float, int]:
     """(share of elements predicted exactly, bytes of the frames of u and of the residual) for one matrix."""
     p1 = old * c0  # float32 products, as torch's mul_ by a float32 scalar
+    u = predict._update_of(old, new, c0, -alpha)  # (the update the save stores: bfloat16 values as float32)
     with np.errstate(all="ignore"):
-        u32 = ((new.astype(np.float64) - p1) / np.float64(alpha)).astype(np.float32)
-    u = torch.from_numpy(u32).bfloat16()
-    pred = (p1.astype(np.float64) + np.float64(alpha) * u.float().numpy().astype(np.float64)).astype(np.float32)
+        pred = (p1.astype(np.float64) + np.float64(alpha) * u.astype(np.float64)).astype(np.float32)
     exact = float(np.mean(pred.view(np.uint32) == new.view(np.uint32)))
-    ub = u.view(torch.int16).numpy().tobytes()
+    ub = (u.view(np.uint32) >> 16).astype("<u2").tobytes()  # (its bfloat16 bits)
     u_frame = enc.encode(ub, bytes(16), 2)
     # (a record of the frame's size: the two coefficients; the residual's frame is the predicted one's)
     record = predict.Prediction(predict.MOMENTUM_PARAM, (), (float(c0), float(alpha), 0.0)).pack()

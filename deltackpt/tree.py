@@ -897,45 +897,34 @@ def _first_newer(n: Any) -> str:
             return path
 
 
-def _first_registered(n: Any, path: str) -> tuple[str, str] | None:
-    """(key path, type name) of the first ``x`` node in skeleton ``n`` (one :func:`flatten` made), or None."""
+def _registered(n: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """(key path, node) of each ``x`` node in skeleton ``n``, first to last; one inside another's value has that
+    value's path."""
     stack = [(n, path)]
     while stack:
         n, path = stack.pop()
         if n[0] == "x":
-            return path, n[1]
+            yield path, n
+            stack.append((n[2], path))
+            continue
         stack.extend((c, child_path(path, k)) for k, c in reversed(node_children(n)))
         if n[0] in ("q", "S", "F"):
             stack.extend((c, path) for c in n[1])
-    return None
+
+
+def _first_registered(n: Any, path: str) -> tuple[str, str] | None:
+    """(key path, type name) of the first ``x`` node in skeleton ``n`` (one :func:`flatten` made), or None."""
+    return next(((p, node[1]) for p, node in _registered(n, path)), None)
 
 
 class _AtNode(UnsupportedTypeError):
-    """A value of a registered type :func:`_build` could not build; ``{at}`` in the message is where the key
-    path goes, which :func:`unflatten` finds from ``node`` (the value's skeleton node) only then: the build
-    itself keeps no paths."""
+    """A value of a registered type :func:`_build` could not build: the message is ``head``, where the value
+    lies, ``tail``. :func:`unflatten` finds the key path from ``node`` (the value's skeleton node) only then: the
+    build itself keeps no paths."""
 
-    def __init__(self, message: str, node: Any) -> None:
-        super().__init__(message)
-        self.node = node
-
-
-def _braces(text: str) -> str:
-    """``text`` for a ``str.format`` template: its braces doubled."""
-    return text.replace("{", "{{").replace("}", "}}")
-
-
-def _node_path(n: Any, target: Any, path: str = "") -> str | None:
-    """The key path of skeleton node ``target`` (the same object) under ``n``, or None."""
-    if n is target:
-        return path
-    if type(n) is list and n and n[0] == "x" and len(n) > 2:  # (inside a registered type's value: its path)
-        return _node_path(n[2], target, path)
-    for key, child in node_children(n):
-        found = _node_path(child, target, child_path(path, key))
-        if found is not None:
-            return found
-    return None
+    def __init__(self, head: str, tail: str, node: Any) -> None:
+        super().__init__(head + tail)
+        self.head, self.tail, self.node = head, tail, node
 
 
 def unflatten(skeleton: Any, leaves: list[Any], *, allow_pickle: bool = False) -> Any:
@@ -943,9 +932,12 @@ def unflatten(skeleton: Any, leaves: list[Any], *, allow_pickle: bool = False) -
     try:
         return _build(skeleton, leaves, allow_pickle)
     except _AtNode as exc:
-        path = _node_path(skeleton, exc.node)
+        try:  # (a skeleton read from a manifest may be malformed past the value: then no path)
+            path = next((p for p, node in _registered(skeleton, "") if node is exc.node), None)
+        except (IndexError, KeyError, TypeError, ValueError):
+            path = None
         at = f" at {path!r}" if path else " at the root" if path == "" else ""
-        raise UnsupportedTypeError(str(exc).format(at=at)) from exc.__cause__
+        raise UnsupportedTypeError(f"{exc.head}{at}{exc.tail}") from exc.__cause__
     except (UnsafeLoadError, UnsupportedTypeError, CorruptManifestError):
         raise
     except (IndexError, KeyError, TypeError, ValueError, struct.error, RecursionError) as exc:
@@ -1117,14 +1109,13 @@ def _build(n: Any, leaves: list[Any], allow_pickle: bool | str) -> Any:
     if tag == "x":
         hook = _HOOKS_BY_NAME.get(n[1])
         if hook is None:
-            raise _AtNode(_braces(f"the checkpoint holds a value of registered type {n[1]!r}") + "{at}; register "
-                          "its decoder with deltackpt.register_type before loading", n)
+            raise _AtNode(f"the checkpoint holds a value of registered type {n[1]!r}",
+                          "; register its decoder with deltackpt.register_type before loading", n)
         value = _build(n[2], leaves, allow_pickle)
         try:
             return hook.decode(value)
         except Exception as exc:  # the user's decoder failed: no damage of the store (restore must not pass it by)
-            raise _AtNode(_braces(f"the decoder registered for type {n[1]!r} failed") + "{at}: "
-                          + _braces(repr(exc)), n) from exc
+            raise _AtNode(f"the decoder registered for type {n[1]!r} failed", f": {exc!r}", n) from exc
     if tag == "p" and allow_pickle == _CHECK:
         base64.b64decode(n[1], validate=True)
         return None
