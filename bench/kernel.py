@@ -6,8 +6,8 @@
 Prints a markdown table (GB/s = 1e9 bytes per second of input, median of the repetitions, after one warm-up
 run) and checks the targets: native digests at 1 MiB chunks with 2 threads no slower than one memcpy,
 native digests at 64 KiB chunks >= 1.5x a Python loop over the xxhash package, plane split >= 3 GB/s. Rows for
-the two predictors (predicted frames; at most 64 MiB of output) compare the kernel's AVX-512, AVX2 and portable
-loops (where the CPU lacks AVX-512, the first two rows run the same AVX2 loops).
+the four float32 predictors (predicted frames; at most 64 MiB of output) compare the kernel's AVX-512, AVX2 and
+portable loops (where the CPU lacks AVX-512, the first two rows run the same AVX2 loops).
 """
 
 from __future__ import annotations
@@ -124,6 +124,10 @@ def main() -> int:
     predictors = [
         ("predict adam-v", 1, [0.9, 10.0, 0.999, 0.001], v, [m, m1]),
         ("predict adam-param", 2, [0.9, 10.0, 0.999, 0.001, 0.99999, 1e-4, 1e-8], p, [m, m1, v]),
+        ("predict momentum-param", 3, [0.99999, 1e-3, 9e-4], p, [m, m1]),
+        # (Muon's: float32 coefficients and an update of bfloat16 values, as saves write them)
+        ("predict update-param", 6, [float(np.float32(0.998)), float(np.float32(0.0785))], p,
+         [(m.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)]),
     ]
 
     def predict_chunks(mod: object, predictor: int, coefs: list[float], b: np.ndarray, refs: list[np.ndarray]) -> None:

@@ -202,8 +202,34 @@ def adam_w(c: tuple[float, ...] | list[float], m: np.ndarray, m1: np.ndarray, v1
     return w
 
 
-#: a bfloat16 predictor's id is this plus its float32 predictor's (native/kernel.h, DCK_PREDICT_BF16)
+#: a bfloat16 predictor's id is this plus its float32 predictor's (native/kernel.h, DCK_PREDICT_BF16): 4 and 5
 _BF16 = 3
+#: update-param, a float32 predictor (native/kernel.h, DCK_PREDICT_UPDATE_PARAM)
+_UPDATE_PARAM = 6
+
+
+def _round32(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to float32 as a prediction's result is (a zero of its sign below 2^-126, a NaN stays one),
+    widened back to float64: update-param's first step (dck_round32)."""
+    r = x.astype(np.float32).astype(np.float64)
+    tiny = np.abs(x) < _F32_MIN
+    r[tiny] = np.copysign(0.0, x[tiny])
+    return r
+
+
+def _sub_odd(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``a - b`` rounded to odd (dck_sub_odd): exact when a double, else the neighbouring double whose last
+    significand bit is 1, so that rounding it to float32 rounds the exact difference once. TwoSum gives the error
+    ``e`` of ``s = a - b``; where it is not zero, an even ``s`` moves one unit towards ``e``."""
+    s = a - b
+    bb = s - a
+    e = (a - (s - bb)) + (-b - bb)
+    sb = s.view(np.uint64)
+    fix = (e != 0) & ~np.isnan(e) & np.isfinite(s) & ((sb & np.uint64(1)) == 0)
+    if fix.any():
+        away = (sb ^ e.view(np.uint64)) >> np.uint64(63) == 0
+        sb[fix] = np.where(away[fix], sb[fix] + np.uint64(1), sb[fix] - np.uint64(1))
+    return s
 
 
 def _bf16_widened(buf: object) -> np.ndarray:
@@ -217,12 +243,13 @@ def predict(predictor: int, coefs: object, base: object, refs: list[object], out
     o = _as_u8(out, writable=True)
     n = len(o)
     c = [float(x) for x in coefs]  # type: ignore[attr-defined]
-    f32 = predictor - _BF16 if predictor > _BF16 else predictor
-    ok = (f32, len(c), len(refs)) in ((1, 4, 2), (2, 7, 3), (3, 3, 2)) and predictor <= _BF16 + 2
-    size = 2 if predictor > _BF16 else 4
+    bf16 = predictor in (_BF16 + 1, _BF16 + 2)
+    f32 = predictor - _BF16 if bf16 else predictor
+    ok = (f32, len(c), len(refs)) in ((1, 4, 2), (2, 7, 3), (3, 3, 2), (_UPDATE_PARAM, 2, 1))
+    size = 2 if bf16 else 4
     if n % size or not ok or len(_as_u8(base)) != n or any(len(_as_u8(r)) != n for r in refs):
         raise ValueError("deltackpt kernel: invalid argument")
-    if predictor > _BF16:  # bfloat16: the float32 predictor over the inputs widened, its result rounded to bfloat16
+    if bf16:  # bfloat16: the float32 predictor over the inputs widened, its result rounded to bfloat16
         wide = np.empty(2 * n, dtype=np.uint8)
         predict(f32, c, _bf16_widened(base), [_bf16_widened(r) for r in refs], wide)
         bits = wide.view("<u4")
@@ -232,7 +259,9 @@ def predict(predictor: int, coefs: object, base: object, refs: list[object], out
         return
     with np.errstate(all="ignore"):
         m = _f32_in(refs[0])
-        if predictor == 3:  # q = c0*p1 - c1*b + c2*b1
+        if predictor == _UPDATE_PARAM:  # q = f32(c0*p1); q - c1*u rounded once
+            q = _sub_odd(_round32(c[0] * _f32_in(base)), c[1] * m)
+        elif predictor == 3:  # q = c0*p1 - c1*b + c2*b1
             u = c[1] * m
             q = c[0] * _f32_in(base)
             q -= u

@@ -51,7 +51,9 @@ PREDICTED_V3 = 3
 #: the version byte of predicted frames of bfloat16 elements (predictors 4 and 5, §8a), which version-3 readers do
 #: not know
 PREDICTED_V4 = 4
-_VERSIONS = (FRAME_VERSION, PREDICTED_VERSION, PREDICTED_V3, PREDICTED_V4)
+#: the version byte of predicted frames of the update-param predictor (6, §8a), which version-4 readers do not know
+PREDICTED_V5 = 5
+_VERSIONS = (FRAME_VERSION, PREDICTED_VERSION, PREDICTED_V3, PREDICTED_V4, PREDICTED_V5)
 HEADER = struct.Struct("<4sBBBBQQ16s16sQ")
 HEADER_SIZE = HEADER.size  # 64
 CHECKED = 56  # header bytes covered by the checksum (everything before it)
@@ -130,6 +132,8 @@ def _root(reason: str) -> str:
 
 def predicted_version(predictor: int) -> int:
     """The version byte of a predicted frame whose record names ``predictor`` (docs/format.md §3)."""
+    if predictor >= predict.FIRST_V5_PREDICTOR:
+        return PREDICTED_V5
     if predictor >= predict.FIRST_V4_PREDICTOR:
         return PREDICTED_V4
     return PREDICTED_V3 if predictor >= predict.FIRST_V3_PREDICTOR else PREDICTED_VERSION
@@ -296,7 +300,7 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
     if magic != MAGIC:
         raise CorruptChunkError(f"bad frame magic {bytes(magic)!r}{_at(where)}")
     if version not in _VERSIONS:
-        raise FormatVersionError(f"{_NEWER_FRAME} {version} is not supported (this reader: 1-4){_at(where)}")
+        raise FormatVersionError(f"{_NEWER_FRAME} {version} is not supported (this reader: 1-5){_at(where)}")
     if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0 or (version >= 2) != (codec == PREDICTED):
         raise CorruptChunkError(f"bad frame header (codec {codec}, width {width}, flags {flags}){_at(where)}")
     # (a prediction's elements, and so its residual's planes: float32, bfloat16 in version 4)

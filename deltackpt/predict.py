@@ -19,17 +19,18 @@ Optimizers that keep a momentum buffer ``b`` (SGD, Nesterov SGD, RMSprop with mo
 ``b'`` the same way (the momentum-param predictor). An EMA copy of the weights, ``a = d·a' + (1-d)·p``, is that
 predictor too, with this checkpoint's parameter as both references (an *average* role, found through the
 parameters a :class:`~deltackpt.Checkpointer` names). Muon (``torch.optim.Muon``) steps a matrix by a bfloat16
-update that nothing here can recompute, ``p = (1 - lr·wd)·p' - lr·k·u``: its parameters are momentum-param too,
-with both references an *update chunk* that the save makes of ``u`` (:func:`fit_update`), listed in no manifest.
+update that nothing here can recompute, ``p = (1 - lr·wd)·p' - lr·k·u``: its parameters get the update-param
+predictor, which rounds as torch does, with its reference an *update chunk* that the save makes of ``u``
+(:func:`fit_update`), listed in no manifest.
 
 Exactness is what makes this lossless: the prediction is a pure function of the stored coefficients and the
 referenced chunks' bytes, computed by :func:`deltackpt.kernel.predict` (the native kernel's loops, or numpy in
 the reference backend) with IEEE-754 float64 operations that are correctly rounded everywhere (one operation
 each: ``+ - * / sqrt``; subnormal inputs read as zero), then rounded once to float32 (results below 2^-126
-flushed to zero, NaN canonical); bfloat16 elements are widened to float32 first and the float32 result is
-rounded to bfloat16 (to nearest, ties to even). Encoder and decoder therefore agree bit for bit on every machine,
-and which coefficients the encoder chose only changes the residual's size. A wrong pairing or another optimizer
-costs one trial compression, never correctness.
+flushed to zero, NaN canonical; update-param rounds twice, as torch's two float32 steps do); bfloat16 elements
+are widened to float32 first and the float32 result is rounded to bfloat16 (to nearest, ties to even). Encoder
+and decoder therefore agree bit for bit on every machine, and which coefficients the encoder chose only changes
+the residual's size. A wrong pairing or another optimizer costs one trial compression, never correctness.
 """
 
 from __future__ import annotations
@@ -57,13 +58,16 @@ MOMENTUM_PARAM = 3  # refs: b, b' (momentum buffers); base p'; coefs c0..c2: p =
 #: predictor over the inputs widened, its result rounded to bfloat16. (Momentum-param has none: a bfloat16 SGD
 #: weight's XOR delta is already as small as its prediction's residual.)
 BF16 = 3
-_SHAPE = {SECOND_MOMENT: (2, 4), PARAM: (3, 7), MOMENTUM_PARAM: (2, 3)}  # (references, coefficients)
+#: refs: u (an update chunk); base p'; coefs c0, c1: p = f32(c0*p') - c1*u, rounded once (Muon's step; frames v5)
+UPDATE_PARAM = 6
+_SHAPE = {SECOND_MOMENT: (2, 4), PARAM: (3, 7), MOMENTUM_PARAM: (2, 3), UPDATE_PARAM: (1, 2)}  # (refs, coefs)
 _SHAPE.update({BF16 + SECOND_MOMENT: _SHAPE[SECOND_MOMENT], BF16 + PARAM: _SHAPE[PARAM]})
 #: the first predictor that frames of version 2 (codec.PREDICTED_VERSION) cannot name: frames of it and later
 #: ones are version 3, which readers that do not know them refuse as a newer format
 FIRST_V3_PREDICTOR = MOMENTUM_PARAM
-#: likewise the first predictor of version 4 frames (the bfloat16 predictors)
+#: likewise the first predictor of version 4 frames (the bfloat16 predictors), and of version 5 (update-param)
 FIRST_V4_PREDICTOR = BF16 + SECOND_MOMENT
+FIRST_V5_PREDICTOR = UPDATE_PARAM
 _PREFIX_HEAD = struct.Struct("<BBHI")  # predictor, refs, coefficients, reserved (0)
 #: elements the encoder fits the parameter coefficients on (an evenly spaced sample of the chunk)
 FIT_SAMPLE = 1 << 15
@@ -546,16 +550,16 @@ def _muon_update(group: Mapping[str, Any], shape: tuple[int, ...]) -> tuple[floa
     return (lr, wd, ratio) if math.isfinite(lr) and math.isfinite(wd) else None
 
 
-def fit_update(role: Role, base: Any, new: Any) -> tuple[tuple[float, float, float], np.ndarray] | None:
-    """The momentum-param coefficients and the update chunk of a Muon parameter's chunk (:attr:`Role.update`):
+def fit_update(role: Role, base: Any, new: Any) -> tuple[tuple[float, float], np.ndarray] | None:
+    """The update-param coefficients and the update chunk of a Muon parameter's chunk (:attr:`Role.update`):
     ``new`` is the chunk, ``base`` the parent's (float32 bytes). Muon computed ``p = f32(f32(c0·p') - c1·u)``
-    (``mul_`` by c0 = f32(1 - lr·wd), then ``add_`` of its bfloat16 result ``u`` times -c1 = -f32(lr·k)), so
-    ``u`` is the bfloat16 number nearest to ``(f32(c0·p') - p) / c1``. The predictor ``p = c0·p' - c1·u + 0·u``
-    then gives back about 70% of the elements exactly and the rest within a unit in the last place (it does
-    not round ``c0·p'`` to float32 first). Of the learning rates of :attr:`Role.lr_before` and the group's, the
-    one whose coefficients predict an evenly spaced sample best is taken. Returns ((c0, c1, 0), u as float32:
-    0 where not finite), or None when neither predicts half of the sample exactly (another optimizer step than
-    Muon's, saves further apart)."""
+    (``mul_`` by c0 = f32(1 - lr·wd), then ``add_`` of its bfloat16 result ``u`` times -c1 = -f32(lr·k), which
+    torch fuses into one rounding), so ``u`` is the bfloat16 number nearest to ``(f32(c0·p') - p) / c1``, and
+    the update-param predictor, the same two steps, gives back every element (where torch did not fuse the last
+    step, about 86%). Of the learning rates of :attr:`Role.lr_before` and the group's, the one whose
+    coefficients predict an evenly spaced sample best is taken. Returns ((c0, c1), u as float32: 0 where not
+    finite), or None when neither predicts half of the sample exactly (another optimizer step than Muon's, saves
+    further apart)."""
     assert role.update is not None
     lr, wd, ratio = role.update
     old = np.frombuffer(memoryview(base).cast("B"), dtype="<f4")
@@ -567,15 +571,16 @@ def fit_update(role: Role, base: Any, new: Any) -> tuple[tuple[float, float, flo
         c0, c1 = np.float32(1.0 - rate * wd), np.float32(rate * ratio)
         if c1 == 0 or not valid_coefs((float(c0), float(c1))):
             continue
-        with np.errstate(all="ignore"):
-            guess = (np.float64(c0) * so - np.float64(c1) * _update_of(so, sn, c0, c1)).astype(np.float32)
+        guess = np.empty(len(so), dtype="<f4")
+        kernel.predict(UPDATE_PARAM, (float(c0), float(c1)), np.ascontiguousarray(so), [_update_of(so, sn, c0, c1)],
+                       guess.view(np.uint8))
         hits = float(np.mean(guess.view("<u4") == sn.view("<u4"))) if len(sn) else 0.0
         if best is None or hits > best[0]:
             best = (hits, c0, c1)
     if best is None or best[0] < 0.5:
         return None
     _, c0, c1 = best
-    return (float(c0), float(c1), 0.0), _update_of(old, cur, c0, c1)
+    return (float(c0), float(c1)), _update_of(old, cur, c0, c1)
 
 
 def _update_of(old: np.ndarray, new: np.ndarray, c0: np.float32, c1: np.float32) -> np.ndarray:

@@ -1507,11 +1507,11 @@ class Store:
     ) -> bytes | _WithUpdate:
         """Encode a chunk of a Muon parameter (:attr:`~deltackpt.predict.Role.update`): its step's update ``u``
         becomes a standalone chunk of its own (an *update chunk*, float32 elements that are bfloat16 numbers: its
-        low byte planes are zeros), and the chunk a predicted frame that references it twice (momentum-param,
-        ``p = c0·p' - c1·u + 0·u``), whose residual is a few low bits. Both are kept when together they are at
-        most :data:`~deltackpt.codec.DELTA_GOOD_ENOUGH` of the raw size or :data:`~deltackpt.codec.DELTA_MIN_GAIN`
-        of the frame :meth:`_encode` makes, else that frame. The update chunk is listed in no manifest: the
-        frame's reference keeps it alive (``docs/format.md`` §8a)."""
+        low byte planes are zeros), and the chunk a predicted frame that references it (update-param,
+        ``p = f32(c0·p') - c1·u`` rounded once, as torch steps it), whose residual is then all zeros. Both are
+        kept when together they are at most :data:`~deltackpt.codec.DELTA_GOOD_ENOUGH` of the raw size or
+        :data:`~deltackpt.codec.DELTA_MIN_GAIN` of the frame :meth:`_encode` makes, else that frame. The update
+        chunk is listed in no manifest: the frame's reference keeps it alive (``docs/format.md`` §8a)."""
         n = len(view)
         raw = self._checked(view, key)
         try:
@@ -1526,9 +1526,9 @@ class Store:
         if not ub.any():  # (an all-zero chunk has no frame to reference)
             return self._encode(view, key, width, base_key, checked=raw)
         digest = kernel.digest(ub)
-        record = predict.Prediction(predict.MOMENTUM_PARAM, (digest, digest), coefs)
+        record = predict.Prediction(predict.UPDATE_PARAM, (digest,), coefs)
         guess = np.empty(n, dtype=np.uint8)
-        predict.predict(record, base, [ub, ub], guess)
+        predict.predict(record, base, [ub], guess)
         encoder = self._encoder()
         frame = encoder.encode_predicted(raw, key[:16], width, guess, base_key[:16], record.pack())
         uframe = encoder.encode(ub, digest, 4)

@@ -233,7 +233,7 @@ def decode_frames(frames, codecs, widths, out, digest=None, prediction=None):
     if prediction is not None:  # (predictor, coefs, base, refs): checked as predict() checks them
         predictor, coefs, pbase, prefs = prediction
         pviews = [_as_u8(pbase)] + [_as_u8(r) for r in prefs]
-        if (codecs[0] != 4 or o.shape[0] % 2 or not 2 <= len(prefs) <= 3 or not 3 <= len(coefs) <= 7
+        if (codecs[0] != 4 or o.shape[0] % 2 or not 1 <= len(prefs) <= 3 or not 2 <= len(coefs) <= 7
                 or any(len(v) != o.shape[0] for v in pviews)):
             raise ValueError("deltackpt kernel: invalid argument")
         for j in range(len(coefs)):
@@ -305,7 +305,7 @@ def predict(predictor, coefs, base, refs, out):
     views = [_as_u8(r) for r in refs]
     cdef int nrefs = len(views)
     cdef int nc = len(coefs)
-    if n % 2 or b.shape[0] != n or any(len(v) != n for v in views) or not 2 <= nrefs <= 3 or not 3 <= nc <= 7:
+    if n % 2 or b.shape[0] != n or any(len(v) != n for v in views) or not 1 <= nrefs <= 3 or not 2 <= nc <= 7:
         raise ValueError("deltackpt kernel: invalid argument")
     cdef double c[7]
     cdef const uint8_t *pr[3]

@@ -22,6 +22,7 @@
 #define DCK_AVX2 1 /* AVX2 loops, compiled with a function-level target attribute and chosen at run time */
 #define DCK_TARGET_AVX2 __attribute__((__target__("avx2")))
 #define DCK_TARGET_AVX512 __attribute__((__target__("avx512f,avx512vl,avx512dq")))
+#define DCK_TARGET_AVX2_FMA __attribute__((__target__("avx2,fma")))
 #include <immintrin.h>
 #else
 #define DCK_AVX2 0
@@ -102,6 +103,17 @@ static int dck_have_avx512(void)
     __builtin_cpu_init();
     return dck_simd_level >= DCK_SIMD_ALL && __builtin_cpu_supports("avx512f") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+    return 0;
+#endif
+}
+
+/* Contract: 1 when the AVX2 loops may run (dck_have_avx2) and the CPU has FMA as well (update-param's float32
+ * loop). */
+static int dck_have_fma(void)
+{
+#if DCK_AVX2
+    return dck_have_avx2() && __builtin_cpu_supports("fma");
 #else
     return 0;
 #endif
@@ -976,13 +988,25 @@ static int dck_apply_frames(const uint8_t *const *frames, const size_t *frame_le
  * sets nothing) for an unknown id. */
 static int dck_predictor_shape(int predictor, int *nc, int *nrefs, size_t *size)
 {
-    int f32 = predictor > DCK_PREDICT_BF16 ? predictor - DCK_PREDICT_BF16 : predictor;
-
-    if (f32 < DCK_PREDICT_ADAM_V || f32 > DCK_PREDICT_MOMENTUM_PARAM || predictor > DCK_PREDICT_ADAM_PARAM_BF16)
+    switch (predictor) {
+    case DCK_PREDICT_ADAM_V:
+    case DCK_PREDICT_ADAM_V_BF16:
+        *nc = 4, *nrefs = 2;
+        break;
+    case DCK_PREDICT_ADAM_PARAM:
+    case DCK_PREDICT_ADAM_PARAM_BF16:
+        *nc = 7, *nrefs = 3;
+        break;
+    case DCK_PREDICT_MOMENTUM_PARAM:
+        *nc = 3, *nrefs = 2;
+        break;
+    case DCK_PREDICT_UPDATE_PARAM:
+        *nc = 2, *nrefs = 1;
+        break;
+    default:
         return 0;
-    *nc = f32 == DCK_PREDICT_ADAM_V ? 4 : f32 == DCK_PREDICT_ADAM_PARAM ? 7 : 3;
-    *nrefs = f32 == DCK_PREDICT_ADAM_PARAM ? 3 : 2;
-    *size = predictor > DCK_PREDICT_BF16 ? 2 : 4;
+    }
+    *size = predictor == DCK_PREDICT_ADAM_V_BF16 || predictor == DCK_PREDICT_ADAM_PARAM_BF16 ? 2 : 4;
     return 1;
 }
 
@@ -1107,6 +1131,33 @@ static void dck_f32_store(uint8_t *dst, double *q, size_t n)
     memcpy(dst, b, 4 * n);
 }
 
+/* Contract: x rounded to float32 as dck_f32_store rounds a result (a zero of x's sign when |x| < 2^-126, else
+ * (float)x, a NaN staying a NaN), widened back to double: update-param's first step. */
+static inline double dck_round32(double x)
+{
+    return fabs(x) < 0x1p-126 ? copysign(0.0, x) : (double)(float)x;
+}
+
+/* Contract: a - b rounded to odd: a - b when that is a double, else whichever of the two doubles around it has
+ * an odd last significand bit. Rounding that to float32 (24 bits, at least two fewer than a double's 53) then
+ * rounds the exact a - b once, as a fused multiply-add would (round-to-odd; update-param's last step). Exact
+ * for finite a and b whose difference does not overflow (TwoSum: s + e == a - b); a NaN or an infinity comes
+ * out as a - b. */
+static inline double dck_sub_odd(double a, double b)
+{
+    double s = a - b, bb = s - a, e = (a - (s - bb)) + (-b - bb);
+    uint64_t sb, eb;
+
+    if (!(e != 0.0) || !(fabs(s) < INFINITY))
+        return s;
+    memcpy(&sb, &s, 8);
+    memcpy(&eb, &e, 8);
+    if (!(sb & 1u))
+        sb += ((sb ^ eb) >> 63) ? UINT64_MAX : 1u; /* towards e: away from zero when e has s's sign */
+    memcpy(&s, &sb, 8);
+    return s;
+}
+
 /* Contract: out[4*at .. 4*(at+n)) = the prediction (kernel.h) of elements [at, at+n), by the portable loops:
  * blocks of DCK_PREDICT_BLOCK staged into aligned arrays, which compilers vectorize for the build's baseline. */
 static void dck_predict_portable(int predictor, const double *c, const uint8_t *base, const uint8_t *const *refs,
@@ -1114,16 +1165,22 @@ static void dck_predict_portable(int predictor, const double *c, const uint8_t *
 {
     float m[DCK_PREDICT_BLOCK], m1[DCK_PREDICT_BLOCK], v1[DCK_PREDICT_BLOCK], b1[DCK_PREDICT_BLOCK];
     double q[DCK_PREDICT_BLOCK];
-    const double c0 = c[0], c1 = c[1], c2 = c[2], c3 = predictor == DCK_PREDICT_MOMENTUM_PARAM ? 0.0 : c[3];
+    const int update = predictor == DCK_PREDICT_UPDATE_PARAM;
+    const double c0 = c[0], c1 = c[1], c2 = update ? 0.0 : c[2];
+    const double c3 = update || predictor == DCK_PREDICT_MOMENTUM_PARAM ? 0.0 : c[3];
     size_t end = at + n;
 
     for (; at < end; at += DCK_PREDICT_BLOCK) {
         size_t i, k = end - at < DCK_PREDICT_BLOCK ? end - at : DCK_PREDICT_BLOCK;
 
         dck_f32_load(m, refs[0] + 4 * at, k);
-        dck_f32_load(m1, refs[1] + 4 * at, k);
+        if (!update)
+            dck_f32_load(m1, refs[1] + 4 * at, k);
         dck_f32_load(b1, base + 4 * at, k);
-        if (predictor == DCK_PREDICT_MOMENTUM_PARAM) {
+        if (update) {
+            for (i = 0; i < k; i++) /* q = f32(c0*p1) - c1*u, rounded once (m holds u, b1 holds p1) */
+                q[i] = dck_sub_odd(dck_round32(c0 * (double)b1[i]), c1 * (double)m[i]);
+        } else if (predictor == DCK_PREDICT_MOMENTUM_PARAM) {
             for (i = 0; i < k; i++) { /* q = c0*p1 - c1*b + c2*b1 (m holds b, m1 holds b1, b1 holds p1) */
                 double u = c1 * (double)m[i];
                 double r = c0 * (double)b1[i];
@@ -1212,6 +1269,25 @@ DCK_TARGET_AVX2 static inline void dck_store4_bf16(uint8_t *p, __m256d q)
     _mm_storel_epi64((__m128i *)p, _mm_packus_epi32(b, b));
 }
 
+/* Contract: dck_sub_odd of each of the four pairs (a, b). */
+DCK_TARGET_AVX2 static inline __m256d dck_sub_odd4(__m256d a, __m256d b)
+{
+    const __m256d sign = _mm256_set1_pd(-0.0);
+    const __m256i one = _mm256_set1_epi64x(1), zero = _mm256_setzero_si256();
+    __m256d s = _mm256_sub_pd(a, b), bb = _mm256_sub_pd(s, a);
+    __m256d e = _mm256_add_pd(_mm256_sub_pd(a, _mm256_sub_pd(s, bb)), _mm256_sub_pd(_mm256_xor_pd(b, sign), bb));
+    __m256d inexact = _mm256_and_pd(_mm256_cmp_pd(e, _mm256_setzero_pd(), _CMP_NEQ_OQ),
+                                    _mm256_cmp_pd(_mm256_andnot_pd(sign, s), _mm256_set1_pd(INFINITY), _CMP_LT_OQ));
+    __m256i sb = _mm256_castpd_si256(s);
+    __m256i even = _mm256_cmpeq_epi64(_mm256_and_si256(sb, one), zero);
+    /* +1 where e has s's sign, else -1 */
+    __m256i step = _mm256_or_si256(one, _mm256_sub_epi64(zero, _mm256_srli_epi64(
+                                                                  _mm256_xor_si256(sb, _mm256_castpd_si256(e)), 63)));
+
+    step = _mm256_and_si256(step, _mm256_and_si256(_mm256_castpd_si256(inexact), even));
+    return _mm256_castsi256_pd(_mm256_add_epi64(sb, step));
+}
+
 /* Element loads and stores of the vector loops: float32, or bfloat16 when bf16 (loop-invariant, so the
  * compiler takes the test out of the loops). */
 #define DCK_LOAD4(p, i) (bf16 ? dck_load4_bf16((p) + 2 * (i)) : dck_load4((p) + 4 * (i)))
@@ -1225,11 +1301,17 @@ DCK_TARGET_AVX2 static inline void dck_store4_bf16(uint8_t *p, __m256d q)
 DCK_TARGET_AVX2 static void dck_predict_avx2(int predictor, const double *c, const uint8_t *base,
                                              const uint8_t *const *refs, uint8_t *out, size_t n, int bf16)
 {
-    const __m256d c0 = _mm256_set1_pd(c[0]), c1 = _mm256_set1_pd(c[1]), c2 = _mm256_set1_pd(c[2]),
-                  c3 = _mm256_set1_pd(predictor == DCK_PREDICT_MOMENTUM_PARAM ? 0.0 : c[3]);
+    const int update = predictor == DCK_PREDICT_UPDATE_PARAM;
+    const __m256d c0 = _mm256_set1_pd(c[0]), c1 = _mm256_set1_pd(c[1]), c2 = _mm256_set1_pd(update ? 0.0 : c[2]),
+                  c3 = _mm256_set1_pd(update || predictor == DCK_PREDICT_MOMENTUM_PARAM ? 0.0 : c[3]);
     size_t i;
 
-    if (predictor == DCK_PREDICT_MOMENTUM_PARAM) {
+    if (update) {
+        for (i = 0; i < n; i += 4) {
+            __m256d q = dck_widen4(dck_narrow4(_mm256_mul_pd(c0, DCK_LOAD4(base, i))));
+            DCK_STORE4(out, i, dck_sub_odd4(q, _mm256_mul_pd(c1, DCK_LOAD4(refs[0], i))));
+        }
+    } else if (predictor == DCK_PREDICT_MOMENTUM_PARAM) {
         for (i = 0; i < n; i += 4) {
             __m256d q = _mm256_sub_pd(_mm256_mul_pd(c0, DCK_LOAD4(base, i)),
                                       _mm256_mul_pd(c1, DCK_LOAD4(refs[0], i)));
@@ -1312,17 +1394,41 @@ DCK_TARGET_AVX512 static inline void dck_store8_bf16(uint8_t *p, __m512d q)
     _mm_storeu_si128((__m128i *)p, _mm256_cvtepi32_epi16(_mm256_srli_epi32(b, 16)));
 }
 
+/* Contract: dck_sub_odd of each of the eight pairs (a, b). */
+DCK_TARGET_AVX512 static inline __m512d dck_sub_odd8(__m512d a, __m512d b)
+{
+    const __m512d sign = _mm512_set1_pd(-0.0);
+    const __m512i one = _mm512_set1_epi64(1), zero = _mm512_setzero_si512();
+    __m512d s = _mm512_sub_pd(a, b), bb = _mm512_sub_pd(s, a);
+    __m512d e = _mm512_add_pd(_mm512_sub_pd(a, _mm512_sub_pd(s, bb)), _mm512_sub_pd(_mm512_xor_pd(b, sign), bb));
+    __m512i sb = _mm512_castpd_si512(s);
+    __mmask8 fix = _mm512_cmp_pd_mask(e, _mm512_setzero_pd(), _CMP_NEQ_OQ) &
+                   _mm512_cmp_pd_mask(_mm512_andnot_pd(sign, s), _mm512_set1_pd(INFINITY), _CMP_LT_OQ) &
+                   _mm512_testn_epi64_mask(sb, one);
+    /* +1 where e has s's sign, else -1 */
+    __m512i step = _mm512_or_si512(one, _mm512_sub_epi64(zero, _mm512_srli_epi64(
+                                                               _mm512_xor_si512(sb, _mm512_castpd_si512(e)), 63)));
+
+    return _mm512_castsi512_pd(_mm512_mask_add_epi64(sb, fix, sb, step));
+}
+
 /* Contract: as dck_predict_avx2 with n % 8 == 0, eight elements at a time: the same operations in the same order
  * (rounding to nearest, as every 512-bit operation here does without embedded rounding), so the same bits.
  * Only called when dck_have_avx512(). */
 DCK_TARGET_AVX512 static void dck_predict_avx512(int predictor, const double *c, const uint8_t *base,
                                                  const uint8_t *const *refs, uint8_t *out, size_t n, int bf16)
 {
-    const __m512d c0 = _mm512_set1_pd(c[0]), c1 = _mm512_set1_pd(c[1]), c2 = _mm512_set1_pd(c[2]),
-                  c3 = _mm512_set1_pd(predictor == DCK_PREDICT_MOMENTUM_PARAM ? 0.0 : c[3]);
+    const int update = predictor == DCK_PREDICT_UPDATE_PARAM;
+    const __m512d c0 = _mm512_set1_pd(c[0]), c1 = _mm512_set1_pd(c[1]), c2 = _mm512_set1_pd(update ? 0.0 : c[2]),
+                  c3 = _mm512_set1_pd(update || predictor == DCK_PREDICT_MOMENTUM_PARAM ? 0.0 : c[3]);
     size_t i;
 
-    if (predictor == DCK_PREDICT_MOMENTUM_PARAM) {
+    if (update) {
+        for (i = 0; i < n; i += 8) {
+            __m512d q = dck_widen8(dck_narrow8(_mm512_mul_pd(c0, DCK_LOAD8(base, i))));
+            DCK_STORE8(out, i, dck_sub_odd8(q, _mm512_mul_pd(c1, DCK_LOAD8(refs[0], i))));
+        }
+    } else if (predictor == DCK_PREDICT_MOMENTUM_PARAM) {
         for (i = 0; i < n; i += 8) {
             __m512d q = _mm512_sub_pd(_mm512_mul_pd(c0, DCK_LOAD8(base, i)),
                                       _mm512_mul_pd(c1, DCK_LOAD8(refs[0], i)));
@@ -1353,18 +1459,103 @@ DCK_TARGET_AVX512 static void dck_predict_avx512(int predictor, const double *c,
         }
     }
 }
+
+/* update-param in float32 (dck_update_avx512, dck_update_avx2): where c0 and c1 are float32 numbers, c0*p1 and
+ * c1*u are exact in double, so the definition's two roundings are a float32 multiply and a float32 fused
+ * multiply-add (which rounds the exact q - c1*u once), except at the bottom of the normal range: the definition
+ * flushes by the exact value, the hardware rounds to a subnormal (or, with flush-to-zero on, to zero) or up to
+ * 2^-126. A group of elements where q or the result is at most 2^-126 in magnitude (q = 0 with p1 = 0 aside) is
+ * therefore computed again by the double loops. */
+
+/* Contract: 1 when c0 and c1 are float32 numbers (the float32 loops apply). */
+static inline int dck_update_f32(const double *c)
+{
+    return (double)(float)c[0] == c[0] && (double)(float)c[1] == c[1];
+}
+
+/* Contract: as dck_predict_avx512 of update-param over elements [0, n), n % 16 == 0, sixteen at a time in float32
+ * (above); c0 and c1 are float32 numbers. Only called when dck_have_avx512(). */
+DCK_TARGET_AVX512 static void dck_update_avx512(const double *c, const uint8_t *base, const uint8_t *u, uint8_t *out,
+                                                size_t n)
+{
+    const __m512 c0 = _mm512_set1_ps((float)c[0]), c1 = _mm512_set1_ps((float)c[1]), tiny = _mm512_set1_ps(0x1p-126f);
+    const __m512i expo = _mm512_set1_epi32(0x7f800000), sign = _mm512_set1_epi32((int)0x80000000u);
+    size_t i;
+
+    for (i = 0; i < n; i += 16) {
+        __m512i pb = _mm512_loadu_si512((const void *)(base + 4 * i)), ub = _mm512_loadu_si512((const void *)(u + 4 * i));
+        __m512 q, r;
+        __mmask16 slow;
+
+        pb = _mm512_mask_and_epi32(pb, _mm512_testn_epi32_mask(pb, expo), pb, sign); /* subnormals: zeros */
+        ub = _mm512_mask_and_epi32(ub, _mm512_testn_epi32_mask(ub, expo), ub, sign);
+        q = _mm512_mul_ps(c0, _mm512_castsi512_ps(pb));
+        r = _mm512_fnmadd_ps(c1, _mm512_castsi512_ps(ub), q);
+        slow = (_mm512_cmp_ps_mask(_mm512_abs_ps(q), tiny, _CMP_LE_OQ) &
+                _mm512_test_epi32_mask(pb, _mm512_set1_epi32(0x7fffffff))) |
+               _mm512_cmp_ps_mask(_mm512_abs_ps(r), tiny, _CMP_LE_OQ);
+        if (slow) {
+            const uint8_t *refs[1] = {u + 4 * i};
+            dck_predict_avx512(DCK_PREDICT_UPDATE_PARAM, c, base + 4 * i, refs, out + 4 * i, 16, 0);
+            continue;
+        }
+        _mm512_storeu_si512((void *)(out + 4 * i),
+                            _mm512_mask_mov_epi32(_mm512_castps_si512(r), _mm512_cmp_ps_mask(r, r, _CMP_UNORD_Q),
+                                                  _mm512_set1_epi32(0x7fc00000)));
+    }
+}
+
+/* Contract: as dck_predict_avx2 of update-param over elements [0, n), n % 8 == 0, eight at a time in float32
+ * (above); c0 and c1 are float32 numbers. Only called when dck_have_fma(). */
+DCK_TARGET_AVX2_FMA static void dck_update_avx2(const double *c, const uint8_t *base, const uint8_t *u, uint8_t *out,
+                                                size_t n)
+{
+    const __m256 c0 = _mm256_set1_ps((float)c[0]), c1 = _mm256_set1_ps((float)c[1]), tiny = _mm256_set1_ps(0x1p-126f);
+    const __m256 mag = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i expo = _mm256_set1_epi32(0x7f800000), sign = _mm256_set1_epi32((int)0x80000000u);
+    const __m256i zero = _mm256_setzero_si256();
+    size_t i;
+
+    for (i = 0; i < n; i += 8) {
+        __m256i pb = _mm256_loadu_si256((const __m256i *)(base + 4 * i));
+        __m256i ub = _mm256_loadu_si256((const __m256i *)(u + 4 * i));
+        __m256 q, r, slow;
+
+        pb = _mm256_blendv_epi8(pb, _mm256_and_si256(pb, sign), _mm256_cmpeq_epi32(_mm256_and_si256(pb, expo), zero));
+        ub = _mm256_blendv_epi8(ub, _mm256_and_si256(ub, sign), _mm256_cmpeq_epi32(_mm256_and_si256(ub, expo), zero));
+        q = _mm256_mul_ps(c0, _mm256_castsi256_ps(pb));
+        r = _mm256_fnmadd_ps(c1, _mm256_castsi256_ps(ub), q);
+        slow = _mm256_or_ps(_mm256_and_ps(_mm256_cmp_ps(_mm256_and_ps(q, mag), tiny, _CMP_LE_OQ),
+                                          _mm256_cmp_ps(_mm256_castsi256_ps(pb), _mm256_setzero_ps(), _CMP_NEQ_OQ)),
+                            _mm256_cmp_ps(_mm256_and_ps(r, mag), tiny, _CMP_LE_OQ));
+        if (_mm256_movemask_ps(slow)) {
+            const uint8_t *refs[1] = {u + 4 * i};
+            dck_predict_avx2(DCK_PREDICT_UPDATE_PARAM, c, base + 4 * i, refs, out + 4 * i, 8, 0);
+            continue;
+        }
+        _mm256_storeu_si256((__m256i *)(out + 4 * i),
+                            _mm256_blendv_epi8(_mm256_castps_si256(r), _mm256_set1_epi32(0x7fc00000),
+                                               _mm256_castps_si256(_mm256_cmp_ps(r, r, _CMP_UNORD_Q))));
+    }
+}
 #endif
 
 /* Contract: computes elements [0, done) of the prediction with the widest vector loops the CPU has (and
  * dck_use_simd allows) and returns done: n rounded down to their width, 0 without them. predictor is a float32
- * one (1-3); bf16: the elements are bfloat16 (dck_predict_bf16's result). */
+ * one (1-3, 6); bf16: the elements are bfloat16 (dck_predict_bf16's result). */
 static size_t dck_predict_vector(int predictor, const double *c, const uint8_t *base, const uint8_t *const *refs,
                                  uint8_t *out, size_t n, int bf16)
 {
     size_t done = 0;
 
 #if DCK_AVX2
-    if (dck_have_avx512()) {
+    if (predictor == DCK_PREDICT_UPDATE_PARAM && dck_update_f32(c) && (dck_have_avx512() || dck_have_fma())) {
+        done = n - n % 16;
+        if (dck_have_avx512())
+            dck_update_avx512(c, base, refs[0], out, done);
+        else
+            dck_update_avx2(c, base, refs[0], out, done);
+    } else if (dck_have_avx512()) {
         done = n - n % 8;
         dck_predict_avx512(predictor, c, base, refs, out, done, bf16);
     } else if (dck_have_avx2()) {
@@ -1377,7 +1568,7 @@ static size_t dck_predict_vector(int predictor, const double *c, const uint8_t *
     return done;
 }
 
-/* Contract: dck_predict of a float32 predictor (1-3) over n elements, inputs and arguments already checked. */
+/* Contract: dck_predict of a float32 predictor (1-3, 6) over n elements, inputs and arguments already checked. */
 static void dck_predict_f32(int predictor, const double *c, const uint8_t *base, const uint8_t *const *refs,
                             uint8_t *out, size_t n)
 {
@@ -1462,15 +1653,17 @@ static void dck_predict_bf16(int predictor, const double *c, const uint8_t *base
 int dck_predict(int predictor, const double *c, int nc, const uint8_t *base, const uint8_t *const *refs, int nrefs,
                 uint8_t *out, size_t len)
 {
-    int want_nc, want_nrefs;
+    int want_nc, want_nrefs, k;
     size_t size;
 
     if (c == NULL || refs == NULL || !dck_predictor_shape(predictor, &want_nc, &want_nrefs, &size) ||
         nc != want_nc || nrefs != want_nrefs || len % size != 0)
         return DCK_EINVAL;
-    if (len > 0 && (base == NULL || out == NULL || refs[0] == NULL || refs[1] == NULL ||
-                    (nrefs == 3 && refs[2] == NULL)))
+    if (len > 0 && (base == NULL || out == NULL))
         return DCK_EINVAL;
+    for (k = 0; k < nrefs && len > 0; k++)
+        if (refs[k] == NULL)
+            return DCK_EINVAL;
     if (size == 2)
         dck_predict_bf16(predictor, c, base, refs, nrefs, out, len / 2);
     else

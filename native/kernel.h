@@ -182,21 +182,28 @@ int dck_decode_predicted(const uint8_t *const *frames, const size_t *frame_lens,
 #define DCK_PREDICT_BF16 3
 #define DCK_PREDICT_ADAM_V_BF16 4
 #define DCK_PREDICT_ADAM_PARAM_BF16 5
+#define DCK_PREDICT_UPDATE_PARAM 6 /* ref u; base p1; coefficients c0, c1 (a float32 predictor) */
 
 /*
  * Compute a prediction of len bytes (len % 4 == 0, len / 4 little-endian float32 values; for the bfloat16
  * predictors len % 2 == 0, len / 2 little-endian bfloat16 values) into out.
  *
- * Inputs:  predictor (DCK_PREDICT_*), its nc coefficients c (4, 7 or 3; each 0 or of magnitude in [2^-60, 2^60],
- *          which the caller checked), base and refs[0..nrefs) (2, 3 or 2), each len bytes of the elements.
+ * Inputs:  predictor (DCK_PREDICT_*), its nc coefficients c (4, 7, 3 or 2; each 0 or of magnitude in
+ *          [2^-60, 2^60], which the caller checked), base and refs[0..nrefs) (2, 3, 2 or 1), each len bytes of the
+ *          elements.
  * Effect:  for every element i, with every input x read as float32 and widened exactly to double after a
  *          subnormal x is replaced by a zero of the same sign:
  *            adam-v:     g = m - c0*m1; g = g*c1; g = g*g; g = g*c3; w = c2*v1; w = w + g; q = w
  *            adam-param: w as above from (m, m1, v1); d = sqrt(w); d = d + c6; u = m / d; u = u*c5;
  *                        q = c4*p1; q = q - u
  *            momentum-param: q = c0*p1; u = c1*b; q = q - u; u = c2*b1; q = q + u
+ *            update-param: q = c0*p1, then q rounded to float32 as a result is (below) and widened back;
+ *                        t = c1*u; q = q - t rounded once to float32: the exact difference, not its double
+ *                        (a float32 fused multiply-add when c0 and c1 are float32 numbers, as torch computes
+ *                        p.mul_(c0).add_(u, alpha=-c1))
  *          each step one correctly rounded double operation in this order (the build passes
- *          -ffp-contract=off: no fused multiply-add). out[i] = 0x7FC00000 if q is NaN; a zero with q's sign if
+ *          -ffp-contract=off: no fused multiply-add; update-param's last step is exact arithmetic, not an FMA
+ *          instruction). out[i] = 0x7FC00000 if q is NaN; a zero with q's sign if
  *          |q| < 2^-126; else (float)q, rounded to nearest. Within the coefficient bounds no double
  *          intermediate is subnormal, so the result does not depend on flush-to-zero or denormals-are-zero
  *          modes; rounding must be to nearest (the default).

@@ -11,9 +11,11 @@
 - ``tests/fixtures/store-predicted-bf16``, written by ``python tests/test_compat.py write-predicted-bf16``
   (2026-12-07): predicted frames of the bfloat16 predictors (frame version 4), from real AdamW steps of a model
   trained in bfloat16; golden digests in ``store-predicted-bf16.json`` likewise.
-- ``tests/fixtures/store-update-chunks``, written by ``python tests/test_compat.py write-update-chunks``
+- ``tests/fixtures/store-update-chunks``, written by ``write_update_chunks`` below with deltackpt at 76ed8a5
   (2026-12-07): momentum-param frames of Muon's matrices that reference update chunks no manifest lists, from
   real Muon steps under a decaying learning rate; golden digests in ``store-update-chunks.json`` likewise.
+- ``tests/fixtures/store-update-param``, written by ``python tests/test_compat.py write-update-param``
+  (2026-12-07): the same training, saved since as update-param frames (frame version 5) over update chunks.
 - ``tests/fixtures/dcp-meta3-skeleton``, a sharded (DCP) root written by ``write_dcp_meta3_skeleton`` below with
   deltackpt at commit 77cf6fa (2026-12-04), the first writer of DCP meta format 3: until 6fa874e it wrote the
   metadata document as a plain-value skeleton rather than compact JSON. Its stores' ``index`` directories (LMDB
@@ -49,6 +51,7 @@ GOLDEN = PREDICTED.with_suffix(".json")
 PREDICTED_BF16 = Path(__file__).parent / "fixtures" / "store-predicted-bf16"
 GOLDEN_BF16 = PREDICTED_BF16.with_suffix(".json")
 UPDATE_CHUNKS = Path(__file__).parent / "fixtures" / "store-update-chunks"
+UPDATE_PARAM = Path(__file__).parent / "fixtures" / "store-update-param"
 DCP_META3_SKELETON = Path(__file__).parent / "fixtures" / "dcp-meta3-skeleton"
 DCP_META3_PICKLED = Path(__file__).parent / "fixtures" / "dcp-meta3-pickled"
 
@@ -330,9 +333,10 @@ def write_predicted_bf16(dest: Path) -> None:  # pragma: no cover - run by hand 
     golden_path.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
 
 
-def write_update_chunks(dest: Path) -> None:  # pragma: no cover - run by hand once
+def write_update_chunks(dest: Path, tag: str) -> None:  # pragma: no cover - run by hand once per fixture
     """Six every-step saves of a small model whose matrices torch.optim.Muon trains and whose biases AdamW does,
-    under a learning rate that decays at every step; the golden digests beside it."""
+    under a learning rate that decays at every step; the golden digests beside it. (Run with deltackpt at
+    76ed8a5 for ``store-update-chunks``, tag "update-chunks"; since for ``store-update-param``.)"""
     golden_path = dest.with_suffix(".json")
     if dest.exists() or golden_path.exists():
         raise SystemExit(f"{dest} or {golden_path} exists: fixtures are never rewritten")
@@ -350,25 +354,33 @@ def write_update_chunks(dest: Path) -> None:  # pragma: no cover - run by hand o
                 sc.step()
             model.zero_grad()
             st = {"model": model.state_dict(), "optimizer": [o.state_dict() for o in opts]}
-            saved[s.save(st, step=step, metadata={"fixture": "update-chunks"}).id] = digests(st)
+            saved[s.save(st, step=step, metadata={"fixture": tag}).id] = digests(st)
         assert all(digests(s.load(id=i)) == d for i, d in saved.items())
         golden = {"lineage": [[i.id, i.step, i.parent] for i in s.list()], "states": saved}
     (dest / "index" / "lock.mdb").unlink(missing_ok=True)
     golden_path.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
 
 
-def test_update_chunks_store_loads_as_its_golden_digests(tmp_path: Path) -> None:
-    """The Muon fixture: momentum-param frames whose references are update chunks that no manifest lists decode
-    to the states as they were saved; a repair from the packs finds those chunks again, and a new save, a
-    delete and gc keep the rest loading."""
+@pytest.mark.parametrize(("fixture", "predictor"), [(UPDATE_CHUNKS, predict.MOMENTUM_PARAM),
+                                                    (UPDATE_PARAM, predict.UPDATE_PARAM)])
+def test_update_chunks_store_loads_as_its_golden_digests(tmp_path: Path, fixture: Path, predictor: int) -> None:
+    """The Muon fixtures: momentum-param (frames v3) and update-param frames (v5) whose references are update
+    chunks that no manifest lists decode to the states as they were saved; a repair from the packs finds those
+    chunks again, and a new save, a delete and gc keep the rest loading."""
     dest = tmp_path / "s"
-    shutil.copytree(UPDATE_CHUNKS, dest)
-    golden = json.loads(UPDATE_CHUNKS.with_suffix(".json").read_text())
+    shutil.copytree(fixture, dest)
+    golden = json.loads(fixture.with_suffix(".json").read_text())
     with deltackpt.Store(dest) as s:
         listed = set().union(*(chunk_keys(*s.manifest(id=i.id).stored_chunks()) for i in s.list()))
-        updates = {r for k, loc in s.index.iter_chunks() if loc.codec == codec.PREDICTED
-                   for r in s._references(k, loc)[1:] if r not in listed}
-        assert len(updates) >= 4
+        updates, predictors = set(), set()
+        for k, loc in s.index.iter_chunks():
+            if loc.codec != codec.PREDICTED or not (refs := set(s._references(k, loc)[1:]) - listed):
+                continue
+            updates |= refs
+            frame = bytes(s.reader.read(loc.pack_id, loc.offset, loc.frame_len))
+            h = codec.parse_header(frame)
+            predictors.add(codec.prediction_record(frame[codec.HEADER_SIZE:], version=h.version).predictor)
+        assert len(updates) >= 4 and predictors == {predictor}
     shutil.rmtree(dest / "index")
     with maintenance.open_for_repair(dest) as s:
         assert s.repair().checkpoints == 6
@@ -376,8 +388,8 @@ def test_update_chunks_store_loads_as_its_golden_digests(tmp_path: Path) -> None
         _loads_as_golden_and_takes_changes(s, golden)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["write-update-chunks"]:
-    write_update_chunks(UPDATE_CHUNKS)
+if __name__ == "__main__" and sys.argv[1:] == ["write-update-param"]:
+    write_update_chunks(UPDATE_PARAM, "update-param")
 if __name__ == "__main__" and sys.argv[1:] == ["write-predicted-bf16"]:
     write_predicted_bf16(PREDICTED_BF16)
 if __name__ == "__main__" and sys.argv[1:] == ["write"]:

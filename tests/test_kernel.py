@@ -830,6 +830,8 @@ def test_decode_frames_large_chunks_repeatedly(mod: types.ModuleType) -> None:
 # -- predictions (dck_predict; docs/format.md 8a) ------------------------------------------------------------
 
 _coef = st.one_of(st.just(0.0), st.floats(2.0**-60, 2.0**60), st.floats(-(2.0**60), -(2.0**-60)))
+#: (references, coefficients) of each predictor id (native/kernel.h)
+_PREDICTOR_SHAPES = {1: (2, 4), 2: (3, 7), 3: (2, 3), 4: (2, 4), 5: (3, 7), 6: (1, 2)}
 _SPECIAL_F32 = [0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFFFFFFFF, 0x00800000, 0x7F7FFFFF,
                 0x80000000]
 
@@ -837,23 +839,27 @@ _SPECIAL_F32 = [0x00000001, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00001, 0xFF
 @needs_native
 @SIMD_LEVELS
 @FAST
-@given(predictor=st.sampled_from([1, 2, 3, 4, 5]), n=st.integers(0, 700),
-       coefs=st.lists(_coef, min_size=7, max_size=7), seed=st.integers(0, 2**32 - 1),
+@given(predictor=st.sampled_from([1, 2, 3, 4, 5, 6]), n=st.integers(0, 700),
+       coefs=st.lists(_coef, min_size=7, max_size=7), f32=st.booleans(), seed=st.integers(0, 2**32 - 1),
        specials=st.lists(st.sampled_from(_SPECIAL_F32), max_size=8))
-def test_predict_backends_agree_bit_for_bit(simd: int, predictor: int, n: int, coefs: list[float], seed: int,
-                                            specials: list[int]) -> None:
+def test_predict_backends_agree_bit_for_bit(simd: int, predictor: int, n: int, coefs: list[float], f32: bool,
+                                            seed: int, specials: list[int]) -> None:
     """Arbitrary float32 bit patterns (subnormals, infinities, NaN payloads), any length (blocks of 512, groups
     of four and a tail), any coefficients in range: the native kernel, with each level of its run-time-chosen
     vector loops (AVX-512, AVX2, portable on x86-64) and the numpy reference produce the same bytes. The
-    bfloat16 predictors (4, 5) get the high halves of such patterns."""
+    bfloat16 predictors (4, 5) get the high halves of such patterns; update-param (6) rounds its last step once
+    (round-to-odd in vector registers too; with float32 coefficients, ``f32``, its float32 loops and their
+    fallback near 2^-126)."""
+    if f32:
+        coefs = [float(np.float32(c)) for c in coefs]
     rng = np.random.default_rng(seed)
     arrays = []
     for _ in range(4):
         a = (rng.standard_normal(n) * 10.0 ** rng.integers(-40, 38, n)).astype(np.float32).view(np.uint32)
         a[: len(specials)] = specials[: len(a)]
         rng.shuffle(a)
-        arrays.append((a >> 16).astype("<u2").view(np.uint8) if predictor > 3 else a.view(np.uint8))
-    nrefs, nc = {1: (2, 4), 2: (3, 7), 3: (2, 3)}[(predictor - 1) % 3 + 1]
+        arrays.append((a >> 16).astype("<u2").view(np.uint8) if predictor in (4, 5) else a.view(np.uint8))
+    nrefs, nc = _PREDICTOR_SHAPES[predictor]
     outs = []
     for mod in (ref, native):
         out = np.empty(len(arrays[0]), np.uint8)
@@ -903,8 +909,11 @@ def test_predict_rejects_bad_arguments(mod: types.ModuleType) -> None:
     a = np.zeros(64, np.uint8)
     out = np.empty(64, np.uint8)
     bad = [
-        (6, [0.0] * 3, a, [a, a]),  # unknown predictor (momentum-param has no bfloat16 form)
+        (7, [0.0] * 3, a, [a, a]),  # unknown predictor
         (0, [0.0] * 4, a, [a, a]),  # unknown predictor
+        (6, [0.0] * 3, a, [a, a]),  # update-param's coefficients and references are two and one
+        (6, [0.0] * 2, a, [a, a]),  # too many references
+        (6, [0.0] * 3, a, [a]),  # coefficients of another predictor
         (4, [0.0] * 7, a, [a, a]),  # coefficients of another predictor
         (5, [0.0] * 7, a, [a, a]),  # too few references
         (1, [0.0] * 7, a, [a, a]),  # coefficients of another predictor
@@ -922,7 +931,7 @@ def test_predict_rejects_bad_arguments(mod: types.ModuleType) -> None:
 
 @pytest.mark.parametrize("mod", BACKENDS)
 @FAST
-@given(predictor=st.sampled_from([1, 2, 3, 4, 5]),
+@given(predictor=st.sampled_from([1, 2, 3, 4, 5, 6]),
        n=st.sampled_from([0, 1, 3, 700, 4096, 4097 * 2 + 1, 3 * 4096 + 5]),
        width=widths, seed=st.integers(0, 2**32 - 1), deltas=st.integers(0, 2), damage=st.sampled_from(
            [None, "frame", "digest"]))
@@ -930,19 +939,21 @@ def test_decode_frames_computes_the_prediction(mod: types.ModuleType, predictor:
                                                deltas: int, damage: str | None) -> None:
     """decode_frames(..., prediction=...) is predict() into out, then decode_frames: same bytes, same status, for
     lengths that cross the native kernel's 16 KiB steps or end in a tail shorter than the width, with delta frames
-    above the predicted one, a damaged frame or a wrong digest; float32 and bfloat16 (4, 5) predictors."""
+    above the predicted one, a damaged frame or a wrong digest; float32 and bfloat16 (4, 5) predictors, and
+    update-param (6) with its one reference."""
     from deltackpt import codec
     from deltackpt import predict as pred_mod
 
     rng = np.random.default_rng(seed)
     arrays = [(rng.standard_normal(n) * 1e-3).astype(np.float32) for _ in range(4)]
     arrays[2] = np.abs(arrays[2])
-    size = 2 if predictor > 3 else 4
+    size = 2 if predictor in (4, 5) else 4
     if size == 2:  # (bfloat16: the high halves)
         arrays = [(a.view(np.uint32) >> 16).astype("<u2") for a in arrays]
     nrefs, coefs = {1: (2, (0.9, 10.0, 0.999, 1e-3)), 2: (3, (0.9, 10.0, 0.999, 1e-3, 0.99999, 1e-4, 1e-8)),
-                    3: (2, (0.99999, 1.9e-3, 0.9e-3))}[(predictor - 1) % 3 + 1]
-    if predictor % 3 == 1:
+                    3: (2, (0.99999, 1.9e-3, 0.9e-3)), 6: (1, (0.998, 0.0785))}[
+                        predictor if predictor == 6 else (predictor - 1) % 3 + 1]
+    if predictor in (1, 4):
         base, refs = arrays[2], [arrays[1], arrays[3]]
     else:
         base, refs = arrays[0], [arrays[1], arrays[3], arrays[2]][:nrefs]
