@@ -34,7 +34,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -46,7 +46,6 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -83,6 +82,14 @@ from deltackpt.store import (
     check_step,
     on_release_thread,
 )
+
+try:
+    from torch.distributed.checkpoint.metadata import StorageMeta
+except ImportError:  # torch < 2.4: DCP has no StorageMeta (and its Metadata no storage_meta, no version)
+    StorageMeta = None  # type: ignore[assignment,misc]
+
+#: the fields of DCP's Metadata here (torch 2.3's: state_dict_metadata, planner_data, storage_data)
+_METADATA_FIELDS = {f.name for f in fields(Metadata)}
 
 #: version of the layout of DCP metadata in ``root/meta`` checkpoints. 4: items of kind "tree" (a value holding arrays,
 #: stored as a state tree under ``_TREES`` of the rank checkpoint), written only by steps that hold one, so that the
@@ -563,13 +570,13 @@ class DeltaStorageWriter(StorageWriter):
         # What stays the same from step to step (unless the plan changes) goes into the document, whose chunks
         # then deduplicate; what changes at every step (the rank checkpoints' ids, DCP's save id) into the head
         doc = {
-            "version": metadata.version,
+            "version": getattr(metadata, "version", None),
             "state_dict_metadata": {fqn: _compact_md(md) for fqn, md in metadata.state_dict_metadata.items()},
             "planner_data": _compact_planner_data(metadata.planner_data),
             "items": [[r.index.fqn, None if r.index.offset is None else list(r.index.offset), r.index.index,
                        r.storage_data.rank, r.storage_data.key, r.storage_data.kind, r.size_in_bytes] for r in stored],
         }
-        sm = metadata.storage_meta
+        sm = getattr(metadata, "storage_meta", None)
         checkpoints = [list(rc) for rc in sorted({(r.storage_data.rank, r.storage_data.checkpoint) for r in stored})]
         head = {
             # (a step without trees stays readable by format-3 readers; they refuse one with trees as newer)
@@ -601,6 +608,8 @@ class DeltaStorageWriter(StorageWriter):
                               f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=caller_level())
 
     def storage_meta(self) -> StorageMeta | None:
+        if StorageMeta is None:  # (torch < 2.4 never asks)
+            return None
         return StorageMeta(checkpoint_id=None if self.root is None else str(self.root))
 
     @classmethod
@@ -819,17 +828,20 @@ class DeltaStorageReader(StorageReader):
                                                                   _known_kind(fqn, kind, where), int(n))
                        for fqn, offset, index, rank, key, ckpt, kind, n in doc["items"]}
             sm = doc["storage_meta"]
-            storage_meta = StorageMeta() if sm is None else StorageMeta(
-                checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"], modules=list(sm["modules"]))
-            planner_data, version = doc["planner_data"], doc["version"]
+            newer: dict[str, Any] = {}  # (the fields torch >= 2.4 has)
+            if "storage_meta" in _METADATA_FIELDS and StorageMeta is not None:
+                newer["storage_meta"] = StorageMeta() if sm is None else StorageMeta(
+                    checkpoint_id=sm["checkpoint_id"], save_id=sm["save_id"], modules=list(sm["modules"]))
+            if "version" in _METADATA_FIELDS:
+                newer["version"] = doc["version"]
+            planner_data = doc["planner_data"]
             # (the newest is what saves descend from anyway: a load of it, by an evaluation while an async save is
             # in flight say, must not make the save after that one descend from the step before it)
             self._read = {} if newest is not None and info.id == newest.id else \
                 {"meta": info.id, **{s.rank: s.checkpoint for s in storage.values()}}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise CorruptManifestError(f"{where}: malformed DCP metadata ({exc!r})") from None
-        return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage,
-                        storage_meta=storage_meta, version=version)
+        return Metadata(state_dict_metadata=sdm, planner_data=planner_data, storage_data=storage, **newer)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self._where = dict(metadata.storage_data)
