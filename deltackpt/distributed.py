@@ -431,7 +431,7 @@ class DeltaStorageWriter(StorageWriter):
         flat = getattr(planner, "state_dict", None)
         hints = None
         if isinstance(flat, Mapping):  # (a step that is a DTensor is left out: reading it would be a collective)
-            hints = {k: v for k, v in flat.items() if isinstance(k, str) and (
+            hints = {k: v for k, v in _group_items(flat) if (
                 k.endswith((".params", ".param_names", ".betas", ".eps"))
                 or (k.endswith(".step")
                     and (isinstance(v, (int, float)) or (type(v) is torch.Tensor and v.numel() == 1))))}
@@ -659,6 +659,22 @@ def _threads_per_rank() -> int:
         except ValueError:
             pass
     return max(1, n)
+
+
+def _group_items(flat: Mapping[Any, Any]) -> Iterator[tuple[str, Any]]:
+    """The items of DCP's flat state, with the string keys, as torch 2.4+ flattens it: a list of parameter groups
+    (dicts without tensors), which torch 2.3's flattening keeps as one value (``optim.param_groups``), gives an item
+    per entry of each group (``optim.param_groups.0.betas``), where the writer's hints look for them."""
+    for k, v in flat.items():
+        if not isinstance(k, str):
+            continue
+        if k.rpartition(".")[2] == "param_groups" and isinstance(v, list) and all(isinstance(g, Mapping) for g in v):
+            for i, group in enumerate(v):
+                for name, x in group.items():
+                    if isinstance(name, str):
+                        yield f"{k}.{i}.{name}", x
+        else:
+            yield k, v
 
 
 def _stored_as(planner: SavePlanner, index: MetadataIndex) -> tuple[Any, str, int]:
