@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import hashlib
+import inspect
 import os
 import signal
 import struct
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint
 from hypothesis import HealthCheck, settings
 
 # Test the checkout these tests live in, whatever else an (editable) install in the environment points at.
@@ -57,6 +59,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("plumbing") is not None:
             item.add_marker(skip)
+
+#: ``no_dist=True`` for dcp.save and dcp.load where they take it (torch 2.4+); torch 2.3's infer it from there being
+#: no initialized process group, as in the tests that pass it in-process
+DCP_NO_DIST: dict[str, Any] = (
+    {"no_dist": True} if "no_dist" in inspect.signature(torch.distributed.checkpoint.save).parameters else {})
+
+#: whether dcp.load writes top-level non-tensor values into the caller's state dict: torch 2.3's loads them into a
+#: copy of its top level (``statetful_sd``) and drops them, whatever the storage reader returns (torch 2.4 fixed it)
+DCP_LOADS_TOP_LEVEL_VALUES = "no_dist" in inspect.signature(torch.distributed.checkpoint.load).parameters
 
 settings.register_profile(
     "ci",

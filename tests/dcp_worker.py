@@ -59,7 +59,10 @@ def main() -> int:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    try:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    except ImportError:  # torch < 2.5: DTensor's API is torch.distributed._tensor's
+        from torch.distributed._tensor import Replicate, Shard, distribute_tensor  # type: ignore[no-redef]
 
     from deltackpt.distributed import DeltaStorageReader, DeltaStorageWriter
 

@@ -28,7 +28,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, SMALL_CHUNK, assert_same_state, dir_snapshot, entries_written_as, pack_files
+from conftest import (
+    DCP_NO_DIST,
+    ROOT,
+    SMALL_CHUNK,
+    assert_same_state,
+    dir_snapshot,
+    entries_written_as,
+    pack_files,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -1320,7 +1328,7 @@ def _dcp_root(root: Path, steps: Any) -> None:
         for step in steps:
             w.step, w.metadata = step, {"loss": 0.1 if step == 2 else 10.0 - step}
             x[:10] += 1.0
-            dcp.save({"x": x}, storage_writer=w, no_dist=True)
+            dcp.save({"x": x}, storage_writer=w, **DCP_NO_DIST)
     w.close()
 
 

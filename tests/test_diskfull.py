@@ -22,7 +22,7 @@ from pathlib import Path
 import lmdb
 import pytest
 import torch
-from conftest import assert_same_state, preload_shim
+from conftest import DCP_NO_DIST, assert_same_state, preload_shim
 
 import deltackpt
 from deltackpt.cli import main
@@ -348,22 +348,22 @@ def test_a_dcp_branch_save_that_failed_on_a_full_disk_still_branches_when_tried_
         for step in range(4):
             x[step] += 1.0
             w.step = step
-            dcp.save({"x": x}, storage_writer=w, no_dist=True)
+            dcp.save({"x": x}, storage_writer=w, **DCP_NO_DIST)
         w.close()
         loaded = {"x": torch.zeros_like(x)}
-        dcp.load(loaded, storage_reader=DeltaStorageReader(root, step=1), no_dist=True)
+        dcp.load(loaded, storage_reader=DeltaStorageReader(root, step=1), **DCP_NO_DIST)
         loaded["x"][7] += 1.0
         w = DeltaStorageWriter(root, step=2, chunk_size=CS)
         filler = fill(small_fs, 0)
         with pytest.raises(CheckpointException):
-            dcp.save(loaded, storage_writer=w, no_dist=True)
+            dcp.save(loaded, storage_writer=w, **DCP_NO_DIST)
         filler.unlink()
-        dcp.save(loaded, storage_writer=w, no_dist=True)
+        dcp.save(loaded, storage_writer=w, **DCP_NO_DIST)
         w.close()
         infos = distributed.summary(root)
         assert [i.step for i in infos] == [0, 1, 2, 3, 2]
         got = {"x": torch.zeros_like(x)}
-        dcp.load(got, storage_reader=DeltaStorageReader(root), no_dist=True)
+        dcp.load(got, storage_reader=DeltaStorageReader(root), **DCP_NO_DIST)
     assert torch.equal(got["x"], loaded["x"])
     with deltackpt.Store(root / "meta") as s:
         assert s.list()[-1].parent == infos[1].id

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import DCP_NO_DIST, ROOT
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -718,7 +718,7 @@ def test_store_and_dcp_retain_refuse_a_metric_no_checkpoint_records(tmp_path: Pa
         warnings.simplefilter("ignore")
         for step in (1, 2, 3):
             w.step, w.metadata = step, {"loss": 0.1 if step == 1 else 9.0 - step}
-            dcp.save({"x": torch.full((10,), float(step))}, storage_writer=w, no_dist=True)
+            dcp.save({"x": torch.full((10,), float(step))}, storage_writer=w, **DCP_NO_DIST)
     w.close()
     with pytest.raises(ValueError, match="ranks by 'lost'.*nothing deleted"):
         distributed.retain(root, Retention(keep_last=1, keep_best=("lost", "min")))
