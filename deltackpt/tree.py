@@ -702,8 +702,11 @@ def unstorable(t: torch.Tensor, saving: bool = True) -> str | None:
         if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # type: ignore[attr-defined]
             return ("it is an uninitialized parameter or buffer of a lazy module (torch.nn.LazyLinear, ...); run a "
                     "forward pass before saving")
-        dtensor = sys.modules.get("torch.distributed.tensor")  # (loaded wherever a DTensor exists)
-        if dtensor is not None and isinstance(t, dtensor.DTensor):
+        # (loaded wherever a DTensor exists; torch < 2.5 has it in torch.distributed._tensor, and its
+        # torch.distributed.tensor, there for tensor parallelism, has no DTensor)
+        dtensors = tuple(getattr(sys.modules.get(m), "DTensor", None) for m in ("torch.distributed.tensor",
+                                                                              "torch.distributed._tensor"))
+        if any(isinstance(d, type) and isinstance(t, d) for d in dtensors):
             return ("it is a DTensor (sharded, by FSDP2 or tensor parallelism, say): save sharded state through "
                     "torch.distributed.checkpoint with deltackpt.distributed.DeltaStorageWriter, or a full "
                     "state dict (StateDictOptions(full_state_dict=True))")
