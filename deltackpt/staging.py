@@ -36,6 +36,14 @@ else:
     torch = _lazy.module("torch", globals())
 
 
+
+def cannot_copy(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's refusal to copy a tensor of its dtype (a sub-byte one): NotImplementedError, or
+    before torch 2.4 or so a RuntimeError saying the same (``"copy_kernel" not implemented for 'UInt4'``)."""
+    return isinstance(exc, NotImplementedError) or (isinstance(exc, RuntimeError)
+                                                    and "not implemented for" in str(exc))
+
+
 def host_bytes(obj: torch.Tensor | np.ndarray, staging: Pinned | None = None) -> np.ndarray:
     """The leaf's bytes as a flat uint8 array on the host (a view when already contiguous on the CPU).
 
@@ -458,7 +466,9 @@ class StagingBuffers:
                 if src.device.type != "cpu" or not _copy_cpu(buf, src):
                     with torch.no_grad():
                         buf.copy_(src, non_blocking=src.device.type == "cuda")
-            except NotImplementedError as exc:  # (a sub-byte dtype torch cannot copy; not an out-of-memory)
+            except (NotImplementedError, RuntimeError) as exc:  # (a sub-byte dtype torch cannot copy; not an OOM)
+                if not cannot_copy(exc):
+                    raise
                 where = functools.reduce(child_path, path, "") or "<root>"
                 raise UnsupportedTypeError(f"cannot store {where}: torch cannot read its bytes: {exc}") from exc
             run.devices.add(src.device)

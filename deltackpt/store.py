@@ -1133,7 +1133,9 @@ class Store:
             try:
                 buf = staging.host_bytes(leaf.obj, pinned)
             # (NotImplementedError: a dtype torch cannot copy this way; tree refuses those it knows)
-            except NotImplementedError as exc:
+            except (NotImplementedError, RuntimeError) as exc:
+                if not staging.cannot_copy(exc):
+                    raise
                 raise UnsupportedTypeError(f"cannot store {leaf.path}: torch cannot read its bytes: {exc}") from None
             digests, zero = kernel.chunk_digests(buf, cs, self.threads)
             nbytes, raw = leaf.nbytes, digests.tobytes()
