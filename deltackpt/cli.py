@@ -1523,7 +1523,9 @@ def _weights_only_reason(exc: BaseException) -> str:
     lines = [line.strip() for line in _ANSI.sub("", str(exc)).splitlines() if line.strip()]
     why = next((line for line in lines[1:] if "unsupported" in line.lower()), None)
     if why is None:
-        why = next((line.split("Unpickler error:", 1)[1].strip() or None for line in lines[1:]
+        # (torch < 2.4 says it all in one line: "Weights only load failed. ... WeightsUnpickler error: Unsupported
+        # class collections.deque")
+        why = next((line.split("Unpickler error:", 1)[1].strip() or None for line in lines
                     if "Unpickler error:" in line), None)
     if why is not None:  # (torch's advice to allowlist the global is for code that loads, not for this command)
         why = why.split(" Please use ", 1)[0].rstrip(".")
