@@ -144,7 +144,7 @@ def test_listings_do_not_import_torch(tmp_path: Path) -> None:
     with deltackpt.Checkpointer(path, model=model, handle_signals=False) as ckpt:
         ckpt.save(1)
     with deltackpt.Store(path) as s:
-        s.save({"w": torch.ones(3, dtype=torch.float8_e4m3fn), "a": np.arange(3.0)}, step=2)
+        s.save({"w": torch.ones(3).to(torch.float8_e4m3fn), "a": np.arange(3.0)}, step=2)
     for args in (["ls"], ["log"], ["du"], ["show", str(path), "2"], ["resume-info"], ["verify"], ["gc"],
                  ["get", str(path), "2", "a"], *([c, str(path), "--json"] for c in ("ls", "log", "du", "verify")),
                  ["show", str(path), "2", "--json"], ["diff", str(path), "1", "2", "--json"],
