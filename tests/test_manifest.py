@@ -132,7 +132,11 @@ def test_the_itemsize_table_agrees_with_torch() -> None:
     from deltackpt import tree
 
     sizes = {name: dt.itemsize for name, dt in vars(torch).items() if isinstance(dt, torch.dtype)}
-    assert {name: sizes.get(name) for name in tree._TORCH_ITEMSIZE} == tree._TORCH_ITEMSIZE
+    # (the table also holds the dtypes of newer torches than this one: int1 ... int7 and uint1 ... uint7 from 2.5 say)
+    assert {name: sizes[name] for name in tree._TORCH_ITEMSIZE if name in sizes} == {
+        name: size for name, size in tree._TORCH_ITEMSIZE.items() if name in sizes}
+    if tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) >= (2, 13):  # (the torch the suite targets)
+        assert set(tree._TORCH_ITEMSIZE) <= set(sizes)
     assert set(sizes) - set(tree._TORCH_ITEMSIZE) == tree.QUANTIZED_NAMES
     assert tree.torch_itemsize("bfloat16") == 2
     with pytest.raises(deltackpt.UnsupportedTypeError, match="unknown to this torch"):
