@@ -34,6 +34,20 @@ from deltackpt.index import ChunkLoc, chunk_key, chunk_keys
 
 CHUNK = 1 << 14
 
+def _optimizers_take_names() -> bool:
+    """Whether an optimizer can be built from ``named_parameters()`` (torch 2.6+: ``param_names``)."""
+    try:
+        torch.optim.SGD([("p", torch.nn.Parameter(torch.zeros(1)))], lr=0.1)
+    except TypeError:
+        return False
+    return True
+
+
+needs_named_optimizers = pytest.mark.skipif(not _optimizers_take_names(), reason="this torch's optimizers take no "
+                                            "named_parameters() (param_names: torch 2.6+)")
+needs_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon")
+
+
 
 def _train(steps: int, *, seed: int = 0, lr: float = 1e-3, wd: float = 0.1, optimizer: str = "adamw",
            store: deltackpt.Store | None = None, every: int = 1, one_cycle: bool = False,
@@ -552,6 +566,7 @@ def _predicted_share(s: deltackpt.Store, prefixes: tuple[str, ...]) -> tuple[int
     return predicted, tried
 
 
+@needs_named_optimizers
 def test_plan_pairs_parameters_by_their_names() -> None:
     state = _mixed_training(1, lambda state, step: None)[1]
     _, leaves = deltackpt.tree.flatten(state)
@@ -582,6 +597,7 @@ def _stepped(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.step()
 
 
+@needs_named_optimizers
 def test_plan_pairs_names_through_the_prefix_that_explains_them() -> None:
     """A name can match more than its parameter: ``0.weight`` also ends ``1.0.weight`` (nested modules), and
     two models trained by two optimizers share their names (actor and critic). Each state is still paired with
@@ -640,6 +656,7 @@ def test_plan_skips_what_it_cannot_read() -> None:
         assert bool(predict.betas_in_skeleton(skeleton)) == read
 
 
+@needs_named_optimizers
 def test_store_predicts_parameters_named_by_the_optimizer(tmp_path: Path) -> None:
     """Through a plain Store.save, an optimizer built from named parameters is enough to pair them."""
     with deltackpt.Store(tmp_path / "s", chunk_size=CHUNK) as s:
@@ -954,6 +971,7 @@ def _update_chunks(s: deltackpt.Store) -> dict[bytes, bytes]:
     return out
 
 
+@needs_muon
 @pytest.mark.parametrize("checkpointer", [True, False])
 def test_muon_weights_are_predicted_from_update_chunks(tmp_path: Path, checkpointer: bool) -> None:
     """Muon steps ``p = (1 - lr·wd)·p' - lr·k·u`` with ``u`` its bfloat16 orthogonalized momentum: a save
@@ -1024,6 +1042,7 @@ def test_an_update_chunk_the_state_also_holds_as_a_delta_keeps_chains_within_the
         assert s.verify().ok
 
 
+@needs_muon
 def test_a_damaged_update_chunk_is_reported_for_its_weights(tmp_path: Path) -> None:
     """An update chunk is no checkpoint's own: damage to it is reported, by verify and load, for the weight chunk
     predicted from it, named by the weight's key path. The next step's chunk, whose base that weight chunk is,
