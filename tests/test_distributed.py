@@ -334,6 +334,8 @@ def test_a_root_of_an_older_meta_format_still_loads(tmp_path: Path, fmt: int) ->
         assert s.list() == []
 
 
+@pytest.mark.skipif(not DCP_LOADS_TOP_LEVEL_VALUES, reason="torch < 2.4: DCP saves non-tensor values from the "
+                    "coordinator rank only, so rank 1's RNG states are never written")
 @pytest.mark.plumbing
 def test_two_ranks_save_and_load_their_rng_states_without_pickle(tmp_path: Path) -> None:
     """Each rank's NumPy RNG state and a tuple holding a tensor, beside sharded tensors: each lies in its rank's
