@@ -200,6 +200,9 @@ def test_ranks_that_save_alone_into_one_root_are_warned(tmp_path: Path) -> None:
     assert [r.stdout.split()[-1] for r in out] == ["quiet", "warned"]
 
 
+@pytest.mark.skipif(not hasattr(dcp.utils._DistWrapper(None, False, 0), "global_coordinator_rank"),
+                    reason="torch 2.3's DCP takes the coordinator's rank in the group for a global rank: a save "
+                    "with a process group without global rank 0 cannot run")
 def test_ranks_that_save_with_a_subgroup_of_the_job_are_not_warned(tmp_path: Path) -> None:
     """Ranks 1 and 2 of 3 saving with a process group of those two: the subgroup's rank 0 (the job's rank 1) was
     warned that it saved alone, as rank 0 of its own, replacing other processes' shards. It saves with rank 2,
