@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SMALL_CHUNK, assert_same_state, dir_snapshot
+from conftest import DCP_LOADS_TOP_LEVEL_VALUES, SMALL_CHUNK, assert_same_state, dir_snapshot
 
 import deltackpt
 from deltackpt import ReadOnlyStoreError
@@ -163,7 +163,8 @@ def test_a_sharded_checkpoint_on_a_readonly_filesystem(tmp_path: Path) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             dcp.load(target, storage_reader=DeltaStorageReader(mnt))
-        assert torch.equal(target["w"], state["w"]) and target["step"] == 3
+        # (torch 2.3's dcp.load drops top-level non-tensor values: conftest)
+        assert torch.equal(target["w"], state["w"]) and (target["step"] == 3 or not DCP_LOADS_TOP_LEVEL_VALUES)
         assert _content(mnt) == before
     writer.close()
 
