@@ -36,7 +36,6 @@ else:
     torch = _lazy.module("torch", globals())
 
 
-
 def cannot_copy(exc: BaseException) -> bool:
     """Whether ``exc`` is torch's refusal to copy a tensor of its dtype (a sub-byte one): NotImplementedError, or
     before torch 2.4 or so a RuntimeError saying the same (``"copy_kernel" not implemented for 'UInt4'``)."""

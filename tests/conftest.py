@@ -60,6 +60,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("plumbing") is not None:
             item.add_marker(skip)
 
+
 #: ``no_dist=True`` for dcp.save and dcp.load where they take it (torch 2.4+); torch 2.3's infer it from there being
 #: no initialized process group, as in the tests that pass it in-process
 DCP_NO_DIST: dict[str, Any] = (
@@ -68,6 +69,16 @@ DCP_NO_DIST: dict[str, Any] = (
 #: whether dcp.load writes top-level non-tensor values into the caller's state dict: torch 2.3's loads them into a
 #: copy of its top level (``statetful_sd``) and drops them, whatever the storage reader returns (torch 2.4 fixed it)
 DCP_LOADS_TOP_LEVEL_VALUES = "no_dist" in inspect.signature(torch.distributed.checkpoint.load).parameters
+
+
+def optimizers_take_names() -> bool:
+    """Whether an optimizer can be built from ``named_parameters()`` (torch 2.6+: ``param_names``)."""
+    try:
+        torch.optim.SGD([("p", torch.nn.Parameter(torch.zeros(1)))], lr=0.1)
+    except TypeError:
+        return False
+    return True
+
 
 settings.register_profile(
     "ci",

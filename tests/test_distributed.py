@@ -32,7 +32,7 @@ from deltackpt.errors import FormatVersionError
 
 WORKER = Path(__file__).resolve().parent / "dcp_worker.py"
 sys.path.insert(0, str(WORKER.parent))
-from conftest import DCP_LOADS_TOP_LEVEL_VALUES, DCP_NO_DIST  # noqa: E402
+from conftest import DCP_LOADS_TOP_LEVEL_VALUES, DCP_NO_DIST, optimizers_take_names  # noqa: E402
 from dcp_worker import COLS, ROWS, expected  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -48,15 +48,6 @@ def _has(module: str, name: str) -> bool:
         return hasattr(importlib.import_module(module), name)
     except ImportError:
         return False
-
-
-def _optimizers_take_names() -> bool:
-    """Whether an optimizer can be built from ``named_parameters()`` (torch 2.6+: ``param_names``)."""
-    try:
-        torch.optim.SGD([("p", torch.nn.Parameter(torch.zeros(1)))], lr=0.1)
-    except TypeError:
-        return False
-    return True
 
 
 def ranks(mode: str, root: Path, tmp_path: Path, world: int = 2, *extra: Any,
@@ -1187,7 +1178,7 @@ def test_every_step_dcp_saves_of_adamw_state_are_predicted_and_load_exactly(tmp_
     from deltackpt import codec
     from deltackpt.index import chunk_keys
 
-    if form != "numbered" and not _optimizers_take_names():
+    if form != "numbered" and not optimizers_take_names():
         pytest.skip("this torch's optimizers take no named_parameters() (param_names: torch 2.6+)")
 
     def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

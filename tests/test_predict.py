@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import assert_same_state
+from conftest import assert_same_state, optimizers_take_names
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,19 +34,9 @@ from deltackpt.index import ChunkLoc, chunk_key, chunk_keys
 
 CHUNK = 1 << 14
 
-def _optimizers_take_names() -> bool:
-    """Whether an optimizer can be built from ``named_parameters()`` (torch 2.6+: ``param_names``)."""
-    try:
-        torch.optim.SGD([("p", torch.nn.Parameter(torch.zeros(1)))], lr=0.1)
-    except TypeError:
-        return False
-    return True
-
-
-needs_named_optimizers = pytest.mark.skipif(not _optimizers_take_names(), reason="this torch's optimizers take no "
+needs_named_optimizers = pytest.mark.skipif(not optimizers_take_names(), reason="this torch's optimizers take no "
                                             "named_parameters() (param_names: torch 2.6+)")
 needs_muon = pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="this torch has no torch.optim.Muon")
-
 
 
 def _train(steps: int, *, seed: int = 0, lr: float = 1e-3, wd: float = 0.1, optimizer: str = "adamw",
