@@ -300,7 +300,8 @@ def parse_header(buf: bytes | memoryview, *, where: str | None = None) -> FrameH
     if magic != MAGIC:
         raise CorruptChunkError(f"bad frame magic {bytes(magic)!r}{_at(where)}")
     if version not in _VERSIONS:
-        raise FormatVersionError(f"{_NEWER_FRAME} {version} is not supported (this reader: 1-5){_at(where)}")
+        raise FormatVersionError(
+            f"{_NEWER_FRAME} {version} is not supported (this reader: 1-{_VERSIONS[-1]}){_at(where)}")
     if codec not in CODEC_NAMES or width not in (1, 2, 4, 8) or flags != 0 or (version >= 2) != (codec == PREDICTED):
         raise CorruptChunkError(f"bad frame header (codec {codec}, width {width}, flags {flags}){_at(where)}")
     # (a prediction's elements, and so its residual's planes: float32, bfloat16 in version 4)
