@@ -591,13 +591,14 @@ def test_stale_build_detected_in_a_fresh_interpreter(tmp_path: Path) -> None:
     pkg = tmp_path / "deltackpt"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")  # the kernel alone: no store modules, no torch import
-    for name in ("kernel.py", "_pykernel.py"):
+    for name in ("kernel.py", "_pykernel.py", "errors.py"):  # errors.py: kernel.py imports caller_level from it
         shutil.copy(ROOT / "deltackpt" / name, pkg / name)
     shutil.copy(native.__file__, pkg / Path(native.__file__).name)
     shutil.copytree(NATIVE_DIR, tmp_path / "native", ignore=shutil.ignore_patterns("_kernel.c", "*.html"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("DELTACKPT_")}
     env["PYTHONPATH"] = str(tmp_path)
-    code = "import deltackpt.kernel as k; print(k.backend); k.check()"
+    # the copy, not an installed deltackpt, is what runs: kernel.py's own imports must resolve inside it
+    code = "import deltackpt.kernel as k; import sys; print(k.backend); print(k.__file__, file=sys.stderr); k.check()"
 
     def run(**extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -606,6 +607,7 @@ def test_stale_build_detected_in_a_fresh_interpreter(tmp_path: Path) -> None:
 
     r = run(DELTACKPT_BACKEND="native")
     assert r.returncode == 0 and r.stdout.strip() == "native", r.stderr
+    assert r.stderr.splitlines()[0] == str(pkg / "kernel.py"), r.stderr
     with open(tmp_path / "native" / "kernel.c", "a") as f:
         f.write("/* edited after the build */\n")
     r = run(DELTACKPT_BACKEND="native")
