@@ -70,6 +70,11 @@ DCP_NO_DIST: dict[str, Any] = (
 #: copy of its top level (``statetful_sd``) and drops them, whatever the storage reader returns (torch 2.4 fixed it)
 DCP_LOADS_TOP_LEVEL_VALUES = "no_dist" in inspect.signature(torch.distributed.checkpoint.load).parameters
 
+#: whether DCP flattens a nested dict that holds no tensor into its entries (``{"extra": {"step": 7}}`` saves and
+#: loads ``extra.step``), as the torch that wrote the DCP fixtures did: torch 2.3's keeps such a dict one value
+#: (``extra``), so that its load planner asks for a key those fixtures' metadata does not have (KeyError)
+DCP_FLATTENS_VALUE_DICTS = "e.a" in torch.distributed.checkpoint._nested_dict.flatten_state_dict({"e": {"a": 1}})[0]
+
 
 def optimizers_take_names() -> bool:
     """Whether an optimizer can be built from ``named_parameters()`` (torch 2.6+: ``param_names``)."""

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import DCP_LOADS_TOP_LEVEL_VALUES
+from conftest import DCP_FLATTENS_VALUE_DICTS, DCP_LOADS_TOP_LEVEL_VALUES
 
 import deltackpt
 from deltackpt import codec, maintenance, manifest, predict
@@ -269,8 +269,12 @@ def test_dcp_meta3_skeleton_document_loads(tmp_path: Path) -> None:
     root = _dcp_fixture(DCP_META3_SKELETON, tmp_path)
     want = dcp_meta3_skeleton_state()
     got = {"w": torch.zeros(3, 4), "ints": torch.zeros(5, dtype=torch.int64), "extra": {"step": 0, "name": ""}}
+    if not DCP_FLATTENS_VALUE_DICTS:  # torch 2.3 asks for "extra", saved as "extra.step" and "extra.name": tensors
+        del got["extra"]  # alone (its dcp.load would drop the values anyway: DCP_LOADS_TOP_LEVEL_VALUES)
+        want = {k: want[k] for k in got}
     dcp.load(got, storage_reader=distributed.DeltaStorageReader(root, step=7))
     assert _same(want, got)
+    want = dcp_meta3_skeleton_state()
     assert [i.step for i in distributed.summary(root)] == [7]
     dcp.save(want, storage_writer=distributed.DeltaStorageWriter(root, step=8))  # a current save on top
     assert distributed.steps(root) == [7, 8]
