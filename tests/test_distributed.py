@@ -37,6 +37,9 @@ from dcp_worker import COLS, ROWS, expected  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
+#: tests of dcp.async_save in a process without a process group, which torch 2.3's cannot run
+async_without_group = pytest.mark.skipif(not DCP_NO_DIST, reason="torch < 2.4: dcp.async_save needs an initialized "
+                                         "process group")
 #: tests that read back top-level non-tensor values through dcp.load, which torch 2.3's drops (conftest)
 loads_values = pytest.mark.skipif(not DCP_LOADS_TOP_LEVEL_VALUES, reason="torch < 2.4: dcp.load does not write "
                                   "top-level non-tensor values back into the caller's state dict")
@@ -800,7 +803,7 @@ def test_retention_on_a_rank_that_does_not_commit_decodes_the_step_records_once(
         reader.list()
 
 
-@pytest.mark.skipif(not DCP_NO_DIST, reason="torch < 2.4: dcp.async_save needs an initialized process group")
+@async_without_group
 def test_async_save(tmp_path: Path) -> None:
     """dcp.async_save through one reused writer: each step waited for before the next changes ``step``; its
     retention runs in the background save too."""
@@ -2070,7 +2073,7 @@ def test_a_shard_outside_its_tensor_in_the_metadata_is_refused(tmp_path: Path, s
     assert torch.equal(target["w"], torch.full((10,), 7.0))
 
 
-@pytest.mark.skipif(not DCP_NO_DIST, reason="torch < 2.4: dcp.async_save needs an initialized process group")
+@async_without_group
 def test_a_load_of_the_newest_step_leaves_saves_descending_from_the_newest(tmp_path: Path) -> None:
     """Only a load of an older step makes the next save a branch. An evaluation that loads the newest step while
     an async save is in flight (here held in write_data until the load is done) leaves the save after that one
