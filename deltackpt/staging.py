@@ -36,11 +36,13 @@ else:
     torch = _lazy.module("torch", globals())
 
 
-def cannot_copy(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch's refusal to copy a tensor of its dtype (a sub-byte one): NotImplementedError, or
-    before torch 2.4 or so a RuntimeError saying the same (``"copy_kernel" not implemented for 'UInt4'``)."""
-    return isinstance(exc, NotImplementedError) or (isinstance(exc, RuntimeError)
-                                                    and "not implemented for" in str(exc))
+def copy_refused(exc: BaseException, where: str) -> UnsupportedTypeError | None:
+    """The error a save raises for the leaf at key path ``where`` when ``exc`` is torch's refusal to copy a tensor
+    of its dtype (a sub-byte one): NotImplementedError, or before torch 2.4 or so a RuntimeError saying the same
+    (``"copy_kernel" not implemented for 'UInt4'``); None for any other exception (an out-of-memory, say)."""
+    if isinstance(exc, NotImplementedError) or (isinstance(exc, RuntimeError) and "not implemented for" in str(exc)):
+        return UnsupportedTypeError(f"cannot store {where}: torch cannot read its bytes: {exc}")
+    return None
 
 
 def host_bytes(obj: torch.Tensor | np.ndarray, staging: Pinned | None = None) -> np.ndarray:
@@ -466,10 +468,10 @@ class StagingBuffers:
                     with torch.no_grad():
                         buf.copy_(src, non_blocking=src.device.type == "cuda")
             except (NotImplementedError, RuntimeError) as exc:  # (a sub-byte dtype torch cannot copy; not an OOM)
-                if not cannot_copy(exc):
+                refused = copy_refused(exc, functools.reduce(child_path, path, "") or "<root>")
+                if refused is None:
                     raise
-                where = functools.reduce(child_path, path, "") or "<root>"
-                raise UnsupportedTypeError(f"cannot store {where}: torch cannot read its bytes: {exc}") from exc
+                raise refused from exc
             run.devices.add(src.device)
             self._used.add(path)
             out: Any = buf

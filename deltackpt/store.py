@@ -1134,9 +1134,10 @@ class Store:
                 buf = staging.host_bytes(leaf.obj, pinned)
             # (NotImplementedError: a dtype torch cannot copy this way; tree refuses those it knows)
             except (NotImplementedError, RuntimeError) as exc:
-                if not staging.cannot_copy(exc):
+                refused = staging.copy_refused(exc, leaf.path)
+                if refused is None:
                     raise
-                raise UnsupportedTypeError(f"cannot store {leaf.path}: torch cannot read its bytes: {exc}") from None
+                raise refused from None
             digests, zero = kernel.chunk_digests(buf, cs, self.threads)
             nbytes, raw = leaf.nbytes, digests.tobytes()
             keyed = [(i, chunk_key(raw[16 * i : 16 * i + 16], min(cs, nbytes - i * cs)))

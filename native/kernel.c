@@ -1549,13 +1549,15 @@ static size_t dck_predict_vector(int predictor, const double *c, const uint8_t *
     size_t done = 0;
 
 #if DCK_AVX2
-    if (predictor == DCK_PREDICT_UPDATE_PARAM && dck_update_f32(c) && (dck_have_avx512() || dck_have_fma())) {
+    int avx512 = dck_have_avx512();
+
+    if (predictor == DCK_PREDICT_UPDATE_PARAM && dck_update_f32(c) && (avx512 || dck_have_fma())) {
         done = n - n % 16;
-        if (dck_have_avx512())
+        if (avx512)
             dck_update_avx512(c, base, refs[0], out, done);
         else
             dck_update_avx2(c, base, refs[0], out, done);
-    } else if (dck_have_avx512()) {
+    } else if (avx512) {
         done = n - n % 8;
         dck_predict_avx512(predictor, c, base, refs, out, done, bf16);
     } else if (dck_have_avx2()) {
